@@ -1,0 +1,61 @@
+// Typed, validating access to one TOML table. The core reads its sections
+// through this and each plugin receives its own table as a ConfigTable, so
+// every key in every table is validated the same way:
+//   - wrong type / out of range / not an accepted choice -> loom::Error naming
+//     "file:line: key 'section.key' ..." with the accepted values;
+//   - finish() rejects any key nobody read, with a did-you-mean.
+// toml++ stays inside libloom (pimpl), so plugins need no toml++ headers.
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace loom {
+
+class ConfigTable {
+ public:
+  struct Impl;
+  ConfigTable();
+  explicit ConfigTable(std::shared_ptr<Impl> impl);
+  ~ConfigTable();
+  ConfigTable(const ConfigTable&);
+  ConfigTable& operator=(const ConfigTable&);
+
+  // Dotted name of this table ("data", "precision"), used in messages.
+  std::string name() const;
+  // Source file of the config ("configs/quickstart.toml").
+  std::string source() const;
+
+  bool has(std::string_view key) const;
+  int64_t get_int(std::string_view key, int64_t def, int64_t min = INT64_MIN, int64_t max = INT64_MAX) const;
+  double get_float(std::string_view key, double def, double min = -1e300, double max = 1e300) const;
+  bool get_bool(std::string_view key, bool def) const;
+  std::string get_string(std::string_view key, std::string_view def) const;
+  // A string that must be one of `choices`.
+  std::string get_choice(std::string_view key, std::string_view def,
+                         std::initializer_list<std::string_view> choices) const;
+  std::vector<std::string> get_string_list(std::string_view key, std::vector<std::string> def = {}) const;
+  // A key that may hold an integer or a string (e.g. checkpoint.resume = "auto" | 120).
+  // Returns the string form; integers are returned in decimal.
+  std::string get_int_or_string(std::string_view key, std::string_view def) const;
+  // Nested table (an empty one if absent). Keys read through it count as read here.
+  ConfigTable table(std::string_view key) const;
+  // Mark a key as consumed without reading it (e.g. the `plugin` key of a plugin table).
+  void mark_used(std::string_view key) const;
+  // Throws for the first key that was never read: file:line, the key, a
+  // did-you-mean among the keys that were read or probed, and the accepted list.
+  void finish() const;
+  // Throw an error located at `key` (file:line when known).
+  [[noreturn]] void fail(std::string_view key, std::string_view message) const;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+// Levenshtein-nearest of `candidates` to `word`, or "" if none is close.
+std::string did_you_mean(std::string_view word, const std::vector<std::string>& candidates);
+
+}  // namespace loom

@@ -1,0 +1,61 @@
+// The Llama model description and its parameter accounting.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace loom {
+
+struct ModelSpec {
+  int64_t hidden = 768;
+  int64_t num_layers = 12;
+  int64_t num_heads = 12;
+  int64_t num_kv_heads = 12;
+  int64_t ffn_hidden = 2048;
+  int64_t vocab_size = 32000;
+  int64_t max_seq_len = 2048;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  bool tied_embeddings = false;
+
+  int64_t head_dim() const { return hidden / num_heads; }
+  int64_t q_dim() const { return num_heads * head_dim(); }
+  int64_t kv_dim() const { return num_kv_heads * head_dim(); }
+  // Parameters of one decoder layer (two norms, q/k/v/o, gate/up/down).
+  int64_t layer_params() const {
+    return 2 * hidden + hidden * q_dim() + 2 * hidden * kv_dim() + q_dim() * hidden + 3 * hidden * ffn_hidden;
+  }
+  int64_t total_params() const {
+    return vocab_size * hidden * (tied_embeddings ? 1 : 2) + num_layers * layer_params() + hidden;
+  }
+  // N of DESIGN.md's MFU formula: matmul weights, all but the input embedding
+  // (the lm head counts even when tied, since it is a GEMM).
+  int64_t matmul_params() const {
+    return num_layers * (layer_params() - 2 * hidden) + vocab_size * hidden;
+  }
+  // flops per token = 6 N + 12 L h S
+  double flops_per_token(int64_t seq) const {
+    return 6.0 * static_cast<double>(matmul_params()) + 12.0 * num_layers * hidden * static_cast<double>(seq);
+  }
+};
+
+// One parameter tensor inside a unit's flat buffer.
+struct ParamInfo {
+  std::string name;          // HF name, e.g. "model.layers.3.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;
+  int64_t offset = 0;        // elements from the start of the unit's flat buffer
+  int64_t numel = 0;
+  bool weight_decay = true;  // matrices decay, norm gains do not
+};
+
+// A unit (DESIGN.md): the embedding, each decoder layer, the final norm + head.
+struct UnitInfo {
+  std::string name;          // "embedding", "layer.3", "head"
+  std::vector<ParamInfo> params;
+  int64_t numel = 0;         // sum of params, unpadded
+};
+
+// The units and their parameter layout for a spec (HF names, HF shapes [out, in]).
+std::vector<UnitInfo> model_units(const ModelSpec& spec);
+
+}  // namespace loom

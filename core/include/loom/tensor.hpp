@@ -1,0 +1,54 @@
+// Tensor views. A Tensor never owns memory: it points into an Arena (or a
+// caller's buffer). Shapes are row-major with explicit element strides so that
+// views into fused buffers (e.g. Q/K/V inside one QKV activation) need no copy.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "loom/dtype.hpp"
+#include "loom/error.hpp"
+
+namespace loom {
+
+struct Tensor {
+  static constexpr int kMaxDims = 4;
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  Device device = Device::cpu;
+  int ndim = 0;
+  std::array<int64_t, kMaxDims> shape{};
+  std::array<int64_t, kMaxDims> stride{};  // in elements
+
+  Tensor() = default;
+  Tensor(void* p, DType t, Device d, std::initializer_list<int64_t> dims) : data(p), dtype(t), device(d) {
+    LOOM_CHECK(dims.size() <= static_cast<size_t>(kMaxDims), "tensor with ", dims.size(), " dims");
+    for (int64_t s : dims) shape[ndim++] = s;
+    set_contiguous();
+  }
+  void set_contiguous() {
+    int64_t s = 1;
+    for (int i = ndim - 1; i >= 0; --i) { stride[i] = s; s *= shape[i]; }
+  }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int i = 0; i < ndim; ++i) n *= shape[i];
+    return n;
+  }
+  size_t bytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
+  int64_t size(int i) const { return shape[i < 0 ? ndim + i : i]; }
+  bool is_contiguous() const {
+    int64_t s = 1;
+    for (int i = ndim - 1; i >= 0; --i) { if (shape[i] != 1 && stride[i] != s) return false; s *= shape[i]; }
+    return true;
+  }
+  template <typename T> T* ptr() const { return static_cast<T*>(data); }
+  std::string shape_str() const {
+    std::string s = "[";
+    for (int i = 0; i < ndim; ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+    return s + "]";
+  }
+};
+
+}  // namespace loom

@@ -1,0 +1,40 @@
+// Versions. The library version follows the CMake project version (a test
+// checks they agree); the plugin ABI version changes only with the plugin ABI.
+#pragma once
+
+#define LOOM_VERSION_MAJOR 0
+#define LOOM_VERSION_MINOR 1
+#define LOOM_VERSION_PATCH 0
+
+// Plugin ABI: the major changes when an interface breaks (a plugin built
+// against another major is refused); the minor grows when the host adds
+// something a plugin may use (a host accepts plugins with minor <= its own).
+#define LOOM_ABI_MAJOR 1
+#define LOOM_ABI_MINOR 0
+
+#define LOOM_STR2_(x) #x
+#define LOOM_STR_(x) LOOM_STR2_(x)
+
+#if defined(__clang__)
+#define LOOM_COMPILER_TAG "clang-" LOOM_STR_(__clang_major__)
+#elif defined(__GNUC__)
+#define LOOM_COMPILER_TAG "gcc-" LOOM_STR_(__GNUC__)
+#else
+#define LOOM_COMPILER_TAG "unknown"
+#endif
+#if defined(_GLIBCXX_USE_CXX11_ABI)
+#define LOOM_CXXABI_TAG "cxx11abi-" LOOM_STR_(_GLIBCXX_USE_CXX11_ABI)
+#else
+#define LOOM_CXXABI_TAG "cxx11abi-?"
+#endif
+
+// "<compiler>-<major>;<C++ ABI>;loom-<major>.<minor>": plugins pass C++ objects
+// across the boundary, so the host requires the same compiler family and major,
+// the same C++ library ABI and the same libloom major.minor.
+#define LOOM_BUILD_ID \
+  LOOM_COMPILER_TAG ";" LOOM_CXXABI_TAG ";loom-" LOOM_STR_(LOOM_VERSION_MAJOR) "." LOOM_STR_(LOOM_VERSION_MINOR)
+
+namespace loom {
+const char* version_string();  // "0.1.0", from the library actually loaded
+const char* build_id();        // LOOM_BUILD_ID as compiled into libloom
+}  // namespace loom

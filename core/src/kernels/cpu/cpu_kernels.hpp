@@ -1,0 +1,66 @@
+// CPU fp32 reference kernels, one file per layer in this folder. They define
+// what every other backend must compute: the CUDA kernels and the golden
+// tests are checked against them.
+//
+// Conventions: row-major contiguous fp32 arrays; N = rows (tokens), h = hidden.
+// Backward kernels ACCUMULATE (+=) into parameter gradients (dw), and into dx
+// where the comment says so (the residual stream sums gradients from two
+// paths); everything else is written. OpenMP over rows where it pays.
+#pragma once
+#include <cstdint>
+
+namespace loom::cpu {
+
+// embedding.cpp -------------------------------------------------------------
+// out[n, :] = wte[tokens[n], :]
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t h);
+// dwte[tokens[n], :] += dout[n, :]   (deterministic: serial over n per row of wte)
+void embedding_backward(float* dwte, const float* dout, const int32_t* tokens, int64_t N, int64_t h);
+
+// rmsnorm.cpp ---------------------------------------------------------------
+// out = x * rstd * w, rstd[n] = 1 / sqrt(mean(x[n]^2) + eps)  (rstd saved for backward)
+void rmsnorm_forward(float* out, float* rstd, const float* x, const float* w, int64_t N, int64_t h, float eps);
+// dx += d(out)/dx^T dout ; dw += sum_n dout * x * rstd
+void rmsnorm_backward(float* dx, float* dw, const float* dout, const float* x, const float* w, const float* rstd,
+                      int64_t N, int64_t h);
+
+// rope.cpp -----------------------------------------------------------------
+// In place on x[B, S, nh, D] (any row stride: `row_stride` elements between
+// consecutive (b, s) rows; heads contiguous inside a row). HF Llama convention
+// ("rotate_half"): pairs (i, i + D/2), angle = pos * theta^(-2i/D), pos = s.
+void rope_forward(float* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta);
+// The inverse rotation applied to the gradient, in place.
+void rope_backward(float* dx, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta);
+
+// swiglu.cpp ---------------------------------------------------------------
+// out = silu(gate) * up
+void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);
+// dgate, dup written
+void swiglu_backward(float* dgate, float* dup, const float* dout, const float* gate, const float* up, int64_t n);
+
+// residual.cpp -------------------------------------------------------------
+// out = a + b (out may alias a)
+void residual_forward(float* out, const float* a, const float* b, int64_t n);
+// dst += src
+void accumulate(float* dst, const float* src, int64_t n);
+
+// cross_entropy.cpp --------------------------------------------------------
+// Fused softmax + cross-entropy. Returns the SUM over rows of -log p[target].
+// When dlogits_scale != 0, overwrites logits with (softmax - onehot) * dlogits_scale
+// (the logits gradient, in place). Targets < 0 are ignored (no loss, zero grad).
+double cross_entropy(float* logits, const int32_t* targets, int64_t N, int64_t V, float dlogits_scale);
+
+// adamw.cpp ----------------------------------------------------------------
+// AdamW with decoupled weight decay and bias correction (step is 1-based):
+//   g = grad * grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2
+//   p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)
+void adamw(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1, float beta2,
+           float eps, float weight_decay, int64_t step, float grad_scale);
+
+// norm.cpp -----------------------------------------------------------------
+// sum of squares, accumulated in double
+double sq_norm(const float* x, int64_t n);
+// x *= s
+void scale(float* x, float s, int64_t n);
+
+}  // namespace loom::cpu
