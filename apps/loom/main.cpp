@@ -1,0 +1,52 @@
+// `loom`: train, check, plugins, prepare, bench, convert, compare.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "commands.hpp"
+#include "loom/error.hpp"
+#include "loom/version.hpp"
+
+namespace {
+void usage() {
+  std::printf(
+      "loom %s — a Llama trainer with pluggable precision, attention, sharding and data\n\n"
+      "usage: loom <command> [args]\n\n"
+      "  train CONFIG [--set k=v]...   train a model (mpirun/srun for several ranks)\n"
+      "  check CONFIG [--set k=v]...   validate a config, print model size and memory plan\n"
+      "  plugins [--path DIR]...       list every plugin found, with kind, version and file\n"
+      "  prepare text OUT INPUT...     turn UTF-8 text files into byte-level token shards\n"
+      "  convert CKPT --to-hf DIR      export a checkpoint's weights as an HF Llama folder\n"
+      "  version                       print version and build id\n",
+      loom::version_string());
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "help")) {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  std::string cmd = argv[1];
+  loom::app::Args args(argv + 2, argv + argc);
+  try {
+    if (cmd == "train") return loom::app::cmd_train(args);
+    if (cmd == "check") return loom::app::cmd_check(args);
+    if (cmd == "plugins") return loom::app::cmd_plugins(args);
+    if (cmd == "prepare") return loom::app::cmd_prepare(args);
+    if (cmd == "convert") return loom::app::cmd_convert(args);
+    if (cmd == "version" || cmd == "--version") {
+      std::printf("loom %s (%s)\n", loom::version_string(), loom::build_id());
+      return 0;
+    }
+    std::fprintf(stderr, "loom: unknown command '%s'. Run 'loom --help' for the list.\n", cmd.c_str());
+    return 2;
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "loom %s: error: %s\n", cmd.c_str(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "loom %s: internal error: %s\n", cmd.c_str(), e.what());
+    return 3;
+  }
+}

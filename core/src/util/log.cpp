@@ -1,0 +1,48 @@
+// The only place spdlog is included: everything else logs through loom/log.hpp.
+#include "loom/log.hpp"
+
+#include <atomic>
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "loom/error.hpp"
+
+namespace loom {
+namespace {
+std::atomic<int> g_rank{0};
+
+spdlog::logger& logger() {
+  static std::shared_ptr<spdlog::logger> l = [] {
+    auto lg = spdlog::stderr_color_mt("loom");
+    lg->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] %v");
+    lg->set_level(spdlog::level::info);
+    return lg;
+  }();
+  return *l;
+}
+}  // namespace
+
+void log(LogLevel level, std::string_view msg) {
+  if (g_rank.load() != 0 && level < LogLevel::warn) return;
+  switch (level) {
+    case LogLevel::trace: logger().trace("{}", msg); break;
+    case LogLevel::debug: logger().debug("{}", msg); break;
+    case LogLevel::info: logger().info("{}", msg); break;
+    case LogLevel::warn: logger().warn("{}", msg); break;
+    case LogLevel::error: logger().error("{}", msg); break;
+  }
+}
+
+void set_log_level(std::string_view level) {
+  static const std::pair<std::string_view, spdlog::level::level_enum> levels[] = {
+      {"trace", spdlog::level::trace}, {"debug", spdlog::level::debug}, {"info", spdlog::level::info},
+      {"warn", spdlog::level::warn},   {"error", spdlog::level::err}};
+  for (auto& [name, lvl] : levels)
+    if (name == level) { logger().set_level(lvl); return; }
+  throw Error(cat("unknown log level '", level, "': use one of trace, debug, info, warn, error"));
+}
+
+void set_log_rank(int rank) { g_rank.store(rank); }
+
+}  // namespace loom
