@@ -51,4 +51,13 @@ struct Tensor {
   }
 };
 
+// A view of `dims` elements starting `offset` elements into a flat tensor.
+inline Tensor view(const Tensor& flat, int64_t offset, std::initializer_list<int64_t> dims) {
+  Tensor t(static_cast<char*>(flat.data) + offset * static_cast<int64_t>(dtype_size(flat.dtype)), flat.dtype,
+           flat.device, dims);
+  LOOM_CHECK(offset >= 0 && offset + t.numel() <= flat.numel(), "view [", offset, ", ", offset + t.numel(),
+             ") outside a tensor of ", flat.numel(), " elements");
+  return t;
+}
+
 }  // namespace loom

@@ -1,0 +1,58 @@
+// Backend: the element-wise and normalisation ops of the model, on Tensors.
+// The model (llama.cpp) is written once against this interface; the CPU
+// backend calls the fp32 reference kernels in kernels/cpu, the CUDA backend
+// (kernels/cuda) the device kernels. GEMMs and attention are not here: they
+// belong to the precision and attention plugins.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "loom/context.hpp"
+#include "loom/tensor.hpp"
+
+namespace loom {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual const ExecContext& ctx() const = 0;
+
+  // Host <-> backend memory.
+  virtual void upload(Tensor& dst, const void* host, size_t bytes) = 0;
+  virtual void download(void* host, const Tensor& src, size_t bytes) = 0;
+  virtual void zero(Tensor& t) = 0;
+  virtual void copy(Tensor& dst, const Tensor& src) = 0;
+  // Wait for queued work (CUDA: stream sync; CPU: nothing). Only at step boundaries.
+  virtual void synchronize() = 0;
+
+  virtual void embedding_forward(Tensor& out, const Tensor& tokens, const Tensor& wte) = 0;
+  virtual void embedding_backward(Tensor& dwte, const Tensor& dout, const Tensor& tokens) = 0;  // +=
+  virtual void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps) = 0;
+  // dx += ..., dw += ...
+  virtual void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
+                                const Tensor& rstd) = 0;
+  // x: [B, S, nh, D] view (row stride x.stride[1]); in place.
+  virtual void rope_forward(Tensor& x, double theta) = 0;
+  virtual void rope_backward(Tensor& dx, double theta) = 0;
+  virtual void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) = 0;
+  virtual void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate,
+                               const Tensor& up) = 0;
+  virtual void add(Tensor& out, const Tensor& a, const Tensor& b) = 0;  // out may alias a
+  virtual void accumulate(Tensor& dst, const Tensor& src) = 0;          // dst += src
+  // Fused softmax cross-entropy over logits [N, V]: per-row loss into losses[N] (fp32)
+  // and, when dlogits_scale != 0, the logits gradient written over the logits.
+  virtual void cross_entropy(Tensor& logits, const Tensor& targets, Tensor& losses, float dlogits_scale) = 0;
+  // Sum of a fp32 vector (synchronises).
+  virtual double sum(const Tensor& x) = 0;
+  // Sum of squares of x[begin, end) (synchronises).
+  virtual double sq_norm(const Tensor& x, int64_t begin, int64_t end) = 0;
+  virtual void scale(Tensor& x, float s) = 0;
+  // AdamW on flat ranges; param/grad/m/v of equal length (see cpu_kernels.hpp for the update).
+  virtual void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1, float beta2,
+                     float eps, float weight_decay, int64_t step, float grad_scale) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(int threads);
+
+}  // namespace loom

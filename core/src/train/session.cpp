@@ -1,0 +1,341 @@
+#include "train/session.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <random>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/checkpoint.hpp"
+#include "hf/hf_llama.hpp"
+#include "loom/error.hpp"
+#include "loom/log.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom {
+namespace {
+
+// A normal sample from SplitMix64 + Box-Muller: the same numbers on every
+// platform and standard library, and a pure function of (seed, stream, index)
+// so initialisation does not depend on how parameters are laid out or sharded.
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+void fill_normal(float* out, int64_t n, uint64_t seed, uint64_t stream, double stddev) {
+  const uint64_t base = splitmix64(seed ^ splitmix64(stream));
+  for (int64_t i = 0; i < n; i += 2) {
+    double u1 = uniform01(splitmix64(base + 2 * static_cast<uint64_t>(i)));
+    double u2 = uniform01(splitmix64(base + 2 * static_cast<uint64_t>(i) + 1));
+    double r = std::sqrt(-2.0 * std::log(u1)), t = 2.0 * M_PI * u2;
+    out[i] = static_cast<float>(stddev * r * std::cos(t));
+    if (i + 1 < n) out[i + 1] = static_cast<float>(stddev * r * std::sin(t));
+  }
+}
+
+std::string human_count(double n) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(2);
+  if (n >= 1e9) os << n / 1e9 << "B";
+  else if (n >= 1e6) os << n / 1e6 << "M";
+  else if (n >= 1e3) os << n / 1e3 << "K";
+  else os << n;
+  return os.str();
+}
+
+}  // namespace
+
+Session::Session(Config cfg) : cfg_(std::move(cfg)) {
+  set_log_level(cfg_.run.log_level);
+  spec_ = cfg_.model.spec;
+  const std::string& init = cfg_.model.init;
+  if (init.rfind("hf:", 0) == 0) {
+    // The HF folder's config.json defines the architecture.
+    ModelSpec hf = hf::read_hf_llama_config(init.substr(3));
+    hf.max_seq_len = std::max(hf.max_seq_len, cfg_.train.seq_len);
+    spec_ = hf;
+  }
+  if (cfg_.train.seq_len > spec_.max_seq_len)
+    throw Error(cat("train.seq_len = ", cfg_.train.seq_len, " exceeds the model's max_seq_len = ", spec_.max_seq_len));
+  if (cfg_.run.device == "cuda")
+    throw Error(
+        "run.device = \"cuda\": this build of loom has no CUDA backend (configure with -DLOOM_WITH_CUDA=ON on a "
+        "machine with the CUDA toolkit), or set run.device = \"cpu\"");
+  backend_ = make_cpu_backend(cfg_.run.threads);
+  comm_ = make_self_communicator();
+  create_plugins();
+  plan_memory();
+}
+
+Session::~Session() = default;
+
+void Session::create_plugins() {
+  std::vector<fs::path> dirs(cfg_.run.plugin_path.begin(), cfg_.run.plugin_path.end());
+  registry_ = std::make_unique<PluginRegistry>(dirs);
+  auto init_for = [&](const PluginSection& s) {
+    PluginInit init;
+    init.config = s.table;
+    init.device = backend_->device();
+    init.rank = comm_->rank();
+    init.world = comm_->size();
+    init.local_rank = 0;
+    init.seed = cfg_.run.seed;
+    init.deterministic = cfg_.run.deterministic;
+    return init;
+  };
+  precision_ = registry_->create_as<PluginKind::precision>(cfg_.precision.plugin, init_for(cfg_.precision),
+                                                           cfg_.precision.path);
+  attention_ = registry_->create_as<PluginKind::attention>(cfg_.attention.plugin, init_for(cfg_.attention),
+                                                           cfg_.attention.path);
+  sharding_ = registry_->create_as<PluginKind::sharding>(cfg_.sharding.plugin, init_for(cfg_.sharding),
+                                                         cfg_.sharding.path);
+  data_ = registry_->create_as<PluginKind::data>(cfg_.data.plugin, init_for(cfg_.data), cfg_.data.path);
+
+  dtypes_ = precision_->dtypes();
+  // Refuse shapes the attention kernel cannot do before anything is allocated.
+  LlamaModel probe(spec_, cfg_.train.micro_batch, cfg_.train.seq_len, parse_recompute(cfg_.model.recompute),
+                   dtypes_.activation, *precision_, *attention_, *backend_);
+  Support sup = attention_->supports(probe.attention_shape(), dtypes_.activation, backend_->device());
+  if (!sup.ok)
+    throw Error(cat("attention.plugin = \"", cfg_.attention.plugin, "\" cannot run this model: ", sup.reason));
+
+  DataSpec ds;
+  ds.batch = cfg_.train.micro_batch;
+  ds.seq_len = cfg_.train.seq_len;
+  ds.vocab_size = spec_.vocab_size;
+  ds.rank = comm_->rank();
+  ds.world = comm_->size();
+  ds.seed = cfg_.run.seed;
+  data_->open(ds);
+  if (int64_t hint = data_->vocab_hint(); hint > spec_.vocab_size)
+    throw Error(cat("data.plugin = \"", cfg_.data.plugin, "\" produces token ids up to ", hint - 1,
+                    " but model.vocab_size = ", spec_.vocab_size, ": raise model.vocab_size to at least ", hint));
+  if (cfg_.train.validation_every > 0 && !data_->has_split(Split::validation))
+    throw Error(cat("train.validation_every = ", cfg_.train.validation_every, " but data.plugin = \"",
+                    cfg_.data.plugin, "\" has no validation split: configure one or set train.validation_every = 0"));
+}
+
+void Session::plan_memory() {
+  unit_infos_ = model_units(spec_);
+  ops_ = std::make_unique<BackendOptimizerOps>(*backend_);
+  env_.ctx = backend_->ctx();
+  env_.ctx.deterministic = cfg_.run.deterministic;
+  env_.world = comm_.get();
+  env_.ops = ops_.get();
+  layouts_ = sharding_->plan(env_, unit_infos_);
+  LOOM_CHECK(layouts_.size() == unit_infos_.size(), "sharding plugin returned ", layouts_.size(), " layouts for ",
+             unit_infos_.size(), " units");
+
+  const size_t pb = dtype_size(dtypes_.param), gb = dtype_size(dtypes_.grad), ob = dtype_size(dtypes_.optim_state);
+  unit_blocks_.clear();
+  for (size_t i = 0; i < unit_infos_.size(); ++i) {
+    const UnitLayout& l = layouts_[i];
+    const std::string& n = unit_infos_[i].name;
+    UnitBlocks b{};
+    b.params = plan_.add("params." + n, MemCategory::params, static_cast<size_t>(l.param_numel) * pb);
+    b.grads = plan_.add("grads." + n, MemCategory::grads, static_cast<size_t>(l.grad_numel) * gb);
+    b.has_master = dtypes_.has_master;
+    if (b.has_master)
+      b.master = plan_.add("master." + n, MemCategory::master, static_cast<size_t>(l.optim_numel) * 4);
+    b.m = plan_.add("adam_m." + n, MemCategory::optimizer, static_cast<size_t>(l.optim_numel) * ob);
+    b.v = plan_.add("adam_v." + n, MemCategory::optimizer, static_cast<size_t>(l.optim_numel) * ob);
+    unit_blocks_.push_back(b);
+  }
+  model_ = std::make_unique<LlamaModel>(spec_, cfg_.train.micro_batch, cfg_.train.seq_len,
+                                        parse_recompute(cfg_.model.recompute), dtypes_.activation, *precision_,
+                                        *attention_, *backend_);
+  model_->plan(plan_);
+  const size_t prec_ws = precision_->workspace_bytes();
+  if (prec_ws) plan_.add("precision.workspace", MemCategory::workspace, prec_ws);
+}
+
+std::string Session::describe() const {
+  std::ostringstream os;
+  const double N = static_cast<double>(spec_.total_params());
+  os << "model: " << human_count(N) << " parameters (" << spec_.total_params() << "): hidden " << spec_.hidden
+     << ", layers " << spec_.num_layers << ", heads " << spec_.num_heads << "/" << spec_.num_kv_heads << " kv"
+     << ", ffn " << spec_.ffn_hidden << ", vocab " << spec_.vocab_size
+     << (spec_.tied_embeddings ? ", tied embeddings" : "") << "\n";
+  os << "flops per token: " << human_count(spec_.flops_per_token(cfg_.train.seq_len)) << " (6N + 12LhS, N = "
+     << human_count(static_cast<double>(spec_.matmul_params())) << " matmul weights)\n";
+  os << "plugins: precision " << cfg_.precision.plugin << ", attention " << cfg_.attention.plugin << ", sharding "
+     << cfg_.sharding.plugin << ", data " << cfg_.data.plugin << "; device " << cfg_.run.device << ", ranks "
+     << comm_->size() << "\n";
+  os << "batch: " << cfg_.train.micro_batch << " x " << cfg_.train.seq_len << " tokens per micro-step, grad_accum "
+     << cfg_.train.grad_accum << " -> "
+     << cfg_.train.micro_batch * cfg_.train.seq_len * cfg_.train.grad_accum * comm_->size() << " tokens per step\n";
+  os << "memory plan per rank (" << dtype_name(dtypes_.param) << " params, " << dtype_name(dtypes_.grad) << " grads, "
+     << dtype_name(dtypes_.optim_state) << " optimizer state, " << dtype_name(dtypes_.activation)
+     << " activations, recompute " << cfg_.model.recompute << "):\n"
+     << plan_.summary();
+  return os.str();
+}
+
+void Session::initialise() {
+  LOOM_CHECK(!initialised_, "session initialised twice");
+  arena_.allocate(plan_, backend_->device());
+  model_->bind(arena_);
+  units_.clear();
+  for (size_t i = 0; i < unit_infos_.size(); ++i) {
+    const UnitLayout& l = layouts_[i];
+    const UnitBlocks& b = unit_blocks_[i];
+    UnitState u;
+    u.index = static_cast<int>(i);
+    u.info = &unit_infos_[i];
+    u.layout = l;
+    u.params = arena_.tensor(b.params, dtypes_.param, {l.param_numel});
+    u.grads = arena_.tensor(b.grads, dtypes_.grad, {l.grad_numel});
+    if (b.has_master) u.master = arena_.tensor(b.master, DType::f32, {l.optim_numel});
+    u.adam_m = arena_.tensor(b.m, dtypes_.optim_state, {l.optim_numel});
+    u.adam_v = arena_.tensor(b.v, dtypes_.optim_state, {l.optim_numel});
+    units_.push_back(u);
+  }
+  const size_t n = static_cast<size_t>(cfg_.train.micro_batch * cfg_.train.seq_len);
+  host_tokens_.assign(static_cast<size_t>(cfg_.train.micro_batch * (cfg_.train.seq_len + 1)), 0);
+  host_inputs_.assign(n, 0);
+  host_targets_.assign(n, 0);
+
+  const bool resumed = try_resume();
+  if (!resumed) {
+    const std::string& init = cfg_.model.init;
+    if (init.rfind("hf:", 0) == 0) init_from_hf(init.substr(3));
+    else init_random();
+  }
+  sharding_->setup(env_, units_);
+  initialised_ = true;
+}
+
+const ParamInfo& Session::find_param(const std::string& hf_name, int* unit) const {
+  for (size_t u = 0; u < unit_infos_.size(); ++u)
+    for (const ParamInfo& p : unit_infos_[u].params)
+      if (p.name == hf_name) {
+        *unit = static_cast<int>(u);
+        return p;
+      }
+  throw Error(cat("no parameter named '", hf_name, "' in this model"));
+}
+
+std::vector<float> Session::read_param(const std::string& hf_name, bool grad) const {
+  int u = 0;
+  const ParamInfo& p = find_param(hf_name, &u);
+  const Tensor& flat = grad ? units_[static_cast<size_t>(u)].grads : units_[static_cast<size_t>(u)].params;
+  LOOM_CHECK(flat.dtype == DType::f32, "read_param supports fp32 buffers");
+  std::vector<float> out(static_cast<size_t>(p.numel));
+  backend_->download(out.data(), view(flat, p.offset, {p.numel}), out.size() * 4);
+  return out;
+}
+
+void Session::write_param(const std::string& hf_name, const float* src) {
+  int u = 0;
+  const ParamInfo& p = find_param(hf_name, &u);
+  Tensor dst = view(units_[static_cast<size_t>(u)].params, p.offset, {p.numel});
+  LOOM_CHECK(dst.dtype == DType::f32, "write_param supports fp32 buffers");
+  backend_->upload(dst, src, static_cast<size_t>(p.numel) * 4);
+}
+
+void Session::init_random() {
+  // Matrices ~ N(0, init_std); the residual-branch outputs (o_proj, down_proj)
+  // scaled by 1/sqrt(2L) as in GPT-2 so the residual stream's variance does
+  // not grow with depth; norm gains = 1.
+  const double std0 = cfg_.model.init_std;
+  const double std_res = std0 / std::sqrt(2.0 * static_cast<double>(spec_.num_layers));
+  uint64_t stream = 0;
+  for (const UnitInfo& u : unit_infos_)
+    for (const ParamInfo& p : u.params) {
+      std::vector<float> buf(static_cast<size_t>(p.numel));
+      ++stream;
+      if (p.shape.size() == 1) std::fill(buf.begin(), buf.end(), 1.0f);
+      else {
+        const bool residual = p.name.find("o_proj") != std::string::npos || p.name.find("down_proj") != std::string::npos;
+        fill_normal(buf.data(), p.numel, cfg_.run.seed, stream, residual ? std_res : std0);
+      }
+      write_param(p.name, buf.data());
+    }
+}
+
+void Session::init_from_hf(const std::string& dir) {
+  std::vector<std::pair<std::string, std::vector<float>>> loaded;
+  hf::load_hf_llama_weights(dir, spec_, [&](const std::string& name, int64_t numel) -> float* {
+    loaded.emplace_back(name, std::vector<float>(static_cast<size_t>(numel)));
+    return loaded.back().second.data();
+  });
+  for (auto& [name, data] : loaded) write_param(name, data.data());
+  log_info(cat("initialised ", loaded.size(), " tensors from HF checkpoint ", dir));
+}
+
+void Session::load_batch(const int32_t* inputs, const int32_t* targets) {
+  const size_t bytes = static_cast<size_t>(model_->tokens_per_micro()) * 4;
+  backend_->upload(model_->inputs(), inputs, bytes);
+  backend_->upload(model_->targets(), targets, bytes);
+}
+
+void Session::next_batch(Split split) {
+  const int64_t B = cfg_.train.micro_batch, S = cfg_.train.seq_len;
+  data_->next(split, host_tokens_.data());
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* row = host_tokens_.data() + b * (S + 1);
+    std::copy(row, row + S, host_inputs_.data() + b * S);
+    std::copy(row + 1, row + S + 1, host_targets_.data() + b * S);
+  }
+  for (int32_t t : host_tokens_)
+    if (t < 0 || t >= spec_.vocab_size)
+      throw Error(cat("data.plugin = \"", cfg_.data.plugin, "\" produced token id ", t, " outside [0, ",
+                      spec_.vocab_size, ") (model.vocab_size)"));
+  load_batch(host_inputs_.data(), host_targets_.data());
+}
+
+double Session::forward(bool training, float dloss_scale) {
+  for (int u = 0; u < model_->num_units(); ++u) {
+    sharding_->before_forward(env_, units_[static_cast<size_t>(u)]);
+    model_->forward_unit(u, units_, training, dloss_scale);
+    sharding_->after_forward(env_, units_[static_cast<size_t>(u)]);
+  }
+  return backend_->sum(model_->losses()) / static_cast<double>(model_->tokens_per_micro());
+}
+
+void Session::backward() {
+  for (int u = model_->num_units() - 1; u >= 0; --u) {
+    UnitState& unit = units_[static_cast<size_t>(u)];
+    sharding_->before_backward(env_, unit);
+    model_->backward_unit(u, units_);
+    sharding_->after_backward(env_, unit, last_micro_);
+  }
+}
+
+void Session::zero_grads() {
+  for (auto& u : units_) backend_->zero(u.grads);
+}
+
+StepResult Session::optimizer_step(int64_t step_index) {
+  AdamWHyper h;
+  const auto& t = cfg_.train;
+  h.lr = static_cast<float>(lr_at(step_index, t.steps, t.warmup_steps, t.lr, t.min_lr, t.schedule));
+  h.beta1 = static_cast<float>(t.beta1);
+  h.beta2 = static_cast<float>(t.beta2);
+  h.eps = static_cast<float>(t.eps);
+  h.weight_decay = static_cast<float>(t.weight_decay);
+  h.step = step_index + 1;
+  StepResult r = sharding_->step(env_, units_, h, 1.0f, static_cast<float>(t.grad_clip));
+  if (!r.skipped) precision_->end_step(backend_->ctx());
+  return r;
+}
+
+Tensor Session::logits() const {
+  LOOM_CHECK(initialised_, "logits() before initialise()");
+  return model_->logits();
+}
+
+}  // namespace loom

@@ -1,0 +1,114 @@
+// A training session: everything one run needs, built in the order DESIGN.md
+// asks for — plugins loaded and configs validated, data opened and the memory
+// plan made before any memory is touched — then the step loop.
+//
+// Used by `loom train` and `loom check`, and directly by the tests (goldens,
+// end-to-end), which drive forward/backward on batches of their own.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/run_config.hpp"
+#include "loom/arena.hpp"
+#include "loom/attention.hpp"
+#include "loom/comm.hpp"
+#include "loom/data.hpp"
+#include "loom/precision.hpp"
+#include "loom/registry.hpp"
+#include "loom/sharding.hpp"
+#include "model/backend.hpp"
+#include "model/llama.hpp"
+#include "train/optimizer.hpp"
+
+namespace loom {
+
+struct StepLog {
+  int64_t step = 0;  // 1-based: the number of optimizer steps done after this one
+  double loss = 0, lr = 0, grad_norm = 0, step_ms = 0, tokens_per_s = 0, samples_per_s = 0;
+  bool skipped = false;
+  bool has_val = false;
+  double val_loss = 0;
+};
+
+struct RunSummary {
+  std::vector<StepLog> steps;                          // the steps this process ran
+  std::vector<std::pair<int64_t, double>> val_losses;  // (step, loss), including the evaluation before step 1
+  int64_t first_step = 0;                              // 0, or the resumed step
+  int64_t last_step = 0;
+  double wall_s = 0;
+};
+
+class Session {
+ public:
+  // Loads plugins, validates every table, opens the data and plans memory. No allocation yet.
+  explicit Session(Config cfg);
+  ~Session();
+
+  const Config& config() const { return cfg_; }
+  const ModelSpec& spec() const { return spec_; }
+  // Human-readable model size and memory plan (what `loom check` prints).
+  std::string describe() const;
+
+  // Allocates the arena and initialises weights (random, HF, or from a checkpoint when resuming).
+  void initialise();
+
+  // The step loop: trains until train.steps, logging, evaluating and checkpointing.
+  // stop_at > 0 stops after that step instead (e.g. a job's time slice), writing
+  // a checkpoint there when checkpoint.every > 0 so the next job resumes exactly.
+  RunSummary train(int64_t stop_at = -1);
+
+  // Building blocks, public for tests.
+  void load_batch(const int32_t* inputs, const int32_t* targets);  // host [B*S] each
+  double forward(bool training, float dloss_scale);                 // mean token loss of the batch
+  void backward();
+  void zero_grads();
+  StepResult optimizer_step(int64_t step_index);  // step_index 0-based; lr from the schedule
+  double evaluate();                              // mean validation loss over validation_batches
+  void save_checkpoint(int64_t step);
+  int64_t step() const { return step_; }
+  std::vector<UnitState>& units() { return units_; }
+  LlamaModel& model() { return *model_; }
+  Backend& backend() { return *backend_; }
+  Tensor logits() const;  // [B*S, V] after a forward with training = false
+  // A parameter (or its gradient) by HF name, copied to host fp32.
+  std::vector<float> read_param(const std::string& hf_name, bool grad = false) const;
+  void write_param(const std::string& hf_name, const float* src);
+
+ private:
+  void create_plugins();
+  void plan_memory();
+  void init_random();
+  void init_from_hf(const std::string& dir);
+  bool try_resume();
+  void next_batch(Split split);
+  const ParamInfo& find_param(const std::string& hf_name, int* unit) const;
+
+  Config cfg_;
+  ModelSpec spec_;
+  std::unique_ptr<PluginRegistry> registry_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Precision> precision_;
+  std::unique_ptr<Attention> attention_;
+  std::unique_ptr<Sharding> sharding_;
+  std::unique_ptr<DataSource> data_;
+  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<BackendOptimizerOps> ops_;
+  ShardingEnv env_;
+  std::vector<UnitInfo> unit_infos_;
+  std::vector<UnitLayout> layouts_;
+  std::vector<UnitState> units_;
+  ArenaPlan plan_;
+  struct UnitBlocks { size_t params, grads, master, m, v; bool has_master; };
+  std::vector<UnitBlocks> unit_blocks_;
+  Arena arena_;
+  PrecisionDTypes dtypes_{};
+  std::vector<int32_t> host_tokens_, host_inputs_, host_targets_;
+  int64_t step_ = 0;  // optimizer steps done
+  bool last_micro_ = true;  // the current micro-batch is the step's last (sharding may communicate)
+  bool initialised_ = false;
+};
+
+}  // namespace loom

@@ -1,0 +1,307 @@
+// The step loop (DESIGN.md "One training step"), evaluation, and checkpoints
+// of a single-process session.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/checkpoint.hpp"
+#include "loom/error.hpp"
+#include "loom/log.hpp"
+#include "train/session.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom {
+namespace {
+
+std::string model_json(const ModelSpec& s) {
+  nlohmann::json j = {{"hidden", s.hidden},         {"num_layers", s.num_layers},   {"num_heads", s.num_heads},
+                      {"num_kv_heads", s.num_kv_heads}, {"ffn_hidden", s.ffn_hidden}, {"vocab_size", s.vocab_size},
+                      {"rope_theta", s.rope_theta}, {"norm_eps", s.norm_eps}, {"tied_embeddings", s.tied_embeddings}};
+  return j.dump();
+}
+
+std::string hex(const std::string& bytes) {
+  static const char* d = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) { out += d[c >> 4]; out += d[c & 15]; }
+  return out;
+}
+std::string unhex(const std::string& h) {
+  LOOM_CHECK(h.size() % 2 == 0, "odd-length hex string in checkpoint metadata");
+  auto v = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    throw Error("non-hex character in checkpoint metadata");
+  };
+  std::string out;
+  for (size_t i = 0; i < h.size(); i += 2) out += static_cast<char>(v(h[i]) * 16 + v(h[i + 1]));
+  return out;
+}
+
+std::string duration(double s) {
+  std::ostringstream os;
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  if (t >= 3600) os << t / 3600 << "h" << std::setw(2) << std::setfill('0') << (t / 60) % 60 << "m";
+  else if (t >= 60) os << t / 60 << "m" << std::setw(2) << std::setfill('0') << t % 60 << "s";
+  else os << t << "s";
+  return os.str();
+}
+
+// A one-line progress bar on stdout when it is a terminal; log lines (stderr)
+// clear it first so the two never interleave on one line.
+class ProgressBar {
+ public:
+  explicit ProgressBar(int64_t total) : total_(total), tty_(isatty(STDOUT_FILENO) == 1) {}
+  void clear() {
+    if (tty_) { std::fputs("\r\033[2K", stdout); std::fflush(stdout); }
+  }
+  void draw(int64_t step, double loss, double eta_s) {
+    if (!tty_) return;
+    const int width = 30;
+    const int filled = static_cast<int>(width * static_cast<double>(step) / static_cast<double>(total_));
+    std::string bar(static_cast<size_t>(filled), '#');
+    bar.resize(width, '.');
+    std::printf("\r[%s] %lld/%lld  loss %.4f  eta %s", bar.c_str(), static_cast<long long>(step),
+                static_cast<long long>(total_), loss, duration(eta_s).c_str());
+    std::fflush(stdout);
+  }
+  void finish() {
+    if (tty_) { std::fputs("\n", stdout); std::fflush(stdout); }
+  }
+
+ private:
+  int64_t total_;
+  bool tty_;
+};
+
+fs::path checkpoint_root(const Config& cfg) {
+  return cfg.checkpoint.dir.empty() ? fs::path(cfg.run.out_dir) / "checkpoints" : fs::path(cfg.checkpoint.dir);
+}
+
+}  // namespace
+
+double Session::evaluate() {
+  data_->reset(Split::validation);
+  double total = 0;
+  const int64_t n = cfg_.train.validation_batches;
+  for (int64_t i = 0; i < n; ++i) {
+    next_batch(Split::validation);
+    total += forward(false, 0.f);
+  }
+  return total / static_cast<double>(n);
+}
+
+void Session::save_checkpoint(int64_t step) {
+  const fs::path root = checkpoint_root(cfg_);
+  fs::create_directories(root);
+  backend_->synchronize();
+  {
+    ckpt::CheckpointWriter w(root, step, comm_->rank());
+    for (const UnitState& u : units_) {
+      const std::string& n = u.info->name;
+      w.add("params." + n, u.params);
+      if (u.master.data) w.add("master." + n, u.master);
+      w.add("adam_m." + n, u.adam_m);
+      w.add("adam_v." + n, u.adam_v);
+    }
+    w.write_shard();
+  }
+  comm_->barrier();  // every rank's shard is on disk before the marker
+  if (comm_->rank() == 0) {
+    nlohmann::json meta = {
+        {"format", "loom-checkpoint"},
+        {"version", 1},
+        {"step", step},
+        {"world_size", comm_->size()},
+        {"strategy", cfg_.sharding.plugin},
+        {"precision", cfg_.precision.plugin},
+        {"model", nlohmann::json::parse(model_json(spec_))},
+        {"data_plugin", cfg_.data.plugin},
+        {"data_state", data_->state()},
+        {"precision_state", hex(precision_->save_state())},
+        {"seed", cfg_.run.seed},
+        {"config", cfg_.effective_toml},
+    };
+    ckpt::CheckpointWriter::write_meta(root, step, meta.dump(2));
+    ckpt::CheckpointWriter::mark_complete(root, step);
+    ckpt::prune(root, static_cast<int>(cfg_.checkpoint.keep_last));
+  }
+  comm_->barrier();
+  log_info(cat("checkpoint: step ", step, " written to ", (root / "").string()));
+}
+
+bool Session::try_resume() {
+  const std::string& mode = cfg_.checkpoint.resume;
+  if (mode == "none") return false;
+  const fs::path root = checkpoint_root(cfg_);
+  std::optional<ckpt::CheckpointInfo> info;
+  if (mode == "auto") {
+    if (!fs::exists(root)) return false;
+    info = ckpt::latest_complete(root);
+    if (!info) return false;
+  } else {
+    info = ckpt::find_step(root, std::stoll(mode));
+  }
+  ckpt::CheckpointReader r(info->dir, comm_->rank());
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(r.meta());
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(cat(info->dir, "/meta.json is not valid JSON (", e.what(),
+                    "): the checkpoint cannot be used; resume from another one or set checkpoint.resume = \"none\""));
+  }
+  const auto want = nlohmann::json::parse(model_json(spec_));
+  if (meta.value("model", nlohmann::json{}) != want)
+    throw Error(cat("checkpoint ", info->dir, " was written for another model: it has ",
+                    meta.value("model", nlohmann::json{}).dump(), ", this config builds ", want.dump(),
+                    ". Point checkpoint.dir elsewhere or set checkpoint.resume = \"none\""));
+  const int world = meta.value("world_size", 0);
+  const std::string strategy = meta.value("strategy", "");
+  if (world != comm_->size() || strategy != cfg_.sharding.plugin)
+    throw Error(cat("checkpoint ", info->dir, " was written by ", world, " rank(s) with sharding \"",
+                    strategy, "\"; this run has ", comm_->size(), " rank(s) with \"", cfg_.sharding.plugin,
+                    "\". Resume with the same launch and sharding.plugin"));
+  for (UnitState& u : units_) {
+    const std::string& n = u.info->name;
+    r.read("params." + n, u.params);
+    if (u.master.data) r.read("master." + n, u.master);
+    r.read("adam_m." + n, u.adam_m);
+    r.read("adam_v." + n, u.adam_v);
+  }
+  data_->restore(meta.at("data_state").get<std::string>());
+  precision_->load_state(unhex(meta.value("precision_state", "")));
+  step_ = meta.at("step").get<int64_t>();
+  log_info(cat("resumed from ", info->dir, " at step ", step_));
+  return true;
+}
+
+RunSummary Session::train(int64_t stop_at) {
+  if (!initialised_) initialise();
+  const auto& t = cfg_.train;
+  RunSummary sum;
+  sum.first_step = step_;
+  const fs::path out(cfg_.run.out_dir);
+  fs::create_directories(out);
+  {
+    std::ofstream c(out / "config.toml");
+    c << cfg_.effective_toml;
+  }
+  std::ofstream metrics(out / "metrics.jsonl", step_ > 0 ? std::ios::app : std::ios::trunc);
+  if (!metrics) throw Error(cat("cannot write ", (out / "metrics.jsonl").string(), ": check run.out_dir"));
+
+  log_info(cat("loom: training '", cfg_.run.name, "' for ", t.steps, " steps, output in ", out.string()));
+  {
+    std::istringstream d(describe());
+    for (std::string line; std::getline(d, line);) log_info(line);
+  }
+  if (step_ >= t.steps) {
+    log_info(cat("nothing to do: the checkpoint is at step ", step_, " and train.steps = ", t.steps));
+    return sum;
+  }
+
+  const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * comm_->size();
+  const int64_t samples_per_step = t.micro_batch * t.grad_accum * comm_->size();
+  const float dloss_scale = 1.0f / static_cast<float>(model_->tokens_per_micro() * t.grad_accum);
+  ProgressBar bar(t.steps);
+  const auto run_start = std::chrono::steady_clock::now();
+
+  if (t.validation_every > 0 && step_ == 0) {
+    const double v = evaluate();
+    sum.val_losses.emplace_back(0, v);
+    log_info(cat("step 0 | val loss ", std::fixed, std::setprecision(4), v));
+    metrics << nlohmann::json{{"step", 0}, {"val_loss", v}}.dump() << "\n";
+  }
+
+  const int64_t last = stop_at > 0 ? std::min(stop_at, t.steps) : t.steps;
+  int64_t skipped = 0;
+  while (step_ < last) {
+    const auto t0 = std::chrono::steady_clock::now();
+    zero_grads();
+    double loss = 0;
+    for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
+      last_micro_ = micro == t.grad_accum - 1;
+      next_batch(Split::train);
+      loss += forward(true, dloss_scale);
+      backward();
+    }
+    loss /= static_cast<double>(t.grad_accum);
+    const double lr = lr_at(step_, t.steps, t.warmup_steps, t.lr, t.min_lr, t.schedule);
+    StepResult r = optimizer_step(step_);
+    backend_->synchronize();
+    ++step_;
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    StepLog s;
+    s.step = step_;
+    s.loss = loss;
+    s.lr = lr;
+    s.grad_norm = r.grad_norm;
+    s.skipped = r.skipped;
+    s.step_ms = dt * 1e3;
+    s.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
+    s.samples_per_s = static_cast<double>(samples_per_step) / dt;
+    if (r.skipped) {
+      ++skipped;
+      log_warn(cat("step ", step_, ": gradient norm is not finite; update skipped"));
+    }
+    if (t.validation_every > 0 && (step_ % t.validation_every == 0 || step_ == t.steps)) {
+      s.has_val = true;
+      s.val_loss = evaluate();
+      sum.val_losses.emplace_back(step_, s.val_loss);
+    }
+    sum.steps.push_back(s);
+
+    nlohmann::json j = {{"step", s.step},         {"loss", s.loss},
+                        {"lr", s.lr},             {"grad_norm", s.grad_norm},
+                        {"step_ms", s.step_ms},   {"tokens_per_s", s.tokens_per_s},
+                        {"samples_per_s", s.samples_per_s}};
+    if (s.has_val) j["val_loss"] = s.val_loss;
+    if (s.skipped) j["skipped"] = true;
+    metrics << j.dump() << "\n";
+    metrics.flush();
+
+    if (step_ % t.log_every == 0 || step_ == t.steps || s.has_val) {
+      bar.clear();
+      std::ostringstream line;
+      line << "step " << step_ << "/" << t.steps << " | loss " << std::fixed << std::setprecision(4) << s.loss
+           << " | lr " << std::scientific << std::setprecision(2) << s.lr << " | grad norm " << std::fixed
+           << std::setprecision(3) << s.grad_norm << " | " << std::setprecision(1) << s.samples_per_s
+           << " samples/s | " << std::setprecision(0) << s.tokens_per_s << " tok/s | " << std::setprecision(1)
+           << s.step_ms << " ms";
+      if (s.has_val) line << " | val loss " << std::setprecision(4) << s.val_loss;
+      log_info(line.str());
+    }
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double per_step = elapsed / static_cast<double>(step_ - sum.first_step);
+    bar.draw(step_, s.loss, per_step * static_cast<double>(t.steps - step_));
+
+    if (cfg_.checkpoint.every > 0 && (step_ % cfg_.checkpoint.every == 0 || step_ == last)) {
+      bar.clear();
+      save_checkpoint(step_);
+    }
+  }
+  bar.finish();
+  sum.last_step = step_;
+  sum.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+  std::ostringstream fin;
+  fin << "done: " << (step_ - sum.first_step) << " steps in " << duration(sum.wall_s) << " | final loss "
+      << std::fixed << std::setprecision(4) << (sum.steps.empty() ? 0.0 : sum.steps.back().loss);
+  if (!sum.val_losses.empty())
+    fin << " | val loss " << sum.val_losses.front().second << " -> " << sum.val_losses.back().second;
+  if (skipped) fin << " | " << skipped << " skipped steps";
+  fin << " | metrics " << (out / "metrics.jsonl").string();
+  log_info(fin.str());
+  return sum;
+}
+
+}  // namespace loom

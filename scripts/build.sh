@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Configures and builds Loom into build/ (override with BUILD_DIR). Extra
+# arguments go to cmake's configure step, e.g. -DLOOM_WITH_CUDA=OFF.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${BUILD_DIR:-build}
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@"
+cmake --build "$BUILD_DIR" -j "$(nproc)"
