@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -622,6 +623,59 @@ TEST(DidYouMean, Cases) {
   EXPECT_EQ(loom::did_you_mean("c", {"a", "b"}), "");
   EXPECT_EQ(loom::did_you_mean("ab", {"lr"}), "");
   EXPECT_EQ(loom::did_you_mean("tpu", {"cpu", "cuda"}), "cpu");
+}
+
+// ------------------------------------------------------------------ docs
+
+namespace {
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+std::vector<std::string> split(const std::string& s, const std::string& sep) {
+  std::vector<std::string> out;
+  size_t b = 0;
+  for (size_t e; (e = s.find(sep, b)) != std::string::npos; b = e + sep.size()) out.push_back(s.substr(b, e - b));
+  out.push_back(s.substr(b));
+  return out;
+}
+}  // namespace
+
+TEST(ConfigDocs, EveryCoreKeyIsDocumentedInOrder) {
+  const std::string doc = read_text(fs::path(LOOM_SOURCE_DIR) / "docs" / "CONFIG.md");
+  ASSERT_FALSE(doc.empty());
+  for (std::string section : {"run", "model", "train", "checkpoint"}) {
+    // The keys the core reads, from the accepted list of an unknown-key error.
+    std::string msg = parse_error("[" + section + "]\nzzzz_not_a_key = 1\n");
+    const std::string marker = "keys accepted in [" + section + "]: ";
+    ASSERT_NE(msg.find(marker), std::string::npos) << msg;
+    std::vector<std::string> read = split(msg.substr(msg.find(marker) + marker.size()), ", ");
+    // The keys the doc's table for the section lists.
+    size_t at = doc.find("## `[" + section + "]`");
+    ASSERT_NE(at, std::string::npos) << section;
+    size_t end = doc.find("\n## ", at + 1);
+    std::istringstream rows(doc.substr(at, end - at));
+    std::vector<std::string> documented;
+    for (std::string line; std::getline(rows, line);)
+      if (line.rfind("| `", 0) == 0) documented.push_back(line.substr(3, line.find('`', 3) - 3));
+    EXPECT_EQ(documented, read) << "docs/CONFIG.md [" << section << "] is out of date";
+  }
+}
+
+TEST(ConfigDocs, ExampleParses) {
+  const std::string doc = read_text(fs::path(LOOM_SOURCE_DIR) / "docs" / "CONFIG.md");
+  size_t at = doc.find("## Example");
+  ASSERT_NE(at, std::string::npos);
+  size_t b = doc.find("```toml\n", at);
+  ASSERT_NE(b, std::string::npos);
+  b += 8;
+  std::string example = doc.substr(b, doc.find("```", b) - b);
+  Config c = loom::parse_config_string(example, "CONFIG.md example", {});
+  EXPECT_EQ(c.run.name, "llama-125m");
+  EXPECT_EQ(c.model.spec.num_kv_heads, 4);
+  EXPECT_EQ(c.sharding.plugin, "zero2");
 }
 
 // ------------------------------------------------------------- arguments
