@@ -344,6 +344,8 @@ TEST(Config, WrongType) {
   EXPECT_EQ(parse_error("[run]\nplugin_path = [\"/opt\", 3]\n"),
             "q.toml:2:15: run.plugin_path[1] must be a string, got integer 3");
   EXPECT_EQ(parse_error("train = 5\n"), "q.toml:1:9: train must be a table, got integer 5");
+  EXPECT_EQ(parse_error("[model]\nlayers = 1\n"),
+            "q.toml:2:10: model.layers must be one of the strings native, fused, got integer 1");
   EXPECT_EQ(parse_error("[checkpoint]\nresume = true\n"),
             "q.toml:2:10: checkpoint.resume must be an integer or a string, got boolean true");
 }

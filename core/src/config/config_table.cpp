@@ -7,8 +7,7 @@
 #include "loom/config.hpp"
 
 #include <algorithm>
-#include <charconv>
-#include <cmath>
+#include <cctype>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -290,8 +289,10 @@ std::string ConfigTable::get_string(std::string_view key, std::string_view def) 
 
 std::string ConfigTable::get_choice(std::string_view key, std::string_view def,
                                     std::initializer_list<std::string_view> choices) const {
-  std::string v = get_string(key, def);
   std::vector<std::string> names(choices.begin(), choices.end());
+  if (const toml::node* n = impl_->get(key); n && !n->is_string())
+    impl_->type_error(key, *n, cat("one of the strings ", join(names, ", ")));
+  std::string v = get_string(key, def);
   if (std::find(names.begin(), names.end(), v) != names.end()) return v;
   std::string hint = did_you_mean(v, names);
   throw Error(cat(impl_->value_loc(key), ": ", impl_->path(key), " = \"", v, "\" is not one of: ", join(names, ", "),
