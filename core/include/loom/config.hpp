@@ -5,6 +5,10 @@
 //     "file:line: key 'section.key' ..." with the accepted values;
 //   - finish() rejects any key nobody read, with a did-you-mean.
 // toml++ stays inside libloom (pimpl), so plugins need no toml++ headers.
+//
+// Copies share the parsed document and the record of which keys were read, so
+// a table handed to a plugin and the core's view of it agree. Keys are plain
+// (undotted) names of this table; nested tables are reached with table().
 #pragma once
 #include <cstdint>
 #include <initializer_list>
@@ -29,7 +33,11 @@ class ConfigTable {
   // Source file of the config ("configs/quickstart.toml").
   std::string source() const;
 
+  // Whether `key` is present. Probing a key counts as reading it: finish()
+  // accepts it and lists it among the accepted keys.
   bool has(std::string_view key) const;
+  // Keys present in this table, sorted (does not mark them read).
+  std::vector<std::string> keys() const;
   int64_t get_int(std::string_view key, int64_t def, int64_t min = INT64_MIN, int64_t max = INT64_MAX) const;
   double get_float(std::string_view key, double def, double min = -1e300, double max = 1e300) const;
   bool get_bool(std::string_view key, bool def) const;
@@ -45,17 +53,33 @@ class ConfigTable {
   ConfigTable table(std::string_view key) const;
   // Mark a key as consumed without reading it (e.g. the `plugin` key of a plugin table).
   void mark_used(std::string_view key) const;
-  // Throws for the first key that was never read: file:line, the key, a
-  // did-you-mean among the keys that were read or probed, and the accepted list.
+  // Throws for the first key (in file order) that was never read: file:line, the
+  // key, a did-you-mean among the keys that were read or probed, and the
+  // accepted list. Checks this table's own keys only: a nested table taken
+  // with table() is checked by calling finish() on it. On the root table the
+  // keys are sections and the message says "unknown section".
   void finish() const;
-  // Throw an error located at `key` (file:line when known).
+  // Where `key` was set: "file:line:col", "--set section.key=value" for an
+  // override, the table's header when the key is absent, else the file name.
+  std::string where(std::string_view key) const;
+  // Throw loom::Error("<where(key)>: <message>").
   [[noreturn]] void fail(std::string_view key, std::string_view message) const;
+  // This table (overrides applied) as TOML text.
+  std::string to_toml() const;
 
  private:
   std::shared_ptr<Impl> impl_;
 };
 
-// Levenshtein-nearest of `candidates` to `word`, or "" if none is close.
+// Parse TOML text into a root table (name ""), then apply overrides of the form
+// "section.key=value" (as given to --set): the value is parsed as a TOML value
+// and a bare word that is not one becomes a string. Throws loom::Error for TOML
+// syntax errors ("source:line:col: ...") and malformed overrides.
+ConfigTable parse_config_table(std::string_view toml_text, const std::string& source_name,
+                               const std::vector<std::string>& overrides = {});
+
+// Levenshtein-nearest of `candidates` to `word`, or "" if none is close
+// (distance <= max(2, word.size() / 3)). Ties go to the earlier candidate.
 std::string did_you_mean(std::string_view word, const std::vector<std::string>& candidates);
 
 }  // namespace loom

@@ -1,0 +1,235 @@
+// Reads the core sections of a run config through ConfigTable, so that a typo
+// or a bad value in a core section gets the same located message as one in a
+// plugin table. Ranges and choices here are the ones docs/CONFIG.md states.
+#include "run_config.hpp"
+
+#include <cctype>
+#include <charconv>
+#include <fstream>
+#include <sstream>
+
+#include "format_number.hpp"
+#include "loom/error.hpp"
+
+namespace loom {
+namespace {
+
+constexpr int64_t kMaxDim = int64_t{1} << 20;   // any model width, length or batch beyond this is a typo
+constexpr int64_t kMaxVocab = INT32_MAX;        // token ids are stored as int32
+
+using config_detail::format_number;
+
+// Open or one-sided float ranges that get_float's closed [min, max] cannot state.
+double get_positive(const ConfigTable& t, std::string_view key, double def, double max = 1e300) {
+  double v = t.get_float(key, def, 0.0, max);
+  if (v <= 0.0)
+    t.fail(key, cat(t.name(), ".", key, " = ", format_number(v), " is out of range: must be > 0",
+                    max < 1e300 ? cat(" and <= ", format_number(max)) : std::string()));
+  return v;
+}
+
+double get_beta(const ConfigTable& t, std::string_view key, double def) {
+  double v = t.get_float(key, def, 0.0, 1.0);
+  if (v >= 1.0)
+    t.fail(key, cat(t.name(), ".", key, " = ", format_number(v), " is out of range: must be in [0, 1)"));
+  return v;
+}
+
+bool is_plugin_name(std::string_view s) {
+  if (s.empty()) return false;
+  for (char c : s)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-')) return false;
+  return true;
+}
+
+PluginSection read_plugin_section(const ConfigTable& root, std::string_view section, std::string_view def) {
+  PluginSection p;
+  p.table = root.table(section);
+  // get_string marks `plugin` and `path` read; every other key is the plugin's.
+  p.plugin = p.table.get_string("plugin", def);
+  if (!is_plugin_name(p.plugin))
+    p.table.fail("plugin", cat(section, ".plugin = \"", p.plugin,
+                               "\" is not a plugin name: use letters, digits, '_' or '-' (e.g. \"", def, "\")"));
+  p.path = p.table.get_string("path", "");
+  return p;
+}
+
+RunSection read_run(const ConfigTable& t) {
+  RunSection r;
+  r.name = t.get_string("name", r.name);
+  if (r.name.empty()) t.fail("name", "run.name must not be empty: it names the run in logs and the default out_dir");
+  r.out_dir = t.get_string("out_dir", cat("runs/", r.name));
+  if (r.out_dir.empty()) t.fail("out_dir", "run.out_dir must not be empty (default: runs/<run.name>)");
+  r.device = t.get_choice("device", r.device, {"cpu", "cuda"});
+  r.seed = static_cast<uint64_t>(t.get_int("seed", static_cast<int64_t>(r.seed), 0));
+  r.deterministic = t.get_bool("deterministic", r.deterministic);
+  r.log_level = t.get_choice("log_level", r.log_level, {"trace", "debug", "info", "warn", "error"});
+  r.threads = static_cast<int>(t.get_int("threads", r.threads, 0, 4096));
+  r.plugin_path = t.get_string_list("plugin_path", r.plugin_path);
+  return r;
+}
+
+ModelSection read_model(const ConfigTable& t) {
+  ModelSection m;
+  ModelSpec& s = m.spec;
+  m.init = t.get_string("init", m.init);
+  if (m.init != "random" && !(m.init.rfind("hf:", 0) == 0 && m.init.size() > 3))
+    t.fail("init", cat("model.init = \"", m.init,
+                       "\" is not accepted: use \"random\" or \"hf:/path/to/dir\" (a Hugging Face Llama folder)"));
+  m.layers = t.get_choice("layers", m.layers, {"native", "fused"});
+  s.hidden = t.get_int("hidden", s.hidden, 1, kMaxDim);
+  s.num_layers = t.get_int("num_layers", s.num_layers, 1, 4096);
+  s.num_heads = t.get_int("num_heads", s.num_heads, 1, 4096);
+  s.num_kv_heads = t.get_int("num_kv_heads", s.num_kv_heads, 1, 4096);
+  s.ffn_hidden = t.get_int("ffn_hidden", s.ffn_hidden, 1, kMaxDim);
+  s.vocab_size = t.get_int("vocab_size", s.vocab_size, 1, kMaxVocab);
+  s.max_seq_len = t.get_int("max_seq_len", s.max_seq_len, 1, kMaxDim);
+  s.rope_theta = get_positive(t, "rope_theta", s.rope_theta);
+  s.norm_eps = get_positive(t, "norm_eps", s.norm_eps, 1.0);
+  s.tied_embeddings = t.get_bool("tied_embeddings", s.tied_embeddings);
+  m.init_std = t.get_float("init_std", m.init_std, 0.0, 1.0);
+  m.recompute = t.get_choice("recompute", m.recompute, {"none", "attention", "full"});
+  return m;
+}
+
+TrainSection read_train(const ConfigTable& t) {
+  TrainSection r;
+  r.steps = t.get_int("steps", r.steps, 1);
+  r.micro_batch = t.get_int("micro_batch", r.micro_batch, 1, kMaxDim);
+  r.seq_len = t.get_int("seq_len", r.seq_len, 1, kMaxDim);
+  r.grad_accum = t.get_int("grad_accum", r.grad_accum, 1, kMaxDim);
+  r.lr = t.get_float("lr", r.lr, 0.0, 10.0);
+  r.min_lr = t.get_float("min_lr", r.min_lr, 0.0, 10.0);
+  r.warmup_steps = t.get_int("warmup_steps", r.warmup_steps, 0);
+  r.schedule = t.get_choice("schedule", r.schedule, {"cosine", "linear", "constant"});
+  r.grad_clip = t.get_float("grad_clip", r.grad_clip, 0.0);
+  r.weight_decay = t.get_float("weight_decay", r.weight_decay, 0.0, 10.0);
+  r.beta1 = get_beta(t, "beta1", r.beta1);
+  r.beta2 = get_beta(t, "beta2", r.beta2);
+  r.eps = get_positive(t, "eps", r.eps, 1.0);
+  r.log_every = t.get_int("log_every", r.log_every, 1);
+  r.validation_every = t.get_int("validation_every", r.validation_every, 0);
+  r.validation_batches = t.get_int("validation_batches", r.validation_batches, 1);
+  return r;
+}
+
+CheckpointSection read_checkpoint(const ConfigTable& t, const RunSection& run) {
+  CheckpointSection c;
+  c.every = t.get_int("every", c.every, 0);
+  c.keep_last = t.get_int("keep_last", c.keep_last, 0);
+  c.resume = t.get_int_or_string("resume", c.resume);
+  if (c.resume != "auto" && c.resume != "none") {
+    // A step number, given as a TOML integer or a decimal string.
+    int64_t step = -1;
+    const char* b = c.resume.data();
+    const char* e = b + c.resume.size();
+    auto res = std::from_chars(b, e, step);
+    bool digits_only = !c.resume.empty() && std::isdigit(static_cast<unsigned char>(c.resume.front()));
+    if (!digits_only || res.ec != std::errc() || res.ptr != e || step < 0) {
+      bool numeric = res.ec == std::errc() && res.ptr == e;
+      t.fail("resume", cat("checkpoint.resume = ", numeric ? c.resume : cat("\"", c.resume, "\""),
+                           " is not accepted: use \"auto\" (newest complete checkpoint), \"none\" (start fresh)"
+                           " or a step number >= 0"));
+    }
+  }
+  c.dir = t.get_string("dir", cat(run.out_dir, "/checkpoints"));
+  if (c.dir.empty()) t.fail("dir", "checkpoint.dir must not be empty (default: <run.out_dir>/checkpoints)");
+  return c;
+}
+
+void check_cross_fields(const Config& c, const ConfigTable& model, const ConfigTable& train,
+                        const ConfigTable& precision) {
+  const ModelSpec& s = c.model.spec;
+  if (s.hidden % s.num_heads != 0)
+    model.fail(model.has("num_heads") ? "num_heads" : "hidden",
+               cat("model.hidden = ", s.hidden, " is not divisible by model.num_heads = ", s.num_heads,
+                   ": the head dimension is hidden / num_heads"));
+  if (s.num_heads % s.num_kv_heads != 0)
+    model.fail("num_kv_heads", cat("model.num_heads = ", s.num_heads, " is not divisible by model.num_kv_heads = ",
+                                   s.num_kv_heads, ": grouped-query attention shares each kv head among ",
+                                   "num_heads / num_kv_heads query heads"));
+  if (s.head_dim() % 2 != 0)
+    model.fail("hidden", cat("the head dimension model.hidden / model.num_heads = ", s.hidden, " / ", s.num_heads,
+                             " = ", s.head_dim(), " must be even: RoPE rotates pairs of dimensions"));
+  if (c.train.seq_len > s.max_seq_len)
+    train.fail("seq_len", cat("train.seq_len = ", c.train.seq_len, " exceeds model.max_seq_len = ", s.max_seq_len,
+                              ": raise model.max_seq_len or shorten train.seq_len"));
+  if (c.train.min_lr > c.train.lr)
+    train.fail("min_lr", cat("train.min_lr = ", format_number(c.train.min_lr), " exceeds train.lr = ", format_number(c.train.lr),
+                             ": the schedule decays from lr down to min_lr"));
+  if (c.train.warmup_steps > c.train.steps)
+    train.fail("warmup_steps", cat("train.warmup_steps = ", c.train.warmup_steps, " exceeds train.steps = ",
+                                   c.train.steps));
+  if (c.run.device == "cpu" && c.precision.plugin != "fp32")
+    precision.fail("plugin", cat("precision.plugin = \"", c.precision.plugin, "\" with run.device = \"cpu\": ",
+                                 "the CPU reference runs fp32 only: set precision.plugin = \"fp32\" or "
+                                 "run.device = \"cuda\""));
+}
+
+}  // namespace
+
+Config parse_config_string(std::string_view toml_text, const std::string& source_name,
+                           const std::vector<std::string>& overrides) {
+  ConfigTable root = parse_config_table(toml_text, source_name, overrides);
+  Config c;
+  c.source = source_name;
+  c.effective_toml = root.to_toml();
+
+  ConfigTable run = root.table("run");
+  ConfigTable model = root.table("model");
+  ConfigTable train = root.table("train");
+  ConfigTable checkpoint = root.table("checkpoint");
+  c.run = read_run(run);
+  c.model = read_model(model);
+  c.train = read_train(train);
+  c.checkpoint = read_checkpoint(checkpoint, c.run);
+  c.precision = read_plugin_section(root, "precision", "fp32");
+  c.attention = read_plugin_section(root, "attention", "naive");
+  c.sharding = read_plugin_section(root, "sharding", "none");
+  c.data = read_plugin_section(root, "data", "synthetic");
+
+  // Unknown names first: a misspelt key silently falls back to its default,
+  // which could otherwise surface as a confusing cross-field error.
+  root.finish();
+  run.finish();
+  model.finish();
+  train.finish();
+  checkpoint.finish();
+  check_cross_fields(c, model, train, c.precision.table);
+  return c;
+}
+
+Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (!std::filesystem::exists(file, ec))
+    throw Error(cat("config file '", file.string(), "' not found (working directory: ",
+                    std::filesystem::current_path(ec).string(), ")"));
+  if (std::filesystem::is_directory(file, ec))
+    throw Error(cat("config file '", file.string(), "' is a directory, expected a TOML file"));
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw Error(cat("config file '", file.string(), "' cannot be opened for reading"));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_config_string(text.str(), file.string(), overrides);
+}
+
+ConfigArgs parse_config_args(const std::vector<std::string>& args) {
+  ConfigArgs out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--set") {
+      if (i + 1 >= args.size()) throw Error("--set needs a value: --set section.key=value");
+      out.overrides.push_back(args[++i]);
+    } else if (a.rfind("--set=", 0) == 0) {
+      out.overrides.push_back(a.substr(6));
+    } else if (out.file.empty() && !a.empty() && a[0] != '-') {
+      out.file = a;
+    } else {
+      out.rest.push_back(a);
+    }
+  }
+  if (out.file.empty()) throw Error("missing CONFIG: expected CONFIG [--set section.key=value]...");
+  return out;
+}
+
+}  // namespace loom

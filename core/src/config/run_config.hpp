@@ -1,0 +1,97 @@
+// The typed run configuration: the core sections of a run's TOML file, read
+// and validated through ConfigTable, plus the four plugin tables handed on to
+// their plugins. docs/CONFIG.md documents every key.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "loom/config.hpp"
+#include "loom/model.hpp"
+
+namespace loom {
+
+struct RunSection {
+  std::string name = "run";
+  std::string out_dir = "runs/run";  // default: runs/<name>
+  std::string device = "cpu";        // cpu | cuda
+  uint64_t seed = 1234;
+  bool deterministic = false;
+  std::string log_level = "info";    // trace | debug | info | warn | error
+  int threads = 0;                   // CPU threads, 0 = all cores
+  std::vector<std::string> plugin_path;
+};
+
+struct ModelSection {
+  std::string init = "random";       // "random" | "hf:/path/to/dir"
+  std::string layers = "native";     // native | fused
+  ModelSpec spec;
+  double init_std = 0.02;
+  std::string recompute = "none";    // none | attention | full
+};
+
+struct TrainSection {
+  int64_t steps = 100;
+  int64_t micro_batch = 8;           // sequences per rank per micro-step
+  int64_t seq_len = 256;
+  int64_t grad_accum = 1;
+  double lr = 3e-4;
+  double min_lr = 3e-5;
+  int64_t warmup_steps = 0;
+  std::string schedule = "cosine";   // cosine | linear | constant
+  double grad_clip = 1.0;            // 0 disables
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  int64_t log_every = 1;
+  int64_t validation_every = 0;      // 0 = never
+  int64_t validation_batches = 8;
+};
+
+struct CheckpointSection {
+  int64_t every = 0;                 // 0 = never
+  int64_t keep_last = 3;             // 0 = keep all
+  std::string resume = "auto";       // "auto" | "none" | decimal step
+  std::string dir;                   // default <run.out_dir>/checkpoints
+};
+
+struct PluginSection {
+  std::string plugin;
+  std::string path;                  // optional explicit .so file
+  // The whole section, with `plugin` and `path` marked used: handed to the
+  // plugin, which reads its own keys and calls finish().
+  ConfigTable table;
+};
+
+struct Config {
+  std::string source;
+  std::string effective_toml;        // the config after overrides, as TOML text
+  RunSection run;
+  ModelSection model;
+  TrainSection train;
+  CheckpointSection checkpoint;
+  PluginSection precision, attention, sharding, data;
+};
+
+// Reads and validates `file` with `overrides` ("section.key=value") applied.
+// Throws loom::Error naming file:line (or the --set) for every problem in the
+// core sections; plugin keys are checked later by the plugins themselves.
+Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides);
+Config parse_config_string(std::string_view toml_text, const std::string& source_name,
+                           const std::vector<std::string>& overrides);
+
+struct ConfigArgs {
+  std::string file;
+  std::vector<std::string> overrides;
+  std::vector<std::string> rest;
+};
+// "CONFIG [--set k=v]... [other args]" -> file (the first argument that is
+// neither an option nor the value of --set), overrides ("--set k=v" and
+// "--set=k=v"), anything else in rest, in order (callers reject what they do
+// not know). Throws when --set lacks its value or no CONFIG is given.
+ConfigArgs parse_config_args(const std::vector<std::string>& args);
+
+}  // namespace loom
