@@ -12,6 +12,7 @@
 #include <functional>
 #include <optional>
 #include <regex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -393,4 +394,64 @@ TEST(RegistryCli, LoomPluginsListsGoodAndReportsBroken) {
   status = ::pclose(bad);
   EXPECT_EQ(WEXITSTATUS(status), 1);
   EXPECT_HAS(bad_out, "unknown argument '--bogus'");
+}
+
+TEST(ExamplePlugin, ArithRowsAreProgressionsAndResumeAcrossWorldSizes) {
+  ScopedPluginPath env(std::nullopt);
+  loom::PluginRegistry reg({kBroken / "example"});
+  loom::DataSpec spec;
+  spec.batch = 2;
+  spec.seq_len = 6;
+  spec.vocab_size = 50;
+  const int64_t len = spec.seq_len + 1;
+  auto make = [&](int rank, int world) {
+    loom::PluginInit init = init_for(rank, world);
+    init.seed = 1234;
+    auto src = reg.create_as<loom::PluginKind::data>("arith", init);
+    loom::DataSpec s = spec;
+    s.rank = rank;
+    s.world = world;
+    src->open(s);
+    return src;
+  };
+
+  // One rank, three steps: six rows, each start + t*step (mod vocab), step in 1..7.
+  auto one = make(0, 1);
+  std::vector<std::vector<int32_t>> rows;
+  std::string state_after_one;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<int32_t> tok(spec.batch * len);
+    one->next(loom::Split::train, tok.data());
+    if (step == 0) state_after_one = one->state();
+    for (int64_t r = 0; r < spec.batch; ++r) rows.emplace_back(tok.begin() + r * len, tok.begin() + (r + 1) * len);
+  }
+  std::set<int32_t> steps;
+  for (const auto& row : rows) {
+    const int32_t d = (row[1] - row[0] + 50) % 50;
+    EXPECT_GE(d, 1);
+    EXPECT_LE(d, 7);
+    steps.insert(d);
+    for (int64_t t = 1; t < len; ++t) EXPECT_EQ(row[t], (row[t - 1] + d) % 50);
+  }
+  EXPECT_GT(steps.size(), 1u) << "rows should not all share one step";
+
+  // Resume the one-rank state on two ranks: together they continue with rows 2..5.
+  std::vector<std::vector<int32_t>> resumed;
+  for (int rank = 0; rank < 2; ++rank) {
+    auto src = make(rank, 2);
+    src->restore(state_after_one);
+    std::vector<int32_t> tok(spec.batch * len);
+    src->next(loom::Split::train, tok.data());
+    for (int64_t r = 0; r < spec.batch; ++r) resumed.emplace_back(tok.begin() + r * len, tok.begin() + (r + 1) * len);
+  }
+  EXPECT_EQ(resumed, std::vector<std::vector<int32_t>>(rows.begin() + 2, rows.end()));
+
+  // Validation repeats after reset; a corrupt state is refused with the expected form.
+  std::vector<int32_t> v1(spec.batch * len), v2(spec.batch * len);
+  one->next(loom::Split::validation, v1.data());
+  one->reset(loom::Split::validation);
+  one->next(loom::Split::validation, v2.data());
+  EXPECT_EQ(v1, v2);
+  EXPECT_NE(std::vector<int32_t>(v1.begin(), v1.begin() + len), rows[0]) << "validation rows must differ from training rows";
+  EXPECT_HAS(error_of([&] { one->restore("{}"); }), "expected {\"train_rows\":N,\"validation_rows\":M}");
 }
