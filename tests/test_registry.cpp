@@ -210,8 +210,11 @@ TEST(Registry, EachBrokenFileHasItsOwnMessage) {
     EXPECT_HAS(msg, file.string());
     for (const auto& s : c.says) EXPECT_HAS(msg, s);
     // No message may come from another check.
-    for (const auto& other : broken_cases())
-      if (std::string(other.file) != c.file) EXPECT_HAS_NOT(msg, other.says.front());
+    for (const auto& other : broken_cases()) {
+      if (std::string(other.file) != c.file) {
+        EXPECT_HAS_NOT(msg, other.says.front());
+      }
+    }
   }
 }
 
