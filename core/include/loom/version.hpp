@@ -1,6 +1,10 @@
 // Versions. The library version follows the CMake project version (a test
 // checks they agree); the plugin ABI version changes only with the plugin ABI.
 #pragma once
+// <version> defines the library's configuration macros (_GLIBCXX_USE_CXX11_ABI
+// among them): without it LOOM_BUILD_ID would depend on what the including file
+// happened to include first, and libloom's own id would read "cxx11abi-?".
+#include <version>
 
 #define LOOM_VERSION_MAJOR 0
 #define LOOM_VERSION_MINOR 1
