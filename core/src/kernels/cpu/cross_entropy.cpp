@@ -26,10 +26,11 @@ double cross_entropy_row(T* l, int32_t t, int64_t V, double scale) {
   double sum = 0.0;
   for (int64_t j = 0; j < V; ++j) sum += std::exp(static_cast<double>(l[j]) - m);
   const double lse = m + std::log(sum);
-  const double loss = lse - static_cast<double>(l[t]);
+  const double lt = static_cast<double>(l[t]);  // read before the row is overwritten
+  const double loss = lse - lt;
   if (scale != 0.0) {
     for (int64_t j = 0; j < V; ++j) l[j] = static_cast<T>(std::exp(static_cast<double>(l[j]) - lse) * scale);
-    l[t] = static_cast<T>((std::exp(static_cast<double>(l[t]) - lse) - 1.0) * scale);
+    l[t] = static_cast<T>((std::exp(lt - lse) - 1.0) * scale);
   }
   return loss;
 }
