@@ -111,6 +111,15 @@ bool bitwise_equal(const FVec& a, const FVec& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const loom::Error& e) {
+    return e.what();
+  }
+  return "(no loom::Error thrown)";
+}
+
 // Runs f with the given OpenMP thread count, restoring the previous one.
 template <typename F>
 void with_threads(int n, F&& f) {
@@ -138,6 +147,15 @@ TEST(CpuKernels, EmbeddingForwardGathersRows) {
   for (int64_t n = 0; n < N; ++n)  // a copy: exact
     for (int64_t j = 0; j < h; ++j) ASSERT_EQ(outf[n * h + j], wtef[tok[n] * h + j]) << "n=" << n << " j=" << j;
   EXPECT_LE(rel_err(outf, out), kFloatTol);
+}
+
+TEST(CpuKernels, CheckTokensNamesTheFirstBadToken) {
+  const std::vector<int32_t> good = {0, 3, 9}, bad = {0, 10, -1};
+  EXPECT_NO_THROW(loom::cpu::check_tokens(good.data(), 3, 10));
+  EXPECT_TRUE(std::string(error_of([&] { loom::cpu::check_tokens(bad.data(), 3, 10); })).find(
+                  "token id 10 at position 1") != std::string::npos);
+  const std::vector<int32_t> neg = {4, -1};
+  EXPECT_THROW(loom::cpu::check_tokens(neg.data(), 2, 10), loom::Error);
 }
 
 TEST(CpuKernels, EmbeddingBackwardMatchesFiniteDifferences) {
@@ -806,14 +824,6 @@ std::unique_ptr<T> create(const loom::PluginDescriptor* desc, loom::Device devic
   return std::unique_ptr<T>(static_cast<T*>(desc->create(&init)));
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const loom::Error& e) {
-    return e.what();
-  }
-  return "(no loom::Error thrown)";
-}
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 TEST(Fp32Plugin, GemmsThroughThePluginMatchTheHelpers) {

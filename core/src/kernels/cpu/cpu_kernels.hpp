@@ -21,6 +21,10 @@
 namespace loom::cpu {
 
 // embedding.cpp -------------------------------------------------------------
+// The embedding kernels index wte with the tokens unchecked (they do not know
+// V); call this on each batch as it arrives. Throws loom::Error naming the
+// first token outside [0, V) and its position.
+void check_tokens(const int32_t* tokens, int64_t N, int64_t V);
 // out[n, :] = wte[tokens[n], :]
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t h);
 // dwte[tokens[n], :] += dout[n, :]   (deterministic: serial over n per row of wte)

@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "loom/error.hpp"
 
 namespace loom::cpu {
 namespace {
@@ -35,6 +36,12 @@ void embedding_backward_t(T* dwte, const T* dout, const int32_t* tokens, int64_t
 }
 
 }  // namespace
+
+void check_tokens(const int32_t* tokens, int64_t N, int64_t V) {
+  for (int64_t n = 0; n < N; ++n)
+    LOOM_CHECK(tokens[n] >= 0 && tokens[n] < V, "token id ", tokens[n], " at position ", n,
+               " is outside the vocabulary [0, ", V, "): the data does not match model.vocab_size");
+}
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, int64_t N, int64_t h) {
   embedding_forward_t(out, tokens, wte, N, h);
