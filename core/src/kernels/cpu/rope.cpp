@@ -10,10 +10,12 @@
 // The fp32 rounding of inv_freq (relative 6e-8) is multiplied by the position,
 // so at pos = 2048 HF's angles differ from the exact ones by up to ~1e-4 rad:
 // far more than the 1e-5 the golden logit tests allow. We therefore reproduce
-// HF's fp32 angle exactly: the power is evaluated in double and rounded once to
-// fp32 (the correctly rounded value, which torch's 1-ulp pow returns), the
-// reciprocal and the product with pos are fp32 operations as in torch. cos and
-// sin of that fp32 angle are then taken in double, which is exact to rounding;
+// HF's fp32 angle: the power is evaluated in double and rounded once to fp32
+// (the correctly rounded value; torch's vectorised pow is within 1 ulp of it),
+// the reciprocal and the product with pos are fp32 operations as in torch.
+// (The tests match an fp32 emulation of HF built on powf/cosf to ~1e-8 up to
+// pos 4096, where exact angles miss it by ~2e-5.) cos and sin of that fp32
+// angle are then taken in double, which is exact to rounding;
 // the float kernel rounds them to fp32 (HF's table, within 1 ulp) and the
 // double kernel keeps them, so both overloads compute the same function.
 #include <cmath>
