@@ -1,0 +1,126 @@
+// The naive attention plugin: materialised softmax, fp32 on the CPU. Slow
+// (O(S^2) per head, no tiling) and exact: the reference for the fast plugins.
+#include <omp.h>
+
+#include <algorithm>
+#include <exception>
+#include <string>
+
+#include "attention/naive/attention_naive_cpu.hpp"
+#include "loom/attention.hpp"
+#include "loom/error.hpp"
+
+namespace loom::naive {
+namespace {
+
+AttnDims dims_of(const AttentionShape& s) {
+  return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, static_cast<double>(s.scale), s.causal};
+}
+
+// Checks one BSHD tensor against the shape and returns its strides.
+Bshd bshd(const Tensor& t, const char* what, const AttentionShape& s, int64_t heads) {
+  LOOM_CHECK(t.data != nullptr, "naive attention: ", what, " has no data");
+  LOOM_CHECK(t.dtype == DType::f32 && t.device == Device::cpu, "naive attention: ", what, " must be fp32 on cpu, got ",
+             dtype_name(t.dtype), " on ", device_name(t.device));
+  LOOM_CHECK(t.ndim == 4 && t.shape[0] == s.batch && t.shape[1] == s.seq && t.shape[2] == heads &&
+                 t.shape[3] == s.head_dim,
+             "naive attention: ", what, " must have shape [B,S,heads,D] = [", s.batch, ",", s.seq, ",", heads, ",",
+             s.head_dim, "], got ", t.shape_str());
+  LOOM_CHECK(t.stride[3] == 1, "naive attention: ", what, " must be contiguous in head_dim, got stride ", t.stride[3]);
+  return {t.stride[0], t.stride[1], t.stride[2]};
+}
+
+void check_stats(const Tensor& t, const AttentionShape& s) {
+  LOOM_CHECK(t.data != nullptr, "naive attention: stats has no data");
+  LOOM_CHECK(t.dtype == DType::f32 && t.device == Device::cpu, "naive attention: stats must be fp32 on cpu, got ",
+             dtype_name(t.dtype), " on ", device_name(t.device));
+  LOOM_CHECK(t.ndim == 3 && t.shape[0] == s.batch && t.shape[1] == s.heads && t.shape[2] == s.seq &&
+                 t.is_contiguous(),
+             "naive attention: stats must be a contiguous [B,H,S] = [", s.batch, ",", s.heads, ",", s.seq,
+             "] tensor, got ", t.shape_str());
+}
+
+class NaiveAttention final : public Attention {
+ public:
+  explicit NaiveAttention(const PluginInit& init) : device_(init.device) {
+    // No options; finish() rejects any key given.
+    init.config.finish();
+    // Scratch is sized for this many threads when the core plans the
+    // workspace, and the kernels never use more (the thread count may change
+    // later, the workspace does not).
+    workers_ = std::max(1, omp_get_max_threads());
+  }
+
+  Support supports(const AttentionShape& shape, DType dtype, Device device) const override {
+    if (device != Device::cpu)
+      return Support::no(cat("naive attention on ", device_name(device),
+                             " comes with the CUDA backend (a build with LOOM_WITH_CUDA=ON); this build's naive "
+                             "plugin runs on the CPU only"));
+    if (dtype != DType::f32)
+      return Support::no(cat("naive attention on the CPU computes in fp32 only, got ", dtype_name(dtype),
+                             "; use the fp32 precision recipe for CPU runs"));
+    try {
+      check_dims(dims_of(shape));
+    } catch (const Error& e) {
+      return Support::no(e.what());
+    }
+    return Support::yes();
+  }
+
+  size_t workspace_bytes(const AttentionShape& shape, DType /*dtype*/, Device /*device*/) const override {
+    const AttnDims d = dims_of(shape);
+    const int64_t per_worker = std::max(forward_scratch_doubles(d), backward_scratch_doubles(d));
+    return static_cast<size_t>(per_worker) * static_cast<size_t>(workers_) * sizeof(double);
+  }
+
+  void forward(const ExecContext& ctx, const AttentionShape& shape, const Tensor& q, const Tensor& k, const Tensor& v,
+               Tensor& out, Tensor& stats, void* workspace) override {
+    const AttnDims d = prepare(ctx, shape, workspace);
+    const Bshd qs = bshd(q, "q", shape, shape.heads), ks = bshd(k, "k", shape, shape.kv_heads),
+               vs = bshd(v, "v", shape, shape.kv_heads), os = bshd(out, "out", shape, shape.heads);
+    check_stats(stats, shape);
+    attention_forward<float>(d, out.ptr<float>(), os, stats.ptr<float>(), q.ptr<const float>(), qs,
+                             k.ptr<const float>(), ks, v.ptr<const float>(), vs, static_cast<double*>(workspace),
+                             workers_);
+  }
+
+  void backward(const ExecContext& ctx, const AttentionShape& shape, const Tensor& q, const Tensor& k, const Tensor& v,
+                const Tensor& out, const Tensor& dout, const Tensor& stats, Tensor& dq, Tensor& dk, Tensor& dv,
+                void* workspace) override {
+    const AttnDims d = prepare(ctx, shape, workspace);
+    const Bshd qs = bshd(q, "q", shape, shape.heads), ks = bshd(k, "k", shape, shape.kv_heads),
+               vs = bshd(v, "v", shape, shape.kv_heads), dos = bshd(dout, "dout", shape, shape.heads),
+               dqs = bshd(dq, "dq", shape, shape.heads), dks = bshd(dk, "dk", shape, shape.kv_heads),
+               dvs = bshd(dv, "dv", shape, shape.kv_heads);
+    // out is not read (backward rebuilds P from stats), but a wrong one means
+    // the caller mixed up buffers: check it all the same.
+    bshd(out, "out", shape, shape.heads);
+    check_stats(stats, shape);
+    attention_backward<float>(d, dq.ptr<float>(), dqs, dk.ptr<float>(), dks, dv.ptr<float>(), dvs,
+                              dout.ptr<const float>(), dos, q.ptr<const float>(), qs, k.ptr<const float>(), ks,
+                              v.ptr<const float>(), vs, stats.ptr<const float>(), static_cast<double*>(workspace),
+                              workers_);
+  }
+
+ private:
+  AttnDims prepare(const ExecContext& ctx, const AttentionShape& shape, void* workspace) const {
+    LOOM_CHECK(ctx.device == Device::cpu && device_ == Device::cpu, "naive attention: called on ",
+               device_name(ctx.device), " (plugin created for ", device_name(device_),
+               "); this build's naive plugin runs on the CPU only, CUDA comes with the CUDA backend");
+    const AttnDims d = dims_of(shape);
+    check_dims(d);
+    LOOM_CHECK(workspace != nullptr, "naive attention: needs a workspace of ", workspace_bytes(shape, DType::f32,
+               Device::cpu), " bytes (workspace_bytes()), got none");
+    return d;
+  }
+
+  Device device_;
+  int workers_ = 1;
+};
+
+}  // namespace
+}  // namespace loom::naive
+
+using loom::naive::NaiveAttention;
+LOOM_PLUGIN(attention, NaiveAttention, "naive", "1.0.0",
+            "causal GQA attention with a materialised softmax, fp32 on the CPU: the exact reference")

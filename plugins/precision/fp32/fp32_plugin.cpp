@@ -1,0 +1,136 @@
+// The fp32 precision recipe: everything is stored and computed in fp32, the
+// optimizer updates the parameters directly (no master copy). It is the
+// reference the other recipes are measured against, and on the CPU it is the
+// slow exact path the tests run.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "loom/error.hpp"
+#include "loom/precision.hpp"
+#include "precision/fp32/gemm_cpu.hpp"
+
+namespace loom::fp32 {
+namespace {
+
+// A tensor seen as a row-major matrix [rows, cols] with row stride ld:
+// leading dimensions are folded into rows, which needs them to be packed.
+struct Matrix {
+  int64_t rows = 0, cols = 0, ld = 0;
+};
+
+Matrix as_matrix(const Tensor& t, const char* what, const std::string& linear) {
+  LOOM_CHECK(t.data != nullptr, "precision fp32: ", linear, ": ", what, " has no data");
+  LOOM_CHECK(t.dtype == DType::f32, "precision fp32: ", linear, ": ", what, " must be fp32, got ",
+             dtype_name(t.dtype), " (the fp32 recipe stores every tensor in fp32)");
+  LOOM_CHECK(t.device == Device::cpu, "precision fp32: ", linear, ": ", what, " is on ", device_name(t.device),
+             "; this build's fp32 recipe runs on the CPU only");
+  LOOM_CHECK(t.ndim >= 2, "precision fp32: ", linear, ": ", what, " must have at least 2 dims, got shape ",
+             t.shape_str());
+  const int last = t.ndim - 1;
+  LOOM_CHECK(t.stride[last] == 1 || t.shape[last] == 1, "precision fp32: ", linear, ": ", what,
+             " must be contiguous in its last dim, got stride ", t.stride[last], " for shape ", t.shape_str());
+  Matrix m;
+  m.cols = t.shape[last];
+  m.ld = t.stride[last - 1];
+  m.rows = 1;
+  for (int i = 0; i < last; ++i) m.rows *= t.shape[i];
+  // Leading dims fold into rows only if each steps over whole rows of the next.
+  for (int i = 0; i + 1 < last; ++i)
+    LOOM_CHECK(t.shape[i] == 1 || t.stride[i] == t.stride[i + 1] * t.shape[i + 1], "precision fp32: ", linear, ": ",
+               what, " of shape ", t.shape_str(), " has a dim ", i, " stride ", t.stride[i],
+               " that does not fold into rows (need ", t.stride[i + 1] * t.shape[i + 1], ")");
+  if (m.rows <= 1) m.ld = std::max<int64_t>(m.ld, m.cols);  // a single row's stride is irrelevant
+  LOOM_CHECK(m.ld >= m.cols, "precision fp32: ", linear, ": ", what, " rows overlap: row stride ", m.ld, " < ",
+             m.cols, " columns (shape ", t.shape_str(), ")");
+  return m;
+}
+
+class Fp32Precision final : public Precision {
+ public:
+  explicit Fp32Precision(const PluginInit& init) {
+    LOOM_CHECK(init.device == Device::cpu,
+               "precision fp32: device ", device_name(init.device),
+               " is not available in this plugin: the CUDA fp32 path is part of the CUDA backend (build with "
+               "LOOM_WITH_CUDA=ON), this plugin runs on the CPU");
+    // The recipe has no options of its own; finish() rejects any key given.
+    init.config.finish();
+  }
+
+  PrecisionDTypes dtypes() const override {
+    return {DType::f32, DType::f32, DType::f32, DType::f32, DType::f32, /*has_master=*/false};
+  }
+
+  int register_linear(const LinearDesc& desc) override {
+    LOOM_CHECK(desc.in > 0 && desc.out > 0 && desc.max_rows >= 0, "precision fp32: linear '", desc.name,
+               "' has invalid shape in=", desc.in, " out=", desc.out, " max_rows=", desc.max_rows);
+    linears_.push_back(desc);
+    return static_cast<int>(linears_.size()) - 1;
+  }
+
+  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y) override {
+    const LinearDesc& d = lookup(ctx, id);
+    const Matrix mx = as_matrix(x, "x", d.name), my = as_matrix(y, "y", d.name);
+    weight(w, "w", d);
+    check_rows(d, mx, "x");
+    check_cols(d, mx, d.in, "x", "in");
+    check_cols(d, my, d.out, "y", "out");
+    LOOM_CHECK(my.rows == mx.rows, "precision fp32: ", d.name, ": y has ", my.rows, " rows but x has ", mx.rows);
+    fp32::linear_forward(y.ptr<float>(), my.ld, x.ptr<const float>(), mx.ld, w.ptr<const float>(), mx.rows, d.in,
+                         d.out);
+  }
+
+  void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                       Tensor& dw, bool accumulate) override {
+    const LinearDesc& d = lookup(ctx, id);
+    const Matrix mx = as_matrix(x, "x", d.name), mdy = as_matrix(dy, "dy", d.name);
+    weight(w, "w", d);
+    weight(dw, "dw", d);
+    check_rows(d, mx, "x");
+    check_cols(d, mx, d.in, "x", "in");
+    check_cols(d, mdy, d.out, "dy", "out");
+    LOOM_CHECK(mdy.rows == mx.rows, "precision fp32: ", d.name, ": dy has ", mdy.rows, " rows but x has ", mx.rows);
+    if (dx != nullptr) {
+      const Matrix mdx = as_matrix(*dx, "dx", d.name);
+      check_cols(d, mdx, d.in, "dx", "in");
+      LOOM_CHECK(mdx.rows == mx.rows, "precision fp32: ", d.name, ": dx has ", mdx.rows, " rows but x has ", mx.rows);
+      fp32::linear_backward_input(dx->ptr<float>(), mdx.ld, dy.ptr<const float>(), mdy.ld, w.ptr<const float>(),
+                                  mx.rows, d.in, d.out);
+    }
+    fp32::linear_backward_weight(dw.ptr<float>(), dy.ptr<const float>(), mdy.ld, x.ptr<const float>(), mx.ld, mx.rows,
+                                 d.in, d.out, accumulate);
+  }
+
+ private:
+  const LinearDesc& lookup(const ExecContext& ctx, int id) const {
+    LOOM_CHECK(ctx.device == Device::cpu, "precision fp32: called with a ", device_name(ctx.device),
+               " context; this plugin runs on the CPU (the CUDA fp32 path is part of the CUDA backend)");
+    LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision fp32: linear id ", id,
+               " was never registered (", linears_.size(), " linears registered)");
+    return linears_[static_cast<size_t>(id)];
+  }
+  // The weight is one packed [out, in] matrix: a parameter buffer, never a view.
+  void weight(const Tensor& t, const char* what, const LinearDesc& d) const {
+    as_matrix(t, what, d.name);
+    LOOM_CHECK(t.ndim == 2 && t.shape[0] == d.out && t.shape[1] == d.in && t.is_contiguous(), "precision fp32: ",
+               d.name, ": ", what, " must be a contiguous [out, in] = [", d.out, ",", d.in, "] matrix, got shape ",
+               t.shape_str(), " strides [", t.stride[0], ",", t.stride[1], "]");
+  }
+  static void check_rows(const LinearDesc& d, const Matrix& m, const char* what) {
+    LOOM_CHECK(d.max_rows == 0 || m.rows <= d.max_rows, "precision fp32: ", d.name, ": ", what, " has ", m.rows,
+               " rows, more than the max_rows=", d.max_rows, " it was registered with");
+  }
+  static void check_cols(const LinearDesc& d, const Matrix& m, int64_t want, const char* what, const char* dim) {
+    LOOM_CHECK(m.cols == want, "precision fp32: ", d.name, ": ", what, " has ", m.cols, " columns, expected ", dim,
+               "=", want);
+  }
+
+  std::vector<LinearDesc> linears_;
+};
+
+}  // namespace
+}  // namespace loom::fp32
+
+using loom::fp32::Fp32Precision;
+LOOM_PLUGIN(precision, Fp32Precision, "fp32", "1.0.0",
+            "fp32 everywhere, no master copy: the reference recipe (CPU GEMMs through CBLAS)")
