@@ -1,0 +1,75 @@
+// Token shards: flat files of token ids, the input of the `tokens` data plugin
+// and the output of `loom prepare`.
+//
+// Format (all integers little-endian):
+//
+//   offset  size  field
+//   0       8     magic "LOOMTOKS"
+//   8       4     format version (uint32) = 1
+//   12      4     token width in bytes (uint32): 2 (ids < 65536) or 4
+//   16      8     token count (uint64)
+//   24      4     vocabulary size (uint32): every id is < vocab; 0 = unknown
+//   28      996   zero (reserved; readers of version 1 ignore it)
+//   1024    count * width   the tokens, little-endian, unsigned
+//
+// The header is a fixed 1024 bytes so that the tokens start page-aligned
+// enough for mmap and so that later versions can add fields without moving
+// the data. The file size must be exactly 1024 + count * width: anything else
+// means a truncated or overwritten file, and is refused at open.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace loom {
+
+inline constexpr std::size_t kTokenShardHeaderBytes = 1024;
+inline constexpr char kTokenShardMagic[8] = {'L', 'O', 'O', 'M', 'T', 'O', 'K', 'S'};
+inline constexpr uint32_t kTokenShardVersion = 1;
+
+// Writes `n` tokens as a shard of `width` bytes per token (2 or 4) with the
+// given vocabulary size (0 = unknown). Every token must fit the width and, if
+// vocab > 0, be < vocab. The data goes to `path`.tmp, is fsynced, then renamed
+// over `path`, so a reader never sees a half-written shard under its real name.
+void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t n, int width,
+                       uint32_t vocab);
+
+// A read-only, memory-mapped shard. The header and the file size are checked
+// at open; each failure is a loom::Error naming the file, what was expected
+// and what was found. Tokens themselves are checked against a vocabulary only
+// when they are read (copy()), so opening a large shard costs no scan.
+class TokenShard {
+ public:
+  explicit TokenShard(const std::string& path);
+  ~TokenShard();
+  TokenShard(TokenShard&& other) noexcept;
+  TokenShard& operator=(TokenShard&& other) noexcept;
+  TokenShard(const TokenShard&) = delete;
+  TokenShard& operator=(const TokenShard&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return count_; }   // number of tokens
+  int width() const { return width_; }       // 2 or 4
+  uint32_t vocab() const { return vocab_; }  // 0 = unknown
+
+  // Token i (no bounds check beyond a debug assertion; use copy() for checked reads).
+  uint32_t operator[](uint64_t i) const;
+
+  // Copies tokens [begin, begin + n) into `out` as int32. Throws loom::Error
+  // naming the file if the range is outside the shard, and naming the file
+  // and the token index if a token is >= `limit` (the model vocabulary; the
+  // default only rejects ids that do not fit an int32).
+  void copy(uint64_t begin, uint64_t n, int32_t* out, int64_t limit = int64_t{1} << 31) const;
+
+ private:
+  void close() noexcept;
+
+  std::string path_;
+  const unsigned char* map_ = nullptr;  // whole file
+  std::size_t map_bytes_ = 0;
+  uint64_t count_ = 0;
+  int width_ = 0;
+  uint32_t vocab_ = 0;
+};
+
+}  // namespace loom

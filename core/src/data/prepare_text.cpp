@@ -1,0 +1,252 @@
+#include "data/prepare_text.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <system_error>
+
+#include <nlohmann/json.hpp>
+
+#include "data/byte_tokenizer.hpp"
+#include "data/hash.hpp"
+#include "loom/error.hpp"
+#include "loom/log.hpp"
+#include "loom/token_shard.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom::data {
+namespace {
+
+struct Collector {
+  std::vector<std::string> files;
+  std::vector<std::pair<std::string, std::string>> skipped;
+  std::set<fs::path> seen_files, seen_dirs;
+
+  void add(const fs::path& p, bool explicit_input) {
+    std::error_code ec;
+    fs::file_status st = fs::status(p, ec);  // follows symlinks
+    if (ec || !fs::exists(st)) {
+      if (explicit_input)
+        throw Error(cat("input '", p.string(), "' does not exist; give text files or directories of them"));
+      skip(p, "a dangling symlink");
+      return;
+    }
+    const fs::path canon = fs::canonical(p, ec);
+    if (fs::is_directory(st)) {
+      // Symlinked directories are followed once; the set breaks cycles.
+      if (!seen_dirs.insert(ec ? p : canon).second) return;
+      std::vector<fs::path> entries;
+      for (auto& e : fs::directory_iterator(p, ec)) entries.push_back(e.path());
+      if (ec) throw Error(cat("cannot list input directory '", p.string(), "': ", ec.message()));
+      std::sort(entries.begin(), entries.end());
+      for (auto& e : entries) add(e, false);
+      return;
+    }
+    if (!fs::is_regular_file(st)) {
+      skip(p, "not a regular file");
+      return;
+    }
+    if (!seen_files.insert(ec ? p : canon).second) {
+      log_debug(cat("prepare: '", p.string(), "' is the same file as one already read; reading it once"));
+      return;
+    }
+    files.push_back(p.string());
+  }
+  void skip(const fs::path& p, std::string why) {
+    log_warn(cat("prepare: skipping '", p.string(), "': ", why));
+    skipped.emplace_back(p.string(), std::move(why));
+  }
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(cat("cannot read input '", path, "'; check its permissions"));
+  in.seekg(0, std::ios::end);
+  std::string s(static_cast<std::size_t>(in.tellg()), '\0');
+  in.seekg(0);
+  in.read(s.data(), static_cast<std::streamsize>(s.size()));
+  if (!in) throw Error(cat("error reading input '", path, "'"));
+  return s;
+}
+
+struct Doc {
+  uint32_t file;      // index into the used files
+  uint64_t offset, size;
+  bool val = false;
+};
+
+bool is_prepare_output(const std::string& name) {
+  return name == "val.bin" || name == "prepare.json" ||
+         (name.starts_with("train_") && (name.ends_with(".bin") || name.ends_with(".bin.tmp")));
+}
+
+}  // namespace
+
+PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
+  if (!(opt.val_fraction >= 0.0 && opt.val_fraction < 1.0))
+    throw Error(cat("--val-fraction ", opt.val_fraction, " is out of range; use a value in [0, 1), e.g. 0.05"));
+  if (opt.shard_tokens == 0) throw Error("--shard-tokens must be at least 1 (default 16M)");
+  if (opt.inputs.empty()) throw Error("no inputs: give at least one text file or directory");
+  if (opt.out_dir.empty()) throw Error("no output directory given");
+
+  // Refuse to mix with an earlier run's shards: a train_*.bin glob would pick up stale files.
+  std::error_code ec;
+  const fs::path out(opt.out_dir);
+  if (fs::exists(out, ec)) {
+    if (!fs::is_directory(out, ec))
+      throw Error(cat("output '", opt.out_dir, "' exists and is not a directory; choose a directory"));
+    std::vector<fs::path> stale;
+    for (auto& e : fs::directory_iterator(out, ec))
+      if (is_prepare_output(e.path().filename().string())) stale.push_back(e.path());
+    if (!stale.empty()) {
+      if (!opt.force)
+        throw Error(cat("output directory '", opt.out_dir, "' already holds prepared data ('",
+                        stale.front().filename().string(), "'); pass --force to replace it or choose another directory"));
+      for (auto& p : stale) fs::remove(p, ec);
+    }
+  } else {
+    fs::create_directories(out, ec);
+    if (ec) throw Error(cat("cannot create output directory '", opt.out_dir, "': ", ec.message()));
+  }
+
+  Collector col;
+  for (auto& in : opt.inputs) col.add(fs::path(in), true);
+
+  // Pass 1: validate each file and find its documents; keep only offsets.
+  PrepareTextResult res;
+  res.files_skipped = col.skipped;
+  std::vector<Doc> docs;
+  std::vector<uint64_t> doc_hash;
+  for (auto& path : col.files) {
+    const std::string text = read_file(path);
+    std::string why;
+    if (!is_utf8_text(text, &why)) {
+      log_warn(cat("prepare: skipping '", path, "': not UTF-8 text (", why, ")"));
+      res.files_skipped.emplace_back(path, cat("not UTF-8 text (", why, ")"));
+      continue;
+    }
+    auto parts = split_documents(text);
+    if (parts.empty()) {
+      log_warn(cat("prepare: skipping '", path, "': no text in it"));
+      res.files_skipped.emplace_back(path, "no text in it");
+      continue;
+    }
+    const auto file_index = static_cast<uint32_t>(res.files_used.size());
+    res.files_used.push_back(path);
+    for (auto d : parts) {
+      docs.push_back({file_index, static_cast<uint64_t>(d.data() - text.data()), d.size()});
+      doc_hash.push_back(hash_bytes(opt.seed, d));
+    }
+  }
+  if (docs.empty()) {
+    std::string list;
+    for (auto& [p, why] : res.files_skipped) list += cat("\n  ", p, ": ", why);
+    throw Error(cat("no usable text in the inputs; every file was skipped:", list.empty() ? " (no files found)" : list));
+  }
+  res.documents = docs.size();
+
+  // The val set: the round(fraction * n) documents with the smallest seeded
+  // hash (ties by position), at least one when a fraction is asked for, and
+  // never every document, so train is never empty.
+  uint64_t n_val = 0;
+  if (opt.val_fraction > 0 && docs.size() > 1) {
+    n_val = static_cast<uint64_t>(std::llround(opt.val_fraction * static_cast<double>(docs.size())));
+    n_val = std::clamp<uint64_t>(n_val, 1, docs.size() - 1);
+  } else if (opt.val_fraction > 0) {
+    log_warn("prepare: only one document, so val.bin is empty; give more text or --val-fraction 0");
+  }
+  {
+    std::vector<uint64_t> order(docs.size());
+    for (uint64_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n_val), order.end(),
+                     [&](uint64_t a, uint64_t b) { return doc_hash[a] != doc_hash[b] ? doc_hash[a] < doc_hash[b] : a < b; });
+    for (uint64_t i = 0; i < n_val; ++i) docs[order[i]].val = true;
+  }
+
+  uint64_t train_total = 0;
+  for (auto& d : docs) {
+    if (d.val) {
+      res.val_documents++;
+      res.val_tokens += d.size + 2;
+    } else {
+      res.train_documents++;
+      train_total += d.size + 2;
+    }
+  }
+  // Zero-padded wide enough for every shard, so a sorted glob is the write order.
+  const uint64_t n_shards = (train_total + opt.shard_tokens - 1) / opt.shard_tokens;
+  int digits = 3;
+  for (uint64_t x = n_shards > 0 ? n_shards - 1 : 0; x >= 1000; x /= 10) ++digits;
+
+  // Pass 2: re-read the used files and emit tokens in file order.
+  std::vector<uint32_t> train_buf, val_buf;
+  nlohmann::json shard_list = nlohmann::json::array();
+  auto flush_train = [&](bool final) {
+    while (train_buf.size() >= opt.shard_tokens || (final && !train_buf.empty())) {
+      const uint64_t n = std::min<uint64_t>(train_buf.size(), opt.shard_tokens);
+      char name[64];
+      std::snprintf(name, sizeof name, "train_%0*llu.bin", digits, static_cast<unsigned long long>(res.train_shards.size()));
+      const std::string path = (out / name).string();
+      write_token_shard(path, train_buf.data(), n, 2, ByteTokenizer::vocab);
+      res.train_shards.push_back(path);
+      res.train_tokens += n;
+      shard_list.push_back({{"file", name}, {"tokens", n}});
+      train_buf.erase(train_buf.begin(), train_buf.begin() + static_cast<std::ptrdiff_t>(n));
+    }
+  };
+  std::size_t di = 0;
+  for (uint32_t f = 0; f < res.files_used.size(); ++f) {
+    const std::string text = read_file(res.files_used[f]);
+    for (; di < docs.size() && docs[di].file == f; ++di) {
+      const Doc& d = docs[di];
+      if (d.offset + d.size > text.size())
+        throw Error(cat("input '", res.files_used[f], "' changed while it was being read; run loom prepare again"));
+      std::string_view body(text.data() + d.offset, d.size);
+      ByteTokenizer::encode_document(body, d.val ? val_buf : train_buf);
+    }
+    flush_train(false);
+  }
+  flush_train(true);
+  if (opt.val_fraction > 0) {
+    res.val_shard = (out / "val.bin").string();
+    write_token_shard(res.val_shard, val_buf.data(), val_buf.size(), 2, ByteTokenizer::vocab);
+  }
+
+  nlohmann::json skipped = nlohmann::json::array();
+  for (auto& [p, why] : res.files_skipped) skipped.push_back({{"path", p}, {"reason", why}});
+  nlohmann::json manifest = {
+      {"format", "loom-token-shards"},
+      {"tokenizer", ByteTokenizer::name},
+      {"vocab", ByteTokenizer::vocab},
+      {"bos", ByteTokenizer::bos},
+      {"eos", ByteTokenizer::eos},
+      {"token_width", 2},
+      {"seed", opt.seed},
+      {"val_fraction", opt.val_fraction},
+      {"shard_tokens", opt.shard_tokens},
+      {"inputs", opt.inputs},
+      {"files_used", res.files_used},
+      {"files_skipped", skipped},
+      {"documents", res.documents},
+      {"train", {{"documents", res.train_documents}, {"tokens", res.train_tokens}, {"shards", shard_list}}},
+      {"val", opt.val_fraction > 0 ? nlohmann::json{{"documents", res.val_documents}, {"tokens", res.val_tokens},
+                                                    {"file", "val.bin"}}
+                                   : nlohmann::json(nullptr)},
+  };
+  res.manifest = (out / "prepare.json").string();
+  {
+    const std::string tmp = res.manifest + ".tmp";
+    std::ofstream o(tmp);
+    o << manifest.dump(2) << "\n";
+    o.close();
+    if (!o) throw Error(cat("cannot write '", tmp, "'; check free disk space and permissions"));
+    fs::rename(tmp, res.manifest, ec);
+    if (ec) throw Error(cat("cannot rename '", tmp, "' to '", res.manifest, "': ", ec.message()));
+  }
+  return res;
+}
+
+}  // namespace loom::data

@@ -1,0 +1,105 @@
+#include "data/synthetic_source.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include "data/hash.hpp"
+#include "loom/error.hpp"
+#include "loom/log.hpp"
+
+namespace loom::data {
+
+namespace {
+// Hash domains keep train and validation streams (and token vs start hashes) apart.
+constexpr uint64_t kTrainDomain = 0x545241494eull;  // "TRAIN"
+constexpr uint64_t kValDomain = 0x56414cull;        // "VAL"
+constexpr uint64_t kStartTag = 0x5354415254ull;     // "START"
+}  // namespace
+
+SyntheticSource::SyntheticSource(SyntheticOptions opt) : opt_(std::move(opt)) {
+  if (opt_.pattern != "random" && opt_.pattern != "ramp")
+    throw Error(cat("data plugin 'synthetic': pattern = \"", opt_.pattern, "\" is not known; use \"random\" or \"ramp\""));
+  if (opt_.vocab < 0)
+    throw Error(cat("data plugin 'synthetic': vocab = ", opt_.vocab, " is negative; use a positive size or leave it out "
+                    "to take the model's vocab_size"));
+  ramp_ = opt_.pattern == "ramp";
+}
+
+void SyntheticSource::open(const DataSpec& spec) {
+  if (spec.batch < 1 || spec.seq_len < 1 || spec.vocab_size < 1 || spec.world < 1 || spec.rank < 0 ||
+      spec.rank >= spec.world)
+    throw Error(cat("data plugin 'synthetic': invalid spec (batch ", spec.batch, ", seq_len ", spec.seq_len,
+                    ", vocab_size ", spec.vocab_size, ", rank ", spec.rank, " of ", spec.world,
+                    "); all must be positive and rank < world"));
+  if (opt_.vocab > spec.vocab_size)
+    throw Error(cat("data plugin 'synthetic': vocab = ", opt_.vocab, " is larger than the model's vocab_size ",
+                    spec.vocab_size, "; lower data.vocab or raise model.vocab_size"));
+  spec_ = spec;
+  vocab_ = opt_.vocab > 0 ? opt_.vocab : spec.vocab_size;
+  seed_ = spec.seed;
+  cursor_ = val_cursor_ = 0;
+  opened_ = true;
+}
+
+int32_t SyntheticSource::token(Split split, uint64_t sample, uint64_t pos) const {
+  const uint64_t domain = split == Split::train ? kTrainDomain : kValDomain;
+  const uint64_t v = static_cast<uint64_t>(vocab_);
+  if (ramp_) {
+    const uint64_t start = bounded(hash_of(seed_, domain, kStartTag, sample), v);
+    return static_cast<int32_t>((start + pos) % v);
+  }
+  return static_cast<int32_t>(bounded(hash_of(seed_, domain, sample, pos), v));
+}
+
+void SyntheticSource::next(Split split, int32_t* tokens) {
+  if (!opened_) throw Error("data plugin 'synthetic': next() called before open()");
+  const uint64_t B = static_cast<uint64_t>(spec_.batch), row = static_cast<uint64_t>(spec_.seq_len) + 1;
+  uint64_t& cur = split == Split::train ? cursor_ : val_cursor_;
+  const uint64_t first = cur + static_cast<uint64_t>(spec_.rank) * B;
+  for (uint64_t i = 0; i < B; ++i)
+    for (uint64_t p = 0; p < row; ++p) tokens[i * row + p] = token(split, first + i, p);
+  cur += B * static_cast<uint64_t>(spec_.world);
+}
+
+void SyntheticSource::reset(Split split) {
+  if (split == Split::train)
+    throw Error("data plugin 'synthetic': reset() restarts the validation split only; the train position "
+                "is set through restore()");
+  val_cursor_ = 0;
+}
+
+std::string SyntheticSource::state() const {
+  if (!opened_) throw Error("data plugin 'synthetic': state() called before open()");
+  return nlohmann::json{{"source", "synthetic"}, {"version", 1},        {"cursor", cursor_},
+                        {"seed", seed_},         {"world", spec_.world}, {"batch", spec_.batch},
+                        {"pattern", opt_.pattern}, {"vocab", vocab_}}
+      .dump();
+}
+
+void SyntheticSource::restore(const std::string& state) {
+  if (!opened_) throw Error("data plugin 'synthetic': restore() called before open()");
+  try {
+    const auto j = nlohmann::json::parse(state);
+    if (j.value("source", std::string()) != "synthetic")
+      throw Error(cat("data state was written by data plugin '", j.value("source", std::string("?")),
+                      "', not 'synthetic'; resume with the same data plugin or start a fresh run"));
+    const auto pattern = j.at("pattern").get<std::string>();
+    const auto vocab = j.at("vocab").get<int64_t>();
+    if (pattern != opt_.pattern || vocab != vocab_)
+      log_warn(cat("synthetic: the checkpoint's data was pattern \"", pattern, "\" over ", vocab,
+                   " ids, the run now generates pattern \"", opt_.pattern, "\" over ", vocab_,
+                   " ids; the position carries over, the tokens differ"));
+    cursor_ = j.at("cursor").get<uint64_t>();
+    seed_ = j.at("seed").get<uint64_t>();  // the checkpoint's stream continues, whatever the run's seed
+    const int world = j.at("world").get<int>();
+    const int64_t batch = j.at("batch").get<int64_t>();
+    if (world != spec_.world || batch != spec_.batch)
+      log_info(cat("synthetic: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ",
+                   spec_.world, " x batch ", spec_.batch, "; continuing from global sample ", cursor_));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(cat("data state for plugin 'synthetic' is not valid (", e.what(),
+                    "); the checkpoint's metadata is damaged or from an incompatible version"));
+  }
+  val_cursor_ = 0;
+}
+
+}  // namespace loom::data

@@ -1,0 +1,216 @@
+#include "data/tokens_source.hpp"
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include <glob.h>
+
+#include <nlohmann/json.hpp>
+
+#include "data/hash.hpp"
+#include "loom/error.hpp"
+#include "loom/log.hpp"
+
+namespace loom::data {
+
+std::vector<std::string> expand_patterns(const std::vector<std::string>& patterns, const std::string& key) {
+  std::vector<std::string> files;
+  std::set<std::string> seen;
+  for (auto& pat : patterns) {
+    glob_t g{};
+    const int rc = ::glob(pat.c_str(), GLOB_ERR, nullptr, &g);  // glob() sorts its matches
+    if (rc == GLOB_NOMATCH || (rc == 0 && g.gl_pathc == 0)) {
+      globfree(&g);
+      std::error_code ec;
+      throw Error(cat("data.", key, " = \"", pat, "\" matches no files (relative paths are taken from the working directory ",
+                      std::filesystem::current_path(ec).string(), "); check the path, or create the shards with loom prepare"));
+    }
+    if (rc != 0) {
+      globfree(&g);
+      throw Error(cat("data.", key, " = \"", pat, "\": cannot list the directories it names (glob error ", rc,
+                      "); check that they exist and are readable"));
+    }
+    for (std::size_t i = 0; i < g.gl_pathc; ++i) {
+      std::string f = g.gl_pathv[i];
+      if (seen.insert(f).second) files.push_back(std::move(f));
+    }
+    globfree(&g);
+  }
+  return files;
+}
+
+TokensSource::TokensSource(TokensOptions opt) : opt_(std::move(opt)) {
+  if (opt_.train.empty())
+    throw Error("data plugin 'tokens' needs `train`: a glob pattern or list of patterns of token shards, "
+                "e.g. train = \"data/fortunes/train_*.bin\" (written by loom prepare text)");
+}
+
+TokensSource::Stream TokensSource::open_stream(const std::vector<std::string>& patterns, const std::string& key) const {
+  Stream s;
+  const uint64_t S = static_cast<uint64_t>(spec_.seq_len);
+  s.first_window.push_back(0);
+  for (auto& path : expand_patterns(patterns, key)) {
+    TokenShard shard(path);
+    if (shard.vocab() > 0 && static_cast<int64_t>(shard.vocab()) > spec_.vocab_size)
+      throw Error(cat("token shard '", path, "' was written for a vocabulary of ", shard.vocab(),
+                      " tokens but the model has vocab_size = ", spec_.vocab_size,
+                      "; set model.vocab_size >= ", shard.vocab(), " or use shards from the model's tokenizer"));
+    const uint64_t w = shard.size() >= 1 ? (shard.size() - 1) / S : 0;
+    if (w == 0)
+      log_warn(cat("token shard '", path, "' has ", shard.size(), " tokens, fewer than one window of seq_len + 1 = ",
+                   S + 1, "; it is not used"));
+    s.windows += w;
+    s.first_window.push_back(s.windows);
+    s.shards.push_back(std::move(shard));
+  }
+  if (s.windows == 0)
+    throw Error(cat("data.", key, ": the ", s.shards.size(), " shard(s) matched by the pattern(s) hold no window of seq_len + 1 = ",
+                    S + 1, " tokens (the first is '", s.shards.front().path(),
+                    "'); use a shorter train.seq_len or more data"));
+  return s;
+}
+
+void TokensSource::open(const DataSpec& spec) {
+  if (spec.batch < 1 || spec.seq_len < 1 || spec.vocab_size < 1 || spec.world < 1 || spec.rank < 0 ||
+      spec.rank >= spec.world)
+    throw Error(cat("data plugin 'tokens': invalid spec (batch ", spec.batch, ", seq_len ", spec.seq_len, ", vocab_size ",
+                    spec.vocab_size, ", rank ", spec.rank, " of ", spec.world, "); all must be positive and rank < world"));
+  spec_ = spec;
+  seed_ = spec.seed;
+  train_ = open_stream(opt_.train, "train");
+  val_ = opt_.val.empty() ? Stream{} : open_stream(opt_.val, "val");
+  cursor_ = val_cursor_ = logged_epoch_ = 0;
+  opened_ = true;
+  log_info(cat("tokens: ", train_.shards.size(), " train shard(s), ", train_.windows, " windows of ", spec.seq_len + 1,
+               " tokens an epoch", opt_.val.empty() ? std::string() : cat("; validation: ", val_.windows, " windows")));
+}
+
+void TokensSource::require_open(const char* what) const {
+  if (!opened_) throw Error(cat("data plugin 'tokens': ", what, " called before open()"));
+}
+
+bool TokensSource::has_split(Split split) const { return split == Split::train || !opt_.val.empty(); }
+
+void TokensSource::read_window(const Stream& s, uint64_t w, int32_t* out) const {
+  const auto it = std::upper_bound(s.first_window.begin(), s.first_window.end(), w);
+  const std::size_t k = static_cast<std::size_t>(it - s.first_window.begin()) - 1;
+  const uint64_t S = static_cast<uint64_t>(spec_.seq_len);
+  s.shards[k].copy((w - s.first_window[k]) * S, S + 1, out, spec_.vocab_size);
+}
+
+void TokensSource::next(Split split, int32_t* tokens) {
+  require_open("next()");
+  const uint64_t B = static_cast<uint64_t>(spec_.batch), row = static_cast<uint64_t>(spec_.seq_len) + 1;
+  const uint64_t per_step = B * static_cast<uint64_t>(spec_.world);
+  const uint64_t first = static_cast<uint64_t>(spec_.rank) * B;
+  if (split == Split::validation) {
+    if (!has_split(split))
+      throw Error("data plugin 'tokens' has no validation split: set data.val to a shard path or glob "
+                  "(loom prepare text writes val.bin)");
+    for (uint64_t i = 0; i < B; ++i)
+      read_window(val_, (val_cursor_ + first + i) % val_.windows, tokens + i * row);
+    val_cursor_ += per_step;
+    return;
+  }
+  const uint64_t W = train_.windows;
+  const uint64_t epoch = cursor_ / W;
+  if (epoch > logged_epoch_) {
+    log_info(cat("tokens: epoch ", epoch, " begins after ", cursor_, " windows"));
+    logged_epoch_ = epoch;
+  }
+  for (uint64_t i = 0; i < B; ++i) {
+    const uint64_t g = cursor_ + first + i;
+    const uint64_t e = g / W, pos = g % W;
+    const uint64_t w = opt_.shuffle ? IndexPermutation(W, seed_, e)(pos) : pos;
+    read_window(train_, w, tokens + i * row);
+  }
+  cursor_ += per_step;
+}
+
+void TokensSource::reset(Split split) {
+  if (split == Split::train)
+    throw Error("data plugin 'tokens': reset() restarts the validation split only; the train position "
+                "is set through restore()");
+  val_cursor_ = 0;
+}
+
+std::string TokensSource::state() const {
+  require_open("state()");
+  nlohmann::json files = nlohmann::json::array();
+  for (auto& s : train_.shards) files.push_back({{"path", s.path()}, {"tokens", s.size()}});
+  nlohmann::json j = {{"source", "tokens"},
+                      {"version", 1},
+                      {"cursor", cursor_},
+                      {"epoch", cursor_ / train_.windows},
+                      {"windows_per_epoch", train_.windows},
+                      {"seed", seed_},
+                      {"world", spec_.world},
+                      {"batch", spec_.batch},
+                      {"seq_len", spec_.seq_len},
+                      {"shuffle", opt_.shuffle},
+                      {"train_files", files}};
+  return j.dump();
+}
+
+void TokensSource::restore(const std::string& state) {
+  require_open("restore()");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(state);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(cat("data state for plugin 'tokens' is not valid JSON (", e.what(),
+                    "); the checkpoint's metadata is damaged"));
+  }
+  try {
+    if (j.value("source", std::string()) != "tokens")
+      throw Error(cat("data state was written by data plugin '", j.value("source", std::string("?")),
+                      "', not 'tokens'; resume with the same data plugin or start a fresh run"));
+    const auto& files = j.at("train_files");
+    bool same = files.size() == train_.shards.size();
+    for (std::size_t i = 0; same && i < files.size(); ++i)
+      same = files[i].at("tokens").get<uint64_t>() == train_.shards[i].size();
+    if (!same) {
+      std::string was, now;
+      for (auto& f : files) was += cat(" ", f.at("path").get<std::string>(), " (", f.at("tokens").get<uint64_t>(), ")");
+      for (auto& s : train_.shards) now += cat(" ", s.path(), " (", s.size(), ")");
+      throw Error(cat("the data changed since the checkpoint: its train shards were", was, "; now they are", now,
+                      "; point data.train at the original shards or start a fresh run"));
+    }
+    const int64_t seq_len = j.at("seq_len").get<int64_t>();
+    if (seq_len != spec_.seq_len)
+      throw Error(cat("the checkpoint's data position counts windows of seq_len ", seq_len, " but train.seq_len is now ",
+                      spec_.seq_len, "; resume with seq_len ", seq_len, " or start a fresh run"));
+    const bool shuffle = j.at("shuffle").get<bool>();
+    if (shuffle != opt_.shuffle)
+      log_warn(cat("tokens: the checkpoint was taken with shuffle = ", shuffle, ", the run now has shuffle = ", opt_.shuffle,
+                   "; continuing from the same window count in the new order"));
+    cursor_ = j.at("cursor").get<uint64_t>();
+    const uint64_t seed = j.at("seed").get<uint64_t>();
+    if (seed != seed_)
+      log_info(cat("tokens: continuing the checkpoint's window order (seed ", seed, ", not the run's seed ", seed_, ")"));
+    seed_ = seed;
+    const int world = j.at("world").get<int>();
+    const int64_t batch = j.at("batch").get<int64_t>();
+    if (world != spec_.world || batch != spec_.batch)
+      log_info(cat("tokens: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ", spec_.world,
+                   " x batch ", spec_.batch, "; continuing from global window ", cursor_));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(cat("data state for plugin 'tokens' lacks a field or has a wrong type (", e.what(),
+                    "); the checkpoint's metadata is damaged or from an incompatible version"));
+  }
+  logged_epoch_ = cursor_ / train_.windows;
+  val_cursor_ = 0;
+}
+
+int64_t TokensSource::vocab_hint() const {
+  int64_t v = 0;
+  for (const Stream* s : {&train_, &val_})
+    for (auto& sh : s->shards) {
+      if (sh.vocab() == 0) return 0;  // one unknown makes the whole unknown
+      v = std::max<int64_t>(v, sh.vocab());
+    }
+  return v;
+}
+
+}  // namespace loom::data

@@ -1,0 +1,74 @@
+// The `tokens` data source: token shards (loom/token_shard.hpp) cut into
+// training windows. Lives in libloom so that other shard-based sources can
+// reuse it; plugins/data/tokens registers it and reads its TOML table.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/data.hpp"
+#include "loom/token_shard.hpp"
+
+namespace loom::data {
+
+struct TokensOptions {
+  std::vector<std::string> train;  // glob patterns (at least one); files sorted within a pattern
+  std::vector<std::string> val;    // glob patterns; empty = no validation split
+  bool shuffle = true;             // permute windows each epoch (seeded); false = file order
+};
+
+// Expands glob patterns into files: sorted within each pattern, patterns in
+// the given order, a file matched twice kept once. A pattern that matches
+// nothing is an error naming `key`, the pattern and the working directory.
+std::vector<std::string> expand_patterns(const std::vector<std::string>& patterns, const std::string& key);
+
+// Sampling (per split):
+//   * the split's shards, in order, are cut into windows of seq_len + 1 tokens
+//     with stride seq_len; a window never crosses a shard boundary (the last
+//     tokens of a shard that do not fill a window are not used);
+//   * train: epoch e is a permutation of all windows (a function of seed and
+//     e with shuffle, the identity without); the stream is epoch 0, 1, ...;
+//     global batch g takes stream positions [g*batch*world, (g+1)*batch*world)
+//     and rank r the `batch` consecutive ones starting at (g*batch*world + r*batch);
+//   * validation: the windows in order, the same rank layout, wrapping around.
+// state() carries the global window cursor, so a restore under another world
+// size or batch continues from the same number of windows consumed.
+class TokensSource : public DataSource {
+ public:
+  explicit TokensSource(TokensOptions opt);
+
+  void open(const DataSpec& spec) override;
+  bool has_split(Split split) const override;
+  void next(Split split, int32_t* tokens) override;
+  void reset(Split split) override;
+  std::string state() const override;
+  void restore(const std::string& state) override;
+  int64_t vocab_hint() const override;
+
+  // Windows of one epoch of the train split and of the validation split.
+  uint64_t train_windows() const { return train_.windows; }
+  uint64_t val_windows() const { return val_.windows; }
+  // Global train windows consumed so far (all ranks).
+  uint64_t cursor() const { return cursor_; }
+
+ private:
+  struct Stream {
+    std::vector<TokenShard> shards;
+    std::vector<uint64_t> first_window;  // per shard, plus the total at the end
+    uint64_t windows = 0;
+  };
+  Stream open_stream(const std::vector<std::string>& patterns, const std::string& key) const;
+  void read_window(const Stream& s, uint64_t w, int32_t* out) const;
+  void require_open(const char* what) const;
+
+  TokensOptions opt_;
+  DataSpec spec_;
+  bool opened_ = false;
+  Stream train_, val_;
+  uint64_t seed_ = 0;
+  uint64_t cursor_ = 0;      // global train windows consumed
+  uint64_t val_cursor_ = 0;  // global validation windows consumed since reset
+  uint64_t logged_epoch_ = 0;
+};
+
+}  // namespace loom::data

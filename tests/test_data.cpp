@@ -1,0 +1,797 @@
+// Token shards, the byte tokenizer, `loom prepare text`, and the data plugins
+// `tokens` and `synthetic` (constructed directly, without the registry).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "data/byte_tokenizer.hpp"
+#include "data/hash.hpp"
+#include "data/prepare_text.hpp"
+#include "data/synthetic/synthetic_data.hpp"
+#include "data/tokens/tokens_data.hpp"
+#include "loom/error.hpp"
+#include "loom/token_shard.hpp"
+
+namespace fs = std::filesystem;
+using loom::DataSpec;
+using loom::Split;
+using loom::TokenShard;
+using loom::data::TokensOptions;
+using loom::plugins::SyntheticData;
+using loom::plugins::TokensData;
+
+namespace {
+
+// A fresh directory per test, removed afterwards.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static std::atomic<int> counter{0};
+    path = fs::temp_directory_path() /
+           ("loom_test_data_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+void write_file(const std::string& path, const std::string& bytes) {
+  fs::create_directories(fs::path(path).parent_path());
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+// Overwrites `n` bytes at `offset` of a file.
+void patch(const std::string& path, std::size_t offset, const void* bytes, std::size_t n) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(n));
+}
+
+// Runs `fn`, expects a loom::Error, returns its message.
+template <typename F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const loom::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a loom::Error";
+  return "";
+}
+
+// Shard whose token i is (base + i) % modulo.
+std::string make_shard(const TempDir& d, const std::string& name, uint64_t n, uint32_t base, uint32_t modulo,
+                       uint32_t vocab = 0) {
+  std::vector<uint32_t> t(n);
+  for (uint64_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>((base + i) % modulo);
+  const std::string p = d / name;
+  loom::write_token_shard(p, t.data(), n, 2, vocab);
+  return p;
+}
+
+DataSpec spec(int64_t batch, int64_t seq_len, int rank = 0, int world = 1, uint64_t seed = 1, int64_t vocab = 1000) {
+  DataSpec s;
+  s.batch = batch;
+  s.seq_len = seq_len;
+  s.vocab_size = vocab;
+  s.rank = rank;
+  s.world = world;
+  s.seed = seed;
+  return s;
+}
+
+using Batch = std::vector<int32_t>;
+
+template <typename Source>
+std::vector<Batch> take(Source& src, const DataSpec& s, int n, Split split = Split::train) {
+  std::vector<Batch> out;
+  for (int i = 0; i < n; ++i) {
+    Batch b(static_cast<std::size_t>(s.batch * (s.seq_len + 1)));
+    src.next(split, b.data());
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+std::unique_ptr<TokensData> tokens_source(TokensOptions opt, const DataSpec& s) {
+  auto src = std::make_unique<TokensData>(loom::PluginInit{}, std::move(opt));
+  src->open(s);
+  return src;
+}
+
+// Three shards of distinct token values so that every window is identifiable by its first token.
+struct Corpus {
+  TempDir dir;
+  std::vector<std::string> shards;
+  Corpus() {
+    shards.push_back(make_shard(dir, "train_000.bin", 41, 0, 1000));    // 10 windows of 5 (stride 4)
+    shards.push_back(make_shard(dir, "train_001.bin", 30, 100, 1000));  // 7 windows
+    shards.push_back(make_shard(dir, "train_002.bin", 23, 200, 1000));  // 5 windows
+    make_shard(dir, "val.bin", 21, 500, 1000);                          // 5 windows
+  }
+  TokensOptions options(bool shuffle = true, bool val = true) const {
+    TokensOptions o;
+    o.train = {dir / "train_*.bin"};
+    if (val) o.val = {dir / "val.bin"};
+    o.shuffle = shuffle;
+    return o;
+  }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Token shard format
+// ---------------------------------------------------------------------------
+
+TEST(TokenShard, RoundTripWidth2And4) {
+  TempDir d;
+  for (int width : {2, 4}) {
+    std::vector<uint32_t> t = {0, 1, 255, 256, 257, 65535};
+    if (width == 4) t.push_back(70000);
+    const std::string p = d / ("w" + std::to_string(width) + ".bin");
+    loom::write_token_shard(p, t.data(), t.size(), width, width == 2 ? 65536 : 100000);
+    EXPECT_FALSE(fs::exists(p + ".tmp"));
+    EXPECT_EQ(fs::file_size(p), loom::kTokenShardHeaderBytes + t.size() * width);
+    TokenShard s(p);
+    EXPECT_EQ(s.path(), p);
+    EXPECT_EQ(s.width(), width);
+    EXPECT_EQ(s.size(), t.size());
+    EXPECT_EQ(s.vocab(), width == 2 ? 65536u : 100000u);
+    std::vector<int32_t> out(t.size());
+    s.copy(0, t.size(), out.data());
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      EXPECT_EQ(s[i], t[i]);
+      EXPECT_EQ(out[i], static_cast<int32_t>(t[i]));
+    }
+    char magic[8];
+    std::ifstream(p, std::ios::binary).read(magic, 8);
+    EXPECT_EQ(std::string(magic, 8), "LOOMTOKS");
+  }
+  // An empty shard is valid.
+  loom::write_token_shard(d / "empty.bin", nullptr, 0, 2, 0);
+  EXPECT_EQ(TokenShard(d / "empty.bin").size(), 0u);
+}
+
+TEST(TokenShard, WriteRejectsTokensThatDoNotFit) {
+  TempDir d;
+  const uint32_t big[] = {1, 70000};
+  EXPECT_NE(error_of([&] { loom::write_token_shard(d / "a.bin", big, 2, 2, 0); }).find("does not fit 2-byte"),
+            std::string::npos);
+  const uint32_t t[] = {1, 300};
+  EXPECT_NE(error_of([&] { loom::write_token_shard(d / "b.bin", t, 2, 2, 258); }).find("outside the vocabulary"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { loom::write_token_shard(d / "c.bin", t, 2, 3, 0); }).find("width 3"), std::string::npos);
+  EXPECT_FALSE(fs::exists(d / "a.bin"));
+  EXPECT_FALSE(fs::exists(d / "a.bin.tmp"));
+}
+
+TEST(TokenShard, CorruptFilesAreRejectedNamingTheFile) {
+  TempDir d;
+  auto fresh = [&](const std::string& name) { return make_shard(d, name, 1000, 0, 258, 258); };
+
+  const std::string trunc = fresh("trunc.bin");
+  fs::resize_file(trunc, 1500);
+  std::string m = error_of([&] { TokenShard s(trunc); });
+  EXPECT_NE(m.find(trunc), std::string::npos) << m;
+  EXPECT_NE(m.find("truncated"), std::string::npos) << m;
+  EXPECT_NE(m.find("header says 1000 tokens"), std::string::npos) << m;
+  EXPECT_NE(m.find("3024 bytes"), std::string::npos) << m;
+  EXPECT_NE(m.find("1500 bytes"), std::string::npos) << m;
+
+  const std::string longer = fresh("long.bin");
+  std::ofstream(longer, std::ios::binary | std::ios::app) << "xx";
+  m = error_of([&] { TokenShard s(longer); });
+  EXPECT_NE(m.find(longer), std::string::npos) << m;
+  EXPECT_NE(m.find("3026 bytes"), std::string::npos) << m;
+
+  const std::string tiny = d / "tiny.bin";
+  write_file(tiny, "LOOMTOKS");
+  m = error_of([&] { TokenShard s(tiny); });
+  EXPECT_NE(m.find(tiny), std::string::npos) << m;
+  EXPECT_NE(m.find("1024-byte header"), std::string::npos) << m;
+
+  const std::string magic = fresh("magic.bin");
+  patch(magic, 0, "GPT2TOKS", 8);
+  m = error_of([&] { TokenShard s(magic); });
+  EXPECT_NE(m.find(magic), std::string::npos) << m;
+  EXPECT_NE(m.find("GPT2TOKS"), std::string::npos) << m;
+  EXPECT_NE(m.find("LOOMTOKS"), std::string::npos) << m;
+
+  const std::string version = fresh("version.bin");
+  const uint32_t v7 = 7;
+  patch(version, 8, &v7, 4);
+  m = error_of([&] { TokenShard s(version); });
+  EXPECT_NE(m.find(version), std::string::npos) << m;
+  EXPECT_NE(m.find("version 7"), std::string::npos) << m;
+
+  const std::string width = fresh("width.bin");
+  const uint32_t w3 = 3;
+  patch(width, 12, &w3, 4);
+  m = error_of([&] { TokenShard s(width); });
+  EXPECT_NE(m.find(width), std::string::npos) << m;
+  EXPECT_NE(m.find("width 3"), std::string::npos) << m;
+  EXPECT_NE(m.find("2 or 4"), std::string::npos) << m;
+
+  const std::string missing = d / "nope.bin";
+  m = error_of([&] { TokenShard s(missing); });
+  EXPECT_NE(m.find(missing), std::string::npos) << m;
+  EXPECT_NE(m.find("does not exist"), std::string::npos) << m;
+
+  // The untouched shard still opens (the checks above are not simply always failing).
+  EXPECT_EQ(TokenShard(fresh("good.bin")).size(), 1000u);
+}
+
+TEST(TokenShard, CopyChecksRangeAndVocabulary) {
+  TempDir d;
+  const std::string p = make_shard(d, "s.bin", 100, 0, 1000);
+  TokenShard s(p);
+  std::vector<int32_t> out(100);
+  s.copy(0, 50, out.data(), 50);  // ids 0..49 are all < 50
+  std::string m = error_of([&] { s.copy(10, 50, out.data(), 50); });
+  EXPECT_NE(m.find(p), std::string::npos) << m;
+  EXPECT_NE(m.find("index 50"), std::string::npos) << m;
+  m = error_of([&] { s.copy(90, 11, out.data()); });
+  EXPECT_NE(m.find("outside the shard"), std::string::npos) << m;
+}
+
+TEST(IndexPermutation, IsABijectionAndDependsOnSeedAndEpoch) {
+  for (uint64_t n : {1ull, 2ull, 3ull, 17ull, 64ull, 1000ull, 4097ull}) {
+    loom::data::IndexPermutation p(n, 42, 0);
+    std::vector<bool> hit(n, false);
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint64_t j = p(i);
+      ASSERT_LT(j, n);
+      ASSERT_FALSE(hit[j]) << "n=" << n;
+      hit[j] = true;
+    }
+  }
+  auto order = [](uint64_t seed, uint64_t epoch) {
+    loom::data::IndexPermutation p(1000, seed, epoch);
+    std::vector<uint64_t> v;
+    for (uint64_t i = 0; i < 1000; ++i) v.push_back(p(i));
+    return v;
+  };
+  EXPECT_EQ(order(1, 0), order(1, 0));
+  EXPECT_NE(order(1, 0), order(2, 0));
+  EXPECT_NE(order(1, 0), order(1, 1));
+}
+
+// ---------------------------------------------------------------------------
+// tokens plugin
+// ---------------------------------------------------------------------------
+
+TEST(TokensData, WindowsAndFileOrderWithoutShuffle) {
+  Corpus c;
+  const DataSpec s = spec(2, 4);
+  auto src = tokens_source(c.options(false), s);
+  EXPECT_EQ(src->train_windows(), 22u);
+  EXPECT_EQ(src->val_windows(), 5u);
+  EXPECT_EQ(src->vocab_hint(), 0);  // shards were written with vocab 0 (unknown)
+  // Expected window starts in file order: shard 0 at 0,4,..,36; shard 1 at 100,104,..; shard 2 at 200,...
+  std::vector<int32_t> starts;
+  for (int w = 0; w < 10; ++w) starts.push_back(4 * w);
+  for (int w = 0; w < 7; ++w) starts.push_back(100 + 4 * w);
+  for (int w = 0; w < 5; ++w) starts.push_back(200 + 4 * w);
+  std::vector<int32_t> seen;
+  for (auto& b : take(*src, s, 22)) {  // 44 windows: two epochs
+    for (int row = 0; row < 2; ++row) {
+      const int32_t* r = b.data() + row * 5;
+      for (int k = 1; k < 5; ++k) ASSERT_EQ(r[k], r[0] + k) << "window crosses a shard boundary";
+      seen.push_back(r[0]);
+    }
+  }
+  for (std::size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], starts[i % 22]) << i;
+}
+
+TEST(TokensData, ShuffledEpochsArePermutationsAndSeedDetermined) {
+  Corpus c;
+  const DataSpec s = spec(1, 4, 0, 1, 7);
+  auto a = tokens_source(c.options(), s);
+  auto b = tokens_source(c.options(), s);
+  auto other = tokens_source(c.options(), spec(1, 4, 0, 1, 8));
+  const auto ba = take(*a, s, 44), bb = take(*b, s, 44), bo = take(*other, s, 44);
+  EXPECT_EQ(ba, bb);
+  EXPECT_NE(ba, bo);
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    std::multiset<int32_t> starts;
+    for (int i = 0; i < 22; ++i) starts.insert(ba[epoch * 22 + i][0]);
+    std::multiset<int32_t> all;
+    for (int w = 0; w < 10; ++w) all.insert(4 * w);
+    for (int w = 0; w < 7; ++w) all.insert(100 + 4 * w);
+    for (int w = 0; w < 5; ++w) all.insert(200 + 4 * w);
+    EXPECT_EQ(starts, all) << "epoch " << epoch;
+  }
+  std::vector<int32_t> e0, e1;
+  for (int i = 0; i < 22; ++i) {
+    e0.push_back(ba[i][0]);
+    e1.push_back(ba[22 + i][0]);
+  }
+  EXPECT_NE(e0, e1) << "each epoch has its own order";
+}
+
+TEST(TokensData, ResumeIsExact) {
+  Corpus c;
+  const DataSpec s = spec(3, 4, 0, 1, 11);
+  auto src = tokens_source(c.options(), s);
+  take(*src, s, 5);  // k = 5 batches; the m = 9 after them cross into epoch 1 (22 windows)
+  const std::string st = src->state();
+  const auto expected = take(*src, s, 9);
+  auto fresh = tokens_source(c.options(), s);
+  fresh->restore(st);
+  EXPECT_EQ(take(*fresh, s, 9), expected);
+  const auto j = nlohmann::json::parse(st);
+  EXPECT_EQ(j.at("cursor").get<uint64_t>(), 15u);
+  EXPECT_EQ(j.at("epoch").get<uint64_t>(), 0u);
+  EXPECT_EQ(j.at("world").get<int>(), 1);
+  EXPECT_EQ(j.at("seed").get<uint64_t>(), 11u);
+  EXPECT_EQ(j.at("train_files").size(), 3u);
+  EXPECT_EQ(j.at("train_files")[1].at("tokens").get<uint64_t>(), 30u);
+}
+
+TEST(TokensData, RanksSplitTheGlobalBatch) {
+  Corpus c;
+  const int64_t b = 2;
+  auto one = tokens_source(c.options(), spec(2 * b, 4, 0, 1, 3));
+  auto r0 = tokens_source(c.options(), spec(b, 4, 0, 2, 3));
+  auto r1 = tokens_source(c.options(), spec(b, 4, 1, 2, 3));
+  const auto g = take(*one, spec(2 * b, 4, 0, 1, 3), 8);
+  const auto a = take(*r0, spec(b, 4, 0, 2, 3), 8), z = take(*r1, spec(b, 4, 1, 2, 3), 8);
+  for (int i = 0; i < 8; ++i) {
+    Batch joined = a[i];
+    joined.insert(joined.end(), z[i].begin(), z[i].end());
+    EXPECT_EQ(joined, g[i]) << "global batch " << i;
+    if (i < 5) {  // within one epoch (22 windows) the ranks' windows are disjoint
+      std::set<int32_t> s0 = {a[i][0], a[i][5]}, s1 = {z[i][0], z[i][5]};
+      for (int32_t x : s0) EXPECT_EQ(s1.count(x), 0u);
+    }
+  }
+}
+
+TEST(TokensData, RestoreUnderAnotherWorldContinuesFromTheGlobalCursor) {
+  Corpus c;
+  auto one = tokens_source(c.options(), spec(4, 4, 0, 1, 5));
+  take(*one, spec(4, 4, 0, 1, 5), 3);
+  const std::string st = one->state();
+  const auto expected = take(*one, spec(4, 4, 0, 1, 5), 4);
+  auto r0 = tokens_source(c.options(), spec(2, 4, 0, 2, 99));  // the checkpoint's seed wins
+  auto r1 = tokens_source(c.options(), spec(2, 4, 1, 2, 99));
+  r0->restore(st);
+  r1->restore(st);
+  const auto a = take(*r0, spec(2, 4, 0, 2), 4), z = take(*r1, spec(2, 4, 1, 2), 4);
+  for (int i = 0; i < 4; ++i) {
+    Batch joined = a[i];
+    joined.insert(joined.end(), z[i].begin(), z[i].end());
+    EXPECT_EQ(joined, expected[i]);
+  }
+}
+
+TEST(TokensData, RestoreRejectsChangedDataAndBadState) {
+  Corpus c;
+  const DataSpec s = spec(1, 4);
+  auto src = tokens_source(c.options(), s);
+  take(*src, s, 2);
+  const std::string st = src->state();
+  make_shard(c.dir, "train_001.bin", 34, 100, 1000);  // the same name, another length
+  auto changed = tokens_source(c.options(), s);
+  std::string m = error_of([&] { changed->restore(st); });
+  EXPECT_NE(m.find("the data changed since the checkpoint"), std::string::npos) << m;
+  EXPECT_NE(m.find("train_001.bin"), std::string::npos) << m;
+
+  auto other_len = tokens_source(c.options(), spec(1, 3));
+  auto j = nlohmann::json::parse(st);
+  j["train_files"][1]["tokens"] = 34;
+  m = error_of([&] { other_len->restore(j.dump()); });
+  EXPECT_NE(m.find("seq_len 4"), std::string::npos) << m;
+  m = error_of([&] { changed->restore("{not json"); });
+  EXPECT_NE(m.find("not valid JSON"), std::string::npos) << m;
+  m = error_of([&] { changed->restore(R"({"source":"synthetic","cursor":1})"); });
+  EXPECT_NE(m.find("'synthetic'"), std::string::npos) << m;
+  j["train_files"][1]["tokens"] = 34;
+  changed->restore(j.dump());  // with matching counts the state is accepted
+  EXPECT_EQ(changed->cursor(), 2u);
+}
+
+TEST(TokensData, ValidationResetsAndWraps) {
+  Corpus c;
+  const DataSpec s = spec(2, 4);
+  auto src = tokens_source(c.options(), s);
+  ASSERT_TRUE(src->has_split(Split::validation));
+  const auto first = take(*src, s, 5, Split::validation);  // 10 windows of 5: wraps twice
+  for (int i = 0; i < 5; ++i)
+    for (int row = 0; row < 2; ++row) EXPECT_EQ(first[i][row * 5], 500 + 4 * ((2 * i + row) % 5));
+  take(*src, s, 3);  // training in between does not move validation
+  src->reset(Split::validation);
+  EXPECT_EQ(take(*src, s, 5, Split::validation), first);
+  EXPECT_THROW(src->reset(Split::train), loom::Error);
+
+  auto noval = tokens_source(c.options(true, false), s);
+  EXPECT_FALSE(noval->has_split(Split::validation));
+  EXPECT_TRUE(noval->has_split(Split::train));
+  Batch b(10);
+  const std::string m = error_of([&] { noval->next(Split::validation, b.data()); });
+  EXPECT_NE(m.find("no validation split"), std::string::npos) << m;
+}
+
+TEST(TokensData, VocabularyChecks) {
+  TempDir d;
+  std::vector<uint32_t> t(64, 5);
+  t[37] = 900;
+  const std::string p = d / "bad.bin";
+  loom::write_token_shard(p, t.data(), t.size(), 2, 0);
+  TokensOptions o;
+  o.train = {p};
+  o.shuffle = false;
+  const DataSpec s = spec(1, 63, 0, 1, 1, 500);
+  auto src = tokens_source(o, s);
+  Batch b(64);
+  const std::string m = error_of([&] { src->next(Split::train, b.data()); });
+  EXPECT_NE(m.find(p), std::string::npos) << m;
+  EXPECT_NE(m.find("index 37"), std::string::npos) << m;
+  EXPECT_NE(m.find("900"), std::string::npos) << m;
+
+  const std::string q = make_shard(d, "v.bin", 64, 0, 258, 258);
+  o.train = {q};
+  const std::string m2 = error_of([&] { tokens_source(o, spec(1, 8, 0, 1, 1, 200)); });
+  EXPECT_NE(m2.find(q), std::string::npos) << m2;
+  EXPECT_NE(m2.find("258"), std::string::npos) << m2;
+  EXPECT_NE(m2.find("200"), std::string::npos) << m2;
+  EXPECT_EQ(tokens_source(o, spec(1, 8, 0, 1, 1, 258))->vocab_hint(), 258);
+}
+
+TEST(TokensData, OpenErrorsNameTheProblem) {
+  Corpus c;
+  TokensOptions o = c.options();
+  o.train = {c.dir / "nothing_*.bin"};
+  std::string m = error_of([&] { tokens_source(o, spec(1, 4)); });
+  EXPECT_NE(m.find("nothing_*.bin"), std::string::npos) << m;
+  EXPECT_NE(m.find("matches no files"), std::string::npos) << m;
+
+  o = c.options();
+  m = error_of([&] { tokens_source(o, spec(1, 64)); });  // no shard holds 65 tokens
+  EXPECT_NE(m.find("no window"), std::string::npos) << m;
+
+  const std::string bad = c.dir / "train_003.bin";
+  write_file(bad, std::string(2000, 'x'));
+  m = error_of([&] { tokens_source(c.options(), spec(1, 4)); });
+  EXPECT_NE(m.find(bad), std::string::npos) << m;
+
+  m = error_of([&] { TokensData t(loom::PluginInit{}); });  // empty table: train is required
+  EXPECT_NE(m.find("train"), std::string::npos) << m;
+
+  auto unopened = std::make_unique<TokensData>(loom::PluginInit{}, c.options());
+  Batch b(5);
+  EXPECT_THROW(unopened->next(Split::train, b.data()), loom::Error);
+}
+
+// ---------------------------------------------------------------------------
+// synthetic plugin
+// ---------------------------------------------------------------------------
+
+namespace {
+std::unique_ptr<SyntheticData> synthetic(const std::string& pattern, int64_t vocab, const DataSpec& s) {
+  loom::data::SyntheticOptions o;
+  o.pattern = pattern;
+  o.vocab = vocab;
+  auto src = std::make_unique<SyntheticData>(loom::PluginInit{}, o);
+  src->open(s);
+  return src;
+}
+}  // namespace
+
+TEST(SyntheticData, DeterministicAndSeeded) {
+  const DataSpec s = spec(4, 16, 0, 1, 3, 5000);
+  auto a = synthetic("random", 0, s), b = synthetic("random", 0, s);
+  auto c = synthetic("random", 0, spec(4, 16, 0, 1, 4, 5000));
+  const auto ba = take(*a, s, 3);
+  EXPECT_EQ(ba, take(*b, s, 3));
+  EXPECT_NE(ba, take(*c, s, 3));
+  EXPECT_NE(ba[0], ba[1]);
+  std::set<int32_t> distinct;
+  for (auto& x : ba)
+    for (int32_t t : x) {
+      ASSERT_GE(t, 0);
+      ASSERT_LT(t, 5000);
+      distinct.insert(t);
+    }
+  EXPECT_GT(distinct.size(), 150u);  // 204 draws from 5000 ids are mostly distinct
+  EXPECT_EQ(a->vocab_hint(), 5000);
+}
+
+TEST(SyntheticData, RampIsLearnableAndRespectsVocab) {
+  const DataSpec s = spec(8, 32, 0, 1, 1, 1000);
+  auto src = synthetic("ramp", 50, s);
+  EXPECT_EQ(src->vocab_hint(), 50);
+  std::set<int32_t> starts;
+  for (auto& b : take(*src, s, 2))
+    for (int row = 0; row < 8; ++row) {
+      const int32_t* r = b.data() + row * 33;
+      starts.insert(r[0]);
+      for (int p = 1; p < 33; ++p) ASSERT_EQ(r[p], (r[p - 1] + 1) % 50);
+    }
+  EXPECT_GT(starts.size(), 5u);
+  EXPECT_THROW(synthetic("ramp", 2000, s), loom::Error);  // larger than the model vocab
+  EXPECT_THROW(synthetic("zigzag", 0, s), loom::Error);
+}
+
+TEST(SyntheticData, ResumeRanksAndValidation) {
+  const DataSpec s = spec(2, 8, 0, 1, 9, 100);
+  auto src = synthetic("random", 0, s);
+  take(*src, s, 3);
+  const std::string st = src->state();
+  const auto expected = take(*src, s, 4);
+  auto fresh = synthetic("random", 0, spec(2, 8, 0, 1, 1234, 100));  // the checkpoint's seed wins
+  fresh->restore(st);
+  EXPECT_EQ(take(*fresh, s, 4), expected);
+
+  // World 2 with batch 1 after restore: rank rows concatenated give the world-1 batches.
+  auto r0 = synthetic("random", 0, spec(1, 8, 0, 2, 9, 100));
+  auto r1 = synthetic("random", 0, spec(1, 8, 1, 2, 9, 100));
+  r0->restore(st);
+  r1->restore(st);
+  const auto a = take(*r0, spec(1, 8, 0, 2), 4), z = take(*r1, spec(1, 8, 1, 2), 4);
+  for (int i = 0; i < 4; ++i) {
+    Batch joined = a[i];
+    joined.insert(joined.end(), z[i].begin(), z[i].end());
+    EXPECT_EQ(joined, expected[i]);
+    EXPECT_NE(a[i], z[i]);
+  }
+
+  const auto v1 = take(*src, s, 3, Split::validation);
+  src->reset(Split::validation);
+  EXPECT_EQ(take(*src, s, 3, Split::validation), v1);
+  auto t0 = synthetic("random", 0, s);
+  const auto train = take(*t0, s, 3);
+  EXPECT_NE(v1, train) << "validation is its own stream";
+  EXPECT_TRUE(src->has_split(Split::validation));
+  EXPECT_THROW(src->restore(R"({"source":"tokens"})"), loom::Error);
+}
+
+// ---------------------------------------------------------------------------
+// byte tokenizer and loom prepare text
+// ---------------------------------------------------------------------------
+
+TEST(ByteTokenizer, EncodeDecodeAndTextDetection) {
+  std::vector<uint32_t> t;
+  loom::data::ByteTokenizer::encode_document("h\xc3\xa9", t);
+  EXPECT_EQ(t, (std::vector<uint32_t>{256, 'h', 0xc3, 0xa9, 257}));
+  std::vector<int32_t> ids(t.begin(), t.end());
+  EXPECT_EQ(loom::data::ByteTokenizer::decode(ids.data(), ids.size()), "<s>h\xc3\xa9</s>");
+
+  std::string why;
+  EXPECT_TRUE(loom::data::is_utf8_text("plain \xe2\x82\xac text\n", &why));
+  EXPECT_FALSE(loom::data::is_utf8_text(std::string("a\0b", 3), &why));
+  EXPECT_NE(why.find("NUL byte at byte offset 1"), std::string::npos) << why;
+  EXPECT_FALSE(loom::data::is_utf8_text("caf\xe9", &why));        // Latin-1
+  EXPECT_FALSE(loom::data::is_utf8_text("\xc0\xaf", &why));       // overlong
+  EXPECT_FALSE(loom::data::is_utf8_text("\xed\xa0\x80", &why));   // surrogate
+  EXPECT_FALSE(loom::data::is_utf8_text("\xe2\x82", &why));       // truncated
+
+  auto docs = loom::data::split_documents("one\nline\n%\ntwo\n%\n\n%\nthree%\nstill three\n%\n");
+  ASSERT_EQ(docs.size(), 3u);
+  EXPECT_EQ(docs[0], "one\nline\n");
+  EXPECT_EQ(docs[1], "two\n");
+  EXPECT_EQ(docs[2], "three%\nstill three\n");
+  docs = loom::data::split_documents("no separators\n");
+  ASSERT_EQ(docs.size(), 1u);
+  EXPECT_EQ(docs[0], "no separators\n");
+}
+
+namespace {
+// All tokens of the shards, in order.
+std::vector<int32_t> read_all(const std::vector<std::string>& paths) {
+  std::vector<int32_t> all;
+  for (auto& p : paths) {
+    TokenShard s(p);
+    std::vector<int32_t> v(s.size());
+    s.copy(0, s.size(), v.data());
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+// Documents between BOS and EOS.
+std::vector<std::string> documents_of(const std::vector<int32_t>& t) {
+  std::vector<std::string> docs;
+  std::string cur;
+  bool in = false;
+  for (int32_t x : t) {
+    if (x == 256) {
+      EXPECT_FALSE(in);
+      in = true;
+      cur.clear();
+    } else if (x == 257) {
+      EXPECT_TRUE(in);
+      in = false;
+      docs.push_back(cur);
+    } else {
+      EXPECT_TRUE(in);
+      cur += static_cast<char>(x);
+    }
+  }
+  EXPECT_FALSE(in);
+  return docs;
+}
+
+void make_inputs(const TempDir& d) {
+  write_file(d / "in/a.txt", "alpha text\n");
+  std::string fort;
+  for (int i = 0; i < 30; ++i) fort += "fortune " + std::to_string(i) + "\n%\n";
+  write_file(d / "in/b.txt", fort);
+  write_file(d / "in/bin.dat", std::string("\0\0\0\x02\x10", 5));
+  write_file(d / "in/latin1.txt", "caf\xe9\n");
+  write_file(d / "in/sub/c.txt", "gamma\n");
+  fs::create_symlink("a.txt", d / "in/link.txt");
+}
+}  // namespace
+
+TEST(PrepareText, DocumentsSkipsAndDeterministicSplit) {
+  TempDir d;
+  make_inputs(d);
+  loom::data::PrepareTextOptions o;
+  o.out_dir = d / "out";
+  o.inputs = {d / "in"};
+  o.val_fraction = 0.25;
+  o.shard_tokens = 100;
+  o.seed = 1;
+  const auto r = loom::data::prepare_text(o);
+
+  EXPECT_EQ(r.files_used, (std::vector<std::string>{d / "in/a.txt", d / "in/b.txt", d / "in/sub/c.txt"}));
+  std::set<std::string> skipped;
+  for (auto& [p, why] : r.files_skipped) skipped.insert(p);
+  EXPECT_EQ(skipped, (std::set<std::string>{d / "in/bin.dat", d / "in/latin1.txt"}));
+  EXPECT_EQ(r.documents, 32u);
+  EXPECT_EQ(r.val_documents, 8u);  // round(0.25 * 32)
+  EXPECT_EQ(r.train_documents, 24u);
+
+  std::vector<std::string> expected_docs = {"alpha text\n"};
+  for (int i = 0; i < 30; ++i) expected_docs.push_back("fortune " + std::to_string(i) + "\n");
+  expected_docs.push_back("gamma\n");
+  uint64_t total = 0;
+  for (auto& e : expected_docs) total += e.size() + 2;
+  EXPECT_EQ(r.train_tokens + r.val_tokens, total);
+
+  // Shards: each holds shard_tokens except the last; names sort in write order.
+  ASSERT_GE(r.train_shards.size(), 2u);
+  for (std::size_t i = 0; i < r.train_shards.size(); ++i) {
+    char name[32];
+    std::snprintf(name, sizeof name, "train_%03zu.bin", i);
+    EXPECT_EQ(fs::path(r.train_shards[i]).filename(), name);
+    TokenShard s(r.train_shards[i]);
+    EXPECT_EQ(s.width(), 2);
+    EXPECT_EQ(s.vocab(), 258u);
+    if (i + 1 < r.train_shards.size()) EXPECT_EQ(s.size(), 100u);
+  }
+  const auto train_docs = documents_of(read_all(r.train_shards));
+  const auto val_docs = documents_of(read_all({r.val_shard}));
+  EXPECT_EQ(train_docs.size(), 24u);
+  EXPECT_EQ(val_docs.size(), 8u);
+  // Train and val partition the documents, each in input order.
+  std::vector<std::string> merged;
+  std::size_t ti = 0, vi = 0;
+  for (auto& e : expected_docs) {
+    if (ti < train_docs.size() && train_docs[ti] == e) merged.push_back(train_docs[ti++]);
+    else if (vi < val_docs.size() && val_docs[vi] == e) merged.push_back(val_docs[vi++]);
+  }
+  EXPECT_EQ(merged, expected_docs);
+
+  const auto manifest = nlohmann::json::parse(std::ifstream(r.manifest));
+  EXPECT_EQ(manifest.at("tokenizer"), "bytes");
+  EXPECT_EQ(manifest.at("vocab"), 258);
+  EXPECT_EQ(manifest.at("documents"), 32);
+  EXPECT_EQ(manifest.at("files_skipped").size(), 2u);
+  EXPECT_EQ(manifest.at("train").at("shards").size(), r.train_shards.size());
+
+  // Same seed: byte-identical output. Another seed: another split.
+  o.out_dir = d / "out_same";
+  const auto same = loom::data::prepare_text(o);
+  EXPECT_EQ(read_all(same.train_shards), read_all(r.train_shards));
+  EXPECT_EQ(read_all({same.val_shard}), read_all({r.val_shard}));
+  o.out_dir = d / "out_seed2";
+  o.seed = 2;
+  const auto other = loom::data::prepare_text(o);
+  EXPECT_EQ(other.val_documents, 8u);
+  EXPECT_NE(documents_of(read_all({other.val_shard})), val_docs);
+
+  // A second prepare into a used directory needs --force.
+  o.out_dir = d / "out";
+  const std::string m = error_of([&] { loom::data::prepare_text(o); });
+  EXPECT_NE(m.find("--force"), std::string::npos) << m;
+  o.force = true;
+  o.shard_tokens = 1000;
+  const auto again = loom::data::prepare_text(o);
+  EXPECT_EQ(again.train_shards.size(), 1u);
+  EXPECT_FALSE(fs::exists(d / "out/train_001.bin")) << "stale shards are removed";
+
+  // The output feeds the tokens plugin directly.
+  TokensOptions t;
+  t.train = {d / "out/train_*.bin"};
+  t.val = {d / "out/val.bin"};
+  auto src = tokens_source(t, spec(2, 8, 0, 1, 1, 258));
+  EXPECT_EQ(src->vocab_hint(), 258);
+  take(*src, spec(2, 8, 0, 1, 1, 258), 3);
+  take(*src, spec(2, 8, 0, 1, 1, 258), 1, Split::validation);
+}
+
+TEST(PrepareText, InputErrors) {
+  TempDir d;
+  loom::data::PrepareTextOptions o;
+  o.out_dir = d / "out";
+  o.inputs = {d / "missing"};
+  std::string m = error_of([&] { loom::data::prepare_text(o); });
+  EXPECT_NE(m.find(d / "missing"), std::string::npos) << m;
+  write_file(d / "only.bin", std::string("\0\1\2", 3));
+  o.inputs = {d / "only.bin"};
+  m = error_of([&] { loom::data::prepare_text(o); });
+  EXPECT_NE(m.find("no usable text"), std::string::npos) << m;
+  EXPECT_NE(m.find("only.bin"), std::string::npos) << m;
+  o.inputs = {d / "only.bin"};
+  o.val_fraction = 1.0;
+  EXPECT_THROW(loom::data::prepare_text(o), loom::Error);
+}
+
+TEST(PrepareText, CommandLine) {
+  TempDir d;
+  make_inputs(d);
+  const std::string log = d / "cli.log";
+  auto run = [&](const std::string& args) {
+    const std::string cmd = std::string("'") + LOOM_CLI + "' prepare " + args + " > '" + log + "' 2>&1";
+    const int rc = std::system(cmd.c_str());
+    std::ifstream in(log);
+    return std::make_pair(WEXITSTATUS(rc), std::string(std::istreambuf_iterator<char>(in), {}));
+  };
+  auto [rc, out] = run("json '" + d / "o" + "' '" + d / "in" + "'");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("supports: text"), std::string::npos) << out;
+
+  std::tie(rc, out) = run("text '" + d / "o" + "' '" + d / "in" + "' --val-fraction 0.1 --shard-tokens 1K --seed 3");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("3 used, 2 skipped"), std::string::npos) << out;
+  EXPECT_NE(out.find("documents: 32 (train 29, val 3)"), std::string::npos) << out;
+  EXPECT_NE(out.find("bin.dat"), std::string::npos) << "skipped files are named: " << out;
+  EXPECT_TRUE(fs::exists(d / "o/train_000.bin"));
+  EXPECT_TRUE(fs::exists(d / "o/val.bin"));
+
+  std::tie(rc, out) = run("text '" + d / "o2" + "' '" + d / "in" + "' --shard-tokens lots");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("--shard-tokens 'lots'"), std::string::npos) << out;
+}
+
+TEST(PrepareText, FortunesInstalled) {
+  const std::string fortunes = "/usr/share/games/fortunes";
+  if (!fs::is_directory(fortunes)) GTEST_SKIP() << fortunes << " is not installed";
+  TempDir d;
+  loom::data::PrepareTextOptions o;
+  o.out_dir = d / "out";
+  o.inputs = {fortunes};
+  const auto r = loom::data::prepare_text(o);
+  EXPECT_GT(r.documents, 1000u);
+  EXPECT_GT(r.train_tokens, 1000000u);
+  for (auto& [p, why] : r.files_skipped) EXPECT_TRUE(p.ends_with(".dat")) << p << ": " << why;
+  for (auto& p : r.files_used) EXPECT_FALSE(p.ends_with(".u8")) << "symlinked duplicates are read once: " << p;
+  TokensOptions t;
+  t.train = {d / "out/train_*.bin"};
+  t.val = {d / "out/val.bin"};
+  const DataSpec s = spec(4, 256, 0, 1, 1, 258);
+  auto src = tokens_source(t, s);
+  const auto b = take(*src, s, 2);
+  EXPECT_NE(b[0], b[1]);
+}
