@@ -1,0 +1,430 @@
+#include "checkpoint/checkpoint.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "checkpoint/file_util.hpp"
+#include "loom/error.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom::ckpt {
+
+static_assert(std::endian::native == std::endian::little, "checkpoint files are little-endian");
+
+namespace {
+
+constexpr char kMagic[8] = {'L', 'O', 'O', 'M', 'C', 'K', 'P', '1'};
+constexpr uint64_t kPrefixBytes = 24;  // magic, u64 header length, u32 header CRC, u32 zero
+constexpr uint64_t kAlign = 64;
+// A header lists names and shapes only; anything above this is a corrupt length field.
+constexpr uint64_t kMaxHeaderBytes = 256ull << 20;
+constexpr const char* kComplete = "COMPLETE";
+constexpr const char* kMeta = "meta.json";
+constexpr const char* kUnusable = "; the checkpoint cannot be used — resume from an earlier one or start fresh";
+
+uint64_t align_up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+std::optional<DType> parse_dtype(const std::string& s) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16, DType::e4m3, DType::e5m2, DType::i32, DType::u16, DType::u32,
+                  DType::f64})
+    if (dtype_name(t) == s) return t;
+  return std::nullopt;
+}
+
+std::string shape_string(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? "," : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+// step_<digits>; anything else in root (tmp files, dirs being deleted) is not a checkpoint.
+std::optional<int64_t> parse_step_dir(const std::string& name) {
+  const std::string p = "step_";
+  if (name.size() <= p.size() || name.compare(0, p.size(), p) != 0) return std::nullopt;
+  std::string digits = name.substr(p.size());
+  if (digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return std::nullopt;
+  return std::stoll(digits);
+}
+
+fs::path step_path(const std::string& root, int64_t step) { return fs::path(root) / step_dir_name(step); }
+
+void ensure_dir(const fs::path& p) {
+  std::error_code ec;
+  fs::create_directories(p, ec);  // several ranks race here; losing the race is fine
+  if (!fs::is_directory(p))
+    throw Error(cat("cannot create checkpoint directory ", p.string(), ": ",
+                    ec ? ec.message() : std::string("a file is in the way"), "; check permissions and disk space"));
+  // Make the new directory entries durable before files inside them are relied upon.
+  fsync_dir(p.parent_path().string());
+  fsync_dir(p.parent_path().parent_path().empty() ? "." : p.parent_path().parent_path().string());
+}
+
+std::string complete_steps(const std::string& root) {
+  std::string s;
+  for (const auto& c : list_checkpoints(root))
+    if (c.complete) s += (s.empty() ? "" : ", ") + std::to_string(c.step);
+  return s.empty() ? "none" : s;
+}
+
+bool pread_all(int fd, void* dst, uint64_t bytes, uint64_t offset) {
+  char* p = static_cast<char*>(dst);
+  while (bytes > 0) {
+    size_t chunk = bytes < (uint64_t{1} << 30) ? static_cast<size_t>(bytes) : (size_t{1} << 30);
+    ssize_t n = ::pread(fd, p, chunk, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    if (n == 0) return false;  // end of file: truncated
+    p += n;
+    bytes -= static_cast<uint64_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return true;
+}
+
+struct Fd {
+  int fd;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+std::string step_dir_name(int64_t step) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string rank_file_name(int rank) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "rank_%05d.bin", rank);
+  return buf;
+}
+
+std::string TensorRecord::shape_str() const { return shape_string(shape); }
+
+// ---------------------------------------------------------------------------
+// Writing
+// ---------------------------------------------------------------------------
+
+CheckpointWriter::CheckpointWriter(std::string root, int64_t step, int rank)
+    : root_(std::move(root)), step_(step), rank_(rank) {
+  LOOM_CHECK(step >= 0, "checkpoint step must be >= 0, got ", step);
+  LOOM_CHECK(rank >= 0, "checkpoint rank must be >= 0, got ", rank);
+}
+
+void CheckpointWriter::add(const std::string& name, const Tensor& t) {
+  const std::string where = (step_path(root_, step_) / rank_file_name(rank_)).string();
+  if (name.empty()) throw Error(cat(where, ": a tensor needs a name"));
+  for (const auto& it : items_)
+    if (it.name == name) throw Error(cat(where, ": tensor '", name, "' added twice"));
+  if (t.device != Device::cpu)
+    throw Error(cat(where, ": tensor '", name, "' is on ", device_name(t.device),
+                    "; checkpoints take host tensors — copy it to the host first"));
+  if (!t.is_contiguous()) throw Error(cat(where, ": tensor '", name, "' is not contiguous; pack it first"));
+  if (t.numel() > 0 && t.data == nullptr) throw Error(cat(where, ": tensor '", name, "' has no data"));
+  items_.push_back({name, t});
+}
+
+void CheckpointWriter::write_shard() {
+  const fs::path dir = step_path(root_, step_);
+  const std::string file = (dir / rank_file_name(rank_)).string();
+  if (fs::exists(dir / kComplete))
+    throw Error(cat("checkpoint ", dir.string(), " already exists and is complete; refusing to overwrite ", file,
+                    " (remove the directory first if it is meant to be replaced)"));
+  ensure_dir(dir);
+
+  nlohmann::ordered_json hdr;
+  hdr["format"] = 1;
+  hdr["rank"] = rank_;
+  hdr["tensors"] = nlohmann::ordered_json::array();
+  uint64_t off = 0;
+  for (const auto& it : items_) {
+    std::vector<int64_t> shape(it.t.shape.begin(), it.t.shape.begin() + it.t.ndim);
+    uint64_t bytes = it.t.bytes();
+    hdr["tensors"].push_back({{"name", it.name},
+                              {"dtype", std::string(dtype_name(it.t.dtype))},
+                              {"shape", shape},
+                              {"offset", off},
+                              {"bytes", bytes},
+                              {"crc32", crc32(it.t.data, bytes)}});
+    off = align_up(off + bytes);
+  }
+  const std::string h = hdr.dump();
+  const uint64_t hlen = h.size();
+  const uint32_t hcrc = crc32(h.data(), h.size());
+  const uint32_t zero = 0;
+  static const char pad[kAlign] = {};
+
+  AtomicFile f(file);
+  f.write(kMagic, 8);
+  f.write(&hlen, 8);
+  f.write(&hcrc, 4);
+  f.write(&zero, 4);
+  f.write(h);
+  f.write(pad, align_up(f.written()) - f.written());
+  const uint64_t data_start = f.written();
+  // Padding goes before each tensor, not after the last, so that the file
+  // ends with data and any truncation cuts into a tensor the reader checks.
+  for (size_t i = 0; i < items_.size(); ++i) {
+    const uint64_t at = hdr["tensors"][i]["offset"].get<uint64_t>();
+    f.write(pad, at - (f.written() - data_start));
+    f.write(items_[i].t.data, items_[i].t.bytes());
+  }
+  f.commit();
+}
+
+void CheckpointWriter::write_meta(const std::string& root, int64_t step, const std::string& json) {
+  const fs::path dir = step_path(root, step);
+  try {
+    (void)nlohmann::json::parse(json);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(cat("checkpoint metadata for ", dir.string(), " is not valid JSON (", e.what(), ")"));
+  }
+  if (fs::exists(dir / kComplete))
+    throw Error(cat("checkpoint ", dir.string(), " is already complete; refusing to rewrite its ", kMeta));
+  ensure_dir(dir);
+  write_file_atomic((dir / kMeta).string(), json);
+}
+
+void CheckpointWriter::mark_complete(const std::string& root, int64_t step) {
+  const fs::path dir = step_path(root, step);
+  if (!fs::exists(dir / kMeta))
+    throw Error(cat("cannot mark ", dir.string(), " complete: ", kMeta, " is missing (call write_meta first)"));
+  if (!fs::exists(dir / rank_file_name(0)))
+    throw Error(cat("cannot mark ", dir.string(), " complete: ", rank_file_name(0), " is missing"));
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(read_file((dir / kMeta).string(), "checkpoint metadata"));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(cat((dir / kMeta).string(), ": not valid JSON (", e.what(), ")"));
+  }
+  if (meta.is_object() && meta.contains("world_size") && meta["world_size"].is_number_integer()) {
+    int64_t ws = meta["world_size"].get<int64_t>();
+    for (int64_t r = 0; r < ws; ++r)
+      if (!fs::exists(dir / rank_file_name(static_cast<int>(r))))
+        throw Error(cat("cannot mark ", dir.string(), " complete: ", rank_file_name(static_cast<int>(r)),
+                        " is missing (world_size ", ws, " in ", kMeta, "); did every rank write its shard before the barrier?"));
+    // Shards of ranks >= world_size can only be left over from an interrupted
+    // save of this step with a larger world; readers count shards, so drop them.
+    for (const auto& e : fs::directory_iterator(dir)) {
+      std::string n = e.path().filename().string();
+      int r = -1;
+      if (std::sscanf(n.c_str(), "rank_%d.bin", &r) == 1 && n == rank_file_name(r) && r >= ws) fs::remove(e.path());
+    }
+  }
+  write_file_atomic((dir / kComplete).string(), cat("{\"step\": ", step, "}\n"));
+}
+
+// ---------------------------------------------------------------------------
+// Listing and pruning
+// ---------------------------------------------------------------------------
+
+std::vector<CheckpointInfo> list_checkpoints(const std::string& root) {
+  std::vector<CheckpointInfo> out;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    if (!e.is_directory()) continue;
+    auto step = parse_step_dir(e.path().filename().string());
+    if (!step) continue;
+    out.push_back({*step, e.path().string(), fs::exists(e.path() / kComplete)});
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.step < b.step; });
+  return out;
+}
+
+std::optional<CheckpointInfo> latest_complete(const std::string& root) {
+  auto all = list_checkpoints(root);
+  for (auto it = all.rbegin(); it != all.rend(); ++it)
+    if (it->complete) return *it;
+  return std::nullopt;
+}
+
+CheckpointInfo find_step(const std::string& root, int64_t step) {
+  for (const auto& c : list_checkpoints(root)) {
+    if (c.step != step) continue;
+    if (!c.complete)
+      throw Error(cat("checkpoint ", c.dir, " is incomplete (no ", kComplete,
+                      " marker: its save was interrupted) and cannot be used; complete checkpoints in ", root, ": ",
+                      complete_steps(root)));
+    return c;
+  }
+  throw Error(cat("no checkpoint for step ", step, " in ", root, "; complete checkpoints: ", complete_steps(root)));
+}
+
+std::vector<std::string> prune(const std::string& root, int keep_last) {
+  std::vector<std::string> removed;
+  if (keep_last <= 0) return removed;
+  auto all = list_checkpoints(root);
+  std::vector<const CheckpointInfo*> complete;
+  for (const auto& c : all)
+    if (c.complete) complete.push_back(&c);
+  if (complete.empty()) return removed;  // nothing proven good yet: keep everything
+  const int64_t newest = complete.back()->step;
+  std::set<int64_t> keep;
+  for (size_t i = complete.size() > static_cast<size_t>(keep_last) ? complete.size() - keep_last : 0;
+       i < complete.size(); ++i)
+    keep.insert(complete[i]->step);
+  for (const auto& c : all) {
+    if (c.step >= newest || keep.count(c.step)) continue;
+    // Rename first (atomic), then delete: a crash mid-delete must not leave a
+    // directory that still looks like a complete checkpoint with missing shards.
+    fs::path victim(c.dir);
+    fs::path trash = victim.parent_path() / ("." + victim.filename().string() + ".deleting");
+    std::error_code ec;
+    fs::remove_all(trash, ec);
+    fs::rename(victim, trash, ec);
+    if (ec) throw Error(cat("cannot remove old checkpoint ", c.dir, ": ", ec.message()));
+    fsync_dir(root);
+    fs::remove_all(trash, ec);
+    if (ec) throw Error(cat("cannot remove old checkpoint ", trash.string(), ": ", ec.message()));
+    removed.push_back(c.dir);
+  }
+  // Leftovers of a prune that crashed after its rename.
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    std::string n = e.path().filename().string();
+    if (n.size() > 10 && n[0] == '.' && n.ends_with(".deleting") && parse_step_dir(n.substr(1, n.size() - 10)))
+      fs::remove_all(e.path(), ec);
+  }
+  return removed;
+}
+
+// ---------------------------------------------------------------------------
+// Reading
+// ---------------------------------------------------------------------------
+
+CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(dir)) {
+  const fs::path d(dir_);
+  file_ = (d / rank_file_name(rank)).string();
+  if (!fs::is_directory(d)) throw Error(cat("checkpoint directory ", dir_, " does not exist"));
+  if (!fs::exists(d / kComplete))
+    throw Error(cat("checkpoint ", dir_, " is incomplete (no ", kComplete,
+                    " marker: its save was interrupted) and cannot be used; complete checkpoints in ",
+                    d.parent_path().string(), ": ", complete_steps(d.parent_path().string())));
+  meta_ = read_file((d / kMeta).string(), "checkpoint metadata");
+  for (const auto& e : fs::directory_iterator(d)) {
+    std::string n = e.path().filename().string();
+    int r = -1;
+    if (std::sscanf(n.c_str(), "rank_%d.bin", &r) == 1 && n == rank_file_name(r)) ++num_ranks_;
+  }
+  if (!fs::exists(file_))
+    throw Error(cat("checkpoint ", dir_, " has no shard for rank ", rank, " (", file_, " missing; it holds ",
+                    num_ranks_, " shard(s))", kUnusable));
+
+  auto bad = [&](const std::string& what) { return Error(cat(file_, ": ", what, kUnusable)); };
+  Fd fd{::open(file_.c_str(), O_RDONLY | O_CLOEXEC)};
+  if (fd.fd < 0) throw Error(cat("cannot open ", file_, ": ", std::strerror(errno)));
+  struct stat st {};
+  if (::fstat(fd.fd, &st) != 0) throw Error(cat("cannot stat ", file_, ": ", std::strerror(errno)));
+  file_size_ = static_cast<uint64_t>(st.st_size);
+  char prefix[kPrefixBytes];
+  if (file_size_ < kPrefixBytes || !pread_all(fd.fd, prefix, kPrefixBytes, 0))
+    throw bad(cat("file is ", file_size_, " bytes, too short for a shard header (truncated)"));
+  if (std::memcmp(prefix, kMagic, 8) != 0) throw bad("not a Loom checkpoint shard (bad magic; garbage header)");
+  uint64_t hlen;
+  uint32_t hcrc;
+  std::memcpy(&hlen, prefix + 8, 8);
+  std::memcpy(&hcrc, prefix + 16, 4);
+  if (hlen == 0 || hlen > kMaxHeaderBytes || hlen > file_size_ - kPrefixBytes)
+    throw bad(cat("header length ", hlen, " is impossible for a file of ", file_size_, " bytes (garbage or truncated header)"));
+  std::string h(hlen, '\0');
+  if (!pread_all(fd.fd, h.data(), hlen, kPrefixBytes)) throw bad("header is truncated");
+  if (crc32(h.data(), h.size()) != hcrc) throw bad("header is corrupt (CRC mismatch)");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(h);
+  } catch (const nlohmann::json::exception& e) {
+    throw bad(cat("header is not valid JSON (", e.what(), ")"));
+  }
+  if (!j.is_object() || j.value("format", 0) != 1 || !j.contains("tensors") || !j["tensors"].is_array())
+    throw bad("header is not a format-1 shard header (written by a newer Loom?)");
+  data_start_ = align_up(kPrefixBytes + hlen);
+  const uint64_t data_bytes = file_size_ >= data_start_ ? file_size_ - data_start_ : 0;
+  try {
+    for (const auto& t : j["tensors"]) {
+      TensorRecord r;
+      r.name = t.at("name").get<std::string>();
+      auto dt = parse_dtype(t.at("dtype").get<std::string>());
+      if (!dt) throw bad(cat("tensor '", r.name, "' has unknown dtype ", t.at("dtype").dump()));
+      r.dtype = *dt;
+      r.shape = t.at("shape").get<std::vector<int64_t>>();
+      if (r.shape.size() > static_cast<size_t>(Tensor::kMaxDims))
+        throw bad(cat("tensor '", r.name, "' has ", r.shape.size(), " dims (at most ", Tensor::kMaxDims, ")"));
+      uint64_t numel = 1;
+      for (auto s : r.shape) {
+        if (s < 0) throw bad(cat("tensor '", r.name, "' has a negative dimension in ", r.shape_str()));
+        numel *= static_cast<uint64_t>(s);
+      }
+      r.offset = t.at("offset").get<uint64_t>();
+      r.bytes = t.at("bytes").get<uint64_t>();
+      r.crc32 = t.at("crc32").get<uint32_t>();
+      if (r.bytes != numel * dtype_size(r.dtype))
+        throw bad(cat("tensor '", r.name, "' records ", r.bytes, " bytes but ", dtype_name(r.dtype), " ", r.shape_str(),
+                      " needs ", numel * dtype_size(r.dtype)));
+      if (r.offset > data_bytes || r.bytes > data_bytes - r.offset)
+        throw bad(cat("tensor '", r.name, "' lies beyond the end of the file (", file_size_,
+                      " bytes): the shard is truncated"));
+      if (index_.count(r.name)) throw bad(cat("tensor '", r.name, "' appears twice in the header"));
+      index_[r.name] = tensors_.size();
+      tensors_.push_back(std::move(r));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw bad(cat("header has a malformed tensor entry (", e.what(), ")"));
+  }
+}
+
+std::vector<std::string> CheckpointReader::names() const {
+  std::vector<std::string> n;
+  for (const auto& t : tensors_) n.push_back(t.name);
+  return n;
+}
+
+const TensorRecord& CheckpointReader::info(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) {
+    std::string some;
+    for (size_t i = 0; i < tensors_.size() && i < 6; ++i) some += (i ? ", " : "") + tensors_[i].name;
+    if (tensors_.size() > 6) some += ", ...";
+    throw Error(cat(file_, ": no tensor '", name, "' in this checkpoint (it holds ", tensors_.size(), ": ", some,
+                    "); was it written by a different model or sharding configuration?"));
+  }
+  return tensors_[it->second];
+}
+
+void CheckpointReader::read(const std::string& name, Tensor& dst) const {
+  const auto& r = info(name);
+  std::vector<int64_t> dshape(dst.shape.begin(), dst.shape.begin() + dst.ndim);
+  if (dst.dtype != r.dtype || dshape != r.shape)
+    throw Error(cat(file_, ": tensor '", name, "' is ", dtype_name(r.dtype), " ", r.shape_str(),
+                    " in the checkpoint but the destination is ", dtype_name(dst.dtype), " ", shape_string(dshape),
+                    "; the model or precision configuration differs from the one that saved it"));
+  if (dst.device != Device::cpu)
+    throw Error(cat(file_, ": tensor '", name, "': read into a host tensor, then copy it to the device"));
+  if (!dst.is_contiguous() || (r.bytes > 0 && dst.data == nullptr))
+    throw Error(cat(file_, ": tensor '", name, "': the destination must be a contiguous tensor with memory"));
+  Fd fd{::open(file_.c_str(), O_RDONLY | O_CLOEXEC)};
+  if (fd.fd < 0) throw Error(cat("cannot open ", file_, ": ", std::strerror(errno)));
+  if (!pread_all(fd.fd, dst.data, r.bytes, data_start_ + r.offset))
+    throw Error(cat(file_, ": tensor '", name, "' could not be read (", std::strerror(errno), " or truncated file)", kUnusable));
+  if (crc32(dst.data, r.bytes) != r.crc32)
+    throw Error(cat(file_, ": tensor '", name, "' is corrupt (CRC mismatch)", kUnusable));
+}
+
+}  // namespace loom::ckpt

@@ -1,0 +1,119 @@
+// Training checkpoints (DESIGN.md "What a user sees"):
+//
+//   <root>/step_00000120/rank_00000.bin   one shard file per rank
+//                        rank_00001.bin
+//                        meta.json        caller's JSON (config, world size, strategy, data position, RNG, ...)
+//                        COMPLETE         written last, by rank 0, after every shard is on disk
+//
+// A shard file is: 8 bytes magic "LOOMCKP1", u64 header length H, u32 CRC32 of
+// the header, u32 zero, H bytes of JSON header
+//   {"format": 1, "rank": r, "tensors": [{"name", "dtype", "shape", "offset", "bytes", "crc32"}]}
+// then zero padding to a 64-byte boundary and the data section (offsets are
+// relative to it, each tensor 64-byte aligned). All integers little-endian.
+//
+// Every file is written tmp + fsync + rename + fsync(dir), so a crash leaves
+// either no file or a whole one; a directory without COMPLETE is never read.
+// Saving, as the trainer drives it:
+//   every rank:  CheckpointWriter w(root, step, rank); w.add(...)...; w.write_shard();
+//   rank 0:      CheckpointWriter::write_meta(root, step, json);
+//   barrier (all shards on disk)
+//   rank 0:      CheckpointWriter::mark_complete(root, step); prune(root, keep_last);
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "loom/tensor.hpp"
+
+namespace loom::ckpt {
+
+std::string step_dir_name(int64_t step);  // "step_00000120"
+std::string rank_file_name(int rank);     // "rank_00000.bin"
+
+class CheckpointWriter {
+ public:
+  CheckpointWriter(std::string root, int64_t step, int rank);
+  // Records a host tensor (contiguous); its memory must stay valid until
+  // write_shard(). Names are unique within a shard.
+  void add(const std::string& name, const Tensor& t);
+  // Writes <root>/step_X/rank_R.bin (creating the directories). Refuses to
+  // write into a checkpoint already marked complete.
+  void write_shard();
+  // Writes meta.json (must be valid JSON). Rank 0, before mark_complete.
+  static void write_meta(const std::string& root, int64_t step, const std::string& json);
+  // Writes COMPLETE after checking meta.json and rank_00000.bin exist and, if
+  // meta.json has an integer "world_size", that every rank's shard exists
+  // (stale shards of higher ranks from an interrupted earlier attempt with a
+  // larger world size are removed first). Call after a barrier on all ranks.
+  static void mark_complete(const std::string& root, int64_t step);
+
+ private:
+  struct Item {
+    std::string name;
+    Tensor t;
+  };
+  std::string root_;
+  int64_t step_;
+  int rank_;
+  std::vector<Item> items_;
+};
+
+struct CheckpointInfo {
+  int64_t step = 0;
+  std::string dir;
+  bool complete = false;
+};
+
+// Every step_* directory under root, ascending by step (empty if root is missing).
+std::vector<CheckpointInfo> list_checkpoints(const std::string& root);
+std::optional<CheckpointInfo> latest_complete(const std::string& root);
+// The checkpoint of `step`; throws if it is missing or incomplete, listing the complete ones.
+CheckpointInfo find_step(const std::string& root, int64_t step);
+
+// Keeps the newest keep_last complete checkpoints. Removes older complete
+// ones and incomplete ones older than the newest complete one; never touches
+// the newest complete one or anything newer (a save may be in progress).
+// keep_last == 0 keeps everything. Returns the removed directories.
+std::vector<std::string> prune(const std::string& root, int keep_last);
+
+struct TensorRecord {
+  std::string name;
+  DType dtype = DType::f32;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;  // bytes from the start of the data section
+  uint64_t bytes = 0;
+  uint32_t crc32 = 0;
+  std::string shape_str() const;
+};
+
+class CheckpointReader {
+ public:
+  // `dir` is a step directory (CheckpointInfo::dir). Refuses a directory
+  // without COMPLETE and validates the shard's header.
+  CheckpointReader(std::string dir, int rank);
+  const std::string& dir() const { return dir_; }
+  const std::string& file() const { return file_; }
+  // meta.json's text.
+  const std::string& meta() const { return meta_; }
+  // Number of rank_*.bin shards in the directory (the world size that wrote it).
+  int num_ranks() const { return num_ranks_; }
+  std::vector<std::string> names() const;
+  bool has(const std::string& name) const { return index_.count(name) != 0; }
+  const TensorRecord& info(const std::string& name) const;
+  // Reads into a contiguous host tensor of the recorded dtype and shape; checks the CRC.
+  void read(const std::string& name, Tensor& dst) const;
+
+ private:
+  std::string dir_;
+  std::string file_;
+  std::string meta_;
+  int num_ranks_ = 0;
+  uint64_t data_start_ = 0;
+  uint64_t file_size_ = 0;
+  std::vector<TensorRecord> tensors_;
+  std::unordered_map<std::string, size_t> index_;
+};
+
+}  // namespace loom::ckpt

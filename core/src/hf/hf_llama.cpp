@@ -1,0 +1,277 @@
+#include "hf/hf_llama.hpp"
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <vector>
+
+#include "checkpoint/file_util.hpp"
+#include "hf/safetensors.hpp"
+#include "loom/error.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom::hf {
+namespace {
+
+using json = nlohmann::json;
+
+int64_t get_int(const json& j, const std::string& origin, const char* key, std::optional<int64_t> def) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (def) return *def;
+    throw Error(cat(origin, ": required key \"", key, "\" is missing; this is not a complete Llama config.json"));
+  }
+  const auto& v = j[key];
+  if (!v.is_number_integer() || v.get<int64_t>() <= 0)
+    throw Error(cat(origin, ": \"", key, "\" must be a positive integer, found ", v.dump()));
+  return v.get<int64_t>();
+}
+
+double get_double(const json& j, const std::string& origin, const char* key, std::optional<double> def) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (def) return *def;
+    throw Error(cat(origin, ": required key \"", key, "\" is missing"));
+  }
+  const auto& v = j[key];
+  if (!v.is_number() || v.get<double>() <= 0)
+    throw Error(cat(origin, ": \"", key, "\" must be a positive number, found ", v.dump()));
+  return v.get<double>();
+}
+
+// A RoPE block that means "no scaling": null, or a rope_type/type of "default".
+bool rope_is_default(const json& r) {
+  if (r.is_null()) return true;
+  if (!r.is_object()) return false;
+  std::string t = r.value("rope_type", r.value("type", std::string("default")));
+  return t == "default";
+}
+
+std::string list_dir(const std::string& dir) {
+  std::string s;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) s += (s.empty() ? "" : ", ") + e.path().filename().string();
+  return s.empty() ? "(empty)" : s;
+}
+
+bool ignorable(const std::string& name, const ModelSpec& spec) {
+  // Older transformers saved the RoPE frequencies as a buffer; they follow from rope_theta.
+  const std::string inv = "rotary_emb.inv_freq";
+  if (name.size() >= inv.size() && name.compare(name.size() - inv.size(), inv.size(), inv) == 0) return true;
+  // A tied head is the embedding; some exporters still store a copy.
+  return spec.tied_embeddings && name == "lm_head.weight";
+}
+
+}  // namespace
+
+ModelSpec parse_hf_llama_config(const std::string& text, const std::string& origin) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw Error(cat(origin, ": not valid JSON (", e.what(), ")"));
+  }
+  if (!j.is_object()) throw Error(cat(origin, ": expected a JSON object"));
+  std::string mt = j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>() : "";
+  if (mt != "llama")
+    throw Error(cat(origin, ": model_type is ", j.contains("model_type") ? j["model_type"].dump() : "missing",
+                    ", expected \"llama\"; Loom imports Llama-architecture models only"));
+  std::string act = j.contains("hidden_act") && j["hidden_act"].is_string() ? j["hidden_act"].get<std::string>()
+                                                                              : std::string("silu");
+  if (j.contains("hidden_act") && !j["hidden_act"].is_string())
+    throw Error(cat(origin, ": hidden_act must be a string, found ", j["hidden_act"].dump()));
+  if (act != "silu")
+    throw Error(cat(origin, ": hidden_act is \"", act, "\", but Loom's MLP is SwiGLU (silu); this model cannot be imported"));
+  for (const char* k : {"attention_bias", "mlp_bias"}) {
+    if (j.contains(k) && !j[k].is_null() && !(j[k].is_boolean() && !j[k].get<bool>()))
+      throw Error(cat(origin, ": ", k, " is ", j[k].dump(), ", but Loom's Llama has no bias terms; this model cannot be imported"));
+  }
+  if (j.contains("rope_scaling") && !rope_is_default(j["rope_scaling"]))
+    throw Error(cat(origin, ": rope_scaling is ", j["rope_scaling"].dump(),
+                    ", but Loom implements plain RoPE only; this model cannot be imported"));
+  ModelSpec s;
+  s.hidden = get_int(j, origin, "hidden_size", std::nullopt);
+  s.num_layers = get_int(j, origin, "num_hidden_layers", std::nullopt);
+  s.num_heads = get_int(j, origin, "num_attention_heads", std::nullopt);
+  s.num_kv_heads = get_int(j, origin, "num_key_value_heads", s.num_heads);
+  s.ffn_hidden = get_int(j, origin, "intermediate_size", std::nullopt);
+  s.vocab_size = get_int(j, origin, "vocab_size", std::nullopt);
+  // Defaults below are LlamaConfig's, so a config that omits a key means what it means in HF.
+  s.max_seq_len = get_int(j, origin, "max_position_embeddings", 2048);
+  s.norm_eps = get_double(j, origin, "rms_norm_eps", 1e-6);
+  if (j.contains("rope_theta") && !j["rope_theta"].is_null()) {
+    s.rope_theta = get_double(j, origin, "rope_theta", std::nullopt);
+  } else if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+    const auto& rp = j["rope_parameters"];
+    if (!rope_is_default(rp))
+      throw Error(cat(origin, ": rope_parameters is ", rp.dump(),
+                      ", but Loom implements plain RoPE only (rope_type \"default\"); this model cannot be imported"));
+    s.rope_theta = rp.contains("rope_theta") ? get_double(rp, origin + " rope_parameters", "rope_theta", std::nullopt)
+                                             : 10000.0;
+  } else {
+    s.rope_theta = 10000.0;
+  }
+  if (j.contains("tie_word_embeddings") && !j["tie_word_embeddings"].is_null()) {
+    if (!j["tie_word_embeddings"].is_boolean())
+      throw Error(cat(origin, ": tie_word_embeddings must be true or false, found ", j["tie_word_embeddings"].dump()));
+    s.tied_embeddings = j["tie_word_embeddings"].get<bool>();
+  } else {
+    s.tied_embeddings = false;
+  }
+  if (s.hidden % s.num_heads != 0)
+    throw Error(cat(origin, ": hidden_size ", s.hidden, " is not divisible by num_attention_heads ", s.num_heads));
+  if (s.num_heads % s.num_kv_heads != 0)
+    throw Error(cat(origin, ": num_attention_heads ", s.num_heads, " is not divisible by num_key_value_heads ",
+                    s.num_kv_heads));
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
+    int64_t hd = get_int(j, origin, "head_dim", std::nullopt);
+    if (hd != s.hidden / s.num_heads)
+      throw Error(cat(origin, ": head_dim is ", hd, " but hidden_size / num_attention_heads = ", s.hidden / s.num_heads,
+                      "; Loom requires head_dim = hidden_size / num_attention_heads, so this model cannot be imported"));
+  }
+  return s;
+}
+
+ModelSpec read_hf_llama_config(const std::string& dir) {
+  std::string path = (fs::path(dir) / "config.json").string();
+  if (!fs::exists(path))
+    throw Error(cat("no config.json in ", dir, " (found: ", list_dir(dir),
+                    "); point at a Hugging Face model directory (the one save_pretrained writes)"));
+  return parse_hf_llama_config(ckpt::read_file(path, "HF config"), path);
+}
+
+void load_hf_llama_weights(const std::string& dir, const ModelSpec& spec,
+                           const std::function<float*(const std::string&, int64_t)>& dst) {
+  const fs::path d(dir);
+  std::vector<std::unique_ptr<SafeTensorsFile>> files;
+  std::map<std::string, const SafeTensorsFile*> where;  // tensor -> file holding it
+  const fs::path index = d / "model.safetensors.index.json";
+  if (fs::exists(index)) {
+    json j;
+    try {
+      j = json::parse(ckpt::read_file(index.string(), "safetensors index"));
+    } catch (const json::exception& e) {
+      throw Error(cat(index.string(), ": not valid JSON (", e.what(), ")"));
+    }
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+      throw Error(cat(index.string(), ": no \"weight_map\" object; expected {\"weight_map\": {tensor: file}}"));
+    std::map<std::string, const SafeTensorsFile*> by_file;
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      if (!it.value().is_string())
+        throw Error(cat(index.string(), ": weight_map entry for '", it.key(), "' is not a file name"));
+      std::string fname = it.value().get<std::string>();
+      if (fname.find('/') != std::string::npos || fname == "..")
+        throw Error(cat(index.string(), ": weight_map entry for '", it.key(), "' names '", fname,
+                        "', which is not a file in this directory"));
+      if (!by_file.count(fname)) {
+        fs::path p = d / fname;
+        if (!fs::exists(p))
+          throw Error(cat(index.string(), ": tensor '", it.key(), "' is in '", fname,
+                          "', which does not exist; the download is incomplete"));
+        files.push_back(std::make_unique<SafeTensorsFile>(p.string()));
+        by_file[fname] = files.back().get();
+      }
+      const SafeTensorsFile* f = by_file[fname];
+      if (!f->has(it.key()))
+        throw Error(cat(f->path(), ": tensor '", it.key(), "' is listed in ", index.string(),
+                        " but not present in the file; the shard and the index do not match"));
+      where[it.key()] = f;
+    }
+    // Tensors present in a shard but missing from the index are still
+    // unexpected contents: check them too.
+    for (auto& f : files)
+      for (const auto& n : f->names())
+        if (!where.count(n))
+          throw Error(cat(f->path(), ": tensor '", n, "' is not listed in ", index.string(),
+                          "; the shard and the index do not match"));
+  } else if (fs::exists(d / "model.safetensors")) {
+    files.push_back(std::make_unique<SafeTensorsFile>((d / "model.safetensors").string()));
+    for (const auto& n : files.back()->names()) where[n] = files.back().get();
+  } else {
+    throw Error(cat("no model.safetensors or model.safetensors.index.json in ", dir, " (found: ", list_dir(dir),
+                    "); Loom reads safetensors only — convert .bin checkpoints with transformers' "
+                    "save_pretrained(..., safe_serialization=True)"));
+  }
+
+  std::set<std::string> expected;
+  for (const auto& u : model_units(spec)) {
+    for (const auto& p : u.params) {
+      expected.insert(p.name);
+      auto it = where.find(p.name);
+      if (it == where.end())
+        throw Error(cat(dir, ": tensor '", p.name, "' is missing; the config (", spec.num_layers, " layers, tie_word_embeddings=",
+                        spec.tied_embeddings ? "true" : "false", ") needs it — config.json and the weights do not match"));
+      const auto& info = it->second->info(p.name);
+      if (info.shape != p.shape) {
+        std::string want = "[";
+        for (size_t i = 0; i < p.shape.size(); ++i) want += (i ? ", " : "") + std::to_string(p.shape[i]);
+        throw Error(cat(it->second->path(), ": tensor '", p.name, "' has shape ", info.shape_str(), ", expected ", want,
+                        "] from config.json; config.json and the weights do not match"));
+      }
+      float* out = dst(p.name, p.numel);
+      if (out) it->second->read_f32(p.name, out, p.numel);
+    }
+  }
+  for (const auto& [name, f] : where)
+    if (!expected.count(name) && !ignorable(name, spec))
+      throw Error(cat(f->path(), ": unexpected tensor '", name, "' (", f->info(name).shape_str(),
+                      "), not part of a Llama model with this config.json; the weights belong to another architecture "
+                      "or config"));
+}
+
+void save_hf_llama(const std::string& dir, const ModelSpec& spec,
+                   const std::function<const float*(const std::string&)>& src, DType out,
+                   const HfExportOptions& options) {
+  if (out != DType::f32 && out != DType::bf16)
+    throw Error(cat("HF export to ", dir, ": dtype ", dtype_name(out), " is not supported; use fp32 or bf16"));
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw Error(cat("cannot create export directory ", dir, ": ", ec.message()));
+
+  std::vector<SafeTensorsEntry> entries;
+  for (const auto& u : model_units(spec)) {
+    for (const auto& p : u.params) {
+      const float* data = src(p.name);
+      if (!data) throw Error(cat("HF export to ", dir, ": no data for tensor '", p.name, "'"));
+      // Norm gains stay fp32-representable anyway; HF keeps one dtype per file, so all use `out`.
+      entries.push_back({p.name, p.shape, data, DType::f32, out});
+    }
+  }
+  const std::string torch_dtype = out == DType::bf16 ? "bfloat16" : "float32";
+  // "format": "pt" is required: from_pretrained refuses safetensors files without it.
+  write_safetensors((fs::path(dir) / "model.safetensors").string(), entries, {{"format", "pt"}});
+
+  nlohmann::ordered_json c;
+  c["architectures"] = {"LlamaForCausalLM"};
+  c["model_type"] = "llama";
+  c["hidden_size"] = spec.hidden;
+  c["num_hidden_layers"] = spec.num_layers;
+  c["num_attention_heads"] = spec.num_heads;
+  c["num_key_value_heads"] = spec.num_kv_heads;
+  c["head_dim"] = spec.head_dim();
+  c["intermediate_size"] = spec.ffn_hidden;
+  c["vocab_size"] = spec.vocab_size;
+  c["max_position_embeddings"] = spec.max_seq_len;
+  // Both spellings: transformers < 5 reads rope_theta, >= 5 rope_parameters.
+  c["rope_theta"] = spec.rope_theta;
+  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", spec.rope_theta}};
+  c["rope_scaling"] = nullptr;
+  c["rms_norm_eps"] = spec.norm_eps;
+  c["tie_word_embeddings"] = spec.tied_embeddings;
+  c["hidden_act"] = "silu";
+  c["attention_bias"] = false;
+  c["attention_dropout"] = 0.0;
+  c["mlp_bias"] = false;
+  c["pretraining_tp"] = 1;
+  c["initializer_range"] = 0.02;
+  c["use_cache"] = true;
+  c["torch_dtype"] = torch_dtype;  // transformers < 5
+  c["dtype"] = torch_dtype;        // transformers >= 5
+  if (options.bos_token_id) c["bos_token_id"] = *options.bos_token_id;
+  if (options.eos_token_id) c["eos_token_id"] = *options.eos_token_id;
+  // config.json last: a directory with a config but no weights would look loadable.
+  ckpt::write_file_atomic((fs::path(dir) / "config.json").string(), c.dump(2) + "\n");
+}
+
+}  // namespace loom::hf

@@ -1,0 +1,399 @@
+// Checkpoint format: round trips, crash leftovers, corruption and pruning.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "checkpoint/checkpoint.hpp"
+#include "checkpoint/file_util.hpp"
+#include "loom/error.hpp"
+
+namespace fs = std::filesystem;
+using namespace loom;
+using namespace loom::ckpt;
+
+namespace {
+
+struct TmpDir {
+  fs::path path;
+  TmpDir() {
+    static int n = 0;
+    path = fs::temp_directory_path() /
+           ("loom_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TmpDir() { fs::remove_all(path); }
+  std::string str() const { return path.string(); }
+};
+
+// Expects a loom::Error whose message contains every one of `parts`.
+template <typename F>
+void expect_error(F&& f, std::initializer_list<std::string> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "expected loom::Error";
+  } catch (const loom::Error& e) {
+    std::string m = e.what();
+    for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
+  }
+}
+
+// A complete one-rank checkpoint with a couple of tensors.
+void save_simple(const std::string& root, int64_t step, float v = 1.0f) {
+  static std::vector<float> a(100), b(7);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = v + static_cast<float>(i);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = -v * static_cast<float>(i);
+  CheckpointWriter w(root, step, 0);
+  w.add("params.layer.0", Tensor(a.data(), DType::f32, Device::cpu, {10, 10}));
+  w.add("params.layer.1", Tensor(b.data(), DType::f32, Device::cpu, {7}));
+  w.write_shard();
+  CheckpointWriter::write_meta(root, step, R"({"world_size": 1, "step": )" + std::to_string(step) + "}");
+  CheckpointWriter::mark_complete(root, step);
+}
+
+void flip_byte(const fs::path& file, uint64_t offset_from_end) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-static_cast<std::streamoff>(offset_from_end), std::ios::end);
+  char c;
+  f.read(&c, 1);
+  c ^= 0x5A;
+  f.seekp(-static_cast<std::streamoff>(offset_from_end), std::ios::end);
+  f.write(&c, 1);
+}
+
+}  // namespace
+
+TEST(Crc32, KnownVectors) {
+  EXPECT_EQ(crc32("", 0), 0u);
+  EXPECT_EQ(crc32("123456789", 9), 0xCBF43926u);  // the standard check value
+  const char* s = "The quick brown fox jumps over the lazy dog";
+  EXPECT_EQ(crc32(s, std::strlen(s)), 0x414FA339u);
+  // Chaining equals one pass (exercises both the 8-byte and the tail loop).
+  EXPECT_EQ(crc32(s + 13, std::strlen(s) - 13, crc32(s, 13)), 0x414FA339u);
+}
+
+TEST(Checkpoint, NamesOfFilesAndDirectories) {
+  EXPECT_EQ(step_dir_name(120), "step_00000120");
+  EXPECT_EQ(rank_file_name(3), "rank_00003.bin");
+}
+
+TEST(Checkpoint, RoundTripSeveralDtypesAndShapes) {
+  TmpDir tmp;
+  std::mt19937 rng(7);
+  std::vector<float> f32(3 * 5 * 7);
+  for (auto& x : f32) x = std::uniform_real_distribution<float>(-3, 3)(rng);
+  std::vector<uint16_t> bf16(64);
+  for (auto& x : bf16) x = static_cast<uint16_t>(rng());
+  std::vector<int32_t> i32(2 * 3 * 4 * 5);
+  for (auto& x : i32) x = static_cast<int32_t>(rng());
+  std::vector<double> f64 = {1.5, -2.25, 1e300};
+  std::vector<uint8_t> e4m3(13);  // odd size: the next tensor must still be aligned
+  for (auto& x : e4m3) x = static_cast<uint8_t>(rng());
+  float scalar = 42.0f;
+
+  for (int rank = 0; rank < 2; ++rank) {
+    CheckpointWriter w(tmp.str(), 120, rank);
+    w.add("master.layer.3", Tensor(f32.data(), DType::f32, Device::cpu, {3, 5, 7}));
+    w.add("params.layer.3", Tensor(bf16.data(), DType::bf16, Device::cpu, {8, 8}));
+    w.add("data.position", Tensor(i32.data(), DType::i32, Device::cpu, {2, 3, 4, 5}));
+    w.add("fp8.scale", Tensor(e4m3.data(), DType::e4m3, Device::cpu, {13}));
+    w.add("adam.f64", Tensor(f64.data(), DType::f64, Device::cpu, {3}));
+    w.add("step", Tensor(&scalar, DType::f32, Device::cpu, {}));
+    w.add("empty", Tensor(nullptr, DType::f32, Device::cpu, {0, 4}));
+    w.write_shard();
+  }
+  const std::string meta = R"({"world_size": 2, "strategy": "zero1", "rng": [1, 2, 3]})";
+  CheckpointWriter::write_meta(tmp.str(), 120, meta);
+  CheckpointWriter::mark_complete(tmp.str(), 120);
+
+  auto info = find_step(tmp.str(), 120);
+  EXPECT_TRUE(info.complete);
+  for (int rank = 0; rank < 2; ++rank) {
+    CheckpointReader r(info.dir, rank);
+    EXPECT_EQ(r.meta(), meta);
+    EXPECT_EQ(r.num_ranks(), 2);
+    EXPECT_EQ(r.names().size(), 7u);
+    EXPECT_TRUE(r.has("fp8.scale"));
+    EXPECT_FALSE(r.has("nope"));
+    EXPECT_EQ(r.info("params.layer.3").dtype, DType::bf16);
+    EXPECT_EQ(r.info("data.position").shape, (std::vector<int64_t>{2, 3, 4, 5}));
+
+    std::vector<float> f32b(f32.size());
+    Tensor t1(f32b.data(), DType::f32, Device::cpu, {3, 5, 7});
+    r.read("master.layer.3", t1);
+    EXPECT_EQ(f32b, f32);
+    std::vector<uint16_t> bf16b(bf16.size());
+    Tensor t2(bf16b.data(), DType::bf16, Device::cpu, {8, 8});
+    r.read("params.layer.3", t2);
+    EXPECT_EQ(bf16b, bf16);
+    std::vector<int32_t> i32b(i32.size());
+    Tensor t3(i32b.data(), DType::i32, Device::cpu, {2, 3, 4, 5});
+    r.read("data.position", t3);
+    EXPECT_EQ(i32b, i32);
+    std::vector<uint8_t> e4m3b(e4m3.size());
+    Tensor t4(e4m3b.data(), DType::e4m3, Device::cpu, {13});
+    r.read("fp8.scale", t4);
+    EXPECT_EQ(e4m3b, e4m3);
+    std::vector<double> f64b(3);
+    Tensor t5(f64b.data(), DType::f64, Device::cpu, {3});
+    r.read("adam.f64", t5);
+    EXPECT_EQ(f64b, f64);
+    float s2 = 0;
+    Tensor t6(&s2, DType::f32, Device::cpu, {});
+    r.read("step", t6);
+    EXPECT_EQ(s2, 42.0f);
+    Tensor t7(nullptr, DType::f32, Device::cpu, {0, 4});
+    r.read("empty", t7);
+  }
+  // No tmp files are left behind.
+  for (const auto& e : fs::directory_iterator(info.dir)) EXPECT_NE(e.path().extension(), ".tmp") << e.path();
+}
+
+TEST(Checkpoint, ReadRefusesDtypeAndShapeMismatch) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 5);
+  CheckpointReader r(find_step(tmp.str(), 5).dir, 0);
+  std::vector<float> buf(100);
+  Tensor wrong_shape(buf.data(), DType::f32, Device::cpu, {100});
+  expect_error([&] { r.read("params.layer.0", wrong_shape); }, {"rank_00000.bin", "params.layer.0", "[10,10]", "[100]"});
+  Tensor wrong_dtype(buf.data(), DType::bf16, Device::cpu, {10, 10});
+  expect_error([&] { r.read("params.layer.0", wrong_dtype); }, {"rank_00000.bin", "params.layer.0", "fp32", "bf16"});
+  expect_error([&] { r.info("params.layer.9"); }, {"rank_00000.bin", "params.layer.9", "params.layer.0"});
+}
+
+TEST(Checkpoint, WriterRefusals) {
+  TmpDir tmp;
+  float x = 0;
+  CheckpointWriter w(tmp.str(), 1, 0);
+  w.add("a", Tensor(&x, DType::f32, Device::cpu, {1}));
+  expect_error([&] { w.add("a", Tensor(&x, DType::f32, Device::cpu, {1})); }, {"'a'", "twice"});
+  expect_error([&] { w.add("g", Tensor(&x, DType::f32, Device::cuda, {1})); }, {"'g'", "host"});
+  Tensor strided(&x, DType::f32, Device::cpu, {2, 2});
+  strided.stride[0] = 4;
+  expect_error([&] { w.add("s", strided); }, {"'s'", "contiguous"});
+  expect_error([&] { CheckpointWriter::write_meta(tmp.str(), 1, "{not json"); }, {"step_00000001", "JSON"});
+  // Marking complete before meta / shards exist is refused.
+  expect_error([&] { CheckpointWriter::mark_complete(tmp.str(), 1); }, {"meta.json"});
+  CheckpointWriter::write_meta(tmp.str(), 1, R"({"world_size": 2})");
+  w.write_shard();
+  expect_error([&] { CheckpointWriter::mark_complete(tmp.str(), 1); }, {"rank_00001.bin", "world_size 2"});
+  EXPECT_FALSE(latest_complete(tmp.str()).has_value());
+  CheckpointWriter w1(tmp.str(), 1, 1);
+  w1.write_shard();
+  CheckpointWriter::mark_complete(tmp.str(), 1);
+  ASSERT_TRUE(latest_complete(tmp.str()).has_value());
+  // A complete checkpoint is never overwritten in place.
+  expect_error([&] { w.write_shard(); }, {"step_00000001", "complete"});
+}
+
+TEST(Checkpoint, StaleHigherRankShardsAreDroppedOnComplete) {
+  TmpDir tmp;
+  float x = 1;
+  // An interrupted save of step 3 with four ranks, then a resave with two.
+  for (int r = 0; r < 4; ++r) {
+    CheckpointWriter w(tmp.str(), 3, r);
+    w.add("a", Tensor(&x, DType::f32, Device::cpu, {1}));
+    w.write_shard();
+  }
+  for (int r = 0; r < 2; ++r) {
+    CheckpointWriter w(tmp.str(), 3, r);
+    w.add("a", Tensor(&x, DType::f32, Device::cpu, {1}));
+    w.write_shard();
+  }
+  CheckpointWriter::write_meta(tmp.str(), 3, R"({"world_size": 2})");
+  CheckpointWriter::mark_complete(tmp.str(), 3);
+  CheckpointReader r(find_step(tmp.str(), 3).dir, 0);
+  EXPECT_EQ(r.num_ranks(), 2);
+  EXPECT_FALSE(fs::exists(tmp.path / "step_00000003" / "rank_00003.bin"));
+}
+
+TEST(Checkpoint, IncompleteCheckpointsAreIgnoredAndRefused) {
+  TmpDir tmp;
+  EXPECT_TRUE(list_checkpoints(tmp.str()).empty());
+  EXPECT_TRUE(list_checkpoints((tmp.path / "does_not_exist").string()).empty());
+  EXPECT_FALSE(latest_complete(tmp.str()).has_value());
+  save_simple(tmp.str(), 100);
+  save_simple(tmp.str(), 200);
+  // Step 300: shard and meta written, then the job died before COMPLETE.
+  float x = 3;
+  CheckpointWriter w(tmp.str(), 300, 0);
+  w.add("a", Tensor(&x, DType::f32, Device::cpu, {1}));
+  w.write_shard();
+  CheckpointWriter::write_meta(tmp.str(), 300, "{}");
+  // Unrelated entries in root are not checkpoints.
+  fs::create_directories(tmp.path / "step_abc");
+  fs::create_directories(tmp.path / "logs");
+  std::ofstream(tmp.path / "step_00000400") << "a file, not a directory";
+
+  auto all = list_checkpoints(tmp.str());
+  ASSERT_EQ(all.size(), 3u);
+  EXPECT_EQ(all[0].step, 100);
+  EXPECT_EQ(all[2].step, 300);
+  EXPECT_FALSE(all[2].complete);
+  auto latest = latest_complete(tmp.str());
+  ASSERT_TRUE(latest.has_value());
+  EXPECT_EQ(latest->step, 200);
+  EXPECT_TRUE(latest->complete);
+  expect_error([&] { CheckpointReader r(all[2].dir, 0); }, {"step_00000300", "incomplete", "100, 200"});
+}
+
+TEST(Checkpoint, FindStepErrorsListCompleteOnes) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 10);
+  save_simple(tmp.str(), 20);
+  CheckpointWriter w(tmp.str(), 30, 0);
+  w.write_shard();
+  EXPECT_EQ(find_step(tmp.str(), 20).step, 20);
+  expect_error([&] { find_step(tmp.str(), 15); }, {"step 15", tmp.str(), "10, 20"});
+  expect_error([&] { find_step(tmp.str(), 30); }, {"step_00000030", "incomplete", "10, 20"});
+  TmpDir empty;
+  expect_error([&] { find_step(empty.str(), 1); }, {"step 1", "none"});
+}
+
+TEST(Checkpoint, TruncatedShardIsRefused) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 7);
+  fs::path f = tmp.path / "step_00000007" / "rank_00000.bin";
+  fs::resize_file(f, fs::file_size(f) - 1);
+  expect_error([&] { CheckpointReader r((tmp.path / "step_00000007").string(), 0); },
+               {"rank_00000.bin", "params.layer.1", "truncated", "cannot be used"});
+  // Truncated inside the header itself.
+  fs::resize_file(f, 30);
+  expect_error([&] { CheckpointReader r((tmp.path / "step_00000007").string(), 0); }, {"rank_00000.bin", "header"});
+  fs::resize_file(f, 5);
+  expect_error([&] { CheckpointReader r((tmp.path / "step_00000007").string(), 0); }, {"rank_00000.bin", "too short"});
+}
+
+TEST(Checkpoint, FlippedDataByteFailsCrc) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 8);
+  fs::path dir = tmp.path / "step_00000008";
+  // The last tensor's data (7 floats) is the file's tail.
+  flip_byte(dir / "rank_00000.bin", 5);
+  CheckpointReader r(dir.string(), 0);
+  std::vector<float> a(100), b(7);
+  Tensor ta(a.data(), DType::f32, Device::cpu, {10, 10});
+  r.read("params.layer.0", ta);  // untouched tensor still reads
+  Tensor tb(b.data(), DType::f32, Device::cpu, {7});
+  expect_error([&] { r.read("params.layer.1", tb); },
+               {"rank_00000.bin: tensor 'params.layer.1' is corrupt (CRC mismatch)", "resume from an earlier one"});
+}
+
+TEST(Checkpoint, GarbageAndCorruptHeadersAreRefused) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 9);
+  fs::path dir = tmp.path / "step_00000009";
+  fs::path f = dir / "rank_00000.bin";
+  std::string good = read_file(f.string(), "shard");
+
+  // A byte flipped inside the JSON header: the header CRC catches it even if it still parses.
+  std::string s = good;
+  size_t pos = s.find("params.layer.0");
+  s[pos + 13] = '7';
+  std::ofstream(f, std::ios::binary | std::ios::trunc) << s;
+  expect_error([&] { CheckpointReader r(dir.string(), 0); }, {"rank_00000.bin", "header is corrupt"});
+
+  // Random garbage.
+  std::string garbage(4096, '\0');
+  std::mt19937 rng(1);
+  for (auto& c : garbage) c = static_cast<char>(rng());
+  std::ofstream(f, std::ios::binary | std::ios::trunc) << garbage;
+  expect_error([&] { CheckpointReader r(dir.string(), 0); }, {"rank_00000.bin", "bad magic", "cannot be used"});
+
+  // Right magic, absurd header length.
+  s = good;
+  uint64_t huge = 1ull << 40;
+  std::memcpy(s.data() + 8, &huge, 8);
+  std::ofstream(f, std::ios::binary | std::ios::trunc) << s;
+  expect_error([&] { CheckpointReader r(dir.string(), 0); }, {"rank_00000.bin", "header length"});
+
+  // Valid CRC over a header that is not JSON.
+  s = good;
+  uint64_t hlen;
+  std::memcpy(&hlen, s.data() + 8, 8);
+  for (uint64_t i = 0; i < hlen; ++i) s[24 + i] = 'x';
+  uint32_t c = crc32(s.data() + 24, hlen);
+  std::memcpy(s.data() + 16, &c, 4);
+  std::ofstream(f, std::ios::binary | std::ios::trunc) << s;
+  expect_error([&] { CheckpointReader r(dir.string(), 0); }, {"rank_00000.bin", "not valid JSON"});
+}
+
+TEST(Checkpoint, MissingTensorAndMissingShard) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 11);
+  CheckpointReader r(find_step(tmp.str(), 11).dir, 0);
+  float x;
+  Tensor t(&x, DType::f32, Device::cpu, {1});
+  expect_error([&] { r.read("optimizer.m.layer.0", t); }, {"rank_00000.bin", "optimizer.m.layer.0", "no tensor"});
+  expect_error([&] { CheckpointReader r1(find_step(tmp.str(), 11).dir, 1); }, {"rank_00001.bin", "no shard for rank 1"});
+}
+
+TEST(Checkpoint, PruneKeepsNewestCompleteOnes) {
+  TmpDir tmp;
+  for (int s : {10, 20, 30, 40}) save_simple(tmp.str(), s);
+  // Incomplete: one older than the newest complete (a crashed save), one newer (maybe in progress).
+  for (int s : {25, 50}) {
+    CheckpointWriter w(tmp.str(), s, 0);
+    w.write_shard();
+  }
+  EXPECT_TRUE(prune(tmp.str(), 0).empty());  // 0 keeps everything
+  EXPECT_EQ(list_checkpoints(tmp.str()).size(), 6u);
+
+  auto removed = prune(tmp.str(), 2);
+  EXPECT_EQ(removed.size(), 3u);  // 10, 20 and the incomplete 25
+  std::vector<int64_t> left;
+  for (const auto& c : list_checkpoints(tmp.str())) left.push_back(c.step);
+  EXPECT_EQ(left, (std::vector<int64_t>{30, 40, 50}));
+  // Nothing but checkpoints and no trash remains.
+  for (const auto& e : fs::directory_iterator(tmp.path))
+    EXPECT_EQ(e.path().filename().string().rfind("step_", 0), 0u) << e.path();
+
+  prune(tmp.str(), 1);
+  left.clear();
+  for (const auto& c : list_checkpoints(tmp.str())) left.push_back(c.step);
+  EXPECT_EQ(left, (std::vector<int64_t>{40, 50}));  // newest complete and the newer incomplete one stay
+  prune(tmp.str(), 1);
+  EXPECT_EQ(list_checkpoints(tmp.str()).size(), 2u);
+  EXPECT_EQ(latest_complete(tmp.str())->step, 40);
+  // The survivors still read.
+  CheckpointReader r(find_step(tmp.str(), 40).dir, 0);
+  EXPECT_EQ(r.names().size(), 2u);
+}
+
+TEST(Checkpoint, PruneWithoutCompleteCheckpointsRemovesNothing) {
+  TmpDir tmp;
+  for (int s : {1, 2}) {
+    CheckpointWriter w(tmp.str(), s, 0);
+    w.write_shard();
+  }
+  EXPECT_TRUE(prune(tmp.str(), 1).empty());
+  EXPECT_EQ(list_checkpoints(tmp.str()).size(), 2u);
+}
+
+TEST(Checkpoint, PruneFinishesAnInterruptedDelete) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 1);
+  save_simple(tmp.str(), 2);
+  fs::create_directories(tmp.path / ".step_00000001.deleting" / "junk");
+  fs::remove_all(tmp.path / "step_00000001");
+  prune(tmp.str(), 1);
+  EXPECT_FALSE(fs::exists(tmp.path / ".step_00000001.deleting"));
+  EXPECT_TRUE(fs::exists(tmp.path / "step_00000002" / "COMPLETE"));
+}
+
+TEST(AtomicFile, AbandonedWriteLeavesOldFileIntact) {
+  TmpDir tmp;
+  std::string p = (tmp.path / "x.json").string();
+  write_file_atomic(p, "old");
+  {
+    AtomicFile f(p);
+    f.write("new but never committed");
+  }
+  EXPECT_EQ(read_file(p, "x"), "old");
+  EXPECT_FALSE(fs::exists(p + ".tmp"));
+  expect_error([&] { read_file((tmp.path / "missing").string(), "thing"); }, {"thing", "missing"});
+}
