@@ -678,7 +678,9 @@ TEST(PrepareText, DocumentsSkipsAndDeterministicSplit) {
     TokenShard s(r.train_shards[i]);
     EXPECT_EQ(s.width(), 2);
     EXPECT_EQ(s.vocab(), 258u);
-    if (i + 1 < r.train_shards.size()) EXPECT_EQ(s.size(), 100u);
+    if (i + 1 < r.train_shards.size()) {
+      EXPECT_EQ(s.size(), 100u);
+    }
   }
   const auto train_docs = documents_of(read_all(r.train_shards));
   const auto val_docs = documents_of(read_all({r.val_shard}));
