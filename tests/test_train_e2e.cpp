@@ -10,6 +10,7 @@
 #include <string>
 
 #include "config/run_config.hpp"
+#include "hf/hf_llama.hpp"
 #include "train/session.hpp"
 
 namespace fs = std::filesystem;
@@ -181,4 +182,36 @@ TEST(TrainE2E, CommandLineTrainAndCheck) {
   std::stringstream err;
   err << std::ifstream(d / "bad.txt").rdbuf();
   EXPECT_NE(err.str().find("steps"), std::string::npos) << err.str();
+}
+
+// Train, checkpoint, `loom convert --to-hf`, then import the HF folder: the
+// weights come back bit-exact in fp32 (transformers loading such folders is
+// checked by tests/golden/check_export.py, see tests/golden/README.md).
+TEST(TrainE2E, ConvertCheckpointToHF) {
+  fs::path d = temp_dir("convert");
+  std::vector<std::string> ov = {"checkpoint.every=3", "train.steps=3"};
+  std::vector<float> trained;
+  {
+    Session s(parse(small_config(d / "run"), ov));
+    s.train();
+    trained = s.read_param("model.layers.1.mlp.down_proj.weight");
+  }
+  const fs::path ck = d / "run" / "checkpoints" / "step_00000003";
+  const std::string cmd = std::string(LOOM_CLI) + " convert " + ck.string() + " --to-hf " + (d / "hf").string() +
+                          " --dtype fp32 > " + (d / "convert.txt").string() + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  loom::ModelSpec spec = loom::hf::read_hf_llama_config((d / "hf").string());
+  EXPECT_EQ(spec.hidden, 64);
+  EXPECT_EQ(spec.num_kv_heads, 2);
+  std::vector<float> back;
+  loom::hf::load_hf_llama_weights((d / "hf").string(), spec, [&](const std::string& name, int64_t n) -> float* {
+    if (name != "model.layers.1.mlp.down_proj.weight") return nullptr;
+    back.resize(static_cast<size_t>(n));
+    return back.data();
+  });
+  EXPECT_EQ(back, trained);
+  // And the folder initialises a new run with the same weights.
+  Session s2(parse(small_config(d / "run2"), {"model.init=\"hf:" + (d / "hf").string() + "\""}));
+  s2.initialise();
+  EXPECT_EQ(s2.read_param("model.layers.1.mlp.down_proj.weight"), trained);
 }
