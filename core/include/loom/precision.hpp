@@ -21,6 +21,7 @@ struct PrecisionDTypes {
   DType optim_state;  // AdamW m and v
   DType activation;   // activations between ops
   bool has_master;    // a separate master copy exists
+  bool stochastic_rounding = false;  // round updated params stochastically (recipes without a master)
 };
 
 struct LinearDesc {

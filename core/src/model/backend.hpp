@@ -1,4 +1,10 @@
 // Backend: the element-wise and normalisation ops of the model, on Tensors.
+//
+// Dtypes (the precision recipe decides; see loom/precision.hpp):
+//   activations (x, out, dout, dx, logits, q/k/v, gate/up): the recipe's activation dtype (fp32 or bf16)
+//   parameters (w, wte): the param dtype (fp32 or bf16); parameter gradients (dw, dwte): the grad dtype
+//   rstd, losses, stats: always fp32. Every op accumulates in fp32.
+// Combinations a backend must support: (act, param, grad) = (f32, f32, f32), (bf16, bf16, f32), (bf16, bf16, bf16).
 // The model (llama.cpp) is written once against this interface; the CPU
 // backend calls the fp32 reference kernels in kernels/cpu, the CUDA backend
 // (kernels/cuda) the device kernels. GEMMs and attention are not here: they
@@ -48,11 +54,33 @@ class Backend {
   // Sum of squares of x[begin, end) (synchronises).
   virtual double sq_norm(const Tensor& x, int64_t begin, int64_t end) = 0;
   virtual void scale(Tensor& x, float s) = 0;
-  // AdamW on flat ranges; param/grad/m/v of equal length (see cpu_kernels.hpp for the update).
-  virtual void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1, float beta2,
-                     float eps, float weight_decay, int64_t step, float grad_scale) = 0;
+  // AdamW on flat ranges of equal length (see cpu_kernels.hpp for the update):
+  //   with a master (fp32): master is updated, then param = round(master) in param's dtype;
+  //   without: param itself is updated in fp32 arithmetic and rounded back to its dtype
+  //   (stochastically when a.stochastic_rounding: bf16_pure's option).
+  // grad: fp32 or bf16; m, v: fp32 or bf16.
+  struct AdamWArgs {
+    float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
+    int64_t step = 1;        // 1-based, for bias correction
+    float grad_scale = 1;    // applied to grad first (clipping, averaging)
+    bool stochastic_rounding = false;
+    uint64_t seed = 0;       // stochastic rounding: a pure function of (seed, step, element index)
+  };
+  virtual void adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& a) = 0;
+  // dst = src converted (fp32 <-> bf16, or a copy when equal); same element count.
+  virtual void convert(Tensor& dst, const Tensor& src) = 0;
+
+  // Step timing: CUDA events on the backend's stream (host clock on CPU).
+  virtual void timer_start() = 0;
+  virtual double timer_stop_ms() = 0;  // synchronises
+  // Bytes of device memory in use by the whole process (cudaMemGetInfo), 0 on CPU.
+  virtual size_t device_memory_used() const { return 0; }
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int threads);
+// Defined in kernels/cuda when built with CUDA: one stream, a cuBLASLt handle
+// (ExecContext::blas_handle), the device chosen by `device_index`.
+std::unique_ptr<Backend> make_cuda_backend(int device_index);
+bool cuda_available();  // a CUDA device is present and usable (false in builds without CUDA)
 
 }  // namespace loom

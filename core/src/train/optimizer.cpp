@@ -16,12 +16,16 @@ void BackendOptimizerOps::adamw(const ExecContext&, UnitState& unit, const Tenso
   const int64_t lo = unit.layout.optim_begin, hi = lo + unit.layout.optim_numel;
   LOOM_CHECK(grads_owned.numel() >= unit.layout.optim_numel, "unit ", unit.info->name, ": owned gradient has ",
              grads_owned.numel(), " elements, the owned range ", unit.layout.optim_numel);
-  // Recipes with a separate master copy (bf16 params, fp32 master) update the
-  // master and cast it back into the params; that cast is a device kernel of
-  // the CUDA backend. Here params are the fp32 master themselves.
-  LOOM_CHECK(unit.master.data == nullptr && params_out.dtype == DType::f32,
-             "unit ", unit.info->name, ": AdamW on this backend updates fp32 params in place (params are ",
-             dtype_name(params_out.dtype), unit.master.data ? ", with a master copy" : "", ")");
+  const bool has_master = unit.master.data != nullptr;
+  Backend::AdamWArgs a;
+  a.lr = h.lr;
+  a.beta1 = h.beta1;
+  a.beta2 = h.beta2;
+  a.eps = h.eps;
+  a.step = h.step;
+  a.grad_scale = grad_scale;
+  a.stochastic_rounding = stochastic_rounding_;
+  a.seed = seed_ ^ (static_cast<uint64_t>(unit.index) << 40);
   // One update per parameter tensor overlapping the owned range: weight decay is per tensor.
   for (const ParamInfo& p : unit.info->params) {
     const int64_t b = std::max(lo, p.offset), e = std::min(hi, p.offset + p.numel);
@@ -31,8 +35,9 @@ void BackendOptimizerOps::adamw(const ExecContext&, UnitState& unit, const Tenso
     Tensor m = view(unit.adam_m, local, {n});
     Tensor v = view(unit.adam_v, local, {n});
     Tensor w = view(params_out, b, {n});
-    backend_.adamw(w, g, m, v, h.lr, h.beta1, h.beta2, h.eps, p.weight_decay ? h.weight_decay : 0.f, h.step,
-                   grad_scale);
+    Tensor master = has_master ? view(unit.master, local, {n}) : Tensor();
+    a.weight_decay = p.weight_decay ? h.weight_decay : 0.f;
+    backend_.adamw(w, has_master ? &master : nullptr, g, m, v, a);
   }
 }
 

@@ -7,13 +7,16 @@ namespace loom {
 
 class BackendOptimizerOps final : public OptimizerOps {
  public:
-  explicit BackendOptimizerOps(Backend& backend) : backend_(backend) {}
+  explicit BackendOptimizerOps(Backend& backend, bool stochastic_rounding = false, uint64_t seed = 0)
+      : backend_(backend), stochastic_rounding_(stochastic_rounding), seed_(seed) {}
   double grad_sq_norm(const ExecContext& ctx, const Tensor& grads, int64_t begin, int64_t end) override;
   void adamw(const ExecContext& ctx, UnitState& unit, const Tensor& grads_owned, float grad_scale, const AdamWHyper& h,
              Tensor& params_out) override;
 
  private:
   Backend& backend_;
+  bool stochastic_rounding_;
+  uint64_t seed_;
 };
 
 // Learning rate at `step` (0-based): linear warmup to lr over warmup_steps,

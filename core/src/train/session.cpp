@@ -130,7 +130,7 @@ void Session::create_plugins() {
 
 void Session::plan_memory() {
   unit_infos_ = model_units(spec_);
-  ops_ = std::make_unique<BackendOptimizerOps>(*backend_);
+  ops_ = std::make_unique<BackendOptimizerOps>(*backend_, dtypes_.stochastic_rounding, cfg_.run.seed);
   env_.ctx = backend_->ctx();
   env_.ctx.deterministic = cfg_.run.deterministic;
   env_.world = comm_.get();

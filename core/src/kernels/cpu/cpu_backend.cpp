@@ -1,6 +1,7 @@
 // The CPU backend: Tensor-level checks, then the fp32 reference kernels.
 #include <omp.h>
 
+#include <chrono>
 #include <cstring>
 
 #include "kernels/cpu/cpu_kernels.hpp"
@@ -101,20 +102,41 @@ class CpuBackend final : public Backend {
     return cpu::sq_norm(f32(x, "sq_norm") + begin, end - begin);
   }
   void scale(Tensor& x, float s) override { cpu::scale(f32(x, "scale"), s, x.numel()); }
-  void adamw(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, float lr, float beta1, float beta2, float eps,
-             float weight_decay, int64_t step, float grad_scale) override {
+  void adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& a) override {
+    LOOM_CHECK(master == nullptr && !a.stochastic_rounding,
+               "the CPU backend runs the fp32 recipe: no master copy, no stochastic rounding");
     LOOM_CHECK(param.numel() == grad.numel() && grad.numel() == m.numel() && m.numel() == v.numel(),
                "adamw sizes differ: param ", param.numel(), " grad ", grad.numel(), " m ", m.numel(), " v ", v.numel());
-    cpu::adamw(f32(param, "param"), f32(grad, "grad"), f32(m, "adam m"), f32(v, "adam v"), param.numel(), lr, beta1,
-               beta2, eps, weight_decay, step, grad_scale);
+    cpu::adamw(f32(param, "param"), f32(grad, "grad"), f32(m, "adam m"), f32(v, "adam v"), param.numel(), a.lr,
+               a.beta1, a.beta2, a.eps, a.weight_decay, a.step, a.grad_scale);
+  }
+  void convert(Tensor& dst, const Tensor& src) override {
+    LOOM_CHECK(dst.numel() == src.numel(), "convert ", src.shape_str(), " -> ", dst.shape_str());
+    f32(dst, "convert dst");
+    f32(src, "convert src");
+    if (dst.data != src.data) std::memcpy(dst.data, src.data, src.bytes());
+  }
+  void timer_start() override { t0_ = std::chrono::steady_clock::now(); }
+  double timer_stop_ms() override {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
   }
 
  private:
   ExecContext ctx_;
+  std::chrono::steady_clock::time_point t0_;
 };
 
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend(int threads) { return std::make_unique<CpuBackend>(threads); }
+
+#ifndef LOOM_HAVE_CUDA
+std::unique_ptr<Backend> make_cuda_backend(int) {
+  throw Error(
+      "run.device = \"cuda\": this build of loom has no CUDA backend (configure with -DLOOM_WITH_CUDA=ON on a "
+      "machine with the CUDA toolkit), or set run.device = \"cpu\"");
+}
+bool cuda_available() { return false; }
+#endif
 
 }  // namespace loom
