@@ -30,7 +30,7 @@ file(GLOB headers RELATIVE ${LOOM_SOURCE_DIR}/core/include ${LOOM_SOURCE_DIR}/co
 foreach(h ${headers})
   list(APPEND expected include/${h})
 endforeach()
-file(GLOB built_plugins RELATIVE ${LOOM_BUILD_DIR}/lib ${LOOM_BUILD_DIR}/lib/loom/plugins/libloom-*.so)
+file(GLOB built_plugins RELATIVE ${LOOM_BUILD_DIR} ${LOOM_BUILD_DIR}/lib/loom/plugins/libloom-*.so)
 list(APPEND expected ${built_plugins})
 set(missing "")
 foreach(f ${expected})
