@@ -75,6 +75,9 @@ class Backend {
   virtual double timer_stop_ms() = 0;  // synchronises
   // Bytes of device memory in use by the whole process (cudaMemGetInfo), 0 on CPU.
   virtual size_t device_memory_used() const { return 0; }
+  // Named ranges for profilers (NVTX on CUDA, so nsys/ncu show every layer and op).
+  virtual void range_push(const char* /*name*/) {}
+  virtual void range_pop() {}
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int threads);

@@ -17,6 +17,7 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "hf/hf_llama.hpp"
+#include "hf/safetensors.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 
@@ -24,6 +25,30 @@ namespace fs = std::filesystem;
 
 namespace loom {
 namespace {
+
+// fp32 host data into a tensor of any storage dtype (bf16 rounds to nearest even).
+void upload_f32(Backend& be, Tensor& dst, const float* src) {
+  const size_t n = static_cast<size_t>(dst.numel());
+  if (dst.dtype == DType::f32) return be.upload(dst, src, n * 4);
+  LOOM_CHECK(dst.dtype == DType::bf16, "parameters stored as ", dtype_name(dst.dtype), " cannot be initialised");
+  std::vector<uint16_t> tmp(n);
+  for (size_t i = 0; i < n; ++i) tmp[i] = hf::f32_to_bf16(src[i]);
+  be.upload(dst, tmp.data(), n * 2);
+}
+
+std::vector<float> download_f32(Backend& be, const Tensor& src) {
+  const size_t n = static_cast<size_t>(src.numel());
+  std::vector<float> out(n);
+  if (src.dtype == DType::f32) {
+    be.download(out.data(), src, n * 4);
+    return out;
+  }
+  LOOM_CHECK(src.dtype == DType::bf16, "cannot read ", dtype_name(src.dtype), " parameters as fp32");
+  std::vector<uint16_t> tmp(n);
+  be.download(tmp.data(), src, n * 2);
+  for (size_t i = 0; i < n; ++i) out[i] = hf::bf16_to_f32(tmp[i]);
+  return out;
+}
 
 // A normal sample from SplitMix64 + Box-Muller: the same numbers on every
 // platform and standard library, and a pure function of (seed, stream, index)
@@ -70,11 +95,15 @@ Session::Session(Config cfg) : cfg_(std::move(cfg)) {
   }
   if (cfg_.train.seq_len > spec_.max_seq_len)
     throw Error(cat("train.seq_len = ", cfg_.train.seq_len, " exceeds the model's max_seq_len = ", spec_.max_seq_len));
-  if (cfg_.run.device == "cuda")
-    throw Error(
-        "run.device = \"cuda\": this build of loom has no CUDA backend (configure with -DLOOM_WITH_CUDA=ON on a "
-        "machine with the CUDA toolkit), or set run.device = \"cpu\"");
-  backend_ = make_cpu_backend(cfg_.run.threads);
+  if (cfg_.run.device == "cuda") {
+#ifdef LOOM_HAVE_CUDA
+    if (!cuda_available())
+      throw Error("run.device = \"cuda\" but no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)");
+#endif
+    backend_ = make_cuda_backend(0);  // in a build without CUDA this throws, saying how to get it
+  } else {
+    backend_ = make_cpu_backend(cfg_.run.threads);
+  }
   comm_ = make_self_communicator();
   create_plugins();
   plan_memory();
@@ -158,8 +187,8 @@ void Session::plan_memory() {
                                         parse_recompute(cfg_.model.recompute), dtypes_.activation, *precision_,
                                         *attention_, *backend_);
   model_->plan(plan_);
-  const size_t prec_ws = precision_->workspace_bytes();
-  if (prec_ws) plan_.add("precision.workspace", MemCategory::workspace, prec_ws);
+  precision_ws_bytes_ = precision_->workspace_bytes();
+  precision_ws_ = plan_.add("precision.workspace", MemCategory::workspace, precision_ws_bytes_);
 }
 
 std::string Session::describe() const {
@@ -188,6 +217,7 @@ void Session::initialise() {
   LOOM_CHECK(!initialised_, "session initialised twice");
   arena_.allocate(plan_, backend_->device());
   model_->bind(arena_);
+  precision_->set_workspace(arena_.ptr(precision_ws_), precision_ws_bytes_);
   units_.clear();
   for (size_t i = 0; i < unit_infos_.size(); ++i) {
     const UnitLayout& l = layouts_[i];
@@ -232,18 +262,24 @@ std::vector<float> Session::read_param(const std::string& hf_name, bool grad) co
   int u = 0;
   const ParamInfo& p = find_param(hf_name, &u);
   const Tensor& flat = grad ? units_[static_cast<size_t>(u)].grads : units_[static_cast<size_t>(u)].params;
-  LOOM_CHECK(flat.dtype == DType::f32, "read_param supports fp32 buffers");
-  std::vector<float> out(static_cast<size_t>(p.numel));
-  backend_->download(out.data(), view(flat, p.offset, {p.numel}), out.size() * 4);
-  return out;
+  return download_f32(*backend_, view(flat, p.offset, {p.numel}));
 }
 
 void Session::write_param(const std::string& hf_name, const float* src) {
   int u = 0;
   const ParamInfo& p = find_param(hf_name, &u);
-  Tensor dst = view(units_[static_cast<size_t>(u)].params, p.offset, {p.numel});
-  LOOM_CHECK(dst.dtype == DType::f32, "write_param supports fp32 buffers");
-  backend_->upload(dst, src, static_cast<size_t>(p.numel) * 4);
+  UnitState& unit = units_[static_cast<size_t>(u)];
+  Tensor dst = view(unit.params, p.offset, {p.numel});
+  upload_f32(*backend_, dst, src);
+  // The master copy holds the owned range [optim_begin, optim_begin + optim_numel) in fp32.
+  if (unit.master.data) {
+    const int64_t lo = std::max(p.offset, unit.layout.optim_begin);
+    const int64_t hi = std::min(p.offset + p.numel, unit.layout.optim_begin + unit.layout.optim_numel);
+    if (lo < hi) {
+      Tensor m = view(unit.master, lo - unit.layout.optim_begin, {hi - lo});
+      upload_f32(*backend_, m, src + (lo - p.offset));
+    }
+  }
 }
 
 void Session::init_random() {

@@ -28,6 +28,8 @@ struct StepLog {
   int64_t step = 0;  // 1-based: the number of optimizer steps done after this one
   double loss = 0, lr = 0, grad_norm = 0, step_ms = 0, tokens_per_s = 0, samples_per_s = 0;
   bool skipped = false;
+  double mfu = 0;              // GPU only: model flops utilisation against 989 TFLOP/s
+  size_t peak_mem_bytes = 0;   // GPU only: device memory in use (cudaMemGetInfo)
   bool has_val = false;
   double val_loss = 0;
 };
@@ -58,6 +60,10 @@ class Session {
   // stop_at > 0 stops after that step instead (e.g. a job's time slice), writing
   // a checkpoint there when checkpoint.every > 0 so the next job resumes exactly.
   RunSummary train(int64_t stop_at = -1);
+
+  // One optimizer step (grad_accum micro-batches), timed on the backend.
+  StepLog train_step();
+  size_t arena_bytes() const { return arena_.bytes(); }
 
   // Building blocks, public for tests.
   void load_batch(const int32_t* inputs, const int32_t* targets);  // host [B*S] each
@@ -101,6 +107,7 @@ class Session {
   std::vector<UnitLayout> layouts_;
   std::vector<UnitState> units_;
   ArenaPlan plan_;
+  size_t precision_ws_ = 0, precision_ws_bytes_ = 0;
   struct UnitBlocks { size_t params, grads, master, m, v; bool has_master; };
   std::vector<UnitBlocks> unit_blocks_;
   Arena arena_;

@@ -107,12 +107,23 @@ void Session::save_checkpoint(int64_t step) {
   backend_->synchronize();
   {
     ckpt::CheckpointWriter w(root, step, comm_->rank());
+    // Device tensors go through host copies that live until the shard is written.
+    std::vector<std::vector<std::byte>> staging;
+    auto add = [&](const std::string& name, const Tensor& t) {
+      if (t.device == Device::cpu) return w.add(name, t);
+      staging.emplace_back(t.bytes());
+      backend_->download(staging.back().data(), t, t.bytes());
+      Tensor host = t;
+      host.data = staging.back().data();
+      host.device = Device::cpu;
+      w.add(name, host);
+    };
     for (const UnitState& u : units_) {
       const std::string& n = u.info->name;
-      w.add("params." + n, u.params);
-      if (u.master.data) w.add("master." + n, u.master);
-      w.add("adam_m." + n, u.adam_m);
-      w.add("adam_v." + n, u.adam_v);
+      add("params." + n, u.params);
+      if (u.master.data) add("master." + n, u.master);
+      add("adam_m." + n, u.adam_m);
+      add("adam_v." + n, u.adam_v);
     }
     w.write_shard();
   }
@@ -171,18 +182,63 @@ bool Session::try_resume() {
     throw Error(cat("checkpoint ", info->dir, " was written by ", world, " rank(s) with sharding \"",
                     strategy, "\"; this run has ", comm_->size(), " rank(s) with \"", cfg_.sharding.plugin,
                     "\". Resume with the same launch and sharding.plugin"));
+  std::vector<std::byte> staging;
+  auto read = [&](const std::string& name, Tensor& t) {
+    if (t.device == Device::cpu) return r.read(name, t);
+    staging.resize(t.bytes());
+    Tensor host = t;
+    host.data = staging.data();
+    host.device = Device::cpu;
+    r.read(name, host);
+    backend_->upload(t, staging.data(), t.bytes());
+    backend_->synchronize();  // the staging buffer is reused by the next tensor
+  };
   for (UnitState& u : units_) {
     const std::string& n = u.info->name;
-    r.read("params." + n, u.params);
-    if (u.master.data) r.read("master." + n, u.master);
-    r.read("adam_m." + n, u.adam_m);
-    r.read("adam_v." + n, u.adam_v);
+    read("params." + n, u.params);
+    if (u.master.data) read("master." + n, u.master);
+    read("adam_m." + n, u.adam_m);
+    read("adam_v." + n, u.adam_v);
   }
   data_->restore(meta.at("data_state").get<std::string>());
   precision_->load_state(unhex(meta.value("precision_state", "")));
   step_ = meta.at("step").get<int64_t>();
   log_info(cat("resumed from ", info->dir, " at step ", step_));
   return true;
+}
+
+StepLog Session::train_step() {
+  const auto& t = cfg_.train;
+  const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * comm_->size();
+  const int64_t samples_per_step = t.micro_batch * t.grad_accum * comm_->size();
+  const float dloss_scale = 1.0f / static_cast<float>(model_->tokens_per_micro() * t.grad_accum);
+  backend_->timer_start();
+  zero_grads();
+  double loss = 0;
+  for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
+    last_micro_ = micro == t.grad_accum - 1;
+    next_batch(Split::train);
+    loss += forward(true, dloss_scale);
+    backward();
+  }
+  StepLog s;
+  s.lr = lr_at(step_, t.steps, t.warmup_steps, t.lr, t.min_lr, t.schedule);
+  StepResult r = optimizer_step(step_);
+  const double ms = backend_->timer_stop_ms();
+  ++step_;
+  s.step = step_;
+  s.loss = loss / static_cast<double>(t.grad_accum);
+  s.grad_norm = r.grad_norm;
+  s.skipped = r.skipped;
+  s.step_ms = ms;
+  s.tokens_per_s = static_cast<double>(tokens_per_step) / (ms * 1e-3);
+  s.samples_per_s = static_cast<double>(samples_per_step) / (ms * 1e-3);
+  // MFU (DESIGN.md): flops per token x tokens/s per GPU over 989 TFLOP/s dense bf16.
+  if (backend_->device() == Device::cuda) {
+    s.mfu = spec_.flops_per_token(t.seq_len) * s.tokens_per_s / static_cast<double>(comm_->size()) / 989e12;
+    s.peak_mem_bytes = backend_->device_memory_used();
+  }
+  return s;
 }
 
 RunSummary Session::train(int64_t stop_at) {
@@ -209,9 +265,6 @@ RunSummary Session::train(int64_t stop_at) {
     return sum;
   }
 
-  const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * comm_->size();
-  const int64_t samples_per_step = t.micro_batch * t.grad_accum * comm_->size();
-  const float dloss_scale = 1.0f / static_cast<float>(model_->tokens_per_micro() * t.grad_accum);
   ProgressBar bar(t.steps);
   const auto run_start = std::chrono::steady_clock::now();
 
@@ -225,32 +278,8 @@ RunSummary Session::train(int64_t stop_at) {
   const int64_t last = stop_at > 0 ? std::min(stop_at, t.steps) : t.steps;
   int64_t skipped = 0;
   while (step_ < last) {
-    const auto t0 = std::chrono::steady_clock::now();
-    zero_grads();
-    double loss = 0;
-    for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
-      last_micro_ = micro == t.grad_accum - 1;
-      next_batch(Split::train);
-      loss += forward(true, dloss_scale);
-      backward();
-    }
-    loss /= static_cast<double>(t.grad_accum);
-    const double lr = lr_at(step_, t.steps, t.warmup_steps, t.lr, t.min_lr, t.schedule);
-    StepResult r = optimizer_step(step_);
-    backend_->synchronize();
-    ++step_;
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-
-    StepLog s;
-    s.step = step_;
-    s.loss = loss;
-    s.lr = lr;
-    s.grad_norm = r.grad_norm;
-    s.skipped = r.skipped;
-    s.step_ms = dt * 1e3;
-    s.tokens_per_s = static_cast<double>(tokens_per_step) / dt;
-    s.samples_per_s = static_cast<double>(samples_per_step) / dt;
-    if (r.skipped) {
+    StepLog s = train_step();
+    if (s.skipped) {
       ++skipped;
       log_warn(cat("step ", step_, ": gradient norm is not finite; update skipped"));
     }
@@ -267,6 +296,10 @@ RunSummary Session::train(int64_t stop_at) {
                         {"samples_per_s", s.samples_per_s}};
     if (s.has_val) j["val_loss"] = s.val_loss;
     if (s.skipped) j["skipped"] = true;
+    if (s.mfu > 0) {
+      j["mfu"] = s.mfu;
+      j["peak_mem_bytes"] = s.peak_mem_bytes;
+    }
     metrics << j.dump() << "\n";
     metrics.flush();
 
@@ -278,6 +311,9 @@ RunSummary Session::train(int64_t stop_at) {
            << std::setprecision(3) << s.grad_norm << " | " << std::setprecision(1) << s.samples_per_s
            << " samples/s | " << std::setprecision(0) << s.tokens_per_s << " tok/s | " << std::setprecision(1)
            << s.step_ms << " ms";
+      if (s.mfu > 0)
+        line << " | MFU " << std::setprecision(1) << 100.0 * s.mfu << "% | mem " << std::setprecision(2)
+             << static_cast<double>(s.peak_mem_bytes) / (1024.0 * 1024.0 * 1024.0) << " GiB";
       if (s.has_val) line << " | val loss " << std::setprecision(4) << s.val_loss;
       log_info(line.str());
     }
