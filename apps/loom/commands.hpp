@@ -11,4 +11,5 @@ int cmd_check(const Args& args);
 int cmd_plugins(const Args& args);
 int cmd_prepare(const Args& args);
 int cmd_convert(const Args& args);
+int cmd_bench(const Args& args);
 }  // namespace loom::app

@@ -18,6 +18,7 @@ void usage() {
       "  plugins [--path DIR]...       list every plugin found, with kind, version and file\n"
       "  prepare text OUT INPUT...     turn UTF-8 text files into byte-level token shards\n"
       "  convert CKPT --to-hf DIR      export a checkpoint's weights as an HF Llama folder\n"
+      "  bench CONFIG [--steps=N]      time training steps on synthetic data (median, tokens/s, MFU, memory)\n"
       "  version                       print version and build id\n",
       loom::version_string());
 }
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
     if (cmd == "plugins") return loom::app::cmd_plugins(args);
     if (cmd == "prepare") return loom::app::cmd_prepare(args);
     if (cmd == "convert") return loom::app::cmd_convert(args);
+    if (cmd == "bench") return loom::app::cmd_bench(args);
     if (cmd == "version" || cmd == "--version") {
       std::printf("loom %s (%s)\n", loom::version_string(), loom::build_id());
       return 0;

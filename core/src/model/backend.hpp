@@ -12,6 +12,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "loom/context.hpp"
 #include "loom/tensor.hpp"
@@ -75,6 +76,8 @@ class Backend {
   virtual double timer_stop_ms() = 0;  // synchronises
   // Bytes of device memory in use by the whole process (cudaMemGetInfo), 0 on CPU.
   virtual size_t device_memory_used() const { return 0; }
+  // The device's name ("NVIDIA H100 80GB HBM3", "cpu").
+  virtual std::string device_name() const { return "cpu"; }
   // Named ranges for profilers (NVTX on CUDA, so nsys/ncu show every layer and op).
   virtual void range_push(const char* /*name*/) {}
   virtual void range_pop() {}

@@ -333,22 +333,31 @@ void Session::next_batch(Split split) {
   load_batch(host_inputs_.data(), host_targets_.data());
 }
 
-double Session::forward(bool training, float dloss_scale) {
-  for (int u = 0; u < model_->num_units(); ++u) {
-    sharding_->before_forward(env_, units_[static_cast<size_t>(u)]);
-    model_->forward_unit(u, units_, training, dloss_scale);
-    sharding_->after_forward(env_, units_[static_cast<size_t>(u)]);
-  }
+void Session::forward_unit(int unit, bool training, float dloss_scale) {
+  UnitState& u = units_[static_cast<size_t>(unit)];
+  sharding_->before_forward(env_, u);
+  model_->forward_unit(unit, units_, training, dloss_scale);
+  sharding_->after_forward(env_, u);
+}
+
+void Session::backward_unit(int unit) {
+  UnitState& u = units_[static_cast<size_t>(unit)];
+  sharding_->before_backward(env_, u);
+  model_->backward_unit(unit, units_);
+  sharding_->after_backward(env_, u, last_micro_);
+}
+
+double Session::batch_loss() {
   return backend_->sum(model_->losses()) / static_cast<double>(model_->tokens_per_micro());
 }
 
+double Session::forward(bool training, float dloss_scale) {
+  for (int u = 0; u < model_->num_units(); ++u) forward_unit(u, training, dloss_scale);
+  return batch_loss();
+}
+
 void Session::backward() {
-  for (int u = model_->num_units() - 1; u >= 0; --u) {
-    UnitState& unit = units_[static_cast<size_t>(u)];
-    sharding_->before_backward(env_, unit);
-    model_->backward_unit(u, units_);
-    sharding_->after_backward(env_, unit, last_micro_);
-  }
+  for (int u = model_->num_units() - 1; u >= 0; --u) backward_unit(u);
 }
 
 void Session::zero_grads() {

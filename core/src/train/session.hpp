@@ -68,6 +68,10 @@ class Session {
   // Building blocks, public for tests.
   void load_batch(const int32_t* inputs, const int32_t* targets);  // host [B*S] each
   double forward(bool training, float dloss_scale);                 // mean token loss of the batch
+  // One unit at a time, with the sharding hooks around it (what forward()/backward() loop over).
+  void forward_unit(int unit, bool training, float dloss_scale);
+  void backward_unit(int unit);
+  double batch_loss();  // mean token loss of the last forward
   void backward();
   void zero_grads();
   StepResult optimizer_step(int64_t step_index);  // step_index 0-based; lr from the schedule

@@ -1,0 +1,151 @@
+// loom bench CONFIG [--set k=v]... [--steps=N] [--warmup=N] [--json=FILE] [--breakdown]
+//
+// Times training steps of CONFIG's model, batch and recipe on synthetic data:
+// warm-up steps excluded, the median step time over N steps (CUDA events on
+// the GPU), tokens/s, MFU (DESIGN.md's formula, 989 TFLOP/s peak), device
+// memory in use (cudaMemGetInfo) and the arena's size. One table row on
+// stdout, the same as JSON with --json. --breakdown adds per-part times of one
+// extra step (units timed one at a time, so the parts add up to a bit more
+// than a step).
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "config/run_config.hpp"
+#include "loom/error.hpp"
+#include "train/session.hpp"
+
+namespace loom::app {
+namespace {
+
+int64_t int_flag(const std::string& arg, const std::string& name) {
+  const std::string v = arg.substr(name.size() + 1);
+  try {
+    size_t used = 0;
+    const long long x = std::stoll(v, &used);
+    if (used == v.size() && x > 0) return x;
+  } catch (const std::exception&) {
+  }
+  throw Error(cat("loom bench: ", name, " needs a positive integer, got '", v, "'"));
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+int cmd_bench(const Args& args) {
+  ConfigArgs a = parse_config_args(args);
+  if (a.file.empty())
+    throw Error("usage: loom bench CONFIG [--set k=v]... [--steps=N] [--warmup=N] [--json=FILE] [--breakdown]");
+  int64_t steps = 20, warmup = 3;
+  std::string json_path;
+  bool breakdown = false;
+  for (const std::string& r : a.rest) {
+    if (r.rfind("--steps=", 0) == 0) steps = int_flag(r, "--steps");
+    else if (r.rfind("--warmup=", 0) == 0) warmup = int_flag(r, "--warmup");
+    else if (r.rfind("--json=", 0) == 0) json_path = r.substr(7);
+    else if (r == "--breakdown") breakdown = true;
+    else throw Error(cat("loom bench: unknown argument '", r, "' (options: --steps=N --warmup=N --json=FILE --breakdown)"));
+  }
+  // No checkpoints, no evaluation; the schedule spans exactly the timed steps.
+  std::vector<std::string> ov = a.overrides;
+  for (const char* o : {"checkpoint.every=0", "checkpoint.resume=\"none\"", "train.validation_every=0", "train.warmup_steps=0"})
+    ov.push_back(o);
+  ov.push_back("train.steps=" + std::to_string(warmup + steps + (breakdown ? 1 : 0)));
+  Config cfg = load_config(a.file, ov);
+  // Synthetic data, whatever the config reads: bench measures the step, not the input pipeline.
+  if (cfg.data.plugin != "synthetic") {
+    ConfigTable root = parse_config_table("[data]\nplugin = \"synthetic\"\n", "loom bench");
+    PluginSection d;
+    d.plugin = "synthetic";
+    d.table = root.table("data");
+    d.table.mark_used("plugin");
+    cfg.data = d;
+  }
+
+  Session s(cfg);
+  s.initialise();
+  Backend& be = s.backend();
+  for (int64_t i = 0; i < warmup; ++i) s.train_step();
+  std::vector<double> ms;
+  StepLog last;
+  for (int64_t i = 0; i < steps; ++i) {
+    last = s.train_step();
+    ms.push_back(last.step_ms);
+  }
+  const auto& t = cfg.train;
+  const double tokens_per_step = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum);
+  const double med = median(ms);
+  const double tok_s = tokens_per_step / (med * 1e-3);
+  const double mfu = s.spec().flops_per_token(t.seq_len) * tok_s / 989e12;
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  const double mem = static_cast<double>(be.device_memory_used()) / gib;
+  const double arena = static_cast<double>(s.arena_bytes()) / gib;
+
+  nlohmann::json j = {{"config", a.file},
+                      {"device", be.device_name()},
+                      {"precision", cfg.precision.plugin},
+                      {"attention", cfg.attention.plugin},
+                      {"layers", cfg.model.layers},
+                      {"recompute", cfg.model.recompute},
+                      {"batch", t.micro_batch},
+                      {"seq_len", t.seq_len},
+                      {"grad_accum", t.grad_accum},
+                      {"params", s.spec().total_params()},
+                      {"warmup_steps", warmup},
+                      {"steps", steps},
+                      {"median_step_ms", med},
+                      {"min_step_ms", *std::min_element(ms.begin(), ms.end())},
+                      {"max_step_ms", *std::max_element(ms.begin(), ms.end())},
+                      {"tokens_per_s", tok_s},
+                      {"mfu", mfu},
+                      {"device_mem_gib", mem},
+                      {"arena_gib", arena},
+                      {"final_loss", last.loss}};
+
+  if (breakdown) {
+    // One more step, one part at a time (each part synchronised), same data path.
+    const float scale = 1.0f / static_cast<float>(t.micro_batch * t.seq_len);
+    const int units = s.model().num_units();
+    nlohmann::json parts = nlohmann::json::object();
+    auto timed = [&](const std::string& name, auto&& fn) {
+      be.timer_start();
+      fn();
+      parts[name] = parts.value(name, 0.0) + be.timer_stop_ms();
+    };
+    s.zero_grads();
+    timed("forward.embedding", [&] { s.forward_unit(0, true, scale); });
+    for (int u = 1; u < units - 1; ++u) timed("forward.layers", [&] { s.forward_unit(u, true, scale); });
+    timed("forward.head+loss", [&] { s.forward_unit(units - 1, true, scale); });
+    timed("backward.head", [&] { s.backward_unit(units - 1); });
+    for (int u = units - 2; u >= 1; --u) timed("backward.layers", [&] { s.backward_unit(u); });
+    timed("backward.embedding", [&] { s.backward_unit(0); });
+    timed("optimizer", [&] { s.optimizer_step(s.step()); });
+    j["breakdown_ms"] = parts;
+  }
+
+  std::printf("%-28s %-14s %-10s %6s %6s %10s %12s %7s %9s %9s\n", "config", "precision", "attention", "batch", "seq",
+              "step ms", "tokens/s", "MFU", "mem GiB", "arena GiB");
+  std::printf("%-28s %-14s %-10s %6lld %6lld %10.2f %12.0f %6.1f%% %9.2f %9.2f\n", a.file.c_str(),
+              cfg.precision.plugin.c_str(), cfg.attention.plugin.c_str(), static_cast<long long>(t.micro_batch),
+              static_cast<long long>(t.seq_len), med, tok_s, 100.0 * mfu, mem, arena);
+  if (breakdown)
+    for (auto& [k, v] : j["breakdown_ms"].items()) std::printf("  %-22s %9.2f ms\n", k.c_str(), v.get<double>());
+  std::printf("BENCH_JSON %s\n", j.dump().c_str());
+  if (!json_path.empty()) {
+    std::ofstream f(json_path);
+    if (!f) throw Error(cat("loom bench: cannot write --json=", json_path));
+    f << j.dump(2) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace loom::app

@@ -1,0 +1,30 @@
+#!/usr/bin/env python3
+"""Prints compare.sh's results (JSON lines) as one Markdown table: per workload,
+Loom beside each peer mode, with Loom's step time as a ratio of each."""
+import json
+import sys
+
+
+def main(path):
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    print("| workload | system | step ms | tokens/s | MFU | peak mem GiB | Loom / this |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in dict.fromkeys(r["name"] for r in rows):
+        loom = next((r for r in rows if r["name"] == name and r["who"] == "loom"), None)
+        for r in [x for x in rows if x["name"] == name]:
+            if "error" in r:
+                print(f"| {name} | {r.get('mode', 'loom')} | failed: {r['error'][:60]} | | | | |")
+                continue
+            if r["who"] == "loom":
+                label = f"loom {r['precision']}+{r['attention']}"
+                mem = r["device_mem_gib"]
+            else:
+                label = f"HF {r['mode']}"
+                mem = r["peak_reserved_gib"]
+            ratio = f"{loom['median_step_ms'] / r['median_step_ms']:.2f}x" if loom and r["who"] == "peer" else ""
+            print(f"| {name} | {label} | {r['median_step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+                  f"{100 * r['mfu']:.1f}% | {mem:.1f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds the CUDA configuration (sm_90a) into build-gpu/ and stages what a GPU
+# machine needs to run it into .carry/ (binaries, libloom, plugins, and the
+# OpenBLAS runtime the fp32 plugin links, which CUDA images often lack).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WITH_CUDA=ON "$@"
+cmake --build build-gpu -j "$(nproc)"
+rm -rf .carry && mkdir -p .carry/bin .carry/lib
+cp -a build-gpu/bin/. .carry/bin/
+cp -a build-gpu/lib/. .carry/lib/
+for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do
+  src=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ {print $NF; exit}')
+  [ -n "$src" ] && cp -L "$src" .carry/lib/
+done
+du -sh .carry
