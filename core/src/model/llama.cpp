@@ -13,6 +13,20 @@ Recompute parse_recompute(const std::string& s) {
   throw Error(cat("model.recompute = \"", s, "\" is not one of: none, attention, full"));
 }
 
+// A profiler range (NVTX on CUDA) for the scope of one op or layer.
+namespace {
+class Range {
+ public:
+  Range(Backend& b, const char* name) : b_(b) { b_.range_push(name); }
+  ~Range() { b_.range_pop(); }
+  Range(const Range&) = delete;
+  Range& operator=(const Range&) = delete;
+
+ private:
+  Backend& b_;
+};
+}  // namespace
+
 // Parameter indices inside a unit (see model_units.cpp for the order).
 namespace {
 enum LayerParam { kLn1 = 0, kWq, kWk, kWv, kWo, kLn2, kWgate, kWup, kWdown };
@@ -134,6 +148,7 @@ Tensor LlamaModel::param(std::vector<UnitState>& units, int unit, int index, boo
 
 void LlamaModel::forward_unit(int unit, std::vector<UnitState>& units, bool training, float dloss_scale) {
   const int64_t h = spec_.hidden, L = spec_.num_layers, V = spec_.vocab_size;
+  Range unit_range(backend_, unit == 0 ? "forward.embedding" : unit <= L ? "forward.layer" : "forward.head");
   if (unit == 0) {
     Tensor x0 = act(res_[0], {N_, h});
     backend_.embedding_forward(x0, inputs_, param(units, 0, 0, false));
@@ -180,38 +195,63 @@ void LlamaModel::layer_forward(int64_t l, std::vector<UnitState>& units, bool /*
   Tensor x = act(res_[static_cast<size_t>(l)], {N_, h});
   Tensor ln1 = act(a.ln1, {N_, h});
   Tensor rstd1 = f32(a.rstd1, {N_});
-  backend_.rmsnorm_forward(ln1, rstd1, x, param(units, u, kLn1, false), eps);
-
+  {
+    Range r(backend_, "rmsnorm");
+    backend_.rmsnorm_forward(ln1, rstd1, x, param(units, u, kLn1, false), eps);
+  }
   Tensor q = act(a.q, {N_, qd}), k = act(a.k, {N_, kvd}), v = act(a.v, {N_, kvd});
-  precision_.linear_forward(ctx, lin.q, ln1, param(units, u, kWq, false), q);
-  precision_.linear_forward(ctx, lin.k, ln1, param(units, u, kWk, false), k);
-  precision_.linear_forward(ctx, lin.v, ln1, param(units, u, kWv, false), v);
+  {
+    Range r(backend_, "qkv");
+    precision_.linear_forward(ctx, lin.q, ln1, param(units, u, kWq, false), q);
+    precision_.linear_forward(ctx, lin.k, ln1, param(units, u, kWk, false), k);
+    precision_.linear_forward(ctx, lin.v, ln1, param(units, u, kWv, false), v);
+  }
   Tensor q4 = act(a.q, {B_, S_, H, D}), k4 = act(a.k, {B_, S_, Hkv, D});
-  backend_.rope_forward(q4, spec_.rope_theta);
-  backend_.rope_forward(k4, spec_.rope_theta);
-
-  attention_forward(l);
+  {
+    Range r(backend_, "rope");
+    backend_.rope_forward(q4, spec_.rope_theta);
+    backend_.rope_forward(k4, spec_.rope_theta);
+  }
+  {
+    Range r(backend_, "attention");
+    attention_forward(l);
+  }
 
   Tensor att = act(a.att, {N_, qd});
   Tensor tmp = act(d_ln_tmp_, {N_, h});  // scratch: no backward is running during forward
-  precision_.linear_forward(ctx, lin.o, att, param(units, u, kWo, false), tmp);
   Tensor mid = act(a.res_mid, {N_, h});
-  backend_.add(mid, x, tmp);
-
+  {
+    Range r(backend_, "o_proj+residual");
+    precision_.linear_forward(ctx, lin.o, att, param(units, u, kWo, false), tmp);
+    backend_.add(mid, x, tmp);
+  }
   Tensor ln2 = act(a.ln2, {N_, h});
   Tensor rstd2 = f32(a.rstd2, {N_});
-  backend_.rmsnorm_forward(ln2, rstd2, mid, param(units, u, kLn2, false), eps);
   Tensor gate = act(a.gate, {N_, f}), up = act(a.up, {N_, f}), swi = act(a.swi, {N_, f});
-  precision_.linear_forward(ctx, lin.gate, ln2, param(units, u, kWgate, false), gate);
-  precision_.linear_forward(ctx, lin.up, ln2, param(units, u, kWup, false), up);
-  backend_.swiglu_forward(swi, gate, up);
-  precision_.linear_forward(ctx, lin.down, swi, param(units, u, kWdown, false), tmp);
+  {
+    Range r(backend_, "rmsnorm");
+    backend_.rmsnorm_forward(ln2, rstd2, mid, param(units, u, kLn2, false), eps);
+  }
+  {
+    Range r(backend_, "gate_up");
+    precision_.linear_forward(ctx, lin.gate, ln2, param(units, u, kWgate, false), gate);
+    precision_.linear_forward(ctx, lin.up, ln2, param(units, u, kWup, false), up);
+  }
+  {
+    Range r(backend_, "swiglu");
+    backend_.swiglu_forward(swi, gate, up);
+  }
   Tensor out = act(res_[static_cast<size_t>(l + 1)], {N_, h});
-  backend_.add(out, mid, tmp);
+  {
+    Range r(backend_, "down+residual");
+    precision_.linear_forward(ctx, lin.down, swi, param(units, u, kWdown, false), tmp);
+    backend_.add(out, mid, tmp);
+  }
 }
 
 void LlamaModel::backward_unit(int unit, std::vector<UnitState>& units) {
   const int64_t h = spec_.hidden, L = spec_.num_layers, V = spec_.vocab_size;
+  Range unit_range(backend_, unit == 0 ? "backward.embedding" : unit <= L ? "backward.layer" : "backward.head");
   const ExecContext& ctx = backend_.ctx();
   Tensor d_res = act(d_res_, {N_, h});
   if (unit == 0) {
