@@ -258,6 +258,8 @@ const ParamInfo& Session::find_param(const std::string& hf_name, int* unit) cons
   throw Error(cat("no parameter named '", hf_name, "' in this model"));
 }
 
+std::vector<float> Session::read_tensor(const Tensor& t) const { return download_f32(*backend_, t); }
+
 std::vector<float> Session::read_param(const std::string& hf_name, bool grad) const {
   int u = 0;
   const ParamInfo& p = find_param(hf_name, &u);

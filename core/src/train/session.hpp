@@ -82,6 +82,8 @@ class Session {
   LlamaModel& model() { return *model_; }
   Backend& backend() { return *backend_; }
   Tensor logits() const;  // [B*S, V] after a forward with training = false
+  // Any backend tensor copied to host fp32 (fp32 or bf16 storage).
+  std::vector<float> read_tensor(const Tensor& t) const;
   // A parameter (or its gradient) by HF name, copied to host fp32.
   std::vector<float> read_param(const std::string& hf_name, bool grad = false) const;
   void write_param(const std::string& hf_name, const float* src);
