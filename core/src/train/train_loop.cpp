@@ -162,6 +162,16 @@ bool Session::try_resume() {
     if (!info) return false;
   } else {
     info = ckpt::find_step(root, std::stoll(mode));
+    // Going back to an older step with checkpointing on would later overwrite
+    // the newer checkpoints of this directory: refuse now, before any work.
+    if (cfg_.checkpoint.every > 0) {
+      std::string newer;
+      for (const ckpt::CheckpointInfo& c : ckpt::list_checkpoints(root))
+        if (c.step > info->step) newer += (newer.empty() ? "" : ", ") + c.dir;
+      if (!newer.empty())
+        throw Error(cat("checkpoint.resume = ", mode, ": newer checkpoints would be overwritten as training continues (",
+                        newer, "); move them away, set checkpoint.dir to another folder, or set checkpoint.every = 0"));
+    }
   }
   ckpt::CheckpointReader r(info->dir, comm_->rank());
   nlohmann::json meta;
