@@ -1,14 +1,19 @@
 // The fp32 precision recipe: everything is stored and computed in fp32, the
 // optimizer updates the parameters directly (no master copy). It is the
-// reference the other recipes are measured against, and on the CPU it is the
-// slow exact path the tests run.
+// reference the other recipes are measured against: on the CPU it is the slow
+// exact path the tests run (CBLAS), on CUDA the GPU reference (cuBLASLt with
+// fp32 compute, no TF32). One object serves the device it was created for.
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "loom/error.hpp"
 #include "loom/precision.hpp"
 #include "precision/fp32/gemm_cpu.hpp"
+#ifdef LOOM_FP32_WITH_CUDA
+#include "precision/common/cublaslt_linear.hpp"
+#endif
 
 namespace loom::fp32 {
 namespace {
@@ -24,7 +29,7 @@ Matrix as_matrix(const Tensor& t, const char* what, const std::string& linear) {
   LOOM_CHECK(t.dtype == DType::f32, "precision fp32: ", linear, ": ", what, " must be fp32, got ",
              dtype_name(t.dtype), " (the fp32 recipe stores every tensor in fp32)");
   LOOM_CHECK(t.device == Device::cpu, "precision fp32: ", linear, ": ", what, " is on ", device_name(t.device),
-             "; this build's fp32 recipe runs on the CPU only");
+             "; this plugin object was created for device cpu");
   LOOM_CHECK(t.ndim >= 2, "precision fp32: ", linear, ": ", what, " must have at least 2 dims, got shape ",
              t.shape_str());
   const int last = t.ndim - 1;
@@ -49,10 +54,16 @@ Matrix as_matrix(const Tensor& t, const char* what, const std::string& linear) {
 class Fp32Precision final : public Precision {
  public:
   explicit Fp32Precision(const PluginInit& init) {
+#ifdef LOOM_FP32_WITH_CUDA
+    if (init.device == Device::cuda)
+      gpu_ = std::make_unique<precision_common::CublasLtLinears>(
+          "fp32", precision_common::GemmDTypes{DType::f32, DType::f32, DType::f32});
+#else
     LOOM_CHECK(init.device == Device::cpu,
                "precision fp32: device ", device_name(init.device),
                " is not available in this plugin: the CUDA fp32 path is part of the CUDA backend (build with "
                "LOOM_WITH_CUDA=ON), this plugin runs on the CPU");
+#endif
     // The recipe has no options of its own; finish() rejects any key given.
     init.config.finish();
   }
@@ -62,13 +73,26 @@ class Fp32Precision final : public Precision {
   }
 
   int register_linear(const LinearDesc& desc) override {
+#ifdef LOOM_FP32_WITH_CUDA
+    if (gpu_) return gpu_->register_linear(desc);
+#endif
     LOOM_CHECK(desc.in > 0 && desc.out > 0 && desc.max_rows >= 0, "precision fp32: linear '", desc.name,
                "' has invalid shape in=", desc.in, " out=", desc.out, " max_rows=", desc.max_rows);
     linears_.push_back(desc);
     return static_cast<int>(linears_.size()) - 1;
   }
 
+#ifdef LOOM_FP32_WITH_CUDA
+  size_t workspace_bytes() const override { return gpu_ ? precision_common::CublasLtLinears::kWorkspaceBytes : 0; }
+  void set_workspace(void* ptr, size_t bytes) override {
+    if (gpu_) gpu_->set_workspace(ptr, bytes);
+  }
+#endif
+
   void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y) override {
+#ifdef LOOM_FP32_WITH_CUDA
+    if (gpu_) return gpu_->forward(ctx, id, x, w, y);
+#endif
     const LinearDesc& d = lookup(ctx, id);
     const Matrix mx = as_matrix(x, "x", d.name), my = as_matrix(y, "y", d.name);
     weight(w, "w", d);
@@ -82,6 +106,9 @@ class Fp32Precision final : public Precision {
 
   void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
                        Tensor& dw, bool accumulate) override {
+#ifdef LOOM_FP32_WITH_CUDA
+    if (gpu_) return gpu_->backward(ctx, id, x, w, dy, dx, dw, accumulate);
+#endif
     const LinearDesc& d = lookup(ctx, id);
     const Matrix mx = as_matrix(x, "x", d.name), mdy = as_matrix(dy, "dy", d.name);
     weight(w, "w", d);
@@ -104,7 +131,8 @@ class Fp32Precision final : public Precision {
  private:
   const LinearDesc& lookup(const ExecContext& ctx, int id) const {
     LOOM_CHECK(ctx.device == Device::cpu, "precision fp32: called with a ", device_name(ctx.device),
-               " context; this plugin runs on the CPU (the CUDA fp32 path is part of the CUDA backend)");
+               " context but this plugin object was created for device cpu (the CUDA backend creates it with "
+               "device cuda)");
     LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision fp32: linear id ", id,
                " was never registered (", linears_.size(), " linears registered)");
     return linears_[static_cast<size_t>(id)];
@@ -125,7 +153,10 @@ class Fp32Precision final : public Precision {
                "=", want);
   }
 
-  std::vector<LinearDesc> linears_;
+  std::vector<LinearDesc> linears_;  // CPU path only
+#ifdef LOOM_FP32_WITH_CUDA
+  std::unique_ptr<precision_common::CublasLtLinears> gpu_;  // set when created for device cuda
+#endif
 };
 
 }  // namespace
@@ -133,4 +164,5 @@ class Fp32Precision final : public Precision {
 
 using loom::fp32::Fp32Precision;
 LOOM_PLUGIN(precision, Fp32Precision, "fp32", "1.0.0",
-            "fp32 everywhere, no master copy: the reference recipe (CPU GEMMs through CBLAS)")
+            "fp32 everywhere, no master copy: the reference recipe (CPU GEMMs through CBLAS, CUDA GEMMs through "
+            "cuBLASLt without TF32)")

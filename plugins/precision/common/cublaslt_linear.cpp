@@ -1,0 +1,333 @@
+// cuBLASLt is column-major; the interface is row-major. A row-major matrix
+// M[r, c] with row stride ld is, byte for byte, the column-major matrix M^T
+// (c rows, r columns, leading dimension ld). So each row-major product is
+// computed as its transpose, with every operand read through that identity:
+//
+//   fprop  y = x W^T      ->  y^T[n, m]  = W^T^T x^T   : A = W buffer  (k x n, ld k)   op T
+//                                                        B = x buffer  (k x m, ld ldx) op N   "TN"
+//   dgrad  dx = dy W      ->  dx^T[k, m] = W^T dy^T    : A = W buffer  (k x n, ld k)   op N
+//                                                        B = dy buffer (n x m, ld lddy) op N  "NN"
+//   wgrad  dW = dy^T x    ->  dW^T[k, n] = x^T dy      : A = x buffer  (k x m, ld ldx) op N
+//                                                        B = dy buffer (n x m, ld lddy) op T  "NT"
+//
+// and D (= C, the same buffer and layout) is the column-major view of the
+// row-major output. In cuBLASLt's terms D[M', N'] = op(A)[M', K'] op(B)[K', N'] with
+//   fprop M'=n N'=m K'=k,  dgrad M'=k N'=m K'=n,  wgrad M'=k N'=n K'=m.
+#include "precision/common/cublaslt_linear.hpp"
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+
+#include "loom/error.hpp"
+
+namespace {
+// Per plugin library (each plugin links its own copy of this static library).
+std::atomic<int64_t> g_plans_built{0};
+}  // namespace
+
+extern "C" int64_t loom_precision_cublaslt_plans_built() { return g_plans_built.load(); }
+
+namespace loom::precision_common {
+namespace {
+
+const char* gemm_name(int g) { return g == 0 ? "fprop" : g == 1 ? "dgrad" : "wgrad"; }
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::f32: return CUDA_R_32F;
+    case DType::bf16: return CUDA_R_16BF;
+    case DType::f16: return CUDA_R_16F;
+    default: break;
+  }
+  throw Error(cat("precision: dtype ", dtype_name(t), " has no cuBLASLt GEMM in this library (fp32, bf16, fp16)"));
+}
+
+// Largest power of two (capped at 256, cuBLASLt's default assumption) dividing
+// the address: the heuristic must not pick a kernel needing more.
+uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && (a % al) != 0) al /= 2;
+  return al;
+}
+
+// A tensor as a row-major matrix [rows, cols] with row stride ld: leading dims
+// fold into rows, which needs each of them to step over whole rows of the next.
+struct RowMatrix {
+  int64_t rows = 0, cols = 0, ld = 0;
+};
+
+}  // namespace
+
+// Everything cuBLASLt needs to run one GEMM shape, built once.
+struct CublasLtLinears::Plan {
+  // The call shape the plan was built for (M', N', K', leading dims, pointer alignments).
+  std::array<int64_t, 9> key{};
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace_needed = 0;
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() {
+    // Host-side objects only; nothing here can fail in a way worth reporting at teardown.
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+struct CublasLtLinears::Slot {
+  // Per GEMM (fprop, dgrad, wgrad) the plans built so far; one in a training run.
+  std::array<std::vector<std::unique_ptr<Plan>>, 3> plans;
+};
+
+CublasLtLinears::CublasLtLinears(std::string recipe, GemmDTypes dtypes)
+    : recipe_(std::move(recipe)), dtypes_(dtypes) {
+  // Fail at construction, not at the first GEMM, for a dtype cuBLASLt cannot take here.
+  cuda_type(dtypes_.activation);
+  cuda_type(dtypes_.param);
+  cuda_type(dtypes_.grad);
+}
+
+CublasLtLinears::~CublasLtLinears() = default;
+
+int CublasLtLinears::register_linear(const LinearDesc& desc) {
+  LOOM_CHECK(desc.in > 0 && desc.out > 0 && desc.max_rows >= 0, "precision ", recipe_, ": linear '", desc.name,
+             "' has invalid shape in=", desc.in, " out=", desc.out, " max_rows=", desc.max_rows);
+  linears_.push_back(desc);
+  slots_.push_back(std::make_unique<Slot>());
+  return static_cast<int>(linears_.size()) - 1;
+}
+
+void CublasLtLinears::set_workspace(void* ptr, size_t bytes) {
+  LOOM_CHECK(bytes == 0 || ptr != nullptr, "precision ", recipe_, ": set_workspace got ", bytes,
+             " bytes at a null pointer");
+  LOOM_CHECK(reinterpret_cast<uintptr_t>(ptr) % 256 == 0, "precision ", recipe_,
+             ": the cuBLASLt workspace must be 256-byte aligned, got address ", ptr);
+  workspace_ = ptr;
+  workspace_bytes_ = bytes;
+  workspace_set_ = true;
+}
+
+const LinearDesc& CublasLtLinears::lookup(const ExecContext& ctx, int id) const {
+  LOOM_CHECK(ctx.device == Device::cuda, "precision ", recipe_, ": called with a ", device_name(ctx.device),
+             " context; this plugin object was created for device cuda");
+  LOOM_CHECK(ctx.blas_handle != nullptr, "precision ", recipe_,
+             ": ExecContext::blas_handle is null (the CUDA backend must hand in its cublasLtHandle_t)");
+  LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", recipe_, ": linear id ", id,
+             " was never registered (", linears_.size(), " linears registered)");
+  LOOM_CHECK(workspace_set_, "precision ", recipe_, ": ", linears_[static_cast<size_t>(id)].name,
+             ": no cuBLASLt workspace: the core must call set_workspace() with workspace_bytes() = ",
+             kWorkspaceBytes, " bytes of device memory before the first GEMM");
+  return linears_[static_cast<size_t>(id)];
+}
+
+namespace {
+
+RowMatrix row_matrix(const Tensor& t, const char* what, DType want, const char* role, const std::string& recipe,
+                     const LinearDesc& d) {
+  LOOM_CHECK(t.data != nullptr, "precision ", recipe, ": ", d.name, ": ", what, " has no data");
+  LOOM_CHECK(t.dtype == want, "precision ", recipe, ": ", d.name, ": ", what, " must be ", dtype_name(want),
+             ", got ", dtype_name(t.dtype), " (the ", recipe, " recipe stores ", role, " in ", dtype_name(want), ")");
+  LOOM_CHECK(t.device == Device::cuda, "precision ", recipe, ": ", d.name, ": ", what, " is on ",
+             device_name(t.device), "; this plugin object runs its GEMMs on cuda");
+  LOOM_CHECK(t.ndim >= 2, "precision ", recipe, ": ", d.name, ": ", what, " must have at least 2 dims, got shape ",
+             t.shape_str());
+  const int last = t.ndim - 1;
+  LOOM_CHECK(t.stride[last] == 1 || t.shape[last] == 1, "precision ", recipe, ": ", d.name, ": ", what,
+             " must be contiguous in its last dim, got stride ", t.stride[last], " for shape ", t.shape_str());
+  RowMatrix m;
+  m.cols = t.shape[last];
+  m.ld = t.stride[last - 1];
+  m.rows = 1;
+  for (int i = 0; i < last; ++i) m.rows *= t.shape[i];
+  for (int i = 0; i + 1 < last; ++i)
+    LOOM_CHECK(t.shape[i] == 1 || t.stride[i] == t.stride[i + 1] * t.shape[i + 1], "precision ", recipe, ": ",
+               d.name, ": ", what, " of shape ", t.shape_str(), " has a dim ", i, " stride ", t.stride[i],
+               " that does not fold into rows (need ", t.stride[i + 1] * t.shape[i + 1], ")");
+  if (m.rows <= 1) m.ld = std::max<int64_t>(m.ld, m.cols);  // a single row's stride is irrelevant
+  LOOM_CHECK(m.ld >= m.cols, "precision ", recipe, ": ", d.name, ": ", what, " rows overlap: row stride ", m.ld,
+             " < ", m.cols, " columns (shape ", t.shape_str(), ")");
+  return m;
+}
+
+// The weight and its gradient are one packed [out, in] matrix (a parameter buffer, never a view).
+void check_weight(const Tensor& t, const char* what, DType want, const char* role, const std::string& recipe,
+                  const LinearDesc& d) {
+  row_matrix(t, what, want, role, recipe, d);
+  LOOM_CHECK(t.ndim == 2 && t.shape[0] == d.out && t.shape[1] == d.in && t.is_contiguous(), "precision ", recipe,
+             ": ", d.name, ": ", what, " must be a contiguous [out, in] = [", d.out, ",", d.in, "] matrix, got shape ",
+             t.shape_str(), " strides [", t.stride[0], ",", t.stride[1], "]");
+}
+
+void check_cols(const std::string& recipe, const LinearDesc& d, const RowMatrix& m, int64_t want, const char* what,
+                const char* dim) {
+  LOOM_CHECK(m.cols == want, "precision ", recipe, ": ", d.name, ": ", what, " has ", m.cols, " columns, expected ",
+             dim, "=", want);
+}
+
+void check_rows(const std::string& recipe, const LinearDesc& d, const RowMatrix& m, const char* what) {
+  LOOM_CHECK(d.max_rows == 0 || m.rows <= d.max_rows, "precision ", recipe, ": ", d.name, ": ", what, " has ",
+             m.rows, " rows, more than the max_rows=", d.max_rows, " it was registered with");
+}
+
+}  // namespace
+
+void CublasLtLinears::forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y) {
+  const LinearDesc& d = lookup(ctx, id);
+  const RowMatrix mx = row_matrix(x, "x", dtypes_.activation, "activations", recipe_, d);
+  const RowMatrix my = row_matrix(y, "y", dtypes_.activation, "activations", recipe_, d);
+  check_weight(w, "w", dtypes_.param, "parameters", recipe_, d);
+  check_rows(recipe_, d, mx, "x");
+  check_cols(recipe_, d, mx, d.in, "x", "in");
+  check_cols(recipe_, d, my, d.out, "y", "out");
+  LOOM_CHECK(my.rows == mx.rows, "precision ", recipe_, ": ", d.name, ": y has ", my.rows, " rows but x has ",
+             mx.rows);
+  if (mx.rows == 0) return;
+  matmul(ctx, id, kFprop, d.out, mx.rows, d.in, w.data, d.in, x.data, mx.ld, y.data, my.ld, 0.0f);
+}
+
+void CublasLtLinears::backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,
+                               Tensor* dx, Tensor& dw, bool accumulate) {
+  const LinearDesc& d = lookup(ctx, id);
+  const RowMatrix mx = row_matrix(x, "x", dtypes_.activation, "activations", recipe_, d);
+  const RowMatrix mdy = row_matrix(dy, "dy", dtypes_.activation, "activations", recipe_, d);
+  check_weight(w, "w", dtypes_.param, "parameters", recipe_, d);
+  check_weight(dw, "dw", dtypes_.grad, "gradients", recipe_, d);
+  check_rows(recipe_, d, mx, "x");
+  check_cols(recipe_, d, mx, d.in, "x", "in");
+  check_cols(recipe_, d, mdy, d.out, "dy", "out");
+  LOOM_CHECK(mdy.rows == mx.rows, "precision ", recipe_, ": ", d.name, ": dy has ", mdy.rows, " rows but x has ",
+             mx.rows);
+  RowMatrix mdx;
+  if (dx != nullptr) {
+    mdx = row_matrix(*dx, "dx", dtypes_.activation, "activations", recipe_, d);
+    check_cols(recipe_, d, mdx, d.in, "dx", "in");
+    LOOM_CHECK(mdx.rows == mx.rows, "precision ", recipe_, ": ", d.name, ": dx has ", mdx.rows, " rows but x has ",
+               mx.rows);
+  }
+  const int64_t m = mx.rows;
+  if (m == 0) {
+    // No rows: dx is empty and dW = 0 (written) or unchanged (accumulated);
+    // cuBLASLt is not asked for a K' = 0 product.
+    if (!accumulate) {
+      const cudaError_t e = cudaMemsetAsync(dw.data, 0, dw.bytes(), static_cast<cudaStream_t>(ctx.stream));
+      LOOM_CHECK(e == cudaSuccess, "precision ", recipe_, ": ", d.name, ": cudaMemsetAsync(dw, 0, ", dw.bytes(),
+                 ") failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+    }
+    return;
+  }
+  if (dx != nullptr) matmul(ctx, id, kDgrad, d.in, m, d.out, w.data, d.in, dy.data, mdy.ld, dx->data, mdx.ld, 0.0f);
+  matmul(ctx, id, kWgrad, d.in, d.out, m, x.data, mx.ld, dy.data, mdy.ld, dw.data, d.in, accumulate ? 1.0f : 0.0f);
+}
+
+#define LOOM_CUBLASLT_CHECK(call, where)                                                                        \
+  do {                                                                                                          \
+    const cublasStatus_t st_ = (call);                                                                          \
+    LOOM_CHECK(st_ == CUBLAS_STATUS_SUCCESS, where, ": ", #call, " failed: ", cublasLtGetStatusName(st_), " (", \
+               cublasLtGetStatusString(st_), ")");                                                              \
+  } while (0)
+
+void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t rows, int64_t cols, int64_t inner,
+                             const void* a, int64_t lda, const void* b, int64_t ldb, void* d, int64_t ldd,
+                             float beta) {
+  auto handle = static_cast<cublasLtHandle_t>(ctx.blas_handle);
+  const LinearDesc& desc = linears_[static_cast<size_t>(id)];
+  // See the file comment for why these are the ops of each GEMM.
+  const cublasOperation_t op_a = g == kFprop ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = g == kWgrad ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const DType ta = g == kWgrad ? dtypes_.activation : dtypes_.param;
+  const DType tb = dtypes_.activation;
+  const DType td = g == kWgrad ? dtypes_.grad : dtypes_.activation;
+  const std::array<int64_t, 9> key{rows, cols, inner, lda, ldb, ldd, alignment_of(a), alignment_of(b),
+                                   alignment_of(d)};
+  // Every message names the linear, the GEMM and the cuBLASLt problem.
+  auto where = [&] {
+    return cat("precision ", recipe_, ": ", desc.name, ": ", gemm_name(g), " (", op_a == CUBLAS_OP_T ? "T" : "N",
+               op_b == CUBLAS_OP_T ? "T" : "N", " column-major D[", rows, ",", cols, "] = op(A) op(B), K=", inner,
+               ", lda=", lda, " ldb=", ldb, " ldd=", ldd, ", A ", dtype_name(ta), " B ", dtype_name(tb), " C/D ",
+               dtype_name(td), ", alignments ", key[6], "/", key[7], "/", key[8], " bytes)");
+  };
+
+  auto& plans = slots_[static_cast<size_t>(id)]->plans[g];
+  Plan* plan = nullptr;
+  for (auto& p : plans)
+    if (p->key == key) { plan = p.get(); break; }
+  if (plan == nullptr) {
+    auto p = std::make_unique<Plan>();
+    p->key = key;
+    // fp32 accumulation and scaling for every recipe; CUBLAS_COMPUTE_32F never
+    // uses TF32 (that would be CUBLAS_COMPUTE_32F_FAST_TF32), so fp32 is exact fp32.
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)),
+                        where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)),
+                        where());
+    // Stored (pre-op) shapes: op N reads A as M'xK', op T as K'xM'; B likewise with K'xN'.
+    const uint64_t a_rows = op_a == CUBLAS_OP_N ? rows : inner, a_cols = op_a == CUBLAS_OP_N ? inner : rows;
+    const uint64_t b_rows = op_b == CUBLAS_OP_N ? inner : cols, b_cols = op_b == CUBLAS_OP_N ? cols : inner;
+    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->a, cuda_type(ta), a_rows, a_cols, lda), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->b, cuda_type(tb), b_rows, b_cols, ldb), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->c, cuda_type(td), rows, cols, ldd), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->d, cuda_type(td), rows, cols, ldd), where());
+
+    cublasLtMatmulPreference_t pref = nullptr;
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref), where());
+    // The preference lives only for the query.
+    struct PrefGuard {
+      cublasLtMatmulPreference_t p;
+      ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
+    } guard{pref};
+    const uint64_t ws = workspace_bytes_;
+    LOOM_CUBLASLT_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
+        where());
+    // Views into wider buffers need not be 256-byte aligned (cuBLASLt's default
+    // assumption): tell the heuristic what the pointers really are.
+    const uint32_t al_a = static_cast<uint32_t>(key[6]), al_b = static_cast<uint32_t>(key[7]),
+                   al_d = static_cast<uint32_t>(key[8]);
+    LOOM_CUBLASLT_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)),
+        where());
+    LOOM_CUBLASLT_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)),
+        where());
+    LOOM_CUBLASLT_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d)),
+        where());
+    LOOM_CUBLASLT_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)),
+        where());
+
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    LOOM_CUBLASLT_CHECK(
+        cublasLtMatmulAlgoGetHeuristic(handle, p->op, p->a, p->b, p->c, p->d, pref, 1, &result, &found), where());
+    LOOM_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS, where(),
+               ": cuBLASLt has no algorithm for this problem with a ", workspace_bytes_, "-byte workspace");
+    p->algo = result.algo;
+    p->workspace_needed = result.workspaceSize;
+    plan = p.get();
+    plans.push_back(std::move(p));
+    ++plans_built_;
+    ++g_plans_built;
+  }
+  LOOM_CHECK(plan->workspace_needed <= workspace_bytes_, where(), ": the plan needs ", plan->workspace_needed,
+             " workspace bytes but set_workspace() now gives ", workspace_bytes_);
+
+  // Host scalars (cuBLASLt's default pointer mode); beta = 1 accumulates into dW.
+  const float alpha = 1.0f;
+  LOOM_CUBLASLT_CHECK(cublasLtMatmul(handle, plan->op, &alpha, a, plan->a, b, plan->b, &beta, d, plan->c, d, plan->d,
+                                     &plan->algo, workspace_, workspace_bytes_, static_cast<cudaStream_t>(ctx.stream)),
+                      where());
+}
+
+}  // namespace loom::precision_common

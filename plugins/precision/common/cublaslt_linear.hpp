@@ -1,0 +1,86 @@
+// The three GEMMs of a linear layer on CUDA through cuBLASLt, shared by the
+// precision plugins (fp32 on CUDA, bf16, bf16_pure). Built only with CUDA.
+//
+// Semantics are those of loom/precision.hpp, all row-major (HF layout):
+//   fprop  y[m, n]  = x[m, k] W[n, k]^T
+//   dgrad  dx[m, k] = dy[m, n] W[n, k]
+//   wgrad  dW[n, k] = dy[m, n]^T x[m, k]     (beta = 1 adds onto dW: micro-batches)
+// m = rows (tokens, leading dims of x folded in), k = LinearDesc::in, n = LinearDesc::out.
+// x, y, dy and dx may be row views into wider buffers (row stride > width, the
+// stride of dim ndim-2 is used as leading dimension); W and dW are packed.
+//
+// Every (linear id, GEMM) pair keeps a plan: the matmul descriptor, the four
+// matrix layouts and the heuristic's best algorithm for the workspace handed
+// in. A plan is built on first use and never rebuilt; a call whose shape,
+// leading dimensions or pointer alignment differ from every plan of its slot
+// gets a new plan beside the others (the model never does this in a step, so
+// steady state issues exactly one cublasLtMatmul per GEMM and no heuristic query).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/context.hpp"
+#include "loom/dtype.hpp"
+#include "loom/precision.hpp"
+#include "loom/tensor.hpp"
+
+namespace loom::precision_common {
+
+// What a recipe stores where; the engine checks every tensor against it.
+struct GemmDTypes {
+  DType activation;  // x, y, dy, dx
+  DType param;       // W
+  DType grad;        // dW
+};
+
+class CublasLtLinears {
+ public:
+  // llm.c and TransformerEngine hand cuBLASLt 32 MiB: Hopper kernels need it.
+  static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+  // `recipe` names the plugin in messages ("bf16").
+  CublasLtLinears(std::string recipe, GemmDTypes dtypes);
+  ~CublasLtLinears();
+  CublasLtLinears(const CublasLtLinears&) = delete;
+  CublasLtLinears& operator=(const CublasLtLinears&) = delete;
+
+  int register_linear(const LinearDesc& desc);
+  // The device buffer every GEMM of this object uses (at least 256-byte aligned).
+  void set_workspace(void* ptr, size_t bytes);
+
+  void forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y);
+  void backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                Tensor& dw, bool accumulate);
+
+  // Plans built (= heuristic queries made) by this object so far.
+  int64_t plans_built() const { return plans_built_; }
+
+  struct Plan;  // defined in the .cpp (holds cuBLASLt handles)
+
+ private:
+  enum Gemm { kFprop = 0, kDgrad = 1, kWgrad = 2 };
+  struct Slot;
+  const LinearDesc& lookup(const ExecContext& ctx, int id) const;
+  // Finds or builds the plan for this call, then runs D = alpha op(A) op(B) + beta C with C = D.
+  void matmul(const ExecContext& ctx, int id, Gemm g, int64_t rows, int64_t cols, int64_t inner, const void* a,
+              int64_t lda, const void* b, int64_t ldb, void* d, int64_t ldd, float beta);
+
+  std::string recipe_;
+  GemmDTypes dtypes_;
+  std::vector<LinearDesc> linears_;
+  std::vector<std::unique_ptr<Slot>> slots_;  // one per linear, 3 GEMMs each
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  bool workspace_set_ = false;
+  int64_t plans_built_ = 0;
+};
+
+}  // namespace loom::precision_common
+
+// Plans built by every CublasLtLinears in the calling plugin library, exported
+// from each plugin that links this library so that tests can prove that
+// repeated calls reuse their plan (dlsym on the loaded plugin).
+extern "C" __attribute__((visibility("default"))) int64_t loom_precision_cublaslt_plans_built();

@@ -1,0 +1,451 @@
+// The precision plugins' cuBLASLt GEMMs (fp32 on CUDA, bf16, bf16_pure),
+// loaded as the host loads them and checked against a host fp64 reference.
+// GEMM tests skip where no CUDA device is present; the construction and
+// argument-checking tests need no device and run in every CUDA build.
+#include <gtest/gtest.h>
+
+#ifdef LOOM_HAVE_CUDA
+#include <cblas.h>
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "hf/safetensors.hpp"
+#include "loom/config.hpp"
+#include "loom/precision.hpp"
+#include "loom/registry.hpp"
+
+namespace {
+
+using loom::DType;
+using loom::Device;
+
+constexpr size_t kWorkspace = size_t{32} << 20;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Its own check rather than the backend's: this suite needs only the CUDA runtime.
+bool gpu_present() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define REQUIRE_GPU()                                                                  \
+  do {                                                                                 \
+    if (!gpu_present()) GTEST_SKIP() << "no CUDA device here: GPU GEMM test skipped"; \
+  } while (0)
+
+#define CUDA_OK(call)                                                                                    \
+  do {                                                                                                   \
+    const cudaError_t e_ = (call);                                                                       \
+    ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorName(e_) << " " << cudaGetErrorString(e_); \
+  } while (0)
+
+loom::PluginRegistry& registry() {
+  // Plugins are never unloaded; one registry for the whole suite.
+  static auto* reg = new loom::PluginRegistry({std::filesystem::path(LOOM_TEST_PLUGIN_DIR)});
+  return *reg;
+}
+
+std::unique_ptr<loom::Precision> make(const std::string& name, Device device,
+                                      const loom::ConfigTable& config = loom::ConfigTable()) {
+  loom::PluginInit init;
+  init.config = config;
+  init.device = device;
+  return registry().create_as<loom::PluginKind::precision>(name, init);
+}
+
+loom::ConfigTable precision_table(const std::string& body) {
+  loom::ConfigTable t = loom::parse_config_table("[precision]\n" + body, "test.toml").table("precision");
+  t.mark_used("plugin");  // as the core does: `plugin` is its key, not the recipe's
+  return t;
+}
+
+struct Recipe {
+  const char* name;
+  DType act, param, grad;
+  double tol;  // relative, ||got - ref|| / ||ref||
+};
+const Recipe kRecipes[] = {
+    {"fp32", DType::f32, DType::f32, DType::f32, 1e-5},
+    {"bf16", DType::bf16, DType::bf16, DType::f32, 1e-2},
+    {"bf16_pure", DType::bf16, DType::bf16, DType::bf16, 1e-2},
+};
+
+// Host values as the device stores them: bf16-rounded where the dtype is bf16,
+// so the fp64 reference sees exactly the GEMM's inputs.
+std::vector<float> random_values(size_t n, DType t, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<float> v(n);
+  for (float& x : v) {
+    x = u(rng);
+    if (t == DType::bf16) x = loom::hf::bf16_to_f32(loom::hf::f32_to_bf16(x));
+  }
+  return v;
+}
+
+std::vector<unsigned char> encode(const std::vector<float>& v, DType t) {
+  std::vector<unsigned char> out(v.size() * loom::dtype_size(t));
+  if (t == DType::f32) {
+    std::memcpy(out.data(), v.data(), out.size());
+  } else {
+    for (size_t i = 0; i < v.size(); ++i) {
+      const uint16_t h = loom::hf::f32_to_bf16(v[i]);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    }
+  }
+  return out;
+}
+float decode_one(const unsigned char* p, DType t) {
+  if (t == DType::f32) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return loom::hf::bf16_to_f32(h);
+}
+
+// A device matrix [rows, cols] inside a buffer of row stride ld >= cols,
+// starting `offset` elements in (a view like one slice of a fused activation).
+struct DevMatrix {
+  DType dtype = DType::f32;
+  int64_t rows = 0, cols = 0, ld = 0, offset = 0;
+  void* base = nullptr;
+  size_t base_bytes = 0;
+  DevMatrix(DType t, int64_t r, int64_t c, int64_t pad = 0, int64_t off = 0)
+      : dtype(t), rows(r), cols(c), ld(c + pad), offset(off) {
+    base_bytes = static_cast<size_t>(off + r * ld) * loom::dtype_size(t);
+    if (cudaMalloc(&base, base_bytes) != cudaSuccess) base = nullptr;
+  }
+  ~DevMatrix() {
+    if (base) cudaFree(base);
+  }
+  DevMatrix(const DevMatrix&) = delete;
+  DevMatrix& operator=(const DevMatrix&) = delete;
+  char* data() const { return static_cast<char*>(base) + offset * static_cast<int64_t>(loom::dtype_size(dtype)); }
+  // The view the plugin sees; `batch` > 1 splits the rows into a leading dim.
+  loom::Tensor tensor(int64_t batch = 1) const {
+    loom::Tensor t = batch > 1 ? loom::Tensor(data(), dtype, Device::cuda, {batch, rows / batch, cols})
+                               : loom::Tensor(data(), dtype, Device::cuda, {rows, cols});
+    t.stride[t.ndim - 2] = ld;
+    if (t.ndim == 3) t.stride[0] = ld * (rows / batch);
+    return t;
+  }
+  // Whole buffer (padding included) to 0xFF bytes: NaN in fp32 and in bf16.
+  void poison() const { ASSERT_EQ(cudaMemset(base, 0xFF, base_bytes), cudaSuccess); }
+  void upload(const std::vector<float>& v) const {
+    const std::vector<unsigned char> b = encode(v, dtype);
+    const size_t row = static_cast<size_t>(cols) * loom::dtype_size(dtype);
+    ASSERT_EQ(cudaMemcpy2D(data(), ld * loom::dtype_size(dtype), b.data(), row, row, rows, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  std::vector<float> download() const {
+    std::vector<unsigned char> b(static_cast<size_t>(rows * cols) * loom::dtype_size(dtype));
+    const size_t row = static_cast<size_t>(cols) * loom::dtype_size(dtype);
+    EXPECT_EQ(cudaMemcpy2D(b.data(), row, data(), ld * loom::dtype_size(dtype), row, rows, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    std::vector<float> v(static_cast<size_t>(rows * cols));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = decode_one(b.data() + i * loom::dtype_size(dtype), dtype);
+    return v;
+  }
+  // Bytes outside the view (padding columns and the offset) still 0xFF: the
+  // GEMM honoured the leading dimension.
+  bool padding_untouched() const {
+    std::vector<unsigned char> b(base_bytes);
+    EXPECT_EQ(cudaMemcpy(b.data(), base, base_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    const size_t es = loom::dtype_size(dtype);
+    for (size_t i = 0; i < base_bytes; ++i) {
+      const int64_t e = static_cast<int64_t>(i / es) - offset;
+      const bool inside = e >= 0 && e < rows * ld && (e % ld) < cols;
+      if (!inside && b[i] != 0xFF) return false;
+    }
+    return true;
+  }
+};
+
+double rel_error(const std::vector<float>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - ref[i];
+    num += d * d;  // a NaN (poison left behind) makes the error NaN, which fails every bound
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num) / std::sqrt(den);
+}
+
+std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// Row-major fp64 GEMMs through CBLAS, each written in its own orientation.
+std::vector<double> ref_forward(const std::vector<double>& x, const std::vector<double>& w, int m, int k, int n) {
+  std::vector<double> y(static_cast<size_t>(m) * n);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0, x.data(), k, w.data(), k, 0.0, y.data(), n);
+  return y;
+}
+std::vector<double> ref_dgrad(const std::vector<double>& dy, const std::vector<double>& w, int m, int k, int n) {
+  std::vector<double> dx(static_cast<size_t>(m) * k);
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.0, dy.data(), n, w.data(), k, 0.0, dx.data(), k);
+  return dx;
+}
+std::vector<double> ref_wgrad(const std::vector<double>& dy, const std::vector<double>& x, int m, int k, int n,
+                              std::vector<double> dw_before) {
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, k, m, 1.0, dy.data(), n, x.data(), k, 1.0,
+              dw_before.data(), k);
+  return dw_before;
+}
+
+// The stream, cuBLASLt handle and workspace the core would own.
+class CudaGemm : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    REQUIRE_GPU();
+    CUDA_OK(cudaStreamCreate(&stream_));
+    ASSERT_EQ(cublasLtCreate(&lt_), CUBLAS_STATUS_SUCCESS);
+    CUDA_OK(cudaMalloc(&workspace_, kWorkspace));
+    ctx_.device = Device::cuda;
+    ctx_.stream = stream_;
+    ctx_.blas_handle = lt_;
+  }
+  void TearDown() override {
+    if (workspace_) cudaFree(workspace_);
+    if (lt_) cublasLtDestroy(lt_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  std::unique_ptr<loom::Precision> gpu_plugin(const char* name) {
+    auto p = make(name, Device::cuda);
+    EXPECT_EQ(p->workspace_bytes(), kWorkspace);
+    p->set_workspace(workspace_, kWorkspace);
+    return p;
+  }
+  void sync() { ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess); }
+
+  // One linear (m, k, n) through forward, dgrad and wgrad (written, then
+  // accumulated onto a pre-filled dW). pad/off > 0 makes x, y, dy and dx row
+  // views into wider buffers; batch > 1 hands x and y in as [batch, m/batch, .].
+  void check_linear(const Recipe& r, int m, int k, int n, int64_t pad = 0, int64_t off = 0, int64_t batch = 1) {
+    SCOPED_TRACE(::testing::Message() << r.name << " m=" << m << " k=" << k << " n=" << n << " pad=" << pad
+                                      << " off=" << off << " batch=" << batch);
+    auto p = gpu_plugin(r.name);
+    const int id = p->register_linear({"layer.0.mlp", k, n, m});
+    std::mt19937 rng(1234u + static_cast<unsigned>(m * 31 + k * 7 + n));
+    const std::vector<float> x = random_values(size_t(m) * k, r.act, rng), w = random_values(size_t(n) * k, r.param, rng),
+                             dy = random_values(size_t(m) * n, r.act, rng),
+                             dw0 = random_values(size_t(n) * k, r.grad, rng);
+    DevMatrix xb(r.act, m, k, pad, off), dyb(r.act, m, n, pad, off), yb(r.act, m, n, pad, off),
+        dxb(r.act, m, k, pad, off), dwb(r.grad, n, k), wb(r.param, n, k);
+    ASSERT_TRUE(xb.base && dyb.base && yb.base && dxb.base && dwb.base && wb.base) << "cudaMalloc failed";
+    xb.poison();  // padding of the input views too: a GEMM reading it would produce NaN
+    dyb.poison();
+    xb.upload(x);
+    dyb.upload(dy);
+    wb.upload(w);
+    loom::Tensor tx = xb.tensor(batch), tw = wb.tensor(), tdy = dyb.tensor(), ty = yb.tensor(batch),
+                 tdx = dxb.tensor(), tdw = dwb.tensor();
+
+    const std::vector<double> xd = to_double(x), wd = to_double(w), dyd = to_double(dy);
+    yb.poison();
+    p->linear_forward(ctx_, id, tx, tw, ty);
+    sync();
+    EXPECT_LE(rel_error(yb.download(), ref_forward(xd, wd, m, k, n)), r.tol) << "forward";
+    EXPECT_TRUE(yb.padding_untouched()) << "forward wrote outside y's rows";
+
+    dxb.poison();
+    dwb.poison();
+    p->linear_backward(ctx_, id, tx, tw, tdy, &tdx, tdw, /*accumulate=*/false);
+    sync();
+    EXPECT_LE(rel_error(dxb.download(), ref_dgrad(dyd, wd, m, k, n)), r.tol) << "dx";
+    EXPECT_TRUE(dxb.padding_untouched()) << "dgrad wrote outside dx's rows";
+    const std::vector<double> zeros(size_t(n) * k, 0.0);
+    EXPECT_LE(rel_error(dwb.download(), ref_wgrad(dyd, xd, m, k, n, zeros)), r.tol) << "dW written";
+
+    // Accumulate: dW holds earlier micro-batches; dx skipped (null) as the
+    // model may; a poisoned dx buffer must stay untouched.
+    dwb.upload(dw0);
+    dxb.poison();
+    p->linear_backward(ctx_, id, tx, tw, tdy, nullptr, tdw, /*accumulate=*/true);
+    sync();
+    EXPECT_LE(rel_error(dwb.download(), ref_wgrad(dyd, xd, m, k, n, to_double(dw0))), r.tol) << "dW accumulated";
+    std::vector<unsigned char> probe(4);
+    ASSERT_EQ(cudaMemcpy(probe.data(), dxb.data(), 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(probe[0], 0xFF) << "dx was written although it was null";
+  }
+
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  void* workspace_ = nullptr;
+  loom::ExecContext ctx_;
+};
+
+TEST_F(CudaGemm, MatchesFp64Reference) {
+  for (const Recipe& r : kRecipes) {
+    check_linear(r, 257, 96, 160);
+    check_linear(r, 64, 128, 384, 0, 0, /*batch=*/4);
+    check_linear(r, 2048, 768, 2304);
+  }
+}
+
+TEST_F(CudaGemm, StridedRowViews) {
+  // Row stride wider than the row and a start that is only 16 (bf16) or 32
+  // (fp32) bytes aligned: the leading dimensions and the alignment hints must hold.
+  for (const Recipe& r : kRecipes) {
+    check_linear(r, 257, 96, 160, /*pad=*/40, /*off=*/8);
+    check_linear(r, 128, 256, 64, /*pad=*/64, /*off=*/0);
+  }
+}
+
+TEST_F(CudaGemm, PlansAreBuiltOnceAndReused) {
+  for (const Recipe& r : kRecipes) {
+    SCOPED_TRACE(r.name);
+    const std::string file = std::string(LOOM_TEST_PLUGIN_DIR) + "/libloom-precision-" + r.name + ".so";
+    auto p = gpu_plugin(r.name);  // loads the library
+    void* lib = dlopen(file.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    ASSERT_NE(lib, nullptr) << file << " is not loaded: " << dlerror();
+    auto plans_built = reinterpret_cast<int64_t (*)()>(dlsym(lib, "loom_precision_cublaslt_plans_built"));
+    ASSERT_NE(plans_built, nullptr) << "loom_precision_cublaslt_plans_built missing from " << file;
+
+    const int m = 512, k = 256, n = 768;
+    const int a = p->register_linear({"layer.0.q_proj", k, n, m});
+    const int b = p->register_linear({"layer.1.q_proj", k, n, m});
+    std::mt19937 rng(7);
+    DevMatrix x(r.act, m, k), w(r.param, n, k), y(r.act, m, n), dy(r.act, m, n), dx(r.act, m, k), dw(r.grad, n, k),
+        wide(r.act, m, k, /*pad=*/32);
+    x.upload(random_values(size_t(m) * k, r.act, rng));
+    w.upload(random_values(size_t(n) * k, r.param, rng));
+    dy.upload(random_values(size_t(m) * n, r.act, rng));
+    wide.upload(random_values(size_t(m) * k, r.act, rng));
+    loom::Tensor tx = x.tensor(), tw = w.tensor(), ty = y.tensor(), tdy = dy.tensor(), tdx = dx.tensor(),
+                 tdw = dw.tensor(), twide = wide.tensor();
+
+    const int64_t c0 = plans_built();
+    p->linear_forward(ctx_, a, tx, tw, ty);
+    sync();
+    const std::vector<float> first = y.download();
+    EXPECT_EQ(plans_built(), c0 + 1) << "first forward builds one plan";
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 50; ++i) p->linear_forward(ctx_, a, tx, tw, ty);
+    sync();
+    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 50;
+    EXPECT_EQ(plans_built(), c0 + 1) << "repeated forwards reuse the plan";
+    EXPECT_LE(rel_error(y.download(), to_double(first)), 1e-6) << "a reused plan computes the same product";
+    std::printf("[ %s ] forward %dx%dx%d: %.1f us per call with a cached plan\n", r.name, m, k, n, us);
+
+    p->linear_backward(ctx_, a, tx, tw, tdy, &tdx, tdw, false);
+    EXPECT_EQ(plans_built(), c0 + 3) << "dgrad and wgrad get a plan each";
+    for (int i = 0; i < 5; ++i) p->linear_backward(ctx_, a, tx, tw, tdy, &tdx, tdw, i % 2 == 0);
+    p->linear_backward(ctx_, a, tx, tw, tdy, nullptr, tdw, true);
+    EXPECT_EQ(plans_built(), c0 + 3) << "beta and a skipped dx do not need new plans";
+
+    p->linear_forward(ctx_, b, tx, tw, ty);
+    EXPECT_EQ(plans_built(), c0 + 4) << "each linear id has its own plans";
+    p->linear_forward(ctx_, a, twide, tw, ty);
+    p->linear_forward(ctx_, a, twide, tw, ty);
+    EXPECT_EQ(plans_built(), c0 + 5) << "another leading dimension gets one more plan, built once";
+    p->linear_forward(ctx_, a, tx, tw, ty);
+    EXPECT_EQ(plans_built(), c0 + 5) << "the first shape's plan is still there";
+    sync();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// No device needed: construction, options and argument checks.
+// ---------------------------------------------------------------------------
+TEST(CudaGemmPlugins, Bf16RecipesRefuseTheCpu) {
+  for (const char* name : {"bf16", "bf16_pure"}) {
+    const std::string e = error_of([&] { make(name, Device::cpu); });
+    EXPECT_TRUE(contains(e, "bf16 runs on CUDA; the CPU reference is precision.plugin = \"fp32\"")) << name << ": " << e;
+  }
+}
+
+TEST(CudaGemmPlugins, DTypesAndOptions) {
+  auto fp32 = make("fp32", Device::cuda);
+  loom::PrecisionDTypes t = fp32->dtypes();
+  EXPECT_TRUE(t.param == DType::f32 && t.grad == DType::f32 && t.activation == DType::f32 && !t.has_master);
+  EXPECT_EQ(fp32->workspace_bytes(), kWorkspace);
+  EXPECT_EQ(make("fp32", Device::cpu)->workspace_bytes(), 0u) << "the CPU path needs no device workspace";
+
+  t = make("bf16", Device::cuda)->dtypes();
+  EXPECT_TRUE(t.param == DType::bf16 && t.master == DType::f32 && t.grad == DType::f32 &&
+              t.optim_state == DType::f32 && t.activation == DType::bf16 && t.has_master && !t.stochastic_rounding);
+
+  t = make("bf16_pure", Device::cuda)->dtypes();
+  EXPECT_TRUE(t.param == DType::bf16 && t.master == DType::bf16 && t.grad == DType::bf16 &&
+              t.optim_state == DType::bf16 && t.activation == DType::bf16 && !t.has_master && !t.stochastic_rounding);
+  t = make("bf16_pure", Device::cuda, precision_table("plugin = \"bf16_pure\"\nstochastic_rounding = true\n"))->dtypes();
+  EXPECT_TRUE(t.stochastic_rounding);
+
+  for (const char* name : {"fp32", "bf16", "bf16_pure"}) {
+    const std::string e =
+        error_of([&] { make(name, Device::cuda, precision_table("plugin = \"x\"\nstochastic_rounding_x = 1\n")); });
+    EXPECT_TRUE(contains(e, "unknown key 'precision.stochastic_rounding_x'")) << name << ": " << e;
+  }
+}
+
+TEST(CudaGemmPlugins, ArgumentErrorsNameTheLinear) {
+  // Checks run before any CUDA call, so fake (never dereferenced) addresses do here.
+  alignas(256) static unsigned char fake[512];
+  auto p = make("bf16", Device::cuda);
+  const int id = p->register_linear({"layer.3.up_proj", 8, 16, 32});
+  loom::ExecContext ctx;
+  ctx.device = Device::cuda;
+  ctx.blas_handle = fake;
+  loom::Tensor x(fake, DType::bf16, Device::cuda, {32, 8}), w(fake, DType::bf16, Device::cuda, {16, 8}),
+      y(fake, DType::bf16, Device::cuda, {32, 16}), dw(fake, DType::f32, Device::cuda, {16, 8});
+
+  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, x, w, y); }), "set_workspace"));
+  p->set_workspace(fake, sizeof(fake));
+  EXPECT_TRUE(contains(error_of([&] { p->set_workspace(fake + 8, 64); }), "256-byte aligned"));
+
+  loom::Tensor bad = x;
+  bad.dtype = DType::f32;
+  std::string e = error_of([&] { p->linear_forward(ctx, id, bad, w, y); });
+  EXPECT_TRUE(contains(e, "layer.3.up_proj: x must be bf16, got fp32")) << e;
+  loom::Tensor bad_dw = dw;
+  bad_dw.dtype = DType::bf16;
+  e = error_of([&] { p->linear_backward(ctx, id, x, w, y, nullptr, bad_dw, false); });
+  EXPECT_TRUE(contains(e, "layer.3.up_proj: dw must be fp32, got bf16")) << e;
+  loom::Tensor wt(fake, DType::bf16, Device::cuda, {8, 16});
+  e = error_of([&] { p->linear_forward(ctx, id, x, wt, y); });
+  EXPECT_TRUE(contains(e, "[out, in] = [16,8]")) << e;
+  loom::Tensor host = x;
+  host.device = Device::cpu;
+  e = error_of([&] { p->linear_forward(ctx, id, host, w, y); });
+  EXPECT_TRUE(contains(e, "x is on cpu")) << e;
+  loom::Tensor many(fake, DType::bf16, Device::cuda, {64, 8});
+  e = error_of([&] { p->linear_forward(ctx, id, many, w, y); });
+  EXPECT_TRUE(contains(e, "max_rows=32")) << e;
+  e = error_of([&] { p->linear_forward(ctx, 5, x, w, y); });
+  EXPECT_TRUE(contains(e, "linear id 5 was never registered")) << e;
+  loom::ExecContext cpu_ctx;
+  e = error_of([&] { p->linear_forward(cpu_ctx, id, x, w, y); });
+  EXPECT_TRUE(contains(e, "created for device cuda")) << e;
+  ctx.blas_handle = nullptr;
+  e = error_of([&] { p->linear_forward(ctx, id, x, w, y); });
+  EXPECT_TRUE(contains(e, "blas_handle is null")) << e;
+}
+
+}  // namespace
+
+#else  // !LOOM_HAVE_CUDA
+
+TEST(CudaGemm, Skipped) { GTEST_SKIP() << "loom built without CUDA: the cuBLASLt precision plugins do not exist"; }
+
+#endif
