@@ -5,6 +5,10 @@
 #include <iomanip>
 #include <sstream>
 
+#ifdef LOOM_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace loom {
 
 const char* mem_category_name(MemCategory c) {
@@ -51,15 +55,51 @@ std::string ArenaPlan::summary() const {
 }
 
 Arena::~Arena() {
-  if (base_ && device_ == Device::cpu) std::free(base_);
+  if (!base_) return;
+  if (device_ == Device::cpu) std::free(base_);
+#ifdef LOOM_HAVE_CUDA
+  // Errors are ignored: a destructor must not throw, and a dead context has
+  // freed the memory already.
+  else cudaFree(base_);
+#endif
 }
 
 void Arena::allocate(const ArenaPlan& plan, Device device) {
   LOOM_CHECK(base_ == nullptr, "arena allocated twice");
-  LOOM_CHECK(device == Device::cpu, "this arena build allocates host memory only; device=", device_name(device));
+  bytes_ = plan.total_bytes() ? plan.total_bytes() : ArenaPlan::kAlign;
+  if (device == Device::cuda) {
+#ifdef LOOM_HAVE_CUDA
+    // One cudaMalloc for the whole plan (256-byte aligned, like kAlign), zeroed
+    // like the host arena so that gradients and optimizer state start at 0.
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, bytes_);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      size_t free_b = 0, total_b = 0;
+      (void)cudaMemGetInfo(&free_b, &total_b);
+      throw Error(cat("cudaMalloc of the memory plan (", bytes_, " bytes) failed: ", cudaGetErrorString(err), "; ",
+                      free_b, " of ", total_b, " device bytes are free. `loom check` prints the plan; a smaller "
+                      "batch, recompute or more sharding needs less.\n", plan.summary()));
+    }
+    // cudaMemset runs on the legacy default stream, which does not order work
+    // on the backend's non-blocking stream: wait for it before handing out
+    // the memory.
+    err = cudaMemset(p, 0, bytes_);
+    if (err == cudaSuccess) err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) {
+      cudaFree(p);
+      throw Error(cat("cudaMemset of the ", bytes_, "-byte arena failed: ", cudaGetErrorString(err)));
+    }
+    plan_ = plan;
+    device_ = device;
+    base_ = p;
+    return;
+#else
+    throw Error("this build of loom has no CUDA support: a device arena cannot be allocated");
+#endif
+  }
   plan_ = plan;
   device_ = device;
-  bytes_ = plan.total_bytes() ? plan.total_bytes() : ArenaPlan::kAlign;
   base_ = std::aligned_alloc(ArenaPlan::kAlign, bytes_);
   if (!base_) throw Error(cat("out of host memory: the memory plan needs ", bytes_, " bytes"));
   std::memset(base_, 0, bytes_);

@@ -1,0 +1,159 @@
+// AdamW on the GPU, element-wise over flat ranges (see Backend::AdamWArgs and
+// kernels/cpu/adamw.cpp for the update; the fp32 arithmetic is the CPU's,
+// expression for expression).
+//
+// Storage: param fp32 or bf16; grad fp32 or bf16; m and v fp32 or bf16
+// (one dtype for both); optional fp32 master.
+//   with a master: the master is updated, then param = round-to-nearest-even(master);
+//   without: param is read, updated in fp32 and rounded back to its dtype, for
+//   bf16 stochastically when asked (bf16_pure). Stochastic rounding adds 16
+//   random bits below bf16's last mantissa bit and truncates, so x rounds up
+//   with probability equal to its distance from the lower neighbour over the
+//   gap: unbiased. The bits are a pure function of (seed, step, index in the
+//   range) through a counter-based hash (splitmix64 finalizers): runs are
+//   reproducible, and no RNG state needs checkpointing.
+// m and v in bf16 are updated in fp32 and rounded to nearest even.
+#include <cmath>
+
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_kernels.hpp"
+
+namespace loom::gpu {
+namespace {
+
+__host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+__host__ __device__ __forceinline__ uint32_t sr_bits(uint64_t key, uint64_t index) {
+  return static_cast<uint32_t>(splitmix64(key ^ splitmix64(index)) >> 32);
+}
+
+__host__ __device__ __forceinline__ uint64_t sr_key(uint64_t seed, uint64_t step) {
+  return splitmix64(seed ^ splitmix64(step ^ 0x5AD5EEDull));
+}
+
+// x rounded to a bf16 value (returned as the fp32 holding it): up with
+// probability (x - lower) / (upper - lower). Inf and NaN pass unchanged.
+__device__ __forceinline__ float round_bf16_stochastic(float x, uint32_t r) {
+  const uint32_t b = __float_as_uint(x);
+  if ((b & 0x7f800000u) == 0x7f800000u) return x;
+  return __uint_as_float((b + (r & 0xffffu)) & 0xffff0000u);
+}
+
+struct AdamWScalars {
+  float lr, beta1, beta2, eps, weight_decay, inv_bc1, inv_bc2, grad_scale;
+  uint64_t sr_key;
+};
+
+template <typename TP, typename TG, typename TM, bool kMaster, bool kStochastic>
+struct AdamWOp {
+  TP* param;
+  float* master;
+  const TG* grad;
+  TM* m;
+  TM* v;
+  AdamWScalars a;
+  template <int K>
+  __device__ void apply(int64_t i) const {
+    float g[K], mi[K], vi[K], p[K];
+    load_vec<K>(grad + i, g);
+    load_vec<K>(m + i, mi);
+    load_vec<K>(v + i, vi);
+    if constexpr (kMaster) load_vec<K>(master + i, p);
+    else load_vec<K>(param + i, p);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const float gk = g[k] * a.grad_scale;
+      mi[k] = a.beta1 * mi[k] + (1.f - a.beta1) * gk;
+      vi[k] = a.beta2 * vi[k] + (1.f - a.beta2) * gk * gk;
+      const float m_hat = mi[k] * a.inv_bc1;
+      const float v_hat = vi[k] * a.inv_bc2;
+      p[k] -= a.lr * (m_hat / (sqrtf(v_hat) + a.eps) + a.weight_decay * p[k]);
+    }
+    store_vec<K>(m + i, mi);
+    store_vec<K>(v + i, vi);
+    if constexpr (kMaster) store_vec<K>(master + i, p);
+    if constexpr (kStochastic) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) p[k] = round_bf16_stochastic(p[k], sr_bits(a.sr_key, static_cast<uint64_t>(i + k)));
+    }
+    store_vec<K>(param + i, p);  // round to nearest even (exact after stochastic rounding)
+  }
+};
+
+template <typename TP, typename TG, typename TM, bool kMaster, bool kStochastic>
+void launch_adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWScalars& s,
+                  cudaStream_t stream) {
+  constexpr int K = 4;  // 16-byte fp32 accesses; 8-byte ones for bf16 operands
+  float* mp = kMaster ? master->ptr<float>() : nullptr;
+  const bool vec = aligned_bytes(param.data, K * sizeof(TP)) && aligned_bytes(grad.data, K * sizeof(TG)) &&
+                   aligned_bytes(m.data, K * sizeof(TM)) && aligned_bytes(v.data, K * sizeof(TM)) &&
+                   (!kMaster || aligned_bytes(mp, K * sizeof(float)));
+  launch_elementwise<K>(
+      AdamWOp<TP, TG, TM, kMaster, kStochastic>{param.ptr<TP>(), mp, grad.ptr<TG>(), m.ptr<TM>(), v.ptr<TM>(), s},
+      param.numel(), vec, stream, "adamw");
+}
+
+}  // namespace
+
+uint32_t sr_random_bits(uint64_t seed, uint64_t step, uint64_t index) {
+  return sr_bits(sr_key(seed, step), index);
+}
+
+void adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const Backend::AdamWArgs& a,
+           cudaStream_t stream) {
+  check_device(param, "adamw param");
+  check_device(grad, "adamw grad");
+  check_device(m, "adamw m");
+  check_device(v, "adamw v");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) check_contiguous(*t, "adamw");
+  LOOM_CHECK(param.numel() == grad.numel() && grad.numel() == m.numel() && m.numel() == v.numel(),
+             "adamw sizes differ: param ", param.numel(), " grad ", grad.numel(), " m ", m.numel(), " v ", v.numel());
+  LOOM_CHECK(m.dtype == v.dtype, "adamw: m is ", dtype_name(m.dtype), " but v is ", dtype_name(v.dtype));
+  LOOM_CHECK(a.step >= 1, "adamw: step is 1-based (bias correction divides by 1 - beta^step), got step=", a.step);
+  if (master) {
+    check_device(*master, "adamw master");
+    check_contiguous(*master, "adamw master");
+    LOOM_CHECK(master->dtype == DType::f32, "adamw: the master copy must be fp32, got ", dtype_name(master->dtype));
+    LOOM_CHECK(master->numel() == param.numel(), "adamw: master has ", master->numel(), " elements, param ",
+               param.numel());
+    LOOM_CHECK(!a.stochastic_rounding,
+               "adamw: stochastic rounding applies to a param updated in place (bf16_pure); with an fp32 master the "
+               "param is the master rounded to nearest");
+  }
+  // Bias corrections in double, as on the CPU (beta2^step is 1 - O(1e-3) early on).
+  const double bc1 = 1.0 - std::pow(static_cast<double>(a.beta1), static_cast<double>(a.step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(a.beta2), static_cast<double>(a.step));
+  const AdamWScalars s{a.lr,
+                       a.beta1,
+                       a.beta2,
+                       a.eps,
+                       a.weight_decay,
+                       static_cast<float>(1.0 / bc1),
+                       static_cast<float>(1.0 / bc2),
+                       a.grad_scale,
+                       sr_key(a.seed, static_cast<uint64_t>(a.step))};
+  const bool sr = a.stochastic_rounding && !master && param.dtype == DType::bf16;  // fp32 params need no rounding
+  dispatch_float(param.dtype, "adamw param", [&](auto tp) {
+    dispatch_float(grad.dtype, "adamw grad", [&](auto tg) {
+      dispatch_float(m.dtype, "adamw m/v", [&](auto tm) {
+        using TP = decltype(tp);
+        using TG = decltype(tg);
+        using TM = decltype(tm);
+        if (master) launch_adamw<TP, TG, TM, true, false>(param, master, grad, m, v, s, stream);
+        else if constexpr (std::is_same_v<TP, bf16>) {
+          if (sr) launch_adamw<TP, TG, TM, false, true>(param, master, grad, m, v, s, stream);
+          else launch_adamw<TP, TG, TM, false, false>(param, master, grad, m, v, s, stream);
+        } else {
+          launch_adamw<TP, TG, TM, false, false>(param, master, grad, m, v, s, stream);
+        }
+      });
+    });
+  });
+}
+
+}  // namespace loom::gpu

@@ -1,0 +1,254 @@
+// The CUDA backend: owns the device resources of one rank (a non-blocking
+// stream, a cuBLASLt handle for the precision plugins' GEMMs, timer events,
+// a scratch buffer for reductions, the RoPE tables) and forwards each op to
+// its kernels (one .cu per layer in this folder).
+//
+// Memory: the scratch (kScratchBytes) and a pinned result slot are allocated
+// once, here at creation, never inside a step. The only allocation after
+// creation is a RoPE cos/sin table, built on the first rope call of each
+// (S, D, theta) — the first step of a run — and cached for the backend's
+// life.
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cuda/cuda_check.hpp"
+#include "kernels/cuda/cuda_kernels.hpp"
+#include "loom/error.hpp"
+#include "model/backend.hpp"
+
+namespace loom {
+namespace {
+
+// rmsnorm dw partials ([chunks <= 256, h] fp32: 16 MiB covers h = 16384 at
+// full chunk count, and any h <= 4M with fewer chunks) and the norm partials.
+constexpr size_t kScratchBytes = size_t{16} << 20;
+
+void check_dev(const Tensor& t, const char* what) {
+  LOOM_CHECK(t.device == Device::cuda, what, ": tensor ", t.shape_str(), " is on ", device_name(t.device),
+             ", the CUDA backend needs device memory");
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device_index) : device_index_(device_index) {
+    int count = 0;
+    LOOM_CUDA_CHECK(cudaGetDeviceCount(&count), "counting CUDA devices");
+    LOOM_CHECK(device_index >= 0 && device_index < count, "CUDA device ", device_index, " requested but ", count,
+               " device(s) are visible (CUDA_VISIBLE_DEVICES limits them)");
+    LOOM_CUDA_CHECK(cudaSetDevice(device_index), "device ", device_index);
+    try {
+      LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "backend stream on device ",
+                      device_index);
+      const cublasStatus_t st = cublasLtCreate(&blas_);
+      LOOM_CHECK(st == CUBLAS_STATUS_SUCCESS, "cublasLtCreate failed: ", cublasLtGetStatusName(st), " (",
+                 cublasLtGetStatusString(st), ")");
+      LOOM_CUDA_CHECK(cudaEventCreate(&ev_start_), "timer start event");
+      LOOM_CUDA_CHECK(cudaEventCreate(&ev_stop_), "timer stop event");
+      LOOM_CUDA_CHECK(cudaMalloc(&scratch_.ptr, kScratchBytes), "backend scratch of ", kScratchBytes, " bytes");
+      scratch_.bytes = kScratchBytes;
+      LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_result_), sizeof(double)),
+                      "pinned reduction result");
+    } catch (...) {
+      release();
+      throw;
+    }
+    ctx_.device = Device::cuda;
+    ctx_.stream = stream_;
+    ctx_.blas_handle = blas_;
+  }
+  ~CudaBackend() override { release(); }
+
+  Device device() const override { return Device::cuda; }
+  const ExecContext& ctx() const override { return ctx_; }
+
+  // The host buffer may be reused as soon as upload returns (pinned or not),
+  // so the copy is waited for; uploads are per step (tokens) or at start-up.
+  void upload(Tensor& dst, const void* host, size_t bytes) override {
+    check_dev(dst, "upload");
+    LOOM_CHECK(bytes <= dst.bytes(), "upload of ", bytes, " bytes into a ", dst.bytes(), "-byte tensor");
+    if (bytes == 0) return;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.data, host, bytes, cudaMemcpyHostToDevice, stream_), "upload of ", bytes,
+                    " bytes");
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "upload of ", bytes, " bytes");
+  }
+  void download(void* host, const Tensor& src, size_t bytes) override {
+    check_dev(src, "download");
+    LOOM_CHECK(bytes <= src.bytes(), "download of ", bytes, " bytes from a ", src.bytes(), "-byte tensor");
+    if (bytes == 0) return;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(host, src.data, bytes, cudaMemcpyDeviceToHost, stream_), "download of ", bytes,
+                    " bytes");
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "download of ", bytes, " bytes");
+  }
+  void zero(Tensor& t) override {
+    check_dev(t, "zero");
+    LOOM_CHECK(t.is_contiguous(), "zero: tensor ", t.shape_str(), " must be contiguous");
+    if (t.bytes() == 0) return;
+    LOOM_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), stream_), "zero of ", t.bytes(), " bytes");
+  }
+  void copy(Tensor& dst, const Tensor& src) override {
+    check_dev(dst, "copy dst");
+    check_dev(src, "copy src");
+    LOOM_CHECK(dst.bytes() == src.bytes(), "copy ", src.shape_str(), " -> ", dst.shape_str());
+    LOOM_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy: tensors must be contiguous");
+    if (src.bytes() == 0 || dst.data == src.data) return;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDeviceToDevice, stream_), "copy of ",
+                    src.bytes(), " bytes");
+  }
+  void synchronize() override { LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "backend synchronize"); }
+
+  void embedding_forward(Tensor& out, const Tensor& tokens, const Tensor& wte) override {
+    gpu::embedding_forward(out, tokens, wte, stream_);
+  }
+  void embedding_backward(Tensor& dwte, const Tensor& dout, const Tensor& tokens) override {
+    gpu::embedding_backward(dwte, dout, tokens, stream_);
+  }
+  void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps) override {
+    gpu::rmsnorm_forward(out, rstd, x, w, eps, stream_);
+  }
+  void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
+                        const Tensor& rstd) override {
+    gpu::rmsnorm_backward(dx, dw, dout, x, w, rstd, scratch_, stream_);
+  }
+  void rope_forward(Tensor& x, double theta) override { rope(x, theta, +1); }
+  void rope_backward(Tensor& dx, double theta) override { rope(dx, theta, -1); }
+  void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) override {
+    gpu::swiglu_forward(out, gate, up, stream_);
+  }
+  void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up) override {
+    gpu::swiglu_backward(dgate, dup, dout, gate, up, stream_);
+  }
+  void add(Tensor& out, const Tensor& a, const Tensor& b) override { gpu::add(out, a, b, stream_); }
+  void accumulate(Tensor& dst, const Tensor& src) override { gpu::accumulate(dst, src, stream_); }
+  void cross_entropy(Tensor& logits, const Tensor& targets, Tensor& losses, float dlogits_scale) override {
+    gpu::cross_entropy(logits, targets, losses, dlogits_scale, stream_);
+  }
+  double sum(const Tensor& x) override { return gpu::reduce_sum(x, 0, x.numel(), false, scratch_, host_result_, stream_); }
+  double sq_norm(const Tensor& x, int64_t begin, int64_t end) override {
+    return gpu::reduce_sum(x, begin, end, true, scratch_, host_result_, stream_);
+  }
+  void scale(Tensor& x, float s) override { gpu::scale(x, s, stream_); }
+  void adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& a) override {
+    gpu::adamw(param, master, grad, m, v, a, stream_);
+  }
+  void convert(Tensor& dst, const Tensor& src) override { gpu::convert(dst, src, stream_); }
+
+  void timer_start() override {
+    LOOM_CUDA_CHECK(cudaEventRecord(ev_start_, stream_), "timer start");
+    timer_running_ = true;
+  }
+  double timer_stop_ms() override {
+    LOOM_CHECK(timer_running_, "timer_stop_ms without timer_start");
+    timer_running_ = false;
+    LOOM_CUDA_CHECK(cudaEventRecord(ev_stop_, stream_), "timer stop");
+    LOOM_CUDA_CHECK(cudaEventSynchronize(ev_stop_), "timer stop");
+    float ms = 0.f;
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start_, ev_stop_), "timer elapsed");
+    return ms;
+  }
+  size_t device_memory_used() const override {
+    size_t free_b = 0, total_b = 0;
+    LOOM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "device memory query on device ", device_index_);
+    return total_b - free_b;
+  }
+
+ private:
+  struct RopeTable {
+    float* cos = nullptr;  // [S, D/2], then sin in the same allocation
+    float* sin = nullptr;
+  };
+
+  void rope(Tensor& x, double theta, int sign) {
+    LOOM_CHECK(x.ndim == 4, "rope expects [B, S, nh, D], got ", x.shape_str());
+    LOOM_CHECK(theta > 0, "rope: theta must be positive, got ", theta);
+    const RopeTable& t = rope_table(x.shape[1], x.shape[3], theta);
+    gpu::rope_apply(x, t.cos, t.sin, sign, stream_);
+  }
+
+  // The CPU's table (cpu::rope_angle: HF's fp32 angles; cos/sin in double,
+  // rounded to fp32), built once per (S, D, theta).
+  const RopeTable& rope_table(int64_t S, int64_t D, double theta) {
+    LOOM_CHECK(D > 0 && D % 2 == 0, "rope: head_dim must be even and positive, got D=", D);
+    const auto key = std::make_tuple(S, D, theta);
+    auto it = rope_tables_.find(key);
+    if (it != rope_tables_.end()) return it->second;
+    const int64_t half = D / 2;
+    const size_t count = static_cast<size_t>(S * half);
+    std::vector<float> host(2 * count);
+    for (int64_t pos = 0; pos < S; ++pos)
+      for (int64_t i = 0; i < half; ++i) {
+        const double angle = cpu::rope_angle(pos, i, D, theta);
+        host[static_cast<size_t>(pos * half + i)] = static_cast<float>(std::cos(angle));
+        host[count + static_cast<size_t>(pos * half + i)] = static_cast<float>(std::sin(angle));
+      }
+    RopeTable t;
+    void* p = nullptr;
+    const size_t bytes = std::max<size_t>(host.size(), 1) * sizeof(float);
+    LOOM_CUDA_CHECK(cudaMalloc(&p, bytes), "rope table for S=", S, " D=", D, " (", bytes, " bytes)");
+    t.cos = static_cast<float*>(p);
+    t.sin = t.cos + count;
+    rope_tables_.emplace(key, t);  // owned from here on (freed in release())
+    // On the backend's stream, so the kernels that read the table are ordered
+    // after the copy (a plain cudaMemcpy from pageable memory may return
+    // before the DMA lands, and the non-blocking stream would not wait for
+    // it); the wait keeps `host` alive until the copy is done.
+    if (!host.empty()) {
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(p, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream_),
+                      "rope table upload, ", host.size() * sizeof(float), " bytes");
+      LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "rope table upload");
+    }
+    return rope_tables_.at(key);
+  }
+
+  // Frees everything that was created; errors are ignored (destructors must
+  // not throw, and a failed device leaves nothing to do).
+  void release() noexcept {
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (auto& kv : rope_tables_) cudaFree(kv.second.cos);
+    rope_tables_.clear();
+    if (host_result_) cudaFreeHost(host_result_);
+    if (scratch_.ptr) cudaFree(scratch_.ptr);
+    if (ev_start_) cudaEventDestroy(ev_start_);
+    if (ev_stop_) cudaEventDestroy(ev_stop_);
+    if (blas_) cublasLtDestroy(blas_);
+    if (stream_) cudaStreamDestroy(stream_);
+    host_result_ = nullptr;
+    scratch_ = {};
+    ev_start_ = ev_stop_ = nullptr;
+    blas_ = nullptr;
+    stream_ = nullptr;
+  }
+
+  int device_index_;
+  ExecContext ctx_;
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t blas_ = nullptr;
+  cudaEvent_t ev_start_ = nullptr, ev_stop_ = nullptr;
+  bool timer_running_ = false;
+  gpu::Scratch scratch_;
+  double* host_result_ = nullptr;
+  std::map<std::tuple<int64_t, int64_t, double>, RopeTable> rope_tables_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int device_index) { return std::make_unique<CudaBackend>(device_index); }
+
+bool cuda_available() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear it: no driver / no device is an answer, not a failure
+    return false;
+  }
+  return count > 0;
+}
+
+}  // namespace loom

@@ -1,0 +1,68 @@
+// Host entry points of the CUDA kernels, one .cu per layer (the same split as
+// kernels/cpu). Each takes Tensors, checks device, dtypes and shapes, picks
+// the template instance for the dtypes (fp32 / bf16 combinations of
+// backend.hpp) and the packed or scalar path, and launches on `stream`.
+// Plain C++: cuda_backend.cpp includes it without nvcc.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "loom/tensor.hpp"
+#include "model/backend.hpp"
+
+namespace loom::gpu {
+
+// Device scratch owned by the backend, allocated once when it is created
+// (never inside a step). Kernels that need partial sums (rmsnorm dw, the
+// norms) use it; they run on the one stream, so they never overlap.
+struct Scratch {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+
+// embedding.cu
+void embedding_forward(Tensor& out, const Tensor& tokens, const Tensor& wte, cudaStream_t stream);
+void embedding_backward(Tensor& dwte, const Tensor& dout, const Tensor& tokens, cudaStream_t stream);
+
+// rmsnorm.cu
+void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, cudaStream_t stream);
+void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
+                      const Tensor& rstd, const Scratch& scratch, cudaStream_t stream);
+
+// rope.cu: x [B, S, nh, D] with row stride x.stride[1], in place. cos_table and
+// sin_table are device fp32 arrays [S, D/2] (the CPU's angles, see rope.cpp);
+// sign = +1 forward, -1 backward (the inverse rotation).
+void rope_apply(Tensor& x, const float* cos_table, const float* sin_table, int sign, cudaStream_t stream);
+
+// swiglu.cu
+void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up, cudaStream_t stream);
+void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
+                     cudaStream_t stream);
+
+// residual.cu
+void add(Tensor& out, const Tensor& a, const Tensor& b, cudaStream_t stream);
+void accumulate(Tensor& dst, const Tensor& src, cudaStream_t stream);
+
+// cross_entropy.cu
+void cross_entropy(Tensor& logits, const Tensor& targets, Tensor& losses, float dlogits_scale, cudaStream_t stream);
+
+// norm.cu: sum (square = false) or sum of squares of x[begin, end), fp32 or
+// bf16, reduced in double in an order fixed by (end - begin) alone. The
+// result goes through `host_result` (pinned) and the stream is synchronised.
+double reduce_sum(const Tensor& x, int64_t begin, int64_t end, bool square, const Scratch& scratch,
+                  double* host_result, cudaStream_t stream);
+void scale(Tensor& x, float s, cudaStream_t stream);
+
+// adamw.cu
+void adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const Backend::AdamWArgs& a,
+           cudaStream_t stream);
+// The stochastic rounding stream: 32 random bits for element `index` of a
+// call with (seed, step). Exposed so that tests can reproduce a rounding.
+uint32_t sr_random_bits(uint64_t seed, uint64_t step, uint64_t index);
+
+// convert.cu
+void convert(Tensor& dst, const Tensor& src, cudaStream_t stream);
+
+}  // namespace loom::gpu

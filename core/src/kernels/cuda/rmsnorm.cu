@@ -1,0 +1,234 @@
+// RMSNorm (Llama) on the GPU: out = (x * rstd) * w, rstd = 1/sqrt(mean(x^2) + eps).
+//
+// Forward and the dx part of backward: one block per row, packed loads, fp32
+// sums through a fixed-shape block reduction.
+// dw = sum over rows of dout * x * rstd is a column sum over N rows. Float
+// atomics would make it order-dependent, so it is two kernels: blocks of
+// (column tile, row chunk) write per-chunk partial sums into the backend's
+// scratch (allocated once at backend creation, see cuda_backend.cpp), then
+// one thread per column adds its chunks in chunk order and adds the total to
+// dw. The number of chunks depends on (N, h) only: bitwise reproducible.
+#include <cmath>
+
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_kernels.hpp"
+
+namespace loom::gpu {
+namespace {
+
+constexpr int kRowThreads = 256;
+constexpr int kDwWarps = 8;          // rows of a chunk are dealt to 8 warps
+constexpr int64_t kMaxChunks = 256;  // row chunks of the dw reduction
+constexpr int64_t kMinChunkRows = 16;
+
+template <int K, typename T>
+__global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T* w, int64_t h, float eps) {
+  __shared__ float red[32];
+  const int64_t n = blockIdx.x;
+  const T* xr = x + n * h;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * K;
+  float ss = 0.f;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * K; j < h; j += step) {
+    float v[K];
+    load_vec<K>(xr + j, v);
+#pragma unroll
+    for (int k = 0; k < K; ++k) ss += v[k] * v[k];
+  }
+  ss = block_sum(ss, red);
+  const float r = 1.0f / sqrtf(ss / static_cast<float>(h) + eps);
+  if (threadIdx.x == 0) rstd[n] = r;
+  T* o = out + n * h;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * K; j < h; j += step) {
+    float v[K], wv[K], y[K];
+    load_vec<K>(xr + j, v);
+    load_vec<K>(w + j, wv);
+    // HF order: (x * rstd) rounded to the activation type, then times w.
+#pragma unroll
+    for (int k = 0; k < K; ++k) y[k] = to_f32(from_f32<T>(v[k] * r)) * wv[k];
+    store_vec<K>(o + j, y);
+  }
+}
+
+// dx += r w dy - r^3 x / h * sum_j dy_j w_j x_j   (see kernels/cpu/rmsnorm.cpp)
+template <int K, typename T>
+__global__ void rmsnorm_backward_dx_kernel(T* dx, const T* dout, const T* x, const T* w, const float* rstd,
+                                           int64_t h) {
+  __shared__ float red[32];
+  const int64_t n = blockIdx.x;
+  const T* xr = x + n * h;
+  const T* dy = dout + n * h;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * K;
+  float dot = 0.f;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * K; j < h; j += step) {
+    float a[K], b[K], c[K];
+    load_vec<K>(dy + j, a);
+    load_vec<K>(w + j, b);
+    load_vec<K>(xr + j, c);
+#pragma unroll
+    for (int k = 0; k < K; ++k) dot += a[k] * b[k] * c[k];
+  }
+  dot = block_sum(dot, red);
+  const float r = rstd[n];
+  const float c = r * r * r * dot / static_cast<float>(h);
+  T* d = dx + n * h;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * K; j < h; j += step) {
+    float a[K], b[K], xv[K], cur[K];
+    load_vec<K>(dy + j, a);
+    load_vec<K>(w + j, b);
+    load_vec<K>(xr + j, xv);
+    load_vec<K>(d + j, cur);
+#pragma unroll
+    for (int k = 0; k < K; ++k) cur[k] += r * b[k] * a[k] - c * xv[k];
+    store_vec<K>(d + j, cur);
+  }
+}
+
+// blockIdx.x: a tile of 32 * K columns (lane l owns K adjacent columns, so a
+// warp reads 32 * K contiguous elements of a row); blockIdx.y: a chunk of
+// rows, dealt round-robin to the 8 warps. Warp sums are combined in warp
+// order and written to partial[chunk, column].
+template <int K, typename T>
+__global__ void __launch_bounds__(kDwWarps * 32) rmsnorm_dw_partial_kernel(float* partial, const T* dout,
+                                                                          const T* x, const float* rstd, int64_t N,
+                                                                          int64_t h, int64_t chunk_rows) {
+  __shared__ float red[kDwWarps][32 * K];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 32 * K;
+  const int64_t j = col0 + static_cast<int64_t>(lane) * K;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * chunk_rows;
+  const int64_t n1 = n0 + chunk_rows < N ? n0 + chunk_rows : N;
+  float acc[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) acc[k] = 0.f;
+  if (j < h) {  // h % K == 0 on the packed path, so the whole group is inside
+    for (int64_t n = n0 + warp; n < n1; n += kDwWarps) {
+      float dy[K], xv[K];
+      load_vec<K>(dout + n * h + j, dy);
+      load_vec<K>(x + n * h + j, xv);
+      const float r = rstd[n];
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] += dy[k] * xv[k] * r;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) red[warp][lane * K + k] = acc[k];
+  __syncthreads();
+  for (int c = threadIdx.x; c < 32 * K; c += blockDim.x) {
+    float s = 0.f;
+#pragma unroll
+    for (int wp = 0; wp < kDwWarps; ++wp) s += red[wp][c];
+    if (col0 + c < h) partial[static_cast<int64_t>(blockIdx.y) * h + col0 + c] = s;
+  }
+}
+
+template <typename TG>
+__global__ void rmsnorm_dw_finish_kernel(TG* dw, const float* partial, int64_t chunks, int64_t h) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= h) return;
+  float s = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) s += partial[c * h + j];
+  dw[j] = from_f32<TG>(to_f32(dw[j]) + s);
+}
+
+}  // namespace
+
+void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, cudaStream_t stream) {
+  check_device(out, "rmsnorm out");
+  check_device(rstd, "rstd");
+  check_device(x, "rmsnorm x");
+  check_device(w, "rmsnorm w");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&out, &rstd, &x, &w}) check_contiguous(*t, "rmsnorm_forward");
+  LOOM_CHECK(rstd.dtype == DType::f32, "rstd must be fp32, got ", dtype_name(rstd.dtype));
+  LOOM_CHECK(out.dtype == x.dtype && w.dtype == x.dtype, "rmsnorm_forward: out ", dtype_name(out.dtype), ", x ",
+             dtype_name(x.dtype), ", w ", dtype_name(w.dtype), " must share one dtype");
+  const int64_t h = w.numel();
+  LOOM_CHECK(h > 0 && x.numel() % h == 0, "rmsnorm: x ", x.shape_str(), " is not rows of w's ", h, " elements");
+  const int64_t N = x.numel() / h;
+  LOOM_CHECK(out.numel() == x.numel() && rstd.numel() == N, "rmsnorm_forward: out ", out.shape_str(), " rstd ",
+             rstd.shape_str(), " do not match x ", x.shape_str());
+  if (N == 0) return;
+  LOOM_CHECK(N <= 0x7fffffff, "rmsnorm: ", N, " rows exceed the grid limit");
+  dispatch_float(x.dtype, "rmsnorm_forward", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int K = vec_width<T>();
+    const size_t a = K * sizeof(T);
+    const bool vec = h % K == 0 && aligned_bytes(out.data, a) && aligned_bytes(x.data, a) && aligned_bytes(w.data, a);
+    const int threads = row_threads(vec ? h / K : h, kRowThreads);
+    if (vec)
+      rmsnorm_forward_kernel<K, T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+          out.ptr<T>(), rstd.ptr<float>(), x.ptr<T>(), w.ptr<T>(), h, eps);
+    else
+      rmsnorm_forward_kernel<1, T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+          out.ptr<T>(), rstd.ptr<float>(), x.ptr<T>(), w.ptr<T>(), h, eps);
+    LOOM_CUDA_LAUNCH_CHECK("rmsnorm_forward_kernel", "N=", N, " h=", h, " threads=", threads, " vectorised=", vec);
+  });
+}
+
+void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
+                      const Tensor& rstd, const Scratch& scratch, cudaStream_t stream) {
+  check_device(dx, "rmsnorm dx");
+  check_device(dw, "rmsnorm dw");
+  check_device(dout, "rmsnorm dout");
+  check_device(x, "rmsnorm x");
+  check_device(w, "rmsnorm w");
+  check_device(rstd, "rstd");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dx, &dw, &dout, &x, &w, &rstd}) check_contiguous(*t, "rmsnorm_backward");
+  LOOM_CHECK(rstd.dtype == DType::f32, "rstd must be fp32, got ", dtype_name(rstd.dtype));
+  LOOM_CHECK(dx.dtype == x.dtype && dout.dtype == x.dtype && w.dtype == x.dtype, "rmsnorm_backward: dx ",
+             dtype_name(dx.dtype), ", dout ", dtype_name(dout.dtype), ", x ", dtype_name(x.dtype), ", w ",
+             dtype_name(w.dtype), " must share one dtype");
+  const int64_t h = w.numel();
+  LOOM_CHECK(h > 0 && x.numel() % h == 0, "rmsnorm: x ", x.shape_str(), " is not rows of w's ", h, " elements");
+  const int64_t N = x.numel() / h;
+  LOOM_CHECK(dx.numel() == x.numel() && dout.numel() == x.numel() && rstd.numel() == N && dw.numel() == h,
+             "rmsnorm_backward shapes: dx ", dx.shape_str(), " dout ", dout.shape_str(), " x ", x.shape_str(),
+             " rstd ", rstd.shape_str(), " dw ", dw.shape_str());
+  if (N == 0) return;
+  LOOM_CHECK(N <= 0x7fffffff, "rmsnorm: ", N, " rows exceed the grid limit");
+
+  // Row chunks for dw: at least kMinChunkRows rows each, at most kMaxChunks,
+  // and the partials [chunks, h] must fit in the scratch.
+  const int64_t scratch_floats = static_cast<int64_t>(scratch.bytes / sizeof(float));
+  LOOM_CHECK(h <= scratch_floats, "rmsnorm_backward: hidden size ", h, " needs more than the backend's ",
+             scratch.bytes, "-byte scratch");
+  int64_t chunks = (N + kMinChunkRows - 1) / kMinChunkRows;
+  if (chunks > kMaxChunks) chunks = kMaxChunks;
+  if (chunks > scratch_floats / h) chunks = scratch_floats / h;
+  const int64_t chunk_rows = (N + chunks - 1) / chunks;
+  chunks = (N + chunk_rows - 1) / chunk_rows;
+  float* partial = static_cast<float*>(scratch.ptr);
+
+  dispatch_act_grad(x.dtype, dw.dtype, "rmsnorm_backward", [&](auto ta, auto tg) {
+    using T = decltype(ta);
+    using TG = decltype(tg);
+    constexpr int K = vec_width<T>();
+    const size_t a = K * sizeof(T);
+    const bool vec = h % K == 0 && aligned_bytes(dx.data, a) && aligned_bytes(dout.data, a) &&
+                     aligned_bytes(x.data, a) && aligned_bytes(w.data, a);
+    const int threads = row_threads(vec ? h / K : h, kRowThreads);
+    if (vec)
+      rmsnorm_backward_dx_kernel<K, T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+          dx.ptr<T>(), dout.ptr<T>(), x.ptr<T>(), w.ptr<T>(), rstd.ptr<float>(), h);
+    else
+      rmsnorm_backward_dx_kernel<1, T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+          dx.ptr<T>(), dout.ptr<T>(), x.ptr<T>(), w.ptr<T>(), rstd.ptr<float>(), h);
+    LOOM_CUDA_LAUNCH_CHECK("rmsnorm_backward_dx_kernel", "N=", N, " h=", h, " threads=", threads,
+                           " vectorised=", vec);
+
+    const int64_t tile = (vec ? K : 1) * 32;
+    const dim3 grid(static_cast<unsigned>((h + tile - 1) / tile), static_cast<unsigned>(chunks));
+    if (vec)
+      rmsnorm_dw_partial_kernel<K, T><<<grid, kDwWarps * 32, 0, stream>>>(partial, dout.ptr<T>(), x.ptr<T>(),
+                                                                          rstd.ptr<float>(), N, h, chunk_rows);
+    else
+      rmsnorm_dw_partial_kernel<1, T><<<grid, kDwWarps * 32, 0, stream>>>(partial, dout.ptr<T>(), x.ptr<T>(),
+                                                                          rstd.ptr<float>(), N, h, chunk_rows);
+    LOOM_CUDA_LAUNCH_CHECK("rmsnorm_dw_partial_kernel", "N=", N, " h=", h, " grid=(", grid.x, ",", grid.y,
+                           ") chunk_rows=", chunk_rows, " vectorised=", vec);
+    const unsigned fin_blocks = static_cast<unsigned>((h + 255) / 256);
+    rmsnorm_dw_finish_kernel<TG><<<fin_blocks, 256, 0, stream>>>(dw.ptr<TG>(), partial, chunks, h);
+    LOOM_CUDA_LAUNCH_CHECK("rmsnorm_dw_finish_kernel", "h=", h, " chunks=", chunks, " blocks=", fin_blocks);
+  });
+}
+
+}  // namespace loom::gpu
