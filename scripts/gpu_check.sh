@@ -14,6 +14,7 @@ mkdir -p "$OUT"
 SP=${SP:-$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]) + "/nvidia")' 2>/dev/null || echo /opt/torch/.venv/lib/python3.12/site-packages/nvidia)}
 export LD_LIBRARY_PATH=$ROOT/.carry/lib:/usr/local/cuda/lib64:$SP/cudnn/lib:$SP/nccl/lib:$SP/cu13/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
+[ -f .carry/lib/libopenblas.so.0.gz ] && gunzip -f .carry/lib/libopenblas.so.0.gz
 # The test binaries name the tree and their build folder by absolute path
 # (/work/main, /work/main/build-gpu): make both resolve here.
 if [ "$ROOT" != /work/main ]; then mkdir -p /work && ln -sfn "$ROOT" /work/main; fi

@@ -10,6 +10,7 @@
 // life.
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
 #include <cmath>
@@ -153,6 +154,14 @@ class CudaBackend final : public Backend {
     LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start_, ev_stop_), "timer elapsed");
     return ms;
   }
+  std::string device_name() const override {
+    cudaDeviceProp p{};
+    LOOM_CUDA_CHECK(cudaGetDeviceProperties(&p, device_index_), "device properties of device ", device_index_);
+    return p.name;
+  }
+  // NVTX ranges cost nothing measurable when no profiler is attached.
+  void range_push(const char* name) override { nvtxRangePushA(name); }
+  void range_pop() override { nvtxRangePop(); }
   size_t device_memory_used() const override {
     size_t free_b = 0, total_b = 0;
     LOOM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "device memory query on device ", device_index_);
