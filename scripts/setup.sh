@@ -16,3 +16,11 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+
+# cudnn-frontend (header-only, pinned) for the cudnn attention plugin, only
+# where the CUDA toolkit is. --no-deps: only the headers are used, and the
+# wheel's Python dependencies would otherwise pull in (or upgrade) a cuDNN
+# runtime and more into the Python environment.
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  python3 -m pip install -q --no-deps nvidia-cudnn-frontend==1.32.0
+fi

@@ -1,5 +1,7 @@
-// The naive attention plugin: materialised softmax, fp32 on the CPU. Slow
-// (O(S^2) per head, no tiling) and exact: the reference for the fast plugins.
+// The naive attention plugin: materialised softmax, fp32 on the CPU and, in
+// builds with the CUDA backend, fp32 or bf16 on a CUDA device (fp32 math).
+// Slow (O(S^2) per head, no tiling) and exact: the reference for the fast
+// plugins.
 #include <omp.h>
 
 #include <algorithm>
@@ -7,6 +9,9 @@
 #include <string>
 
 #include "attention/naive/attention_naive_cpu.hpp"
+#ifdef LOOM_HAVE_CUDA
+#include "attention/naive/attention_naive_cuda.hpp"
+#endif
 #include "loom/attention.hpp"
 #include "loom/error.hpp"
 
@@ -17,11 +22,13 @@ AttnDims dims_of(const AttentionShape& s) {
   return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, static_cast<double>(s.scale), s.causal};
 }
 
-// Checks one BSHD tensor against the shape and returns its strides.
-Bshd bshd(const Tensor& t, const char* what, const AttentionShape& s, int64_t heads) {
+// Checks one BSHD tensor against the shape, the dtype of the call and the
+// device, and returns its strides.
+Bshd bshd(const Tensor& t, const char* what, const AttentionShape& s, int64_t heads, DType dtype = DType::f32,
+          Device device = Device::cpu) {
   LOOM_CHECK(t.data != nullptr, "naive attention: ", what, " has no data");
-  LOOM_CHECK(t.dtype == DType::f32 && t.device == Device::cpu, "naive attention: ", what, " must be fp32 on cpu, got ",
-             dtype_name(t.dtype), " on ", device_name(t.device));
+  LOOM_CHECK(t.dtype == dtype && t.device == device, "naive attention: ", what, " must be ", dtype_name(dtype), " on ",
+             device_name(device), ", got ", dtype_name(t.dtype), " on ", device_name(t.device));
   LOOM_CHECK(t.ndim == 4 && t.shape[0] == s.batch && t.shape[1] == s.seq && t.shape[2] == heads &&
                  t.shape[3] == s.head_dim,
              "naive attention: ", what, " must have shape [B,S,heads,D] = [", s.batch, ",", s.seq, ",", heads, ",",
@@ -30,10 +37,10 @@ Bshd bshd(const Tensor& t, const char* what, const AttentionShape& s, int64_t he
   return {t.stride[0], t.stride[1], t.stride[2]};
 }
 
-void check_stats(const Tensor& t, const AttentionShape& s) {
+void check_stats(const Tensor& t, const AttentionShape& s, Device device = Device::cpu) {
   LOOM_CHECK(t.data != nullptr, "naive attention: stats has no data");
-  LOOM_CHECK(t.dtype == DType::f32 && t.device == Device::cpu, "naive attention: stats must be fp32 on cpu, got ",
-             dtype_name(t.dtype), " on ", device_name(t.device));
+  LOOM_CHECK(t.dtype == DType::f32 && t.device == device, "naive attention: stats must be fp32 on ",
+             device_name(device), ", got ", dtype_name(t.dtype), " on ", device_name(t.device));
   LOOM_CHECK(t.ndim == 3 && t.shape[0] == s.batch && t.shape[1] == s.heads && t.shape[2] == s.seq &&
                  t.is_contiguous(),
              "naive attention: stats must be a contiguous [B,H,S] = [", s.batch, ",", s.heads, ",", s.seq,
@@ -52,11 +59,17 @@ class NaiveAttention final : public Attention {
   }
 
   Support supports(const AttentionShape& shape, DType dtype, Device device) const override {
+#ifdef LOOM_HAVE_CUDA
+    if (device == Device::cuda && dtype != DType::f32 && dtype != DType::bf16)
+      return Support::no(cat("naive attention on cuda takes fp32 or bf16 tensors (fp32 math), got ",
+                             dtype_name(dtype)));
+#else
     if (device != Device::cpu)
       return Support::no(cat("naive attention on ", device_name(device),
                              " comes with the CUDA backend (a build with LOOM_WITH_CUDA=ON); this build's naive "
                              "plugin runs on the CPU only"));
-    if (dtype != DType::f32)
+#endif
+    if (device == Device::cpu && dtype != DType::f32)
       return Support::no(cat("naive attention on the CPU computes in fp32 only, got ", dtype_name(dtype),
                              "; use the fp32 precision recipe for CPU runs"));
     try {
@@ -67,8 +80,13 @@ class NaiveAttention final : public Attention {
     return Support::yes();
   }
 
-  size_t workspace_bytes(const AttentionShape& shape, DType /*dtype*/, Device /*device*/) const override {
+  size_t workspace_bytes(const AttentionShape& shape, DType /*dtype*/, Device device) const override {
     const AttnDims d = dims_of(shape);
+#ifdef LOOM_HAVE_CUDA
+    if (device == Device::cuda) return cuda::workspace_bytes(d);
+#else
+    (void)device;
+#endif
     const int64_t per_worker = std::max(forward_scratch_doubles(d), backward_scratch_doubles(d));
     return static_cast<size_t>(per_worker) * static_cast<size_t>(workers_) * sizeof(double);
   }
@@ -76,6 +94,19 @@ class NaiveAttention final : public Attention {
   void forward(const ExecContext& ctx, const AttentionShape& shape, const Tensor& q, const Tensor& k, const Tensor& v,
                Tensor& out, Tensor& stats, void* workspace) override {
     const AttnDims d = prepare(ctx, shape, workspace);
+#ifdef LOOM_HAVE_CUDA
+    if (ctx.device == Device::cuda) {
+      const DType t = cuda_dtype(q);
+      const Bshd qs = bshd(q, "q", shape, shape.heads, t, Device::cuda),
+                 ks = bshd(k, "k", shape, shape.kv_heads, t, Device::cuda),
+                 vs = bshd(v, "v", shape, shape.kv_heads, t, Device::cuda),
+                 os = bshd(out, "out", shape, shape.heads, t, Device::cuda);
+      check_stats(stats, shape, Device::cuda);
+      cuda::attention_forward(d, t == DType::bf16, out.data, os, stats.ptr<float>(), q.data, qs, k.data, ks, v.data,
+                              vs, workspace, ctx.stream);
+      return;
+    }
+#endif
     const Bshd qs = bshd(q, "q", shape, shape.heads), ks = bshd(k, "k", shape, shape.kv_heads),
                vs = bshd(v, "v", shape, shape.kv_heads), os = bshd(out, "out", shape, shape.heads);
     check_stats(stats, shape);
@@ -88,6 +119,21 @@ class NaiveAttention final : public Attention {
                 const Tensor& out, const Tensor& dout, const Tensor& stats, Tensor& dq, Tensor& dk, Tensor& dv,
                 void* workspace) override {
     const AttnDims d = prepare(ctx, shape, workspace);
+#ifdef LOOM_HAVE_CUDA
+    if (ctx.device == Device::cuda) {
+      const DType t = cuda_dtype(q);
+      const Device g = Device::cuda;
+      const Bshd qs = bshd(q, "q", shape, shape.heads, t, g), ks = bshd(k, "k", shape, shape.kv_heads, t, g),
+                 vs = bshd(v, "v", shape, shape.kv_heads, t, g), dos = bshd(dout, "dout", shape, shape.heads, t, g),
+                 dqs = bshd(dq, "dq", shape, shape.heads, t, g), dks = bshd(dk, "dk", shape, shape.kv_heads, t, g),
+                 dvs = bshd(dv, "dv", shape, shape.kv_heads, t, g);
+      bshd(out, "out", shape, shape.heads, t, g);  // not read; checked as on the CPU path
+      check_stats(stats, shape, g);
+      cuda::attention_backward(d, t == DType::bf16, dq.data, dqs, dk.data, dks, dv.data, dvs, dout.data, dos, q.data,
+                               qs, k.data, ks, v.data, vs, stats.ptr<const float>(), workspace, ctx.stream);
+      return;
+    }
+#endif
     const Bshd qs = bshd(q, "q", shape, shape.heads), ks = bshd(k, "k", shape, shape.kv_heads),
                vs = bshd(v, "v", shape, shape.kv_heads), dos = bshd(dout, "dout", shape, shape.heads),
                dqs = bshd(dq, "dq", shape, shape.heads), dks = bshd(dk, "dk", shape, shape.kv_heads),
@@ -104,14 +150,26 @@ class NaiveAttention final : public Attention {
 
  private:
   AttnDims prepare(const ExecContext& ctx, const AttentionShape& shape, void* workspace) const {
+#ifdef LOOM_HAVE_CUDA
+    LOOM_CHECK(ctx.device == device_, "naive attention: called on ", device_name(ctx.device),
+               " but the plugin was created for ", device_name(device_), " (PluginInit::device)");
+#else
     LOOM_CHECK(ctx.device == Device::cpu && device_ == Device::cpu, "naive attention: called on ",
                device_name(ctx.device), " (plugin created for ", device_name(device_),
                "); this build's naive plugin runs on the CPU only, CUDA comes with the CUDA backend");
+#endif
     const AttnDims d = dims_of(shape);
     check_dims(d);
-    LOOM_CHECK(workspace != nullptr, "naive attention: needs a workspace of ", workspace_bytes(shape, DType::f32,
-               Device::cpu), " bytes (workspace_bytes()), got none");
+    LOOM_CHECK(workspace != nullptr, "naive attention: needs a workspace of ",
+               workspace_bytes(shape, DType::f32, ctx.device), " bytes (workspace_bytes()), got none");
     return d;
+  }
+
+  // The tensors' dtype on cuda: q decides, every other tensor is checked against it.
+  static DType cuda_dtype(const Tensor& q) {
+    LOOM_CHECK(q.dtype == DType::f32 || q.dtype == DType::bf16,
+               "naive attention on cuda takes fp32 or bf16 tensors, got q in ", dtype_name(q.dtype));
+    return q.dtype;
   }
 
   Device device_;
@@ -122,5 +180,6 @@ class NaiveAttention final : public Attention {
 }  // namespace loom::naive
 
 using loom::naive::NaiveAttention;
-LOOM_PLUGIN(attention, NaiveAttention, "naive", "1.0.0",
-            "causal GQA attention with a materialised softmax, fp32 on the CPU: the exact reference")
+LOOM_PLUGIN(attention, NaiveAttention, "naive", "1.1.0",
+            "causal GQA attention with a materialised softmax: the exact reference (fp32 on the CPU; fp32 or bf16 "
+            "with fp32 math on CUDA)")

@@ -1,0 +1,366 @@
+// The cudnn attention plugin: causal GQA attention through cuDNN's fused SDPA
+// (flash-style: the S x S scores are never written out), forward and backward,
+// built with the cudnn-frontend graph API.
+//
+// - bf16 or fp16 q/k/v/out and gradients; softmax and accumulation in fp32.
+// - Q/O/dO/dQ are {B, H, S, D} and K/V/dK/dV {B, Hkv, S, D} cuDNN tensors whose
+//   strides are the BSHD tensors' own, so views into a fused QKV buffer are read
+//   in place, and GQA needs no copy of K/V per query head.
+// - Forward always writes the fp32 log-sum-exp stats ({B, H, S, 1} in cuDNN,
+//   our contiguous [B, H, S]); backward consumes them.
+// - Building a graph (heuristics, engine compilation) is the slow part, so each
+//   graph is built once per (shape, strides, dtype, direction, determinism) and
+//   cached; workspace_bytes(), called at start-up, builds the graphs a shape
+//   needs and reports the largest workspace among them.
+//
+// The whole plugin is one translation unit: the frontend headers take long to
+// compile, and nothing else needs them.
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <cudnn_frontend.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "loom/attention.hpp"
+#include "loom/error.hpp"
+
+namespace loom::cudnn_attn {
+namespace {
+
+namespace fe = cudnn_frontend;
+
+constexpr const char* kUseNaive = "; use attention.plugin = \"naive\" instead";
+constexpr int64_t kMaxHeadDim = 256;  // cuDNN SDPA's limit for bf16/fp16 (9.x, Hopper)
+
+// Tensor uids of the variant pack; fixed, so execution maps pointers without
+// keeping the frontend's tensor objects around.
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
+
+// Element strides of a [B, S, heads, D] tensor (the D stride is 1).
+struct Bshd {
+  int64_t b = 0, s = 0, h = 0;
+  static Bshd packed(int64_t S, int64_t heads, int64_t D) { return {S * heads * D, heads * D, D}; }
+};
+
+// Everything a graph depends on. For forward only q/k/v/o are used.
+struct GraphKey {
+  AttentionShape shape;
+  DType dtype = DType::bf16;
+  bool backward = false;
+  bool deterministic = false;
+  Bshd q, k, v, o, dout, dq, dk, dv;
+
+  std::vector<int64_t> id() const {
+    std::vector<int64_t> v_{shape.batch, shape.seq, shape.heads, shape.kv_heads, shape.head_dim, shape.causal,
+                            std::bit_cast<int32_t>(shape.scale), static_cast<int64_t>(dtype), backward,
+                            backward && deterministic};
+    const int n = backward ? 8 : 4;
+    const Bshd* all[8] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv};
+    for (int i = 0; i < n; ++i) v_.insert(v_.end(), {all[i]->b, all[i]->s, all[i]->h});
+    return v_;
+  }
+  std::string describe() const {
+    return cat(backward ? "backward" : "forward", " B=", shape.batch, " S=", shape.seq, " H=", shape.heads,
+               " Hkv=", shape.kv_heads, " D=", shape.head_dim, " ", dtype_name(dtype),
+               shape.causal ? " causal" : " non-causal", backward && deterministic ? " deterministic" : "");
+  }
+};
+
+// Shape-only identity (what workspace_bytes sees): the workspace the core
+// planned for a shape is recorded under it.
+std::vector<int64_t> shape_id(const AttentionShape& s, DType t) {
+  return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal, std::bit_cast<int32_t>(s.scale),
+          static_cast<int64_t>(t)};
+}
+
+// The layouts the model hands over: separate packed q/k/v/o (and grads), or
+// q/k/v (and dq/dk/dv) as views into one fused [B, S, (H + 2 Hkv) * D] buffer
+// with out/dout packed.
+GraphKey packed_key(const AttentionShape& s, DType t, bool backward, bool det) {
+  GraphKey k{s, t, backward, det};
+  k.q = k.o = k.dout = k.dq = Bshd::packed(s.seq, s.heads, s.head_dim);
+  k.k = k.v = k.dk = k.dv = Bshd::packed(s.seq, s.kv_heads, s.head_dim);
+  return k;
+}
+GraphKey fused_key(const AttentionShape& s, DType t, bool backward, bool det) {
+  GraphKey k = packed_key(s, t, backward, det);
+  const int64_t W = (s.heads + 2 * s.kv_heads) * s.head_dim;
+  k.q = k.k = k.v = k.dq = k.dk = k.dv = Bshd{s.seq * W, W, s.head_dim};
+  return k;
+}
+
+void check_cudnn(cudnnStatus_t st, const char* call, const std::string& what) {
+  LOOM_CHECK(st == CUDNN_STATUS_SUCCESS, "cudnn attention: ", call, " failed for ", what, ": ",
+             cudnnGetErrorString(st));
+}
+
+void check_fe(fe::error_t st, const char* step, const GraphKey& key) {
+  if (st.is_bad())
+    throw Error(cat("cudnn attention: cuDNN SDPA ", step, " failed for ", key.describe(), ": ", st.get_message()));
+}
+
+// [B, S, heads, D] strides -> cuDNN's {B, heads, S, D} order.
+std::vector<int64_t> bhsd_dims(const AttentionShape& s, int64_t heads) { return {s.batch, heads, s.seq, s.head_dim}; }
+std::vector<int64_t> bhsd_strides(const Bshd& t) { return {t.b, t.h, t.s, 1}; }
+
+std::shared_ptr<fe::graph::Tensor_attributes> add_tensor(fe::graph::Graph& g, const char* name, Uid uid,
+                                                         const AttentionShape& s, int64_t heads, const Bshd& st) {
+  return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(bhsd_dims(s, heads)).set_stride(
+      bhsd_strides(st)));
+}
+
+// The stats tensor: our contiguous fp32 [B, H, S] seen as {B, H, S, 1}.
+void set_stats_layout(fe::graph::Tensor_attributes& t, const AttentionShape& s) {
+  t.set_uid(kStats)
+      .set_data_type(fe::DataType_t::FLOAT)
+      .set_dim({s.batch, s.heads, s.seq, 1})
+      .set_stride({s.heads * s.seq, s.seq, 1, 1});
+}
+
+struct Entry {
+  std::shared_ptr<fe::graph::Graph> graph;  // null when cuDNN refused the graph
+  int64_t workspace = 0;
+  std::string error;  // why it was refused
+};
+
+std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const GraphKey& key, int64_t& workspace) {
+  const AttentionShape& s = key.shape;
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(key.dtype == DType::bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  auto Q = add_tensor(*g, "Q", kQ, s, s.heads, key.q);
+  auto K = add_tensor(*g, "K", kK, s, s.kv_heads, key.k);
+  auto V = add_tensor(*g, "V", kV, s, s.kv_heads, key.v);
+  if (!key.backward) {
+    auto attrs = fe::graph::SDPA_attributes()
+                     .set_name("sdpa_forward")
+                     .set_generate_stats(true)  // training: backward needs the log-sum-exp
+                     .set_causal_mask(s.causal)
+                     .set_attn_scale(s.scale);
+    auto [O, Stats] = g->sdpa(Q, K, V, attrs);
+    O->set_output(true).set_uid(kO).set_dim(bhsd_dims(s, s.heads)).set_stride(bhsd_strides(key.o));
+    Stats->set_output(true);
+    set_stats_layout(*Stats, s);
+  } else {
+    auto O = add_tensor(*g, "O", kO, s, s.heads, key.o);
+    auto dO = add_tensor(*g, "dO", kDO, s, s.heads, key.dout);
+    fe::graph::Tensor_attributes stats_attr;
+    stats_attr.set_name("Stats");
+    set_stats_layout(stats_attr, s);
+    auto Stats = g->tensor(stats_attr);
+    auto attrs = fe::graph::SDPA_backward_attributes()
+                     .set_name("sdpa_backward")
+                     .set_causal_mask(s.causal)
+                     .set_attn_scale(s.scale)
+                     .set_deterministic_algorithm(key.deterministic);
+    auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, attrs);
+    dQ->set_output(true).set_uid(kDQ).set_dim(bhsd_dims(s, s.heads)).set_stride(bhsd_strides(key.dq));
+    dK->set_output(true).set_uid(kDK).set_dim(bhsd_dims(s, s.kv_heads)).set_stride(bhsd_strides(key.dk));
+    dV->set_output(true).set_uid(kDV).set_dim(bhsd_dims(s, s.kv_heads)).set_stride(bhsd_strides(key.dv));
+  }
+  check_fe(g->validate(), "validate", key);
+  check_fe(g->build_operation_graph(handle), "build_operation_graph", key);
+  check_fe(g->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans (heuristics mode A)", key);
+  check_fe(g->check_support(handle), "check_support", key);
+  check_fe(g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "build_plans", key);
+  check_fe(g->get_workspace_size(workspace), "get_workspace_size", key);
+  return g;
+}
+
+// Checks one BSHD tensor against the shape and returns its strides.
+Bshd bshd(const Tensor& t, const char* what, const AttentionShape& s, int64_t heads, DType dtype) {
+  LOOM_CHECK(t.data != nullptr, "cudnn attention: ", what, " has no data");
+  LOOM_CHECK(t.dtype == dtype && t.device == Device::cuda, "cudnn attention: ", what, " must be ", dtype_name(dtype),
+             " on cuda (like q), got ", dtype_name(t.dtype), " on ", device_name(t.device));
+  LOOM_CHECK(t.ndim == 4 && t.shape[0] == s.batch && t.shape[1] == s.seq && t.shape[2] == heads &&
+                 t.shape[3] == s.head_dim,
+             "cudnn attention: ", what, " must have shape [B,S,heads,D] = [", s.batch, ",", s.seq, ",", heads, ",",
+             s.head_dim, "], got ", t.shape_str());
+  LOOM_CHECK(t.stride[3] == 1, "cudnn attention: ", what, " must be contiguous in head_dim, got stride ", t.stride[3]);
+  // cuDNN's SDPA kernels load 16-byte vectors.
+  LOOM_CHECK(reinterpret_cast<uintptr_t>(t.data) % 16 == 0, "cudnn attention: ", what,
+             " must start on a 16-byte boundary, got address ", t.data);
+  return {t.stride[0], t.stride[1], t.stride[2]};
+}
+
+void check_stats(const Tensor& t, const AttentionShape& s) {
+  LOOM_CHECK(t.data != nullptr, "cudnn attention: stats has no data");
+  LOOM_CHECK(t.dtype == DType::f32 && t.device == Device::cuda, "cudnn attention: stats must be fp32 on cuda, got ",
+             dtype_name(t.dtype), " on ", device_name(t.device));
+  LOOM_CHECK(t.ndim == 3 && t.shape[0] == s.batch && t.shape[1] == s.heads && t.shape[2] == s.seq &&
+                 t.is_contiguous(),
+             "cudnn attention: stats must be a contiguous [B,H,S] = [", s.batch, ",", s.heads, ",", s.seq,
+             "] tensor, got ", t.shape_str());
+}
+
+class CudnnAttention final : public Attention {
+ public:
+  explicit CudnnAttention(const PluginInit& init) : device_(init.device), deterministic_(init.deterministic) {
+    // No options; finish() rejects any key given.
+    init.config.finish();
+  }
+
+  ~CudnnAttention() override {
+    // Graphs hold cuDNN descriptors: release them before the handle.
+    cache_.clear();
+    if (handle_) cudnnDestroy(handle_);  // at teardown there is nobody to report a failure to
+  }
+
+  Support supports(const AttentionShape& shape, DType dtype, Device device) const override {
+    if (device != Device::cuda)
+      return Support::no(cat("cudnn attention runs on cuda only, got device ", device_name(device), kUseNaive));
+    if (dtype != DType::bf16 && dtype != DType::f16)
+      return Support::no(cat("cudnn attention takes bf16 or fp16 tensors (cuDNN SDPA), got ", dtype_name(dtype),
+                             kUseNaive));
+    if (shape.head_dim > kMaxHeadDim)
+      return Support::no(cat("cudnn attention: head_dim=", shape.head_dim, " is above cuDNN SDPA's limit of ",
+                             kMaxHeadDim, kUseNaive));
+    if (shape.head_dim <= 0 || shape.head_dim % 8 != 0)
+      return Support::no(cat("cudnn attention: head_dim=", shape.head_dim,
+                             " is not a positive multiple of 8 (cuDNN SDPA loads 16-byte vectors)", kUseNaive));
+    if (shape.batch <= 0 || shape.seq <= 0 || shape.heads <= 0 || shape.kv_heads <= 0 ||
+        shape.heads % shape.kv_heads != 0)
+      return Support::no(cat("cudnn attention: needs positive dims with heads a multiple of kv_heads, got B=",
+                             shape.batch, " S=", shape.seq, " H=", shape.heads, " Hkv=", shape.kv_heads, kUseNaive));
+    if (!(shape.scale > 0 && shape.scale < INFINITY))
+      return Support::no(cat("cudnn attention: softmax scale must be finite and > 0, got ", shape.scale));
+    // The rest is cuDNN's to say: build (and keep) the graphs this shape needs.
+    try {
+      for (bool bwd : {false, true}) {
+        const Entry& e = entry(packed_key(shape, dtype, bwd, deterministic_));
+        if (!e.graph) return Support::no(cat(e.error, kUseNaive));
+      }
+    } catch (const Error& e) {
+      return Support::no(cat(e.what(), kUseNaive));
+    }
+    return Support::yes();
+  }
+
+  size_t workspace_bytes(const AttentionShape& shape, DType dtype, Device device) const override {
+    LOOM_CHECK(device == Device::cuda, "cudnn attention runs on cuda only, got device ", device_name(device), kUseNaive);
+    int64_t most = 0;
+    for (bool bwd : {false, true})
+      for (const GraphKey& k : {packed_key(shape, dtype, bwd, deterministic_), fused_key(shape, dtype, bwd, deterministic_)}) {
+        const Entry& e = entry(k);
+        LOOM_CHECK(e.graph != nullptr, e.error, kUseNaive);
+        most = std::max(most, e.workspace);
+      }
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t& planned = planned_[shape_id(shape, dtype)];
+    planned = std::max(planned, most);
+    return static_cast<size_t>(most);
+  }
+
+  void forward(const ExecContext& ctx, const AttentionShape& shape, const Tensor& q, const Tensor& k, const Tensor& v,
+               Tensor& out, Tensor& stats, void* workspace) override {
+    check_ctx(ctx);
+    const DType t = q.dtype;
+    GraphKey key{shape, t, false, false};
+    key.q = bshd(q, "q", shape, shape.heads, t);
+    key.k = bshd(k, "k", shape, shape.kv_heads, t);
+    key.v = bshd(v, "v", shape, shape.kv_heads, t);
+    key.o = bshd(out, "out", shape, shape.heads, t);
+    check_stats(stats, shape);
+    std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kO, out.data},
+                                            {kStats, stats.data}};
+    execute(ctx, key, pack, workspace);
+  }
+
+  void backward(const ExecContext& ctx, const AttentionShape& shape, const Tensor& q, const Tensor& k, const Tensor& v,
+                const Tensor& out, const Tensor& dout, const Tensor& stats, Tensor& dq, Tensor& dk, Tensor& dv,
+                void* workspace) override {
+    check_ctx(ctx);
+    const DType t = q.dtype;
+    GraphKey key{shape, t, true, ctx.deterministic};
+    key.q = bshd(q, "q", shape, shape.heads, t);
+    key.k = bshd(k, "k", shape, shape.kv_heads, t);
+    key.v = bshd(v, "v", shape, shape.kv_heads, t);
+    key.o = bshd(out, "out", shape, shape.heads, t);
+    key.dout = bshd(dout, "dout", shape, shape.heads, t);
+    key.dq = bshd(dq, "dq", shape, shape.heads, t);
+    key.dk = bshd(dk, "dk", shape, shape.kv_heads, t);
+    key.dv = bshd(dv, "dv", shape, shape.kv_heads, t);
+    check_stats(stats, shape);
+    std::unordered_map<int64_t, void*> pack{{kQ, q.data},       {kK, k.data},   {kV, v.data},
+                                            {kO, out.data},     {kDO, dout.data}, {kStats, stats.data},
+                                            {kDQ, dq.data},     {kDK, dk.data}, {kDV, dv.data}};
+    execute(ctx, key, pack, workspace);
+  }
+
+ private:
+  void check_ctx(const ExecContext& ctx) const {
+    LOOM_CHECK(ctx.device == Device::cuda && device_ == Device::cuda, "cudnn attention: called on ",
+               device_name(ctx.device), " (plugin created for ", device_name(device_), "); it runs on cuda only",
+               kUseNaive);
+  }
+
+  cudnnHandle_t handle() const {
+    // Created on first use, not in the constructor: supports() for another
+    // device, and loading the plugin to list it, need no GPU.
+    if (!handle_) check_cudnn(cudnnCreate(&handle_), "cudnnCreate", "the plugin's handle");
+    return handle_;
+  }
+
+  // The cached graph for `key`, built on first use. A graph cuDNN refuses is
+  // cached too (with the reason), so asking again costs nothing.
+  const Entry& entry(const GraphKey& key) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::vector<int64_t> id = key.id();
+    auto it = cache_.find(id);
+    if (it != cache_.end()) return it->second;
+    cudnnHandle_t h = handle();  // a failure here (no GPU, no libcudnn) is not cached: it throws
+    Entry e;
+    try {
+      e.graph = build_graph(h, key, e.workspace);
+    } catch (const Error& err) {
+      e.graph.reset();
+      e.error = err.what();
+    }
+    return cache_.emplace(id, std::move(e)).first->second;
+  }
+
+  void execute(const ExecContext& ctx, const GraphKey& key, std::unordered_map<int64_t, void*>& pack,
+               void* workspace) {
+    const Entry& e = entry(key);
+    LOOM_CHECK(e.graph != nullptr, e.error, kUseNaive);
+    int64_t planned = -1;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = planned_.find(shape_id(key.shape, key.dtype));
+      if (it != planned_.end()) planned = it->second;
+    }
+    // The core sizes the workspace from workspace_bytes() once; a layout or
+    // determinism setting it did not foresee may need more.
+    LOOM_CHECK(e.workspace == 0 || (workspace != nullptr && planned >= e.workspace), "cudnn attention: the ",
+               key.describe(), " graph for these tensor strides needs a workspace of ", e.workspace,
+               " bytes, but workspace_bytes() planned ", planned < 0 ? std::string("nothing") : std::to_string(planned),
+               " bytes for this shape", workspace ? "" : " and none was passed");
+    check_cudnn(cudnnSetStream(handle(), static_cast<cudaStream_t>(ctx.stream)), "cudnnSetStream", key.describe());
+    check_fe(e.graph->execute(handle(), pack, workspace), "execute", key);
+  }
+
+  Device device_;
+  bool deterministic_;
+  mutable std::mutex mu_;  // recursive use is avoided: entry() never calls back into a locked section
+  mutable cudnnHandle_t handle_ = nullptr;
+  mutable std::map<std::vector<int64_t>, Entry> cache_;
+  mutable std::map<std::vector<int64_t>, int64_t> planned_;  // shape -> workspace bytes reported
+};
+
+}  // namespace
+}  // namespace loom::cudnn_attn
+
+using loom::cudnn_attn::CudnnAttention;
+LOOM_PLUGIN(attention, CudnnAttention, "cudnn", "1.0.0",
+            "causal GQA attention through cuDNN's fused SDPA (cudnn-frontend graphs), bf16/fp16 with fp32 softmax")
