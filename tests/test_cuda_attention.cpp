@@ -375,6 +375,42 @@ TEST(CudnnAttention, SupportsNamesTheLimit) {
   }
 }
 
+// Needs no device: each call is refused before any data is touched.
+TEST(CudaAttentionErrors, NameTheProblem) {
+  auto error_of = [](auto f) -> std::string {
+    try {
+      f();
+    } catch (const loom::Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  const Case c{1, 4, 2, 1, 64};
+  const AttentionShape sh = c.shape();
+  float dummy[4] = {};  // never read: the calls throw first
+  auto T = [&](DType dt, int64_t d0, int64_t d1, int64_t d2, int64_t d3) {
+    return Tensor(dummy, dt, Device::cuda, {d0, d1, d2, d3});
+  };
+  Tensor q = T(DType::f32, 1, 4, 2, 64), kv = T(DType::f32, 1, 4, 1, 64), out = T(DType::f32, 1, 4, 2, 64);
+  Tensor stats(dummy, DType::f32, Device::cuda, {1, 2, 4});
+  loom::ExecContext ctx;
+  ctx.device = Device::cuda;
+
+  auto naive = load("naive", Device::cuda);
+  EXPECT_TRUE(contains(error_of([&] { naive->forward(ctx, sh, q, kv, kv, out, stats, nullptr); }),
+                       "needs a workspace"));
+  loom::ExecContext cpu_ctx;
+  EXPECT_TRUE(contains(error_of([&] { naive->forward(cpu_ctx, sh, q, kv, kv, out, stats, dummy); }),
+                       "called on cpu but the plugin was created for cuda"));
+
+  if (!plugin_built("cudnn")) return;
+  auto cudnn = load("cudnn", Device::cuda);
+  EXPECT_TRUE(contains(error_of([&] { cudnn->forward(ctx, sh, q, kv, kv, out, stats, nullptr); }),
+                       "bf16 or fp16 tensors (cuDNN SDPA), got q in fp32"));
+  EXPECT_TRUE(contains(error_of([&] { cudnn->forward(cpu_ctx, sh, q, kv, kv, out, stats, nullptr); }),
+                       "it runs on cuda only"));
+}
+
 TEST(NaiveCuda, SupportsFp32AndBf16OnCuda) {
   auto a = load("naive", Device::cuda);
   const AttentionShape sh = Case{2, 100, 8, 2, 64}.shape();

@@ -265,7 +265,7 @@ class CudnnAttention final : public Attention {
   void forward(const ExecContext& ctx, const AttentionShape& shape, const Tensor& q, const Tensor& k, const Tensor& v,
                Tensor& out, Tensor& stats, void* workspace) override {
     check_ctx(ctx);
-    const DType t = q.dtype;
+    const DType t = io_dtype(q);
     GraphKey key{shape, t, false, false};
     key.q = bshd(q, "q", shape, shape.heads, t);
     key.k = bshd(k, "k", shape, shape.kv_heads, t);
@@ -281,7 +281,7 @@ class CudnnAttention final : public Attention {
                 const Tensor& out, const Tensor& dout, const Tensor& stats, Tensor& dq, Tensor& dk, Tensor& dv,
                 void* workspace) override {
     check_ctx(ctx);
-    const DType t = q.dtype;
+    const DType t = io_dtype(q);
     GraphKey key{shape, t, true, ctx.deterministic};
     key.q = bshd(q, "q", shape, shape.heads, t);
     key.k = bshd(k, "k", shape, shape.kv_heads, t);
@@ -303,6 +303,13 @@ class CudnnAttention final : public Attention {
     LOOM_CHECK(ctx.device == Device::cuda && device_ == Device::cuda, "cudnn attention: called on ",
                device_name(ctx.device), " (plugin created for ", device_name(device_), "); it runs on cuda only",
                kUseNaive);
+  }
+
+  // The tensors' dtype: q decides, every other tensor is checked against it.
+  static DType io_dtype(const Tensor& q) {
+    LOOM_CHECK(q.dtype == DType::bf16 || q.dtype == DType::f16,
+               "cudnn attention takes bf16 or fp16 tensors (cuDNN SDPA), got q in ", dtype_name(q.dtype), kUseNaive);
+    return q.dtype;
   }
 
   cudnnHandle_t handle() const {
