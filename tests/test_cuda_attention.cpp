@@ -377,7 +377,7 @@ TEST(CudnnAttention, SupportsNamesTheLimit) {
 
 // Needs no device: each call is refused before any data is touched.
 TEST(CudaAttentionErrors, NameTheProblem) {
-  auto error_of = [](auto f) -> std::string {
+  auto error_of = [](auto f) -> std::string {  // the message is printed by the EXPECT below on failure
     try {
       f();
     } catch (const loom::Error& e) {
@@ -397,18 +397,26 @@ TEST(CudaAttentionErrors, NameTheProblem) {
   ctx.device = Device::cuda;
 
   auto naive = load("naive", Device::cuda);
-  EXPECT_TRUE(contains(error_of([&] { naive->forward(ctx, sh, q, kv, kv, out, stats, nullptr); }),
-                       "needs a workspace"));
+  {
+    const std::string msg = error_of([&] { naive->forward(ctx, sh, q, kv, kv, out, stats, nullptr); });
+    EXPECT_TRUE(contains(msg, "needs a workspace")) << msg;
+  }
   loom::ExecContext cpu_ctx;
-  EXPECT_TRUE(contains(error_of([&] { naive->forward(cpu_ctx, sh, q, kv, kv, out, stats, dummy); }),
-                       "called on cpu but the plugin was created for cuda"));
+  {
+    const std::string msg = error_of([&] { naive->forward(cpu_ctx, sh, q, kv, kv, out, stats, dummy); });
+    EXPECT_TRUE(contains(msg, "called on cpu but the plugin was created for cuda")) << msg;
+  }
 
   if (!plugin_built("cudnn")) return;
   auto cudnn = load("cudnn", Device::cuda);
-  EXPECT_TRUE(contains(error_of([&] { cudnn->forward(ctx, sh, q, kv, kv, out, stats, nullptr); }),
-                       "bf16 or fp16 tensors (cuDNN SDPA), got q in fp32"));
-  EXPECT_TRUE(contains(error_of([&] { cudnn->forward(cpu_ctx, sh, q, kv, kv, out, stats, nullptr); }),
-                       "it runs on cuda only"));
+  {
+    const std::string msg = error_of([&] { cudnn->forward(ctx, sh, q, kv, kv, out, stats, nullptr); });
+    EXPECT_TRUE(contains(msg, "bf16 or fp16 tensors (cuDNN SDPA), got q in fp32")) << msg;
+  }
+  {
+    const std::string msg = error_of([&] { cudnn->forward(cpu_ctx, sh, q, kv, kv, out, stats, nullptr); });
+    EXPECT_TRUE(contains(msg, "it runs on cuda only")) << msg;
+  }
 }
 
 TEST(NaiveCuda, SupportsFp32AndBf16OnCuda) {

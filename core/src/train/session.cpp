@@ -32,6 +32,7 @@ void upload_f32(Backend& be, Tensor& dst, const float* src) {
   if (dst.dtype == DType::f32) return be.upload(dst, src, n * 4);
   LOOM_CHECK(dst.dtype == DType::bf16, "parameters stored as ", dtype_name(dst.dtype), " cannot be initialised");
   std::vector<uint16_t> tmp(n);
+#pragma omp parallel for schedule(static)
   for (size_t i = 0; i < n; ++i) tmp[i] = hf::f32_to_bf16(src[i]);
   be.upload(dst, tmp.data(), n * 2);
 }
@@ -62,6 +63,8 @@ uint64_t splitmix64(uint64_t x) {
 double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
 void fill_normal(float* out, int64_t n, uint64_t seed, uint64_t stream, double stddev) {
   const uint64_t base = splitmix64(seed ^ splitmix64(stream));
+  // Each pair of outputs depends only on its index: parallel and still the same numbers.
+#pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; i += 2) {
     double u1 = uniform01(splitmix64(base + 2 * static_cast<uint64_t>(i)));
     double u2 = uniform01(splitmix64(base + 2 * static_cast<uint64_t>(i) + 1));
@@ -69,6 +72,7 @@ void fill_normal(float* out, int64_t n, uint64_t seed, uint64_t stream, double s
     out[i] = static_cast<float>(stddev * r * std::cos(t));
     if (i + 1 < n) out[i + 1] = static_cast<float>(stddev * r * std::sin(t));
   }
+}
 }
 
 std::string human_count(double n) {
