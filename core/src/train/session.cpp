@@ -73,7 +73,6 @@ void fill_normal(float* out, int64_t n, uint64_t seed, uint64_t stream, double s
     if (i + 1 < n) out[i + 1] = static_cast<float>(stddev * r * std::sin(t));
   }
 }
-}
 
 std::string human_count(double n) {
   std::ostringstream os;
