@@ -280,3 +280,24 @@ TEST(TrainE2E, GradAccumulationMatchesOneLargeBatch) {
     EXPECT_NEAR(a.steps[i].grad_norm, b.steps[i].grad_norm, 1e-4 * a.steps[i].grad_norm) << "step " << i + 1;
   }
 }
+
+// Recompute trades memory for time, never the numbers: with `attention` the
+// attention output is rebuilt in backward, with `full` the whole layer; the
+// same kernels on the same inputs give bitwise the same losses. The memory
+// plan shrinks accordingly.
+TEST(TrainE2E, RecomputeModesGiveIdenticalLossesAndSmallerPlans) {
+  fs::path d = temp_dir("recompute");
+  std::vector<std::vector<double>> runs;
+  std::vector<size_t> activations;
+  for (const char* mode : {"none", "attention", "full"}) {
+    Session s(parse(small_config(d / mode), {std::string("model.recompute=") + mode, "train.steps=4"}));
+    s.initialise();
+    runs.push_back(losses(s.train()));
+    activations.push_back(s.arena_bytes());
+  }
+  ASSERT_EQ(runs[0].size(), 4u);
+  EXPECT_EQ(runs[1], runs[0]);
+  EXPECT_EQ(runs[2], runs[0]);
+  EXPECT_LT(activations[1], activations[0]);
+  EXPECT_LT(activations[2], activations[1]);
+}

@@ -42,6 +42,9 @@ class Backend {
   // x: [B, S, nh, D] view (row stride x.stride[1]); in place.
   virtual void rope_forward(Tensor& x, double theta) = 0;
   virtual void rope_backward(Tensor& dx, double theta) = 0;
+  // Build whatever RoPE needs for (seq, head_dim, theta) now, at start-up, so
+  // the step allocates nothing (the CUDA backend's cos/sin table).
+  virtual void prepare_rope(int64_t /*seq*/, int64_t /*head_dim*/, double /*theta*/) {}
   virtual void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) = 0;
   virtual void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate,
                                const Tensor& up) = 0;

@@ -129,6 +129,7 @@ void LlamaModel::plan(ArenaPlan& p) {
 
 void LlamaModel::bind(const Arena& arena) {
   arena_ = &arena;
+  backend_.prepare_rope(S_, spec_.head_dim(), spec_.rope_theta);
   inputs_ = arena.tensor(inputs_blk_, DType::i32, {B_, S_});
   targets_ = arena.tensor(targets_blk_, DType::i32, {B_, S_});
   losses_ = arena.tensor(losses_blk_, DType::f32, {N_});

@@ -120,6 +120,7 @@ class CudaBackend final : public Backend {
   }
   void rope_forward(Tensor& x, double theta) override { rope(x, theta, +1); }
   void rope_backward(Tensor& dx, double theta) override { rope(dx, theta, -1); }
+  void prepare_rope(int64_t seq, int64_t head_dim, double theta) override { rope_table(seq, head_dim, theta); }
   void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) override {
     gpu::swiglu_forward(out, gate, up, stream_);
   }
