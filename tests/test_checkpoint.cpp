@@ -1,6 +1,8 @@
 // Checkpoint format: round trips, crash leftovers, corruption and pruning.
 #include <gtest/gtest.h>
 
+#include "test_util.hpp"
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -16,31 +18,12 @@ using namespace loom::ckpt;
 
 namespace {
 
-struct TmpDir {
-  fs::path path;
-  TmpDir() {
-    static int n = 0;
-    path = fs::temp_directory_path() /
-           ("loom_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TmpDir() { fs::remove_all(path); }
-  std::string str() const { return path.string(); }
-};
+using loom::test::expect_error;
 
-// Expects a loom::Error whose message contains every one of `parts`.
-template <typename F>
-void expect_error(F&& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected loom::Error";
-  } catch (const loom::Error& e) {
-    std::string m = e.what();
-    for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
-  }
-}
+// Per-test scratch directory.
+struct TmpDir : loom::test::TmpDir {
+  TmpDir() : loom::test::TmpDir("loom_ckpt_") {}
+};
 
 // A complete one-rank checkpoint with a couple of tensors.
 void save_simple(const std::string& root, int64_t step, float v = 1.0f) {

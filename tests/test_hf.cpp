@@ -2,6 +2,8 @@
 // HF-transformers golden data under tests/golden.
 #include <gtest/gtest.h>
 
+#include "test_util.hpp"
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -22,30 +24,12 @@ using namespace loom::hf;
 
 namespace {
 
-struct TmpDir {
-  fs::path path;
-  TmpDir() {
-    static int n = 0;
-    path = fs::temp_directory_path() /
-           ("loom_hf_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TmpDir() { fs::remove_all(path); }
-  std::string str() const { return path.string(); }
-};
+using loom::test::expect_error;
 
-template <typename F>
-void expect_error(F&& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected loom::Error";
-  } catch (const loom::Error& e) {
-    std::string m = e.what();
-    for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
-  }
-}
+// Per-test scratch directory.
+struct TmpDir : loom::test::TmpDir {
+  TmpDir() : loom::test::TmpDir("loom_hf_") {}
+};
 
 // A safetensors file from a literal header and `data_bytes` data bytes.
 void write_raw_st(const fs::path& p, const std::string& header, size_t data_bytes, uint64_t hlen_override = 0) {

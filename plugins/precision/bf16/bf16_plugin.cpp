@@ -8,17 +8,15 @@
 
 #include "loom/error.hpp"
 #include "loom/precision.hpp"
-#include "precision/common/cublaslt_linear.hpp"
+#include "precision/common/cublaslt_recipe.hpp"
 
 namespace loom::bf16 {
 namespace {
 
-class Bf16Precision final : public Precision {
+class Bf16Precision final : public precision_common::CublasLtRecipe {
  public:
   explicit Bf16Precision(const PluginInit& init)
-      : gemms_("bf16", precision_common::GemmDTypes{DType::bf16, DType::bf16, DType::f32}) {
-    LOOM_CHECK(init.device == Device::cuda, "precision bf16: bf16 runs on CUDA; the CPU reference is "
-               "precision.plugin = \"fp32\" (this run asked for device ", device_name(init.device), ")");
+      : CublasLtRecipe("bf16", precision_common::GemmDTypes{DType::bf16, DType::bf16, DType::f32}, init) {
     // The recipe has no options of its own; finish() rejects any key given.
     init.config.finish();
   }
@@ -26,19 +24,6 @@ class Bf16Precision final : public Precision {
   PrecisionDTypes dtypes() const override {
     return {DType::bf16, DType::f32, DType::f32, DType::f32, DType::bf16, /*has_master=*/true};
   }
-  int register_linear(const LinearDesc& desc) override { return gemms_.register_linear(desc); }
-  size_t workspace_bytes() const override { return precision_common::CublasLtLinears::kWorkspaceBytes; }
-  void set_workspace(void* ptr, size_t bytes) override { gemms_.set_workspace(ptr, bytes); }
-  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y) override {
-    gemms_.forward(ctx, id, x, w, y);
-  }
-  void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
-                       Tensor& dw, bool accumulate) override {
-    gemms_.backward(ctx, id, x, w, dy, dx, dw, accumulate);
-  }
-
- private:
-  precision_common::CublasLtLinears gemms_;
 };
 
 }  // namespace

@@ -7,17 +7,15 @@
 // micro-batches) in bf16. CUDA only.
 #include "loom/error.hpp"
 #include "loom/precision.hpp"
-#include "precision/common/cublaslt_linear.hpp"
+#include "precision/common/cublaslt_recipe.hpp"
 
 namespace loom::bf16_pure {
 namespace {
 
-class Bf16PurePrecision final : public Precision {
+class Bf16PurePrecision final : public precision_common::CublasLtRecipe {
  public:
   explicit Bf16PurePrecision(const PluginInit& init)
-      : gemms_("bf16_pure", precision_common::GemmDTypes{DType::bf16, DType::bf16, DType::bf16}) {
-    LOOM_CHECK(init.device == Device::cuda, "precision bf16_pure: bf16 runs on CUDA; the CPU reference is "
-               "precision.plugin = \"fp32\" (this run asked for device ", device_name(init.device), ")");
+      : CublasLtRecipe("bf16_pure", precision_common::GemmDTypes{DType::bf16, DType::bf16, DType::bf16}, init) {
     stochastic_rounding_ = init.config.get_bool("stochastic_rounding", false);
     init.config.finish();
   }
@@ -27,19 +25,8 @@ class Bf16PurePrecision final : public Precision {
     t.stochastic_rounding = stochastic_rounding_;
     return t;
   }
-  int register_linear(const LinearDesc& desc) override { return gemms_.register_linear(desc); }
-  size_t workspace_bytes() const override { return precision_common::CublasLtLinears::kWorkspaceBytes; }
-  void set_workspace(void* ptr, size_t bytes) override { gemms_.set_workspace(ptr, bytes); }
-  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y) override {
-    gemms_.forward(ctx, id, x, w, y);
-  }
-  void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
-                       Tensor& dw, bool accumulate) override {
-    gemms_.backward(ctx, id, x, w, dy, dx, dw, accumulate);
-  }
 
  private:
-  precision_common::CublasLtLinears gemms_;
   bool stochastic_rounding_ = false;
 };
 

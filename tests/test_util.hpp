@@ -1,0 +1,43 @@
+// Helpers shared by the test suites.
+#pragma once
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <initializer_list>
+#include <string>
+
+#include "loom/error.hpp"
+
+namespace loom::test {
+
+// A fresh directory per test (named after it), removed afterwards.
+struct TmpDir {
+  std::filesystem::path path;
+  explicit TmpDir(const std::string& prefix = "loom_test_") {
+    static int n = 0;
+    path = std::filesystem::temp_directory_path() /
+           (prefix + std::to_string(::getpid()) + "_" + std::to_string(n++) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TmpDir() { std::filesystem::remove_all(path); }
+  TmpDir(const TmpDir&) = delete;
+  TmpDir& operator=(const TmpDir&) = delete;
+  std::string str() const { return path.string(); }
+};
+
+// Expects f() to throw a loom::Error whose message contains every one of `parts`.
+template <typename F>
+void expect_error(F&& f, std::initializer_list<std::string> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "expected loom::Error";
+  } catch (const loom::Error& e) {
+    const std::string m = e.what();
+    for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
+  }
+}
+
+}  // namespace loom::test
