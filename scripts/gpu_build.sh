@@ -11,8 +11,10 @@ rm -rf .carry && mkdir -p .carry/bin .carry/lib
 cp -a build-gpu/bin/. .carry/bin/
 cp -a build-gpu/lib/. .carry/lib/
 for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do
-  src=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ {print $NF; exit}')
-  [ -n "$src" ] && cp -L "$src" .carry/lib/
+  # awk reads all of ldconfig's output (no early exit: with pipefail a SIGPIPE would stop the script).
+  src=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ && !found {print $NF; found = 1}')
+  if [ -z "$src" ]; then echo "gpu_build: $lib not found (install libopenblas0-pthread)" >&2; exit 1; fi
+  cp -L "$src" .carry/lib/
 done
 # OpenBLAS carries kernels for every x86 CPU (35 MiB); it travels compressed
 # and scripts/gpu_check.sh unpacks it.
