@@ -301,3 +301,14 @@ TEST(TrainE2E, RecomputeModesGiveIdenticalLossesAndSmallerPlans) {
   EXPECT_LT(activations[1], activations[0]);
   EXPECT_LT(activations[2], activations[1]);
 }
+
+// A layer implementation this build does not have is refused up front, not silently replaced.
+TEST(TrainE2E, FusedLayersAreRefusedUntilBuilt) {
+  fs::path d = temp_dir("fused");
+  try {
+    Session s(parse(small_config(d / "run"), {"model.layers=fused"}));
+    FAIL() << "expected an error";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.layers = \"fused\""), std::string::npos) << e.what();
+  }
+}

@@ -96,6 +96,10 @@ Session::Session(Config cfg) : cfg_(std::move(cfg)) {
     hf.max_seq_len = std::max(hf.max_seq_len, cfg_.train.seq_len);
     spec_ = hf;
   }
+  if (cfg_.model.layers != "native")
+    throw Error(cat("model.layers = \"", cfg_.model.layers,
+                    "\": this version of loom builds native layers only (separate q/k/v and gate/up GEMMs); "
+                    "set model.layers = \"native\""));
   if (cfg_.train.seq_len > spec_.max_seq_len)
     throw Error(cat("train.seq_len = ", cfg_.train.seq_len, " exceeds the model's max_seq_len = ", spec_.max_seq_len));
   if (cfg_.run.device == "cuda") {
