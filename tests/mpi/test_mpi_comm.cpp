@@ -1,0 +1,338 @@
+// The MPI communicator on several ranks (run by mpirun, see CMakeLists.txt).
+// Every rank draws its data from a seed derived from its rank, so each rank can
+// regenerate every other rank's data and check collective results against a
+// local reference. Every rank runs the same tests in the same order, so their
+// collectives match; a failing assertion on one rank surfaces as a non-zero
+// exit of mpirun, and a rank that falls out of step hits the timeout instead of
+// hanging ctest.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/launch.hpp"
+#include "comm/mpi_communicator.hpp"
+#include "hf/safetensors.hpp"
+#include "loom/comm.hpp"
+#include "loom/error.hpp"
+
+namespace {
+
+using loom::CollectiveKind;
+using loom::DType;
+using loom::Device;
+using loom::ReduceOp;
+using loom::Tensor;
+
+std::unique_ptr<loom::Communicator> g_world;
+const loom::ExecContext kCtx{};
+
+std::vector<float> data_of(int rank, int64_t n, uint32_t salt = 0) {
+  std::mt19937 gen(1000u + static_cast<uint32_t>(rank) * 7919u + salt);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(gen);
+  return v;
+}
+
+Tensor flat(void* p, DType t, int64_t n) { return Tensor(p, t, Device::cpu, {n}); }
+
+std::string error_of(const std::function<void()>& f) {
+  try { f(); } catch (const loom::Error& e) { return e.what(); }
+  return "";
+}
+
+uint64_t bytes_of(CollectiveKind k) { return g_world->bytes_moved().bytes[static_cast<size_t>(k)]; }
+
+// N is deliberately not a multiple of 4, so the byte formulas round.
+constexpr int64_t kN = 1001;
+
+TEST(MpiComm, RanksAndWorld) {
+  loom::LaunchInfo li = loom::detect_launch();
+  EXPECT_TRUE(li.under_launcher);
+  EXPECT_EQ(li.launcher, "openmpi");
+  EXPECT_EQ(li.world, g_world->size());
+  EXPECT_EQ(li.rank, g_world->rank());
+  EXPECT_EQ(li.local_world, li.world) << "mpirun on one host: every rank shares the node";
+  EXPECT_EQ(li.local_rank, li.rank);
+  EXPECT_GE(g_world->size(), 2);
+}
+
+TEST(MpiComm, AllReduceF32SumAvgMax) {
+  const int p = g_world->size(), r = g_world->rank();
+  std::vector<double> sum(kN, 0.0);
+  std::vector<float> mx(kN, -INFINITY);
+  for (int q = 0; q < p; ++q) {
+    auto v = data_of(q, kN);
+    for (int64_t i = 0; i < kN; ++i) { sum[i] += v[i]; mx[i] = std::max(mx[i], v[i]); }
+  }
+  auto s = data_of(r, kN), a = s, m = s;
+  Tensor ts = flat(s.data(), DType::f32, kN), ta = flat(a.data(), DType::f32, kN), tm = flat(m.data(), DType::f32, kN);
+  g_world->all_reduce(kCtx, ts, ReduceOp::sum);
+  g_world->all_reduce(kCtx, ta, ReduceOp::avg);
+  g_world->all_reduce(kCtx, tm, ReduceOp::max);
+  for (int64_t i = 0; i < kN; ++i) {
+    ASSERT_NEAR(s[i], sum[i], 1e-5) << "element " << i;
+    ASSERT_NEAR(a[i], sum[i] / p, 1e-5) << "element " << i;
+    ASSERT_EQ(m[i], mx[i]) << "element " << i;
+  }
+}
+
+TEST(MpiComm, AllReduceF64AndInt32) {
+  const int p = g_world->size(), r = g_world->rank();
+  std::vector<double> d(kN);
+  std::vector<int32_t> k(kN);
+  auto mine = data_of(r, kN);
+  for (int64_t i = 0; i < kN; ++i) { d[i] = mine[i]; k[i] = static_cast<int32_t>(mine[i] * 1000) + r; }
+  Tensor td = flat(d.data(), DType::f64, kN), tk = flat(k.data(), DType::i32, kN);
+  g_world->all_reduce(kCtx, td, ReduceOp::sum);
+  g_world->all_reduce(kCtx, tk, ReduceOp::max);
+  for (int64_t i = 0; i < kN; ++i) {
+    double ref = 0;
+    int32_t kmax = INT32_MIN;
+    for (int q = 0; q < p; ++q) {
+      float x = data_of(q, kN)[i];
+      ref += x;
+      kmax = std::max(kmax, static_cast<int32_t>(x * 1000) + q);
+    }
+    ASSERT_NEAR(d[i], ref, 1e-12);
+    ASSERT_EQ(k[i], kmax);
+    if (i > 50) break;  // regenerating per element is quadratic; a prefix is enough here
+  }
+}
+
+// bf16/fp16 sum in fp32 and round once: the result is the fp32 reference sum
+// rounded, give or take the last bit (summation order differs across ranks).
+TEST(MpiComm, AllReduceBf16AndFp16ThroughFp32) {
+  const int p = g_world->size(), r = g_world->rank();
+  // fp16 values m/256 with |m| <= 256 are exact and normal in fp16, encoded
+  // here by their bit fields; bf16 values are fp32 rounded by the library helper.
+  auto enc16 = [](float x) {
+    if (x == 0.0f) return static_cast<uint16_t>(0);
+    uint16_t sign = x < 0 ? 0x8000 : 0;
+    int e;
+    float f = std::frexp(std::fabs(x), &e);  // |x| = f * 2^e, f in [0.5, 1)
+    uint16_t man = static_cast<uint16_t>(std::lround((f * 2 - 1) * 1024));
+    return static_cast<uint16_t>(sign | ((e - 1 + 15) << 10) | man);
+  };
+  for (DType t : {DType::bf16, DType::f16}) {
+    auto enc = [&](float x) { return t == DType::bf16 ? loom::hf::f32_to_bf16(x) : enc16(x); };
+    auto dec = [t](uint16_t h) { return t == DType::bf16 ? loom::hf::bf16_to_f32(h) : loom::hf::f16_to_f32(h); };
+    auto value = [t](float x) {
+      return t == DType::bf16 ? loom::hf::bf16_to_f32(loom::hf::f32_to_bf16(x)) : std::round(x * 256) / 256;
+    };
+    std::vector<std::vector<float>> all(p);
+    for (int q = 0; q < p; ++q) {
+      all[q] = data_of(q, kN);
+      for (auto& x : all[q]) x = value(x);
+    }
+    std::vector<uint16_t> h(kN);
+    for (int64_t i = 0; i < kN; ++i) h[i] = enc(all[r][i]);
+    for (int64_t i = 0; i < kN; ++i) ASSERT_EQ(dec(h[i]), all[r][i]) << "encoding of element " << i;
+    Tensor th = flat(h.data(), t, kN);
+    g_world->all_reduce(kCtx, th, ReduceOp::sum);
+    for (int64_t i = 0; i < kN; ++i) {
+      float ref = 0;
+      for (int q = 0; q < p; ++q) ref += all[q][i];
+      float ulp = std::fabs(ref) * (t == DType::bf16 ? 1.0f / 128 : 1.0f / 1024) + 1e-6f;
+      ASSERT_NEAR(dec(h[i]), ref, ulp) << loom::dtype_name(t) << " element " << i;
+    }
+  }
+}
+
+TEST(MpiComm, ReduceScatterAndAllGatherRoundTrip) {
+  const int p = g_world->size(), r = g_world->rank();
+  const int64_t n = 257;
+  auto in = data_of(r, p * n, 1);
+  std::vector<double> ref(static_cast<size_t>(p * n), 0.0);
+  for (int q = 0; q < p; ++q) {
+    auto v = data_of(q, p * n, 1);
+    for (int64_t i = 0; i < p * n; ++i) ref[i] += v[i];
+  }
+  std::vector<float> shard(n), full(p * n, 0.0f);
+  Tensor tin = flat(in.data(), DType::f32, p * n), tsh = flat(shard.data(), DType::f32, n);
+  Tensor tfull = flat(full.data(), DType::f32, p * n);
+  g_world->reduce_scatter(kCtx, tin, tsh, ReduceOp::sum);
+  for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(shard[i], ref[r * n + i], 1e-5) << "shard element " << i;
+  g_world->all_gather(kCtx, tsh, tfull);
+  for (int64_t i = 0; i < p * n; ++i) ASSERT_NEAR(full[i], ref[i], 1e-5) << "gathered element " << i;
+  // The gathered own shard is this rank's bits, unchanged.
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(full[r * n + i], shard[i]);
+
+  // In place, as ZeRO uses them: the shard is a view of the full buffer.
+  std::vector<float> buf = data_of(r, p * n, 1);
+  Tensor tbuf = flat(buf.data(), DType::f32, p * n);
+  Tensor own = loom::view(tbuf, r * n, {n});
+  g_world->reduce_scatter(kCtx, tbuf, own, ReduceOp::avg);
+  for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(buf[r * n + i], ref[r * n + i] / p, 1e-5);
+  g_world->all_gather(kCtx, own, tbuf);
+  for (int64_t i = 0; i < p * n; ++i) ASSERT_NEAR(buf[i], ref[i] / p, 1e-5) << "in-place gathered element " << i;
+}
+
+TEST(MpiComm, BroadcastFromNonZeroRoot) {
+  const int p = g_world->size(), r = g_world->rank();
+  const int root = p - 1;
+  auto v = data_of(r, kN, 2);
+  Tensor t = flat(v.data(), DType::f32, kN);
+  g_world->broadcast(kCtx, t, root);
+  EXPECT_EQ(v, data_of(root, kN, 2));
+}
+
+TEST(MpiComm, SplitIntoTwoGroups) {
+  const int p = g_world->size(), r = g_world->rank();
+  const int half = p / 2, color = r / half;
+  // key = -rank: the group orders its ranks in reverse world order.
+  auto group = g_world->split(color, -r);
+  ASSERT_EQ(group->size(), half);
+  EXPECT_EQ(group->rank(), half - 1 - (r % half));
+  std::vector<int32_t> v{r, 1};
+  Tensor t = flat(v.data(), DType::i32, 2);
+  group->all_reduce(kCtx, t, ReduceOp::sum);
+  int32_t expect = 0;
+  for (int q = color * half; q < (color + 1) * half; ++q) expect += q;
+  EXPECT_EQ(v[0], expect);
+  EXPECT_EQ(v[1], half);
+  // A broadcast inside the group from its rank 0 (the highest world rank).
+  std::vector<int32_t> b{r};
+  Tensor tb = flat(b.data(), DType::i32, 1);
+  group->broadcast(kCtx, tb, 0);
+  EXPECT_EQ(b[0], (color + 1) * half - 1);
+  EXPECT_EQ(group->bytes_moved().bytes[static_cast<size_t>(CollectiveKind::all_reduce)],
+            2ull * (half - 1) * 8 / half);
+  group->barrier();
+}
+
+TEST(MpiComm, ByteCountersFollowRingVolumes) {
+  const uint64_t p = static_cast<uint64_t>(g_world->size());
+  const int64_t n = 250;
+  g_world->reset_bytes();
+  std::vector<float> a(kN, 1.0f), in(p * n, 1.0f), sh(n), full(p * n);
+  std::vector<uint16_t> h(kN, 0x3F80);  // bf16 1.0
+  Tensor ta = flat(a.data(), DType::f32, kN), th = flat(h.data(), DType::bf16, kN);
+  Tensor tin = flat(in.data(), DType::f32, static_cast<int64_t>(p) * n), tsh = flat(sh.data(), DType::f32, n);
+  Tensor tfull = flat(full.data(), DType::f32, static_cast<int64_t>(p) * n);
+
+  g_world->all_reduce(kCtx, ta, ReduceOp::sum);
+  const uint64_t ar = 2 * (p - 1) * (kN * 4) / p;
+  EXPECT_EQ(bytes_of(CollectiveKind::all_reduce), ar);
+  g_world->all_reduce(kCtx, th, ReduceOp::sum);  // staged in fp32: 4 bytes per element on the wire
+  EXPECT_EQ(bytes_of(CollectiveKind::all_reduce), 2 * ar);
+  EXPECT_EQ(loom::hf::bf16_to_f32(h[0]), static_cast<float>(p));
+
+  g_world->reduce_scatter(kCtx, tin, tsh, ReduceOp::sum);
+  EXPECT_EQ(bytes_of(CollectiveKind::reduce_scatter), (p - 1) * n * 4);  // (p-1)/p of the p*n buffer
+  g_world->all_gather(kCtx, tsh, tfull);
+  EXPECT_EQ(bytes_of(CollectiveKind::all_gather), (p - 1) * n * 4);
+  g_world->broadcast(kCtx, ta, 0);
+  EXPECT_EQ(bytes_of(CollectiveKind::broadcast), (p - 1) * (kN * 4) / p);
+  g_world->barrier();  // moves no payload
+  EXPECT_EQ(g_world->bytes_moved().total(), 2 * ar + 2 * (p - 1) * n * 4 + (p - 1) * (kN * 4) / p);
+  // Refused calls move nothing.
+  Tensor bad = flat(sh.data(), DType::f32, n - 1);
+  EXPECT_THROW(g_world->all_gather(kCtx, bad, tfull), loom::Error);
+  EXPECT_EQ(bytes_of(CollectiveKind::all_gather), (p - 1) * n * 4);
+}
+
+// Checked before anything is sent, on every rank alike, so the communicator stays usable.
+TEST(MpiComm, SizeAndTypeMismatchesAreErrors) {
+  const int p = g_world->size();
+  std::vector<float> a(100), b(100);
+  std::vector<double> d(100);
+  std::string msg = error_of([&] {
+    Tensor in = flat(a.data(), DType::f32, 10), out = flat(b.data(), DType::f32, 3);
+    g_world->reduce_scatter(kCtx, in, out, ReduceOp::sum);
+  });
+  EXPECT_NE(msg.find("reduce_scatter"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("input has 10 elements"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(std::to_string(p) + "*3"), std::string::npos) << msg;
+
+  msg = error_of([&] {
+    Tensor in = flat(a.data(), DType::f32, 5), out = flat(b.data(), DType::f32, 5 * p + 1);
+    g_world->all_gather(kCtx, in, out);
+  });
+  EXPECT_NE(msg.find("all_gather"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("output has " + std::to_string(5 * p + 1) + " elements"), std::string::npos) << msg;
+
+  msg = error_of([&] {
+    Tensor in = flat(a.data(), DType::f32, 5), out = flat(d.data(), DType::f64, 5 * p);
+    g_world->all_gather(kCtx, in, out);
+  });
+  EXPECT_NE(msg.find("fp32 but output is fp64"), std::string::npos) << msg;
+
+  msg = error_of([&] { Tensor t = flat(a.data(), DType::f32, 4); g_world->broadcast(kCtx, t, p); });
+  EXPECT_NE(msg.find("root " + std::to_string(p)), std::string::npos) << msg;
+
+  msg = error_of([&] { Tensor t = flat(a.data(), DType::i32, 4); g_world->all_reduce(kCtx, t, ReduceOp::avg); });
+  EXPECT_NE(msg.find("avg of int32"), std::string::npos) << msg;
+
+  msg = error_of([&] { Tensor t = flat(a.data(), DType::e4m3, 4); g_world->all_reduce(kCtx, t, ReduceOp::sum); });
+  EXPECT_NE(msg.find("fp8_e4m3 cannot be reduced"), std::string::npos) << msg;
+
+  msg = error_of([&] { Tensor t(a.data(), DType::f32, Device::cuda, {4}); g_world->all_reduce(kCtx, t, ReduceOp::sum); });
+  EXPECT_NE(msg.find("host memory only"), std::string::npos) << msg;
+
+  std::vector<float> one{1.0f};
+  Tensor t = flat(one.data(), DType::f32, 1);
+  g_world->all_reduce(kCtx, t, ReduceOp::sum);
+  EXPECT_EQ(one[0], static_cast<float>(p)) << "the communicator must stay usable after refused calls";
+}
+
+// Rank 1 arrives 2.5 s late at an all_reduce with a 1 s limit: every other rank
+// gets the timeout error naming the collective, and the communicator refuses
+// further collectives. To end cleanly (exit 0 everywhere, no MPI_Abort), rank 1
+// then does join the all_reduce: the others' abandoned requests are still
+// posted, so it completes, and the final world barrier keeps their progress
+// engines turning meanwhile. The buffers are static because MPI may write to
+// the abandoned ones until that late completion.
+TEST(MpiComm, LateRankTimesOutTheOthers) {
+  const int p = g_world->size(), r = g_world->rank();
+  auto comm = loom::make_mpi_communicator(1.0);
+  static std::vector<float> buf(64);
+  std::fill(buf.begin(), buf.end(), static_cast<float>(r + 1));
+  Tensor t = flat(buf.data(), DType::f32, 64);
+  if (r == 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    comm->all_reduce(kCtx, t, ReduceOp::sum);
+    EXPECT_EQ(buf[0], static_cast<float>(p * (p + 1) / 2)) << "the late rank still gets every rank's data";
+  } else {
+    auto start = std::chrono::steady_clock::now();
+    std::string msg = error_of([&] { comm->all_reduce(kCtx, t, ReduceOp::sum); });
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_NE(msg.find("collective all_reduce of 256 bytes on " + std::to_string(p) +
+                       " ranks did not complete within 1 s on rank " + std::to_string(r)),
+              std::string::npos) << msg;
+    EXPECT_NE(msg.find("run.collective_timeout"), std::string::npos) << msg;
+    EXPECT_GE(waited, 1.0);
+    EXPECT_LT(waited, 2.4) << "the error must come at the limit, not when the late rank arrives";
+    msg = error_of([&] { comm->barrier(); });
+    EXPECT_NE(msg.find("failed earlier"), std::string::npos) << msg;
+  }
+  g_world->barrier();
+}
+
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  int rc = 1;
+  try {
+    g_world = loom::make_mpi_communicator(10.0);
+    rc = RUN_ALL_TESTS();
+    g_world->barrier();
+    g_world.reset();
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "test_mpi_comm: %s\n", e.what());
+    loom::abort_all(2);
+  }
+  return rc;
+}
