@@ -312,3 +312,25 @@ TEST(TrainE2E, FusedLayersAreRefusedUntilBuilt) {
     EXPECT_NE(std::string(e.what()).find("model.layers = \"fused\""), std::string::npos) << e.what();
   }
 }
+
+// Started as one of several ranks (here: a faked OpenMPI environment), a
+// single-rank run refuses before touching anything rather than letting every
+// rank write the same run directory.
+TEST(TrainE2E, SeveralRanksAreRefusedBySingleRankRuns) {
+  fs::path d = temp_dir("ranks");
+  setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+  setenv("OMPI_COMM_WORLD_RANK", "0", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+  std::string msg;
+  try {
+    Session s(parse(small_config(d / "run")));
+  } catch (const loom::Error& e) {
+    msg = e.what();
+  }
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE"})
+    unsetenv(v);
+  EXPECT_NE(msg.find("one of 2 ranks started by openmpi"), std::string::npos) << msg;
+  EXPECT_FALSE(fs::exists(d / "run"));
+}

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.hpp"
+#include "comm/launch.hpp"
 #include "hf/hf_llama.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
@@ -96,6 +97,12 @@ Session::Session(Config cfg) : cfg_(std::move(cfg)) {
     hf.max_seq_len = std::max(hf.max_seq_len, cfg_.train.seq_len);
     spec_ = hf;
   }
+  // Several processes (mpirun, srun) each training the whole model would
+  // write the same files: refuse until the multi-rank strategies drive them.
+  if (const LaunchInfo launch = launch_from_env(); launch.world != 1)
+    throw Error(cat("this process is one of ", launch.world == 0 ? std::string("several") : std::to_string(launch.world),
+                    " ranks started by ", launch.launcher, ", but this version of loom trains on one rank "
+                    "(sharding.plugin = \"", cfg_.sharding.plugin, "\"): start a single process"));
   if (cfg_.model.layers != "native")
     throw Error(cat("model.layers = \"", cfg_.model.layers,
                     "\": this version of loom builds native layers only (separate q/k/v and gate/up GEMMs); "
