@@ -10,6 +10,7 @@
 #include <string>
 
 #include "config/run_config.hpp"
+#include "test_util.hpp"
 #include "hf/hf_llama.hpp"
 #include "train/session.hpp"
 
@@ -45,6 +46,16 @@ std::string small_config(const fs::path& out, const std::string& extra = "") {
 
 Config parse(const std::string& text, const std::vector<std::string>& overrides = {}) {
   return loom::parse_config_string(text, "e2e.toml", overrides);
+}
+
+// Building and initialising a session from `cfg` fails with a loom::Error containing every one of `parts`.
+void expect_session_error(const Config& cfg, std::initializer_list<std::string> parts) {
+  loom::test::expect_error(
+      [&] {
+        Session s(cfg);
+        s.initialise();
+      },
+      parts);
 }
 
 std::vector<double> losses(const RunSummary& r) {
@@ -117,15 +128,7 @@ TEST(TrainE2E, ResumeRefusesCheckpointOfAnotherModel) {
     s.train();
   }
   ov.push_back("model.ffn_hidden=192");
-  try {
-    Session s(parse(small_config(d / "run"), ov));
-    s.initialise();
-    FAIL() << "expected an error";
-  } catch (const loom::Error& e) {
-    std::string m = e.what();
-    EXPECT_NE(m.find("another model"), std::string::npos) << m;
-    EXPECT_NE(m.find("step_00000002"), std::string::npos) << m;
-  }
+  expect_session_error(parse(small_config(d / "run"), ov), {"another model", "step_00000002"});
   // The checkpoint is untouched.
   EXPECT_TRUE(fs::exists(d / "run" / "checkpoints" / "step_00000002" / "COMPLETE"));
 }
@@ -227,15 +230,7 @@ TEST(TrainE2E, ResumeFromAnExplicitStep) {
   ov.push_back("checkpoint.resume=2");
   // Resuming from step 2 while writing checkpoints would later overwrite steps
   // 4 and 6 of the first run: refused before any work, nothing touched.
-  try {
-    Session s(parse(small_config(d / "run"), ov));
-    s.initialise();
-    FAIL() << "expected an error";
-  } catch (const loom::Error& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("newer"), std::string::npos) << m;
-    EXPECT_NE(m.find("step_00000006"), std::string::npos) << m;
-  }
+  expect_session_error(parse(small_config(d / "run"), ov), {"newer", "step_00000006"});
   EXPECT_TRUE(fs::exists(d / "run" / "checkpoints" / "step_00000006" / "COMPLETE"));
   ov.push_back("checkpoint.every=0");
   RunSummary again;
@@ -249,15 +244,8 @@ TEST(TrainE2E, ResumeFromAnExplicitStep) {
   EXPECT_EQ(again.steps[1].loss, full.steps[3].loss);
   // A step with no checkpoint is refused, listing the ones that exist.
   ov.push_back("checkpoint.resume=5");
-  try {
-    Session s(parse(small_config(d / "run"), ov));
-    s.initialise();
-    FAIL() << "expected an error";
-  } catch (const loom::Error& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("5"), std::string::npos) << m;
-    EXPECT_NE(m.find("6"), std::string::npos) << m;  // the complete ones are listed
-  }
+  // The message names the step asked for and lists the complete ones.
+  expect_session_error(parse(small_config(d / "run"), ov), {"step 5", "complete checkpoints: 2, 4, 6"});
 }
 
 // Gradient accumulation: 2 micro-batches of 4 give the same step as 1 of 8
@@ -305,12 +293,7 @@ TEST(TrainE2E, RecomputeModesGiveIdenticalLossesAndSmallerPlans) {
 // A layer implementation this build does not have is refused up front, not silently replaced.
 TEST(TrainE2E, FusedLayersAreRefusedUntilBuilt) {
   fs::path d = temp_dir("fused");
-  try {
-    Session s(parse(small_config(d / "run"), {"model.layers=fused"}));
-    FAIL() << "expected an error";
-  } catch (const loom::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("model.layers = \"fused\""), std::string::npos) << e.what();
-  }
+  expect_session_error(parse(small_config(d / "run"), {"model.layers=fused"}), {"model.layers = \"fused\""});
 }
 
 // Started as one of several ranks (here: a faked OpenMPI environment), a
