@@ -51,6 +51,37 @@ struct Tensor {
   }
 };
 
+// A tensor seen as a row-major matrix [rows, cols] with row stride `ld`: the
+// leading dims fold into rows, which needs each of them to step over whole
+// rows of the next (e.g. an [B, S, H] activation, or a view of every row of a
+// wider fused buffer). GEMM wrappers use it to pass strided views without a copy.
+struct RowMatrix {
+  int64_t rows = 0, cols = 0, ld = 0;
+};
+
+// Throws loom::Error, prefixed with `what` ("precision fp32: layer.0.q_proj: x"),
+// when the tensor has fewer than 2 dims, a non-contiguous last dim, leading dims
+// that do not fold into rows, or overlapping rows.
+inline RowMatrix fold_rows(const Tensor& t, const std::string& what) {
+  LOOM_CHECK(t.ndim >= 2, what, " must have at least 2 dims, got shape ", t.shape_str());
+  const int last = t.ndim - 1;
+  LOOM_CHECK(t.stride[last] == 1 || t.shape[last] == 1, what, " must be contiguous in its last dim, got stride ",
+             t.stride[last], " for shape ", t.shape_str());
+  RowMatrix m;
+  m.cols = t.shape[last];
+  m.ld = t.stride[last - 1];
+  m.rows = 1;
+  for (int i = 0; i < last; ++i) m.rows *= t.shape[i];
+  for (int i = 0; i + 1 < last; ++i)
+    LOOM_CHECK(t.shape[i] == 1 || t.stride[i] == t.stride[i + 1] * t.shape[i + 1], what, " of shape ",
+               t.shape_str(), " has a dim ", i, " stride ", t.stride[i], " that does not fold into rows (need ",
+               t.stride[i + 1] * t.shape[i + 1], ")");
+  if (m.rows <= 1) m.ld = m.ld > m.cols ? m.ld : m.cols;  // a single row's stride is irrelevant
+  LOOM_CHECK(m.ld >= m.cols, what, " rows overlap: row stride ", m.ld, " < ", m.cols, " columns (shape ",
+             t.shape_str(), ")");
+  return m;
+}
+
 // A view of `dims` elements starting `offset` elements into a flat tensor.
 inline Tensor view(const Tensor& flat, int64_t offset, std::initializer_list<int64_t> dims) {
   Tensor t(static_cast<char*>(flat.data) + offset * static_cast<int64_t>(dtype_size(flat.dtype)), flat.dtype,

@@ -55,12 +55,6 @@ uint32_t alignment_of(const void* p) {
   return al;
 }
 
-// A tensor as a row-major matrix [rows, cols] with row stride ld: leading dims
-// fold into rows, which needs each of them to step over whole rows of the next.
-struct RowMatrix {
-  int64_t rows = 0, cols = 0, ld = 0;
-};
-
 }  // namespace
 
 // Everything cuBLASLt needs to run one GEMM shape, built once.
@@ -139,24 +133,7 @@ RowMatrix row_matrix(const Tensor& t, const char* what, DType want, const char* 
              ", got ", dtype_name(t.dtype), " (the ", recipe, " recipe stores ", role, " in ", dtype_name(want), ")");
   LOOM_CHECK(t.device == Device::cuda, "precision ", recipe, ": ", d.name, ": ", what, " is on ",
              device_name(t.device), "; this plugin object runs its GEMMs on cuda");
-  LOOM_CHECK(t.ndim >= 2, "precision ", recipe, ": ", d.name, ": ", what, " must have at least 2 dims, got shape ",
-             t.shape_str());
-  const int last = t.ndim - 1;
-  LOOM_CHECK(t.stride[last] == 1 || t.shape[last] == 1, "precision ", recipe, ": ", d.name, ": ", what,
-             " must be contiguous in its last dim, got stride ", t.stride[last], " for shape ", t.shape_str());
-  RowMatrix m;
-  m.cols = t.shape[last];
-  m.ld = t.stride[last - 1];
-  m.rows = 1;
-  for (int i = 0; i < last; ++i) m.rows *= t.shape[i];
-  for (int i = 0; i + 1 < last; ++i)
-    LOOM_CHECK(t.shape[i] == 1 || t.stride[i] == t.stride[i + 1] * t.shape[i + 1], "precision ", recipe, ": ",
-               d.name, ": ", what, " of shape ", t.shape_str(), " has a dim ", i, " stride ", t.stride[i],
-               " that does not fold into rows (need ", t.stride[i + 1] * t.shape[i + 1], ")");
-  if (m.rows <= 1) m.ld = std::max<int64_t>(m.ld, m.cols);  // a single row's stride is irrelevant
-  LOOM_CHECK(m.ld >= m.cols, "precision ", recipe, ": ", d.name, ": ", what, " rows overlap: row stride ", m.ld,
-             " < ", m.cols, " columns (shape ", t.shape_str(), ")");
-  return m;
+  return fold_rows(t, cat("precision ", recipe, ": ", d.name, ": ", what));
 }
 
 // The weight and its gradient are one packed [out, in] matrix (a parameter buffer, never a view).

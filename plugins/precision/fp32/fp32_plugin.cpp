@@ -18,37 +18,13 @@
 namespace loom::fp32 {
 namespace {
 
-// A tensor seen as a row-major matrix [rows, cols] with row stride ld:
-// leading dimensions are folded into rows, which needs them to be packed.
-struct Matrix {
-  int64_t rows = 0, cols = 0, ld = 0;
-};
-
-Matrix as_matrix(const Tensor& t, const char* what, const std::string& linear) {
+RowMatrix as_matrix(const Tensor& t, const char* what, const std::string& linear) {
   LOOM_CHECK(t.data != nullptr, "precision fp32: ", linear, ": ", what, " has no data");
   LOOM_CHECK(t.dtype == DType::f32, "precision fp32: ", linear, ": ", what, " must be fp32, got ",
              dtype_name(t.dtype), " (the fp32 recipe stores every tensor in fp32)");
   LOOM_CHECK(t.device == Device::cpu, "precision fp32: ", linear, ": ", what, " is on ", device_name(t.device),
              "; this plugin object was created for device cpu");
-  LOOM_CHECK(t.ndim >= 2, "precision fp32: ", linear, ": ", what, " must have at least 2 dims, got shape ",
-             t.shape_str());
-  const int last = t.ndim - 1;
-  LOOM_CHECK(t.stride[last] == 1 || t.shape[last] == 1, "precision fp32: ", linear, ": ", what,
-             " must be contiguous in its last dim, got stride ", t.stride[last], " for shape ", t.shape_str());
-  Matrix m;
-  m.cols = t.shape[last];
-  m.ld = t.stride[last - 1];
-  m.rows = 1;
-  for (int i = 0; i < last; ++i) m.rows *= t.shape[i];
-  // Leading dims fold into rows only if each steps over whole rows of the next.
-  for (int i = 0; i + 1 < last; ++i)
-    LOOM_CHECK(t.shape[i] == 1 || t.stride[i] == t.stride[i + 1] * t.shape[i + 1], "precision fp32: ", linear, ": ",
-               what, " of shape ", t.shape_str(), " has a dim ", i, " stride ", t.stride[i],
-               " that does not fold into rows (need ", t.stride[i + 1] * t.shape[i + 1], ")");
-  if (m.rows <= 1) m.ld = std::max<int64_t>(m.ld, m.cols);  // a single row's stride is irrelevant
-  LOOM_CHECK(m.ld >= m.cols, "precision fp32: ", linear, ": ", what, " rows overlap: row stride ", m.ld, " < ",
-             m.cols, " columns (shape ", t.shape_str(), ")");
-  return m;
+  return fold_rows(t, cat("precision fp32: ", linear, ": ", what));
 }
 
 class Fp32Precision final : public Precision {
@@ -94,7 +70,7 @@ class Fp32Precision final : public Precision {
     if (gpu_) return gpu_->forward(ctx, id, x, w, y);
 #endif
     const LinearDesc& d = lookup(ctx, id);
-    const Matrix mx = as_matrix(x, "x", d.name), my = as_matrix(y, "y", d.name);
+    const RowMatrix mx = as_matrix(x, "x", d.name), my = as_matrix(y, "y", d.name);
     weight(w, "w", d);
     check_rows(d, mx, "x");
     check_cols(d, mx, d.in, "x", "in");
@@ -110,7 +86,7 @@ class Fp32Precision final : public Precision {
     if (gpu_) return gpu_->backward(ctx, id, x, w, dy, dx, dw, accumulate);
 #endif
     const LinearDesc& d = lookup(ctx, id);
-    const Matrix mx = as_matrix(x, "x", d.name), mdy = as_matrix(dy, "dy", d.name);
+    const RowMatrix mx = as_matrix(x, "x", d.name), mdy = as_matrix(dy, "dy", d.name);
     weight(w, "w", d);
     weight(dw, "dw", d);
     check_rows(d, mx, "x");
@@ -118,7 +94,7 @@ class Fp32Precision final : public Precision {
     check_cols(d, mdy, d.out, "dy", "out");
     LOOM_CHECK(mdy.rows == mx.rows, "precision fp32: ", d.name, ": dy has ", mdy.rows, " rows but x has ", mx.rows);
     if (dx != nullptr) {
-      const Matrix mdx = as_matrix(*dx, "dx", d.name);
+      const RowMatrix mdx = as_matrix(*dx, "dx", d.name);
       check_cols(d, mdx, d.in, "dx", "in");
       LOOM_CHECK(mdx.rows == mx.rows, "precision fp32: ", d.name, ": dx has ", mdx.rows, " rows but x has ", mx.rows);
       fp32::linear_backward_input(dx->ptr<float>(), mdx.ld, dy.ptr<const float>(), mdy.ld, w.ptr<const float>(),
@@ -144,11 +120,11 @@ class Fp32Precision final : public Precision {
                d.name, ": ", what, " must be a contiguous [out, in] = [", d.out, ",", d.in, "] matrix, got shape ",
                t.shape_str(), " strides [", t.stride[0], ",", t.stride[1], "]");
   }
-  static void check_rows(const LinearDesc& d, const Matrix& m, const char* what) {
+  static void check_rows(const LinearDesc& d, const RowMatrix& m, const char* what) {
     LOOM_CHECK(d.max_rows == 0 || m.rows <= d.max_rows, "precision fp32: ", d.name, ": ", what, " has ", m.rows,
                " rows, more than the max_rows=", d.max_rows, " it was registered with");
   }
-  static void check_cols(const LinearDesc& d, const Matrix& m, int64_t want, const char* what, const char* dim) {
+  static void check_cols(const LinearDesc& d, const RowMatrix& m, int64_t want, const char* what, const char* dim) {
     LOOM_CHECK(m.cols == want, "precision fp32: ", d.name, ": ", what, " has ", m.cols, " columns, expected ", dim,
                "=", want);
   }
