@@ -1,0 +1,237 @@
+// The table, CSV and file side of the comparison report; the chart is drawn
+// in compare_chart.cpp.
+#include "compare_report.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <string_view>
+
+#include "loom/error.hpp"
+#include "png_writer.hpp"
+
+namespace loom::report {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::string printf_double(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+// v in the largest unit that keeps its mantissa under 1000 after rounding, with
+// three significant digits ("1.23", "12.3", "123").
+std::string scaled(double v, double base, const std::array<const char*, 5>& units, const char* sep) {
+  if (std::isnan(v)) return "-";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  size_t k = 0;
+  while (k + 1 < units.size() && std::fabs(v) >= 999.5) {
+    v /= base;
+    ++k;
+  }
+  const double a = std::fabs(v);
+  const char* format = a < 9.995 ? "%.2f" : a < 99.95 ? "%.1f" : "%.0f";
+  if (k == 0 && v == std::floor(v)) format = "%.0f";  // "512 B", "850", not "512.00 B"
+  return printf_double(format, v) + sep + units[k];
+}
+
+std::string format_ms(double ms) {
+  if (!std::isfinite(ms)) return std::isnan(ms) ? "-" : "inf";
+  return printf_double(std::fabs(ms) < 10 ? "%.2f ms" : "%.1f ms", ms);
+}
+
+// Four decimals suit losses of a few units; very large or small ones go to
+// scientific notation. NaN stays visible: a diverged run must not look fine.
+std::string format_loss(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  const double a = std::fabs(v);
+  return printf_double(a >= 1e4 || (a != 0 && a < 1e-3) ? "%.3e" : "%.4f", v);
+}
+
+// Differences span orders of magnitude (bitwise equal, 1e-7 rounding, 1e-1
+// divergence), so scientific notation; an exact 0 is printed as such.
+std::string format_diff(double v) {
+  if (std::isnan(v)) return "-";
+  if (v == 0) return "0";
+  return std::isinf(v) ? "inf" : printf_double("%.2e", v);
+}
+
+// Table cells are one line each: error texts in notes may span several.
+std::string one_line(std::string s) {
+  std::replace_if(s.begin(), s.end(), [](char c) { return c == '\n' || c == '\r' || c == '\t'; }, ' ');
+  return s;
+}
+
+struct Column {
+  const char* header;
+  bool left_aligned;  // text columns; numbers are right-aligned so their units line up
+};
+
+const std::vector<Column>& table_columns() {
+  static const std::vector<Column> columns = {
+      {"label", true},      {"ranks", false},          {"step", false},       {"tokens/s/GPU", false},
+      {"peak mem", false},  {"planned mem", false},    {"all_reduce", false}, {"reduce_scatter", false},
+      {"all_gather", false}, {"broadcast", false},     {"final loss", false}, {"max |dloss|", false},
+      {"max rel dloss", false}, {"note", true}};
+  return columns;
+}
+
+std::vector<std::string> table_cells(const CompareRow& r) {
+  std::vector<std::string> cells = {one_line(r.label), std::to_string(r.ranks), format_ms(r.step_ms),
+                                    format_count(r.tokens_per_s_per_gpu) + " tok/s",
+                                    format_bytes_binary(r.peak_mem_bytes), format_bytes_binary(r.planned_mem_bytes)};
+  for (double b : r.bytes_per_step) cells.push_back(format_bytes_decimal(b));
+  cells.push_back(r.failed() ? "-" : format_loss(r.final_loss));
+  cells.push_back(format_diff(r.max_loss_diff));
+  cells.push_back(format_diff(r.max_rel_loss_diff));
+  cells.push_back(one_line(r.note));
+  return cells;
+}
+
+// One table line: cells padded to their column's width, two spaces apart,
+// without trailing blanks.
+std::string table_line(const std::vector<std::string>& cells, const std::vector<size_t>& widths) {
+  std::string line;
+  for (size_t c = 0; c < cells.size(); ++c) {
+    const std::string pad(widths[c] - cells[c].size(), ' ');
+    if (c) line += "  ";
+    line += table_columns()[c].left_aligned ? cells[c] + pad : pad + cells[c];
+  }
+  line.erase(line.find_last_not_of(' ') + 1);
+  return line + "\n";
+}
+
+// RFC 4180 quoting: labels and error notes may contain commas, quotes or newlines.
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\r\n") == std::string::npos) return s;
+  std::string q = "\"";
+  for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return q + "\"";
+}
+
+// The shortest text that reads back as the same double; to_chars spells
+// non-finite values nan, inf and -inf, as strtod and most CSV readers accept.
+std::string csv_number(double v) {
+  char buf[64];
+  const auto res = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, res.ptr);
+}
+
+std::string summary_csv(const std::vector<CompareRow>& rows) {
+  std::string out = "label,ranks,step_ms,tokens_per_s_per_gpu,peak_mem_bytes,planned_mem_bytes";
+  for (const char* name : kCollectiveNames) out += cat(",", name, "_bytes_per_step");
+  out += ",steps,final_loss,max_loss_diff,max_rel_loss_diff,note\n";
+  for (const auto& r : rows) {
+    out += cat(csv_field(r.label), ",", r.ranks, ",", csv_number(r.step_ms), ",", csv_number(r.tokens_per_s_per_gpu),
+               ",", csv_number(r.peak_mem_bytes), ",", csv_number(r.planned_mem_bytes));
+    for (double b : r.bytes_per_step) out += "," + csv_number(b);
+    out += cat(",", r.losses.size(), ",", csv_number(r.final_loss), ",", csv_number(r.max_loss_diff), ",",
+               csv_number(r.max_rel_loss_diff), ",", csv_field(r.note), "\n");
+  }
+  return out;
+}
+
+std::string losses_csv(const std::vector<CompareRow>& rows) {
+  std::string out = "step";
+  size_t steps = 0;
+  for (const auto& r : rows) {
+    out += "," + csv_field(r.label);
+    steps = std::max(steps, r.losses.size());
+  }
+  out += "\n";
+  for (size_t s = 0; s < steps; ++s) {
+    out += std::to_string(s + 1);
+    for (const auto& r : rows) out += "," + (s < r.losses.size() ? csv_number(r.losses[s]) : std::string());
+    out += "\n";
+  }
+  return out;
+}
+
+// The whole file or an error naming it. close() flushes, so a full disk is
+// caught here too rather than leaving a silently truncated report.
+void write_file(const std::string& path, std::string_view bytes) {
+  errno = 0;
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (f) f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (f) f.close();
+  if (!f) throw Error(cat("cannot write '", path, "': ", errno ? std::strerror(errno) : "I/O error"));
+}
+
+}  // namespace
+
+std::string format_count(double v) { return scaled(v, 1000, {"", "K", "M", "G", "T"}, ""); }
+std::string format_bytes_binary(double bytes) { return scaled(bytes, 1024, {"B", "KiB", "MiB", "GiB", "TiB"}, " "); }
+std::string format_bytes_decimal(double bytes) { return scaled(bytes, 1000, {"B", "KB", "MB", "GB", "TB"}, " "); }
+
+void compute_diffs(std::vector<CompareRow>& rows) {
+  if (rows.empty()) return;
+  const std::vector<double> ref = rows[0].losses;  // a copy: rows[0] is updated too
+  for (auto& row : rows) {
+    const size_t common = std::min(ref.size(), row.losses.size());
+    double max_abs = 0, max_rel = 0;
+    bool compared = false;
+    for (size_t i = 0; i < common; ++i) {
+      const double a = row.losses[i], b = ref[i];
+      const bool fa = std::isfinite(a), fb = std::isfinite(b);
+      if (!fa && !fb) continue;  // both diverged: nothing to tell apart
+      compared = true;
+      // Only one diverged: infinitely different, so the table cannot call it a match.
+      const double d = fa && fb ? std::fabs(a - b) : kInf;
+      max_abs = std::max(max_abs, d);
+      max_rel = std::max(max_rel, d == 0 ? 0 : d / std::fabs(b));  // b == 0 gives inf, as it should
+    }
+    row.max_loss_diff = compared ? max_abs : kNaN;
+    row.max_rel_loss_diff = compared ? max_rel : kNaN;
+  }
+}
+
+std::string format_table(const std::vector<CompareRow>& rows) {
+  const auto& columns = table_columns();
+  std::vector<std::string> header;
+  for (const auto& c : columns) header.push_back(c.header);
+  std::vector<std::vector<std::string>> body;
+  for (const auto& r : rows) body.push_back(table_cells(r));
+
+  std::vector<size_t> widths(columns.size(), 0);
+  size_t total = 2 * (columns.size() - 1);  // the gaps between columns
+  for (size_t c = 0; c < columns.size(); ++c) {
+    widths[c] = header[c].size();
+    for (const auto& cells : body) widths[c] = std::max(widths[c], cells[c].size());
+    total += widths[c];
+  }
+
+  std::string out = table_line(header, widths) + std::string(total, '-') + "\n";
+  for (const auto& cells : body) out += table_line(cells, widths);
+  if (rows.empty()) return out + "(no runs)\n";
+  return out + cat("collective bytes are per rank and step; loss differences are against '", one_line(rows[0].label),
+                   "'\n");
+}
+
+std::string losses_csv_path(const std::string& path) {
+  const std::filesystem::path p(path);
+  return (p.parent_path() / (p.stem().string() + "_losses.csv")).string();
+}
+
+void write_csv(const std::string& path, const std::vector<CompareRow>& rows) {
+  write_file(path, summary_csv(rows));
+  write_file(losses_csv_path(path), losses_csv(rows));
+}
+
+void write_png(const std::string& path, const std::vector<CompareRow>& rows, const std::string& title) {
+  const Chart chart = render_chart(rows, title);
+  const std::vector<uint8_t> png =
+      png::encode_rgb(chart.canvas.width(), chart.canvas.height(), chart.canvas.rgb());
+  write_file(path, std::string_view(reinterpret_cast<const char*>(png.data()), png.size()));
+}
+
+}  // namespace loom::report
