@@ -41,27 +41,37 @@ def flops_per_token(c):
     return 6 * n + 12 * L * h * S
 
 
+def llama_config(c):
+    """The HF LlamaConfig of a model_from_config dict (SDPA attention, no KV cache)."""
+    from transformers import LlamaConfig
+    return LlamaConfig(
+        hidden_size=c["hidden"], num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+        num_key_value_heads=c["kv_heads"], intermediate_size=c["ffn"], vocab_size=c["vocab"],
+        max_position_embeddings=max(c["seq"], 2048), rope_theta=c["rope_theta"], rms_norm_eps=c["norm_eps"],
+        tie_word_embeddings=c["tied"], attn_implementation="sdpa", use_cache=False)
+
+
+def adamw_param_groups(model, c):
+    """AdamW groups: weight decay on the >=2-D parameters (matrices, embeddings), none on norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": c["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def run_mode(c, mode, steps, warmup, seed):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     torch.cuda.reset_peak_memory_stats()
     pure = mode.startswith("pure")
     compiled = mode.endswith("+compile")
-    conf = LlamaConfig(
-        hidden_size=c["hidden"], num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
-        num_key_value_heads=c["kv_heads"], intermediate_size=c["ffn"], vocab_size=c["vocab"],
-        max_position_embeddings=max(c["seq"], 2048), rope_theta=c["rope_theta"], rms_norm_eps=c["norm_eps"],
-        tie_word_embeddings=c["tied"], attn_implementation="sdpa", use_cache=False)
+    conf = llama_config(c)
     dtype = torch.bfloat16 if pure else torch.float32
     model = LlamaForCausalLM(conf).to(device="cuda", dtype=dtype)
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=c["lr"], betas=(c["beta1"], c["beta2"]), eps=1e-8, fused=True)
+    opt = torch.optim.AdamW(adamw_param_groups(model, c), lr=c["lr"], betas=(c["beta1"], c["beta2"]),
+                            eps=1e-8, fused=True)
     step_fn_model = torch.compile(model) if compiled else model
     g = torch.Generator(device="cuda").manual_seed(seed)
 
