@@ -53,6 +53,9 @@ struct UnitInfo {
   std::string name;          // "embedding", "layer.3", "head"
   std::vector<ParamInfo> params;
   int64_t numel = 0;         // sum of params, unpadded
+  // Another unit whose params this unit's forward reads and whose grads its
+  // backward accumulates into (the head of a tied-embedding model: unit 0), or -1.
+  int uses_params_of = -1;
 };
 
 // The units and their parameter layout for a spec (HF names, HF shapes [out, in]).

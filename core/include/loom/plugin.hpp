@@ -32,6 +32,7 @@ struct PluginInit {
   int local_rank = 0;
   uint64_t seed = 0;
   bool deterministic = false;
+  int local_world = 1;       // ranks on this node
 };
 
 // Base of every plugin object. The host destroys objects through this.

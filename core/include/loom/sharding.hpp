@@ -5,7 +5,10 @@
 // communication and which range of each unit this rank updates.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "loom/arena.hpp"
 
 #include "loom/comm.hpp"
 #include "loom/context.hpp"
@@ -16,14 +19,20 @@
 namespace loom {
 
 // Sizes (in elements) of one unit's buffers on this rank, as the plugin wants them.
+// Flat indices below are positions in the unit's flat parameter vector
+// (ParamInfo::offset); [info.numel, padded_numel) is zero padding.
 struct UnitLayout {
   int64_t padded_numel = 0;  // flat size padded to divide the shard group
   int64_t param_numel = 0;   // resident compute-dtype params between steps
-  int64_t gather_numel = 0;  // scratch for gathered full params (zero3), 0 if none
-  int64_t grad_numel = 0;    // gradient buffer the backward writes into
-  int64_t grad_shard_numel = 0;  // reduced-gradient shard buffer, 0 if none
+  bool params_sharded = false;  // resident params are the owned range only (zero3); else the whole padded unit
+  int64_t grad_numel = 0;    // per-unit gradient buffer the core allocates (0: the plugin lends one from scratch)
+  int64_t grad_shard_numel = 0;  // fp32 reduced-gradient shard, 0 if none
   int64_t optim_numel = 0;   // master / m / v elements (the owned range)
   int64_t optim_begin = 0;   // owned range start in the padded flat unit
+  // Checkpoints: `replicas` ranks own this same range (ddp: every rank; hybrid
+  // shard: one per shard group) and this rank is number `replica` of them; each
+  // writes its share of the range so a checkpoint holds every element once.
+  int replica = 0, replicas = 1;
 };
 
 // One unit's buffers on this rank (tensors are flat, 1-D).
@@ -31,12 +40,22 @@ struct UnitState {
   int index = 0;
   const UnitInfo* info = nullptr;
   UnitLayout layout;
-  Tensor params;      // what forward/backward read (full unit when gathered)
-  Tensor gathered;    // zero3 scratch (empty otherwise)
-  Tensor grads;       // what backward writes
-  Tensor grad_shard;  // reduced shard (empty when unused)
-  Tensor master;      // fp32 master for the owned range (empty when the recipe has none)
+  Tensor params;       // what forward/backward read: the whole unit (zero3: a gathered buffer, set by the plugin)
+  Tensor param_shard;  // zero3: the resident owned range (empty otherwise)
+  Tensor grads;        // what backward accumulates into (the whole unit; the plugin may point it at scratch)
+  Tensor grad_shard;   // reduced fp32 gradient shard (empty when unused)
+  Tensor master;       // fp32 master for the owned range (empty when the recipe has none)
   Tensor adam_m, adam_v;
+};
+
+// A buffer a strategy needs beyond the per-unit ones (gather pools, gradient
+// scratch, reduce staging). The core allocates it in the arena after plan()
+// and hands it to setup(), in the order asked for, so `loom check` accounts for it.
+struct ShardingBuffer {
+  std::string name;
+  DType dtype = DType::f32;
+  int64_t numel = 0;
+  MemCategory category = MemCategory::comm;
 };
 
 struct AdamWHyper {
@@ -44,25 +63,37 @@ struct AdamWHyper {
   int64_t step = 1;  // 1-based, for bias correction
 };
 
-// Arithmetic the core provides to sharding plugins (CPU or CUDA kernels).
+// Arithmetic the core provides to sharding plugins (CPU or CUDA kernels, queued
+// on ctx's stream).
 class OptimizerOps {
  public:
   virtual ~OptimizerOps() = default;
-  // Sum of squares of grads[begin, end) in fp32/fp64 accumulation.
+  // Sum of squares of grads[begin, end) in fp32/fp64 accumulation (synchronises).
   virtual double grad_sq_norm(const ExecContext& ctx, const Tensor& grads, int64_t begin, int64_t end) = 0;
   // AdamW on the unit's owned range: grads_owned holds the (reduced) gradients
   // for [optim_begin, optim_begin + optim_numel), multiplied by grad_scale
   // (clipping, averaging) before use; params for that range are written back
-  // into params_out (offset optim_begin) in the param dtype. Weight decay is
-  // applied only to parameters whose ParamInfo says so.
+  // into params_out in the param dtype, whose element 0 is flat index
+  // params_out_begin (0 for a whole-unit buffer, optim_begin for a shard).
+  // Weight decay is applied only to parameters whose ParamInfo says so.
   virtual void adamw(const ExecContext& ctx, UnitState& unit, const Tensor& grads_owned, float grad_scale,
-                     const AdamWHyper& h, Tensor& params_out) = 0;
+                     const AdamWHyper& h, Tensor& params_out, int64_t params_out_begin) = 0;
+  virtual void zero(const ExecContext& ctx, Tensor& t) = 0;
+  virtual void accumulate(const ExecContext& ctx, Tensor& dst, const Tensor& src) = 0;  // dst += src (fp32)
+  virtual void convert(const ExecContext& ctx, Tensor& dst, const Tensor& src) = 0;     // fp32 <-> bf16 or copy
 };
 
 struct ShardingEnv {
   ExecContext ctx;
-  Communicator* world = nullptr;  // all ranks
+  Communicator* world = nullptr;  // all ranks, tensors where the model runs (MPI on CPU, NCCL on CUDA)
+  Communicator* host = nullptr;   // all ranks, host tensors (scalars such as norms); == world on CPU
   OptimizerOps* ops = nullptr;
+  int local_world = 1;            // ranks on this node (hybrid_shard's default group)
+  DType param_dtype = DType::f32; // the precision recipe's parameter and gradient dtypes
+  DType grad_dtype = DType::f32;
+  int64_t grad_accum = 1;         // micro-batches per step
+  // Gradients arrive already divided by the number of ranks (the core scales
+  // the loss by 1 / (tokens * grad_accum * world)): strategies reduce with sum.
 };
 
 struct StepResult {
@@ -74,9 +105,14 @@ class Sharding : public Plugin {
  public:
   // Called once with every unit; returns one layout per unit.
   virtual std::vector<UnitLayout> plan(const ShardingEnv& env, const std::vector<UnitInfo>& units) = 0;
+  // Extra buffers, asked for once after plan().
+  virtual std::vector<ShardingBuffer> scratch(const ShardingEnv& /*env*/) { return {}; }
   // Called once after the core has allocated and initialised the buffers
-  // (params hold the initial weights on every rank).
-  virtual void setup(ShardingEnv& /*env*/, std::vector<UnitState>& /*units*/) {}
+  // (params / param_shard hold the initial weights on every rank); `scratch`
+  // holds the buffers scratch() asked for.
+  virtual void setup(ShardingEnv& /*env*/, std::vector<UnitState>& /*units*/, std::vector<Tensor>& /*scratch*/) {}
+  // Called by the core before the first micro-batch of each step.
+  virtual void begin_step(ShardingEnv& /*env*/, std::vector<UnitState>& /*units*/) {}
   virtual void before_forward(ShardingEnv& /*env*/, UnitState& /*unit*/) {}
   virtual void after_forward(ShardingEnv& /*env*/, UnitState& /*unit*/) {}
   virtual void before_backward(ShardingEnv& /*env*/, UnitState& /*unit*/) {}

@@ -13,7 +13,7 @@
 // Plugin ABI: the major changes when an interface breaks (a plugin built
 // against another major is refused); the minor grows when the host adds
 // something a plugin may use (a host accepts plugins with minor <= its own).
-#define LOOM_ABI_MAJOR 1
+#define LOOM_ABI_MAJOR 2
 #define LOOM_ABI_MINOR 0
 
 #define LOOM_STR2_(x) #x

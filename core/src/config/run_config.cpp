@@ -65,6 +65,7 @@ RunSection read_run(const ConfigTable& t) {
   r.deterministic = t.get_bool("deterministic", r.deterministic);
   r.log_level = t.get_choice("log_level", r.log_level, {"trace", "debug", "info", "warn", "error"});
   r.threads = static_cast<int>(t.get_int("threads", r.threads, 0, 4096));
+  r.collective_timeout = t.get_float("collective_timeout", r.collective_timeout, 0.1, 86400.0);
   r.plugin_path = t.get_string_list("plugin_path", r.plugin_path);
   return r;
 }

@@ -21,6 +21,7 @@ struct RunSection {
   bool deterministic = false;
   std::string log_level = "info";    // trace | debug | info | warn | error
   int threads = 0;                   // CPU threads, 0 = all cores
+  double collective_timeout = 300;   // seconds a collective may take before the run stops with an error
   std::vector<std::string> plugin_path;
 };
 

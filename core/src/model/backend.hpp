@@ -24,6 +24,7 @@ class Backend {
   virtual ~Backend() = default;
   virtual Device device() const = 0;
   virtual const ExecContext& ctx() const = 0;
+  virtual int device_index() const { return -1; }  // the CUDA device, -1 on CPU
 
   // Host <-> backend memory.
   virtual void upload(Tensor& dst, const void* host, size_t bytes) = 0;
@@ -91,5 +92,7 @@ std::unique_ptr<Backend> make_cpu_backend(int threads);
 // (ExecContext::blas_handle), the device chosen by `device_index`.
 std::unique_ptr<Backend> make_cuda_backend(int device_index);
 bool cuda_available();  // a CUDA device is present and usable (false in builds without CUDA)
+// The GPU of the rank with this node-local rank (one GPU per rank); throws when there is none.
+int cuda_device_for_rank(int local_rank, int local_world);
 
 }  // namespace loom

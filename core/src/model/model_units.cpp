@@ -41,6 +41,7 @@ std::vector<UnitInfo> model_units(const ModelSpec& s) {
   UnitInfo head{"head", {}, 0};
   add(head, "model.norm.weight", {s.hidden}, false);
   if (!s.tied_embeddings) add(head, "lm_head.weight", {s.vocab_size, s.hidden}, true);
+  else head.uses_params_of = 0;
   units.push_back(std::move(head));
   return units;
 }

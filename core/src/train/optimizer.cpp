@@ -12,7 +12,7 @@ double BackendOptimizerOps::grad_sq_norm(const ExecContext&, const Tensor& grads
 }
 
 void BackendOptimizerOps::adamw(const ExecContext&, UnitState& unit, const Tensor& grads_owned, float grad_scale,
-                                const AdamWHyper& h, Tensor& params_out) {
+                                const AdamWHyper& h, Tensor& params_out, int64_t params_out_begin) {
   const int64_t lo = unit.layout.optim_begin, hi = lo + unit.layout.optim_numel;
   LOOM_CHECK(grads_owned.numel() >= unit.layout.optim_numel, "unit ", unit.info->name, ": owned gradient has ",
              grads_owned.numel(), " elements, the owned range ", unit.layout.optim_numel);
@@ -34,12 +34,16 @@ void BackendOptimizerOps::adamw(const ExecContext&, UnitState& unit, const Tenso
     Tensor g = view(grads_owned, local, {n});
     Tensor m = view(unit.adam_m, local, {n});
     Tensor v = view(unit.adam_v, local, {n});
-    Tensor w = view(params_out, b, {n});
+    Tensor w = view(params_out, b - params_out_begin, {n});
     Tensor master = has_master ? view(unit.master, local, {n}) : Tensor();
     a.weight_decay = p.weight_decay ? h.weight_decay : 0.f;
     backend_.adamw(w, has_master ? &master : nullptr, g, m, v, a);
   }
 }
+
+void BackendOptimizerOps::zero(const ExecContext&, Tensor& t) { backend_.zero(t); }
+void BackendOptimizerOps::accumulate(const ExecContext&, Tensor& dst, const Tensor& src) { backend_.accumulate(dst, src); }
+void BackendOptimizerOps::convert(const ExecContext&, Tensor& dst, const Tensor& src) { backend_.convert(dst, src); }
 
 double lr_at(int64_t step, int64_t total_steps, int64_t warmup_steps, double lr, double min_lr,
              const std::string& schedule) {

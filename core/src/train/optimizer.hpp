@@ -11,7 +11,10 @@ class BackendOptimizerOps final : public OptimizerOps {
       : backend_(backend), stochastic_rounding_(stochastic_rounding), seed_(seed) {}
   double grad_sq_norm(const ExecContext& ctx, const Tensor& grads, int64_t begin, int64_t end) override;
   void adamw(const ExecContext& ctx, UnitState& unit, const Tensor& grads_owned, float grad_scale, const AdamWHyper& h,
-             Tensor& params_out) override;
+             Tensor& params_out, int64_t params_out_begin) override;
+  void zero(const ExecContext& ctx, Tensor& t) override;
+  void accumulate(const ExecContext& ctx, Tensor& dst, const Tensor& src) override;
+  void convert(const ExecContext& ctx, Tensor& dst, const Tensor& src) override;
 
  private:
   Backend& backend_;

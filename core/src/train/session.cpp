@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,10 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "comm/launch.hpp"
+#include "comm/mpi_communicator.hpp"
+#ifdef LOOM_HAVE_NCCL
+#include "comm/nccl_communicator.hpp"
+#endif
 #include "hf/hf_llama.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
@@ -97,12 +102,24 @@ Session::Session(Config cfg) : cfg_(std::move(cfg)) {
     hf.max_seq_len = std::max(hf.max_seq_len, cfg_.train.seq_len);
     spec_ = hf;
   }
-  // Several processes (mpirun, srun) each training the whole model would
-  // write the same files: refuse until the multi-rank strategies drive them.
-  if (const LaunchInfo launch = launch_from_env(); launch.world != 1)
+  // Rank, world and node-local rank: from MPI when started by mpirun / srun,
+  // otherwise this is the only rank and MPI is never touched.
+  LaunchInfo launch = launch_from_env();
+  const bool several = launch.under_launcher && launch.world != 1;
+  if (several && !mpi_available())
     throw Error(cat("this process is one of ", launch.world == 0 ? std::string("several") : std::to_string(launch.world),
-                    " ranks started by ", launch.launcher, ", but this version of loom trains on one rank "
-                    "(sharding.plugin = \"", cfg_.sharding.plugin, "\"): start a single process"));
+                    " ranks started by ", launch.launcher, ", but this loom was built without MPI: rebuild with "
+                    "MPI (libopenmpi-dev; cmake -DLOOM_WITH_MPI=ON) or start a single process"));
+  if (launch.under_launcher && mpi_available()) launch = detect_launch();
+  local_rank_ = launch.local_rank;
+  local_world_ = launch.local_world;
+  launcher_ = launch.launcher;
+  if (launch.world == 1 && cfg_.sharding.plugin != "none" && !launch.under_launcher)
+    throw Error(cat("sharding.plugin = \"", cfg_.sharding.plugin, "\" splits the work across ranks, but this "
+                    "process was started alone: launch it with `mpirun -np N loom ...` (or `srun --mpi=pmix ...` "
+                    "under Slurm), or set sharding.plugin = \"none\" for one process"));
+  // Quiet the other ranks: rank 0 speaks for the run, the rest report warnings and errors.
+  if (launch.rank != 0 && cfg_.run.log_level == "info") set_log_level("warn");
   if (cfg_.model.layers != "native")
     throw Error(cat("model.layers = \"", cfg_.model.layers,
                     "\": this version of loom builds native layers only (separate q/k/v and gate/up GEMMs); "
@@ -114,11 +131,30 @@ Session::Session(Config cfg) : cfg_(std::move(cfg)) {
     if (!cuda_available())
       throw Error("run.device = \"cuda\" but no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)");
 #endif
-    backend_ = make_cuda_backend(0);  // in a build without CUDA this throws, saying how to get it
+    backend_ = make_cuda_backend(cuda_device_for_rank(launch.local_rank, launch.local_world));
   } else {
     backend_ = make_cpu_backend(cfg_.run.threads);
   }
-  comm_ = make_self_communicator();
+  if (launch.under_launcher && mpi_available()) {
+    // MPI carries host tensors; on CUDA, NCCL carries the device tensors and
+    // MPI stays for scalars, barriers and the NCCL unique id.
+    if (cfg_.run.device == "cuda") {
+      host_owned_ = make_mpi_communicator(cfg_.run.collective_timeout);
+      host_ = host_owned_.get();
+#ifdef LOOM_HAVE_NCCL
+      comm_ = make_nccl_communicator(backend_->device_index(), cfg_.run.collective_timeout);
+#else
+      throw Error("run.device = \"cuda\" with several ranks needs NCCL, and this loom was built without it: "
+                  "install NCCL (libnccl-dev) and rebuild");
+#endif
+    } else {
+      comm_ = make_mpi_communicator(cfg_.run.collective_timeout);
+      host_ = comm_.get();
+    }
+  } else {
+    comm_ = make_self_communicator();
+    host_ = comm_.get();
+  }
   create_plugins();
   plan_memory();
 }
@@ -134,7 +170,8 @@ void Session::create_plugins() {
     init.device = backend_->device();
     init.rank = comm_->rank();
     init.world = comm_->size();
-    init.local_rank = 0;
+    init.local_rank = local_rank_;
+    init.local_world = local_world_;
     init.seed = cfg_.run.seed;
     init.deterministic = cfg_.run.deterministic;
     return init;
@@ -178,6 +215,11 @@ void Session::plan_memory() {
   env_.ctx.deterministic = cfg_.run.deterministic;
   env_.world = comm_.get();
   env_.ops = ops_.get();
+  env_.host = host_;
+  env_.local_world = local_world_;
+  env_.param_dtype = dtypes_.param;
+  env_.grad_dtype = dtypes_.grad;
+  env_.grad_accum = cfg_.train.grad_accum;
   layouts_ = sharding_->plan(env_, unit_infos_);
   LOOM_CHECK(layouts_.size() == unit_infos_.size(), "sharding plugin returned ", layouts_.size(), " layouts for ",
              unit_infos_.size(), " units");
@@ -187,9 +229,14 @@ void Session::plan_memory() {
   for (size_t i = 0; i < unit_infos_.size(); ++i) {
     const UnitLayout& l = layouts_[i];
     const std::string& n = unit_infos_[i].name;
+    LOOM_CHECK(l.padded_numel >= unit_infos_[i].numel && l.optim_numel >= 0 && l.optim_begin >= 0 &&
+                   l.optim_begin + l.optim_numel <= l.padded_numel && l.replicas >= 1 && l.replica >= 0 &&
+                   l.replica < l.replicas && l.param_numel == (l.params_sharded ? l.optim_numel : l.padded_numel),
+               "sharding.plugin = \"", cfg_.sharding.plugin, "\" planned an inconsistent layout for unit ", n);
     UnitBlocks b{};
     b.params = plan_.add("params." + n, MemCategory::params, static_cast<size_t>(l.param_numel) * pb);
     b.grads = plan_.add("grads." + n, MemCategory::grads, static_cast<size_t>(l.grad_numel) * gb);
+    b.grad_shard = plan_.add("grad_shard." + n, MemCategory::grads, static_cast<size_t>(l.grad_shard_numel) * 4);
     b.has_master = dtypes_.has_master;
     if (b.has_master)
       b.master = plan_.add("master." + n, MemCategory::master, static_cast<size_t>(l.optim_numel) * 4);
@@ -197,6 +244,11 @@ void Session::plan_memory() {
     b.v = plan_.add("adam_v." + n, MemCategory::optimizer, static_cast<size_t>(l.optim_numel) * ob);
     unit_blocks_.push_back(b);
   }
+  scratch_req_ = sharding_->scratch(env_);
+  scratch_blocks_.clear();
+  for (const ShardingBuffer& r : scratch_req_)
+    scratch_blocks_.push_back(
+        plan_.add("sharding." + r.name, r.category, static_cast<size_t>(r.numel) * dtype_size(r.dtype)));
   model_ = std::make_unique<LlamaModel>(spec_, cfg_.train.micro_batch, cfg_.train.seq_len,
                                         parse_recompute(cfg_.model.recompute), dtypes_.activation, *precision_,
                                         *attention_, *backend_);
@@ -220,11 +272,56 @@ std::string Session::describe() const {
   os << "batch: " << cfg_.train.micro_batch << " x " << cfg_.train.seq_len << " tokens per micro-step, grad_accum "
      << cfg_.train.grad_accum << " -> "
      << cfg_.train.micro_batch * cfg_.train.seq_len * cfg_.train.grad_accum * comm_->size() << " tokens per step\n";
+  if (comm_->size() > 1 || cfg_.sharding.plugin != "none") {
+    const MemoryFormula f = memory_formula();
+    auto mib = [](double b) {
+      std::ostringstream m;
+      m << std::fixed << std::setprecision(2) << b / (1024.0 * 1024.0) << " MiB";
+      return m.str();
+    };
+    os << "ranks: " << comm_->size() << (launcher_.empty() ? "" : " (" + launcher_ + ")") << ", this is rank "
+       << comm_->rank() << "; ZeRO formulas per rank for " << cfg_.sharding.plugin << ": params "
+       << mib(f.params) << ", grads " << mib(f.grads) << ", optimizer state " << mib(f.optimizer)
+       << " (the plan below adds padding and the strategy's comm buffers)\n";
+  }
   os << "memory plan per rank (" << dtype_name(dtypes_.param) << " params, " << dtype_name(dtypes_.grad) << " grads, "
      << dtype_name(dtypes_.optim_state) << " optimizer state, " << dtype_name(dtypes_.activation)
      << " activations, recompute " << cfg_.model.recompute << "):\n"
      << plan_.summary();
   return os.str();
+}
+
+std::string Session::memory_report() const {
+  std::ostringstream os;
+  auto mib = [](double b) { return b / (1024.0 * 1024.0); };
+  os << std::fixed << std::setprecision(1) << "memory on rank " << comm_->rank() << ": planned "
+     << mib(static_cast<double>(plan_.total_bytes())) << " MiB (params "
+     << mib(static_cast<double>(plan_.category_bytes(MemCategory::params))) << ", grads "
+     << mib(static_cast<double>(plan_.category_bytes(MemCategory::grads))) << ", optimizer "
+     << mib(static_cast<double>(plan_.category_bytes(MemCategory::optimizer) +
+                                plan_.category_bytes(MemCategory::master)))
+     << ", activations " << mib(static_cast<double>(plan_.category_bytes(MemCategory::activations)))
+     << ", comm " << mib(static_cast<double>(plan_.category_bytes(MemCategory::comm))) << "), arena allocated "
+     << mib(static_cast<double>(arena_.bytes())) << " MiB";
+  if (backend_->device() == Device::cuda) {
+    os << ", device in use " << mib(static_cast<double>(backend_->device_memory_used())) << " MiB";
+  } else {
+    std::ifstream st("/proc/self/status");
+    for (std::string line; std::getline(st, line);)
+      if (line.rfind("VmRSS:", 0) == 0) os << ", process RSS " << line.substr(6);
+  }
+  return os.str();
+}
+
+void Session::fault_point() {
+  static const char* spec = std::getenv("LOOM_FAULT_STALL");
+  if (!spec) return;
+  int rank = -1;
+  long long step = -1;
+  if (std::sscanf(spec, "%d:%lld", &rank, &step) != 2) return;
+  if (rank != comm_->rank() || step != step_ + 1) return;
+  log_warn(cat("LOOM_FAULT_STALL: rank ", rank, " stops responding before step ", step));
+  for (;;) ::pause();
 }
 
 void Session::initialise() {
@@ -240,12 +337,24 @@ void Session::initialise() {
     u.index = static_cast<int>(i);
     u.info = &unit_infos_[i];
     u.layout = l;
-    u.params = arena_.tensor(b.params, dtypes_.param, {l.param_numel});
-    u.grads = arena_.tensor(b.grads, dtypes_.grad, {l.grad_numel});
+    Tensor p = arena_.tensor(b.params, dtypes_.param, {l.param_numel});
+    (l.params_sharded ? u.param_shard : u.params) = p;
+    if (l.grad_numel > 0) u.grads = arena_.tensor(b.grads, dtypes_.grad, {l.grad_numel});
+    if (l.grad_shard_numel > 0) u.grad_shard = arena_.tensor(b.grad_shard, DType::f32, {l.grad_shard_numel});
     if (b.has_master) u.master = arena_.tensor(b.master, DType::f32, {l.optim_numel});
     u.adam_m = arena_.tensor(b.m, dtypes_.optim_state, {l.optim_numel});
     u.adam_v = arena_.tensor(b.v, dtypes_.optim_state, {l.optim_numel});
+    // Padding and optimizer state start at zero (AdamW's m and v, and the
+    // padded tail every gather and reduce carries).
+    for (Tensor* t : {&p, &u.grads, &u.grad_shard, &u.master, &u.adam_m, &u.adam_v})
+      if (t->data) backend_->zero(*t);
     units_.push_back(u);
+    own_grads_.push_back(u.grads);
+  }
+  scratch_.clear();
+  for (size_t i = 0; i < scratch_req_.size(); ++i) {
+    scratch_.push_back(arena_.tensor(scratch_blocks_[i], scratch_req_[i].dtype, {scratch_req_[i].numel}));
+    backend_->zero(scratch_.back());
   }
   const size_t n = static_cast<size_t>(cfg_.train.micro_batch * cfg_.train.seq_len);
   host_tokens_.assign(static_cast<size_t>(cfg_.train.micro_batch * (cfg_.train.seq_len + 1)), 0);
@@ -258,7 +367,7 @@ void Session::initialise() {
     if (init.rfind("hf:", 0) == 0) init_from_hf(init.substr(3));
     else init_random();
   }
-  sharding_->setup(env_, units_);
+  sharding_->setup(env_, units_, scratch_);
   initialised_ = true;
 }
 
@@ -277,7 +386,10 @@ std::vector<float> Session::read_tensor(const Tensor& t) const { return download
 std::vector<float> Session::read_param(const std::string& hf_name, bool grad) const {
   int u = 0;
   const ParamInfo& p = find_param(hf_name, &u);
-  const Tensor& flat = grad ? units_[static_cast<size_t>(u)].grads : units_[static_cast<size_t>(u)].params;
+  const UnitState& unit = units_[static_cast<size_t>(u)];
+  LOOM_CHECK(!unit.layout.params_sharded && (!grad || unit.layout.grad_numel > 0), "read_param('", hf_name,
+             "'): sharding.plugin = \"", cfg_.sharding.plugin, "\" keeps only a shard of it on this rank");
+  const Tensor& flat = grad ? unit.grads : unit.params;
   return download_f32(*backend_, view(flat, p.offset, {p.numel}));
 }
 
@@ -285,16 +397,22 @@ void Session::write_param(const std::string& hf_name, const float* src) {
   int u = 0;
   const ParamInfo& p = find_param(hf_name, &u);
   UnitState& unit = units_[static_cast<size_t>(u)];
-  Tensor dst = view(unit.params, p.offset, {p.numel});
-  upload_f32(*backend_, dst, src);
-  // The master copy holds the owned range [optim_begin, optim_begin + optim_numel) in fp32.
-  if (unit.master.data) {
-    const int64_t lo = std::max(p.offset, unit.layout.optim_begin);
-    const int64_t hi = std::min(p.offset + p.numel, unit.layout.optim_begin + unit.layout.optim_numel);
+  // The owned range [optim_begin, optim_begin + optim_numel): what the master
+  // copy holds in fp32, and what a sharded params buffer holds.
+  const int64_t lo = std::max(p.offset, unit.layout.optim_begin);
+  const int64_t hi = std::min(p.offset + p.numel, unit.layout.optim_begin + unit.layout.optim_numel);
+  if (unit.layout.params_sharded) {
     if (lo < hi) {
-      Tensor m = view(unit.master, lo - unit.layout.optim_begin, {hi - lo});
-      upload_f32(*backend_, m, src + (lo - p.offset));
+      Tensor dst = view(unit.param_shard, lo - unit.layout.optim_begin, {hi - lo});
+      upload_f32(*backend_, dst, src + (lo - p.offset));
     }
+  } else {
+    Tensor dst = view(unit.params, p.offset, {p.numel});
+    upload_f32(*backend_, dst, src);
+  }
+  if (unit.master.data && lo < hi) {
+    Tensor m = view(unit.master, lo - unit.layout.optim_begin, {hi - lo});
+    upload_f32(*backend_, m, src + (lo - p.offset));
   }
 }
 
@@ -377,7 +495,42 @@ void Session::backward() {
 }
 
 void Session::zero_grads() {
-  for (auto& u : units_) backend_->zero(u.grads);
+  for (Tensor& g : own_grads_)
+    if (g.data) backend_->zero(g);
+}
+
+double Session::mean_over_ranks(double v) {
+  if (host_->size() == 1) return v;
+  Tensor t(&v, DType::f64, Device::cpu, {1});
+  host_->all_reduce(ExecContext{}, t, ReduceOp::avg);
+  return v;
+}
+
+Session::MemoryFormula Session::memory_formula() const {
+  // ZeRO (Rajbhandari et al. 2020), per rank, with p the shard group:
+  // params P*Psi/p under zero3, grads G*Psi/p from zero2 on, optimizer state
+  // K*Psi/p from zero1 on, where P and G are the param and grad bytes per
+  // element and K the master + m + v bytes. Sharded gradients are kept as fp32
+  // shards (reduce_dtype), so G = 4 there.
+  const double psi = static_cast<double>(spec_.total_params());
+  const double P = static_cast<double>(dtype_size(dtypes_.param));
+  const double G = static_cast<double>(dtype_size(dtypes_.grad));
+  const double K = (dtypes_.has_master ? 4.0 : 0.0) + 2.0 * static_cast<double>(dtype_size(dtypes_.optim_state));
+  const std::string& s = cfg_.sharding.plugin;
+  double group = comm_->size();
+  if (s == "ddp" || s == "none") group = 1;
+  if (s == "hybrid_shard" && !layouts_.empty() && layouts_[0].optim_numel > 0)
+    group = static_cast<double>(layouts_[0].padded_numel) / static_cast<double>(layouts_[0].optim_numel);
+  const bool z1 = s != "ddp" && s != "none";
+  const bool z2 = s == "zero2" || s == "zero3" || s == "full_shard" || s == "hybrid_shard";
+  const bool z3 = s == "zero3" || s == "full_shard" || s == "hybrid_shard";
+  MemoryFormula f;
+  f.params = P * psi / (z3 ? group : 1.0);
+  f.grads = z2 ? 4.0 * psi / group : G * psi;
+  // zero1 keeps whole gradients and adds the fp32 reduced shard.
+  if (z1 && !z2) f.grads += 4.0 * psi / group;
+  f.optimizer = K * psi / (z1 ? group : 1.0);
+  return f;
 }
 
 StepResult Session::optimizer_step(int64_t step_index) {

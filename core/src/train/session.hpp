@@ -52,6 +52,8 @@ class Session {
   const ModelSpec& spec() const { return spec_; }
   // Human-readable model size and memory plan (what `loom check` prints).
   std::string describe() const;
+  // The plan per rank beside what was allocated (arena) and what the process uses (device memory or RSS).
+  std::string memory_report() const;
 
   // Allocates the arena and initialises weights (random, HF, or from a checkpoint when resuming).
   void initialise();
@@ -64,6 +66,15 @@ class Session {
   // One optimizer step (grad_accum micro-batches), timed on the backend.
   StepLog train_step();
   size_t arena_bytes() const { return arena_.bytes(); }
+  const ArenaPlan& memory_plan() const { return plan_; }
+  // The ZeRO paper's per-rank bytes for this strategy (params, grads, optimizer
+  // state incl. master) from the unpadded parameter count, beside the plan.
+  struct MemoryFormula { double params = 0, grads = 0, optimizer = 0; };
+  MemoryFormula memory_formula() const;
+  int rank() const { return comm_->rank(); }
+  int world() const { return comm_->size(); }
+  Communicator& comm() { return *comm_; }       // the data communicator (MPI on CPU, NCCL on CUDA)
+  Communicator& host_comm() { return *host_; }  // host scalars and barriers
 
   // Building blocks, public for tests.
   void load_batch(const int32_t* inputs, const int32_t* targets);  // host [B*S] each
@@ -94,6 +105,10 @@ class Session {
   void init_random();
   void init_from_hf(const std::string& dir);
   bool try_resume();
+  void load_checkpoint_tensors(const std::string& dir, const std::string& meta_text);
+  double mean_over_ranks(double v);
+  // LOOM_FAULT_STALL="RANK:STEP": that rank stops responding before STEP (to test collective timeouts).
+  void fault_point();
   void next_batch(Split split);
   const ParamInfo& find_param(const std::string& hf_name, int* unit) const;
 
@@ -102,6 +117,10 @@ class Session {
   std::unique_ptr<PluginRegistry> registry_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> host_owned_;  // the MPI communicator beside NCCL
+  Communicator* host_ = nullptr;
+  int local_rank_ = 0, local_world_ = 1;
+  std::string launcher_;
   std::unique_ptr<Precision> precision_;
   std::unique_ptr<Attention> attention_;
   std::unique_ptr<Sharding> sharding_;
@@ -114,8 +133,12 @@ class Session {
   std::vector<UnitState> units_;
   ArenaPlan plan_;
   size_t precision_ws_ = 0, precision_ws_bytes_ = 0;
-  struct UnitBlocks { size_t params, grads, master, m, v; bool has_master; };
+  struct UnitBlocks { size_t params, grads, grad_shard, master, m, v; bool has_master; };
   std::vector<UnitBlocks> unit_blocks_;
+  std::vector<ShardingBuffer> scratch_req_;
+  std::vector<size_t> scratch_blocks_;
+  std::vector<Tensor> scratch_;
+  std::vector<Tensor> own_grads_;  // the per-unit grads the core allocated (zeroed each step)
   Arena arena_;
   PrecisionDTypes dtypes_{};
   std::vector<int32_t> host_tokens_, host_inputs_, host_targets_;

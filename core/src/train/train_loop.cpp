@@ -8,7 +8,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <cstring>
 #include <iomanip>
+#include <map>
+#include <memory>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -61,7 +64,7 @@ std::string duration(double s) {
 // clear it first so the two never interleave on one line.
 class ProgressBar {
  public:
-  explicit ProgressBar(int64_t total) : total_(total), tty_(isatty(STDOUT_FILENO) == 1) {}
+  explicit ProgressBar(int64_t total) : total_(total), tty_(total > 0 && isatty(STDOUT_FILENO) == 1) {}
   void clear() {
     if (tty_) { std::fputs("\r\033[2K", stdout); std::fflush(stdout); }
   }
@@ -98,15 +101,39 @@ double Session::evaluate() {
     next_batch(Split::validation);
     total += forward(false, 0.f);
   }
-  return total / static_cast<double>(n);
+  return mean_over_ranks(total / static_cast<double>(n));
 }
+
+namespace {
+
+// The part of a unit this rank writes to a checkpoint: its owned range (what
+// its optimizer state covers), split between the ranks that own the same range
+// (ddp: every rank; hybrid_shard: one per group), so that every element is
+// written exactly once and the save is spread over all ranks.
+std::pair<int64_t, int64_t> checkpoint_piece(const UnitState& u) {
+  const UnitLayout& l = u.layout;
+  const int64_t lo = std::min(l.optim_begin, u.info->numel);
+  const int64_t hi = std::min(l.optim_begin + l.optim_numel, u.info->numel);
+  const int64_t n = hi - lo, r = l.replicas, k = l.replica;
+  return {lo + n * k / r, lo + n * (k + 1) / r};
+}
+
+// Flat range [lo, hi) of a unit's params as this rank holds them.
+Tensor params_range(const UnitState& u, int64_t lo, int64_t hi) {
+  if (u.layout.params_sharded) return view(u.param_shard, lo - u.layout.optim_begin, {hi - lo});
+  return view(u.params, lo, {hi - lo});
+}
+
+}  // namespace
 
 void Session::save_checkpoint(int64_t step) {
   const fs::path root = checkpoint_root(cfg_);
-  fs::create_directories(root);
+  if (comm_->rank() == 0) fs::create_directories(root);
   backend_->synchronize();
+  comm_->synchronize();  // collectives still writing params (zero1/zero2's gathers) have finished
+  std::vector<int32_t> pieces(units_.size() * 2);
   {
-    ckpt::CheckpointWriter w(root, step, comm_->rank());
+    ckpt::CheckpointWriter w(root.string(), step, comm_->rank());
     // Device tensors go through host copies that live until the shard is written.
     std::vector<std::vector<std::byte>> staging;
     auto add = [&](const std::string& name, const Tensor& t) {
@@ -118,37 +145,129 @@ void Session::save_checkpoint(int64_t step) {
       host.device = Device::cpu;
       w.add(name, host);
     };
-    for (const UnitState& u : units_) {
+    for (size_t i = 0; i < units_.size(); ++i) {
+      const UnitState& u = units_[i];
+      const auto [lo, hi] = checkpoint_piece(u);
+      pieces[2 * i] = static_cast<int32_t>(lo);
+      pieces[2 * i + 1] = static_cast<int32_t>(hi);
+      if (lo >= hi) continue;
       const std::string& n = u.info->name;
-      add("params." + n, u.params);
-      if (u.master.data) add("master." + n, u.master);
-      add("adam_m." + n, u.adam_m);
-      add("adam_v." + n, u.adam_v);
+      const int64_t o = lo - u.layout.optim_begin;  // offset in the owned-range buffers
+      add("params." + n, params_range(u, lo, hi));
+      if (u.master.data) add("master." + n, view(u.master, o, {hi - lo}));
+      add("adam_m." + n, view(u.adam_m, o, {hi - lo}));
+      add("adam_v." + n, view(u.adam_v, o, {hi - lo}));
     }
     w.write_shard();
   }
-  comm_->barrier();  // every rank's shard is on disk before the marker
+  // Every rank's piece of every unit, for the metadata (and for resharding on load).
+  std::vector<int32_t> all(pieces.size() * static_cast<size_t>(host_->size()));
+  {
+    Tensor in(pieces.data(), DType::i32, Device::cpu, {static_cast<int64_t>(pieces.size())});
+    Tensor out(all.data(), DType::i32, Device::cpu, {static_cast<int64_t>(all.size())});
+    host_->all_gather(ExecContext{}, in, out);
+  }
+  host_->barrier();  // every rank's shard is on disk before the marker
   if (comm_->rank() == 0) {
+    nlohmann::json units = nlohmann::json::array();
+    for (size_t i = 0; i < units_.size(); ++i) {
+      nlohmann::json params = nlohmann::json::array();
+      for (const ParamInfo& p : unit_infos_[i].params)
+        params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
+      nlohmann::json ranges = nlohmann::json::array();
+      for (int r = 0; r < host_->size(); ++r) {
+        const size_t k = static_cast<size_t>(r) * pieces.size() + 2 * i;
+        if (all[k] < all[k + 1]) ranges.push_back({r, all[k], all[k + 1]});
+      }
+      units.push_back({{"name", unit_infos_[i].name}, {"numel", unit_infos_[i].numel}, {"params", params},
+                       {"shards", ranges}});
+    }
     nlohmann::json meta = {
         {"format", "loom-checkpoint"},
-        {"version", 1},
+        {"version", 2},
         {"step", step},
         {"world_size", comm_->size()},
         {"strategy", cfg_.sharding.plugin},
         {"precision", cfg_.precision.plugin},
+        {"dtypes", {{"params", std::string(dtype_name(dtypes_.param))},
+                    {"optim_state", std::string(dtype_name(dtypes_.optim_state))},
+                    {"master", dtypes_.has_master}}},
         {"model", nlohmann::json::parse(model_json(spec_))},
+        {"units", units},
         {"data_plugin", cfg_.data.plugin},
         {"data_state", data_->state()},
+        {"samples_seen", step * cfg_.train.micro_batch * cfg_.train.grad_accum * comm_->size()},
         {"precision_state", hex(precision_->save_state())},
         {"seed", cfg_.run.seed},
         {"config", cfg_.effective_toml},
     };
-    ckpt::CheckpointWriter::write_meta(root, step, meta.dump(2));
-    ckpt::CheckpointWriter::mark_complete(root, step);
-    ckpt::prune(root, static_cast<int>(cfg_.checkpoint.keep_last));
+    ckpt::CheckpointWriter::write_meta(root.string(), step, meta.dump(2));
+    ckpt::CheckpointWriter::mark_complete(root.string(), step);
+    ckpt::prune(root.string(), static_cast<int>(cfg_.checkpoint.keep_last));
   }
-  comm_->barrier();
-  log_info(cat("checkpoint: step ", step, " written to ", (root / "").string()));
+  host_->barrier();
+  log_info(cat("checkpoint: step ", step, " written to ", (root / "").string(), " (", comm_->size(), " rank",
+               comm_->size() == 1 ? "" : "s", ", ", cfg_.sharding.plugin, ")"));
+}
+
+void Session::load_checkpoint_tensors(const std::string& dir, const std::string& meta_text) {
+  const nlohmann::json meta = nlohmann::json::parse(meta_text);
+  const nlohmann::json& units = meta.at("units");
+  if (!units.is_array() || units.size() != units_.size())
+    throw Error(cat("checkpoint ", dir, "/meta.json lists ", units.is_array() ? units.size() : 0,
+                    " units, this model has ", units_.size(), ": the checkpoint is damaged or from another model"));
+  // Readers of the saving ranks' shard files, opened when first needed.
+  std::map<int, std::unique_ptr<ckpt::CheckpointReader>> readers;
+  auto reader = [&](int r) -> const ckpt::CheckpointReader& {
+    auto& slot = readers[r];
+    if (!slot) slot = std::make_unique<ckpt::CheckpointReader>(dir, r);
+    return *slot;
+  };
+  std::vector<std::byte> piece, staging;
+  // Fills dst with flat range [a, b) of `kind.<unit>`, from every saved piece that overlaps it.
+  auto fill = [&](const std::string& kind, size_t ui, int64_t a, int64_t b, Tensor dst) {
+    if (a >= b) return;
+    const std::string name = kind + "." + unit_infos_[ui].name;
+    const size_t es = dtype_size(dst.dtype);
+    staging.assign(static_cast<size_t>(b - a) * es, std::byte{0});
+    int64_t covered = 0;
+    for (const auto& sh : units[ui].at("shards")) {
+      const int r = sh.at(0).get<int>();
+      const int64_t lo = sh.at(1).get<int64_t>(), hi = sh.at(2).get<int64_t>();
+      const int64_t x = std::max(a, lo), y = std::min(b, hi);
+      if (x >= y) continue;
+      const ckpt::CheckpointReader& rd = reader(r);
+      const ckpt::TensorRecord& rec = rd.info(name);
+      if (rec.dtype != dst.dtype || rec.bytes != static_cast<uint64_t>(hi - lo) * es)
+        throw Error(cat("checkpoint ", rd.file(), ": tensor ", name, " is ", dtype_name(rec.dtype), " ",
+                        rec.shape_str(), " but the metadata and this run expect ", dtype_name(dst.dtype), " [",
+                        hi - lo, "]: the checkpoint is damaged or was written with another precision"));
+      piece.resize(rec.bytes);
+      Tensor host(piece.data(), rec.dtype, Device::cpu, {hi - lo});
+      rd.read(name, host);
+      std::memcpy(staging.data() + static_cast<size_t>(x - a) * es, piece.data() + static_cast<size_t>(x - lo) * es,
+                  static_cast<size_t>(y - x) * es);
+      covered += y - x;
+    }
+    if (covered != b - a)
+      throw Error(cat("checkpoint ", dir, ": the shards hold ", covered, " of the ", b - a, " elements [", a, ", ", b,
+                      ") of ", name, " this rank needs: a shard file is missing or the metadata is damaged"));
+    backend_->upload(dst, staging.data(), staging.size());
+    backend_->synchronize();  // the staging buffer is reused by the next tensor
+  };
+  for (size_t i = 0; i < units_.size(); ++i) {
+    UnitState& u = units_[i];
+    const int64_t N = u.info->numel;
+    if (units[i].value("numel", int64_t{-1}) != N)
+      throw Error(cat("checkpoint ", dir, ": unit ", u.info->name, " has ", units[i].value("numel", int64_t{-1}),
+                      " parameters there and ", N, " in this model"));
+    const int64_t lo = std::min(u.layout.optim_begin, N), hi = std::min(u.layout.optim_begin + u.layout.optim_numel, N);
+    if (u.layout.params_sharded) fill("params", i, lo, hi, view(u.param_shard, 0, {hi - lo}));
+    else fill("params", i, 0, N, view(u.params, 0, {N}));
+    if (u.master.data) fill("master", i, lo, hi, view(u.master, 0, {hi - lo}));
+    fill("adam_m", i, lo, hi, view(u.adam_m, 0, {hi - lo}));
+    fill("adam_v", i, lo, hi, view(u.adam_v, 0, {hi - lo}));
+  }
 }
 
 bool Session::try_resume() {
@@ -158,25 +277,29 @@ bool Session::try_resume() {
   std::optional<ckpt::CheckpointInfo> info;
   if (mode == "auto") {
     if (!fs::exists(root)) return false;
-    info = ckpt::latest_complete(root);
+    info = ckpt::latest_complete(root.string());
     if (!info) return false;
   } else {
-    info = ckpt::find_step(root, std::stoll(mode));
+    info = ckpt::find_step(root.string(), std::stoll(mode));
     // Going back to an older step with checkpointing on would later overwrite
     // the newer checkpoints of this directory: refuse now, before any work.
     if (cfg_.checkpoint.every > 0) {
       std::string newer;
-      for (const ckpt::CheckpointInfo& c : ckpt::list_checkpoints(root))
+      for (const ckpt::CheckpointInfo& c : ckpt::list_checkpoints(root.string()))
         if (c.step > info->step) newer += (newer.empty() ? "" : ", ") + c.dir;
       if (!newer.empty())
         throw Error(cat("checkpoint.resume = ", mode, ": newer checkpoints would be overwritten as training continues (",
                         newer, "); move them away, set checkpoint.dir to another folder, or set checkpoint.every = 0"));
     }
   }
-  ckpt::CheckpointReader r(info->dir, comm_->rank());
+  std::string meta_text;
+  {
+    ckpt::CheckpointReader r(info->dir, 0);
+    meta_text = r.meta();
+  }
   nlohmann::json meta;
   try {
-    meta = nlohmann::json::parse(r.meta());
+    meta = nlohmann::json::parse(meta_text);
   } catch (const nlohmann::json::exception& e) {
     throw Error(cat(info->dir, "/meta.json is not valid JSON (", e.what(),
                     "): the checkpoint cannot be used; resume from another one or set checkpoint.resume = \"none\""));
@@ -186,30 +309,20 @@ bool Session::try_resume() {
     throw Error(cat("checkpoint ", info->dir, " was written for another model: it has ",
                     meta.value("model", nlohmann::json{}).dump(), ", this config builds ", want.dump(),
                     ". Point checkpoint.dir elsewhere or set checkpoint.resume = \"none\""));
+  if (meta.value("version", 0) != 2)
+    throw Error(cat("checkpoint ", info->dir, " has format version ", meta.value("version", 0),
+                    "; this loom reads version 2. Point checkpoint.dir elsewhere or set checkpoint.resume = \"none\""));
+  const std::string precision = meta.value("precision", "");
+  if (precision != cfg_.precision.plugin)
+    throw Error(cat("checkpoint ", info->dir, " was written with precision.plugin = \"", precision,
+                    "\", this run uses \"", cfg_.precision.plugin,
+                    "\": resume with the same precision recipe (parameter and optimizer-state dtypes differ)"));
   const int world = meta.value("world_size", 0);
   const std::string strategy = meta.value("strategy", "");
   if (world != comm_->size() || strategy != cfg_.sharding.plugin)
-    throw Error(cat("checkpoint ", info->dir, " was written by ", world, " rank(s) with sharding \"",
-                    strategy, "\"; this run has ", comm_->size(), " rank(s) with \"", cfg_.sharding.plugin,
-                    "\". Resume with the same launch and sharding.plugin"));
-  std::vector<std::byte> staging;
-  auto read = [&](const std::string& name, Tensor& t) {
-    if (t.device == Device::cpu) return r.read(name, t);
-    staging.resize(t.bytes());
-    Tensor host = t;
-    host.data = staging.data();
-    host.device = Device::cpu;
-    r.read(name, host);
-    backend_->upload(t, staging.data(), t.bytes());
-    backend_->synchronize();  // the staging buffer is reused by the next tensor
-  };
-  for (UnitState& u : units_) {
-    const std::string& n = u.info->name;
-    read("params." + n, u.params);
-    if (u.master.data) read("master." + n, u.master);
-    read("adam_m." + n, u.adam_m);
-    read("adam_v." + n, u.adam_v);
-  }
+    log_info(cat("resharding checkpoint ", info->dir, ": written by ", world, " rank(s) with sharding \"", strategy,
+                 "\", loading into ", comm_->size(), " rank(s) with \"", cfg_.sharding.plugin, "\""));
+  load_checkpoint_tensors(info->dir, meta_text);
   data_->restore(meta.at("data_state").get<std::string>());
   precision_->load_state(unhex(meta.value("precision_state", "")));
   step_ = meta.at("step").get<int64_t>();
@@ -221,8 +334,12 @@ StepLog Session::train_step() {
   const auto& t = cfg_.train;
   const int64_t tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * comm_->size();
   const int64_t samples_per_step = t.micro_batch * t.grad_accum * comm_->size();
-  const float dloss_scale = 1.0f / static_cast<float>(model_->tokens_per_micro() * t.grad_accum);
+  // The gradient of the mean loss over every token of the step, on every rank:
+  // strategies then reduce gradients with a plain sum.
+  const float dloss_scale = 1.0f / static_cast<float>(model_->tokens_per_micro() * t.grad_accum * comm_->size());
+  fault_point();
   backend_->timer_start();
+  sharding_->begin_step(env_, units_);
   zero_grads();
   double loss = 0;
   for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
@@ -237,7 +354,7 @@ StepLog Session::train_step() {
   const double ms = backend_->timer_stop_ms();
   ++step_;
   s.step = step_;
-  s.loss = loss / static_cast<double>(t.grad_accum);
+  s.loss = mean_over_ranks(loss / static_cast<double>(t.grad_accum));
   s.grad_norm = r.grad_norm;
   s.skipped = r.skipped;
   s.step_ms = ms;
@@ -257,13 +374,16 @@ RunSummary Session::train(int64_t stop_at) {
   RunSummary sum;
   sum.first_step = step_;
   const fs::path out(cfg_.run.out_dir);
-  fs::create_directories(out);
-  {
+  // Rank 0 writes the run's files and draws the progress bar; the metrics are global (losses averaged over ranks).
+  const bool lead = comm_->rank() == 0;
+  std::ofstream metrics;
+  if (lead) {
+    fs::create_directories(out);
     std::ofstream c(out / "config.toml");
     c << cfg_.effective_toml;
+    metrics.open(out / "metrics.jsonl", step_ > 0 ? std::ios::app : std::ios::trunc);
+    if (!metrics) throw Error(cat("cannot write ", (out / "metrics.jsonl").string(), ": check run.out_dir"));
   }
-  std::ofstream metrics(out / "metrics.jsonl", step_ > 0 ? std::ios::app : std::ios::trunc);
-  if (!metrics) throw Error(cat("cannot write ", (out / "metrics.jsonl").string(), ": check run.out_dir"));
 
   log_info(cat("loom: training '", cfg_.run.name, "' for ", t.steps, " steps, output in ", out.string()));
   {
@@ -275,7 +395,8 @@ RunSummary Session::train(int64_t stop_at) {
     return sum;
   }
 
-  ProgressBar bar(t.steps);
+  log_info(memory_report());
+  ProgressBar bar(lead ? t.steps : 0);
   const auto run_start = std::chrono::steady_clock::now();
 
   if (t.validation_every > 0 && step_ == 0) {

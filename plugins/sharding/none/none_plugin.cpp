@@ -14,7 +14,7 @@ class NoSharding final : public loom::Sharding {
     init.config.finish();  // no keys of its own
     if (init.world != 1)
       throw loom::Error(loom::cat("sharding.plugin = \"none\" runs on one rank, but this run has ", init.world,
-                                  " ranks: pick ddp, zero1, zero2, zero3 or hybrid_shard, or start one process"));
+                                  " ranks: pick ddp, zero1, zero2, zero3 (full_shard) or hybrid_shard, or start one process"));
   }
 
   std::vector<loom::UnitLayout> plan(const loom::ShardingEnv&, const std::vector<loom::UnitInfo>& units) override {
@@ -43,7 +43,7 @@ class NoSharding final : public loom::Sharding {
       const double coef = clip_norm / (r.grad_norm + 1e-6);
       if (coef < 1.0) scale = static_cast<float>(grad_scale * coef);
     }
-    for (auto& u : units) env.ops->adamw(env.ctx, u, u.grads, scale, h, u.params);
+    for (auto& u : units) env.ops->adamw(env.ctx, u, u.grads, scale, h, u.params, 0);
     return r;
   }
 };

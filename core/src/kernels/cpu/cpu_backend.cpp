@@ -137,6 +137,7 @@ std::unique_ptr<Backend> make_cuda_backend(int) {
       "machine with the CUDA toolkit), or set run.device = \"cpu\"");
 }
 bool cuda_available() { return false; }
+int cuda_device_for_rank(int, int) { return 0; }
 #endif
 
 }  // namespace loom

@@ -39,6 +39,7 @@ void check_dev(const Tensor& t, const char* what) {
 
 class CudaBackend final : public Backend {
  public:
+  int device_index() const override { return device_index_; }
   explicit CudaBackend(int device_index) : device_index_(device_index) {
     int count = 0;
     LOOM_CUDA_CHECK(cudaGetDeviceCount(&count), "counting CUDA devices");
@@ -250,6 +251,19 @@ class CudaBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend(int device_index) { return std::make_unique<CudaBackend>(device_index); }
+
+int cuda_device_for_rank(int local_rank, int local_world) {
+  int count = 0;
+  LOOM_CUDA_CHECK(cudaGetDeviceCount(&count), "counting CUDA devices");
+  // One GPU per rank. A launcher that binds each rank to one GPU (Slurm
+  // --gpus-per-task, CUDA_VISIBLE_DEVICES per rank) leaves one visible: use it.
+  if (count == 1) return 0;
+  if (local_rank >= count)
+    throw Error(cat("rank with node-local rank ", local_rank, " of ", local_world, " has no GPU of its own: ", count,
+                    " CUDA devices are visible on this node. NCCL needs one GPU per rank: start at most ", count,
+                    " ranks per node (mpirun -np / srun --ntasks-per-node)"));
+  return local_rank;
+}
 
 bool cuda_available() {
   int count = 0;

@@ -1,0 +1,516 @@
+#include "sharding/common/flat_sharding.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "loom/error.hpp"
+
+namespace loom::shard {
+namespace {
+
+const char* strategy_name(Strategy s) {
+  switch (s) {
+    case Strategy::ddp: return "ddp";
+    case Strategy::zero1: return "zero1";
+    case Strategy::zero2: return "zero2";
+    case Strategy::zero3: return "zero3";
+    case Strategy::hybrid: return "hybrid_shard";
+  }
+  return "?";
+}
+
+// A rotating scratch buffer and the last collective that read or wrote it:
+// before the compute stream rewrites it, it waits for that collective.
+struct Slot {
+  Tensor t;
+  Communicator* comm = nullptr;
+  CommTicket ticket = 0;
+  void wait(const ExecContext& ctx) {
+    if (comm && ticket) comm->wait(ctx, ticket);
+  }
+  void used_by(Communicator* c, CommTicket tk) { comm = c, ticket = tk; }
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+struct FlatSharding::Impl {
+  // Configuration.
+  Strategy strategy;
+  std::string name;
+  int rank = 0, world = 1;
+  int group = 1;     // shard group size (g): ddp 1, zero* world, hybrid shard_group_size
+  int replicas = 1;  // world / group
+  bool reshard_after_forward = true;
+  int prefetch = 1;
+  DType reduce_dtype = DType::f32;
+
+  bool shard_optim() const { return strategy != Strategy::ddp; }
+  // Gradients reduced into the shard every micro-batch (and only a shard kept).
+  bool shard_grads() const { return strategy == Strategy::zero2 || strategy == Strategy::zero3 || strategy == Strategy::hybrid; }
+  bool shard_params() const { return strategy == Strategy::zero3 || strategy == Strategy::hybrid; }
+
+  // Groups. shard: the ranks a unit is split over; replica: the ranks holding
+  // the same shard (size 1 unless ddp or hybrid). host_*: the same groups over
+  // host memory, for the gradient norm.
+  Communicator* world_comm = nullptr;
+  std::unique_ptr<Communicator> shard_own, replica_own, host_shard_own;
+  Communicator* shard = nullptr;
+  Communicator* replica = nullptr;
+  Communicator* host_shard = nullptr;
+
+  // Per unit.
+  struct Unit {
+    int64_t numel = 0, padded = 0, chunk = 0, begin = 0;
+    bool tied_target = false;  // another unit reads its params (the embedding of a tied model)
+    CommTicket gather_ticket = 0;  // zero1/zero2: the post-step all-gather of its params
+  };
+  std::vector<Unit> units;
+  int64_t max_padded = 0, max_chunk = 0;  // over units that use the rotating buffers
+  DType param_dtype = DType::f32, grad_dtype = DType::f32;
+  int64_t grad_accum = 1;
+
+  // Scratch (in the order scratch() asks for it).
+  Slot grad_pool[2];       // shard_grads: whole-unit gradient buffers the backward writes into
+  Slot stage[2];           // grads converted to reduce_dtype before reducing (when they differ)
+  Slot rtmp[2];            // reduce-scatter output when it cannot land in the shard directly
+  Tensor ftmp;             // rtmp converted to fp32 (reduce_dtype != fp32)
+  std::vector<Slot> gather_pool;     // zero3/hybrid with reshard_after_forward: prefetch + 1 buffers
+  std::vector<Tensor> gather_own;    // per unit (reshard_after_forward = false), or the tied target's
+  Slot tied_grads;                   // ticket of the last reduce that read the tied target's grads
+  int grad_slot = 0, stage_slot = 0, rtmp_slot = 0;
+
+  std::vector<UnitState>* state = nullptr;
+
+  // zero3/hybrid gather schedule of one micro-batch: unit per event, in the
+  // order forward then (reshard_after_forward) backward uses them.
+  std::vector<int> events;
+  std::vector<CommTicket> event_ticket;
+  std::vector<int> event_slot;
+  size_t next_event = 0, issued = 0;
+
+  // A reduce-scatter that landed in rtmp and still has to be added to the shard.
+  struct Pending {
+    int unit = -1;
+    int slot = 0;
+    bool first = false;
+  };
+  Pending pending;
+  int micro = 0;
+  CommTicket last_shard = 0, last_replica = 0, last_world = 0;
+
+  // ---- helpers ----
+  std::string where(const UnitState& u) const {
+    return cat("sharding.plugin = \"", name, "\", unit ", u.info->name);
+  }
+
+  void track(Communicator* c, CommTicket t) {
+    if (c == shard) last_shard = std::max(last_shard, t);
+    if (c == replica) last_replica = std::max(last_replica, t);
+    if (c == world_comm) last_world = std::max(last_world, t);
+  }
+
+  // Issue the all-gather of event e's unit into its buffer.
+  void issue_gather(ShardingEnv& env, size_t e) {
+    const int ui = events[e];
+    UnitState& u = (*state)[static_cast<size_t>(ui)];
+    const Unit& m = units[static_cast<size_t>(ui)];
+    Tensor out;
+    if (!gather_own.empty() && gather_own[static_cast<size_t>(ui)].data) {
+      out = gather_own[static_cast<size_t>(ui)];
+    } else {
+      Slot& s = gather_pool[e % gather_pool.size()];
+      out = view(s.t, 0, {m.padded});
+      event_slot[e] = static_cast<int>(e % gather_pool.size());
+    }
+    CommTicket t = shard->all_gather(env.ctx, u.param_shard, out);
+    track(shard, t);
+    event_ticket[e] = t;
+    if (event_slot[e] >= 0) gather_pool[static_cast<size_t>(event_slot[e])].used_by(shard, t);
+    u.params = out;
+  }
+
+  // Make event e's gathered params ready for the compute stream, issuing up to
+  // `prefetch` later gathers first so they overlap this unit's compute.
+  void use_event(ShardingEnv& env, UnitState& u) {
+    LOOM_CHECK(next_event < events.size() && events[next_event] == u.index, where(u),
+               ": units ran out of the order the gather schedule expects (event ", next_event, ")");
+    const size_t e = next_event++;
+    const size_t last = std::min(events.size() - 1, e + static_cast<size_t>(prefetch));
+    while (issued <= last) issue_gather(env, issued++);
+    shard->wait(env.ctx, event_ticket[e]);
+    // The buffer of the previous user of this event's slot is this unit's now.
+    const int ui = events[e];
+    if (!gather_own.empty() && gather_own[static_cast<size_t>(ui)].data) u.params = gather_own[static_cast<size_t>(ui)];
+    else u.params = view(gather_pool[static_cast<size_t>(event_slot[e])].t, 0, {units[static_cast<size_t>(ui)].padded});
+  }
+
+  // Adds a reduce-scatter that landed in rtmp to the unit's fp32 shard.
+  void land_pending(ShardingEnv& env) {
+    if (pending.unit < 0) return;
+    UnitState& u = (*state)[static_cast<size_t>(pending.unit)];
+    const int64_t c = units[static_cast<size_t>(pending.unit)].chunk;
+    Slot& s = rtmp[pending.slot];
+    shard->wait(env.ctx, s.ticket);
+    Tensor src = view(s.t, 0, {c});
+    if (reduce_dtype != DType::f32) {
+      Tensor f = view(ftmp, 0, {c});
+      env.ops->convert(env.ctx, f, src);
+      src = f;
+    }
+    if (pending.first) env.ops->convert(env.ctx, u.grad_shard, src);
+    else env.ops->accumulate(env.ctx, u.grad_shard, src);
+    pending = {};
+  }
+
+  // The unit's gradients in reduce_dtype: the grads themselves, or a staged copy.
+  Tensor reduce_input(ShardingEnv& env, UnitState& u, int64_t n) {
+    Tensor g = view(u.grads, 0, {n});
+    if (grad_dtype == reduce_dtype) return g;
+    Slot& s = stage[stage_slot];
+    stage_slot ^= 1;
+    s.wait(env.ctx);
+    Tensor st = view(s.t, 0, {n});
+    env.ops->convert(env.ctx, st, g);
+    return st;
+  }
+  Slot* last_stage() { return grad_dtype == reduce_dtype ? nullptr : &stage[stage_slot ^ 1]; }
+
+  // Reduce-scatter the unit's whole gradient into its shard (accumulating
+  // after the first micro-batch of the step).
+  void reduce_scatter_unit(ShardingEnv& env, UnitState& u, bool first) {
+    const Unit& m = units[static_cast<size_t>(u.index)];
+    Tensor in = reduce_input(env, u, m.padded);
+    const bool direct = first && reduce_dtype == DType::f32;
+    land_pending(env);  // at most one in flight: its rtmp slot may be the next one
+    Tensor out;
+    int slot = 0;
+    if (direct) {
+      out = u.grad_shard;
+    } else {
+      slot = rtmp_slot;
+      rtmp_slot ^= 1;
+      rtmp[slot].wait(env.ctx);
+      out = view(rtmp[slot].t, 0, {m.chunk});
+    }
+    CommTicket t = shard->reduce_scatter(env.ctx, in, out, ReduceOp::sum);
+    track(shard, t);
+    if (Slot* s = last_stage()) s->used_by(shard, t);
+    if (shard_grads()) {
+      if (m.tied_target) tied_grads.used_by(shard, t);
+      else grad_pool[grad_slot ^ 1].used_by(shard, t);  // the slot before_backward handed this unit
+    }
+    if (!direct) {
+      rtmp[slot].used_by(shard, t);
+      pending = {u.index, slot, first};
+    }
+  }
+};
+
+FlatSharding::FlatSharding(const PluginInit& init, Strategy strategy, std::string name)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& I = *impl_;
+  I.strategy = strategy;
+  I.name = std::move(name);
+  I.rank = init.rank;
+  I.world = init.world;
+  const ConfigTable& t = init.config;
+  const std::string rd = t.get_choice("reduce_dtype", "fp32", {"fp32", "bf16"});
+  I.reduce_dtype = rd == "fp32" ? DType::f32 : DType::bf16;
+  if (I.reduce_dtype == DType::bf16 && init.device != Device::cuda)
+    t.fail("reduce_dtype", "reduce_dtype = \"bf16\" needs run.device = \"cuda\"; the CPU path reduces in fp32");
+  if (I.shard_params()) {
+    I.reshard_after_forward = t.get_bool("reshard_after_forward", true);
+    I.prefetch = static_cast<int>(t.get_int("prefetch", 1, 0, 8));
+  }
+  if (strategy == Strategy::hybrid) {
+    const int64_t def = init.local_world > 0 ? init.local_world : 1;
+    const int64_t g = t.get_int("shard_group_size", def, 1, 1 << 20);
+    if (init.world % g != 0)
+      t.fail("shard_group_size", cat("shard_group_size = ", g, " does not divide the world size ", init.world,
+                                     ": pick a divisor of ", init.world, " (the default is the ranks per node, ",
+                                     def, ")"));
+    I.group = static_cast<int>(g);
+  } else if (strategy == Strategy::ddp) {
+    I.group = 1;
+  } else {
+    I.group = init.world;
+  }
+  I.replicas = init.world / I.group;
+  t.finish();
+}
+
+FlatSharding::~FlatSharding() = default;
+
+std::vector<UnitLayout> FlatSharding::plan(const ShardingEnv& env, const std::vector<UnitInfo>& infos) {
+  Impl& I = *impl_;
+  LOOM_CHECK(env.world && env.host && env.ops, "sharding.plugin = \"", I.name, "\": the core gave no communicator");
+  LOOM_CHECK(env.world->size() == I.world, "sharding.plugin = \"", I.name, "\": communicator has ",
+             env.world->size(), " ranks, the plugin was created for ", I.world);
+  I.world_comm = env.world;
+  // Shard group: consecutive ranks (one node under the default hybrid
+  // group); replica group: the ranks with the same position in their group.
+  const int gi = I.rank / I.group, gr = I.rank % I.group;
+  I.shard_own = env.world->split(gi, gr);
+  I.replica_own = env.world->split(gr, gi);
+  I.shard = I.shard_own.get();
+  I.replica = I.replica_own.get();
+  if (env.host == env.world) {
+    I.host_shard = I.shard;
+  } else {
+    I.host_shard_own = env.host->split(gi, gr);
+    I.host_shard = I.host_shard_own.get();
+  }
+  I.param_dtype = env.param_dtype;
+  I.grad_dtype = env.grad_dtype;
+  I.grad_accum = env.grad_accum;
+
+  I.units.assign(infos.size(), {});
+  for (const UnitInfo& u : infos)
+    if (u.uses_params_of >= 0) I.units.at(static_cast<size_t>(u.uses_params_of)).tied_target = true;
+  std::vector<UnitLayout> out;
+  for (size_t i = 0; i < infos.size(); ++i) {
+    Impl::Unit& m = I.units[i];
+    m.numel = infos[i].numel;
+    m.chunk = ceil_div(m.numel, I.group);
+    m.padded = m.chunk * I.group;
+    m.begin = static_cast<int64_t>(gr) * m.chunk;
+    if (!m.tied_target) {
+      I.max_padded = std::max(I.max_padded, m.padded);
+      I.max_chunk = std::max(I.max_chunk, m.chunk);
+    } else {
+      I.max_chunk = std::max(I.max_chunk, m.chunk);
+    }
+    UnitLayout l;
+    l.padded_numel = m.padded;
+    l.params_sharded = I.shard_params();
+    l.param_numel = I.shard_params() ? m.chunk : m.padded;
+    l.grad_numel = I.shard_grads() && !m.tied_target ? 0 : m.padded;
+    l.grad_shard_numel = I.shard_optim() ? m.chunk : 0;
+    l.optim_numel = m.chunk;
+    l.optim_begin = m.begin;
+    // ddp: every rank owns the whole unit; hybrid: one owner per shard group.
+    l.replicas = I.replicas;
+    l.replica = gi;
+    if (I.strategy == Strategy::ddp) l.replica = I.rank;
+    out.push_back(l);
+  }
+  return out;
+}
+
+std::vector<ShardingBuffer> FlatSharding::scratch(const ShardingEnv&) {
+  Impl& I = *impl_;
+  std::vector<ShardingBuffer> b;
+  if (I.shard_grads() && I.max_padded > 0)
+    for (int i = 0; i < 2; ++i) b.push_back({cat("grad_bucket.", i), I.grad_dtype, I.max_padded, MemCategory::comm});
+  int64_t max_all = 0;
+  for (const auto& m : I.units) max_all = std::max(max_all, m.padded);
+  if (I.grad_dtype != I.reduce_dtype)
+    for (int i = 0; i < 2; ++i) b.push_back({cat("reduce_stage.", i), I.reduce_dtype, max_all, MemCategory::comm});
+  const bool need_rtmp = I.shard_optim() && (I.grad_accum > 1 || I.reduce_dtype != DType::f32);
+  if (need_rtmp)
+    for (int i = 0; i < 2; ++i) b.push_back({cat("reduce_out.", i), I.reduce_dtype, I.max_chunk, MemCategory::comm});
+  if (need_rtmp && I.reduce_dtype != DType::f32) b.push_back({"reduce_out.f32", DType::f32, I.max_chunk, MemCategory::comm});
+  if (I.shard_params()) {
+    if (I.reshard_after_forward) {
+      for (int i = 0; i <= I.prefetch; ++i)
+        b.push_back({cat("gather.", i), I.param_dtype, I.max_padded, MemCategory::comm});
+    }
+    for (size_t u = 0; u < I.units.size(); ++u)
+      if (!I.reshard_after_forward || I.units[u].tied_target)
+        b.push_back({cat("gathered.", u), I.param_dtype, I.units[u].padded, MemCategory::params});
+  }
+  return b;
+}
+
+void FlatSharding::setup(ShardingEnv& env, std::vector<UnitState>& units, std::vector<Tensor>& scratch) {
+  Impl& I = *impl_;
+  I.state = &units;
+  size_t k = 0;
+  auto next = [&]() -> Tensor {
+    LOOM_CHECK(k < scratch.size(), "sharding: the core handed ", scratch.size(), " scratch buffers, fewer than asked");
+    return scratch[k++];
+  };
+  if (I.shard_grads() && I.max_padded > 0)
+    for (auto& s : I.grad_pool) s.t = next();
+  if (I.grad_dtype != I.reduce_dtype)
+    for (auto& s : I.stage) s.t = next();
+  const bool need_rtmp = I.shard_optim() && (I.grad_accum > 1 || I.reduce_dtype != DType::f32);
+  if (need_rtmp)
+    for (auto& s : I.rtmp) s.t = next();
+  if (need_rtmp && I.reduce_dtype != DType::f32) I.ftmp = next();
+  if (I.shard_params()) {
+    if (I.reshard_after_forward) {
+      I.gather_pool.resize(static_cast<size_t>(I.prefetch) + 1);
+      for (auto& s : I.gather_pool) s.t = next();
+    }
+    I.gather_own.assign(units.size(), Tensor());
+    for (size_t u = 0; u < I.units.size(); ++u)
+      if (!I.reshard_after_forward || I.units[u].tied_target) I.gather_own[u] = next();
+    // The gather schedule of one micro-batch. A tied target is gathered once
+    // (first) and kept; the rest in forward order and, when resharding after
+    // forward, again in backward order.
+    const int n = static_cast<int>(units.size());
+    for (int u = 0; u < n; ++u)
+      if (I.units[static_cast<size_t>(u)].tied_target) I.events.push_back(u);
+    for (int u = 0; u < n; ++u)
+      if (!I.units[static_cast<size_t>(u)].tied_target) I.events.push_back(u);
+    if (I.reshard_after_forward)
+      for (int u = n - 1; u >= 0; --u)
+        if (!I.units[static_cast<size_t>(u)].tied_target) I.events.push_back(u);
+    I.event_ticket.assign(I.events.size(), 0);
+    I.event_slot.assign(I.events.size(), -1);
+    LOOM_CHECK(I.events.empty() || I.events.front() == 0 || !I.units[0].tied_target, "sharding: tied target must be unit 0");
+  }
+  for (UnitState& u : units)
+    LOOM_CHECK(u.layout.params_sharded == I.shard_params(), I.where(u), ": core allocated an unexpected layout");
+  (void)env;
+}
+
+void FlatSharding::begin_step(ShardingEnv&, std::vector<UnitState>&) {
+  impl_->micro = 0;
+}
+
+void FlatSharding::before_forward(ShardingEnv& env, UnitState& u) {
+  Impl& I = *impl_;
+  if (!I.shard_params()) {
+    // zero1/zero2: the params were all-gathered after the last step.
+    const auto& m = I.units[static_cast<size_t>(u.index)];
+    if (m.gather_ticket) I.shard->wait(env.ctx, m.gather_ticket);
+    return;
+  }
+  if (u.index == 0) {
+    // A new forward (training micro-batch or evaluation) starts the schedule over.
+    I.next_event = 0;
+    I.issued = 0;
+    std::fill(I.event_slot.begin(), I.event_slot.end(), -1);
+  }
+  if (I.units[static_cast<size_t>(u.index)].tied_target && I.next_event > 0) return;  // gathered, kept
+  I.use_event(env, u);
+}
+
+void FlatSharding::before_backward(ShardingEnv& env, UnitState& u) {
+  Impl& I = *impl_;
+  const auto& m = I.units[static_cast<size_t>(u.index)];
+  if (I.shard_grads()) {
+    if (u.index == static_cast<int>(I.units.size()) - 1) {
+      // The backward starts: a tied target's grads receive the head's
+      // gradient first, so clear them now (after their last reduce read them).
+      for (size_t i = 0; i < I.units.size(); ++i)
+        if (I.units[i].tied_target) {
+          I.tied_grads.wait(env.ctx);
+          env.ops->zero(env.ctx, (*I.state)[i].grads);
+        }
+    }
+    if (!m.tied_target) {
+      Slot& s = I.grad_pool[I.grad_slot];
+      I.grad_slot ^= 1;
+      s.wait(env.ctx);
+      u.grads = view(s.t, 0, {m.padded});
+      env.ops->zero(env.ctx, u.grads);
+    }
+  }
+  if (I.shard_params() && I.reshard_after_forward && !m.tied_target) I.use_event(env, u);
+}
+
+void FlatSharding::after_backward(ShardingEnv& env, UnitState& u, bool last_micro) {
+  Impl& I = *impl_;
+  const auto& m = I.units[static_cast<size_t>(u.index)];
+  const bool first = I.micro == 0;
+  if (u.index == 0) ++I.micro;
+  switch (I.strategy) {
+    case Strategy::ddp: {
+      if (!last_micro) return;  // accumulate locally until the step's last micro-batch
+      Tensor in = I.reduce_input(env, u, m.numel);
+      CommTicket t = I.world_comm->all_reduce(env.ctx, in, ReduceOp::sum);
+      I.track(I.world_comm, t);
+      if (Slot* s = I.last_stage()) {
+        // Reduced in reduce_dtype: back into the grads the optimizer reads.
+        s->used_by(I.world_comm, t);
+        I.world_comm->wait(env.ctx, t);
+        Tensor g = view(u.grads, 0, {m.numel});
+        env.ops->convert(env.ctx, g, in);
+      }
+      return;
+    }
+    case Strategy::zero1:
+      if (last_micro) I.reduce_scatter_unit(env, u, true);
+      return;
+    case Strategy::zero2:
+    case Strategy::zero3:
+    case Strategy::hybrid:
+      I.reduce_scatter_unit(env, u, first);
+      if (last_micro && I.replicas > 1) {
+        // Across shard groups: the shard must be complete before it is all-reduced.
+        I.land_pending(env);
+        if (I.last_shard) I.shard->wait(env.ctx, I.last_shard);
+        CommTicket t = I.replica->all_reduce(env.ctx, u.grad_shard, ReduceOp::sum);
+        I.track(I.replica, t);
+      }
+      return;
+  }
+}
+
+StepResult FlatSharding::step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h,
+                              float grad_scale, float clip_norm) {
+  Impl& I = *impl_;
+  I.land_pending(env);
+  if (I.last_shard) I.shard->wait(env.ctx, I.last_shard);
+  if (I.last_replica) I.replica->wait(env.ctx, I.last_replica);
+  if (I.last_world) I.world_comm->wait(env.ctx, I.last_world);
+
+  // Global norm: each rank sums its owned range (padding excluded), the shard
+  // group adds them up; replicas hold the same values and are not added again.
+  double sq = 0;
+  for (UnitState& u : units) {
+    const auto& m = I.units[static_cast<size_t>(u.index)];
+    if (I.strategy == Strategy::ddp) {
+      sq += env.ops->grad_sq_norm(env.ctx, u.grads, 0, m.numel);
+    } else {
+      const int64_t valid = std::clamp<int64_t>(m.numel - m.begin, 0, m.chunk);
+      if (valid > 0) sq += env.ops->grad_sq_norm(env.ctx, u.grad_shard, 0, valid);
+    }
+  }
+  if (I.host_shard->size() > 1) {
+    Tensor t(&sq, DType::f64, Device::cpu, {1});
+    I.host_shard->all_reduce(ExecContext{}, t, ReduceOp::sum);
+  }
+  StepResult r;
+  r.grad_norm = std::sqrt(sq) * grad_scale;
+  if (!std::isfinite(r.grad_norm)) {
+    r.skipped = true;  // every rank sees the same global norm, so all skip together
+    return r;
+  }
+  // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+  float scale = grad_scale;
+  if (clip_norm > 0) {
+    const double coef = clip_norm / (r.grad_norm + 1e-6);
+    if (coef < 1.0) scale = static_cast<float>(grad_scale * coef);
+  }
+  for (UnitState& u : units) {
+    auto& m = I.units[static_cast<size_t>(u.index)];
+    switch (I.strategy) {
+      case Strategy::ddp:
+        env.ops->adamw(env.ctx, u, u.grads, scale, h, u.params, 0);
+        break;
+      case Strategy::zero1:
+      case Strategy::zero2: {
+        // Update the owned range in place, then gather everyone's ranges.
+        env.ops->adamw(env.ctx, u, u.grad_shard, scale, h, u.params, 0);
+        Tensor own = view(u.params, m.begin, {m.chunk});
+        Tensor full = view(u.params, 0, {m.padded});
+        m.gather_ticket = I.shard->all_gather(env.ctx, own, full);
+        I.track(I.shard, m.gather_ticket);
+        break;
+      }
+      case Strategy::zero3:
+      case Strategy::hybrid:
+        env.ops->adamw(env.ctx, u, u.grad_shard, scale, h, u.param_shard, m.begin);
+        break;
+    }
+  }
+  return r;
+}
+
+}  // namespace loom::shard
