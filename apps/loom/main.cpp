@@ -4,6 +4,7 @@
 #include <exception>
 #include <string>
 
+#include "comm/launch.hpp"
 #include "commands.hpp"
 #include "loom/error.hpp"
 #include "loom/version.hpp"
@@ -19,8 +20,23 @@ void usage() {
       "  prepare text OUT INPUT...     turn UTF-8 text files into byte-level token shards\n"
       "  convert CKPT --to-hf DIR      export a checkpoint's weights as an HF Llama folder\n"
       "  bench CONFIG [--steps=N]      time training steps on synthetic data (median, tokens/s, MFU, memory)\n"
+      "  compare CONFIG --strategies=a,b,...   run each sharding strategy (or --configs) for the same steps;\n"
+      "                                table, CSV and PNG of step time, tokens/s, memory, traffic and losses\n"
       "  version                       print version and build id\n",
       loom::version_string());
+}
+// " (rank 3 of 8)" when this process is one rank of several.
+std::string rank_tag() {
+  const loom::LaunchInfo l = loom::launch_from_env();
+  if (!l.under_launcher || l.world == 1) return "";
+  return " (rank " + std::to_string(l.rank) + " of " + std::to_string(l.world) + ")";
+}
+
+// After an error on one rank the others may be waiting in a collective that
+// will never come: take the whole job down instead of leaving them to time out.
+void stop_all_ranks(int code) {
+  const loom::LaunchInfo l = loom::launch_from_env();
+  if (l.under_launcher && l.world != 1 && loom::mpi_initialized()) loom::abort_all(code);
 }
 }  // namespace
 
@@ -45,10 +61,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "loom: unknown command '%s'. Run 'loom --help' for the list.\n", cmd.c_str());
     return 2;
   } catch (const loom::Error& e) {
-    std::fprintf(stderr, "loom %s: error: %s\n", cmd.c_str(), e.what());
+    std::fprintf(stderr, "loom %s%s: error: %s\n", cmd.c_str(), rank_tag().c_str(), e.what());
+    stop_all_ranks(1);
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "loom %s: internal error: %s\n", cmd.c_str(), e.what());
+    std::fprintf(stderr, "loom %s%s: internal error: %s\n", cmd.c_str(), rank_tag().c_str(), e.what());
+    stop_all_ranks(3);
     return 3;
   }
 }

@@ -56,11 +56,21 @@ class Communicator {
   virtual void barrier() = 0;
   // Ranks with equal color form a new group, ordered by key.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+  // Bytes this communicator moved, including those of the groups split() made from it.
   const CommBytes& bytes_moved() const { return bytes_; }
   void reset_bytes() { bytes_ = {}; }
 
  protected:
-  void count(CollectiveKind k, uint64_t b) { bytes_.bytes[static_cast<size_t>(k)] += b; }
+  void count(CollectiveKind k, uint64_t b) {
+    for (Communicator* c = this; c; c = c->counts_into_) c->bytes_.bytes[static_cast<size_t>(k)] += b;
+  }
+  // split() implementations return their child through this, so that the
+  // child's traffic also counts in this communicator (which must outlive it).
+  std::unique_ptr<Communicator> adopt(std::unique_ptr<Communicator> child) {
+    child->counts_into_ = this;
+    return child;
+  }
+  Communicator* counts_into_ = nullptr;
   CommTicket next_ticket() { return ++tickets_; }
   CommBytes bytes_;
   CommTicket tickets_ = 0;

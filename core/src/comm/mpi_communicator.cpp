@@ -230,7 +230,7 @@ class MpiCommunicator final : public Communicator {
     barrier();
     MPI_Comm sub = MPI_COMM_NULL;
     check(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split", "split", 0);
-    return std::make_unique<MpiCommunicator>(sub, timeout_s_);
+    return adopt(std::make_unique<MpiCommunicator>(sub, timeout_s_));
   }
 
  private:

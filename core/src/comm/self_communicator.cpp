@@ -25,7 +25,7 @@ class SelfCommunicator final : public Communicator {
     return next_ticket();
   }
   void barrier() override {}
-  std::unique_ptr<Communicator> split(int, int) override { return std::make_unique<SelfCommunicator>(); }
+  std::unique_ptr<Communicator> split(int, int) override { return adopt(std::make_unique<SelfCommunicator>()); }
 
  private:
   static void copy(const ExecContext& ctx, const Tensor& in, Tensor& out) {

@@ -92,7 +92,7 @@ std::string human_count(double n) {
 
 }  // namespace
 
-Session::Session(Config cfg) : cfg_(std::move(cfg)) {
+Session::Session(Config cfg, SessionOptions opts) : cfg_(std::move(cfg)) {
   set_log_level(cfg_.run.log_level);
   spec_ = cfg_.model.spec;
   const std::string& init = cfg_.model.init;
@@ -104,7 +104,7 @@ Session::Session(Config cfg) : cfg_(std::move(cfg)) {
   }
   // Rank, world and node-local rank: from MPI when started by mpirun / srun,
   // otherwise this is the only rank and MPI is never touched.
-  LaunchInfo launch = launch_from_env();
+  LaunchInfo launch = opts.single_process ? LaunchInfo{} : launch_from_env();
   const bool several = launch.under_launcher && launch.world != 1;
   if (several && !mpi_available())
     throw Error(cat("this process is one of ", launch.world == 0 ? std::string("several") : std::to_string(launch.world),

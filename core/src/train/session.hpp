@@ -42,10 +42,16 @@ struct RunSummary {
   double wall_s = 0;
 };
 
+struct SessionOptions {
+  // Train alone even when started by a launcher (the single-process reference
+  // that tests compare the strategies with).
+  bool single_process = false;
+};
+
 class Session {
  public:
   // Loads plugins, validates every table, opens the data and plans memory. No allocation yet.
-  explicit Session(Config cfg);
+  explicit Session(Config cfg, SessionOptions opts = {});
   ~Session();
 
   const Config& config() const { return cfg_; }

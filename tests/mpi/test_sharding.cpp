@@ -1,0 +1,260 @@
+// Every sharding strategy against the single-process reference, run by mpirun
+// on 2 and 4 ranks (oversubscribed, CPU fp32, MPI communicator).
+//
+// For each strategy: 20 steps with gradient accumulation 2 on every rank must
+// give the losses of one process that sees the same global batch (grad_accum
+// 2 x world) within 1e-5 relative per step. The tolerance: the only difference
+// is the order of fp32 summation of the gradients (a ring reduce versus one
+// accumulation buffer), ~1e-7 relative per step, well below 1e-5 over 20 steps.
+//
+// Each step must move exactly the volume the ZeRO paper gives (in bytes of
+// the padded fp32 units, with the ring factor (p-1)/p that every ring
+// collective carries), within 1% (the loss and norm scalars add a few bytes);
+// and each rank's memory plan must equal the ZeRO formulas plus padding.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "comm/launch.hpp"
+#include "comm/mpi_communicator.hpp"
+#include "config/run_config.hpp"
+#include "loom/error.hpp"
+#include "train/session.hpp"
+
+namespace {
+
+using loom::CollectiveKind;
+std::unique_ptr<loom::Communicator> g_world;
+
+constexpr int kSteps = 20;
+constexpr int kAccum = 2;
+
+loom::Config make_config(const std::string& strategy, std::vector<std::string> overrides = {}) {
+  std::ostringstream t;
+  t << "[run]\nname = \"shard\"\nout_dir = \"" << LOOM_BINARY_DIR << "/tests/mpi_runs/shard\"\n"
+    << "device = \"cpu\"\nseed = 11\nthreads = 1\nlog_level = \"warn\"\n"
+    << "plugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
+    << "[model]\nhidden = 64\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nffn_hidden = 160\n"
+    << "vocab_size = 250\nmax_seq_len = 32\ntied_embeddings = false\n"
+    << "[train]\nsteps = " << kSteps << "\nmicro_batch = 2\nseq_len = 32\ngrad_accum = " << kAccum
+    << "\nlr = 3e-3\nwarmup_steps = 2\n"
+    << "[checkpoint]\nevery = 0\nresume = \"none\"\n"
+    << "[precision]\nplugin = \"fp32\"\n[attention]\nplugin = \"naive\"\n"
+    << "[sharding]\nplugin = \"" << strategy << "\"\n[data]\nplugin = \"synthetic\"\n";
+  return loom::parse_config_string(t.str(), "sharding_test.toml", overrides);
+}
+
+struct Run {
+  std::vector<double> losses;
+  loom::CommBytes step_bytes;  // bytes moved by the first step
+};
+
+Run train(loom::Session& s) {
+  s.initialise();
+  Run r;
+  for (int i = 0; i < kSteps; ++i) {
+    const loom::CommBytes before = s.comm().bytes_moved();
+    r.losses.push_back(s.train_step().loss);
+    if (i == 0)
+      for (size_t k = 0; k < before.bytes.size(); ++k)
+        r.step_bytes.bytes[k] = s.comm().bytes_moved().bytes[k] - before.bytes[k];
+  }
+  return r;
+}
+
+// The single-process run with the same global batch: the data sources hand
+// rank r of p micro-batch m the samples one process sees as micro-batch m*p + r.
+const std::vector<double>& reference() {
+  static std::vector<double> ref = [] {
+    const int p = g_world->size();
+    loom::Session s(make_config("none", {"train.grad_accum=" + std::to_string(kAccum * p)}),
+                    loom::SessionOptions{true});
+    return train(s).losses;
+  }();
+  return ref;
+}
+
+double ring(int p) { return p > 1 ? static_cast<double>(p - 1) / p : 0.0; }
+
+struct Volume {
+  double all_reduce = 0, reduce_scatter = 0, all_gather = 0;
+};
+
+// The ZeRO paper's per-step traffic for this session's layout (fp32 units):
+// ddp 2Ψ (all-reduce); zero1 Ψ reduce-scatter + Ψ all-gather; zero2 the
+// reduce-scatter once per micro-batch; zero3 per micro-batch Ψ gathered for
+// forward, Ψ for backward, Ψ reduce-scattered; hybrid_shard the zero3 volume
+// inside its group plus an all-reduce of the shard across groups.
+Volume expected_volume(loom::Session& s, const std::string& strategy) {
+  double psi_padded = 0, psi = 0, chunk = 0;
+  int group = 1;
+  for (const auto& u : s.units()) {
+    psi_padded += 4.0 * static_cast<double>(u.layout.padded_numel);
+    psi += 4.0 * static_cast<double>(u.info->numel);
+    chunk += 4.0 * static_cast<double>(u.layout.optim_numel);
+    group = static_cast<int>(u.layout.padded_numel / u.layout.optim_numel);
+  }
+  const int world = s.world(), replicas = world / group;
+  const double f = ring(group);
+  Volume v;
+  if (strategy == "ddp") {
+    v.all_reduce = 2 * ring(world) * psi;
+  } else if (strategy == "zero1") {
+    v.reduce_scatter = f * psi_padded;
+    v.all_gather = f * psi_padded;
+  } else if (strategy == "zero2") {
+    v.reduce_scatter = kAccum * f * psi_padded;
+    v.all_gather = f * psi_padded;
+  } else {  // zero3, full_shard, hybrid_shard (reshard after forward)
+    v.all_gather = 2 * kAccum * f * psi_padded;
+    v.reduce_scatter = kAccum * f * psi_padded;
+    v.all_reduce = 2 * ring(replicas) * chunk;
+  }
+  // The mean loss (and, for sharded optimizer state, the gradient norm) are
+  // all-reduced as 8-byte scalars: a few bytes beside the units.
+  return v;
+}
+
+void expect_volume(double got, double want, const std::string& what) {
+  if (want == 0) {
+    EXPECT_LT(got, 64.0) << what;  // only the scalars
+    return;
+  }
+  EXPECT_NEAR(got, want, 0.01 * want) << what << ": moved " << got << " bytes, expected " << want;
+}
+
+struct Case {
+  std::string strategy;
+  std::vector<std::string> overrides;
+  int min_world = 2;
+};
+
+void check_strategy(const Case& c) {
+  if (g_world->size() < c.min_world) GTEST_SKIP() << "needs " << c.min_world << " ranks";
+  const std::vector<double>& ref = reference();
+  std::vector<std::string> ov = c.overrides;
+  loom::Session s(make_config(c.strategy, ov));
+  const Run r = train(s);
+  ASSERT_EQ(r.losses.size(), ref.size());
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double rel = std::fabs(r.losses[i] - ref[i]) / std::fabs(ref[i]);
+    worst = std::max(worst, rel);
+    EXPECT_LE(rel, 1e-5) << c.strategy << " step " << i + 1 << ": " << r.losses[i] << " vs " << ref[i];
+  }
+  const bool hybrid_replicated = c.strategy == "hybrid_shard" &&
+                                 std::find(ov.begin(), ov.end(), "sharding.reshard_after_forward=false") != ov.end();
+  if (!hybrid_replicated && std::find(ov.begin(), ov.end(), "sharding.reshard_after_forward=false") == ov.end()) {
+    const Volume v = expected_volume(s, c.strategy == "full_shard" ? "zero3" : c.strategy);
+    const auto& b = r.step_bytes.bytes;
+    expect_volume(static_cast<double>(b[static_cast<size_t>(CollectiveKind::all_reduce)]), v.all_reduce,
+                  c.strategy + " all_reduce");
+    expect_volume(static_cast<double>(b[static_cast<size_t>(CollectiveKind::reduce_scatter)]), v.reduce_scatter,
+                  c.strategy + " reduce_scatter");
+    expect_volume(static_cast<double>(b[static_cast<size_t>(CollectiveKind::all_gather)]), v.all_gather,
+                  c.strategy + " all_gather");
+  }
+
+  // Memory: the plan per rank against the ZeRO formulas; the difference is
+  // only padding (each unit rounded up to a multiple of the group) and the
+  // arena's 256-byte alignment of each block.
+  const loom::Session::MemoryFormula f = s.memory_formula();
+  const loom::ArenaPlan& plan = s.memory_plan();
+  double pad = 0;
+  for (const auto& u : s.units()) pad += static_cast<double>(u.layout.padded_numel - u.info->numel);
+  const double align = static_cast<double>(loom::ArenaPlan::kAlign) * 3.0 * static_cast<double>(s.units().size());
+  const double params = static_cast<double>(plan.category_bytes(loom::MemCategory::params));
+  const double grads = static_cast<double>(plan.category_bytes(loom::MemCategory::grads));
+  const double optim = static_cast<double>(plan.category_bytes(loom::MemCategory::optimizer) +
+                                           plan.category_bytes(loom::MemCategory::master));
+  const bool kept_gathered = std::find(ov.begin(), ov.end(), "sharding.reshard_after_forward=false") != ov.end();
+  if (!kept_gathered) {
+    EXPECT_GE(params, f.params);
+    EXPECT_LE(params, f.params + 4 * pad + align) << c.strategy << " params";
+  }
+  EXPECT_GE(grads, f.grads);
+  EXPECT_LE(grads, f.grads + 8 * pad + align) << c.strategy << " grads";
+  EXPECT_GE(optim, f.optimizer);
+  EXPECT_LE(optim, f.optimizer + 8 * pad + align) << c.strategy << " optimizer";
+  EXPECT_EQ(s.arena_bytes(), plan.total_bytes());
+  if (g_world->rank() == 0)
+    std::printf("[ %s %s ] worst rel loss diff %.2e; step bytes AR %llu RS %llu AG %llu; plan params %.0f grads %.0f "
+                "optim %.0f (formula %.0f / %.0f / %.0f)\n",
+                c.strategy.c_str(), ov.empty() ? "" : ov.front().c_str(), worst,
+                static_cast<unsigned long long>(r.step_bytes.bytes[0]),
+                static_cast<unsigned long long>(r.step_bytes.bytes[1]),
+                static_cast<unsigned long long>(r.step_bytes.bytes[2]), params, grads, optim, f.params, f.grads,
+                f.optimizer);
+}
+
+TEST(Sharding, Ddp) { check_strategy({"ddp", {}}); }
+TEST(Sharding, Zero1) { check_strategy({"zero1", {}}); }
+TEST(Sharding, Zero2) { check_strategy({"zero2", {}}); }
+TEST(Sharding, Zero3) { check_strategy({"zero3", {}}); }
+TEST(Sharding, FullShardIsZero3) { check_strategy({"full_shard", {}}); }
+TEST(Sharding, Zero3NoPrefetch) { check_strategy({"zero3", {"sharding.prefetch=0"}}); }
+TEST(Sharding, Zero3DeepPrefetch) { check_strategy({"zero3", {"sharding.prefetch=3"}}); }
+TEST(Sharding, Zero3KeepGathered) { check_strategy({"zero3", {"sharding.reshard_after_forward=false"}}); }
+TEST(Sharding, HybridOneGroup) { check_strategy({"hybrid_shard", {}}); }  // default group: the node (all ranks here)
+TEST(Sharding, HybridReplicasOfOne) { check_strategy({"hybrid_shard", {"sharding.shard_group_size=1"}}); }
+TEST(Sharding, HybridTwoGroupsOfTwo) { check_strategy({"hybrid_shard", {"sharding.shard_group_size=2"}, 4}); }
+TEST(Sharding, HybridTwoGroupsKeepGathered) {
+  check_strategy({"hybrid_shard", {"sharding.shard_group_size=2", "sharding.reshard_after_forward=false"}, 4});
+}
+TEST(Sharding, ZeroOneWithGradClipOff) { check_strategy({"zero1", {"train.grad_clip=0"}}); }
+
+// Every replica starts from the same weights: the initialisation is a pure
+// function of (seed, parameter), so ranks agree without a broadcast.
+TEST(Sharding, ReplicasStartIdentical) {
+  loom::Session s(make_config("ddp"));
+  s.initialise();
+  double sum = 0;
+  for (const auto& u : s.units())
+    for (const auto& p : u.info->params)
+      for (float x : s.read_param(p.name)) sum += static_cast<double>(x) * (1.0 + 1e-3 * static_cast<double>(p.offset % 97));
+  std::vector<double> all(static_cast<size_t>(g_world->size()));
+  loom::Tensor in(&sum, loom::DType::f64, loom::Device::cpu, {1});
+  loom::Tensor out(all.data(), loom::DType::f64, loom::Device::cpu, {static_cast<int64_t>(all.size())});
+  g_world->all_gather(loom::ExecContext{}, in, out);
+  for (double a : all) EXPECT_EQ(a, all[0]);
+}
+
+// A group size that does not divide the world is refused before any memory is touched.
+TEST(Sharding, GroupSizeMustDivideWorld) {
+  const int w = g_world->size();
+  try {
+    loom::Session s(make_config("hybrid_shard", {"sharding.shard_group_size=" + std::to_string(w + 1)}));
+    FAIL() << "accepted a shard group larger than the world";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shard_group_size"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("does not divide the world size"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Sharding, NoneRefusesSeveralRanks) {
+  try {
+    loom::Session s(make_config("none"));
+    FAIL() << "sharding none accepted " << g_world->size() << " ranks";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("runs on one rank"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  int rc = 1;
+  try {
+    g_world = loom::make_mpi_communicator(60.0);
+    rc = RUN_ALL_TESTS();
+    g_world->barrier();
+    g_world.reset();
+  } catch (const loom::Error& e) {
+    std::fprintf(stderr, "test_sharding: %s\n", e.what());
+    loom::abort_all(2);
+  }
+  return rc;
+}

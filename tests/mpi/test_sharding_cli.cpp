@@ -1,0 +1,214 @@
+// `loom train` across launches (mpirun, oversubscribed, CPU fp32):
+//  - a checkpoint saved by one strategy and world size, resumed by another,
+//    continues with the losses of an uninterrupted single-process run (1e-5
+//    relative: the runs differ only in the order of fp32 gradient sums);
+//  - a rank that stops responding makes the others fail with the collective
+//    and the timeout named, instead of hanging;
+//  - bad launches and incompatible checkpoints fail before any step.
+// The global batch stays the same across launches (micro_batch x grad_accum x
+// ranks = 8 sequences), so the data position carries over exactly.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kConfig = R"([run]
+name = "reshard"
+device = "cpu"
+seed = 5
+threads = 1
+[model]
+hidden = 64
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+ffn_hidden = 160
+vocab_size = 250
+max_seq_len = 32
+[train]
+steps = 20
+micro_batch = 2
+seq_len = 32
+grad_accum = 4
+lr = 2e-3
+warmup_steps = 0
+schedule = "constant"
+log_every = 5
+[checkpoint]
+every = 0
+resume = "none"
+[precision]
+plugin = "fp32"
+[attention]
+plugin = "naive"
+[sharding]
+plugin = "none"
+[data]
+plugin = "synthetic"
+)";
+
+struct Result {
+  int code = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+// Runs `loom train` on `ranks` processes (1: no launcher) with extra --set overrides.
+Result run(const fs::path& dir, int ranks, const std::vector<std::string>& sets, const std::string& env = "",
+           const std::string& cmd = "train") {
+  const fs::path cfg = dir / "config.toml";
+  if (!fs::exists(cfg)) std::ofstream(cfg) << kConfig;
+  std::ostringstream c;
+  c << env << " ";
+  if (ranks > 0)
+    c << LOOM_MPIEXEC << " --allow-run-as-root --oversubscribe -np " << ranks << " -x OMP_NUM_THREADS=1"
+      << (env.empty() ? "" : " -x LOOM_FAULT_STALL") << " ";
+  c << LOOM_CLI << " " << cmd << " " << cfg.string() << " --set 'run.plugin_path=[\"" << LOOM_TEST_PLUGIN_DIR
+    << "\"]'";
+  for (const auto& s : sets) c << " --set '" << s << "'";
+  const fs::path log = dir / "out.log";
+  c << " > " << log.string() << " 2>&1";
+  const auto t0 = std::chrono::steady_clock::now();
+  Result r;
+  r.code = WEXITSTATUS(std::system(c.str().c_str()));
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::ifstream in(log);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.output = ss.str();
+  return r;
+}
+
+std::map<int64_t, double> losses(const fs::path& metrics) {
+  std::map<int64_t, double> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out[j.at("step").get<int64_t>()] = j.at("loss").get<double>();
+  }
+  return out;
+}
+
+class ShardingCli : public ::testing::Test {
+ protected:
+  loom::test::TmpDir tmp;
+
+  // The uninterrupted single-process run every resumed run must continue.
+  std::map<int64_t, double> reference() {
+    Result r = run(tmp.path, 0, {"run.out_dir=" + (tmp.path / "ref").string()});
+    EXPECT_EQ(r.code, 0) << r.output;
+    return losses(tmp.path / "ref" / "metrics.jsonl");
+  }
+
+  // Saves at step 10 with (save_ranks, save_strategy), resumes to 20 with (load_ranks, load_strategy).
+  void reshard(int save_ranks, const std::string& save_strategy, std::vector<std::pair<int, std::string>> loads,
+               std::vector<std::string> save_extra = {}) {
+    const auto ref = reference();
+    ASSERT_EQ(ref.size(), 20u);
+    const std::string ck = (tmp.path / "ckpt").string();
+    std::vector<std::string> save = {"run.out_dir=" + (tmp.path / "save").string(),
+                                     "sharding.plugin=" + save_strategy, "train.steps=10", "checkpoint.every=10",
+                                     "checkpoint.dir=" + ck, "train.grad_accum=" + std::to_string(4 / std::max(save_ranks, 1))};
+    save.insert(save.end(), save_extra.begin(), save_extra.end());
+    Result s = run(tmp.path, save_ranks, save);
+    ASSERT_EQ(s.code, 0) << s.output;
+    const auto first = losses(tmp.path / "save" / "metrics.jsonl");
+    for (const auto& [step, loss] : first) EXPECT_NEAR(loss, ref.at(step), 1e-5 * ref.at(step)) << "step " << step;
+    int k = 0;
+    for (const auto& [ranks, strategy] : loads) {
+      const fs::path out = tmp.path / ("load" + std::to_string(k++));
+      std::vector<std::string> load = {"run.out_dir=" + out.string(), "sharding.plugin=" + strategy,
+                                       "checkpoint.dir=" + ck, "checkpoint.resume=10",
+                                       "train.grad_accum=" + std::to_string(4 / std::max(ranks, 1))};
+      if (strategy == "hybrid_shard") load.push_back("sharding.shard_group_size=2");
+      Result l = run(tmp.path, ranks, load);
+      ASSERT_EQ(l.code, 0) << l.output;
+      if (ranks != save_ranks || strategy != save_strategy)
+        EXPECT_NE(l.output.find("resharding checkpoint"), std::string::npos) << l.output;
+      const auto cont = losses(out / "metrics.jsonl");
+      ASSERT_EQ(cont.size(), 10u) << l.output;
+      for (const auto& [step, loss] : cont) {
+        ASSERT_GT(step, 10);
+        EXPECT_NEAR(loss, ref.at(step), 1e-5 * ref.at(step))
+            << strategy << " on " << ranks << " rank(s), step " << step << " resumed from " << save_strategy << " on "
+            << save_ranks;
+      }
+    }
+  }
+};
+
+TEST_F(ShardingCli, Zero3OnFourResumesAsDdpOnTwoAndAloneOnOne) {
+  reshard(4, "zero3", {{2, "ddp"}, {0, "none"}, {4, "hybrid_shard"}});
+}
+
+TEST_F(ShardingCli, DdpOnTwoResumesAsZero3OnFourAndZero1OnTwo) {
+  reshard(2, "ddp", {{4, "zero3"}, {2, "zero1"}, {4, "zero2"}});
+}
+
+TEST_F(ShardingCli, SingleProcessResumesAsHybridShard) { reshard(0, "none", {{4, "hybrid_shard"}, {2, "zero2"}}); }
+
+// Rank 1 stops answering before step 3; rank 0 must stop with the collective
+// and the limit named within a few seconds of run.collective_timeout.
+TEST_F(ShardingCli, StalledRankTimesOutNamingTheCollective) {
+  Result r = run(tmp.path, 2,
+                 {"run.out_dir=" + (tmp.path / "stall").string(), "sharding.plugin=zero2", "train.grad_accum=2",
+                  "run.collective_timeout=2"},
+                 "LOOM_FAULT_STALL=1:3");
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("did not complete within 2 s"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("run.collective_timeout"), std::string::npos) << r.output;
+  const bool named = r.output.find("all_reduce") != std::string::npos ||
+                     r.output.find("reduce_scatter") != std::string::npos ||
+                     r.output.find("all_gather") != std::string::npos;
+  EXPECT_TRUE(named) << r.output;
+  EXPECT_LT(r.seconds, 60.0) << "the job should end soon after the 2 s timeout";
+}
+
+TEST_F(ShardingCli, MultiRankStrategyStartedAloneIsRefused) {
+  Result r = run(tmp.path, 0, {"sharding.plugin=zero3"});
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("sharding.plugin = \"zero3\""), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("mpirun -np N"), std::string::npos) << r.output;
+}
+
+TEST_F(ShardingCli, GroupSizeNotDividingWorldIsRefused) {
+  Result r = run(tmp.path, 4, {"sharding.plugin=hybrid_shard", "sharding.shard_group_size=3"});
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("shard_group_size = 3 does not divide the world size 4"), std::string::npos) << r.output;
+}
+
+TEST_F(ShardingCli, CheckpointOfAnotherModelIsRefusedBeforeTraining) {
+  const std::string ck = (tmp.path / "ckpt").string();
+  Result s = run(tmp.path, 2, {"run.out_dir=" + (tmp.path / "a").string(), "sharding.plugin=zero3",
+                                 "train.steps=2", "checkpoint.every=2", "checkpoint.dir=" + ck, "train.grad_accum=2"});
+  ASSERT_EQ(s.code, 0) << s.output;
+  Result r = run(tmp.path, 2, {"run.out_dir=" + (tmp.path / "b").string(), "sharding.plugin=ddp",
+                                 "checkpoint.dir=" + ck, "checkpoint.resume=auto", "model.ffn_hidden=192"});
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("was written for another model"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(tmp.path / "b" / "metrics.jsonl"));
+  EXPECT_TRUE(fs::exists(fs::path(ck) / "step_00000002" / "COMPLETE"));  // the checkpoint is untouched
+}
+
+// `loom check` under the launcher prints each rank's plan beside the ZeRO formulas.
+TEST_F(ShardingCli, CheckPrintsPerRankPlanAndFormulas) {
+  Result r = run(tmp.path, 2, {"sharding.plugin=zero3"}, "", "check");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("ZeRO formulas per rank for zero3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("this is rank 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("comm"), std::string::npos) << r.output;
+}
+
+}  // namespace
