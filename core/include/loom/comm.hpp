@@ -1,7 +1,17 @@
 // Communicators: collectives over a group of ranks. The core provides a
-// single-process one (and MPI / NCCL ones when built with them); sharding
-// plugins use whichever the run was started with. Every collective counts the
-// bytes it moves, per kind, for `loom compare`.
+// single-process one, an MPI one (host tensors) and an NCCL one (device
+// tensors, one process per GPU); sharding plugins use whichever the run was
+// started with. Every collective counts the bytes it moves, per kind, for
+// `loom compare`.
+//
+// Ordering. A collective starts after the work already queued on ctx. Host
+// communicators (self, MPI) finish it before returning. Device communicators
+// (NCCL) run it on their own stream and return at once: the returned ticket,
+// passed to wait(ctx, ticket), makes ctx's later work wait for it (a GPU-side
+// wait, the host does not block). Until then ctx's work must neither read the
+// outputs nor write the inputs. Tickets grow by one per collective and a
+// communicator's collectives complete in order, so waiting on a ticket also
+// waits for every earlier one. No allocation happens per collective.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -20,18 +30,29 @@ struct CommBytes {
   uint64_t total() const { uint64_t t = 0; for (auto b : bytes) t += b; return t; }
 };
 
+using CommTicket = uint64_t;
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
   // In place on `t` (same shape on every rank).
-  virtual void all_reduce(const ExecContext& ctx, Tensor& t, ReduceOp op) = 0;
+  virtual CommTicket all_reduce(const ExecContext& ctx, Tensor& t, ReduceOp op) = 0;
   // in: size()*n elements, out: n elements (this rank's chunk).
-  virtual void reduce_scatter(const ExecContext& ctx, const Tensor& in, Tensor& out, ReduceOp op) = 0;
+  // Byte counts use the ring volume per rank (see mpi_communicator.hpp).
+  virtual CommTicket reduce_scatter(const ExecContext& ctx, const Tensor& in, Tensor& out, ReduceOp op) = 0;
   // in: n elements, out: size()*n elements (rank-major).
-  virtual void all_gather(const ExecContext& ctx, const Tensor& in, Tensor& out) = 0;
-  virtual void broadcast(const ExecContext& ctx, Tensor& t, int root) = 0;
+  virtual CommTicket all_gather(const ExecContext& ctx, const Tensor& in, Tensor& out) = 0;
+  virtual CommTicket broadcast(const ExecContext& ctx, Tensor& t, int root) = 0;
+  // ctx's later work waits for collective t (no-op on host communicators).
+  virtual void wait(const ExecContext& /*ctx*/, CommTicket /*t*/) {}
+  // Blocks the host until every collective issued so far has finished (device
+  // communicators: with the timeout, naming the collective that did not finish).
+  virtual void synchronize() {}
+  // True when tensors must be device memory (NCCL), false for host memory.
+  virtual bool device_tensors() const { return false; }
+  // Host barrier over the group.
   virtual void barrier() = 0;
   // Ranks with equal color form a new group, ordered by key.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
@@ -40,7 +61,9 @@ class Communicator {
 
  protected:
   void count(CollectiveKind k, uint64_t b) { bytes_.bytes[static_cast<size_t>(k)] += b; }
+  CommTicket next_ticket() { return ++tickets_; }
   CommBytes bytes_;
+  CommTicket tickets_ = 0;
 };
 
 // One rank: every collective is a copy or a no-op.

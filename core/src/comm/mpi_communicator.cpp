@@ -102,7 +102,7 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
-  void all_reduce(const ExecContext&, Tensor& t, ReduceOp op) override {
+  CommTicket all_reduce(const ExecContext&, Tensor& t, ReduceOp op) override {
     const char* name = "all_reduce";
     usable(name);
     host_contiguous(name, "tensor", t);
@@ -122,9 +122,10 @@ class MpiCommunicator final : public Communicator {
     if (op == ReduceOp::avg) divide(buf, w.staged ? DType::f32 : t.dtype, n);
     if (w.staged) from_f32(reinterpret_cast<const float*>(stage.data()), t.data, t.dtype, n);
     count(CollectiveKind::all_reduce, 2 * static_cast<uint64_t>(size_ - 1) * wire / static_cast<uint64_t>(size_));
+    return next_ticket();
   }
 
-  void reduce_scatter(const ExecContext&, const Tensor& in, Tensor& out, ReduceOp op) override {
+  CommTicket reduce_scatter(const ExecContext&, const Tensor& in, Tensor& out, ReduceOp op) override {
     const char* name = "reduce_scatter";
     usable(name);
     host_contiguous(name, "input", in);
@@ -160,9 +161,10 @@ class MpiCommunicator final : public Communicator {
     if (op == ReduceOp::avg) divide(recv, w.staged ? DType::f32 : out.dtype, n);
     if (w.staged) from_f32(reinterpret_cast<const float*>(recv), out.data, out.dtype, n);
     count(CollectiveKind::reduce_scatter, static_cast<uint64_t>(size_ - 1) * wire / static_cast<uint64_t>(size_));
+    return next_ticket();
   }
 
-  void all_gather(const ExecContext&, const Tensor& in, Tensor& out) override {
+  CommTicket all_gather(const ExecContext&, const Tensor& in, Tensor& out) override {
     const char* name = "all_gather";
     usable(name);
     host_contiguous(name, "input", in);
@@ -190,9 +192,10 @@ class MpiCommunicator final : public Communicator {
     check(MPI_Iallgather(send, nb, MPI_BYTE, out.data, nb, MPI_BYTE, comm_, &req), "MPI_Iallgather", name, full);
     wait(req, name, full, stage);
     count(CollectiveKind::all_gather, static_cast<uint64_t>(size_ - 1) * full / static_cast<uint64_t>(size_));
+    return next_ticket();
   }
 
-  void broadcast(const ExecContext&, Tensor& t, int root) override {
+  CommTicket broadcast(const ExecContext&, Tensor& t, int root) override {
     const char* name = "broadcast";
     usable(name);
     host_contiguous(name, "tensor", t);
@@ -206,6 +209,7 @@ class MpiCommunicator final : public Communicator {
     check(MPI_Ibcast(t.data, nb, MPI_BYTE, root, comm_, &req), "MPI_Ibcast", name, bytes);
     wait(req, name, bytes, stage);
     count(CollectiveKind::broadcast, static_cast<uint64_t>(size_ - 1) * bytes / static_cast<uint64_t>(size_));
+    return next_ticket();
   }
 
   void barrier() override {

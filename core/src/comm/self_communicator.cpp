@@ -11,11 +11,18 @@ class SelfCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  void all_reduce(const ExecContext&, Tensor&, ReduceOp) override {}
-  void reduce_scatter(const ExecContext& ctx, const Tensor& in, Tensor& out, ReduceOp) override { copy(ctx, in, out); }
-  void all_gather(const ExecContext& ctx, const Tensor& in, Tensor& out) override { copy(ctx, in, out); }
-  void broadcast(const ExecContext&, Tensor&, int root) override {
+  CommTicket all_reduce(const ExecContext&, Tensor&, ReduceOp) override { return next_ticket(); }
+  CommTicket reduce_scatter(const ExecContext& ctx, const Tensor& in, Tensor& out, ReduceOp) override {
+    copy(ctx, in, out);
+    return next_ticket();
+  }
+  CommTicket all_gather(const ExecContext& ctx, const Tensor& in, Tensor& out) override {
+    copy(ctx, in, out);
+    return next_ticket();
+  }
+  CommTicket broadcast(const ExecContext&, Tensor&, int root) override {
     LOOM_CHECK(root == 0, "broadcast root ", root, " on a one-rank communicator");
+    return next_ticket();
   }
   void barrier() override {}
   std::unique_ptr<Communicator> split(int, int) override { return std::make_unique<SelfCommunicator>(); }
