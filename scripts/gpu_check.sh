@@ -5,6 +5,9 @@
 # to $OUT (default ./gpu-check-out); a summary table is printed last.
 #
 #   bash scripts/gpu_check.sh [tests|bench|all] [CONFIG...]
+#   bash scripts/gpu_check.sh sharding [CONFIG]     (a host with 2+ GPUs: NCCL and
+#       sharding tests, single-GPU bench, PyTorch FSDP2 peer, `loom compare` of every
+#       strategy, and the throughput targets; env NP, STEPS, WARMUP, STRATEGIES)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -35,5 +38,33 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   LOOM_BIN=.carry/bin/loom OUT=$OUT/bench bash benchmarks/compare.sh "$@" | tee "$OUT/table.md"
+fi
+if [ "$WHAT" = sharding ]; then
+  CFG=${1:-configs/bench/llama-1b.toml}
+  NP=${NP:-$(nvidia-smi -L | wc -l)}
+  STEPS=${STEPS:-10}; WARMUP=${WARMUP:-3}
+  STRATEGIES=${STRATEGIES:-ddp,zero1,zero2,zero3,hybrid_shard}
+  MPI=(mpirun --allow-run-as-root --bind-to none -np "$NP" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH)
+  : > "$OUT/tests.txt"
+  # NCCL communicator and every strategy on GPUs (fp32, tiny model, against one process).
+  if "${MPI[@]}" .carry/bin/test_nccl_comm > "$OUT/test_nccl_comm.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+  echo "$r test_nccl_comm np=$NP $(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/test_nccl_comm.log" | head -1)" | tee -a "$OUT/tests.txt"
+  if "${MPI[@]}" -x LOOM_SHARDING_TEST_DEVICE=cuda .carry/bin/test_sharding > "$OUT/test_sharding_cuda.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+  echo "$r test_sharding (cuda) np=$NP $(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/test_sharding_cuda.log" | head -1)" | tee -a "$OUT/tests.txt"
+  grep -E "^\[ .* \] worst" "$OUT/test_sharding_cuda.log" | sort -u | head -20
+  # One GPU alone: the baseline the per-GPU throughput targets refer to.
+  .carry/bin/loom bench "$CFG" --steps="$STEPS" --warmup="$WARMUP" --json="$OUT/single.json" > "$OUT/single.log" 2>&1 || status=1
+  tail -2 "$OUT/single.log"
+  # The PyTorch FSDP2 peer on the same GPUs, model, batch and sequence.
+  python3 -m torch.distributed.run --standalone --nproc_per_node="$NP" benchmarks/torch_fsdp.py "$CFG" --steps "$STEPS" --warmup "$WARMUP" \
+    > "$OUT/fsdp.out" 2> "$OUT/fsdp.log" || echo "torch_fsdp failed: see fsdp.log" >&2
+  grep -h '^PEER_JSON' "$OUT/fsdp.out" > "$OUT/peer.jsonl" || true
+  tail -3 "$OUT/fsdp.log"
+  # Every strategy, same steps and seed, in one launch; the peer rows joined in.
+  "${MPI[@]}" .carry/bin/loom compare "$CFG" --strategies="$STRATEGIES" --steps="$STEPS" --warmup="$WARMUP" \
+    --out="$OUT/compare" --peer="$OUT/peer.jsonl" > "$OUT/compare.out" 2> "$OUT/compare.log" || status=1
+  grep -v '^COMPARE_JSON' "$OUT/compare.out"
+  grep -E "error|Error" "$OUT/compare.log" | head -10
+  python3 benchmarks/sharding_targets.py "$OUT/single.json" "$OUT/compare.out" | tee "$OUT/targets.md" || status=1
 fi
 exit $status

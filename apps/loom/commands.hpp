@@ -12,4 +12,5 @@ int cmd_plugins(const Args& args);
 int cmd_prepare(const Args& args);
 int cmd_convert(const Args& args);
 int cmd_bench(const Args& args);
+int cmd_compare(const Args& args);
 }  // namespace loom::app

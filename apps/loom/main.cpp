@@ -54,6 +54,7 @@ int main(int argc, char** argv) {
     if (cmd == "prepare") return loom::app::cmd_prepare(args);
     if (cmd == "convert") return loom::app::cmd_convert(args);
     if (cmd == "bench") return loom::app::cmd_bench(args);
+    if (cmd == "compare") return loom::app::cmd_compare(args);
     if (cmd == "version" || cmd == "--version") {
       std::printf("loom %s (%s)\n", loom::version_string(), loom::build_id());
       return 0;

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <sstream>
 
@@ -21,6 +22,7 @@
 #include "comm/mpi_communicator.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
+#include "model/backend.hpp"
 #include "train/session.hpp"
 
 namespace {
@@ -28,13 +30,20 @@ namespace {
 using loom::CollectiveKind;
 std::unique_ptr<loom::Communicator> g_world;
 
+// LOOM_SHARDING_TEST_DEVICE=cuda runs the same checks on GPUs (one per rank,
+// NCCL carrying the tensors): scripts/gpu_check.sh does so on multi-GPU hosts.
+std::string test_device() {
+  const char* d = std::getenv("LOOM_SHARDING_TEST_DEVICE");
+  return d ? d : "cpu";
+}
+
 constexpr int kSteps = 20;
 constexpr int kAccum = 2;
 
 loom::Config make_config(const std::string& strategy, std::vector<std::string> overrides = {}) {
   std::ostringstream t;
   t << "[run]\nname = \"shard\"\nout_dir = \"" << LOOM_BINARY_DIR << "/tests/mpi_runs/shard\"\n"
-    << "device = \"cpu\"\nseed = 11\nthreads = 1\nlog_level = \"warn\"\n"
+    << "device = \"" << test_device() << "\"\nseed = 11\nthreads = 1\nlog_level = \"warn\"\n"
     << "plugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
     << "[model]\nhidden = 64\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nffn_hidden = 160\n"
     << "vocab_size = 250\nmax_seq_len = 32\ntied_embeddings = false\n"
@@ -131,7 +140,10 @@ struct Case {
   int min_world = 2;
 };
 
+bool skip_device() { return test_device() == "cuda" && !loom::cuda_available(); }
+
 void check_strategy(const Case& c) {
+  if (skip_device()) GTEST_SKIP() << "LOOM_SHARDING_TEST_DEVICE=cuda but no CUDA device is visible";
   if (g_world->size() < c.min_world) GTEST_SKIP() << "needs " << c.min_world << " ranks";
   const std::vector<double>& ref = reference();
   std::vector<std::string> ov = c.overrides;
@@ -208,6 +220,7 @@ TEST(Sharding, ZeroOneWithGradClipOff) { check_strategy({"zero1", {"train.grad_c
 // Every replica starts from the same weights: the initialisation is a pure
 // function of (seed, parameter), so ranks agree without a broadcast.
 TEST(Sharding, ReplicasStartIdentical) {
+  if (skip_device()) GTEST_SKIP() << "no CUDA device";
   loom::Session s(make_config("ddp"));
   s.initialise();
   double sum = 0;
@@ -223,6 +236,7 @@ TEST(Sharding, ReplicasStartIdentical) {
 
 // A group size that does not divide the world is refused before any memory is touched.
 TEST(Sharding, GroupSizeMustDivideWorld) {
+  if (skip_device()) GTEST_SKIP() << "no CUDA device";
   const int w = g_world->size();
   try {
     loom::Session s(make_config("hybrid_shard", {"sharding.shard_group_size=" + std::to_string(w + 1)}));
@@ -234,6 +248,7 @@ TEST(Sharding, GroupSizeMustDivideWorld) {
 }
 
 TEST(Sharding, NoneRefusesSeveralRanks) {
+  if (skip_device()) GTEST_SKIP() << "no CUDA device";
   try {
     loom::Session s(make_config("none"));
     FAIL() << "sharding none accepted " << g_world->size() << " ranks";

@@ -212,3 +212,38 @@ TEST_F(ShardingCli, CheckPrintsPerRankPlanAndFormulas) {
 }
 
 }  // namespace
+
+namespace {
+
+// `loom compare` under mpirun: one row per strategy, the same losses, the
+// expected traffic kinds, and the CSV and PNG written.
+TEST_F(ShardingCli, CompareRunsEveryStrategyAndWritesTableCsvPng) {
+  const std::string out = (tmp.path / "cmp").string();
+  Result c = run(tmp.path, 2, {"train.grad_accum=2"}, "",
+                 "compare --strategies=ddp,zero1,zero3 --steps=3 --warmup=1 --out=" + out);
+  ASSERT_EQ(c.code, 0) << c.output;
+  for (const char* label : {"ddp", "zero1", "zero3", "max |dloss|"})
+    EXPECT_NE(c.output.find(label), std::string::npos) << label << "\n" << c.output;
+  int rows = 0;
+  std::istringstream lines(c.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("COMPARE_JSON ", 0) != 0) continue;
+    ++rows;
+    auto j = nlohmann::json::parse(line.substr(13));
+    EXPECT_EQ(j.at("losses").size(), 4u);
+    EXPECT_LE(j.at("max_rel_loss_diff").get<double>(), 1e-5) << line;
+    const auto& b = j.at("bytes_per_step");
+    if (j.at("label") == "ddp") EXPECT_GT(b.at(0).get<double>(), 1e5) << line;       // all-reduce
+    if (j.at("label") == "zero3") EXPECT_GT(b.at(2).get<double>(), 1e5) << line;     // all-gather
+  }
+  EXPECT_EQ(rows, 3) << c.output;
+  EXPECT_TRUE(fs::exists(fs::path(out) / "compare.csv"));
+  EXPECT_TRUE(fs::exists(fs::path(out) / "compare_losses.csv"));
+  ASSERT_TRUE(fs::exists(fs::path(out) / "compare.png"));
+  std::ifstream png(fs::path(out) / "compare.png", std::ios::binary);
+  char sig[8] = {};
+  png.read(sig, 8);
+  EXPECT_EQ(std::string(sig + 1, 3), "PNG");
+}
+
+}  // namespace

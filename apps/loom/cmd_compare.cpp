@@ -1,0 +1,235 @@
+// loom compare CONFIG --strategies=ddp,zero1,... [--configs=B.toml,C.toml] [--steps=N] [--warmup=N]
+//              [--out=DIR] [--peer=FILE]... [--set k=v]...
+//
+// Runs CONFIG once per sharding strategy (or each config of --configs as it
+// is) for the same steps and seed, under the launcher this process was started
+// by (mpirun -np 4 loom compare ...), and reports one row per run: median step
+// time, tokens/s per GPU, peak memory per GPU (device memory in use; the arena
+// on CPU), bytes moved per step by collective kind, final loss and the largest
+// |loss - first row's loss| over all steps. Rank 0 prints the table and writes
+// DIR/compare.csv, DIR/compare_losses.csv and DIR/compare.png. --peer adds
+// rows from benchmarks/torch_fsdp.py's PEER_JSON lines (e.g. PyTorch FSDP2).
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "compare_report.hpp"
+#include "config/run_config.hpp"
+#include "loom/error.hpp"
+#include "loom/log.hpp"
+#include "train/session.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom::app {
+namespace {
+
+const char* kUsage =
+    "usage: loom compare CONFIG [--strategies=a,b,...] [--configs=B.toml,...] [--steps=N] [--warmup=N] "
+    "[--out=DIR] [--peer=FILE]... [--set k=v]...";
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+int64_t positive(const std::string& arg, const std::string& name) {
+  const std::string v = arg.substr(name.size() + 1);
+  try {
+    size_t used = 0;
+    const long long x = std::stoll(v, &used);
+    if (used == v.size() && x >= 0) return x;
+  } catch (const std::exception&) {
+  }
+  throw Error(cat("loom compare: ", name, " needs a non-negative integer, got '", v, "'"));
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double reduce_host(Communicator& c, double v, ReduceOp op) {
+  if (c.size() == 1) return v;
+  Tensor t(&v, DType::f64, Device::cpu, {1});
+  c.all_reduce(ExecContext{}, t, op);
+  return v;
+}
+
+struct Job {
+  std::string label;
+  std::string file;
+  std::vector<std::string> overrides;
+};
+
+// One run: warmup + steps optimizer steps; everything measured on the timed steps.
+report::CompareRow run_one(const Job& job, int64_t steps, int64_t warmup) {
+  report::CompareRow row;
+  row.label = job.label;
+  Config cfg = load_config(job.file, job.overrides);
+  Session s(cfg);
+  row.ranks = s.world();
+  row.planned_mem_bytes = static_cast<double>(s.memory_plan().total_bytes());
+  s.initialise();
+  std::vector<double> ms;
+  CommBytes before{};
+  for (int64_t i = 0; i < warmup + steps; ++i) {
+    if (i == warmup) before = s.comm().bytes_moved();
+    const StepLog l = s.train_step();
+    row.losses.push_back(l.loss);
+    if (i >= warmup) ms.push_back(l.step_ms);
+  }
+  const CommBytes after = s.comm().bytes_moved();
+  for (size_t k = 0; k < row.bytes_per_step.size() && k < after.bytes.size(); ++k)
+    row.bytes_per_step[k] = static_cast<double>(after.bytes[k] - before.bytes[k]) / static_cast<double>(steps);
+  // The slowest rank sets the pace; the largest rank's memory is what has to fit.
+  row.step_ms = reduce_host(s.host_comm(), median(ms), ReduceOp::max);
+  const auto& t = cfg.train;
+  row.tokens_per_s_per_gpu = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum) / (row.step_ms * 1e-3);
+  const double used = s.backend().device() == Device::cuda ? static_cast<double>(s.backend().device_memory_used())
+                                                           : static_cast<double>(s.arena_bytes());
+  row.peak_mem_bytes = reduce_host(s.host_comm(), used, ReduceOp::max);
+  row.final_loss = row.losses.empty() ? 0 : row.losses.back();
+  row.note = cat(cfg.sharding.plugin, " ", cfg.precision.plugin, " ", s.backend().device_name());
+  return row;
+}
+
+// PEER_JSON lines of benchmarks/torch_fsdp.py (the prefix is optional).
+std::vector<report::CompareRow> read_peer(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(cat("loom compare: cannot read --peer file '", path, "'"));
+  std::vector<report::CompareRow> rows;
+  int line_no = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++line_no;
+    const size_t p = line.find('{');
+    if (p == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line.substr(p));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(cat("loom compare: ", path, ":", line_no, " is not a JSON object (", e.what(), ")"));
+    }
+    report::CompareRow r;
+    r.label = cat("torch ", j.value("mode", std::string("peer")));
+    r.ranks = j.value("world", 1);
+    if (j.contains("error")) {
+      r.note = cat("peer failed: ", j["error"].dump());
+      rows.push_back(r);
+      continue;
+    }
+    r.step_ms = j.value("median_step_ms", 0.0);
+    r.tokens_per_s_per_gpu = j.value("tokens_per_s_per_gpu", 0.0);
+    if (j.contains("peak_reserved_bytes") && j["peak_reserved_bytes"].is_number())
+      r.peak_mem_bytes = j["peak_reserved_bytes"].get<double>();
+    if (j.contains("losses") && j["losses"].is_array())
+      for (const auto& x : j["losses"]) r.losses.push_back(x.is_number() ? x.get<double>() : NAN);
+    r.final_loss = j.value("final_loss", r.losses.empty() ? 0.0 : r.losses.back());
+    r.note = "peer (own initialisation: losses not comparable step by step)";
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+}  // namespace
+
+int cmd_compare(const Args& args) {
+  ConfigArgs a = parse_config_args(args);
+  if (a.file.empty()) throw Error(kUsage);
+  int64_t steps = 20, warmup = 3;
+  std::string out_dir = "runs/compare";
+  std::vector<std::string> strategies, configs, peers;
+  for (const std::string& r : a.rest) {
+    if (r.rfind("--strategies=", 0) == 0) strategies = split_list(r.substr(13));
+    else if (r.rfind("--configs=", 0) == 0) configs = split_list(r.substr(10));
+    else if (r.rfind("--steps=", 0) == 0) steps = positive(r, "--steps");
+    else if (r.rfind("--warmup=", 0) == 0) warmup = positive(r, "--warmup");
+    else if (r.rfind("--out=", 0) == 0) out_dir = r.substr(6);
+    else if (r.rfind("--peer=", 0) == 0) peers.push_back(r.substr(7));
+    else throw Error(cat("loom compare: unknown argument '", r, "'\n", kUsage));
+  }
+  if (steps < 1) throw Error("loom compare: --steps must be at least 1");
+  // Every run: same steps and seed, no checkpoints or evaluation, a schedule spanning the run.
+  std::vector<std::string> common = a.overrides;
+  for (const char* o : {"checkpoint.every=0", "checkpoint.resume=\"none\"", "train.validation_every=0"})
+    common.push_back(o);
+  common.push_back("train.steps=" + std::to_string(warmup + steps));
+
+  std::vector<Job> jobs;
+  if (strategies.empty() && configs.empty()) jobs.push_back({fs::path(a.file).stem().string(), a.file, common});
+  for (const std::string& st : strategies) {
+    Job j{st, a.file, common};
+    j.overrides.push_back("sharding.plugin=\"" + st + "\"");
+    jobs.push_back(j);
+  }
+  if (!configs.empty() && strategies.empty()) jobs.push_back({fs::path(a.file).stem().string(), a.file, common});
+  for (const std::string& c : configs) jobs.push_back({fs::path(c).stem().string(), c, common});
+  // Every config must load before anything runs: a typo in the third one should not cost two runs.
+  for (const Job& j : jobs) (void)load_config(j.file, j.overrides);
+  std::vector<report::CompareRow> peer_rows;
+  for (const std::string& p : peers) {
+    auto r = read_peer(p);
+    peer_rows.insert(peer_rows.end(), r.begin(), r.end());
+  }
+
+  std::vector<report::CompareRow> rows;
+  int rank = 0;
+  for (const Job& j : jobs) {
+    log_info(cat("compare: ", j.label, " (", steps, " steps after ", warmup, " warm-up)"));
+    report::CompareRow row;
+    try {
+      row = run_one(j, steps, warmup);
+    } catch (const Error& e) {
+      // A run that cannot start (a strategy that does not fit, a plugin missing) is a row, not the end.
+      row.label = j.label;
+      row.note = cat("failed: ", e.what());
+      log_warn(cat("compare: ", j.label, " failed: ", e.what()));
+    }
+    rows.push_back(row);
+  }
+  if (const char* r = std::getenv("OMPI_COMM_WORLD_RANK")) rank = std::atoi(r);
+  else if (const char* r2 = std::getenv("PMIX_RANK")) rank = std::atoi(r2);
+  else if (const char* r3 = std::getenv("SLURM_PROCID")) rank = std::atoi(r3);
+  rows.insert(rows.end(), peer_rows.begin(), peer_rows.end());
+  report::compute_diffs(rows);
+  if (rank != 0) return 0;
+
+  std::printf("%s", report::format_table(rows).c_str());
+  fs::create_directories(out_dir);
+  const std::string csv = (fs::path(out_dir) / "compare.csv").string();
+  const std::string png = (fs::path(out_dir) / "compare.png").string();
+  report::write_csv(csv, rows);
+  report::write_png(png, rows, cat("loom compare: ", a.file, ", ", steps, " steps"));
+  for (const report::CompareRow& r : rows) {
+    nlohmann::json j = {{"label", r.label},
+                        {"ranks", r.ranks},
+                        {"step_ms", r.step_ms},
+                        {"tokens_per_s_per_gpu", r.tokens_per_s_per_gpu},
+                        {"peak_mem_bytes", r.peak_mem_bytes},
+                        {"planned_mem_bytes", r.planned_mem_bytes},
+                        {"bytes_per_step", r.bytes_per_step},
+                        {"final_loss", r.final_loss},
+                        {"max_loss_diff", r.max_loss_diff},
+                        {"max_rel_loss_diff", r.max_rel_loss_diff},
+                        {"losses", r.losses},
+                        {"note", r.note}};
+    std::printf("COMPARE_JSON %s\n", j.dump().c_str());
+  }
+  std::printf("wrote %s, %s, %s\n", csv.c_str(), report::losses_csv_path(csv).c_str(), png.c_str());
+  return 0;
+}
+
+}  // namespace loom::app

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""Checks a `loom compare` run of the sharding strategies against the targets
+of the multi-GPU benchmark (docs/PERFORMANCE.md):
+
+  - losses equal across strategies within bf16 tolerance: max relative
+    difference to the first row <= 2e-3 at every step;
+  - tokens/s per GPU >= 90% of one GPU alone (`loom bench --json`) for ddp,
+    zero1 and zero2, >= 85% for zero3 / full_shard / hybrid_shard;
+  - every strategy >= 1.1x the tokens/s per GPU of the PyTorch FSDP2 peer rows
+    (labels starting with "torch").
+
+Usage: sharding_targets.py SINGLE_BENCH.json COMPARE_OUTPUT
+Prints a markdown table and exits 1 when a target is missed.
+"""
+import json
+import sys
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    single = json.load(open(sys.argv[1]))
+    base = single["tokens_per_s"]
+    rows = [json.loads(l[len("COMPARE_JSON "):]) for l in open(sys.argv[2]) if l.startswith("COMPARE_JSON ")]
+    if not rows:
+        sys.exit("no COMPARE_JSON rows in " + sys.argv[2])
+    peers = [r for r in rows if r["label"].startswith("torch")]
+    peer = max((r["tokens_per_s_per_gpu"] for r in peers), default=None)
+    ok = True
+    print(f"one GPU alone: {base:,.0f} tokens/s ({single['median_step_ms']:.1f} ms/step)")
+    if peer:
+        print(f"best PyTorch peer: {peer:,.0f} tokens/s per GPU")
+    print()
+    print("| run | tokens/s per GPU | vs one GPU | target | vs FSDP2 | max rel loss diff | verdict |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for r in rows:
+        label, tps = r["label"], r["tokens_per_s_per_gpu"]
+        if label.startswith("torch"):
+            print(f"| {label} | {tps:,.0f} | {tps / base:.1%} | - | 1.00x | - | peer |")
+            continue
+        target = 0.85 if label in ("zero3", "full_shard", "hybrid_shard") else 0.90
+        rel = r.get("max_rel_loss_diff")
+        checks = [tps >= target * base, rel is not None and rel <= 2e-3]
+        vs_peer = "-"
+        if peer:
+            vs_peer = f"{tps / peer:.2f}x"
+            checks.append(tps >= 1.1 * peer)
+        verdict = "ok" if all(checks) else "MISSED"
+        ok = ok and all(checks)
+        rel_s = "-" if rel is None else f"{rel:.1e}"
+        print(f"| {label} | {tps:,.0f} | {tps / base:.1%} | {target:.0%} | {vs_peer} | {rel_s} | {verdict} |")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
