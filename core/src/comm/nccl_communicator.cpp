@@ -362,11 +362,12 @@ class NcclCommunicator final : public Communicator {
     Ready r;
     if (rc != ncclSuccess && rc != ncclInProgress) {
       r = {false, false, cat("ncclCommSplit: ", nccl_err(rc, comm_))};
-    } else if (child == nullptr) {
-      r = {false, false, "ncclCommSplit returned no communicator"};
     } else {
-      r = await_ready(child, timeout_s_);
-      if (r.ok) r = await_ready(comm_, timeout_s_);
+      // Non-blocking: the child handle may only be filled in once the
+      // parent's split has completed, so wait for the parent first.
+      r = await_ready(comm_, timeout_s_);
+      if (r.ok && child == nullptr) r = {false, false, "ncclCommSplit returned no communicator"};
+      if (r.ok) r = await_ready(child, timeout_s_);
     }
     if (!r.ok) {
       if (child) ncclCommAbort(child);
