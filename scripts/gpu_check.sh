@@ -52,6 +52,67 @@ if [ "$WHAT" = sharding ]; then
   if "${MPI[@]}" -x LOOM_SHARDING_TEST_DEVICE=cuda .carry/bin/test_sharding > "$OUT/test_sharding_cuda.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
   echo "$r test_sharding (cuda) np=$NP $(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/test_sharding_cuda.log" | head -1)" | tee -a "$OUT/tests.txt"
   grep -E "^\[ .* \] worst" "$OUT/test_sharding_cuda.log" | sort -u | head -20
+  # A sharded checkpoint on the GPUs: zero3 on NP ranks saves at step 10; ddp on
+  # NP ranks and one process on one GPU resume it; both must continue with the
+  # losses of one uninterrupted process (same global batch), within 1e-5.
+  R=$OUT/reshard; rm -rf "$R"; mkdir -p "$R"
+  cat > "$R/tiny.toml" <<'TOML'
+[run]
+name = "gpu-reshard"
+device = "cuda"
+seed = 3
+[model]
+hidden = 128
+num_layers = 2
+num_heads = 4
+num_kv_heads = 2
+ffn_hidden = 352
+vocab_size = 512
+max_seq_len = 64
+[train]
+steps = 20
+micro_batch = 4
+seq_len = 64
+lr = 2e-3
+warmup_steps = 0
+schedule = "constant"
+[checkpoint]
+every = 0
+resume = "none"
+[precision]
+plugin = "fp32"
+[attention]
+plugin = "naive"
+[sharding]
+plugin = "none"
+[data]
+plugin = "synthetic"
+TOML
+  L=.carry/bin/loom
+  $L train "$R/tiny.toml" --set train.grad_accum=$NP --set run.out_dir="$R/ref" > "$R/ref.log" 2>&1
+  "${MPI[@]}" $L train "$R/tiny.toml" --set sharding.plugin=zero3 --set train.steps=10 --set checkpoint.every=10 \
+    --set checkpoint.dir="$R/ck" --set run.out_dir="$R/save" > "$R/save.log" 2>&1
+  "${MPI[@]}" $L train "$R/tiny.toml" --set sharding.plugin=ddp --set checkpoint.resume=10 \
+    --set checkpoint.dir="$R/ck" --set run.out_dir="$R/ddp" > "$R/ddp.log" 2>&1
+  $L train "$R/tiny.toml" --set train.grad_accum=$NP --set checkpoint.resume=10 --set checkpoint.dir="$R/ck" \
+    --set run.out_dir="$R/one" > "$R/one.log" 2>&1
+  if python3 - "$R" <<'PY'
+import json, sys
+d = sys.argv[1]
+def losses(n):
+    return {j["step"]: j["loss"] for j in map(json.loads, open(f"{d}/{n}/metrics.jsonl")) if "loss" in j}
+ref = losses("ref")
+worst = 0.0
+for run in ("save", "ddp", "one"):
+    got = losses(run)
+    assert got, run
+    for k, v in got.items():
+        worst = max(worst, abs(v - ref[k]) / abs(ref[k]))
+print(f"resharded resume on cuda: zero3 -> ddp and -> one GPU, worst rel loss diff {worst:.2e}")
+sys.exit(0 if worst <= 1e-5 else 1)
+PY
+  then r=PASS; else r=FAIL; status=1; fi
+  echo "$r reshard (cuda) np=$NP" | tee -a "$OUT/tests.txt"
   # One GPU alone: the baseline the per-GPU throughput targets refer to.
   .carry/bin/loom bench "$CFG" --steps="$STEPS" --warmup="$WARMUP" --json="$OUT/single.json" > "$OUT/single.log" 2>&1 || status=1
   tail -2 "$OUT/single.log"
