@@ -126,6 +126,16 @@ PY
     --out="$OUT/compare" --peer="$OUT/peer.jsonl" > "$OUT/compare.out" 2> "$OUT/compare.log" || status=1
   grep -v '^COMPARE_JSON' "$OUT/compare.out"
   grep -E "error|Error" "$OUT/compare.log" | head -10
-  python3 benchmarks/sharding_targets.py "$OUT/single.json" "$OUT/compare.out" | tee "$OUT/targets.md" || status=1
+  # Loss equality across strategies: the first 10 steps again, deterministic
+  # (cuDNN's deterministic backward) and with a learning-rate warmup as real
+  # runs have (AdamW's first steps are sign-like, so without one a last-bit
+  # difference flips whole updates); ddp runs twice, the repeat showing the
+  # noise floor of one strategy against itself.
+  "${MPI[@]}" .carry/bin/loom compare "$CFG" --strategies="$STRATEGIES,ddp" --steps=10 --warmup=0 \
+    --set run.deterministic=true --set train.warmup_steps="${LOSS_WARMUP:-10}" --out="$OUT/compare_det" \
+    > "$OUT/compare_det.out" 2> "$OUT/compare_det.log" || status=1
+  grep -v '^COMPARE_JSON' "$OUT/compare_det.out"
+  python3 benchmarks/sharding_targets.py "$OUT/single.json" "$OUT/compare.out" "$OUT/compare_det.out" \
+    | tee "$OUT/targets.md" || status=1
 fi
 exit $status
