@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <map>
 #include <sstream>
 
 #include "comm/launch.hpp"
@@ -60,10 +61,12 @@ struct Run {
   loom::CommBytes step_bytes;  // bytes moved by the first step
 };
 
-Run train(loom::Session& s) {
+// eval_at > 0: an evaluation pass after that many steps (it must not disturb training).
+Run train(loom::Session& s, int eval_at = 0) {
   s.initialise();
   Run r;
   for (int i = 0; i < kSteps; ++i) {
+    if (eval_at > 0 && i == eval_at) EXPECT_TRUE(std::isfinite(s.evaluate()));
     const loom::CommBytes before = s.comm().bytes_moved();
     r.losses.push_back(s.train_step().loss);
     if (i == 0)
@@ -75,14 +78,15 @@ Run train(loom::Session& s) {
 
 // The single-process run with the same global batch: the data sources hand
 // rank r of p micro-batch m the samples one process sees as micro-batch m*p + r.
-const std::vector<double>& reference() {
-  static std::vector<double> ref = [] {
-    const int p = g_world->size();
-    loom::Session s(make_config("none", {"train.grad_accum=" + std::to_string(kAccum * p)}),
-                    loom::SessionOptions{true});
-    return train(s).losses;
-  }();
-  return ref;
+const std::vector<double>& reference(bool tied = false) {
+  static std::map<bool, std::vector<double>> refs;
+  auto it = refs.find(tied);
+  if (it != refs.end()) return it->second;
+  const int p = g_world->size();
+  loom::Session s(make_config("none", {"train.grad_accum=" + std::to_string(kAccum * p),
+                                       std::string("model.tied_embeddings=") + (tied ? "true" : "false")}),
+                  loom::SessionOptions{true});
+  return refs[tied] = train(s).losses;
 }
 
 double ring(int p) { return p > 1 ? static_cast<double>(p - 1) / p : 0.0; }
@@ -145,10 +149,13 @@ bool skip_device() { return test_device() == "cuda" && !loom::cuda_available(); 
 void check_strategy(const Case& c) {
   if (skip_device()) GTEST_SKIP() << "LOOM_SHARDING_TEST_DEVICE=cuda but no CUDA device is visible";
   if (g_world->size() < c.min_world) GTEST_SKIP() << "needs " << c.min_world << " ranks";
-  const std::vector<double>& ref = reference();
   std::vector<std::string> ov = c.overrides;
+  const bool tied = std::find(ov.begin(), ov.end(), "model.tied_embeddings=true") != ov.end();
+  const std::vector<double>& ref = reference(tied);
   loom::Session s(make_config(c.strategy, ov));
-  const Run r = train(s);
+  // Every run evaluates after step 7: a forward-only pass in the middle of
+  // training (zero3 regathers for it) must leave the next steps unchanged.
+  const Run r = train(s, 7);
   ASSERT_EQ(r.losses.size(), ref.size());
   double worst = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -158,7 +165,11 @@ void check_strategy(const Case& c) {
   }
   const bool hybrid_replicated = c.strategy == "hybrid_shard" &&
                                  std::find(ov.begin(), ov.end(), "sharding.reshard_after_forward=false") != ov.end();
-  if (!hybrid_replicated && std::find(ov.begin(), ov.end(), "sharding.reshard_after_forward=false") == ov.end()) {
+  // Tied embeddings change the volume (the embedding stays gathered from its
+  // forward to its backward) and the grads plan (its whole gradient is kept):
+  // only the losses are compared for them.
+  if (!tied && !hybrid_replicated &&
+      std::find(ov.begin(), ov.end(), "sharding.reshard_after_forward=false") == ov.end()) {
     const Volume v = expected_volume(s, c.strategy == "full_shard" ? "zero3" : c.strategy);
     const auto& b = r.step_bytes.bytes;
     expect_volume(static_cast<double>(b[static_cast<size_t>(CollectiveKind::all_reduce)]), v.all_reduce,
@@ -182,6 +193,7 @@ void check_strategy(const Case& c) {
   const double optim = static_cast<double>(plan.category_bytes(loom::MemCategory::optimizer) +
                                            plan.category_bytes(loom::MemCategory::master));
   const bool kept_gathered = std::find(ov.begin(), ov.end(), "sharding.reshard_after_forward=false") != ov.end();
+  if (tied) return;
   if (!kept_gathered) {
     EXPECT_GE(params, f.params);
     EXPECT_LE(params, f.params + 4 * pad + align) << c.strategy << " params";
@@ -216,6 +228,17 @@ TEST(Sharding, HybridTwoGroupsKeepGathered) {
   check_strategy({"hybrid_shard", {"sharding.shard_group_size=2", "sharding.reshard_after_forward=false"}, 4});
 }
 TEST(Sharding, ZeroOneWithGradClipOff) { check_strategy({"zero1", {"train.grad_clip=0"}}); }
+// The head of a tied model reads the embedding's params and adds to its grads.
+TEST(Sharding, TiedDdp) { check_strategy({"ddp", {"model.tied_embeddings=true"}}); }
+TEST(Sharding, TiedZero1) { check_strategy({"zero1", {"model.tied_embeddings=true"}}); }
+TEST(Sharding, TiedZero2) { check_strategy({"zero2", {"model.tied_embeddings=true"}}); }
+TEST(Sharding, TiedZero3) { check_strategy({"zero3", {"model.tied_embeddings=true"}}); }
+TEST(Sharding, TiedZero3KeepGathered) {
+  check_strategy({"zero3", {"model.tied_embeddings=true", "sharding.reshard_after_forward=false"}});
+}
+TEST(Sharding, TiedHybridTwoGroupsOfTwo) {
+  check_strategy({"hybrid_shard", {"model.tied_embeddings=true", "sharding.shard_group_size=2"}, 4});
+}
 
 // Every replica starts from the same weights: the initialisation is a pure
 // function of (seed, parameter), so ranks agree without a broadcast.
