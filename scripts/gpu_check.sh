@@ -8,6 +8,7 @@
 #   bash scripts/gpu_check.sh sharding [CONFIG]     (a host with 2+ GPUs: NCCL and
 #       sharding tests, single-GPU bench, PyTorch FSDP2 peer, `loom compare` of every
 #       strategy, and the throughput targets; env NP, STEPS, WARMUP, STRATEGIES)
+#   bash scripts/gpu_check.sh sharding-tests      (the test part of `sharding` only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -39,7 +40,7 @@ fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   LOOM_BIN=.carry/bin/loom OUT=$OUT/bench bash benchmarks/compare.sh "$@" | tee "$OUT/table.md"
 fi
-if [ "$WHAT" = sharding ]; then
+if [ "$WHAT" = sharding ] || [ "$WHAT" = sharding-tests ]; then
   CFG=${1:-configs/bench/llama-1b.toml}
   NP=${NP:-$(nvidia-smi -L | wc -l)}
   STEPS=${STEPS:-10}; WARMUP=${WARMUP:-3}
@@ -113,6 +114,8 @@ sys.exit(0 if worst <= 1e-5 else 1)
 PY
   then r=PASS; else r=FAIL; status=1; fi
   echo "$r reshard (cuda) np=$NP" | tee -a "$OUT/tests.txt"
+fi
+if [ "$WHAT" = sharding ]; then
   # One GPU alone: the baseline the per-GPU throughput targets refer to.
   .carry/bin/loom bench "$CFG" --steps="$STEPS" --warmup="$WARMUP" --json="$OUT/single.json" > "$OUT/single.log" 2>&1 || status=1
   tail -2 "$OUT/single.log"
