@@ -176,6 +176,22 @@ TEST_F(ShardingCli, StalledRankTimesOutNamingTheCollective) {
   EXPECT_LT(r.seconds, 60.0) << "the job should end soon after the 2 s timeout";
 }
 
+// Rank 1 dies (SIGKILL) before step 3: the job must end, not hang. mpirun
+// takes the other ranks down when one dies; under a launcher that does not,
+// they stop at run.collective_timeout as in the test above.
+TEST_F(ShardingCli, KilledRankEndsTheJob) {
+  Result r = run(tmp.path,
+                 2, {"run.out_dir=" + (tmp.path / "kill").string(), "sharding.plugin=zero3", "train.grad_accum=2",
+                     "run.collective_timeout=5"},
+                 "LOOM_FAULT_STALL=1:3:kill");
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_LT(r.seconds, 60.0) << r.output;
+  const bool explained = r.output.find("did not complete within 5 s") != std::string::npos ||
+                         r.output.find("signal 9") != std::string::npos ||
+                         r.output.find("Killed") != std::string::npos;
+  EXPECT_TRUE(explained) << r.output;
+}
+
 TEST_F(ShardingCli, MultiRankStrategyStartedAloneIsRefused) {
   Result r = run(tmp.path, 0, {"sharding.plugin=zero3"});
   EXPECT_EQ(r.code, 1) << r.output;
@@ -244,6 +260,30 @@ TEST_F(ShardingCli, CompareRunsEveryStrategyAndWritesTableCsvPng) {
   char sig[8] = {};
   png.read(sig, 8);
   EXPECT_EQ(std::string(sig + 1, 3), "PNG");
+}
+
+// Several configs, one process, no launcher; a run that cannot start is a
+// failed row, not the end of the comparison.
+TEST_F(ShardingCli, CompareConfigsAndAFailedRow) {
+  const fs::path other = tmp.path / "other.toml";
+  std::ofstream(other) << kConfig;
+  const std::string out = (tmp.path / "cmpc").string();
+  Result c = run(tmp.path, 0, {}, "",
+                 "compare --configs=" + other.string() + " --steps=2 --warmup=0 --out=" + out);
+  ASSERT_EQ(c.code, 0) << c.output;
+  int rows = 0;
+  std::istringstream lines(c.output);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("COMPARE_JSON ", 0) == 0) {
+      ++rows;
+      EXPECT_EQ(nlohmann::json::parse(line.substr(13)).at("max_rel_loss_diff").get<double>(), 0.0) << line;
+    }
+  EXPECT_EQ(rows, 2) << c.output;
+
+  Result f = run(tmp.path, 2, {"train.grad_accum=2"}, "",
+                 "compare --strategies=zero2,no_such_strategy --steps=2 --warmup=0 --out=" + out);
+  ASSERT_EQ(f.code, 0) << f.output;
+  EXPECT_NE(f.output.find("failed: no sharding plugin named 'no_such_strategy'"), std::string::npos) << f.output;
 }
 
 }  // namespace

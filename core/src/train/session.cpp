@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -318,8 +319,15 @@ void Session::fault_point() {
   if (!spec) return;
   int rank = -1;
   long long step = -1;
-  if (std::sscanf(spec, "%d:%lld", &rank, &step) != 2) return;
+  char mode[8] = {};
+  const int n = std::sscanf(spec, "%d:%lld:%7s", &rank, &step, mode);
+  if (n < 2) return;
   if (rank != comm_->rank() || step != step_ + 1) return;
+  if (n == 3 && std::string(mode) == "kill") {
+    log_warn(cat("LOOM_FAULT_STALL: rank ", rank, " dies before step ", step));
+    std::fflush(nullptr);
+    std::raise(SIGKILL);
+  }
   log_warn(cat("LOOM_FAULT_STALL: rank ", rank, " stops responding before step ", step));
   for (;;) ::pause();
 }

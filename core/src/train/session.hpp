@@ -113,7 +113,8 @@ class Session {
   bool try_resume();
   void load_checkpoint_tensors(const std::string& dir, const std::string& meta_text);
   double mean_over_ranks(double v);
-  // LOOM_FAULT_STALL="RANK:STEP": that rank stops responding before STEP (to test collective timeouts).
+  // LOOM_FAULT_STALL="RANK:STEP": that rank stops responding before STEP (to test collective timeouts);
+  // "RANK:STEP:kill": it dies (SIGKILL) there instead.
   void fault_point();
   void next_batch(Split split);
   const ParamInfo& find_param(const std::string& hf_name, int* unit) const;
