@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/launch.hpp"
 #include "commands.hpp"
 #include "compare_report.hpp"
 #include "config/run_config.hpp"
@@ -62,13 +63,6 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-double reduce_host(Communicator& c, double v, ReduceOp op) {
-  if (c.size() == 1) return v;
-  Tensor t(&v, DType::f64, Device::cpu, {1});
-  c.all_reduce(ExecContext{}, t, op);
-  return v;
-}
-
 struct Job {
   std::string label;
   std::string file;
@@ -96,12 +90,12 @@ report::CompareRow run_one(const Job& job, int64_t steps, int64_t warmup) {
   for (size_t k = 0; k < row.bytes_per_step.size() && k < after.bytes.size(); ++k)
     row.bytes_per_step[k] = static_cast<double>(after.bytes[k] - before.bytes[k]) / static_cast<double>(steps);
   // The slowest rank sets the pace; the largest rank's memory is what has to fit.
-  row.step_ms = reduce_host(s.host_comm(), median(ms), ReduceOp::max);
+  row.step_ms = all_reduce_scalar(s.host_comm(), median(ms), ReduceOp::max);
   const auto& t = cfg.train;
   row.tokens_per_s_per_gpu = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum) / (row.step_ms * 1e-3);
   const double used = s.backend().device() == Device::cuda ? static_cast<double>(s.backend().device_memory_used())
                                                            : static_cast<double>(s.arena_bytes());
-  row.peak_mem_bytes = reduce_host(s.host_comm(), used, ReduceOp::max);
+  row.peak_mem_bytes = all_reduce_scalar(s.host_comm(), used, ReduceOp::max);
   row.final_loss = row.losses.empty() ? 0 : row.losses.back();
   row.note = cat(cfg.sharding.plugin, " ", cfg.precision.plugin, " ", s.backend().device_name());
   return row;
@@ -200,9 +194,7 @@ int cmd_compare(const Args& args) {
     }
     rows.push_back(row);
   }
-  if (const char* r = std::getenv("OMPI_COMM_WORLD_RANK")) rank = std::atoi(r);
-  else if (const char* r2 = std::getenv("PMIX_RANK")) rank = std::atoi(r2);
-  else if (const char* r3 = std::getenv("SLURM_PROCID")) rank = std::atoi(r3);
+  rank = launch_from_env().rank;  // the launcher's rank (MPI agrees with it)
   rows.insert(rows.end(), peer_rows.begin(), peer_rows.end());
   report::compute_diffs(rows);
   if (rank != 0) return 0;

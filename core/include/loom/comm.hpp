@@ -76,6 +76,15 @@ class Communicator {
   CommTicket tickets_ = 0;
 };
 
+// A host scalar (a loss, a norm, a time) reduced over a host communicator
+// (self or MPI); returns the result on every rank.
+inline double all_reduce_scalar(Communicator& c, double v, ReduceOp op) {
+  if (c.size() == 1) return v;
+  Tensor t(&v, DType::f64, Device::cpu, {1});
+  c.all_reduce(ExecContext{}, t, op);
+  return v;
+}
+
 // One rank: every collective is a copy or a no-op.
 std::unique_ptr<Communicator> make_self_communicator();
 

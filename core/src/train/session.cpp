@@ -507,37 +507,38 @@ void Session::zero_grads() {
     if (g.data) backend_->zero(g);
 }
 
-double Session::mean_over_ranks(double v) {
-  if (host_->size() == 1) return v;
-  Tensor t(&v, DType::f64, Device::cpu, {1});
-  host_->all_reduce(ExecContext{}, t, ReduceOp::avg);
-  return v;
-}
+double Session::mean_over_ranks(double v) { return all_reduce_scalar(*host_, v, ReduceOp::avg); }
 
 Session::MemoryFormula Session::memory_formula() const {
-  // ZeRO (Rajbhandari et al. 2020), per rank, with p the shard group:
-  // params P*Psi/p under zero3, grads G*Psi/p from zero2 on, optimizer state
-  // K*Psi/p from zero1 on, where P and G are the param and grad bytes per
-  // element and K the master + m + v bytes. Sharded gradients are kept as fp32
-  // shards (reduce_dtype), so G = 4 there.
+  // ZeRO (Rajbhandari et al. 2020), per rank, with p the shard group: params
+  // P*Psi/p at stage 3, grads G*Psi/p from stage 2, optimizer state K*Psi/p
+  // from stage 1, where P and G are the param and grad bytes per element and K
+  // the master + m + v bytes. Sharded gradients are kept as fp32 shards
+  // (reduce_dtype), so G = 4 there, and stage 1 keeps whole gradients plus
+  // that shard. The stage and p are read off the layout the strategy planned
+  // for its largest unit (a plugin of any name), not off the plugin's name.
   const double psi = static_cast<double>(spec_.total_params());
   const double P = static_cast<double>(dtype_size(dtypes_.param));
   const double G = static_cast<double>(dtype_size(dtypes_.grad));
   const double K = (dtypes_.has_master ? 4.0 : 0.0) + 2.0 * static_cast<double>(dtype_size(dtypes_.optim_state));
-  const std::string& s = cfg_.sharding.plugin;
-  double group = comm_->size();
-  if (s == "ddp" || s == "none") group = 1;
-  if (s == "hybrid_shard" && !layouts_.empty() && layouts_[0].optim_numel > 0)
-    group = static_cast<double>(layouts_[0].padded_numel) / static_cast<double>(layouts_[0].optim_numel);
-  const bool z1 = s != "ddp" && s != "none";
-  const bool z2 = s == "zero2" || s == "zero3" || s == "full_shard" || s == "hybrid_shard";
-  const bool z3 = s == "zero3" || s == "full_shard" || s == "hybrid_shard";
   MemoryFormula f;
-  f.params = P * psi / (z3 ? group : 1.0);
-  f.grads = z2 ? 4.0 * psi / group : G * psi;
-  // zero1 keeps whole gradients and adds the fp32 reduced shard.
-  if (z1 && !z2) f.grads += 4.0 * psi / group;
-  f.optimizer = K * psi / (z1 ? group : 1.0);
+  if (layouts_.empty()) return f;
+  // A unit another one reads (a tied embedding) may be kept whole on purpose: skip it.
+  const UnitLayout* big = nullptr;
+  for (size_t i = 0; i < layouts_.size(); ++i) {
+    const bool read_by_another = std::any_of(unit_infos_.begin(), unit_infos_.end(), [&](const UnitInfo& u) {
+      return u.uses_params_of == static_cast<int>(i);
+    });
+    if (!read_by_another && (!big || layouts_[i].padded_numel > big->padded_numel)) big = &layouts_[i];
+  }
+  if (!big) big = &layouts_[0];
+  const double p = big->optim_numel > 0 ? static_cast<double>(big->padded_numel) / static_cast<double>(big->optim_numel) : 1.0;
+  const bool z1 = big->optim_numel < big->padded_numel;
+  const bool z2 = z1 && big->grad_numel == 0;
+  const bool z3 = big->params_sharded;
+  f.params = P * psi / (z3 ? p : 1.0);
+  f.grads = z2 ? 4.0 * psi / p : G * psi + (z1 ? 4.0 * psi / p : 0.0);
+  f.optimizer = K * psi / (z1 ? p : 1.0);
   return f;
 }
 

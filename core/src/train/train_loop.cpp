@@ -131,7 +131,7 @@ void Session::save_checkpoint(int64_t step) {
   if (comm_->rank() == 0) fs::create_directories(root);
   backend_->synchronize();
   comm_->synchronize();  // collectives still writing params (zero1/zero2's gathers) have finished
-  std::vector<int32_t> pieces(units_.size() * 2);
+  std::vector<int64_t> pieces(units_.size() * 2);
   {
     ckpt::CheckpointWriter w(root.string(), step, comm_->rank());
     // Device tensors go through host copies that live until the shard is written.
@@ -148,8 +148,8 @@ void Session::save_checkpoint(int64_t step) {
     for (size_t i = 0; i < units_.size(); ++i) {
       const UnitState& u = units_[i];
       const auto [lo, hi] = checkpoint_piece(u);
-      pieces[2 * i] = static_cast<int32_t>(lo);
-      pieces[2 * i + 1] = static_cast<int32_t>(hi);
+      pieces[2 * i] = lo;
+      pieces[2 * i + 1] = hi;
       if (lo >= hi) continue;
       const std::string& n = u.info->name;
       const int64_t o = lo - u.layout.optim_begin;  // offset in the owned-range buffers
@@ -161,10 +161,11 @@ void Session::save_checkpoint(int64_t step) {
     w.write_shard();
   }
   // Every rank's piece of every unit, for the metadata (and for resharding on load).
-  std::vector<int32_t> all(pieces.size() * static_cast<size_t>(host_->size()));
+  std::vector<int64_t> all(pieces.size() * static_cast<size_t>(host_->size()));
   {
-    Tensor in(pieces.data(), DType::i32, Device::cpu, {static_cast<int64_t>(pieces.size())});
-    Tensor out(all.data(), DType::i32, Device::cpu, {static_cast<int64_t>(all.size())});
+    // all_gather moves raw bytes: the 8-byte integers travel as f64-sized elements, unconverted.
+    Tensor in(pieces.data(), DType::f64, Device::cpu, {static_cast<int64_t>(pieces.size())});
+    Tensor out(all.data(), DType::f64, Device::cpu, {static_cast<int64_t>(all.size())});
     host_->all_gather(ExecContext{}, in, out);
   }
   host_->barrier();  // every rank's shard is on disk before the marker

@@ -128,7 +128,6 @@ struct FlatSharding::Impl {
     track(shard, t);
     event_ticket[e] = t;
     if (event_slot[e] >= 0) gather_pool[static_cast<size_t>(event_slot[e])].used_by(shard, t);
-    u.params = out;
   }
 
   // Make event e's gathered params ready for the compute stream, issuing up to
@@ -140,7 +139,7 @@ struct FlatSharding::Impl {
     const size_t last = std::min(events.size() - 1, e + static_cast<size_t>(prefetch));
     while (issued <= last) issue_gather(env, issued++);
     shard->wait(env.ctx, event_ticket[e]);
-    // The buffer of the previous user of this event's slot is this unit's now.
+    // The unit reads its params from this event's buffer until its next event.
     const int ui = events[e];
     if (!gather_own.empty() && gather_own[static_cast<size_t>(ui)].data) u.params = gather_own[static_cast<size_t>(ui)];
     else u.params = view(gather_pool[static_cast<size_t>(event_slot[e])].t, 0, {units[static_cast<size_t>(ui)].padded});
@@ -472,10 +471,7 @@ StepResult FlatSharding::step(ShardingEnv& env, std::vector<UnitState>& units, c
       if (valid > 0) sq += env.ops->grad_sq_norm(env.ctx, u.grad_shard, 0, valid);
     }
   }
-  if (I.host_shard->size() > 1) {
-    Tensor t(&sq, DType::f64, Device::cpu, {1});
-    I.host_shard->all_reduce(ExecContext{}, t, ReduceOp::sum);
-  }
+  sq = all_reduce_scalar(*I.host_shard, sq, ReduceOp::sum);
   StepResult r;
   r.grad_norm = std::sqrt(sq) * grad_scale;
   if (!std::isfinite(r.grad_norm)) {
