@@ -2,6 +2,7 @@
 // failure model).
 #include "comm/mpi_communicator.hpp"
 
+#include "comm/collective_checks.hpp"
 #include "loom/error.hpp"
 
 #ifdef LOOM_HAVE_MPI
@@ -105,7 +106,7 @@ class MpiCommunicator final : public Communicator {
   CommTicket all_reduce(const ExecContext&, Tensor& t, ReduceOp op) override {
     const char* name = "all_reduce";
     usable(name);
-    host_contiguous(name, "tensor", t);
+    collective::check_buffer(name, rank_, "tensor", t, Device::cpu);
     ReduceWire w = reduce_wire(name, t.dtype, op);
     int n = count_of(name, t.numel());
     std::vector<char> stage;
@@ -121,21 +122,17 @@ class MpiCommunicator final : public Communicator {
     wait(req, name, wire, stage);
     if (op == ReduceOp::avg) divide(buf, w.staged ? DType::f32 : t.dtype, n);
     if (w.staged) from_f32(reinterpret_cast<const float*>(stage.data()), t.data, t.dtype, n);
-    count(CollectiveKind::all_reduce, 2 * static_cast<uint64_t>(size_ - 1) * wire / static_cast<uint64_t>(size_));
+    count(CollectiveKind::all_reduce, 2 * collective::ring_share(size_, wire));
     return next_ticket();
   }
 
   CommTicket reduce_scatter(const ExecContext&, const Tensor& in, Tensor& out, ReduceOp op) override {
     const char* name = "reduce_scatter";
     usable(name);
-    host_contiguous(name, "input", in);
-    host_contiguous(name, "output", out);
-    same_dtype(name, in, out);
-    if (in.numel() != static_cast<int64_t>(size_) * out.numel())
-      throw Error(cat("collective reduce_scatter on rank ", rank_, " of ", size_, ": input has ", in.numel(),
-                      " elements but must be size*output = ", size_, "*", out.numel(), " = ",
-                      static_cast<int64_t>(size_) * out.numel(), "; shard buffers must be padded to a multiple of ",
-                      "the group size"));
+    collective::check_buffer(name, rank_, "input", in, Device::cpu);
+    collective::check_buffer(name, rank_, "output", out, Device::cpu);
+    collective::check_same_dtype(name, rank_, in, out);
+    collective::check_shard_sizes(name, rank_, size_, in, out, true);
     ReduceWire w = reduce_wire(name, in.dtype, op);
     int n = count_of(name, out.numel());
     count_of(name, in.numel());
@@ -160,21 +157,17 @@ class MpiCommunicator final : public Communicator {
     wait(req, name, wire, stage);
     if (op == ReduceOp::avg) divide(recv, w.staged ? DType::f32 : out.dtype, n);
     if (w.staged) from_f32(reinterpret_cast<const float*>(recv), out.data, out.dtype, n);
-    count(CollectiveKind::reduce_scatter, static_cast<uint64_t>(size_ - 1) * wire / static_cast<uint64_t>(size_));
+    count(CollectiveKind::reduce_scatter, collective::ring_share(size_, wire));
     return next_ticket();
   }
 
   CommTicket all_gather(const ExecContext&, const Tensor& in, Tensor& out) override {
     const char* name = "all_gather";
     usable(name);
-    host_contiguous(name, "input", in);
-    host_contiguous(name, "output", out);
-    same_dtype(name, in, out);
-    if (out.numel() != static_cast<int64_t>(size_) * in.numel())
-      throw Error(cat("collective all_gather on rank ", rank_, " of ", size_, ": output has ", out.numel(),
-                      " elements but must be size*input = ", size_, "*", in.numel(), " = ",
-                      static_cast<int64_t>(size_) * in.numel(), "; shard buffers must be padded to a multiple of ",
-                      "the group size"));
+    collective::check_buffer(name, rank_, "input", in, Device::cpu);
+    collective::check_buffer(name, rank_, "output", out, Device::cpu);
+    collective::check_same_dtype(name, rank_, in, out);
+    collective::check_shard_sizes(name, rank_, size_, in, out, false);
     // Raw bytes: gathering moves data without arithmetic, so any dtype works.
     int nb = count_of(name, static_cast<int64_t>(in.bytes()));
     count_of(name, static_cast<int64_t>(out.bytes()));
@@ -191,14 +184,14 @@ class MpiCommunicator final : public Communicator {
     MPI_Request req;
     check(MPI_Iallgather(send, nb, MPI_BYTE, out.data, nb, MPI_BYTE, comm_, &req), "MPI_Iallgather", name, full);
     wait(req, name, full, stage);
-    count(CollectiveKind::all_gather, static_cast<uint64_t>(size_ - 1) * full / static_cast<uint64_t>(size_));
+    count(CollectiveKind::all_gather, collective::ring_share(size_, full));
     return next_ticket();
   }
 
   CommTicket broadcast(const ExecContext&, Tensor& t, int root) override {
     const char* name = "broadcast";
     usable(name);
-    host_contiguous(name, "tensor", t);
+    collective::check_buffer(name, rank_, "tensor", t, Device::cpu);
     if (root < 0 || root >= size_)
       throw Error(cat("collective broadcast on rank ", rank_, " of ", size_, ": root ", root,
                       " is not a rank of this group (0..", size_ - 1, "); pass a rank of the group, not a world rank"));
@@ -208,7 +201,7 @@ class MpiCommunicator final : public Communicator {
     MPI_Request req;
     check(MPI_Ibcast(t.data, nb, MPI_BYTE, root, comm_, &req), "MPI_Ibcast", name, bytes);
     wait(req, name, bytes, stage);
-    count(CollectiveKind::broadcast, static_cast<uint64_t>(size_ - 1) * bytes / static_cast<uint64_t>(size_));
+    count(CollectiveKind::broadcast, collective::ring_share(size_, bytes));
     return next_ticket();
   }
 
@@ -245,25 +238,6 @@ class MpiCommunicator final : public Communicator {
                       " refused: this communicator failed earlier (", failure_,
                       "); the ranks no longer agree on the sequence of collectives — report the first error and "
                       "call abort_all()"));
-  }
-
-  void host_contiguous(const char* name, const char* which, const Tensor& t) const {
-    if (t.device != Device::cpu)
-      throw Error(cat("collective ", name, " on rank ", rank_, ": the ", which, " ", t.shape_str(), " is on ",
-                      device_name(t.device), " but the MPI communicator moves host memory only; use the NCCL ",
-                      "communicator for device tensors or copy to the host first"));
-    if (!t.is_contiguous())
-      throw Error(cat("collective ", name, " on rank ", rank_, ": the ", which, " ", t.shape_str(),
-                      " is not contiguous; pass a contiguous buffer (a flat view of the parameters)"));
-    if (t.numel() > 0 && !t.data)
-      throw Error(cat("collective ", name, " on rank ", rank_, ": the ", which, " ", t.shape_str(),
-                      " has no data pointer"));
-  }
-
-  void same_dtype(const char* name, const Tensor& in, const Tensor& out) const {
-    if (in.dtype != out.dtype)
-      throw Error(cat("collective ", name, " on rank ", rank_, ": input is ", dtype_name(in.dtype), " but output is ",
-                      dtype_name(out.dtype), "; both must have the same dtype"));
   }
 
   // MPI counts are int; larger buffers would silently wrap.

@@ -19,6 +19,7 @@
 
 #include "comm/launch.hpp"
 #include "kernels/cuda/cuda_check.hpp"
+#include "comm/collective_checks.hpp"
 #include "loom/error.hpp"
 
 namespace loom {
@@ -200,14 +201,14 @@ class NcclCommunicator final : public Communicator {
     const char* name = "all_reduce";
     usable(name);
     cuda_context(name, ctx);
-    device_contiguous(name, "tensor", t);
+    collective::check_buffer(name, rank_, "tensor", t, Device::cuda);
     ncclDataType_t type = reduce_type(name, t.dtype, op);
     const uint64_t bytes = t.bytes();
     const size_t n = static_cast<size_t>(t.numel());
     CommTicket tk = issue(name, "ncclAllReduce", bytes, &ctx, [&](cudaStream_t s) {
       return ncclAllReduce(t.data, t.data, n, type, nccl_op(op), comm_, s);
     });
-    count(CollectiveKind::all_reduce, 2 * ring_share(bytes));
+    count(CollectiveKind::all_reduce, 2 * collective::ring_share(size_, bytes));
     return tk;
   }
 
@@ -215,14 +216,10 @@ class NcclCommunicator final : public Communicator {
     const char* name = "reduce_scatter";
     usable(name);
     cuda_context(name, ctx);
-    device_contiguous(name, "input", in);
-    device_contiguous(name, "output", out);
-    same_dtype(name, in, out);
-    if (in.numel() != static_cast<int64_t>(size_) * out.numel())
-      throw Error(cat("collective reduce_scatter on rank ", rank_, " of ", size_, ": input has ", in.numel(),
-                      " elements but must be size*output = ", size_, "*", out.numel(), " = ",
-                      static_cast<int64_t>(size_) * out.numel(), "; shard buffers must be padded to a multiple of ",
-                      "the group size"));
+    collective::check_buffer(name, rank_, "input", in, Device::cuda);
+    collective::check_buffer(name, rank_, "output", out, Device::cuda);
+    collective::check_same_dtype(name, rank_, in, out);
+    collective::check_shard_sizes(name, rank_, size_, in, out, true);
     ncclDataType_t type = reduce_type(name, in.dtype, op);
     // In place only as NCCL defines it: the output is this rank's chunk of the input.
     const char* own = static_cast<const char*>(in.data) + static_cast<size_t>(rank_) * out.bytes();
@@ -236,7 +233,7 @@ class NcclCommunicator final : public Communicator {
     CommTicket tk = issue(name, "ncclReduceScatter", full, &ctx, [&](cudaStream_t s) {
       return ncclReduceScatter(in.data, out.data, n, type, nccl_op(op), comm_, s);
     });
-    count(CollectiveKind::reduce_scatter, ring_share(full));
+    count(CollectiveKind::reduce_scatter, collective::ring_share(size_, full));
     return tk;
   }
 
@@ -244,14 +241,10 @@ class NcclCommunicator final : public Communicator {
     const char* name = "all_gather";
     usable(name);
     cuda_context(name, ctx);
-    device_contiguous(name, "input", in);
-    device_contiguous(name, "output", out);
-    same_dtype(name, in, out);
-    if (out.numel() != static_cast<int64_t>(size_) * in.numel())
-      throw Error(cat("collective all_gather on rank ", rank_, " of ", size_, ": output has ", out.numel(),
-                      " elements but must be size*input = ", size_, "*", in.numel(), " = ",
-                      static_cast<int64_t>(size_) * in.numel(), "; shard buffers must be padded to a multiple of ",
-                      "the group size"));
+    collective::check_buffer(name, rank_, "input", in, Device::cuda);
+    collective::check_buffer(name, rank_, "output", out, Device::cuda);
+    collective::check_same_dtype(name, rank_, in, out);
+    collective::check_shard_sizes(name, rank_, size_, in, out, false);
     const char* own = static_cast<const char*>(out.data) + static_cast<size_t>(rank_) * in.bytes();
     if (overlaps(in, out) && in.data != own)
       throw Error(cat("collective all_gather on rank ", rank_, " of ", size_,
@@ -264,7 +257,7 @@ class NcclCommunicator final : public Communicator {
     CommTicket tk = issue(name, "ncclAllGather", full, &ctx, [&](cudaStream_t s) {
       return ncclAllGather(in.data, out.data, nb, ncclUint8, comm_, s);
     });
-    count(CollectiveKind::all_gather, ring_share(full));
+    count(CollectiveKind::all_gather, collective::ring_share(size_, full));
     return tk;
   }
 
@@ -272,7 +265,7 @@ class NcclCommunicator final : public Communicator {
     const char* name = "broadcast";
     usable(name);
     cuda_context(name, ctx);
-    device_contiguous(name, "tensor", t);
+    collective::check_buffer(name, rank_, "tensor", t, Device::cuda);
     if (root < 0 || root >= size_)
       throw Error(cat("collective broadcast on rank ", rank_, " of ", size_, ": root ", root,
                       " is not a rank of this group (0..", size_ - 1, "); pass a rank of the group, not a world rank"));
@@ -281,7 +274,7 @@ class NcclCommunicator final : public Communicator {
     CommTicket tk = issue(name, "ncclBroadcast", bytes, &ctx, [&](cudaStream_t s) {
       return ncclBroadcast(t.data, t.data, nb, ncclUint8, root, comm_, s);
     });
-    count(CollectiveKind::broadcast, ring_share(bytes));
+    count(CollectiveKind::broadcast, collective::ring_share(size_, bytes));
     return tk;
   }
 
@@ -505,25 +498,6 @@ class NcclCommunicator final : public Communicator {
 
   static cudaStream_t stream_of(const ExecContext& ctx) { return static_cast<cudaStream_t>(ctx.stream); }
 
-  void device_contiguous(const char* name, const char* which, const Tensor& t) const {
-    if (t.device != Device::cuda)
-      throw Error(cat("collective ", name, " on rank ", rank_, ": the ", which, " ", t.shape_str(), " is on ",
-                      device_name(t.device), " but the NCCL communicator moves device memory only; use the MPI ",
-                      "communicator for host tensors or copy to the device first"));
-    if (!t.is_contiguous())
-      throw Error(cat("collective ", name, " on rank ", rank_, ": the ", which, " ", t.shape_str(),
-                      " is not contiguous; pass a contiguous buffer (a flat view of the parameters)"));
-    if (t.numel() > 0 && !t.data)
-      throw Error(cat("collective ", name, " on rank ", rank_, ": the ", which, " ", t.shape_str(),
-                      " has no data pointer"));
-  }
-
-  void same_dtype(const char* name, const Tensor& in, const Tensor& out) const {
-    if (in.dtype != out.dtype)
-      throw Error(cat("collective ", name, " on rank ", rank_, ": input is ", dtype_name(in.dtype), " but output is ",
-                      dtype_name(out.dtype), "; both must have the same dtype"));
-  }
-
   ncclDataType_t reduce_type(const char* name, DType t, ReduceOp op) const {
     if (t == DType::i32 && op == ReduceOp::avg)
       throw Error(cat("collective ", name, " on rank ", rank_, ": avg of int32 would truncate; reduce with sum and ",
@@ -546,10 +520,6 @@ class NcclCommunicator final : public Communicator {
   }
 
   // (p-1)/p of `bytes`, rounded down: one ring pass per rank.
-  uint64_t ring_share(uint64_t bytes) const {
-    return static_cast<uint64_t>(size_ - 1) * bytes / static_cast<uint64_t>(size_);
-  }
-
   ncclComm_t comm_ = nullptr;
   int device_ = 0;
   int rank_ = 0, size_ = 1, world_rank_ = 0;

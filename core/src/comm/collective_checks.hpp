@@ -1,0 +1,55 @@
+// The argument checks every communicator makes before a collective, with one
+// wording (the MPI and NCCL communicators share them), and the ring volume
+// their byte counters use.
+#pragma once
+#include <cstdint>
+
+#include "loom/error.hpp"
+#include "loom/tensor.hpp"
+
+namespace loom::collective {
+
+// `which` ("input", "output", "tensor") of collective `name` must live where
+// this communicator moves memory, be contiguous and have data.
+inline void check_buffer(const char* name, int rank, const char* which, const Tensor& t, Device where) {
+  if (t.device != where) {
+    const bool host = where == Device::cpu;
+    throw Error(cat("collective ", name, " on rank ", rank, ": the ", which, " ", t.shape_str(), " is on ",
+                    device_name(t.device), " but the ", host ? "MPI" : "NCCL", " communicator moves ",
+                    host ? "host" : "device", " memory only; use the ", host ? "NCCL" : "MPI", " communicator for ",
+                    host ? "device" : "host", " tensors or copy to the ", host ? "host" : "device", " first"));
+  }
+  if (!t.is_contiguous())
+    throw Error(cat("collective ", name, " on rank ", rank, ": the ", which, " ", t.shape_str(),
+                    " is not contiguous; pass a contiguous buffer (a flat view of the parameters)"));
+  if (t.numel() > 0 && !t.data)
+    throw Error(cat("collective ", name, " on rank ", rank, ": the ", which, " ", t.shape_str(), " has no data pointer"));
+}
+
+inline void check_same_dtype(const char* name, int rank, const Tensor& in, const Tensor& out) {
+  if (in.dtype != out.dtype)
+    throw Error(cat("collective ", name, " on rank ", rank, ": input is ", dtype_name(in.dtype), " but output is ",
+                    dtype_name(out.dtype), "; both must have the same dtype"));
+}
+
+// reduce_scatter: input = size * output elements; all_gather: output = size * input.
+inline void check_shard_sizes(const char* name, int rank, int size, const Tensor& in, const Tensor& out,
+                              bool input_is_full) {
+  const Tensor& full = input_is_full ? in : out;
+  const Tensor& shard = input_is_full ? out : in;
+  if (full.numel() == static_cast<int64_t>(size) * shard.numel()) return;
+  const char* f = input_is_full ? "input" : "output";
+  const char* s = input_is_full ? "output" : "input";
+  throw Error(cat("collective ", name, " on rank ", rank, " of ", size, ": ", f, " has ", full.numel(),
+                  " elements but must be size*", s, " = ", size, "*", shard.numel(), " = ",
+                  static_cast<int64_t>(size) * shard.numel(),
+                  "; shard buffers must be padded to a multiple of the group size"));
+}
+
+// Bytes one rank sends in a ring over `size` ranks for a buffer of `bytes`:
+// (p-1)/p of it (all-reduce moves twice that: reduce-scatter + all-gather).
+inline uint64_t ring_share(int size, uint64_t bytes) {
+  return size > 1 ? static_cast<uint64_t>(size - 1) * bytes / static_cast<uint64_t>(size) : 0;
+}
+
+}  // namespace loom::collective
