@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 
+#include "loom/comm.hpp"
 #include "loom/error.hpp"
 #include "loom/tensor.hpp"
 
@@ -44,6 +45,30 @@ inline void check_shard_sizes(const char* name, int rank, int size, const Tensor
                   " elements but must be size*", s, " = ", size, "*", shard.numel(), " = ",
                   static_cast<int64_t>(size) * shard.numel(),
                   "; shard buffers must be padded to a multiple of the group size"));
+}
+
+inline const char* op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::avg: return "avg";
+    case ReduceOp::max: return "max";
+  }
+  return "?";
+}
+
+// The dtypes every communicator reduces (fp32, fp64, int32, bf16, fp16), and
+// no average of integers (integer division would silently truncate).
+// `how` ends the message with the communicator's own detail ("" for none).
+inline void check_reducible(const char* name, int rank, DType t, ReduceOp op, const char* how) {
+  if (t == DType::i32 && op == ReduceOp::avg)
+    throw Error(cat("collective ", name, " on rank ", rank, ": avg of int32 would truncate; reduce with sum and ",
+                    "divide where the rounding is intended"));
+  switch (t) {
+    case DType::f32: case DType::f64: case DType::i32: case DType::bf16: case DType::f16: return;
+    default: break;
+  }
+  throw Error(cat("collective ", name, " (", op_name(op), ") on rank ", rank, ": dtype ", dtype_name(t),
+                  " cannot be reduced; reduce fp32, fp64, int32, bf16 or fp16", how));
 }
 
 // Bytes one rank sends in a ring over `size` ranks for a buffer of `bytes`:

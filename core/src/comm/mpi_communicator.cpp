@@ -33,15 +33,6 @@ std::string mpi_err(int rc) {
   return std::string(buf, static_cast<size_t>(len));
 }
 
-const char* op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum: return "sum";
-    case ReduceOp::avg: return "avg";
-    case ReduceOp::max: return "max";
-  }
-  return "?";
-}
-
 // fp32 -> fp16, round to nearest even; overflow to infinity, NaN kept NaN.
 uint16_t f32_to_f16(float f) {
   uint32_t u = std::bit_cast<uint32_t>(f);
@@ -249,18 +240,13 @@ class MpiCommunicator final : public Communicator {
   }
 
   ReduceWire reduce_wire(const char* name, DType t, ReduceOp op) const {
-    if (t == DType::i32 && op == ReduceOp::avg)
-      throw Error(cat("collective ", name, " on rank ", rank_, ": avg of int32 would truncate; reduce with sum and ",
-                      "divide where the rounding is intended"));
+    collective::check_reducible(name, rank_, t, op, " (bf16/fp16 are summed in fp32)");
     switch (t) {
-      case DType::f32: return {MPI_FLOAT, false, 4};
       case DType::f64: return {MPI_DOUBLE, false, 8};
       case DType::i32: return {MPI_INT, false, 4};
       case DType::bf16: case DType::f16: return {MPI_FLOAT, true, 4};
-      default: break;
+      default: return {MPI_FLOAT, false, 4};  // f32, the only other reducible dtype
     }
-    throw Error(cat("collective ", name, " (", op_name(op), ") on rank ", rank_, ": dtype ", dtype_name(t),
-                    " cannot be reduced; reduce fp32, fp64, int32, bf16 or fp16 (bf16/fp16 are summed in fp32)"));
   }
 
   static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::max ? MPI_MAX : MPI_SUM; }

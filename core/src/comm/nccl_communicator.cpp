@@ -51,15 +51,6 @@ std::string nccl_err(ncclResult_t rc, ncclComm_t comm) {
 
 std::string cuda_err(cudaError_t e) { return cat(cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"); }
 
-const char* op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum: return "sum";
-    case ReduceOp::avg: return "avg";
-    case ReduceOp::max: return "max";
-  }
-  return "?";
-}
-
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::sum: return ncclSum;
@@ -499,19 +490,14 @@ class NcclCommunicator final : public Communicator {
   static cudaStream_t stream_of(const ExecContext& ctx) { return static_cast<cudaStream_t>(ctx.stream); }
 
   ncclDataType_t reduce_type(const char* name, DType t, ReduceOp op) const {
-    if (t == DType::i32 && op == ReduceOp::avg)
-      throw Error(cat("collective ", name, " on rank ", rank_, ": avg of int32 would truncate; reduce with sum and ",
-                      "divide where the rounding is intended"));
+    collective::check_reducible(name, rank_, t, op, "");
     switch (t) {
-      case DType::f32: return ncclFloat32;
       case DType::bf16: return ncclBfloat16;
       case DType::f16: return ncclFloat16;
       case DType::f64: return ncclFloat64;
       case DType::i32: return ncclInt32;
-      default: break;
+      default: return ncclFloat32;  // f32, the only other reducible dtype
     }
-    throw Error(cat("collective ", name, " (", op_name(op), ") on rank ", rank_, ": dtype ", dtype_name(t),
-                    " cannot be reduced; reduce fp32, fp64, int32, bf16 or fp16"));
   }
 
   static bool overlaps(const Tensor& a, const Tensor& b) {
