@@ -5,9 +5,12 @@
 #
 #   benchmarks/compare.sh [CONFIG...]        (default: configs/bench/*.toml)
 #
-# Env: STEPS (20), WARMUP (5), MODES (peer modes, default all four; the 7B
-# workload runs only "pure" as in the issue's table), OUT (a folder for the
-# raw JSON lines; default a temp dir).
+# Env: STEPS (20), WARMUP (5), LAYERS (Loom's layer variants, default
+# "native fused": one row each), BREAKDOWN=1 (adds --breakdown to every Loom
+# row), MODES (peer modes, default all four; the 7B workload runs MODES_7B,
+# default "pure,pure+compile": the autocast modes' fp32 state does not fit 80
+# GB), PEERS=0 (Loom's rows only), OUT (a folder for the raw JSON lines;
+# default a temp dir).
 set -uo pipefail
 LOOM_BIN=${LOOM_BIN:-build/bin/loom}
 STEPS=${STEPS:-20}
@@ -17,14 +20,21 @@ mkdir -p "$OUT"
 configs=("$@")
 [ ${#configs[@]} -gt 0 ] || configs=(configs/bench/llama-125m.toml configs/bench/llama-1b.toml configs/bench/llama2-7b.toml)
 : > "$OUT/results.jsonl"
+LAYERS=${LAYERS:-native fused}
+extra=()
+[ "${BREAKDOWN:-0}" = 1 ] && extra+=(--breakdown)
 for cfg in "${configs[@]}"; do
   name=$(basename "$cfg" .toml)
-  echo "== $name: loom bench" >&2
-  "$LOOM_BIN" bench "$cfg" --steps="$STEPS" --warmup="$WARMUP" 2>"$OUT/$name.loom.log" | tee -a "$OUT/$name.loom.out" |
-    sed -n 's/^BENCH_JSON //p' | python3 -c "import sys,json; [print(json.dumps(dict(json.loads(l), name='$name', who='loom'))) for l in sys.stdin]" >> "$OUT/results.jsonl" ||
-    echo "loom bench failed for $cfg: see $OUT/$name.loom.log" >&2
+  for layers in $LAYERS; do
+    echo "== $name: loom bench ($layers layers)" >&2
+    "$LOOM_BIN" bench "$cfg" --steps="$STEPS" --warmup="$WARMUP" --set model.layers="\"$layers\"" "${extra[@]}" \
+      2>"$OUT/$name.$layers.loom.log" | tee -a "$OUT/$name.$layers.loom.out" |
+      sed -n 's/^BENCH_JSON //p' | python3 -c "import sys,json; [print(json.dumps(dict(json.loads(l), name='$name', who='loom'))) for l in sys.stdin]" >> "$OUT/results.jsonl" ||
+      echo "loom bench failed for $cfg ($layers): see $OUT/$name.$layers.loom.log" >&2
+  done
+  [ "${PEERS:-1}" = 0 ] && continue
   modes=${MODES:-pure,autocast,pure+compile,autocast+compile}
-  case "$name" in *7b*) modes=${MODES_7B:-pure} ;; esac
+  case "$name" in *7b*) modes=${MODES_7B:-pure,pure+compile} ;; esac
   echo "== $name: PyTorch peer ($modes)" >&2
   python3 benchmarks/hf_llama.py "$cfg" --modes "$modes" --steps "$STEPS" --warmup "$WARMUP" 2>"$OUT/$name.peer.log" |
     sed -n 's/^PEER_JSON //p' | python3 -c "import sys,json; [print(json.dumps(dict(json.loads(l), name='$name', who='peer'))) for l in sys.stdin]" >> "$OUT/results.jsonl" ||

@@ -19,4 +19,8 @@ done
 # OpenBLAS carries kernels for every x86 CPU (35 MiB); it travels compressed
 # and scripts/gpu_check.sh unpacks it.
 gzip -9 -f .carry/lib/libopenblas.so.0
+# The fortune corpus (Debian's fortunes package, which GPU images lack) as
+# byte-level token shards: the GPU training test and the native-vs-fused
+# convergence run read it (5 MB).
+.carry/bin/loom prepare text .carry/data/fortunes /usr/share/games/fortunes > /dev/null
 du -sh .carry

@@ -4,7 +4,13 @@
 # then benchmarks/compare.sh (Loom beside the PyTorch peer). Logs and JSON go
 # to $OUT (default ./gpu-check-out); a summary table is printed last.
 #
-#   bash scripts/gpu_check.sh [tests|bench|all] [CONFIG...]
+#   bash scripts/gpu_check.sh [tests|bench|convergence|all] [CONFIG...]
+#       tests: the GPU suites (a skipped case fails the check: every GPU test
+#       must run here); bench: benchmarks/compare.sh, native and fused layers
+#       beside the HF peer (BREAKDOWN=1 adds per-part times); convergence:
+#       native against fused layers on the fortune corpus, 1000 steps;
+#       trace: a [profile] window on llama-1b, its Chrome/Perfetto trace
+#       checked by tests/trace/check_trace.py (the trace lands in $OUT/trace)
 #   bash scripts/gpu_check.sh sharding [CONFIG]     (a host with 2+ GPUs: NCCL and
 #       sharding tests, single-GPU bench, PyTorch FSDP2 peer, `loom compare` of every
 #       strategy, and the throughput targets; env NP, STEPS, WARMUP, STRATEGIES)
@@ -24,21 +30,64 @@ export NCCL_NVLS_ENABLE=0
 if [ "$ROOT" != /work/main ]; then mkdir -p /work && ln -sfn "$ROOT" /work/main; fi
 [ -e /work/main/build-gpu ] || ln -sfn "$ROOT/.carry" /work/main/build-gpu
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+# The fortune corpus, staged by scripts/gpu_build.sh (the GPU image has no fortunes package).
+if [ ! -f data/fortunes/val.bin ] && [ -f .carry/data/fortunes/val.bin ]; then
+  mkdir -p data && ln -sfn "$ROOT/.carry/data/fortunes" data/fortunes
+fi
 
 status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   : > "$OUT/tests.txt"
   # The suites with GPU cases (the CPU suites run in CI).
-  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_attention test_golden test_gpu_train}; do
+  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_attention test_golden test_gpu_train test_step_alloc}; do
     t=.carry/bin/$n
     if "$t" --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
+    # On a GPU machine nothing may skip: a skipped GPU test has not passed.
+    # (The CPU-only placeholders that exist for builds without CUDA are named *Skipped*/*Without*.)
+    real_skips=$(grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | grep -vcE 'Skipped|Without|NeedsTheCudaBackend')
+    if [ "$real_skips" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi
     echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
     [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -20
+    grep -hE '^\[(golden|gpu curve|deterministic|timestamp|step allocations)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
   done
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   LOOM_BIN=.carry/bin/loom OUT=$OUT/bench bash benchmarks/compare.sh "$@" | tee "$OUT/table.md"
+fi
+if [ "$WHAT" = convergence ] || [ "$WHAT" = all ]; then
+  # Native against fused layers: same seed (same initial weights), bf16 +
+  # cuDNN, 1000 steps, an evaluation every 100; the target is every
+  # validation loss within 0.5% of native's.
+  C=configs/convergence
+  .carry/bin/loom compare $C/fortunes-native.toml --configs=$C/fortunes-fused.toml,$C/fortunes-native-nondet.toml \
+    --steps="${CONV_STEPS:-1000}" --warmup=0 --validate=100 --out="$OUT/convergence" \
+    > "$OUT/convergence.out" 2> "$OUT/convergence.log" || status=1
+  grep -v '^COMPARE_JSON' "$OUT/convergence.out"
+  python3 - "$OUT/convergence/compare_val_losses.csv" <<'PY' || status=1
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+names = [k for k in rows[0] if k != "step"]
+def worst(other):
+    return max(abs(float(r[other]) - float(r[names[0]])) / float(r[names[0]]) for r in rows)
+fused, floor = worst(names[1]), worst(names[2])
+print(f"convergence: {len(rows)} evaluations; worst relative validation-loss difference to {names[0]}: "
+      f"{names[1]} {100 * fused:.3f}% (target 0.5%), {names[2]} {100 * floor:.3f}% (the noise floor: the same "
+      f"native run with a non-deterministic attention backward)")
+sys.exit(0 if fused <= 0.005 else 1)
+PY
+fi
+if [ "$WHAT" = trace ] || [ "$WHAT" = all ]; then
+  # Steps 4-6 of 8 profiled (cudaProfilerStart/Stop around them) with a trace
+  # per rank; the checker verifies its nesting and its steps against metrics.jsonl.
+  rm -rf "$OUT/trace-run"
+  .carry/bin/loom train configs/bench/llama-1b.toml --set model.layers=fused --set train.steps=8 \
+    --set 'profile.steps=[4,6]' --set profile.trace=true --set run.out_dir="$OUT/trace-run" \
+    > "$OUT/trace.log" 2>&1 || status=1
+  if python3 tests/trace/check_trace.py "$OUT/trace-run/trace/rank_0.json" "$OUT/trace-run/metrics.jsonl" \
+    | tee "$OUT/trace_check.txt"; then r=PASS; else r=FAIL; status=1; fi
+  echo "$r trace (llama-1b fused, steps 4-6)" | tee -a "$OUT/tests.txt"
+  mkdir -p "$OUT/trace" && cp "$OUT/trace-run/trace/rank_0.json" "$OUT/trace/" 2>/dev/null
 fi
 if [ "$WHAT" = sharding ] || [ "$WHAT" = sharding-tests ]; then
   CFG=${1:-configs/bench/llama-1b.toml}

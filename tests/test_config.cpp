@@ -3,6 +3,8 @@
 // argument splitting. Messages are compared whole where their wording is the
 // user interface.
 #include <gtest/gtest.h>
+
+#include <limits>
 #include <unistd.h>
 
 #include <filesystem>
@@ -308,7 +310,7 @@ TEST(Config, UnknownKeyWithDidYouMean) {
   EXPECT_EQ(parse_error("[train]\nlr = 0.001\n\nsetps = 10\n"),
             "q.toml:4:1: unknown key 'train.setps' (did you mean 'steps'?); keys accepted in [train]: steps, "
             "micro_batch, seq_len, grad_accum, lr, min_lr, warmup_steps, schedule, grad_clip, weight_decay, beta1, "
-            "beta2, eps, log_every, validation_every, validation_batches");
+            "beta2, eps, log_every, validation_every, validation_batches, max_skipped_steps");
 }
 
 TEST(Config, UnknownKeyWithoutCloseMatch) {
@@ -326,10 +328,10 @@ TEST(Config, FirstUnknownKeyInFileOrder) {
 TEST(Config, UnknownSection) {
   EXPECT_EQ(parse_error("[trian]\nsteps = 3\n"),
             "q.toml:1:2: unknown section [trian] (did you mean [train]?); sections: run, model, train, checkpoint, "
-            "precision, attention, sharding, data");
+            "precision, attention, sharding, data, profile");
   EXPECT_EQ(parse_error("steps = 3\n"),
             "q.toml:1:1: unknown top-level key 'steps'; keys belong in one of the sections: run, model, train, "
-            "checkpoint, precision, attention, sharding, data");
+            "checkpoint, precision, attention, sharding, data, profile");
 }
 
 TEST(Config, WrongType) {
@@ -357,13 +359,13 @@ TEST(Config, OutOfRange) {
             "q.toml:2:14: train.grad_accum = -2 is out of range: must be in [1, 1048576]");
   EXPECT_EQ(parse_error("[train]\nbeta2 = 1.0\n"), "q.toml:2:9: train.beta2 = 1 is out of range: must be in [0, 1)");
   EXPECT_EQ(parse_error("[train]\nbeta1 = -0.1\n"),
-            "q.toml:2:9: train.beta1 = -0.1 is out of range: must be in [0, 1]");
-  EXPECT_EQ(parse_error("[train]\neps = 0\n"), "q.toml:2:7: train.eps = 0 is out of range: must be > 0 and <= 1");
+            "q.toml:2:9: train.beta1 = -0.1 is out of range: must be in [0, 1)");
+  EXPECT_EQ(parse_error("[train]\neps = 0\n"), "q.toml:2:7: train.eps = 0 is out of range: must be in (0, 1]");
   EXPECT_EQ(parse_error("[train]\ngrad_clip = -1\n"),
             "q.toml:2:13: train.grad_clip = -1 is out of range: must be >= 0");
   EXPECT_EQ(parse_error("[train]\nlr = nan\n"), "q.toml:2:6: train.lr = nan is out of range: must be in [0, 10]");
   EXPECT_EQ(parse_error("[model]\nrope_theta = -5.0\n"),
-            "q.toml:2:14: model.rope_theta = -5 is out of range: must be >= 0");
+            "q.toml:2:14: model.rope_theta = -5 is out of range: must be > 0");
   EXPECT_EQ(parse_error("[model]\nrope_theta = 0\n"),
             "q.toml:2:14: model.rope_theta = 0 is out of range: must be > 0");
   EXPECT_EQ(parse_error("[run]\nseed = -1\n"), "q.toml:2:8: run.seed = -1 is out of range: must be >= 0");
@@ -501,7 +503,7 @@ TEST(ConfigOverrides, ErrorsLocatedAtTheOverride) {
   EXPECT_EQ(parse_error("", {"train.setps=10"}),
             "--set train.setps=10: unknown key 'train.setps' (did you mean 'steps'?); keys accepted in [train]: "
             "steps, micro_batch, seq_len, grad_accum, lr, min_lr, warmup_steps, schedule, grad_clip, weight_decay, "
-            "beta1, beta2, eps, log_every, validation_every, validation_batches");
+            "beta1, beta2, eps, log_every, validation_every, validation_batches, max_skipped_steps");
   EXPECT_EQ(parse_error("", {"trian.steps=10"}).substr(0, 60),
             "--set trian.steps=10: unknown section [trian] (did you mean ");
   EXPECT_EQ(parse_error("", {"run.device=gpu"}),
@@ -580,8 +582,11 @@ TEST(ConfigPlugin, GettersOnPluginTables) {
   EXPECT_EQ(t.get_int_or_string("other", "auto"), "auto");
   EXPECT_EQ(t.get_string_list("list"), std::vector<std::string>{"x"});
   EXPECT_EQ(error_of([&] { t.get_int("n", 0, 4); }), "p.toml:3:5: p.n = 3 is out of range: must be >= 4");
-  EXPECT_EQ(error_of([&] { t.get_float("f", 0, -1e300, 2); }),
+  // An infinite bound is no bound; every finite one is stated.
+  EXPECT_EQ(error_of([&] { t.get_float("f", 0, -std::numeric_limits<double>::infinity(), 2); }),
             "p.toml:4:5: p.f = 2.5 is out of range: must be <= 2");
+  EXPECT_EQ(error_of([&] { t.get_float("f", 0, -1e300, 2); }),
+            "p.toml:4:5: p.f = 2.5 is out of range: must be in [-1e300, 2]");
 }
 
 TEST(ConfigPlugin, DefaultConstructedTableIsEmpty) {
@@ -648,7 +653,7 @@ std::vector<std::string> split(const std::string& s, const std::string& sep) {
 TEST(ConfigDocs, EveryCoreKeyIsDocumentedInOrder) {
   const std::string doc = read_text(fs::path(LOOM_SOURCE_DIR) / "docs" / "CONFIG.md");
   ASSERT_FALSE(doc.empty());
-  for (std::string section : {"run", "model", "train", "checkpoint"}) {
+  for (std::string section : {"run", "model", "train", "checkpoint", "profile"}) {
     // The keys the core reads, from the accepted list of an unknown-key error.
     std::string msg = parse_error("[" + section + "]\nzzzz_not_a_key = 1\n");
     const std::string marker = "keys accepted in [" + section + "]: ";

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "alloc_counter.hpp"
 #include "attention/naive/attention_naive_cpu.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "loom/attention.hpp"
@@ -849,7 +850,7 @@ TEST(Fp32Plugin, GemmsThroughThePluginMatchTheHelpers) {
       ty(y.data(), DType::f32, Device::cpu, {B, S, out}), tdy(dy.data(), DType::f32, Device::cpu, {B * S, out}),
       tdx(dx.data(), DType::f32, Device::cpu, {B * S, in}), tdw(dw.data(), DType::f32, Device::cpu, {out, in});
   const loom::ExecContext ctx;
-  p->linear_forward(ctx, id, tx, tw, ty);
+  p->linear_forward(ctx, id, tx, tw, ty, nullptr);
   FVec yr(B * S * out);
   loom::fp32::linear_forward(yr.data(), out, x.data(), in, w.data(), B * S, in, out);
   EXPECT_TRUE(bitwise_equal(y, yr));
@@ -867,24 +868,182 @@ TEST(Fp32Plugin, GemmsThroughThePluginMatchTheHelpers) {
   // Errors name what is wrong.
   loom::Tensor bad = tx;
   bad.dtype = DType::bf16;
-  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, bad, tw, ty); }), "must be fp32, got bf16"));
+  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, bad, tw, ty, nullptr); }), "must be fp32, got bf16"));
   loom::Tensor wide(x.data(), DType::f32, Device::cpu, {B * S, in - 1});
-  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, wide, tw, ty); }), "expected in=5"));
-  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, 9, tx, tw, ty); }), "linear id 9 was never registered"));
+  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, wide, tw, ty, nullptr); }), "expected in=5"));
+  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, 9, tx, tw, ty, nullptr); }), "linear id 9 was never registered"));
   loom::Tensor wt = tw;  // a transposed view of W is not the registered [out, in] matrix
   std::swap(wt.shape[0], wt.shape[1]);
-  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, tx, wt, ty); }), "[out, in] = [4,5]"));
+  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, tx, wt, ty, nullptr); }), "[out, in] = [4,5]"));
   FVec big(4 * B * S * in);
   loom::Tensor many(big.data(), DType::f32, Device::cpu, {4 * B * S, in});
-  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, many, tw, ty); }), "max_rows=6"));
+  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, many, tw, ty, nullptr); }), "max_rows=6"));
   loom::ExecContext cuda_ctx;
   cuda_ctx.device = Device::cuda;
-  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(cuda_ctx, id, tx, tw, ty); }), "CUDA backend"));
+  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(cuda_ctx, id, tx, tw, ty, nullptr); }), "CUDA backend"));
 #ifndef LOOM_HAVE_CUDA
   // Without CUDA the plugin has no device path; with it, device cuda is the
   // cuBLASLt GPU reference (tested in test_cuda_gemm).
   EXPECT_TRUE(contains(error_of([&] { create<loom::Precision>(desc, Device::cuda); }), "CUDA backend"));
 #endif
+}
+
+// y = x W^T + residual through the plugin (the fused layer's residual add as
+// the GEMM's C input), against a double reference computed from the same float
+// inputs. fp32 products over k = 5 terms plus one add round at ~1e-7 relative,
+// so kFloatTol (1e-5) holds with margin and any wrong or missing term fails.
+TEST(Fp32Plugin, ResidualIsTheCInput) {
+  const loom::PluginDescriptor* desc = load_plugin("libloom-precision-fp32.so");
+  ASSERT_NE(desc, nullptr);
+  auto p = create<loom::Precision>(desc);
+  using loom::DType;
+  using loom::Device;
+  Rng rng(test_seed());
+  const int64_t B = 2, S = 3, m = B * S, in = 5, out = 4;
+  const int id = p->register_linear({"layer.2.o_proj", in, out, m});
+  const FVec x = to_float(rng.uniform(m * in)), w = to_float(rng.uniform(out * in)), r = to_float(rng.uniform(m * out));
+  Vec ref(m * out);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t o = 0; o < out; ++o) {
+      double acc = r[i * out + o];
+      for (int64_t c = 0; c < in; ++c) acc += static_cast<double>(x[i * in + c]) * w[o * in + c];
+      ref[i * out + o] = acc;
+    }
+  FVec xb = x, wb = w;
+  const loom::Tensor tx(xb.data(), DType::f32, Device::cpu, {B, S, in}),
+      tw(wb.data(), DType::f32, Device::cpu, {out, in});
+  const loom::ExecContext ctx;
+  // A [rows, cols] view starting `off` elements into `buf`, with row stride ld.
+  auto rows_view = [&](FVec& buf, int64_t off, int64_t ld) {
+    loom::Tensor t(buf.data() + off, DType::f32, Device::cpu, {m, out});
+    t.stride[0] = ld;
+    return t;
+  };
+  auto read = [&](const FVec& buf, int64_t off, int64_t ld) {
+    Vec v(m * out);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t o = 0; o < out; ++o) v[i * out + o] = buf[off + i * ld + o];
+    return v;
+  };
+
+  {  // residual distinct from y; y poisoned, so an element the GEMM skipped stays NaN
+    FVec y(m * out, NAN), res = r;
+    loom::Tensor ty(y.data(), DType::f32, Device::cpu, {B, S, out}), tr(res.data(), DType::f32, Device::cpu, {m, out});
+    p->linear_forward(ctx, id, tx, tw, ty, &tr);
+    EXPECT_LE(rel_err(y, ref), kFloatTol) << "residual distinct from y";
+    EXPECT_TRUE(bitwise_equal(res, r)) << "the residual was written";
+  }
+  {  // residual == y: in place, y holds the residual stream before the call
+    FVec y = r;
+    loom::Tensor ty(y.data(), DType::f32, Device::cpu, {B, S, out});
+    p->linear_forward(ctx, id, tx, tw, ty, &ty);
+    EXPECT_LE(rel_err(y, ref), kFloatTol) << "residual is y";
+  }
+  {  // residual a row view of a wider buffer (row stride 9, 2 elements in), y another one
+    const int64_t ldr = out + 5, ldy = out + 3;
+    FVec rbuf(2 + m * ldr, 3.f), ybuf(1 + m * ldy, 7.f);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t o = 0; o < out; ++o) rbuf[2 + i * ldr + o] = r[i * out + o];
+    const FVec rbuf0 = rbuf;
+    loom::Tensor tr = rows_view(rbuf, 2, ldr), ty = rows_view(ybuf, 1, ldy);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t o = 0; o < out; ++o) ybuf[1 + i * ldy + o] = NAN;
+    p->linear_forward(ctx, id, tx, tw, ty, &tr);
+    EXPECT_LE(rel_err(read(ybuf, 1, ldy), ref), kFloatTol) << "residual as a row view";
+    EXPECT_TRUE(bitwise_equal(rbuf, rbuf0)) << "the residual's buffer was written";
+    bool padding_kept = ybuf[0] == 7.f;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t o = out; o < ldy && 1 + i * ldy + o < static_cast<int64_t>(ybuf.size()); ++o)
+        padding_kept = padding_kept && ybuf[1 + i * ldy + o] == 7.f;
+    EXPECT_TRUE(padding_kept) << "y's padding was written";
+  }
+  {  // y and the residual as two column ranges of one buffer: no shared element, so allowed
+    const int64_t ld = 2 * out + 1;
+    FVec buf(m * ld, NAN);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t o = 0; o < out; ++o) buf[i * ld + out + 1 + o] = r[i * out + o];
+    loom::Tensor ty = rows_view(buf, 0, ld), tr = rows_view(buf, out + 1, ld);
+    p->linear_forward(ctx, id, tx, tw, ty, &tr);
+    EXPECT_LE(rel_err(read(buf, 0, ld), ref), kFloatTol) << "y and residual side by side";
+    EXPECT_LE(rel_err(read(buf, out + 1, ld), to_double(r)), 0.0) << "the residual columns were written";
+  }
+
+  // Refusals name the linear and what is wrong.
+  FVec y(m * out, 0.f), res = r, big((m + 1) * (out + 2), 0.f);
+  loom::Tensor ty(y.data(), DType::f32, Device::cpu, {m, out}), tr(res.data(), DType::f32, Device::cpu, {m, out});
+  auto refused = [&](const loom::Tensor& bad) {
+    return error_of([&] { p->linear_forward(ctx, id, tx, tw, ty, &bad); });
+  };
+  loom::Tensor narrow(res.data(), DType::f32, Device::cpu, {m, out - 1});
+  std::string e = refused(narrow);
+  EXPECT_TRUE(contains(e, "layer.2.o_proj: residual is [6, 3] but y is [6, 4]")) << e;
+  loom::Tensor bf = tr;
+  bf.dtype = DType::bf16;
+  e = refused(bf);
+  EXPECT_TRUE(contains(e, "layer.2.o_proj: residual must be fp32, got bf16")) << e;
+  loom::Tensor dev = tr;
+  dev.device = Device::cuda;
+  e = refused(dev);
+  EXPECT_TRUE(contains(e, "layer.2.o_proj: residual is on cuda")) << e;
+  loom::Tensor none = tr;
+  none.data = nullptr;
+  e = refused(none);
+  EXPECT_TRUE(contains(e, "layer.2.o_proj: residual has no data")) << e;
+  loom::Tensor shifted(y.data() + 1, DType::f32, Device::cpu, {m, out});  // overlaps y one element off
+  e = refused(shifted);
+  EXPECT_TRUE(contains(e, "layer.2.o_proj: residual overlaps y without being y")) << e;
+  ty = loom::Tensor(big.data(), DType::f32, Device::cpu, {m, out});
+  loom::Tensor same_start(big.data(), DType::f32, Device::cpu, {m, out});  // y's start, another row stride
+  same_start.stride[0] = out + 2;
+  e = refused(same_start);
+  EXPECT_TRUE(contains(e, "layer.2.o_proj: residual overlaps y without being y")) << e;
+  EXPECT_TRUE(contains(e, "row stride 6, y at")) << e;
+}
+
+// The linear wrappers run a few hundred times a step: after the first call of a
+// shape they must not allocate (tests/alloc_counter.hpp counts operator new and
+// delete in the whole process while a window is open).
+TEST(Fp32Plugin, HotPathAllocatesNothing) {
+  const loom::PluginDescriptor* desc = load_plugin("libloom-precision-fp32.so");
+  ASSERT_NE(desc, nullptr);
+  auto p = create<loom::Precision>(desc);
+  using loom::DType;
+  using loom::Device;
+  Rng rng(test_seed());
+  const int64_t m = 16, in = 24, out = 32;
+  const int id = p->register_linear({"layer.0.down_proj", in, out, m});
+  FVec x = to_float(rng.uniform(m * in)), w = to_float(rng.uniform(out * in)), dy = to_float(rng.uniform(m * out)),
+       y(m * out), r = to_float(rng.uniform(m * out)), dx(m * in), dw(out * in);
+  loom::Tensor tx(x.data(), DType::f32, Device::cpu, {2, m / 2, in}), tw(w.data(), DType::f32, Device::cpu, {out, in}),
+      ty(y.data(), DType::f32, Device::cpu, {m, out}), tr(r.data(), DType::f32, Device::cpu, {m, out}),
+      tdy(dy.data(), DType::f32, Device::cpu, {m, out}), tdx(dx.data(), DType::f32, Device::cpu, {m, in}),
+      tdw(dw.data(), DType::f32, Device::cpu, {out, in});
+  const loom::ExecContext ctx;
+  auto step = [&] {
+    p->linear_forward(ctx, id, tx, tw, ty, nullptr);
+    p->linear_forward(ctx, id, tx, tw, ty, &tr);
+    p->linear_forward(ctx, id, tx, tw, ty, &ty);
+    p->linear_backward(ctx, id, tx, tw, tdy, &tdx, tdw, false);
+    p->linear_backward(ctx, id, tx, tw, tdy, nullptr, tdw, true);
+  };
+  step();  // warm-up: the first call of each shape may set things up
+
+  loom_test::AllocCounter counter;
+  counter.start();
+  for (int i = 0; i < 100; ++i) step();
+  const loom_test::AllocCounts c = counter.stop();
+  EXPECT_EQ(c.ours_new, 0) << "500 linear calls allocated; the first allocation came from:" << c.first_ours;
+  EXPECT_EQ(c.ours_delete, 0);
+  EXPECT_EQ(c.vendor_new, 0) << "nothing NVIDIA's is loaded on the CPU path";
+
+  // The counter sees what the plugin allocates: a refused call formats its message.
+  counter.start();
+  try {
+    p->linear_forward(ctx, id + 1, tx, tw, ty, nullptr);
+  } catch (const loom::Error&) {
+  }
+  const loom_test::AllocCounts err = counter.stop();
+  EXPECT_GT(err.ours_new, 0) << "the counting operator new does not see the plugin's allocations";
 }
 
 TEST(NaiveAttentionPlugin, SupportsAndMatchesTheKernel) {

@@ -2,11 +2,13 @@
 //   naive on cuda  vs  naive on the CPU (fp32 and bf16 inputs),
 //   cudnn          vs  naive on cuda (bf16; MHA and GQA, D 64/128, S 100/257,
 //                      packed tensors and views into one fused QKV buffer),
-// deterministic backward run twice (bitwise equal), and the limits cudnn's
-// supports() names. Plugins are loaded from the build tree through the
-// registry, as the trainer loads them. Every output is poisoned (all bits set:
-// NaN in fp32 and bf16) before each call, so a value a kernel forgot to write
-// fails the comparison.
+// deterministic backward run twice (bitwise equal), the fused attention
+// block's layout (q/k/v and dq/dk/dv as views of packed [B, S, (H + 2 Hkv) D]
+// buffers) against separate packed tensors, no allocation after the first call
+// (tests/alloc_counter.hpp), and the limits cudnn's supports() names. Plugins
+// are loaded from the build tree through the registry, as the trainer loads
+// them. Every output is poisoned (all bits set: NaN in fp32 and bf16) before
+// each call, so a value a kernel forgot to write fails the comparison.
 //
 // GPU cases skip where no CUDA device is present (CI); the supports() checks
 // need no device and run wherever the plugin was built.
@@ -26,6 +28,11 @@
 
 #ifdef LOOM_HAVE_CUDA
 #include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include <cstdio>
+
+#include "alloc_counter.hpp"
 
 namespace {
 
@@ -54,6 +61,15 @@ bool gpu_present() {
 const std::filesystem::path kPluginDir = LOOM_TEST_PLUGIN_DIR;
 bool plugin_built(const char* name) {
   return std::filesystem::exists(kPluginDir / (std::string("libloom-attention-") + name + ".so"));
+}
+
+// Graphs the loaded cudnn plugin has built so far (its exported counter), or
+// null when the library is not loaded.
+using GraphsBuilt = int64_t (*)();
+GraphsBuilt cudnn_graph_counter() {
+  const std::string file = (kPluginDir / "libloom-attention-cudnn.so").string();
+  void* lib = dlopen(file.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  return lib ? reinterpret_cast<GraphsBuilt>(dlsym(lib, "loom_attention_cudnn_graphs_built")) : nullptr;
 }
 
 std::unique_ptr<loom::Attention> load(const std::string& name, Device device, bool deterministic = false) {
@@ -233,14 +249,18 @@ struct DeviceCase {
   }
 };
 
-// Forward then backward on the GPU, with every output poisoned first.
-Results run_gpu(loom::Attention& a, const Case& c, DType dt, const Inputs& in, bool deterministic = false) {
+// Forward then backward on the GPU, with every output poisoned first. With
+// `graphs` (the cudnn plugin's counter), *built_by_calls receives how many
+// graphs forward and backward built beyond those workspace_bytes() built.
+Results run_gpu(loom::Attention& a, const Case& c, DType dt, const Inputs& in, bool deterministic = false,
+                GraphsBuilt graphs = nullptr, int64_t* built_by_calls = nullptr) {
   DeviceCase d(c, dt);
   d.upload_inputs(in);
   const AttentionShape sh = c.shape();
   const loom::Support sup = a.supports(sh, dt, Device::cuda);
   EXPECT_TRUE(sup.ok) << c.name() << ": " << sup.reason;
   DeviceBuf ws(a.workspace_bytes(sh, dt, Device::cuda));
+  const int64_t graphs_before = graphs ? graphs() : 0;
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreate(&stream));
   loom::ExecContext ctx;
@@ -256,6 +276,7 @@ Results run_gpu(loom::Attention& a, const Case& c, DType dt, const Inputs& in, b
   CUDA_OK(cudaStreamSynchronize(stream));
   CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaStreamDestroy(stream));
+  if (graphs && built_by_calls) *built_by_calls = graphs() - graphs_before;
   return {download(d.out), download(d.stats), download(d.dq), download(d.dk), download(d.dv)};
 }
 
@@ -342,6 +363,131 @@ TEST(CudnnAttention, DeterministicBackwardIsBitwiseRepeatable) {
       EXPECT_TRUE(bitwise_equal(r1.dk, r2.dk)) << who << ": dk";
       EXPECT_TRUE(bitwise_equal(r1.dv, r2.dv)) << who << ": dv";
     }
+  }
+}
+
+// The fused attention block's layout (fused_key in cudnn_attention.cpp): q, k
+// and v as views of one packed [B, S, (H + 2 Hkv) D] buffer (heads [0, H),
+// [H, H + Hkv), the rest), dq/dk/dv as the same views of one packed gradient
+// buffer, out and dout packed [B, S, H D]; against separate packed tensors
+// holding the same values. GQA, S not a multiple of any tile, forward and
+// backward, with ExecContext::deterministic off and on.
+//   naive on cuda: the same kernels summing in the same order, only the
+//     addresses differ, so the layouts agree bitwise.
+//   cudnn: the layouts may run different engines, so they agree to the bf16
+//     outputs' rounding: 1e-2 relative (one bf16 ulp is 2^-8 of a value; a view
+//     reading the wrong heads is off by O(1)); stats (fp32) to 1e-3, the bound
+//     MatchesNaiveCuda uses. workspace_bytes() must have built every graph the
+//     calls use (the calls build none), which is what proves fused_key is this layout.
+//   deterministic: two runs of each layout are bitwise equal, for both plugins.
+TEST(FusedQkvLayout, MatchesSeparatePackedTensors) {
+  REQUIRE_GPU();
+  const Case packed{2, 257, 8, 2, 64}, fused{2, 257, 8, 2, 64, true};
+  const Inputs in = make_inputs(packed, true, 2024);
+  auto expect_bitwise = [](const Results& a, const Results& b, const std::string& what) {
+    EXPECT_TRUE(bitwise_equal(a.out, b.out)) << what << ": out";
+    EXPECT_TRUE(bitwise_equal(a.stats, b.stats)) << what << ": stats";
+    EXPECT_TRUE(bitwise_equal(a.dq, b.dq)) << what << ": dq";
+    EXPECT_TRUE(bitwise_equal(a.dk, b.dk)) << what << ": dk";
+    EXPECT_TRUE(bitwise_equal(a.dv, b.dv)) << what << ": dv";
+  };
+  for (bool det : {false, true}) {
+    const std::string mode = det ? " (deterministic)" : "";
+    auto naive = load("naive", Device::cuda, det);
+    const Results np = run_gpu(*naive, packed, DType::bf16, in, det);
+    const Results nf = run_gpu(*naive, fused, DType::bf16, in, det);
+    expect_bitwise(nf, np, "naive cuda: fused views vs packed" + mode);
+    if (det) expect_bitwise(run_gpu(*naive, fused, DType::bf16, in, det), nf, "naive cuda: fused, run twice");
+
+    if (!plugin_built("cudnn")) continue;
+    auto cudnn = load("cudnn", Device::cuda, det);
+    const GraphsBuilt graphs = cudnn_graph_counter();
+    ASSERT_NE(graphs, nullptr) << "loom_attention_cudnn_graphs_built missing from the cudnn plugin";
+    int64_t built_packed = -1, built_fused = -1;
+    const Results cp = run_gpu(*cudnn, packed, DType::bf16, in, det, graphs, &built_packed);
+    const Results cf = run_gpu(*cudnn, fused, DType::bf16, in, det, graphs, &built_fused);
+    EXPECT_EQ(built_packed, 0) << "packed tensors" << mode << " used a graph workspace_bytes() had not built";
+    EXPECT_EQ(built_fused, 0) << "fused views" << mode << " used a graph workspace_bytes() had not built";
+    expect_close(cf, cp, 1e-2, 1e-3, "cudnn: fused views vs packed" + mode);
+    expect_close(cf, np, 2e-2, 1e-3, "cudnn fused views vs naive" + mode);
+    if (det) {
+      expect_bitwise(run_gpu(*cudnn, fused, DType::bf16, in, det), cf, "cudnn: fused, run twice");
+      expect_bitwise(run_gpu(*cudnn, packed, DType::bf16, in, det), cp, "cudnn: packed, run twice");
+    }
+  }
+}
+
+// Attention runs once per layer and direction each step: after the first call
+// of a (shape, strides, dtype, direction) nothing may be allocated. Packed and
+// fused-view calls alternate, so the cudnn plugin's last-graph fast path misses
+// every call and its cache lookup is measured too. tests/alloc_counter.hpp
+// counts operator new/delete in the whole process; allocations inside NVIDIA's
+// libraries (cuDNN's backend creates a descriptor per execute) are reported, not ours.
+TEST(AttentionHotPath, AllocatesNothingAfterTheFirstCall) {
+  REQUIRE_GPU();
+  loom_test::AllocCounter counter;
+  struct Run {
+    const char* plugin;
+    DType dt;
+    bool deterministic;
+  };
+  const Run runs[] = {{"naive", DType::bf16, false},
+                      {"naive", DType::f32, false},
+                      {"cudnn", DType::bf16, false},
+                      {"cudnn", DType::bf16, true}};
+  for (const Run& r : runs) {
+    if (std::string(r.plugin) == "cudnn" && !plugin_built("cudnn")) continue;
+    const std::string who = loom::cat(r.plugin, " ", loom::dtype_name(r.dt), r.deterministic ? " deterministic" : "");
+    SCOPED_TRACE(who);
+    auto a = load(r.plugin, Device::cuda, r.deterministic);
+    const Case packed{2, 257, 8, 2, 64}, fused{2, 257, 8, 2, 64, true};
+    const Inputs in = make_inputs(packed, r.dt == DType::bf16, 5);
+    DeviceCase dp(packed, r.dt), df(fused, r.dt);
+    dp.upload_inputs(in);
+    df.upload_inputs(in);
+    const AttentionShape sh = packed.shape();
+    const loom::Support sup = a->supports(sh, r.dt, Device::cuda);
+    ASSERT_TRUE(sup.ok) << sup.reason;
+    DeviceBuf ws(a->workspace_bytes(sh, r.dt, Device::cuda));
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreate(&stream));
+    loom::ExecContext ctx;
+    ctx.device = Device::cuda;
+    ctx.stream = stream;
+    ctx.deterministic = r.deterministic;
+    auto step = [&] {
+      for (DeviceCase* d : {&dp, &df}) {
+        a->forward(ctx, sh, d->q, d->k, d->v, d->out, d->stats, ws.p);
+        a->backward(ctx, sh, d->q, d->k, d->v, d->out, d->dout, d->stats, d->dq, d->dk, d->dv, ws.p);
+      }
+    };
+    step();  // warm-up: the first call of each graph
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const GraphsBuilt graphs = std::string(r.plugin) == "cudnn" ? cudnn_graph_counter() : nullptr;
+    const int64_t graphs_before = graphs ? graphs() : 0;
+
+    counter.start();
+    for (int i = 0; i < 100; ++i) step();
+    const loom_test::AllocCounts c = counter.stop();
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaGetLastError());
+    EXPECT_EQ(c.ours_new, 0) << "400 attention calls allocated; the first allocation came from:" << c.first_ours;
+    EXPECT_EQ(c.ours_delete, 0);
+    if (graphs) EXPECT_EQ(graphs(), graphs_before) << "calls after the warm-up built graphs";
+    std::printf("[ %s ] 400 attention calls: %lld allocations and %lld frees inside NVIDIA's libraries (not ours)\n",
+                who.c_str(), static_cast<long long>(c.vendor_new), static_cast<long long>(c.vendor_delete));
+
+    // The counter sees what the plugin allocates: a refused call formats its message.
+    Tensor bad_stats = dp.stats;
+    bad_stats.shape[2] = sh.seq - 1;
+    counter.start();
+    try {
+      a->forward(ctx, sh, dp.q, dp.k, dp.v, dp.out, bad_stats, ws.p);
+    } catch (const loom::Error&) {
+    }
+    const loom_test::AllocCounts err = counter.stop();
+    EXPECT_GT(err.ours_new, 0) << "the counting operator new does not see the plugin's allocations";
+    CUDA_OK(cudaStreamDestroy(stream));
   }
 }
 

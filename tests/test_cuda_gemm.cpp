@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "alloc_counter.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/config.hpp"
 #include "loom/precision.hpp"
@@ -263,7 +264,7 @@ class CudaGemm : public ::testing::Test {
 
     const std::vector<double> xd = to_double(x), wd = to_double(w), dyd = to_double(dy);
     yb.poison();
-    p->linear_forward(ctx_, id, tx, tw, ty);
+    p->linear_forward(ctx_, id, tx, tw, ty, nullptr);
     sync();
     EXPECT_LE(rel_error(yb.download(), ref_forward(xd, wd, m, k, n)), r.tol) << "forward";
     EXPECT_TRUE(yb.padding_untouched()) << "forward wrote outside y's rows";
@@ -336,12 +337,12 @@ TEST_F(CudaGemm, PlansAreBuiltOnceAndReused) {
                  tdw = dw.tensor(), twide = wide.tensor();
 
     const int64_t c0 = plans_built();
-    p->linear_forward(ctx_, a, tx, tw, ty);
+    p->linear_forward(ctx_, a, tx, tw, ty, nullptr);
     sync();
     const std::vector<float> first = y.download();
     EXPECT_EQ(plans_built(), c0 + 1) << "first forward builds one plan";
     const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < 50; ++i) p->linear_forward(ctx_, a, tx, tw, ty);
+    for (int i = 0; i < 50; ++i) p->linear_forward(ctx_, a, tx, tw, ty, nullptr);
     sync();
     const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 50;
     EXPECT_EQ(plans_built(), c0 + 1) << "repeated forwards reuse the plan";
@@ -354,14 +355,161 @@ TEST_F(CudaGemm, PlansAreBuiltOnceAndReused) {
     p->linear_backward(ctx_, a, tx, tw, tdy, nullptr, tdw, true);
     EXPECT_EQ(plans_built(), c0 + 3) << "beta and a skipped dx do not need new plans";
 
-    p->linear_forward(ctx_, b, tx, tw, ty);
+    p->linear_forward(ctx_, b, tx, tw, ty, nullptr);
     EXPECT_EQ(plans_built(), c0 + 4) << "each linear id has its own plans";
-    p->linear_forward(ctx_, a, twide, tw, ty);
-    p->linear_forward(ctx_, a, twide, tw, ty);
+    p->linear_forward(ctx_, a, twide, tw, ty, nullptr);
+    p->linear_forward(ctx_, a, twide, tw, ty, nullptr);
     EXPECT_EQ(plans_built(), c0 + 5) << "another leading dimension gets one more plan, built once";
-    p->linear_forward(ctx_, a, tx, tw, ty);
+    p->linear_forward(ctx_, a, tx, tw, ty, nullptr);
     EXPECT_EQ(plans_built(), c0 + 5) << "the first shape's plan is still there";
     sync();
+  }
+}
+
+// The plan counter of a loaded precision plugin (see PlansAreBuiltOnceAndReused).
+using PlansBuilt = int64_t (*)();
+PlansBuilt plans_counter(const char* recipe) {
+  const std::string file = std::string(LOOM_TEST_PLUGIN_DIR) + "/libloom-precision-" + recipe + ".so";
+  void* lib = dlopen(file.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  return lib ? reinterpret_cast<PlansBuilt>(dlsym(lib, "loom_precision_cublaslt_plans_built")) : nullptr;
+}
+
+// y = x W^T + residual, the residual being cuBLASLt's C input (beta = 1), in
+// the three ways a fused layer hands it in: its own buffer, y itself (in place),
+// and a row view of a wider buffer (own leading dimension, 16/32-byte aligned
+// start); against the fp64 host reference of the same (device-rounded) inputs.
+// Tolerances are the recipes' own (fp32 1e-5, bf16 1e-2), as for the plain
+// forward: the residual is one more term of the fp32 epilogue before D is
+// rounded once to its dtype, so the error budget is unchanged (bf16: the output
+// rounding, 2^-9 relative; fp32: K = 96 fp32 products, ~1e-7), while a residual
+// dropped, added twice or read with the wrong stride is off by O(1). Each case
+// runs twice: the repeat must reuse the first call's plan.
+TEST_F(CudaGemm, ResidualIsTheCInput) {
+  for (const Recipe& r : kRecipes) {
+    SCOPED_TRACE(r.name);
+    auto p = gpu_plugin(r.name);  // loads the library
+    const PlansBuilt plans_built = plans_counter(r.name);
+    ASSERT_NE(plans_built, nullptr) << "loom_precision_cublaslt_plans_built missing from the " << r.name << " plugin";
+    const int m = 257, k = 96, n = 160;
+    const int id = p->register_linear({"layer.5.o_proj", k, n, m});
+    std::mt19937 rng(4321);
+    const std::vector<float> x = random_values(size_t(m) * k, r.act, rng),
+                             w = random_values(size_t(n) * k, r.param, rng),
+                             res = random_values(size_t(m) * n, r.act, rng);
+    std::vector<double> ref = ref_forward(to_double(x), to_double(w), m, k, n);
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] += res[i];
+    DevMatrix xb(r.act, m, k), wb(r.param, n, k);
+    ASSERT_TRUE(xb.base && wb.base) << "cudaMalloc failed";
+    xb.upload(x);
+    wb.upload(w);
+    const loom::Tensor tx = xb.tensor(), tw = wb.tensor();
+
+    {
+      SCOPED_TRACE("residual in its own buffer");
+      DevMatrix yb(r.act, m, n), rb(r.act, m, n);
+      ASSERT_TRUE(yb.base && rb.base);
+      loom::Tensor ty = yb.tensor(), tr = rb.tensor();
+      int64_t plans = 0;
+      for (int rep = 0; rep < 2; ++rep) {
+        yb.poison();
+        rb.upload(res);
+        p->linear_forward(ctx_, id, tx, tw, ty, &tr);
+        sync();
+        if (rep == 0) plans = plans_built();
+        EXPECT_LE(rel_error(yb.download(), ref), r.tol) << "rep " << rep;
+        EXPECT_TRUE(rb.download() == res) << "the residual was written";
+      }
+      EXPECT_EQ(plans_built(), plans) << "the repeated call built a plan";
+    }
+    {
+      SCOPED_TRACE("residual is y");
+      DevMatrix yb(r.act, m, n);
+      ASSERT_TRUE(yb.base);
+      loom::Tensor ty = yb.tensor();
+      int64_t plans = 0;
+      for (int rep = 0; rep < 2; ++rep) {
+        yb.upload(res);
+        p->linear_forward(ctx_, id, tx, tw, ty, &ty);
+        sync();
+        if (rep == 0) plans = plans_built();
+        EXPECT_LE(rel_error(yb.download(), ref), r.tol) << "rep " << rep;
+      }
+      EXPECT_EQ(plans_built(), plans) << "the repeated call built a plan";
+    }
+    {
+      SCOPED_TRACE("residual and y as row views of wider buffers");
+      DevMatrix yb(r.act, m, n, /*pad=*/24, /*off=*/8), rb(r.act, m, n, /*pad=*/40, /*off=*/8);
+      ASSERT_TRUE(yb.base && rb.base);
+      loom::Tensor ty = yb.tensor(), tr = rb.tensor();
+      int64_t plans = 0;
+      for (int rep = 0; rep < 2; ++rep) {
+        yb.poison();
+        rb.poison();  // the residual's padding: a GEMM reading it with the wrong stride gets NaN
+        rb.upload(res);
+        p->linear_forward(ctx_, id, tx, tw, ty, &tr);
+        sync();
+        if (rep == 0) plans = plans_built();
+        EXPECT_LE(rel_error(yb.download(), ref), r.tol) << "rep " << rep;
+        EXPECT_TRUE(yb.padding_untouched()) << "the forward wrote outside y's rows";
+        EXPECT_TRUE(rb.padding_untouched() && rb.download() == res) << "the residual's buffer was written";
+      }
+      EXPECT_EQ(plans_built(), plans) << "the repeated call built a plan";
+    }
+  }
+}
+
+// The GEMM wrappers run a few hundred times a step: once a shape's plans exist
+// they must not allocate (tests/alloc_counter.hpp counts operator new/delete in
+// the whole process while a window is open; allocations inside NVIDIA's
+// libraries are reported apart). 100 steps of the five calls a layer makes.
+TEST_F(CudaGemm, HotPathAllocatesNothing) {
+  loom_test::AllocCounter counter;
+  for (const Recipe& r : kRecipes) {
+    SCOPED_TRACE(r.name);
+    auto p = gpu_plugin(r.name);
+    const PlansBuilt plans_built = plans_counter(r.name);
+    ASSERT_NE(plans_built, nullptr);
+    const int m = 256, k = 128, n = 384;
+    const int id = p->register_linear({"layer.0.gate_proj", k, n, m});
+    std::mt19937 rng(99);
+    DevMatrix x(r.act, m, k), w(r.param, n, k), y(r.act, m, n), res(r.act, m, n), dy(r.act, m, n), dx(r.act, m, k),
+        dw(r.grad, n, k);
+    ASSERT_TRUE(x.base && w.base && y.base && res.base && dy.base && dx.base && dw.base) << "cudaMalloc failed";
+    x.upload(random_values(size_t(m) * k, r.act, rng));
+    w.upload(random_values(size_t(n) * k, r.param, rng));
+    res.upload(random_values(size_t(m) * n, r.act, rng));
+    dy.upload(random_values(size_t(m) * n, r.act, rng));
+    const loom::Tensor tx = x.tensor(4), tw = w.tensor(), tres = res.tensor(), tdy = dy.tensor();
+    loom::Tensor ty = y.tensor(4), tdx = dx.tensor(), tdw = dw.tensor();
+    auto step = [&] {
+      p->linear_forward(ctx_, id, tx, tw, ty, nullptr);
+      p->linear_forward(ctx_, id, tx, tw, ty, &tres);
+      p->linear_forward(ctx_, id, tx, tw, ty, &ty);
+      p->linear_backward(ctx_, id, tx, tw, tdy, &tdx, tdw, /*accumulate=*/false);
+      p->linear_backward(ctx_, id, tx, tw, tdy, nullptr, tdw, /*accumulate=*/true);
+    };
+    step();  // warm-up: builds the plans
+    sync();
+    const int64_t plans = plans_built();
+
+    counter.start();
+    for (int i = 0; i < 100; ++i) step();
+    const loom_test::AllocCounts c = counter.stop();
+    sync();
+    EXPECT_EQ(c.ours_new, 0) << "500 GEMM calls allocated; the first allocation came from:" << c.first_ours;
+    EXPECT_EQ(c.ours_delete, 0);
+    EXPECT_EQ(plans_built(), plans) << "the calls after the warm-up built plans";
+    std::printf("[ %s ] 500 GEMM calls: %lld allocations and %lld frees inside NVIDIA's libraries (not ours)\n",
+                r.name, static_cast<long long>(c.vendor_new), static_cast<long long>(c.vendor_delete));
+
+    // The counter sees what the plugin allocates: a refused call formats its message.
+    counter.start();
+    try {
+      p->linear_forward(ctx_, id + 1, tx, tw, ty, nullptr);
+    } catch (const loom::Error&) {
+    }
+    const loom_test::AllocCounts err = counter.stop();
+    EXPECT_GT(err.ours_new, 0) << "the counting operator new does not see the plugin's allocations";
   }
 }
 
@@ -410,35 +558,50 @@ TEST(CudaGemmPlugins, ArgumentErrorsNameTheLinear) {
   loom::Tensor x(fake, DType::bf16, Device::cuda, {32, 8}), w(fake, DType::bf16, Device::cuda, {16, 8}),
       y(fake, DType::bf16, Device::cuda, {32, 16}), dw(fake, DType::f32, Device::cuda, {16, 8});
 
-  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, x, w, y); }), "set_workspace"));
+  EXPECT_TRUE(contains(error_of([&] { p->linear_forward(ctx, id, x, w, y, nullptr); }), "set_workspace"));
   p->set_workspace(fake, sizeof(fake));
   EXPECT_TRUE(contains(error_of([&] { p->set_workspace(fake + 8, 64); }), "256-byte aligned"));
 
   loom::Tensor bad = x;
   bad.dtype = DType::f32;
-  std::string e = error_of([&] { p->linear_forward(ctx, id, bad, w, y); });
+  std::string e = error_of([&] { p->linear_forward(ctx, id, bad, w, y, nullptr); });
   EXPECT_TRUE(contains(e, "layer.3.up_proj: x must be bf16, got fp32")) << e;
   loom::Tensor bad_dw = dw;
   bad_dw.dtype = DType::bf16;
   e = error_of([&] { p->linear_backward(ctx, id, x, w, y, nullptr, bad_dw, false); });
   EXPECT_TRUE(contains(e, "layer.3.up_proj: dw must be fp32, got bf16")) << e;
   loom::Tensor wt(fake, DType::bf16, Device::cuda, {8, 16});
-  e = error_of([&] { p->linear_forward(ctx, id, x, wt, y); });
+  e = error_of([&] { p->linear_forward(ctx, id, x, wt, y, nullptr); });
   EXPECT_TRUE(contains(e, "[out, in] = [16,8]")) << e;
   loom::Tensor host = x;
   host.device = Device::cpu;
-  e = error_of([&] { p->linear_forward(ctx, id, host, w, y); });
+  e = error_of([&] { p->linear_forward(ctx, id, host, w, y, nullptr); });
   EXPECT_TRUE(contains(e, "x is on cpu")) << e;
   loom::Tensor many(fake, DType::bf16, Device::cuda, {64, 8});
-  e = error_of([&] { p->linear_forward(ctx, id, many, w, y); });
+  e = error_of([&] { p->linear_forward(ctx, id, many, w, y, nullptr); });
   EXPECT_TRUE(contains(e, "max_rows=32")) << e;
-  e = error_of([&] { p->linear_forward(ctx, 5, x, w, y); });
+  // The residual (C input): y's dtype and shape, and y itself or no element of it.
+  loom::Tensor r32 = y;
+  r32.dtype = DType::f32;
+  e = error_of([&] { p->linear_forward(ctx, id, x, w, y, &r32); });
+  EXPECT_TRUE(contains(e, "layer.3.up_proj: residual must be bf16, got fp32")) << e;
+  loom::Tensor rnarrow(fake, DType::bf16, Device::cuda, {32, 8});
+  e = error_of([&] { p->linear_forward(ctx, id, x, w, y, &rnarrow); });
+  EXPECT_TRUE(contains(e, "layer.3.up_proj: residual is [32, 8] but y is [32, 16]")) << e;
+  loom::Tensor rshift(fake + 2, DType::bf16, Device::cuda, {32, 16});  // y one element on
+  e = error_of([&] { p->linear_forward(ctx, id, x, w, y, &rshift); });
+  EXPECT_TRUE(contains(e, "layer.3.up_proj: residual overlaps y without being y")) << e;
+  loom::Tensor rstride = y;  // y's start with another row stride
+  rstride.stride[0] = 24;
+  e = error_of([&] { p->linear_forward(ctx, id, x, w, y, &rstride); });
+  EXPECT_TRUE(contains(e, "layer.3.up_proj: residual overlaps y without being y")) << e;
+  e = error_of([&] { p->linear_forward(ctx, 5, x, w, y, nullptr); });
   EXPECT_TRUE(contains(e, "linear id 5 was never registered")) << e;
   loom::ExecContext cpu_ctx;
-  e = error_of([&] { p->linear_forward(cpu_ctx, id, x, w, y); });
+  e = error_of([&] { p->linear_forward(cpu_ctx, id, x, w, y, nullptr); });
   EXPECT_TRUE(contains(e, "created for device cuda")) << e;
   ctx.blas_handle = nullptr;
-  e = error_of([&] { p->linear_forward(ctx, id, x, w, y); });
+  e = error_of([&] { p->linear_forward(ctx, id, x, w, y, nullptr); });
   EXPECT_TRUE(contains(e, "blas_handle is null")) << e;
 }
 

@@ -8,7 +8,10 @@
 // Shapes are chosen off the packed-vector widths (h = 96 + 8, odd N, odd
 // lengths) so the scalar tails and fallbacks run too; accumulate semantics
 // (dw, dwte, dx pre-filled with random values) and determinism (bitwise equal
-// reruns) are checked where the contract promises them.
+// reruns) are checked where the contract promises them. The asynchronous
+// step's ops (sum_into, clip_scale, adamw with device scalars, upload_async,
+// the timer ring) are also checked for never waiting: host_syncs() must not
+// move across them, and moves by one for each blocking call.
 // Without a GPU every test skips; built without CUDA the suite is one skip.
 #include <gtest/gtest.h>
 
@@ -73,7 +76,7 @@ class CudaKernels : public ::testing::Test {
  protected:
   void SetUp() override {
     LOOM_REQUIRE_GPU();
-    be_ = make_cuda_backend(0);
+    be_ = make_cuda_backend(0, false);
     ASSERT_EQ(be_->device(), Device::cuda);
     ASSERT_NE(be_->ctx().stream, nullptr);
     ASSERT_NE(be_->ctx().blas_handle, nullptr);
@@ -138,6 +141,18 @@ class CudaKernels : public ::testing::Test {
     be_->download(out.data(), x, out.size());
     return out;
   }
+  // f64 device vectors (the step scalars).
+  Tensor put_f64(const std::vector<double>& host) {
+    Tensor x = make(DType::f64, {static_cast<int64_t>(host.size())});
+    be_->upload(x, host.data(), host.size() * sizeof(double));
+    return x;
+  }
+  std::vector<double> get_f64(const Tensor& x) {
+    EXPECT_EQ(x.dtype, DType::f64);
+    std::vector<double> out(static_cast<size_t>(x.numel()));
+    be_->download(out.data(), x, out.size() * sizeof(double));
+    return out;
+  }
 
   std::unique_ptr<Backend> be_;
   std::vector<void*> allocs_;
@@ -150,6 +165,21 @@ struct Recipe {
 const Recipe kRecipes[] = {{DType::f32, DType::f32}, {DType::bf16, DType::f32}, {DType::bf16, DType::bf16}};
 
 std::string name(const Recipe& r) { return cat("act=", dtype_name(r.act), " grad=", dtype_name(r.grad)); }
+
+// A view of `base` starting `offset` elements in, with explicit shape and
+// element strides (row views into fused buffers).
+Tensor strided(const Tensor& base, int64_t offset, std::vector<int64_t> dims, std::vector<int64_t> strides) {
+  Tensor v = base;
+  v.data = static_cast<char*>(base.data) + offset * static_cast<int64_t>(dtype_size(base.dtype));
+  v.ndim = static_cast<int>(dims.size());
+  for (size_t i = 0; i < dims.size(); ++i) {
+    v.shape[i] = dims[i];
+    v.stride[i] = strides[i];
+  }
+  return v;
+}
+
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
 
 // ---- memory ops -----------------------------------------------------------------
 
@@ -264,7 +294,9 @@ TEST_F(CudaKernels, EmbeddingOutOfRangeTokensAreNotRead) {
   const auto got = get(dwte);
   for (int64_t v = 0; v < V; ++v)
     for (int64_t j = 0; j < h; ++j)
-      if (v != 2) ASSERT_EQ(got[v * h + j], dw0[v * h + j]) << "row " << v;
+      if (v != 2) {
+        ASSERT_EQ(got[v * h + j], dw0[v * h + j]) << "row " << v;
+      }
 }
 
 // ---- rmsnorm ----------------------------------------------------------------------
@@ -658,6 +690,503 @@ TEST_F(CudaKernels, SqNormSumScale) {
   std::vector<float> ref = x;
   cpu::scale(ref.data(), 0.37f, n);
   EXPECT_EQ(get(d), ref);  // one fp32 multiply: exact
+}
+
+// ---- the asynchronous step's ops ----------------------------------------------------
+
+// sum_into against a serial double sum on the host. Tolerance: both sides add
+// fp32 (or bf16) values in double, in different orders; for at most 2^21
+// terms the rounding error is below n * 2^-53 * sum|terms| ~ 2.3e-10 of the
+// magnitude sum, so 1e-9 of it is safe and still far below one fp32 ulp.
+TEST_F(CudaKernels, SumIntoAddsOnTheDeviceDeterministically) {
+  uint32_t seed = 1000;
+  const double a0 = 0.375;  // the accumulator's value before: sum_into adds to it
+  for (DType t : {DType::f32, DType::bf16}) {
+    for (int64_t len : {int64_t{1}, int64_t{1000}, (int64_t{1} << 20) + 7}) {
+      const int64_t total = len + 16;  // elements past `end` must not count
+      const auto x = as_dtype(rnd(static_cast<size_t>(total), seed++), t);
+      Tensor d = put(x, t, {total});
+      for (int64_t begin : {int64_t{0}, int64_t{3}}) {  // 3: unaligned for packed loads
+        for (bool square : {false, true}) {
+          SCOPED_TRACE(cat(dtype_name(t), " len=", len, " begin=", begin, " square=", square));
+          const int64_t end = begin + len;
+          double ref = 0, mag = 0;
+          for (int64_t i = begin; i < end; ++i) {
+            const double v = x[static_cast<size_t>(i)];
+            ref += square ? v * v : v;
+            mag += square ? v * v : std::abs(v);
+          }
+          // Two sum_into calls into s[kNormSq] of a StepScalars tensor: no
+          // host wait; the other entries untouched; one download reads it.
+          auto sum_twice = [&](const Tensor& src, int64_t b, int64_t e) {
+            std::vector<double> init(kStepScalars);
+            for (int i = 0; i < kStepScalars; ++i) init[static_cast<size_t>(i)] = i;
+            init[kNormSq] = a0;
+            Tensor s = put_f64(init);
+            Tensor acc = view(s, kNormSq, {1});
+            const int64_t syncs = be_->host_syncs();
+            be_->sum_into(acc, src, b, e, square);
+            be_->sum_into(acc, src, b, e, square);
+            EXPECT_EQ(be_->host_syncs(), syncs) << "sum_into waited for the device";
+            const auto got = get_f64(s);
+            EXPECT_EQ(be_->host_syncs(), syncs + 1);  // the download
+            for (int i = 1; i < kStepScalars; ++i) EXPECT_EQ(got[static_cast<size_t>(i)], static_cast<double>(i));
+            return got[kNormSq];
+          };
+          const double r1 = sum_twice(d, begin, end);
+          EXPECT_NEAR(r1, a0 + 2 * ref, 1e-9 * (a0 + 2 * mag));
+          EXPECT_TRUE(same_bits(sum_twice(d, begin, end), r1)) << "not bitwise reproducible";
+          if (begin != 0) {
+            // The order depends on end - begin alone: the same values at offset 0
+            // (packed loads there, scalar ones at offset 3) give the same bits.
+            const std::vector<float> moved(x.begin() + begin, x.begin() + end);
+            Tensor d0 = put(moved, t, {len});
+            EXPECT_TRUE(same_bits(sum_twice(d0, 0, len), r1)) << "the order depends on the offset";
+          }
+        }
+      }
+    }
+  }
+  // An empty range adds nothing (and launches nothing).
+  Tensor d = put(rnd(8, 1099), DType::f32, {8});
+  Tensor s = put_f64({a0});
+  const int64_t syncs = be_->host_syncs();
+  be_->sum_into(s, d, 5, 5, true);
+  be_->sum_into(s, d, 0, 0, false);
+  EXPECT_EQ(be_->host_syncs(), syncs);
+  EXPECT_EQ(get_f64(s)[0], a0);
+  Tensor f = make(DType::f32, {1});
+  EXPECT_THROW(be_->sum_into(f, d, 0, 8, true), Error);  // the accumulator must be f64
+  EXPECT_THROW(be_->sum_into(s, d, 4, 9, true), Error);  // range past the end
+}
+
+// clip_scale on the device against CpuBackend::clip_scale on the same input.
+// Finite norms: bitwise equal (both compute in double with correctly rounded
+// sqrt, division and products, then round the update scale to fp32).
+// Non-finite: skip = 1 on both, every entry bitwise equal except the norm
+// itself, which is inf or NaN on both (a NaN's payload may differ).
+TEST_F(CudaKernels, ClipScaleMatchesTheCpuBackend) {
+  auto cpu = make_cpu_backend(1);
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  struct Case {
+    const char* what;
+    double norm_sq;
+    float grad_scale, clip;
+    enum { active, inactive, off, skip } kind;
+  };
+  const Case cases[] = {
+      {"clipping active", 37.3, 1.f / 3.f, 1.f, Case::active},  // norm 2.04 > 1
+      {"clipping inactive", 0.0413, 0.5f, 1.f, Case::inactive},  // norm 0.10 < 1
+      {"clipping disabled (clip 0)", 37.3, 0.5f, 0.f, Case::off},
+      {"clipping disabled (clip < 0)", 37.3, 0.5f, -1.f, Case::off},
+      {"+inf accumulator", inf, 0.5f, 1.f, Case::skip},
+      {"NaN accumulator", nan, 0.5f, 1.f, Case::skip},
+      {"NaN accumulator, no clipping", nan, 0.25f, 0.f, Case::skip},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    // The derived entries start at values clip_scale must overwrite.
+    const std::vector<double> init = {c.norm_sq, 12.5, -7.0, 0.25, -3.0, 1.5, 2.5};
+    ASSERT_EQ(init.size(), static_cast<size_t>(kStepScalars));
+    std::vector<double> want = init;
+    Tensor host(want.data(), DType::f64, Device::cpu, {kStepScalars});
+    cpu->clip_scale(host, c.grad_scale, c.clip);
+    Tensor d = put_f64(init);
+    const int64_t syncs = be_->host_syncs();
+    be_->clip_scale(d, c.grad_scale, c.clip);
+    EXPECT_EQ(be_->host_syncs(), syncs) << "clip_scale waited for the device";
+    const auto got = get_f64(d);
+    EXPECT_EQ(got[kSkip], c.kind == Case::skip ? 1.0 : 0.0);
+    EXPECT_EQ(want[kSkip], got[kSkip]);
+    for (int i = 0; i < kStepScalars; ++i) {
+      const size_t k = static_cast<size_t>(i);
+      if (c.kind == Case::skip && i == kGradNorm) {
+        EXPECT_FALSE(std::isfinite(got[k]));
+        EXPECT_EQ(std::isnan(got[k]), std::isnan(want[k]));
+        EXPECT_EQ(std::isinf(got[k]), std::isinf(want[k]));
+      } else if (i == kNormSq && std::isnan(c.norm_sq)) {
+        EXPECT_TRUE(std::isnan(got[k]));  // left as it was
+      } else {
+        EXPECT_TRUE(same_bits(got[k], want[k])) << "entry " << i << ": device " << got[k] << ", cpu " << want[k];
+      }
+    }
+    // What the numbers mean, independently of the CPU: the scale is the fp32
+    // grad_scale unless clipping bites, which shrinks it.
+    if (c.kind == Case::active) {
+      EXPECT_LT(got[kUpdateScale], static_cast<double>(c.grad_scale));
+      // scale / grad_scale * norm = clip * norm / (norm + 1e-6), to fp32 rounding: within 2e-6 of clip.
+      EXPECT_NEAR(got[kUpdateScale] / c.grad_scale * got[kGradNorm], c.clip, 2e-6);
+    } else {
+      EXPECT_EQ(got[kUpdateScale], static_cast<double>(c.grad_scale));
+    }
+  }
+}
+
+// adamw with device scalars: (skip 0, update scale s) is bitwise a call with
+// grad_scale * s and no scalars (the kernel forms the same fp32 product);
+// skip 1 leaves param, master, m and v bitwise as they were. Offset 1 puts
+// every operand off its 16-byte alignment, so the scalar instance runs too.
+TEST_F(CudaKernels, AdamWDeviceScalarsScaleOrSkip) {
+  struct Case {
+    const char* what;
+    DType param, grad, mv;
+    bool master, sr;
+  };
+  const Case cases[] = {
+      {"fp32", DType::f32, DType::f32, DType::f32, false, false},
+      {"bf16 + fp32 master", DType::bf16, DType::f32, DType::f32, true, false},
+      {"bf16 + fp32 master, bf16 grads", DType::bf16, DType::bf16, DType::f32, true, false},
+      {"bf16_pure", DType::bf16, DType::bf16, DType::bf16, false, false},
+      {"bf16_pure, stochastic rounding", DType::bf16, DType::bf16, DType::bf16, false, true},
+  };
+  const float s = 0.37f;   // the update scale clip_scale would have stored
+  const float gs = 0.3f;   // grad_scale: gs * s rounds in fp32 (not a power of two)
+  const double inf = std::numeric_limits<double>::infinity();
+  uint32_t seed = 1100;
+  for (const Case& c : cases) {
+    for (int64_t off : {0, 1}) {
+      SCOPED_TRACE(cat(c.what, " offset=", off));
+      const int64_t n = 1003, total = n + off;
+      const auto p = as_dtype(rnd(total, seed++, -0.05f, 0.05f), c.param);
+      const auto master = rnd(total, seed++, -0.05f, 0.05f);
+      const auto g = as_dtype(rnd(total, seed++), c.grad);
+      const auto m = as_dtype(rnd(total, seed++, -0.1f, 0.1f), c.mv), v = as_dtype(rnd(total, seed++, 0.f, 0.01f), c.mv);
+      // Fresh state, one adamw on [off, off + n); the bytes of every state
+      // buffer (whole, so writes outside the range show) before and after.
+      struct Bytes {
+        std::vector<std::vector<uint8_t>> before, after;
+      };
+      auto run = [&](const double* scalars, float grad_scale) {
+        Tensor dp = put(p, c.param, {total}), dm = put(m, c.mv, {total}), dv = put(v, c.mv, {total});
+        Tensor dmaster = put(master, DType::f32, {total}), dg = put(g, c.grad, {total});
+        Tensor vp = view(dp, off, {n}), vm = view(dm, off, {n}), vv = view(dv, off, {n});
+        Tensor vmaster = view(dmaster, off, {n}), vg = view(dg, off, {n});
+        Bytes b;
+        b.before = {get_bytes(dp), get_bytes(dmaster), get_bytes(dm), get_bytes(dv)};
+        Backend::AdamWArgs a = adam_args();
+        a.grad_scale = grad_scale;
+        a.scalars = scalars;
+        a.stochastic_rounding = c.sr;
+        a.seed = 4321;
+        const int64_t syncs = be_->host_syncs();
+        be_->adamw(vp, c.master ? &vmaster : nullptr, vg, vm, vv, a);
+        EXPECT_EQ(be_->host_syncs(), syncs) << "adamw waited for the device";
+        b.after = {get_bytes(dp), get_bytes(dmaster), get_bytes(dm), get_bytes(dv)};
+        return b;
+      };
+      Tensor go = put_f64({1.0, 2.0, 3.0, 0.0, static_cast<double>(s), 0.0, 0.0});
+      const Bytes with = run(go.ptr<const double>(), gs);
+      const Bytes plain = run(nullptr, gs * s);
+      EXPECT_EQ(with.before, plain.before);
+      EXPECT_EQ(with.after, plain.after) << "scalars[kUpdateScale] is not applied as grad_scale * s";
+      EXPECT_NE(with.after, with.before) << "the update wrote nothing";
+      // A skipped step: nothing written at all, whatever the scale says.
+      Tensor skip = put_f64({inf, 2.0, inf, 1.0, static_cast<double>(s), 0.0, 0.0});
+      const Bytes skipped = run(skip.ptr<const double>(), gs);
+      EXPECT_EQ(skipped.after, skipped.before) << "a skipped step changed the state";
+
+      if (c.param == DType::f32) {
+        // And the CPU backend, which reads the same scalars on the host:
+        // fp32 ~1e-5 relative (same expressions, possibly fused differently).
+        auto cpu = make_cpu_backend(1);
+        std::vector<double> hs = {1.0, 2.0, 3.0, 0.0, static_cast<double>(s)};
+        std::vector<float> rp(p.begin() + off, p.end()), rg(g.begin() + off, g.end()), rm(m.begin() + off, m.end()),
+            rv(v.begin() + off, v.end());
+        Tensor tp(rp.data(), DType::f32, Device::cpu, {n}), tg(rg.data(), DType::f32, Device::cpu, {n}),
+            tm(rm.data(), DType::f32, Device::cpu, {n}), tv(rv.data(), DType::f32, Device::cpu, {n});
+        Backend::AdamWArgs a = adam_args();
+        a.grad_scale = gs;
+        a.scalars = hs.data();
+        cpu->adamw(tp, nullptr, tg, tm, tv, a);
+        auto floats = [&](const std::vector<uint8_t>& b) {
+          std::vector<float> f(static_cast<size_t>(n));
+          std::memcpy(f.data(), b.data() + off * 4, f.size() * 4);
+          return f;
+        };
+        EXPECT_LE(rel_err(floats(with.after[0]), rp), kTolF32);
+        EXPECT_LE(rel_err(floats(with.after[2]), rm), kTolF32);
+        EXPECT_LE(rel_err(floats(with.after[3]), rv), kTolF32);
+      }
+    }
+  }
+}
+
+// SwiGLU on the two halves of a packed [N, 2f] gate_up buffer (row stride
+// 2f; gate/up and dgate/dup as [B, S, f] views, so three dims fold into
+// rows), out and dout packed, against the CPU kernels on packed copies.
+// f = 64: the packed 16-byte path; f = 37: the scalar one (odd stride, an
+// unaligned up half). Every element of the outputs is poisoned first; the
+// two gradient halves cover the whole dgate_up buffer. Tolerances: fp32
+// 1e-5 (the same fp32 expressions, expf on both sides); bf16 1e-2 (one
+// rounding of each output to bf16, relative 2^-9, from the same inputs).
+TEST_F(CudaKernels, SwigluOnPackedGateUpHalves) {
+  uint32_t seed = 1200;
+  for (DType t : {DType::f32, DType::bf16}) {
+    for (int64_t f : {64, 37}) {
+      SCOPED_TRACE(cat(dtype_name(t), " f=", f));
+      const int64_t B = 2, S = 5, N = B * S, w = 2 * f;
+      const auto gu = as_dtype(rnd(N * w, seed++, -4, 4), t);
+      const auto dout = as_dtype(rnd(N * f, seed++), t);
+      std::vector<float> g(N * f), u(N * f);
+      for (int64_t r = 0; r < N; ++r)
+        for (int64_t j = 0; j < f; ++j) {
+          g[r * f + j] = gu[r * w + j];
+          u[r * f + j] = gu[r * w + f + j];
+        }
+      Tensor d_gu = put(gu, t, {N, w}), d_dout = put(dout, t, {N, f});
+      const Tensor gate = strided(d_gu, 0, {B, S, f}, {S * w, w, 1});
+      const Tensor up = strided(d_gu, f, {B, S, f}, {S * w, w, 1});
+      Tensor out = make(t, {N, f});
+      be_->swiglu_forward(out, gate, up);
+      std::vector<float> ref(N * f);
+      cpu::swiglu_forward(ref.data(), g.data(), u.data(), N * f);
+      EXPECT_LE(rel_err(get(out), ref), tol(t));
+      EXPECT_EQ(get(d_gu), gu);  // inputs untouched
+
+      Tensor d_dgu = make(t, {N, w});
+      Tensor dgate = strided(d_dgu, 0, {B, S, f}, {S * w, w, 1});
+      Tensor dup = strided(d_dgu, f, {B, S, f}, {S * w, w, 1});
+      be_->swiglu_backward(dgate, dup, d_dout, gate, up);
+      std::vector<float> rg(N * f), ru(N * f);
+      cpu::swiglu_backward(rg.data(), ru.data(), dout.data(), g.data(), u.data(), N * f);
+      const auto dgu = get(d_dgu);
+      std::vector<float> got_g(N * f), got_u(N * f);
+      for (int64_t r = 0; r < N; ++r)
+        for (int64_t j = 0; j < f; ++j) {
+          got_g[r * f + j] = dgu[r * w + j];
+          got_u[r * f + j] = dgu[r * w + f + j];
+        }
+      EXPECT_LE(rel_err(got_g, rg), tol(t));
+      EXPECT_LE(rel_err(got_u, ru), tol(t));
+    }
+  }
+  // Operands that do not agree on [rows, cols] are refused.
+  Tensor a = make(DType::f32, {4, 8}), b = make(DType::f32, {4, 16});
+  const Tensor half = strided(b, 0, {4, 7}, {16, 1});
+  EXPECT_THROW(be_->swiglu_forward(a, half, half), Error);
+}
+
+// RoPE applied once to the q and k heads of a packed [B, S, (H + 2 Hkv) D]
+// qkv buffer, as one [B, S, H + Hkv, D] view with row stride (H + 2 Hkv) D,
+// equals RoPE applied to separate packed q [B, S, H, D] and k [B, S, Hkv, D]
+// buffers: bitwise, since every element goes through the same kernel
+// instance (D = 64: packed accesses in both layouts; D = 6: scalar in both)
+// with the same table. v stays bitwise untouched. Also against the CPU
+// kernel on the packed buffer (fp32 1e-5: fp32 rotations with the same fp32
+// table; bf16 1e-2: one bf16 rounding of the outputs).
+TEST_F(CudaKernels, RopeOnQkHeadsOfPackedQkv) {
+  uint32_t seed = 1300;
+  const double theta = 500000.0;
+  for (DType t : {DType::f32, DType::bf16}) {
+    for (int64_t D : {64, 6}) {
+      for (int dir : {+1, -1}) {
+        SCOPED_TRACE(cat(dtype_name(t), " D=", D, dir > 0 ? " forward" : " backward"));
+        const int64_t B = 2, S = 33, H = 4, Hkv = 2, row = (H + 2 * Hkv) * D;
+        const auto qkv = as_dtype(rnd(B * S * row, seed++), t);
+        std::vector<float> q(B * S * H * D), k(B * S * Hkv * D);
+        for (int64_t r = 0; r < B * S; ++r) {
+          for (int64_t j = 0; j < H * D; ++j) q[r * H * D + j] = qkv[r * row + j];
+          for (int64_t j = 0; j < Hkv * D; ++j) k[r * Hkv * D + j] = qkv[r * row + H * D + j];
+        }
+        Tensor d_qkv = put(qkv, t, {B * S * row});
+        Tensor qk = strided(d_qkv, 0, {B, S, H + Hkv, D}, {S * row, row, D, 1});
+        Tensor d_q = put(q, t, {B, S, H, D}), d_k = put(k, t, {B, S, Hkv, D});
+        if (dir > 0) {
+          be_->rope_forward(qk, theta);
+          be_->rope_forward(d_q, theta);
+          be_->rope_forward(d_k, theta);
+        } else {
+          be_->rope_backward(qk, theta);
+          be_->rope_backward(d_q, theta);
+          be_->rope_backward(d_k, theta);
+        }
+        const auto got = get(d_qkv), gq = get(d_q), gk = get(d_k);
+        for (int64_t r = 0; r < B * S; ++r) {
+          for (int64_t j = 0; j < H * D; ++j) ASSERT_EQ(got[r * row + j], gq[r * H * D + j]) << "q row " << r;
+          for (int64_t j = 0; j < Hkv * D; ++j)
+            ASSERT_EQ(got[r * row + H * D + j], gk[r * Hkv * D + j]) << "k row " << r;
+          for (int64_t j = (H + Hkv) * D; j < row; ++j) ASSERT_EQ(got[r * row + j], qkv[r * row + j]) << "v row " << r;
+        }
+        std::vector<float> ref = qkv;
+        if (dir > 0) cpu::rope_forward(ref.data(), B, S, H + Hkv, D, row, theta);
+        else cpu::rope_backward(ref.data(), B, S, H + Hkv, D, row, theta);
+        EXPECT_LE(rel_err(got, ref), tol(t));
+      }
+    }
+  }
+}
+
+// upload_async from host_alloc memory round-trips without a host wait; the
+// download that checks it counts one. The timer ring: marks queue, elapsed
+// waits (one sync) and returns >= 0; slots are bounds-checked.
+TEST_F(CudaKernels, UploadAsyncAndTimerRing) {
+  const int64_t n = 10007;
+  const auto vals = rnd(n, 1400);
+  const size_t bytes = static_cast<size_t>(n) * 4;
+  void* h = be_->host_alloc(bytes + 64);
+  ASSERT_NE(h, nullptr);
+  std::memcpy(h, vals.data(), bytes);
+  Tensor x = make(DType::f32, {n}), y = make(DType::f32, {10});
+  const int64_t c = be_->host_syncs();
+  be_->upload_async(x, h, bytes);
+  be_->upload_async(y, static_cast<char*>(h) + 40, 40);  // a range inside the buffer
+  EXPECT_EQ(be_->host_syncs(), c) << "upload_async waited for the device";
+  EXPECT_EQ(get(x), vals);
+  EXPECT_EQ(be_->host_syncs(), c + 1);  // the download
+  EXPECT_EQ(get(y), std::vector<float>(vals.begin() + 10, vals.begin() + 20));
+  std::vector<float> pageable = vals;
+  EXPECT_THROW(be_->upload_async(y, pageable.data(), 40), Error);                   // not from host_alloc
+  EXPECT_THROW(be_->upload_async(x, static_cast<char*>(h) + 128, bytes), Error);  // runs past the buffer
+  EXPECT_THROW(be_->host_free(pageable.data()), Error);
+  be_->host_free(h);
+  void* z = be_->host_alloc(0);
+  EXPECT_NE(z, nullptr);
+  be_->host_free(z);
+
+  EXPECT_THROW(be_->timer_mark(0), Error);  // no ring yet
+  be_->timer_reserve(3);
+  const int64_t c2 = be_->host_syncs();
+  be_->timer_mark(0);
+  for (int i = 0; i < 20; ++i) be_->scale(x, 1.0001f);
+  be_->timer_mark(2);
+  EXPECT_EQ(be_->host_syncs(), c2) << "timer_mark waited for the device";
+  const double ms = be_->timer_elapsed_ms(0, 2);
+  EXPECT_GE(ms, 0.0);
+  EXPECT_EQ(be_->host_syncs(), c2 + 1);
+  EXPECT_THROW(be_->timer_mark(3), Error);
+  EXPECT_THROW(be_->timer_mark(-1), Error);
+  EXPECT_THROW(be_->timer_elapsed_ms(0, 3), Error);
+  EXPECT_THROW(be_->timer_elapsed_ms(0, 1), Error);  // slot 1 was never marked
+  be_->timer_reserve(2);                             // a new ring replaces the old one
+  EXPECT_THROW(be_->timer_mark(2), Error);
+  EXPECT_THROW(be_->timer_elapsed_ms(0, 1), Error);  // nothing marked in the new ring
+  be_->timer_mark(0);
+  be_->timer_mark(1);
+  EXPECT_GE(be_->timer_elapsed_ms(0, 1), 0.0);
+  EXPECT_THROW(be_->timer_reserve(0), Error);
+}
+
+// host_syncs counts exactly the calls that wait for the device.
+TEST_F(CudaKernels, HostSyncsCountOnlyBlockingCalls) {
+  const int64_t n = 4099;
+  Tensor x = put(rnd(n, 1500), DType::f32, {n}), y = make(DType::f32, {n});
+  Tensor p = put(rnd(n, 1501, -0.05f, 0.05f), DType::f32, {n}), m = put(rnd(n, 1502), DType::f32, {n}),
+         v = put(rnd(n, 1503, 0.f, 0.01f), DType::f32, {n});
+  Tensor s = put_f64({4.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0});
+  Tensor acc = view(s, kNormSq, {1});
+  Tensor r = put(rnd(2 * 17 * 8, 1504), DType::f32, {1, 17, 2, 8});
+  void* h = be_->host_alloc(static_cast<size_t>(n) * 4);
+  be_->timer_reserve(2);
+  int64_t c = be_->host_syncs();
+  // Queued work: no wait.
+  be_->upload_async(y, h, static_cast<size_t>(n) * 4);
+  be_->zero(y);
+  be_->copy(y, x);
+  be_->scale(y, 0.5f);
+  be_->add(y, y, x);
+  be_->accumulate(y, x);
+  be_->sum_into(acc, x, 0, n, true);
+  be_->clip_scale(s, 1.f, 1.f);
+  Backend::AdamWArgs a = adam_args();
+  a.scalars = s.ptr<const double>();
+  be_->adamw(p, nullptr, x, m, v, a);
+  be_->timer_mark(0);
+  EXPECT_EQ(be_->host_syncs(), c);
+  // Each blocking call: one.
+  be_->synchronize();
+  EXPECT_EQ(be_->host_syncs(), ++c) << "synchronize";
+  std::vector<float> host(static_cast<size_t>(n));
+  be_->download(host.data(), x, host.size() * 4);
+  EXPECT_EQ(be_->host_syncs(), ++c) << "download";
+  be_->upload(y, host.data(), host.size() * 4);
+  EXPECT_EQ(be_->host_syncs(), ++c) << "upload";
+  be_->sum(x);
+  EXPECT_EQ(be_->host_syncs(), ++c) << "sum";
+  be_->sq_norm(x, 0, n);
+  EXPECT_EQ(be_->host_syncs(), ++c) << "sq_norm";
+  be_->timer_start();
+  be_->timer_stop_ms();
+  EXPECT_EQ(be_->host_syncs(), ++c) << "timer_stop_ms";
+  be_->timer_mark(1);
+  be_->timer_elapsed_ms(0, 1);
+  EXPECT_EQ(be_->host_syncs(), ++c) << "timer_elapsed_ms";
+  be_->prepare_rope(17, 8, 10000.0);  // the table upload, once
+  EXPECT_EQ(be_->host_syncs(), ++c) << "prepare_rope";
+  be_->prepare_rope(17, 8, 10000.0);
+  be_->rope_forward(r, 10000.0);
+  be_->rope_backward(r, 10000.0);
+  EXPECT_EQ(be_->host_syncs(), c) << "a prepared RoPE table is not uploaded again";
+  be_->synchronize();
+  be_->host_free(h);
+}
+
+// AdamWArgs::consume_grad: the gradient is zeroed once read — on an applied
+// and on a skipped step — and the update is bitwise the one without it; on
+// the side queue (the optimizer overlapping the model) the result is the same
+// once the compute queue waits for its marker.
+TEST_F(CudaKernels, AdamWConsumesGradientsOnEitherQueue) {
+  const int64_t n = 4099;
+  const auto p = rnd(n, 77, -0.05f, 0.05f), g = rnd(n, 78), m = rnd(n, 79, -0.1f, 0.1f), v = rnd(n, 80, 0.f, 0.01f);
+  for (bool skip : {false, true}) {
+    for (bool side : {false, true}) {
+      SCOPED_TRACE(cat(skip ? "skipped" : "applied", side ? ", side queue" : ", compute queue"));
+      auto run = [&](bool consume) {
+        Tensor dp = put(p, DType::bf16, {n}), dmaster = put(p, DType::f32, {n}), dg = put(g, DType::f32, {n});
+        Tensor dm = put(m, DType::f32, {n}), dv = put(v, DType::f32, {n});
+        Tensor sc = put_f64({1.0, 2.0, 3.0, skip ? 1.0 : 0.0, 0.5, 0.0, 0.0});
+        Backend::AdamWArgs a = adam_args();
+        a.scalars = sc.ptr<const double>();
+        a.consume_grad = consume;
+        const ExecContext& q = side ? be_->side_ctx() : be_->ctx();
+        be_->wait(q, be_->mark(be_->ctx()));  // the uploads (compute queue) come first
+        {
+          QueueScope on(*be_, q);
+          be_->adamw(dp, &dmaster, dg, dm, dv, a);
+        }
+        be_->wait(be_->ctx(), be_->mark(q));
+        return std::make_pair(std::vector<std::vector<uint8_t>>{get_bytes(dp), get_bytes(dmaster), get_bytes(dm),
+                                                                get_bytes(dv)},
+                              get(dg));
+      };
+      const auto kept = run(false), consumed = run(true);
+      EXPECT_EQ(kept.first, consumed.first) << "consuming the gradient changed the update";
+      EXPECT_EQ(kept.second, std::vector<float>(g.begin(), g.end()));
+      EXPECT_EQ(consumed.second, std::vector<float>(static_cast<size_t>(n), 0.f));
+    }
+  }
+}
+
+// Backend::timestamp (the device's global timer) times the same span as CUDA
+// events: around ~20 ms of queued reductions the two agree within 2% or 50 us
+// (events and %globaltimer read the same clock; the slack covers the one
+// tiny kernel and the timer's microsecond granularity).
+TEST_F(CudaKernels, TimestampsAgreeWithEvents) {
+  const int64_t n = int64_t{1} << 24;
+  std::vector<float> host(static_cast<size_t>(n));
+  for (size_t i = 0; i < host.size(); ++i) host[i] = 0.001f * static_cast<float>(i % 977) - 0.3f;
+  Tensor x = put(host, DType::f32, {n});
+  Tensor stamps = make(DType::f64, {3});
+  Tensor t0 = view(stamps, 0, {1}), t1 = view(stamps, 1, {1}), acc = view(stamps, 2, {1});
+  be_->zero(acc);
+  be_->timer_reserve(2);
+  be_->timestamp(t0);  // loads the kernel (lazy module loading), so the timed launches are warm
+  be_->sum_into(acc, x, 0, n, true);
+  be_->synchronize();
+  const int64_t syncs = be_->host_syncs();
+  be_->timer_mark(0);
+  be_->timestamp(t0);
+  for (int i = 0; i < 200; ++i) be_->sum_into(acc, x, 0, n, true);
+  be_->timestamp(t1);
+  be_->timer_mark(1);
+  EXPECT_EQ(be_->host_syncs(), syncs);  // timestamps are queued, never waited for
+  const double events_ms = be_->timer_elapsed_ms(0, 1);
+  double t[3];
+  be_->download(t, stamps, sizeof t);
+  const double stamp_ms = t[1] - t[0];
+  EXPECT_GT(stamp_ms, 0.0);
+  EXPECT_LE(stamp_ms, events_ms + 0.05);
+  EXPECT_NEAR(stamp_ms, events_ms, std::max(0.02 * events_ms, 0.05)) << "events " << events_ms << " ms";
+  std::printf("[timestamp] %.3f ms by the global timer, %.3f ms by events\n", stamp_ms, events_ms);
 }
 
 TEST_F(CudaKernels, RefusesUnsupportedDtypes) {

@@ -74,18 +74,20 @@ int cmd_bench(const Args& args) {
   Session s(cfg);
   s.initialise();
   Backend& be = s.backend();
+  // Steps are queued as in training (the host never waits within a step);
+  // their device timestamps are read back after the warm-up and at the end.
   for (int64_t i = 0; i < warmup; ++i) s.train_step();
+  (void)s.read_step_logs();
+  for (int64_t i = 0; i < steps; ++i) s.train_step();
+  const std::vector<StepLog> logs = s.read_step_logs();
   std::vector<double> ms;
-  StepLog last;
-  for (int64_t i = 0; i < steps; ++i) {
-    last = s.train_step();
-    ms.push_back(last.step_ms);
-  }
+  for (const StepLog& l : logs) ms.push_back(l.step_ms);
+  const StepLog last = logs.back();
   const auto& t = cfg.train;
   const double tokens_per_step = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum);
   const double med = median(ms);
   const double tok_s = tokens_per_step / (med * 1e-3);
-  const double mfu = s.spec().flops_per_token(t.seq_len) * tok_s / 989e12;
+  const double mfu = s.spec().flops_per_token(t.seq_len) * tok_s / kPeakFlops;
   const double gib = 1024.0 * 1024.0 * 1024.0;
   const double mem = static_cast<double>(be.device_memory_used()) / gib;
   const double arena = static_cast<double>(s.arena_bytes()) / gib;
@@ -124,8 +126,8 @@ int cmd_bench(const Args& args) {
     s.zero_grads();
     timed("forward.embedding", [&] { s.forward_unit(0, true, scale); });
     for (int u = 1; u < units - 1; ++u) timed("forward.layers", [&] { s.forward_unit(u, true, scale); });
-    timed("forward.head+loss", [&] { s.forward_unit(units - 1, true, scale); });
-    timed("backward.head", [&] { s.backward_unit(units - 1); });
+    timed("forward.head(norm)", [&] { s.forward_unit(units - 1, true, scale); });
+    timed("backward.head+loss", [&] { s.backward_unit(units - 1); });
     for (int u = units - 2; u >= 1; --u) timed("backward.layers", [&] { s.backward_unit(u); });
     timed("backward.embedding", [&] { s.backward_unit(0); });
     timed("optimizer", [&] { s.optimizer_step(s.step()); });
@@ -144,6 +146,8 @@ int cmd_bench(const Args& args) {
     std::ofstream f(json_path);
     if (!f) throw Error(cat("loom bench: cannot write --json=", json_path));
     f << j.dump(2) << "\n";
+    f.close();  // flushes: a full disk fails here, not silently
+    if (!f) throw Error(cat("loom bench: writing --json=", json_path, " failed (disk full?)"));
   }
   return 0;
 }

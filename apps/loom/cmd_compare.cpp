@@ -1,13 +1,16 @@
 // loom compare CONFIG --strategies=ddp,zero1,... [--configs=B.toml,C.toml] [--steps=N] [--warmup=N]
-//              [--out=DIR] [--peer=FILE]... [--set k=v]...
+//              [--validate=N] [--out=DIR] [--peer=FILE]... [--set k=v]...
 //
 // Runs CONFIG once per sharding strategy (or each config of --configs as it
 // is) for the same steps and seed, under the launcher this process was started
 // by (mpirun -np 4 loom compare ...), and reports one row per run: median step
 // time, tokens/s per GPU, peak memory per GPU (device memory in use; the arena
 // on CPU), bytes moved per step by collective kind, final loss and the largest
-// |loss - first row's loss| over all steps. Rank 0 prints the table and writes
-// DIR/compare.csv, DIR/compare_losses.csv and DIR/compare.png. --peer adds
+// |loss - first row's loss| over all steps; with --validate=N each run also
+// evaluates every N steps (and at the end) and the validation losses are
+// compared the same way (native against fused layers, say). Rank 0 prints the
+// table and writes DIR/compare.csv, DIR/compare_losses.csv (and
+// DIR/compare_val_losses.csv) and DIR/compare.png. --peer adds
 // rows from benchmarks/torch_fsdp.py's PEER_JSON lines (e.g. PyTorch FSDP2).
 #include <algorithm>
 #include <cmath>
@@ -35,7 +38,7 @@ namespace {
 
 const char* kUsage =
     "usage: loom compare CONFIG [--strategies=a,b,...] [--configs=B.toml,...] [--steps=N] [--warmup=N] "
-    "[--out=DIR] [--peer=FILE]... [--set k=v]...";
+    "[--validate=N] [--out=DIR] [--peer=FILE]... [--set k=v]...";
 
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> out;
@@ -80,11 +83,21 @@ report::CompareRow run_one(const Job& job, int64_t steps, int64_t warmup) {
   s.initialise();
   std::vector<double> ms;
   CommBytes before{};
-  for (int64_t i = 0; i < warmup + steps; ++i) {
+  const auto& tc = cfg.train;
+  const int64_t total = warmup + steps;
+  for (int64_t i = 0; i < total; ++i) {
     if (i == warmup) before = s.comm().bytes_moved();
-    const StepLog l = s.train_step();
-    row.losses.push_back(l.loss);
-    if (i >= warmup) ms.push_back(l.step_ms);
+    s.train_step();
+    const int64_t done = i + 1;
+    const bool validate = tc.validation_every > 0 && (done % tc.validation_every == 0 || done == total);
+    // Steps run ahead of the host; their numbers are read back at log steps,
+    // at the end of the warm-up, at evaluations and at the end.
+    if (done % tc.log_every != 0 && done != warmup && done != total && !validate) continue;
+    for (const StepLog& l : s.read_step_logs()) {
+      row.losses.push_back(l.loss);
+      if (l.step > warmup) ms.push_back(l.step_ms);
+    }
+    if (validate) row.val_losses.emplace_back(done, s.evaluate());
   }
   const CommBytes after = s.comm().bytes_moved();
   for (size_t k = 0; k < row.bytes_per_step.size() && k < after.bytes.size(); ++k)
@@ -143,7 +156,7 @@ std::vector<report::CompareRow> read_peer(const std::string& path) {
 int cmd_compare(const Args& args) {
   ConfigArgs a = parse_config_args(args);
   if (a.file.empty()) throw Error(kUsage);
-  int64_t steps = 20, warmup = 3;
+  int64_t steps = 20, warmup = 3, validate = 0;
   std::string out_dir = "runs/compare";
   std::vector<std::string> strategies, configs, peers;
   for (const std::string& r : a.rest) {
@@ -153,13 +166,15 @@ int cmd_compare(const Args& args) {
     else if (r.rfind("--warmup=", 0) == 0) warmup = positive(r, "--warmup");
     else if (r.rfind("--out=", 0) == 0) out_dir = r.substr(6);
     else if (r.rfind("--peer=", 0) == 0) peers.push_back(r.substr(7));
+    else if (r.rfind("--validate=", 0) == 0) validate = positive(r, "--validate");
     else throw Error(cat("loom compare: unknown argument '", r, "'\n", kUsage));
   }
   if (steps < 1) throw Error("loom compare: --steps must be at least 1");
-  // Every run: same steps and seed, no checkpoints or evaluation, a schedule spanning the run.
+  // Every run: same steps and seed, no checkpoints, evaluation every --validate
+  // steps (none by default), a schedule spanning the run.
   std::vector<std::string> common = a.overrides;
-  for (const char* o : {"checkpoint.every=0", "checkpoint.resume=\"none\"", "train.validation_every=0"})
-    common.push_back(o);
+  for (const char* o : {"checkpoint.every=0", "checkpoint.resume=\"none\""}) common.push_back(o);
+  common.push_back("train.validation_every=" + std::to_string(validate));
   common.push_back("train.steps=" + std::to_string(warmup + steps));
 
   std::vector<Job> jobs;

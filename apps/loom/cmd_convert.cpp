@@ -2,79 +2,65 @@
 //
 // Writes a checkpoint's weights as a Hugging Face Llama folder (config.json +
 // model.safetensors) that transformers' LlamaForCausalLM.from_pretrained loads.
+// Any checkpoint: any world size and strategy (the shards are put back
+// together), fp32 or bf16 parameters (the fp32 master copy is used when there
+// is one), native or fused layers (the same names and layout). It reads
+// through the same code as resuming (checkpoint/train_checkpoint.hpp).
 #include <cstdio>
+#include <filesystem>
 #include <map>
 
-#include <nlohmann/json.hpp>
-
-#include "checkpoint/checkpoint.hpp"
+#include "checkpoint/train_checkpoint.hpp"
 #include "commands.hpp"
 #include "hf/hf_llama.hpp"
 #include "loom/error.hpp"
 #include "loom/model.hpp"
 
+namespace fs = std::filesystem;
+
 namespace loom::app {
 
 int cmd_convert(const Args& args) {
+  const char* usage = "usage: loom convert CHECKPOINT_DIR --to-hf OUT_DIR [--dtype fp32|bf16]";
   std::string ckpt_dir, out_dir, dtype = "bf16";
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--to-hf" && i + 1 < args.size()) out_dir = args[++i];
     else if (args[i] == "--dtype" && i + 1 < args.size()) dtype = args[++i];
     else if (!args[i].empty() && args[i][0] != '-' && ckpt_dir.empty()) ckpt_dir = args[i];
-    else throw Error(cat("loom convert: unexpected argument '", args[i],
-                         "'. usage: loom convert CHECKPOINT_DIR --to-hf OUT_DIR [--dtype fp32|bf16]"));
+    else throw Error(cat("loom convert: unexpected argument '", args[i], "'. ", usage));
   }
-  if (ckpt_dir.empty() || out_dir.empty())
-    throw Error("usage: loom convert CHECKPOINT_DIR --to-hf OUT_DIR [--dtype fp32|bf16]");
-  if (dtype != "fp32" && dtype != "bf16")
-    throw Error(cat("loom convert: --dtype ", dtype, " is not one of: fp32, bf16"));
+  if (ckpt_dir.empty() || out_dir.empty()) throw Error(usage);
+  if (dtype != "fp32" && dtype != "bf16") throw Error(cat("loom convert: --dtype ", dtype, " is not one of: fp32, bf16"));
 
-  ckpt::CheckpointReader reader(ckpt_dir, 0);
-  nlohmann::json meta;
-  try {
-    meta = nlohmann::json::parse(reader.meta());
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(cat(ckpt_dir, "/meta.json is not valid JSON: ", e.what()));
+  // A checkpoints folder rather than one step of it: name the steps it holds.
+  if (fs::is_directory(ckpt_dir) && !fs::exists(fs::path(ckpt_dir) / "meta.json")) {
+    const auto latest = ckpt::latest_complete(ckpt_dir);
+    if (latest)
+      throw Error(cat("loom convert: ", ckpt_dir, " is a folder of checkpoints, not one checkpoint; complete ones: ",
+                      ckpt::complete_list(ckpt_dir), ". Convert the newest with: loom convert ", latest->dir,
+                      " --to-hf ", out_dir));
   }
-  if (meta.value("world_size", 1) != 1)
-    throw Error(cat(ckpt_dir, " holds a checkpoint sharded over ", meta.value("world_size", 1),
-                    " ranks; loom convert reads single-rank checkpoints"));
-  const auto& m = meta.at("model");
-  ModelSpec spec;
-  spec.hidden = m.at("hidden");
-  spec.num_layers = m.at("num_layers");
-  spec.num_heads = m.at("num_heads");
-  spec.num_kv_heads = m.at("num_kv_heads");
-  spec.ffn_hidden = m.at("ffn_hidden");
-  spec.vocab_size = m.at("vocab_size");
-  spec.rope_theta = m.at("rope_theta");
-  spec.norm_eps = m.at("norm_eps");
-  spec.tied_embeddings = m.at("tied_embeddings");
-  spec.max_seq_len = m.value("max_seq_len", spec.max_seq_len);
-
-  // Each unit's flat fp32 params, then per-tensor pointers into them.
-  std::map<std::string, std::vector<float>> flat;
-  std::map<std::string, const float*> by_name;
-  for (const UnitInfo& u : model_units(spec)) {
-    const std::string key = "params." + u.name;
-    const ckpt::TensorRecord& rec = reader.info(key);
-    if (rec.dtype != DType::f32)
-      throw Error(cat(reader.file(), ": tensor '", key, "' is ", dtype_name(rec.dtype),
-                      "; loom convert expects fp32 parameters"));
-    std::vector<float>& buf = flat[u.name];
-    int64_t numel = 1;
-    for (int64_t d : rec.shape) numel *= d;
-    if (numel < u.numel)
-      throw Error(cat(reader.file(), ": tensor '", key, "' has ", numel, " elements, the model needs ", u.numel));
-    buf.resize(static_cast<size_t>(numel));
-    Tensor t(buf.data(), DType::f32, Device::cpu, {numel});
-    reader.read(key, t);
-    for (const ParamInfo& p : u.params) by_name[p.name] = buf.data() + p.offset;
-  }
-  hf::save_hf_llama(out_dir, spec, [&](const std::string& name) { return by_name.at(name); },
-                    dtype == "bf16" ? DType::bf16 : DType::f32);
-  std::printf("wrote %s (step %lld, %s) as a Hugging Face Llama folder\n", out_dir.c_str(),
-              static_cast<long long>(meta.value("step", 0)), dtype.c_str());
+  ckpt::CheckpointSet set(ckpt_dir);
+  const ckpt::TrainMeta& m = set.meta();
+  ModelSpec spec = m.spec;
+  std::map<std::string, std::vector<float>> weights;
+  for (const UnitInfo& u : model_units(spec, m.layers))
+    for (const ParamInfo& p : u.params) {
+      const ckpt::SavedParam& sp = set.param(p.name);
+      if (sp.shape != p.shape)
+        throw Error(cat("loom convert: ", ckpt_dir, ": parameter ", p.name, " has the wrong shape for the model its "
+                        "meta.json describes: the checkpoint is damaged"));
+      weights[p.name] = set.weights_f32(sp);
+    }
+  hf::save_hf_llama(out_dir, spec, [&](const std::string& name) -> const float* {
+    auto it = weights.find(name);
+    return it == weights.end() ? nullptr : it->second.data();
+  }, dtype == "bf16" ? DType::bf16 : DType::f32);
+  const std::string line =
+      cat("wrote ", out_dir, " (step ", m.step, ", ", m.world_size, " rank(s), ", dtype_name(m.params_dtype),
+          " params", m.has_master ? " + fp32 master" : "", ", ", m.layers, " layers) as a Hugging Face Llama folder (",
+          dtype, ")\n");
+  std::fputs(line.c_str(), stdout);
   return 0;
 }
 

@@ -1,9 +1,8 @@
-// `loom prepare text OUT_DIR INPUT... [--val-fraction F] [--shard-tokens N] [--seed S] [--force]`
+// `loom prepare text OUT_DIR INPUT... [--tokenizer PATH] [--val-fraction F] [--shard-tokens N] [--seed S] [--force] ...`
 #include <cstdio>
 #include <string>
 
 #include "commands.hpp"
-#include "data/byte_tokenizer.hpp"
 #include "data/prepare_text.hpp"
 #include "loom/error.hpp"
 
@@ -11,8 +10,14 @@ namespace loom::app {
 namespace {
 
 const char* kUsage =
-    "usage: loom prepare text OUT_DIR INPUT... [--val-fraction F] [--shard-tokens N] [--seed S] [--force]\n"
+    "usage: loom prepare text OUT_DIR INPUT... [--tokenizer PATH] [--val-fraction F] [--shard-tokens N] [--seed S]\n"
+    "                 [--threads N] [--invalid-utf8 skip|replace] [--bos TOKEN] [--eos TOKEN] [--force]\n"
     "  INPUT          UTF-8 text files or directories (recursed); other files are skipped with a warning\n"
+    "  --tokenizer    a SentencePiece tokenizer.model (Llama 2, Mistral), a tiktoken file (Llama 3's\n"
+    "                 tokenizer.model) or an HF tokenizer.json (byte-level BPE); default: bytes (vocab 258)\n"
+    "  --threads      tokenizing threads (default 0 = every core)\n"
+    "  --invalid-utf8 skip (default) files with invalid UTF-8, or replace each bad sequence by U+FFFD\n"
+    "  --bos, --eos   token names overriding the tokenizer's own BOS/EOS\n"
     "  --val-fraction share of documents written to OUT_DIR/val.bin (default 0.05; 0 = none)\n"
     "  --shard-tokens tokens per train_NNN.bin shard, K/M/G suffixes allowed (default 16M)\n"
     "  --seed         seed of the train/val split (default 0)\n"
@@ -83,6 +88,18 @@ int cmd_prepare(const Args& args) {
     else if (a == "--val-fraction") opt.val_fraction = parse_fraction(a, value);
     else if (a == "--shard-tokens") opt.shard_tokens = parse_count(a, value);
     else if (a == "--seed") opt.seed = parse_count(a, value);
+    else if (a == "--tokenizer") opt.tokenizer = value;
+    else if (a == "--bos") opt.bos = value;
+    else if (a == "--eos") opt.eos = value;
+    else if (a == "--threads") {
+      const uint64_t t = parse_count(a, value);
+      if (t > 4096) throw Error(cat("--threads ", value, " is out of range; use 0 (every core) to 4096"));
+      opt.threads = static_cast<int>(t);
+    } else if (a == "--invalid-utf8") {
+      if (value != "skip" && value != "replace")
+        throw Error(cat("--invalid-utf8 '", value, "' is not one of: skip, replace"));
+      opt.replace_invalid_utf8 = value == "replace";
+    }
     else throw Error(cat("unknown option '", a, "'\n", kUsage));
   }
   if (positional.size() < 2) throw Error(cat("loom prepare text needs OUT_DIR and at least one INPUT\n", kUsage));
@@ -90,12 +107,16 @@ int cmd_prepare(const Args& args) {
   opt.inputs.assign(positional.begin() + 1, positional.end());
 
   const auto r = data::prepare_text(opt);
-  std::printf("prepared %s (tokenizer: bytes, vocab %u)\n", opt.out_dir.c_str(), data::ByteTokenizer::vocab);
+  std::printf("prepared %s (tokenizer: %s, vocab %u, bos %u, eos %u, %d-byte tokens)\n", opt.out_dir.c_str(),
+              r.tokenizer.c_str(), r.vocab, r.bos, r.eos, r.token_width);
   std::printf("  files:     %zu used, %zu skipped\n", r.files_used.size(), r.files_skipped.size());
   std::printf("  documents: %llu (train %llu, val %llu)\n", static_cast<unsigned long long>(r.documents),
               static_cast<unsigned long long>(r.train_documents), static_cast<unsigned long long>(r.val_documents));
   std::printf("  tokens:    train %llu in %zu shard(s), val %llu\n", static_cast<unsigned long long>(r.train_tokens),
               r.train_shards.size(), static_cast<unsigned long long>(r.val_tokens));
+  std::printf("  speed:     %.1f MB of text in %.2f s on %d thread(s): %.1f MB/s\n", static_cast<double>(r.text_bytes) / 1e6,
+              r.tokenize_seconds, r.threads,
+              r.tokenize_seconds > 0 ? static_cast<double>(r.text_bytes) / 1e6 / r.tokenize_seconds : 0.0);
   std::printf("  manifest:  %s\n", r.manifest.c_str());
   return 0;
 }

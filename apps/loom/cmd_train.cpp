@@ -1,10 +1,13 @@
 // loom train CONFIG [--set section.key=value]...
 #include <cstdio>
 
+#include "comm/launch.hpp"
 #include "commands.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
+#include "train/outputs.hpp"
 #include "train/session.hpp"
+#include "train/stop_signal.hpp"
 
 namespace loom::app {
 
@@ -12,9 +15,21 @@ int cmd_train(const Args& args) {
   ConfigArgs a = parse_config_args(args);
   if (a.file.empty()) throw Error("usage: loom train CONFIG [--set section.key=value]...");
   if (!a.rest.empty()) throw Error(cat("loom train: unknown argument '", a.rest.front(), "'"));
-  Session session(load_config(a.file, a.overrides));
-  session.train();
-  return 0;
+  Config cfg = load_config(a.file, a.overrides);
+  // Signals during start-up (loading weights, building kernels) are kept:
+  // the run then stops before its first step, saying so, instead of dying.
+  StopSignals signals(cfg.run.stop_signal);
+  // The output folders before any device work: paths that cannot be written,
+  // a previous run that would be overwritten, another run using them.
+  check_output_paths(cfg);
+  std::shared_ptr<OutputLock> lock;
+  if (launch_from_env().rank == 0) lock = OutputLock::acquire(cfg);  // first: a live run is the news
+  check_no_overwrite(cfg, planned_resume_step(cfg));
+  Session session(std::move(cfg));
+  const RunSummary r = session.train();
+  // Stopped by a signal after writing a checkpoint: the shell's convention for
+  // "ended by that signal", so job scripts read it as an interruption.
+  return r.stop_signal ? 128 + r.stop_signal : 0;
 }
 
 }  // namespace loom::app

@@ -13,4 +13,5 @@ int cmd_prepare(const Args& args);
 int cmd_convert(const Args& args);
 int cmd_bench(const Args& args);
 int cmd_compare(const Args& args);
+int cmd_plot(const Args& args);
 }  // namespace loom::app

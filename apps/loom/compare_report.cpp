@@ -157,6 +157,27 @@ std::string losses_csv(const std::vector<CompareRow>& rows) {
   return out;
 }
 
+std::string val_losses_csv(const std::vector<CompareRow>& rows) {
+  std::string out = "step";
+  std::vector<long long> steps;
+  for (const auto& r : rows) {
+    out += "," + csv_field(r.label);
+    for (const auto& [st, v] : r.val_losses) steps.push_back(st);
+  }
+  std::sort(steps.begin(), steps.end());
+  steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+  out += "\n";
+  for (long long st : steps) {
+    out += std::to_string(st);
+    for (const auto& r : rows) {
+      auto it = std::find_if(r.val_losses.begin(), r.val_losses.end(), [&](const auto& p) { return p.first == st; });
+      out += "," + (it != r.val_losses.end() ? csv_number(it->second) : std::string());
+    }
+    out += "\n";
+  }
+  return out;
+}
+
 // The whole file or an error naming it. close() flushes, so a full disk is
 // caught here too rather than leaving a silently truncated report.
 void write_file(const std::string& path, std::string_view bytes) {
@@ -192,6 +213,17 @@ void compute_diffs(std::vector<CompareRow>& rows) {
     }
     row.max_loss_diff = compared ? max_abs : kNaN;
     row.max_rel_loss_diff = compared ? max_rel : kNaN;
+    // Validation: at the steps both evaluated.
+    double max_val = 0;
+    bool any = false;
+    for (const auto& [st, v] : row.val_losses)
+      for (const auto& [rs, rv] : rows[0].val_losses)
+        if (rs == st) {
+          any = true;
+          const double d = std::isfinite(v) && std::isfinite(rv) ? std::fabs(v - rv) : kInf;
+          max_val = std::max(max_val, d == 0 ? 0 : d / std::fabs(rv));
+        }
+    row.max_rel_val_diff = any ? max_val : kNaN;
   }
 }
 
@@ -213,8 +245,17 @@ std::string format_table(const std::vector<CompareRow>& rows) {
   std::string out = table_line(header, widths) + std::string(total, '-') + "\n";
   for (const auto& cells : body) out += table_line(cells, widths);
   if (rows.empty()) return out + "(no runs)\n";
-  return out + cat("collective bytes are per rank and step; loss differences are against '", one_line(rows[0].label),
-                   "'\n");
+  out += cat("collective bytes are per rank and step; loss differences are against '", one_line(rows[0].label),
+             "'\n");
+  // Validation losses, where the runs evaluated: the last one and the largest
+  // relative difference to the first row at any evaluation both made.
+  for (const auto& r : rows) {
+    if (r.val_losses.empty()) continue;
+    out += cat("validation ", one_line(r.label), ": ", r.val_losses.size(), " evaluations, last (step ",
+               r.val_losses.back().first, ") ", r.val_losses.back().second,
+               ", max rel diff to '", one_line(rows[0].label), "' ", format_diff(r.max_rel_val_diff), "\n");
+  }
+  return out;
 }
 
 std::string losses_csv_path(const std::string& path) {
@@ -222,9 +263,16 @@ std::string losses_csv_path(const std::string& path) {
   return (p.parent_path() / (p.stem().string() + "_losses.csv")).string();
 }
 
+std::string val_losses_csv_path(const std::string& path) {
+  const std::filesystem::path p(path);
+  return (p.parent_path() / (p.stem().string() + "_val_losses.csv")).string();
+}
+
 void write_csv(const std::string& path, const std::vector<CompareRow>& rows) {
   write_file(path, summary_csv(rows));
   write_file(losses_csv_path(path), losses_csv(rows));
+  if (std::any_of(rows.begin(), rows.end(), [](const CompareRow& r) { return !r.val_losses.empty(); }))
+    write_file(val_losses_csv_path(path), val_losses_csv(rows));
 }
 
 void write_png(const std::string& path, const std::vector<CompareRow>& rows, const std::string& title) {

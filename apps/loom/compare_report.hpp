@@ -26,6 +26,8 @@ struct CompareRow {
   double planned_mem_bytes = 0;            // the memory plan per rank
   std::array<double, 4> bytes_per_step{};  // per rank and step, indexed by Collective
   std::vector<double> losses;              // per step, index 0 = step 1
+  std::vector<std::pair<long long, double>> val_losses;  // (step, validation loss) when the run evaluated
+  double max_rel_val_diff = 0;             // filled by compute_diffs: max |val - rows[0].val| / |rows[0].val|
   double final_loss = 0;
   double max_loss_diff = 0;                // filled by compute_diffs
   double max_rel_loss_diff = 0;            // filled by compute_diffs
@@ -41,6 +43,8 @@ struct CompareRow {
 // exactly one of the two losses is NaN/inf counts as an infinite difference;
 // one where both are is skipped. With no step to compare (a failed run) both
 // are NaN, which the table prints as "-". rows[0] gets 0 against itself.
+// Validation losses are compared the same way at the steps both runs evaluated
+// (max_rel_val_diff; NaN when there is none in common).
 void compute_diffs(std::vector<CompareRow>& rows);
 
 // An aligned text table, one line per row under a header line and a rule,
@@ -50,12 +54,15 @@ std::string format_table(const std::vector<CompareRow>& rows);
 
 // Writes `path` (the summary: a header and one line per row, raw numbers
 // without units) and losses_csv_path(path) (a `step` column, then one column
-// per row label; empty where a run has no loss for that step). Numbers are
+// per row label; empty where a run has no loss for that step), and, when any
+// run evaluated, val_losses_csv_path(path) in the same shape. Numbers are
 // written so that they read back exactly; NaN and infinities as nan, inf, -inf.
 // Throws loom::Error naming the file that could not be written.
 void write_csv(const std::string& path, const std::vector<CompareRow>& rows);
 // "out/cmp.csv" -> "out/cmp_losses.csv": the stem of `path` plus "_losses.csv".
 std::string losses_csv_path(const std::string& path);
+// "out/cmp.csv" -> "out/cmp_val_losses.csv".
+std::string val_losses_csv_path(const std::string& path);
 
 // A 1200x800 RGB PNG: loss curves on the left, bar charts of tokens/s per GPU
 // and peak memory per GPU on the right. Throws loom::Error naming the path

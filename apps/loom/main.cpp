@@ -1,7 +1,9 @@
-// `loom`: train, check, plugins, prepare, bench, convert, compare.
+// `loom`: train, check, plugins, prepare, bench, convert, compare, plot.
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <new>
 #include <string>
 
 #include "comm/launch.hpp"
@@ -17,11 +19,12 @@ void usage() {
       "  train CONFIG [--set k=v]...   train a model (mpirun/srun for several ranks)\n"
       "  check CONFIG [--set k=v]...   validate a config, print model size and memory plan\n"
       "  plugins [--path DIR]...       list every plugin found, with kind, version and file\n"
-      "  prepare text OUT INPUT...     turn UTF-8 text files into byte-level token shards\n"
+      "  prepare text OUT INPUT...     turn UTF-8 text into token shards (--tokenizer: SentencePiece, tiktoken, tokenizer.json)\n"
       "  convert CKPT --to-hf DIR      export a checkpoint's weights as an HF Llama folder\n"
       "  bench CONFIG [--steps=N]      time training steps on synthetic data (median, tokens/s, MFU, memory)\n"
       "  compare CONFIG --strategies=a,b,...   run each sharding strategy (or --configs) for the same steps;\n"
       "                                table, CSV and PNG of step time, tokens/s, memory, traffic and losses\n"
+      "  plot RUN_DIR... [--out F]     loss, validation loss, lr and tokens/s curves of runs (PNG)\n"
       "  version                       print version and build id\n",
       loom::version_string());
 }
@@ -55,6 +58,7 @@ int main(int argc, char** argv) {
     if (cmd == "convert") return loom::app::cmd_convert(args);
     if (cmd == "bench") return loom::app::cmd_bench(args);
     if (cmd == "compare") return loom::app::cmd_compare(args);
+    if (cmd == "plot") return loom::app::cmd_plot(args);
     if (cmd == "version" || cmd == "--version") {
       std::printf("loom %s (%s)\n", loom::version_string(), loom::build_id());
       return 0;
@@ -63,6 +67,19 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const loom::Error& e) {
     std::fprintf(stderr, "loom %s%s: error: %s\n", cmd.c_str(), rank_tag().c_str(), e.what());
+    stop_all_ranks(1);
+    return 1;
+  } catch (const std::filesystem::filesystem_error& e) {
+    // Paths a user names are checked with their key first (run.out_dir,
+    // checkpoint.dir, ...); whatever file system failure is left is still the
+    // user's to fix, so it is an error naming the paths, not an internal one.
+    std::fprintf(stderr, "loom %s%s: error: %s (%s%s%s)\n", cmd.c_str(), rank_tag().c_str(), e.code().message().c_str(),
+                 e.path1().c_str(), e.path2().empty() ? "" : ", ", e.path2().c_str());
+    stop_all_ranks(1);
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "loom %s%s: error: out of memory; 'loom check' prints the memory plan of a config\n",
+                 cmd.c_str(), rank_tag().c_str());
     stop_all_ranks(1);
     return 1;
   } catch (const std::exception& e) {

@@ -68,7 +68,8 @@ Run train(loom::Session& s, int eval_at = 0) {
   for (int i = 0; i < kSteps; ++i) {
     if (eval_at > 0 && i == eval_at) EXPECT_TRUE(std::isfinite(s.evaluate()));
     const loom::CommBytes before = s.comm().bytes_moved();
-    r.losses.push_back(s.train_step().loss);
+    s.train_step();
+    r.losses.push_back(s.read_step_logs().at(0).loss);
     if (i == 0)
       for (size_t k = 0; k < before.bytes.size(); ++k)
         r.step_bytes.bytes[k] = s.comm().bytes_moved().bytes[k] - before.bytes[k];
@@ -188,7 +189,7 @@ void check_strategy(const Case& c) {
   // Memory: the plan per rank against the ZeRO formulas; the difference is
   // only padding (each unit rounded up to a multiple of the group) and the
   // arena's 256-byte alignment of each block.
-  const loom::Session::MemoryFormula f = s.memory_formula();
+  const loom::TrainState::MemoryFormula f = s.memory_formula();
   const loom::ArenaPlan& plan = s.memory_plan();
   double pad = 0;
   for (const auto& u : s.units()) pad += static_cast<double>(u.layout.padded_numel - u.info->numel);

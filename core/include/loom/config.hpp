@@ -12,12 +12,21 @@
 #pragma once
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace loom {
+
+// The values a float key accepts: finite numbers between min and max, each
+// bound closed (>=, <=) or open (>, <); an infinite bound is no bound.
+struct FloatRange {
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  bool min_open = false, max_open = false;
+};
 
 class ConfigTable {
  public:
@@ -39,13 +48,24 @@ class ConfigTable {
   // Keys present in this table, sorted (does not mark them read).
   std::vector<std::string> keys() const;
   int64_t get_int(std::string_view key, int64_t def, int64_t min = INT64_MIN, int64_t max = INT64_MAX) const;
-  double get_float(std::string_view key, double def, double min = -1e300, double max = 1e300) const;
+  // Floats must be finite and in [min, max]; an infinite bound is no bound.
+  // Messages state exactly the bounds given (every finite one), so a value is
+  // never refused with a range that admits it.
+  double get_float(std::string_view key, double def, double min = -std::numeric_limits<double>::infinity(),
+                   double max = std::numeric_limits<double>::infinity()) const;
+  // The same with open bounds ("> 0", "in [0, 1)").
+  double get_float(std::string_view key, double def, const FloatRange& range) const;
   bool get_bool(std::string_view key, bool def) const;
   std::string get_string(std::string_view key, std::string_view def) const;
   // A string that must be one of `choices`.
   std::string get_choice(std::string_view key, std::string_view def,
                          std::initializer_list<std::string_view> choices) const;
   std::vector<std::string> get_string_list(std::string_view key, std::vector<std::string> def = {}) const;
+  // Arrays of numbers (integers accepted) and of integers, every element in [min, max].
+  std::vector<double> get_float_list(std::string_view key, std::vector<double> def = {}, double min = -1e300,
+                                     double max = 1e300) const;
+  std::vector<int64_t> get_int_list(std::string_view key, std::vector<int64_t> def = {}, int64_t min = INT64_MIN,
+                                    int64_t max = INT64_MAX) const;
   // A key that may hold an integer or a string (e.g. checkpoint.resume = "auto" | 120).
   // Returns the string form; integers are returned in decimal.
   std::string get_int_or_string(std::string_view key, std::string_view def) const;

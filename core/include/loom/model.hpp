@@ -39,13 +39,25 @@ struct ModelSpec {
   }
 };
 
+// What a parameter is for. Initialisation and weight decay read the role,
+// never the name (a block variant declares the role of each of its tensors).
+enum class ParamRole : uint8_t {
+  matrix,             // a projection: N(0, init_std), decays
+  output_projection,  // a projection that writes into the residual stream (o_proj, down_proj):
+                      // N(0, init_std / sqrt(2 L)), decays
+  norm_gain,          // an RMSNorm gain: ones, no decay
+  embedding,          // the token embedding: N(0, init_std), decays
+};
+const char* param_role_name(ParamRole r);
+
 // One parameter tensor inside a unit's flat buffer.
 struct ParamInfo {
   std::string name;          // HF name, e.g. "model.layers.3.self_attn.q_proj.weight"
   std::vector<int64_t> shape;
   int64_t offset = 0;        // elements from the start of the unit's flat buffer
   int64_t numel = 0;
-  bool weight_decay = true;  // matrices decay, norm gains do not
+  ParamRole role = ParamRole::matrix;
+  bool weight_decay() const { return role != ParamRole::norm_gain; }
 };
 
 // A unit (DESIGN.md): the embedding, each decoder layer, the final norm + head.
@@ -58,7 +70,10 @@ struct UnitInfo {
   int uses_params_of = -1;
 };
 
-// The units and their parameter layout for a spec (HF names, HF shapes [out, in]).
-std::vector<UnitInfo> model_units(const ModelSpec& spec);
+// The units and their parameter layout for a spec (HF names, HF shapes [out, in]),
+// as the blocks of `layers` ("native" or "fused") declare them. Every layer
+// variant keeps the canonical HF names, shapes and order, so checkpoints of one
+// load into the other.
+std::vector<UnitInfo> model_units(const ModelSpec& spec, const std::string& layers = "native");
 
 }  // namespace loom

@@ -33,6 +33,11 @@ struct PluginInit {
   uint64_t seed = 0;
   bool deterministic = false;
   int local_world = 1;       // ranks on this node
+  // True when a launcher (mpirun, srun) started this process; false for a
+  // plain `loom train`. A strategy that needs several ranks refuses to run
+  // without one (with the command to use), instead of the core guessing from
+  // its name.
+  bool under_launcher = false;
 };
 
 // Base of every plugin object. The host destroys objects through this.

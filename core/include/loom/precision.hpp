@@ -39,8 +39,12 @@ class Precision : public Plugin {
   // Workspace the recipe needs on the device (bytes), known after all linears are registered.
   virtual size_t workspace_bytes() const { return 0; }
   virtual void set_workspace(void* /*ptr*/, size_t /*bytes*/) {}
-  // y[m, out] = x[m, in] * W[out, in]^T
-  virtual void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y) = 0;
+  // y[m, out] = x[m, in] * W[out, in]^T (+ residual[m, out] when residual is not null).
+  // The residual is the GEMM's C input with beta = 1 (cuBLASLt epilogue), so a
+  // fused layer adds the residual stream in the same pass that writes y; it has
+  // y's dtype and shape, may be a row view, and may be y itself.
+  virtual void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
+                              const Tensor* residual) = 0;
   // dx[m, in] = dy[m, out] * W   (skipped when dx is null)
   // dW[out, in] = dy^T x, added to dW when accumulate is true (micro-batches), else written.
   virtual void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,

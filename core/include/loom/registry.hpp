@@ -50,10 +50,15 @@ class PluginRegistry {
   // Load and check one file (throws as create() does). Exposed for tests and `loom plugins`.
   static PluginRecord inspect(const std::filesystem::path& file);
 
+  // Every plugin create() instantiated, in order (what a run computes with:
+  // ranks compare these at start-up).
+  const std::vector<PluginRecord>& loaded() const { return loaded_; }
+
  private:
   std::vector<std::filesystem::path> dirs_;
   std::vector<PluginRecord> records_;
   std::vector<std::string> problems_;
+  std::vector<PluginRecord> loaded_;
   bool scanned_ = false;
 };
 

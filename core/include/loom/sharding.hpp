@@ -64,20 +64,43 @@ struct AdamWHyper {
 };
 
 // Arithmetic the core provides to sharding plugins (CPU or CUDA kernels, queued
-// on ctx's stream).
+// on ctx's stream). Nothing here waits for the device: the global gradient
+// norm, the clipping coefficient and the skip decision for non-finite
+// gradients stay on the device, where adamw() reads them, and the core reads
+// them back only when it logs.
 class OptimizerOps {
  public:
   virtual ~OptimizerOps() = default;
-  // Sum of squares of grads[begin, end) in fp32/fp64 accumulation (synchronises).
-  virtual double grad_sq_norm(const ExecContext& ctx, const Tensor& grads, int64_t begin, int64_t end) = 0;
+  // Adds the sum of squares of grads[begin, end) (fp32 or bf16, accumulated
+  // in double in a fixed order) into this step's norm accumulator.
+  virtual void norm_add(const ExecContext& ctx, const Tensor& grads, int64_t begin, int64_t end) = 0;
+  // Completes the global norm: adds up the accumulators of `group` (the ranks
+  // whose norm_add calls together cover every parameter exactly once; null or
+  // a one-rank group when this rank covered everything), then derives the
+  // clipping coefficient (torch's clip_grad_norm_: max_norm / (norm + 1e-6)
+  // when below 1) and whether the step is skipped (a non-finite norm). Call
+  // once per step, after every norm_add and before any adamw.
+  virtual void norm_finish(const ExecContext& ctx, Communicator* group) = 0;
   // AdamW on the unit's owned range: grads_owned holds the (reduced) gradients
-  // for [optim_begin, optim_begin + optim_numel), multiplied by grad_scale
-  // (clipping, averaging) before use; params for that range are written back
+  // for [optim_begin, optim_begin + optim_numel), scaled by the step's
+  // clipping coefficient before use; params for that range are written back
   // into params_out in the param dtype, whose element 0 is flat index
   // params_out_begin (0 for a whole-unit buffer, optim_begin for a shard).
-  // Weight decay is applied only to parameters whose ParamInfo says so.
-  virtual void adamw(const ExecContext& ctx, UnitState& unit, const Tensor& grads_owned, float grad_scale,
-                     const AdamWHyper& h, Tensor& params_out, int64_t params_out_begin) = 0;
+  // Weight decay is applied only to parameters whose role decays. A skipped
+  // step leaves everything unchanged. consume_grads: grads_owned is zeroed
+  // once read (also on a skipped step), for a strategy that zeroes its
+  // gradients this way (Sharding::zeroes_grads).
+  virtual void adamw(const ExecContext& ctx, UnitState& unit, const Tensor& grads_owned, const AdamWHyper& h,
+                     Tensor& params_out, int64_t params_out_begin, bool consume_grads = false) = 0;
+  // Overlap. The optimizer may run on its own queue beside the compute queue
+  // (CUDA: a second stream; CPU: the compute queue itself), so that
+  // memory-bound AdamW overlaps compute-bound GEMMs. Work on the two queues is
+  // ordered only through markers: mark(q) names a point in q's queued work,
+  // wait(ctx, m) makes ctx's later work wait for it (on the device, never the
+  // host). Every op above runs on the queue of the context it is given.
+  virtual ExecContext optimizer_queue(const ExecContext& compute) = 0;
+  virtual uint64_t mark(const ExecContext& ctx) = 0;
+  virtual void wait(const ExecContext& ctx, uint64_t marker) = 0;
   virtual void zero(const ExecContext& ctx, Tensor& t) = 0;
   virtual void accumulate(const ExecContext& ctx, Tensor& dst, const Tensor& src) = 0;  // dst += src (fp32)
   virtual void convert(const ExecContext& ctx, Tensor& dst, const Tensor& src) = 0;     // fp32 <-> bf16 or copy
@@ -94,11 +117,6 @@ struct ShardingEnv {
   int64_t grad_accum = 1;         // micro-batches per step
   // Gradients arrive already divided by the number of ranks (the core scales
   // the loss by 1 / (tokens * grad_accum * world)): strategies reduce with sum.
-};
-
-struct StepResult {
-  double grad_norm = 0;  // global norm before clipping
-  bool skipped = false;  // non-finite gradients: no update
 };
 
 class Sharding : public Plugin {
@@ -118,10 +136,17 @@ class Sharding : public Plugin {
   virtual void before_backward(ShardingEnv& /*env*/, UnitState& /*unit*/) {}
   // last_micro: the last micro-batch of the step (communicate now where the strategy allows waiting).
   virtual void after_backward(ShardingEnv& /*env*/, UnitState& /*unit*/, bool /*last_micro*/) {}
-  // Clip by global norm (across shards) -> AdamW on owned ranges -> re-gather.
-  // grad_scale is applied to the gradients first (1 / grad_accum etc.), clip_norm <= 0 disables clipping.
-  virtual StepResult step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h, float grad_scale,
-                          float clip_norm) = 0;
+  // The optimizer step: the global norm (env.ops->norm_add over the gradients
+  // this rank owns, then norm_finish over the group that shares them out),
+  // AdamW on owned ranges (env.ops->adamw), re-gathers where needed. Must not
+  // wait for the device: clipping and skipping happen there. It may queue its
+  // work on env.ops->optimizer_queue() if before_forward orders each unit's
+  // next forward after that unit's update (markers).
+  virtual void step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h) = 0;
+  // True when this strategy's step leaves the gradients it owns at zero
+  // (adamw with consume_grads), so the core skips its zeroing pass before the
+  // next step; false: the core zeroes every unit's gradients at each step's start.
+  virtual bool zeroes_grads() const { return false; }
 };
 
 template <> struct PluginInterface<PluginKind::sharding> { using type = Sharding; };

@@ -59,13 +59,16 @@ struct RowMatrix {
   int64_t rows = 0, cols = 0, ld = 0;
 };
 
-// Throws loom::Error, prefixed with `what` ("precision fp32: layer.0.q_proj: x"),
-// when the tensor has fewer than 2 dims, a non-contiguous last dim, leading dims
-// that do not fold into rows, or overlapping rows.
-inline RowMatrix fold_rows(const Tensor& t, const std::string& what) {
-  LOOM_CHECK(t.ndim >= 2, what, " must have at least 2 dims, got shape ", t.shape_str());
+// Throws loom::Error, prefixed with the `what` parts ("precision fp32: ",
+// "layer.0.q_proj", ": x"), when the tensor has fewer than 2 dims, a
+// non-contiguous last dim, leading dims that do not fold into rows, or
+// overlapping rows. The parts are only joined into a message on failure, so
+// GEMM wrappers call this on every GEMM without building strings.
+template <typename... What>
+RowMatrix fold_rows(const Tensor& t, const What&... what) {
+  LOOM_CHECK(t.ndim >= 2, what..., " must have at least 2 dims, got shape ", t.shape_str());
   const int last = t.ndim - 1;
-  LOOM_CHECK(t.stride[last] == 1 || t.shape[last] == 1, what, " must be contiguous in its last dim, got stride ",
+  LOOM_CHECK(t.stride[last] == 1 || t.shape[last] == 1, what..., " must be contiguous in its last dim, got stride ",
              t.stride[last], " for shape ", t.shape_str());
   RowMatrix m;
   m.cols = t.shape[last];
@@ -73,11 +76,11 @@ inline RowMatrix fold_rows(const Tensor& t, const std::string& what) {
   m.rows = 1;
   for (int i = 0; i < last; ++i) m.rows *= t.shape[i];
   for (int i = 0; i + 1 < last; ++i)
-    LOOM_CHECK(t.shape[i] == 1 || t.stride[i] == t.stride[i + 1] * t.shape[i + 1], what, " of shape ",
+    LOOM_CHECK(t.shape[i] == 1 || t.stride[i] == t.stride[i + 1] * t.shape[i + 1], what..., " of shape ",
                t.shape_str(), " has a dim ", i, " stride ", t.stride[i], " that does not fold into rows (need ",
                t.stride[i + 1] * t.shape[i + 1], ")");
   if (m.rows <= 1) m.ld = m.ld > m.cols ? m.ld : m.cols;  // a single row's stride is irrelevant
-  LOOM_CHECK(m.ld >= m.cols, what, " rows overlap: row stride ", m.ld, " < ", m.cols, " columns (shape ",
+  LOOM_CHECK(m.ld >= m.cols, what..., " rows overlap: row stride ", m.ld, " < ", m.cols, " columns (shape ",
              t.shape_str(), ")");
   return m;
 }

@@ -38,6 +38,12 @@ void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t
 // at open; each failure is a loom::Error naming the file, what was expected
 // and what was found. Tokens themselves are checked against a vocabulary only
 // when they are read (copy()), so opening a large shard costs no scan.
+//
+// The file must not change while it is mapped. Reads that fault because it
+// was truncated in place (SIGBUS) become a loom::Error naming the file, and
+// verify_unchanged() compares the file at the path with the one opened (device,
+// inode, size, modification and change times), so a shard rewritten or
+// replaced under a running job is refused instead of trained on.
 class TokenShard {
  public:
   explicit TokenShard(const std::string& path);
@@ -61,8 +67,20 @@ class TokenShard {
   // default only rejects ids that do not fit an int32).
   void copy(uint64_t begin, uint64_t n, int32_t* out, int64_t limit = int64_t{1} << 31) const;
 
+  // Throws loom::Error naming the file and what differs when the file at
+  // path() is no longer the one opened (a stat of the path; reads nothing).
+  void verify_unchanged() const;
+
  private:
   void close() noexcept;
+  [[noreturn]] void throw_changed_while_reading() const;
+
+  // What identifies the opened file: a rewrite in place changes the times
+  // (and usually the size), a replacement by rename changes the inode.
+  struct Identity {
+    uint64_t dev = 0, ino = 0, size = 0;
+    int64_t mtime_ns = 0, ctime_ns = 0;
+  };
 
   std::string path_;
   const unsigned char* map_ = nullptr;  // whole file
@@ -70,6 +88,7 @@ class TokenShard {
   uint64_t count_ = 0;
   int width_ = 0;
   uint32_t vocab_ = 0;
+  Identity id_;
 };
 
 }  // namespace loom

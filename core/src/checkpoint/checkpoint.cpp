@@ -141,7 +141,7 @@ void CheckpointWriter::add(const std::string& name, const Tensor& t) {
   items_.push_back({name, t});
 }
 
-void CheckpointWriter::write_shard() {
+uint32_t CheckpointWriter::write_shard() {
   const fs::path dir = step_path(root_, step_);
   const std::string file = (dir / rank_file_name(rank_)).string();
   if (fs::exists(dir / kComplete))
@@ -152,6 +152,8 @@ void CheckpointWriter::write_shard() {
   nlohmann::ordered_json hdr;
   hdr["format"] = 1;
   hdr["rank"] = rank_;
+  // The step too, so that a rank file copied in from another step is refused on load.
+  hdr["step"] = step_;
   hdr["tensors"] = nlohmann::ordered_json::array();
   uint64_t off = 0;
   for (const auto& it : items_) {
@@ -187,6 +189,7 @@ void CheckpointWriter::write_shard() {
     f.write(items_[i].t.data, items_[i].t.bytes());
   }
   f.commit();
+  return hcrc;
 }
 
 void CheckpointWriter::write_meta(const std::string& root, int64_t step, const std::string& json) {
@@ -209,8 +212,9 @@ void CheckpointWriter::mark_complete(const std::string& root, int64_t step) {
   if (!fs::exists(dir / rank_file_name(0)))
     throw Error(cat("cannot mark ", dir.string(), " complete: ", rank_file_name(0), " is missing"));
   nlohmann::json meta;
+  const std::string meta_text = read_file((dir / kMeta).string(), "checkpoint metadata");
   try {
-    meta = nlohmann::json::parse(read_file((dir / kMeta).string(), "checkpoint metadata"));
+    meta = nlohmann::json::parse(meta_text);
   } catch (const nlohmann::json::exception& e) {
     throw Error(cat((dir / kMeta).string(), ": not valid JSON (", e.what(), ")"));
   }
@@ -228,7 +232,11 @@ void CheckpointWriter::mark_complete(const std::string& root, int64_t step) {
       if (std::sscanf(n.c_str(), "rank_%d.bin", &r) == 1 && n == rank_file_name(r) && r >= ws) fs::remove(e.path());
     }
   }
-  write_file_atomic((dir / kComplete).string(), cat("{\"step\": ", step, "}\n"));
+  // The marker certifies meta.json as it is now: a digit changed later (the
+  // step, the data position) no longer matches and the checkpoint is refused.
+  write_file_atomic((dir / kComplete).string(),
+                    cat("{\"step\": ", step, ", \"meta_bytes\": ", meta_text.size(), ", \"meta_crc32\": ",
+                        crc32(meta_text.data(), meta_text.size()), "}\n"));
 }
 
 // ---------------------------------------------------------------------------
@@ -319,6 +327,33 @@ CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(d
                     " marker: its save was interrupted) and cannot be used; complete checkpoints in ",
                     d.parent_path().string(), ": ", complete_steps(d.parent_path().string())));
   meta_ = read_file((d / kMeta).string(), "checkpoint metadata");
+  {
+    // COMPLETE records the step and meta.json's size and CRC (checkpoints of
+    // older looms record the step only: "legacy", read without those checks).
+    const std::string where = (d / kComplete).string();
+    nlohmann::json c;
+    try {
+      c = nlohmann::json::parse(read_file(where, "checkpoint marker"));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(cat(where, ": not valid JSON (", e.what(), ")", kUnusable));
+    }
+    if (!c.is_object() || !c.contains("step") || !c["step"].is_number_integer())
+      throw Error(cat(where, ": it records no step", kUnusable));
+    step_ = c["step"].get<int64_t>();
+    if (const auto named = parse_step_dir(d.filename().string()); named && *named != step_)
+      throw Error(cat("checkpoint ", dir_, " is named for step ", *named, " but holds step ", step_, " (its ", kComplete,
+                      " marker says so): a folder renamed or copied over another", kUnusable));
+    legacy_ = !c.contains("meta_crc32");
+    if (!legacy_) {
+      const uint64_t bytes = c.value("meta_bytes", uint64_t{0});
+      const uint32_t want = c.value("meta_crc32", uint32_t{0});
+      const uint32_t got = crc32(meta_.data(), meta_.size());
+      if (bytes != meta_.size() || want != got)
+        throw Error(cat((d / kMeta).string(), " was changed after the checkpoint was written (", meta_.size(),
+                        " bytes with CRC32 ", got, "; ", kComplete, " certifies ", bytes, " bytes with CRC32 ", want,
+                        "): its step, data position or layout can no longer be trusted", kUnusable));
+    }
+  }
   for (const auto& e : fs::directory_iterator(d)) {
     std::string n = e.path().filename().string();
     int r = -1;
@@ -347,6 +382,7 @@ CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(d
   std::string h(hlen, '\0');
   if (!pread_all(fd.fd, h.data(), hlen, kPrefixBytes)) throw bad("header is truncated");
   if (crc32(h.data(), h.size()) != hcrc) throw bad("header is corrupt (CRC mismatch)");
+  header_crc_ = hcrc;
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(h);
@@ -355,6 +391,19 @@ CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(d
   }
   if (!j.is_object() || j.value("format", 0) != 1 || !j.contains("tensors") || !j["tensors"].is_array())
     throw bad("header is not a format-1 shard header (written by a newer Loom?)");
+  // Every rank file records whose it is: a file renamed to another rank, or
+  // copied in from another step, is refused instead of loaded as this one.
+  if (!j.contains("rank") || !j["rank"].is_number_integer() || j["rank"].get<int64_t>() != rank)
+    throw bad(cat("the file was written by rank ", j.contains("rank") ? j["rank"].dump() : std::string("?"),
+                  ", not rank ", rank, " (a rank file renamed or copied from elsewhere)"));
+  if (j.contains("step")) {
+    if (!j["step"].is_number_integer() || j["step"].get<int64_t>() != step_)
+      throw bad(cat("the file belongs to step ", j["step"].dump(), ", not to step ", step_,
+                    " of this checkpoint (a rank file copied in from another checkpoint)"));
+  } else if (!legacy_) {
+    throw bad(cat("the file records no step, but this checkpoint was written by a loom that records it in every "
+                  "rank file (a rank file copied in from an older checkpoint)"));
+  }
   data_start_ = align_up(kPrefixBytes + hlen);
   const uint64_t data_bytes = file_size_ >= data_start_ ? file_size_ - data_start_ : 0;
   try {

@@ -7,12 +7,18 @@
 //
 // A shard file is: 8 bytes magic "LOOMCKP1", u64 header length H, u32 CRC32 of
 // the header, u32 zero, H bytes of JSON header
-//   {"format": 1, "rank": r, "tensors": [{"name", "dtype", "shape", "offset", "bytes", "crc32"}]}
+//   {"format": 1, "rank": r, "step": s, "tensors": [{"name", "dtype", "shape", "offset", "bytes", "crc32"}]}
 // then zero padding to a 64-byte boundary and the data section (offsets are
 // relative to it, each tensor 64-byte aligned). All integers little-endian.
 //
 // Every file is written tmp + fsync + rename + fsync(dir), so a crash leaves
 // either no file or a whole one; a directory without COMPLETE is never read.
+//
+// COMPLETE is {"step": s, "meta_bytes": n, "meta_crc32": c}: it certifies
+// meta.json, so a changed digit there is refused. A reader checks that the
+// folder's name, COMPLETE's step and the rank file's "rank" and "step" agree.
+// Checkpoints of older looms (COMPLETE with the step only, rank files without
+// a step) are "legacy" and read without the two newer checks.
 // Saving, as the trainer drives it:
 //   every rank:  CheckpointWriter w(root, step, rank); w.add(...)...; w.write_shard();
 //   rank 0:      CheckpointWriter::write_meta(root, step, json);
@@ -39,11 +45,13 @@ class CheckpointWriter {
   // write_shard(). Names are unique within a shard.
   void add(const std::string& name, const Tensor& t);
   // Writes <root>/step_X/rank_R.bin (creating the directories). Refuses to
-  // write into a checkpoint already marked complete.
-  void write_shard();
+  // write into a checkpoint already marked complete. Returns the CRC32 of the
+  // shard's header (CheckpointReader::header_crc), which identifies the file.
+  uint32_t write_shard();
   // Writes meta.json (must be valid JSON). Rank 0, before mark_complete.
   static void write_meta(const std::string& root, int64_t step, const std::string& json);
-  // Writes COMPLETE after checking meta.json and rank_00000.bin exist and, if
+  // Writes COMPLETE (with meta.json's size and CRC32) after checking meta.json
+  // and rank_00000.bin exist and, if
   // meta.json has an integer "world_size", that every rank's shard exists
   // (stale shards of higher ranks from an interrupted earlier attempt with a
   // larger world size are removed first). Call after a barrier on all ranks.
@@ -99,6 +107,12 @@ class CheckpointReader {
   const std::string& meta() const { return meta_; }
   // Number of rank_*.bin shards in the directory (the world size that wrote it).
   int num_ranks() const { return num_ranks_; }
+  // The step COMPLETE records (checked against the folder's name and the rank file).
+  int64_t step() const { return step_; }
+  // Written by a loom that did not yet certify meta.json and record steps in rank files.
+  bool legacy() const { return legacy_; }
+  // The CRC32 of the rank file's header (CheckpointWriter::write_shard's result).
+  uint32_t header_crc() const { return header_crc_; }
   std::vector<std::string> names() const;
   bool has(const std::string& name) const { return index_.count(name) != 0; }
   const TensorRecord& info(const std::string& name) const;
@@ -110,6 +124,9 @@ class CheckpointReader {
   std::string file_;
   std::string meta_;
   int num_ranks_ = 0;
+  int64_t step_ = 0;
+  bool legacy_ = true;
+  uint32_t header_crc_ = 0;
   uint64_t data_start_ = 0;
   uint64_t file_size_ = 0;
   std::vector<TensorRecord> tensors_;

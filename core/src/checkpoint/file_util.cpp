@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "loom/error.hpp"
+#include "util/files.hpp"
 
 namespace loom::ckpt {
 namespace {
@@ -93,23 +94,9 @@ void write_file_atomic(const std::string& path, const std::string& contents) {
 }
 
 std::string read_file(const std::string& path, const std::string& what) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(cat("cannot open ", what, " ", path, ": ", errno_str()));
-  std::string out;
-  char buf[1 << 16];
-  for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      std::string e = errno_str();
-      ::close(fd);
-      throw Error(cat("reading ", what, " ", path, " failed: ", e));
-    }
-    if (n == 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return out;
+  // Metadata files are small; the bound keeps a wrong path (a device, a huge
+  // file) from being read until memory runs out, and a FIFO from blocking.
+  return read_bounded_file(path, what, size_t{256} << 20);
 }
 
 uint32_t crc32(const void* data, size_t bytes, uint32_t crc) {

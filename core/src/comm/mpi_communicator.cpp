@@ -1,6 +1,7 @@
 // MPI communicator (see mpi_communicator.hpp for types, byte counting and the
 // failure model).
 #include "comm/mpi_communicator.hpp"
+#include "util/trace.hpp"
 
 #include "comm/collective_checks.hpp"
 #include "loom/error.hpp"
@@ -97,6 +98,7 @@ class MpiCommunicator final : public Communicator {
   CommTicket all_reduce(const ExecContext&, Tensor& t, ReduceOp op) override {
     const char* name = "all_reduce";
     usable(name);
+    trace::Scope traced(trace::Track::comm, name);  // host-timed: MPI runs on this thread
     collective::check_buffer(name, rank_, "tensor", t, Device::cpu);
     ReduceWire w = reduce_wire(name, t.dtype, op);
     int n = count_of(name, t.numel());
@@ -120,6 +122,7 @@ class MpiCommunicator final : public Communicator {
   CommTicket reduce_scatter(const ExecContext&, const Tensor& in, Tensor& out, ReduceOp op) override {
     const char* name = "reduce_scatter";
     usable(name);
+    trace::Scope traced(trace::Track::comm, name);  // host-timed: MPI runs on this thread
     collective::check_buffer(name, rank_, "input", in, Device::cpu);
     collective::check_buffer(name, rank_, "output", out, Device::cpu);
     collective::check_same_dtype(name, rank_, in, out);
@@ -155,6 +158,7 @@ class MpiCommunicator final : public Communicator {
   CommTicket all_gather(const ExecContext&, const Tensor& in, Tensor& out) override {
     const char* name = "all_gather";
     usable(name);
+    trace::Scope traced(trace::Track::comm, name);  // host-timed: MPI runs on this thread
     collective::check_buffer(name, rank_, "input", in, Device::cpu);
     collective::check_buffer(name, rank_, "output", out, Device::cpu);
     collective::check_same_dtype(name, rank_, in, out);
@@ -182,6 +186,7 @@ class MpiCommunicator final : public Communicator {
   CommTicket broadcast(const ExecContext&, Tensor& t, int root) override {
     const char* name = "broadcast";
     usable(name);
+    trace::Scope traced(trace::Track::comm, name);  // host-timed: MPI runs on this thread
     collective::check_buffer(name, rank_, "tensor", t, Device::cpu);
     if (root < 0 || root >= size_)
       throw Error(cat("collective broadcast on rank ", rank_, " of ", size_, ": root ", root,

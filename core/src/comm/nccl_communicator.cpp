@@ -3,6 +3,10 @@
 // and NCCL (LOOM_HAVE_NCCL); a plain C++ file, no device code.
 #include "comm/nccl_communicator.hpp"
 
+#include <nvtx3/nvToolsExt.h>
+
+#include "util/trace.hpp"
+
 #include <cuda_bf16.h>  // before nccl.h: older headers declare ncclBfloat16 only after it
 #include <cuda_runtime_api.h>
 #include <mpi.h>
@@ -380,7 +384,11 @@ class NcclCommunicator final : public Communicator {
       check_cuda(cudaStreamWaitEvent(stream_, start_[s], 0), "cudaStreamWaitEvent(comm stream, start)", name, bytes);
     }
     if (bytes > 0) {
+      // NVTX names the collective for nsys; the tracer times it on the comm stream.
+      nvtxRangePushA(name);
+      trace::Scope traced(trace::Track::comm, name, stream_);
       ncclResult_t rc = op(stream_);
+      nvtxRangePop();
       if (rc != ncclSuccess && rc != ncclInProgress) {
         std::string err = nccl_err(rc, comm_);
         fail(cat(call, " failed"), cat("collective ", name, " of ", bytes, " bytes on ", size_, " ranks failed on rank ",

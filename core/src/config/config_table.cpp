@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -252,6 +253,10 @@ int64_t ConfigTable::get_int(std::string_view key, int64_t def, int64_t min, int
 }
 
 double ConfigTable::get_float(std::string_view key, double def, double min, double max) const {
+  return get_float(key, def, FloatRange{min, max, false, false});
+}
+
+double ConfigTable::get_float(std::string_view key, double def, const FloatRange& r) const {
   const toml::node* n = impl_->get(key);
   if (!n) return def;
   double v;
@@ -262,11 +267,18 @@ double ConfigTable::get_float(std::string_view key, double def, double min, doub
     v = n->as_floating_point()->get();
   else
     impl_->type_error(key, *n, "a number");
-  if (!(v >= min && v <= max)) {  // written so that nan fails too
-    std::string range = (min <= -1e300 && max >= 1e300) ? std::string("a finite number")
-                        : max >= 1e300                  ? cat(">= ", format_number(min))
-                        : min <= -1e300                 ? cat("<= ", format_number(max))
-                                        : cat("in [", format_number(min), ", ", format_number(max), "]");
+  const bool above = r.min_open ? v > r.min : v >= r.min;
+  const bool below = r.max_open ? v < r.max : v <= r.max;
+  // Non-finite values are refused whatever the bounds: TOML can spell inf and nan.
+  if (!std::isfinite(v) || !above || !below) {
+    const bool has_min = std::isfinite(r.min), has_max = std::isfinite(r.max);
+    const std::string lo = format_number(r.min), hi = format_number(r.max);
+    std::string range = has_min && has_max ? cat("in ", r.min_open ? "(" : "[", lo, ", ", hi, r.max_open ? ")" : "]")
+                        : has_min          ? cat(r.min_open ? "> " : ">= ", lo)
+                        : has_max          ? cat(r.max_open ? "< " : "<= ", hi)
+                                           : std::string();
+    // "inf is out of range: must be >= 0" would read as a contradiction.
+    if (!std::isfinite(v) && !(has_min && has_max)) range = range.empty() ? "a finite number" : "a finite number " + range;
     throw Error(cat(impl_->value_loc(key), ": ", impl_->path(key), " = ", render(*n),
                     " is out of range: must be ", range));
   }
@@ -310,6 +322,48 @@ std::vector<std::string> ConfigTable::get_string_list(std::string_view key, std:
       throw Error(cat(impl_->value_loc(key), ": ", impl_->path(key), "[", i, "] must be a string, got ",
                       describe(arr[i])));
     out.push_back(arr[i].as_string()->get());
+  }
+  return out;
+}
+
+std::vector<double> ConfigTable::get_float_list(std::string_view key, std::vector<double> def, double min,
+                                                double max) const {
+  const toml::node* n = impl_->get(key);
+  if (!n) return def;
+  if (!n->is_array()) impl_->type_error(key, *n, "an array of numbers");
+  std::vector<double> out;
+  const toml::array& arr = *n->as_array();
+  for (size_t i = 0; i < arr.size(); ++i) {
+    double v;
+    if (arr[i].is_integer()) v = static_cast<double>(arr[i].as_integer()->get());
+    else if (arr[i].is_floating_point()) v = arr[i].as_floating_point()->get();
+    else
+      throw Error(cat(impl_->value_loc(key), ": ", impl_->path(key), "[", i, "] must be a number, got ",
+                      describe(arr[i])));
+    if (!(v >= min && v <= max))
+      throw Error(cat(impl_->value_loc(key), ": ", impl_->path(key), "[", i, "] = ", render(arr[i]),
+                      " is out of range: must be in [", format_number(min), ", ", format_number(max), "]"));
+    out.push_back(v);
+  }
+  return out;
+}
+
+std::vector<int64_t> ConfigTable::get_int_list(std::string_view key, std::vector<int64_t> def, int64_t min,
+                                               int64_t max) const {
+  const toml::node* n = impl_->get(key);
+  if (!n) return def;
+  if (!n->is_array()) impl_->type_error(key, *n, "an array of integers");
+  std::vector<int64_t> out;
+  const toml::array& arr = *n->as_array();
+  for (size_t i = 0; i < arr.size(); ++i) {
+    if (!arr[i].is_integer())
+      throw Error(cat(impl_->value_loc(key), ": ", impl_->path(key), "[", i, "] must be an integer, got ",
+                      describe(arr[i])));
+    const int64_t v = arr[i].as_integer()->get();
+    if (v < min || v > max)
+      throw Error(cat(impl_->value_loc(key), ": ", impl_->path(key), "[", i, "] = ", v,
+                      " is out of range: must be in [", min, ", ", max, "]"));
+    out.push_back(v);
   }
   return out;
 }
@@ -453,6 +507,30 @@ void apply_override(ConfigShared& shared, const std::string& text, size_t order)
 }
 
 }  // namespace
+
+namespace {
+
+void flatten_into(const toml::table& t, const std::string& prefix, std::map<std::string, std::string>& out) {
+  for (auto&& [k, v] : t) {
+    const std::string path = join_path(prefix, key_text(k.str()));
+    if (v.is_table()) flatten_into(*v.as_table(), path, out);
+    else out[path] = value_text(v, false);
+  }
+}
+
+}  // namespace
+
+std::map<std::string, std::string> flatten_config_toml(std::string_view toml_text) {
+  toml::table root;
+  try {
+    root = toml::parse(toml_text, std::string_view("effective config"));
+  } catch (const toml::parse_error& e) {
+    throw Error(cat("effective config: TOML syntax error: ", e.description()));
+  }
+  std::map<std::string, std::string> out;
+  flatten_into(root, "", out);
+  return out;
+}
 
 ConfigTable parse_config_table(std::string_view toml_text, const std::string& source_name,
                                const std::vector<std::string>& overrides) {

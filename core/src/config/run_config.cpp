@@ -5,34 +5,32 @@
 
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "format_number.hpp"
 #include "loom/error.hpp"
+#include "util/files.hpp"
 
 namespace loom {
 namespace {
 
 constexpr int64_t kMaxDim = int64_t{1} << 20;   // any model width, length or batch beyond this is a typo
 constexpr int64_t kMaxVocab = INT32_MAX;        // token ids are stored as int32
+constexpr size_t kMaxConfigBytes = size_t{16} << 20;  // a config is a few KiB; more is the wrong file
 
 using config_detail::format_number;
 
-// Open or one-sided float ranges that get_float's closed [min, max] cannot state.
-double get_positive(const ConfigTable& t, std::string_view key, double def, double max = 1e300) {
-  double v = t.get_float(key, def, 0.0, max);
-  if (v <= 0.0)
-    t.fail(key, cat(t.name(), ".", key, " = ", format_number(v), " is out of range: must be > 0",
-                    max < 1e300 ? cat(" and <= ", format_number(max)) : std::string()));
-  return v;
+// Open ranges: (0, max] and [0, 1).
+double get_positive(const ConfigTable& t, std::string_view key, double def,
+                    double max = std::numeric_limits<double>::infinity()) {
+  return t.get_float(key, def, FloatRange{0.0, max, true, false});
 }
 
 double get_beta(const ConfigTable& t, std::string_view key, double def) {
-  double v = t.get_float(key, def, 0.0, 1.0);
-  if (v >= 1.0)
-    t.fail(key, cat(t.name(), ".", key, " = ", format_number(v), " is out of range: must be in [0, 1)"));
-  return v;
+  return t.get_float(key, def, FloatRange{0.0, 1.0, false, true});
 }
 
 bool is_plugin_name(std::string_view s) {
@@ -67,6 +65,9 @@ RunSection read_run(const ConfigTable& t) {
   r.threads = static_cast<int>(t.get_int("threads", r.threads, 0, 4096));
   r.collective_timeout = t.get_float("collective_timeout", r.collective_timeout, 0.1, 86400.0);
   r.plugin_path = t.get_string_list("plugin_path", r.plugin_path);
+  r.stop_signal = t.get_choice("stop_signal", r.stop_signal, {"USR1", "USR2", "none"});
+  r.overwrite = t.get_bool("overwrite", r.overwrite);
+  r.tensorboard = t.get_bool("tensorboard", r.tensorboard);
   return r;
 }
 
@@ -90,6 +91,7 @@ ModelSection read_model(const ConfigTable& t) {
   s.tied_embeddings = t.get_bool("tied_embeddings", s.tied_embeddings);
   m.init_std = t.get_float("init_std", m.init_std, 0.0, 1.0);
   m.recompute = t.get_choice("recompute", m.recompute, {"none", "attention", "full"});
+  m.head_chunk = t.get_int("head_chunk", m.head_chunk, 0, int64_t{1} << 40);
   return m;
 }
 
@@ -111,6 +113,7 @@ TrainSection read_train(const ConfigTable& t) {
   r.log_every = t.get_int("log_every", r.log_every, 1);
   r.validation_every = t.get_int("validation_every", r.validation_every, 0);
   r.validation_batches = t.get_int("validation_batches", r.validation_batches, 1);
+  r.max_skipped_steps = t.get_int("max_skipped_steps", r.max_skipped_steps, 0);
   return r;
 }
 
@@ -136,6 +139,25 @@ CheckpointSection read_checkpoint(const ConfigTable& t, const RunSection& run) {
   c.dir = t.get_string("dir", cat(run.out_dir, "/checkpoints"));
   if (c.dir.empty()) t.fail("dir", "checkpoint.dir must not be empty (default: <run.out_dir>/checkpoints)");
   return c;
+}
+
+ProfileSection read_profile(const ConfigTable& t, const TrainSection& train) {
+  ProfileSection p;
+  if (t.has("steps")) {
+    const std::vector<int64_t> w = t.get_int_list("steps", {}, 1);
+    if (w.size() != 2 || w[0] > w[1])
+      t.fail("steps", "profile.steps must be [start, stop] with 1 <= start <= stop: the window of steps to profile, "
+                      "e.g. steps = [10, 12]");
+    if (w[1] > train.steps)
+      t.fail("steps", cat("profile.steps = [", w[0], ", ", w[1], "] ends after train.steps = ", train.steps,
+                          "; profile steps the run reaches"));
+    p.start = w[0];
+    p.stop = w[1];
+  }
+  p.trace = t.get_bool("trace", p.trace);
+  if (p.trace && !p.enabled())
+    t.fail("trace", "profile.trace = true needs profile.steps = [start, stop]: the window of steps to trace");
+  return p;
 }
 
 void check_cross_fields(const Config& c, const ConfigTable& model, const ConfigTable& train,
@@ -188,6 +210,8 @@ Config parse_config_string(std::string_view toml_text, const std::string& source
   c.attention = read_plugin_section(root, "attention", "naive");
   c.sharding = read_plugin_section(root, "sharding", "none");
   c.data = read_plugin_section(root, "data", "synthetic");
+  ConfigTable profile = root.table("profile");
+  c.profile = read_profile(profile, c.train);
 
   // Unknown names first: a misspelt key silently falls back to its default,
   // which could otherwise surface as a confusing cross-field error.
@@ -196,6 +220,7 @@ Config parse_config_string(std::string_view toml_text, const std::string& source
   model.finish();
   train.finish();
   checkpoint.finish();
+  profile.finish();
   check_cross_fields(c, model, train, c.precision.table);
   return c;
 }
@@ -207,11 +232,10 @@ Config load_config(const std::filesystem::path& file, const std::vector<std::str
                     std::filesystem::current_path(ec).string(), ")"));
   if (std::filesystem::is_directory(file, ec))
     throw Error(cat("config file '", file.string(), "' is a directory, expected a TOML file"));
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw Error(cat("config file '", file.string(), "' cannot be opened for reading"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parse_config_string(text.str(), file.string(), overrides);
+  // A regular file of bounded size: a FIFO would block the open and a device
+  // such as /dev/zero would be read until memory runs out.
+  const std::string text = read_bounded_file(file.string(), "config file", kMaxConfigBytes);
+  return parse_config_string(text, file.string(), overrides);
 }
 
 ConfigArgs parse_config_args(const std::vector<std::string>& args) {

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -23,6 +24,11 @@ struct RunSection {
   int threads = 0;                   // CPU threads, 0 = all cores
   double collective_timeout = 300;   // seconds a collective may take before the run stops with an error
   std::vector<std::string> plugin_path;
+  // A signal that asks for a checkpoint and a stop, like SIGTERM, SIGINT and
+  // SIGHUP (Slurm's --signal=USR1@120 early warning): "USR1", "USR2" or "none".
+  std::string stop_signal = "USR1";
+  bool overwrite = false;            // a fresh run may replace a previous run's files in out_dir / checkpoint.dir
+  bool tensorboard = false;          // also write TensorBoard event files (<out_dir>/tensorboard)
 };
 
 struct ModelSection {
@@ -31,6 +37,7 @@ struct ModelSection {
   ModelSpec spec;
   double init_std = 0.02;
   std::string recompute = "none";    // none | attention | full
+  int64_t head_chunk = 0;            // fused layers: tokens per LM-head chunk, 0 = auto (256 MiB of logits)
 };
 
 struct TrainSection {
@@ -50,6 +57,7 @@ struct TrainSection {
   int64_t log_every = 1;
   int64_t validation_every = 0;      // 0 = never
   int64_t validation_batches = 8;
+  int64_t max_skipped_steps = 5;     // consecutive non-finite steps that stop the run; 0 = no limit
 };
 
 struct CheckpointSection {
@@ -57,6 +65,13 @@ struct CheckpointSection {
   int64_t keep_last = 3;             // 0 = keep all
   std::string resume = "auto";       // "auto" | "none" | decimal step
   std::string dir;                   // default <run.out_dir>/checkpoints
+};
+
+// [profile]: a window of steps for profilers (train/profiler.hpp).
+struct ProfileSection {
+  int64_t start = 0, stop = 0;       // steps [start, stop], 1-based and inclusive; 0 = no window
+  bool trace = false;                // write a Chrome/Perfetto trace per rank for the window
+  bool enabled() const { return start > 0; }
 };
 
 struct PluginSection {
@@ -74,6 +89,7 @@ struct Config {
   ModelSection model;
   TrainSection train;
   CheckpointSection checkpoint;
+  ProfileSection profile;
   PluginSection precision, attention, sharding, data;
 };
 
@@ -83,6 +99,11 @@ struct Config {
 Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides);
 Config parse_config_string(std::string_view toml_text, const std::string& source_name,
                            const std::vector<std::string>& overrides);
+
+// Every value of a TOML document by dotted key ("train.lr" -> "0.001"; arrays
+// and inline tables as one value), for comparing the effective configs of
+// several ranks key by key.
+std::map<std::string, std::string> flatten_config_toml(std::string_view toml_text);
 
 struct ConfigArgs {
   std::string file;

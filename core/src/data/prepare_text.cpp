@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -11,6 +12,8 @@
 
 #include "data/byte_tokenizer.hpp"
 #include "data/hash.hpp"
+#include "data/parallel_tokenize.hpp"
+#include "data/tokenizers/tokenizer.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "loom/token_shard.hpp"
@@ -78,6 +81,10 @@ struct Doc {
   bool val = false;
 };
 
+// Files are tokenized a batch of about this much text at a time: enough to
+// keep every core busy, little enough to bound memory on a large corpus.
+constexpr uint64_t kBatchBytes = uint64_t{64} << 20;
+
 bool is_prepare_output(const std::string& name) {
   return name == "val.bin" || name == "prepare.json" ||
          (name.starts_with("train_") && (name.ends_with(".bin") || name.ends_with(".bin.tmp")));
@@ -112,6 +119,12 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
     if (ec) throw Error(cat("cannot create output directory '", opt.out_dir, "': ", ec.message()));
   }
 
+  if (opt.tokenizer == "bytes" && !(opt.bos.empty() && opt.eos.empty()))
+    throw Error("--bos and --eos name tokens of a tokenizer file; the byte-level tokenizer's are fixed (256, 257)");
+  const std::unique_ptr<Tokenizer> tok = load_tokenizer(opt.tokenizer, {opt.bos, opt.eos});
+  const uint32_t vocab = tok->vocab_size();
+  const int width = vocab > 65536 ? 4 : 2;  // ids up to 65535 fit two bytes
+
   Collector col;
   for (auto& in : opt.inputs) col.add(fs::path(in), true);
 
@@ -120,13 +133,24 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
   res.files_skipped = col.skipped;
   std::vector<Doc> docs;
   std::vector<uint64_t> doc_hash;
+  std::vector<bool> repair;  // per used file: invalid UTF-8 replaced by U+FFFD
   for (auto& path : col.files) {
-    const std::string text = read_file(path);
+    std::string text = read_file(path);
     std::string why;
+    bool fix = false;
     if (!is_utf8_text(text, &why)) {
-      log_warn(cat("prepare: skipping '", path, "': not UTF-8 text (", why, ")"));
-      res.files_skipped.emplace_back(path, cat("not UTF-8 text (", why, ")"));
-      continue;
+      // A NUL byte means a binary file; other bad bytes are skipped too unless asked to repair them.
+      if (!opt.replace_invalid_utf8 || text.find('\0') != std::string::npos) {
+        const std::string hint = opt.replace_invalid_utf8 ? "" : "; --invalid-utf8 replace tokenizes it with U+FFFD for each bad sequence";
+        log_warn(cat("prepare: skipping '", path, "': not UTF-8 text (", why, ")", hint));
+        res.files_skipped.emplace_back(path, cat("not UTF-8 text (", why, ")"));
+        continue;
+      }
+      std::string fixed;
+      const std::size_t n = sanitize_utf8(text, fixed);
+      log_warn(cat("prepare: '", path, "': ", n, " invalid UTF-8 sequence(s) replaced by U+FFFD (first: ", why, ")"));
+      text = std::move(fixed);
+      fix = true;
     }
     auto parts = split_documents(text);
     if (parts.empty()) {
@@ -136,6 +160,7 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
     }
     const auto file_index = static_cast<uint32_t>(res.files_used.size());
     res.files_used.push_back(path);
+    repair.push_back(fix);
     for (auto d : parts) {
       docs.push_back({file_index, static_cast<uint64_t>(d.data() - text.data()), d.size()});
       doc_hash.push_back(hash_bytes(opt.seed, d));
@@ -166,22 +191,25 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
     for (uint64_t i = 0; i < n_val; ++i) docs[order[i]].val = true;
   }
 
-  uint64_t train_total = 0;
+  // Shard names are zero-padded wide enough for every shard, so a sorted glob
+  // is the write order. The token count is not known before tokenizing; a
+  // token covers at least one byte, so bytes + BOS/EOS (+1 for a
+  // SentencePiece dummy prefix) per document bound it.
+  uint64_t train_bound = 0;
   for (auto& d : docs) {
-    if (d.val) {
-      res.val_documents++;
-      res.val_tokens += d.size + 2;
-    } else {
+    res.text_bytes += d.size;
+    if (d.val) res.val_documents++;
+    else {
       res.train_documents++;
-      train_total += d.size + 2;
+      train_bound += d.size + 3;
     }
   }
-  // Zero-padded wide enough for every shard, so a sorted glob is the write order.
-  const uint64_t n_shards = (train_total + opt.shard_tokens - 1) / opt.shard_tokens;
+  const uint64_t n_shards = (train_bound + opt.shard_tokens - 1) / opt.shard_tokens;
   int digits = 3;
   for (uint64_t x = n_shards > 0 ? n_shards - 1 : 0; x >= 1000; x /= 10) ++digits;
 
-  // Pass 2: re-read the used files and emit tokens in file order.
+  // Pass 2: re-read the used files in order and tokenize their documents on
+  // every core, a batch of files at a time; output keeps document order.
   std::vector<uint32_t> train_buf, val_buf;
   nlohmann::json shard_list = nlohmann::json::array();
   auto flush_train = [&](bool final) {
@@ -190,40 +218,73 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
       char name[64];
       std::snprintf(name, sizeof name, "train_%0*llu.bin", digits, static_cast<unsigned long long>(res.train_shards.size()));
       const std::string path = (out / name).string();
-      write_token_shard(path, train_buf.data(), n, 2, ByteTokenizer::vocab);
+      write_token_shard(path, train_buf.data(), n, width, vocab);
       res.train_shards.push_back(path);
       res.train_tokens += n;
       shard_list.push_back({{"file", name}, {"tokens", n}});
       train_buf.erase(train_buf.begin(), train_buf.begin() + static_cast<std::ptrdiff_t>(n));
     }
   };
+  ParallelTokenizer pt(*tok, opt.threads, opt.progress, res.text_bytes);
+  res.threads = pt.threads();
   std::size_t di = 0;
+  // The batch's files, kept while their documents are tokenized; a deque, so
+  // that adding a file never moves the others (short ones live inside the
+  // string object, and the documents point into them).
+  std::deque<std::string> texts;
+  std::vector<DocRef> batch;
+  uint64_t batch_bytes = 0;
+  auto run_batch = [&] {
+    pt.run(batch, train_buf, val_buf);
+    batch.clear();
+    texts.clear();
+    batch_bytes = 0;
+    flush_train(false);
+  };
   for (uint32_t f = 0; f < res.files_used.size(); ++f) {
-    const std::string text = read_file(res.files_used[f]);
+    std::string text = read_file(res.files_used[f]);
+    if (repair[f]) {
+      std::string fixed;
+      sanitize_utf8(text, fixed);
+      text = std::move(fixed);
+    }
+    texts.push_back(std::move(text));
+    const std::string& t = texts.back();
     for (; di < docs.size() && docs[di].file == f; ++di) {
       const Doc& d = docs[di];
-      if (d.offset + d.size > text.size())
+      if (d.offset + d.size > t.size())
         throw Error(cat("input '", res.files_used[f], "' changed while it was being read; run loom prepare again"));
-      std::string_view body(text.data() + d.offset, d.size);
-      ByteTokenizer::encode_document(body, d.val ? val_buf : train_buf);
+      batch.push_back({std::string_view(t.data() + d.offset, d.size), d.val});
+      batch_bytes += d.size;
     }
-    flush_train(false);
+    if (batch_bytes >= kBatchBytes) run_batch();
   }
+  run_batch();
+  res.tokenize_seconds = pt.finish();
   flush_train(true);
+  res.val_tokens = val_buf.size();
   if (opt.val_fraction > 0) {
     res.val_shard = (out / "val.bin").string();
-    write_token_shard(res.val_shard, val_buf.data(), val_buf.size(), 2, ByteTokenizer::vocab);
+    write_token_shard(res.val_shard, val_buf.data(), val_buf.size(), width, vocab);
   }
+  res.tokenizer = tok->kind();
+  res.vocab = vocab;
+  res.bos = tok->bos();
+  res.eos = tok->eos();
+  res.token_width = width;
 
   nlohmann::json skipped = nlohmann::json::array();
   for (auto& [p, why] : res.files_skipped) skipped.push_back({{"path", p}, {"reason", why}});
   nlohmann::json manifest = {
       {"format", "loom-token-shards"},
-      {"tokenizer", ByteTokenizer::name},
-      {"vocab", ByteTokenizer::vocab},
-      {"bos", ByteTokenizer::bos},
-      {"eos", ByteTokenizer::eos},
-      {"token_width", 2},
+      {"tokenizer", res.tokenizer},
+      {"tokenizer_engine", tok->engine()},
+      {"tokenizer_file", opt.tokenizer == "bytes" ? nlohmann::json(nullptr) : nlohmann::json(opt.tokenizer)},
+      {"vocab", vocab},
+      {"bos", res.bos},
+      {"eos", res.eos},
+      {"token_width", width},
+      {"invalid_utf8", opt.replace_invalid_utf8 ? "replace" : "skip"},
       {"seed", opt.seed},
       {"val_fraction", opt.val_fraction},
       {"shard_tokens", opt.shard_tokens},

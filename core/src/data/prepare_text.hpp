@@ -1,4 +1,5 @@
-// `loom prepare text`: UTF-8 text files -> byte-level token shards.
+// `loom prepare text`: UTF-8 text files -> token shards, with the byte-level
+// tokenizer or a real one (SentencePiece, tiktoken, HF tokenizer.json).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -14,6 +15,11 @@ struct PrepareTextOptions {
   uint64_t shard_tokens = uint64_t{16} << 20;
   uint64_t seed = 0;
   bool force = false;  // replace shards a previous prepare left in out_dir
+  std::string tokenizer = "bytes";  // "bytes" or a tokenizer file (data/tokenizers/tokenizer.hpp)
+  std::string bos, eos;             // token names overriding the tokenizer's own (rarely needed)
+  int threads = 0;                  // tokenizing threads; 0 = every core
+  bool replace_invalid_utf8 = false;  // tokenize files with invalid UTF-8 (U+FFFD for each bad sequence) instead of skipping them
+  bool progress = true;             // a progress line (MB, MB/s) on stderr when it is a terminal
 };
 
 struct PrepareTextResult {
@@ -24,6 +30,12 @@ struct PrepareTextResult {
   std::vector<std::string> train_shards;  // full paths, in order
   std::string val_shard;                  // empty when val_fraction == 0
   std::string manifest;                   // out_dir/prepare.json
+  std::string tokenizer;                  // kind: bytes, sentencepiece, tiktoken, hf-bpe
+  uint32_t vocab = 0, bos = 0, eos = 0;
+  int token_width = 2;                    // 4 when the vocabulary exceeds 65536
+  uint64_t text_bytes = 0;                // bytes of document text tokenized
+  double tokenize_seconds = 0;            // wall time of tokenizing (pass 2)
+  int threads = 1;
 };
 
 // Collects the input files (directories recursed with entries sorted; files

@@ -116,6 +116,9 @@ void TokensSource::next(Split split, int32_t* tokens) {
   const uint64_t W = train_.windows;
   const uint64_t epoch = cursor_ / W;
   if (epoch > logged_epoch_) {
+    // A new pass over the same files: they must still be the files this run
+    // opened (a shard rewritten in place would be read as new bytes unnoticed).
+    verify_unchanged(train_);
     log_info(cat("tokens: epoch ", epoch, " begins after ", cursor_, " windows"));
     logged_epoch_ = epoch;
   }
@@ -132,11 +135,18 @@ void TokensSource::reset(Split split) {
   if (split == Split::train)
     throw Error("data plugin 'tokens': reset() restarts the validation split only; the train position "
                 "is set through restore()");
+  verify_unchanged(val_);  // each evaluation is a new pass over the validation files
   val_cursor_ = 0;
+}
+
+void TokensSource::verify_unchanged(const Stream& s) const {
+  for (const TokenShard& shard : s.shards) shard.verify_unchanged();
 }
 
 std::string TokensSource::state() const {
   require_open("state()");
+  // A checkpoint records a position in these files: they must be the ones opened.
+  verify_unchanged(train_);
   nlohmann::json files = nlohmann::json::array();
   for (auto& s : train_.shards) files.push_back({{"path", s.path()}, {"tokens", s.size()}});
   nlohmann::json j = {{"source", "tokens"},

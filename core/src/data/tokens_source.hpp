@@ -33,6 +33,10 @@ std::vector<std::string> expand_patterns(const std::vector<std::string>& pattern
 //   * validation: the windows in order, the same rank layout, wrapping around.
 // state() carries the global window cursor, so a restore under another world
 // size or batch continues from the same number of windows consumed.
+// Files changed under the run are refused: each shard's identity (size,
+// inode, times) is compared with the opened file at every train epoch, every
+// validation pass and every state() (checkpoint); a read that faults because a
+// shard was truncated in place is an error naming the file.
 class TokensSource : public DataSource {
  public:
   explicit TokensSource(TokensOptions opt);
@@ -60,6 +64,8 @@ class TokensSource : public DataSource {
   Stream open_stream(const std::vector<std::string>& patterns, const std::string& key) const;
   void read_window(const Stream& s, uint64_t w, int32_t* out) const;
   void require_open(const char* what) const;
+  // Every shard of the stream is still the file opened (TokenShard::verify_unchanged).
+  void verify_unchanged(const Stream& s) const;
 
   TokensOptions opt_;
   DataSpec spec_;

@@ -16,6 +16,7 @@
 
 #include "checkpoint/file_util.hpp"
 #include "loom/error.hpp"
+#include "util/files.hpp"
 
 namespace loom::hf {
 
@@ -105,8 +106,7 @@ SafeTensorsFile::SafeTensorsFile(const std::string& path) : path_(path) {
     return Error(cat(path, ": not a valid safetensors file: ", what,
                      "; the file is corrupt or truncated — re-download or re-export it"));
   };
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(cat("cannot open safetensors file ", path, ": ", std::strerror(errno)));
+  int fd = open_regular_file(path, "safetensors file");
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     ::close(fd);

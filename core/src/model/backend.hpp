@@ -24,15 +24,46 @@ class Backend {
   virtual ~Backend() = default;
   virtual Device device() const = 0;
   virtual const ExecContext& ctx() const = 0;
+
+  // Two queues. The model runs on the compute queue (ctx()). The optimizer may
+  // run on a second one beside it (side_ctx(): on CUDA a second stream, so
+  // memory-bound AdamW overlaps the next step's compute-bound GEMMs; on the CPU
+  // the compute queue itself). While use_side_queue(true) is in effect, the
+  // optimizer-class ops — zero, copy, convert, accumulate, scale, sum_into,
+  // clip_scale, adamw, timestamp — go to the side queue; model ops never do.
+  // The queues are ordered only through markers, never by the host.
+  virtual const ExecContext& side_ctx() const { return ctx(); }
+  virtual void use_side_queue(bool /*side*/) {}
+  // A point in `on`'s queued work; wait() makes `ctx`'s later work wait for it.
+  // A marker stays valid for the next 4096 markers (the ring of events
+  // behind them; an older one makes wait() wait longer, never shorter).
+  virtual uint64_t mark(const ExecContext& /*on*/) { return 0; }
+  virtual void wait(const ExecContext& /*ctx*/, uint64_t /*marker*/) {}
   virtual int device_index() const { return -1; }  // the CUDA device, -1 on CPU
 
-  // Host <-> backend memory.
+  // Host <-> backend memory. upload and download wait for the copy (download
+  // counts as a host synchronisation); they are for start-up, checkpoints,
+  // tests and log steps, never for the ordinary step.
   virtual void upload(Tensor& dst, const void* host, size_t bytes) = 0;
   virtual void download(void* host, const Tensor& src, size_t bytes) = 0;
+  // Page-locked host memory for upload_async (CUDA: cudaMallocHost; CPU: plain
+  // aligned memory). Allocated at start-up only.
+  virtual void* host_alloc(size_t bytes) = 0;
+  virtual void host_free(void* p) = 0;
+  // Queues a host -> device copy on the stream and returns at once: `host`
+  // (from host_alloc) must stay unchanged until the copy has run, which the
+  // caller ensures by the step's ordering (see train/token_stager.hpp).
+  virtual void upload_async(Tensor& dst, const void* host, size_t bytes) = 0;
   virtual void zero(Tensor& t) = 0;
   virtual void copy(Tensor& dst, const Tensor& src) = 0;
-  // Wait for queued work (CUDA: stream sync; CPU: nothing). Only at step boundaries.
+  // Wait for the work queued on both queues (CUDA: stream syncs; CPU:
+  // nothing). Only at step boundaries. Counts as a host synchronisation.
   virtual void synchronize() = 0;
+  // How many times this backend has made the host wait for the device
+  // (synchronize, download, sum, sq_norm, timer_elapsed_ms, and any other
+  // blocking read). The step-async test pins this down per step; the CPU
+  // backend counts the same calls, so the test also runs without a GPU.
+  int64_t host_syncs() const { return host_syncs_; }
 
   virtual void embedding_forward(Tensor& out, const Tensor& tokens, const Tensor& wte) = 0;
   virtual void embedding_backward(Tensor& dwte, const Tensor& dout, const Tensor& tokens) = 0;  // +=
@@ -46,6 +77,10 @@ class Backend {
   // Build whatever RoPE needs for (seq, head_dim, theta) now, at start-up, so
   // the step allocates nothing (the CUDA backend's cos/sin table).
   virtual void prepare_rope(int64_t /*seq*/, int64_t /*head_dim*/, double /*theta*/) {}
+  // SwiGLU: out = silu(gate) * up on [N, f] matrices. gate, up, dgate and dup
+  // may be row views with a row stride above f (the two halves of a packed
+  // [N, 2f] gate_up buffer, as the fused feed-forward block computes it);
+  // out and dout are packed. Rows fold as in fold_rows (loom/tensor.hpp).
   virtual void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) = 0;
   virtual void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate,
                                const Tensor& up) = 0;
@@ -58,6 +93,17 @@ class Backend {
   virtual double sum(const Tensor& x) = 0;
   // Sum of squares of x[begin, end) (synchronises).
   virtual double sq_norm(const Tensor& x, int64_t begin, int64_t end) = 0;
+  // acc[0] += sum of x[begin, end) (square: of its squares), x fp32 or bf16,
+  // acc a device f64 scalar; accumulated in double in an order fixed by
+  // (end - begin) alone, so it is deterministic. Queued, never waits.
+  virtual void sum_into(Tensor& acc, const Tensor& x, int64_t begin, int64_t end, bool square) = 0;
+  // The step's clipping decision, on the device, from StepScalars (below):
+  //   norm = sqrt(s[kNormSq]) * grad_scale
+  //   s[kGradNorm] = norm
+  //   s[kSkip] = 1 if norm is not finite, else 0
+  //   s[kUpdateScale] = grad_scale * (clip_norm > 0 && clip_norm / (norm + 1e-6) < 1 ? clip_norm / (norm + 1e-6) : 1)
+  // Queued, never waits.
+  virtual void clip_scale(Tensor& scalars, float grad_scale, float clip_norm) = 0;
   virtual void scale(Tensor& x, float s) = 0;
   // AdamW on flat ranges of equal length (see cpu_kernels.hpp for the update):
   //   with a master (fp32): master is updated, then param = round(master) in param's dtype;
@@ -70,6 +116,13 @@ class Backend {
     float grad_scale = 1;    // applied to grad first (clipping, averaging)
     bool stochastic_rounding = false;
     uint64_t seed = 0;       // stochastic rounding: a pure function of (seed, step, element index)
+    // When set (a StepScalars tensor's data, device memory): the gradient is
+    // also multiplied by scalars[kUpdateScale], and nothing is written when
+    // scalars[kSkip] != 0 — the clipping decision never visits the host.
+    const double* scalars = nullptr;
+    // Zero the gradient once it is read (also on a skipped step), so that the
+    // next step starts from zero gradients without a pass of its own.
+    bool consume_grad = false;
   };
   virtual void adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& a) = 0;
   // dst = src converted (fp32 <-> bf16, or a copy when equal); same element count.
@@ -78,19 +131,59 @@ class Backend {
   // Step timing: CUDA events on the backend's stream (host clock on CPU).
   virtual void timer_start() = 0;
   virtual double timer_stop_ms() = 0;  // synchronises
+  // A ring of timing marks for the asynchronous step: timer_reserve(n) at
+  // start-up makes n slots; timer_mark(slot) records the stream's position
+  // (CUDA: an event; CPU: the host clock, which is the same thing there);
+  // timer_elapsed_ms(a, b) waits for mark b (a host synchronisation) and
+  // returns the milliseconds from mark a to mark b.
+  virtual void timer_reserve(int slots) = 0;
+  virtual void timer_mark(int slot) = 0;
+  virtual double timer_elapsed_ms(int from, int to) = 0;
+  // Writes the time in milliseconds (f64, from an arbitrary origin fixed for
+  // the process) into dst[0] when the stream reaches this point: the device's
+  // global timer on CUDA, the host clock on CPU. Queued, never waits; the step
+  // log reads the stamps with the step's other scalars.
+  virtual void timestamp(Tensor& dst) = 0;
   // Bytes of device memory in use by the whole process (cudaMemGetInfo), 0 on CPU.
   virtual size_t device_memory_used() const { return 0; }
+  // Bytes of device memory still free (cudaMemGetInfo), 0 on CPU (host memory: train/memory_budget.hpp).
+  virtual size_t device_memory_free() const { return 0; }
   // The device's name ("NVIDIA H100 80GB HBM3", "cpu").
   virtual std::string device_name() const { return "cpu"; }
   // Named ranges for profilers (NVTX on CUDA, so nsys/ncu show every layer and op).
   virtual void range_push(const char* /*name*/) {}
   virtual void range_pop() {}
+
+ protected:
+  int64_t host_syncs_ = 0;
 };
 
-std::unique_ptr<Backend> make_cpu_backend(int threads);
+// The per-step device scalars (a f64 tensor of kStepScalars elements in the
+// arena): the norm accumulator, the loss sum, and what clip_scale derives.
+// kTimeBegin / kTimeEnd: timestamp() at the step's first and last operation.
+enum StepScalar : int { kNormSq = 0, kLossSum, kGradNorm, kSkip, kUpdateScale, kTimeBegin, kTimeEnd, kStepScalars };
+
+// Sends the backend's optimizer-class ops to the queue of `ctx` (compute or
+// side) for the scope's lifetime.
+class QueueScope {
+ public:
+  QueueScope(Backend& b, const ExecContext& ctx) : b_(b) {
+    b_.use_side_queue(ctx.stream != nullptr && ctx.stream == b_.side_ctx().stream && ctx.stream != b_.ctx().stream);
+  }
+  ~QueueScope() { b_.use_side_queue(false); }
+  QueueScope(const QueueScope&) = delete;
+  QueueScope& operator=(const QueueScope&) = delete;
+
+ private:
+  Backend& b_;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(int threads, bool deterministic = false);
 // Defined in kernels/cuda when built with CUDA: one stream, a cuBLASLt handle
 // (ExecContext::blas_handle), the device chosen by `device_index`.
-std::unique_ptr<Backend> make_cuda_backend(int device_index);
+// `deterministic` (run.deterministic) goes into ctx().deterministic, which
+// every plugin call sees (cuDNN's deterministic backward reads it).
+std::unique_ptr<Backend> make_cuda_backend(int device_index, bool deterministic);
 bool cuda_available();  // a CUDA device is present and usable (false in builds without CUDA)
 // The GPU of the rank with this node-local rank (one GPU per rank); throws when there is none.
 int cuda_device_for_rank(int local_rank, int local_world);

@@ -5,9 +5,18 @@
 // the build id, ...), and every failure is its own loom::Error naming the file.
 #include "loom/registry.hpp"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -24,6 +33,7 @@
 #include "loom/log.hpp"
 #include "loom/version.hpp"
 #include "plugin/registry_detail.hpp"
+#include "util/files.hpp"
 
 namespace loom {
 namespace fs = std::filesystem;
@@ -88,6 +98,7 @@ Checked load_and_check(const fs::path& file) {
   std::error_code ec;
   if (!fs::exists(file, ec))
     throw Error(cat("plugin file ", f, " does not exist: check the path given for it in the config."));
+  require_regular_file(f, "plugin file");  // dlopen of a FIFO would block
   auto parsed = detail::parse_plugin_file_name(file.filename().string());
   if (!parsed)
     throw Error(cat(f, " is not named like a Loom plugin: plugin files are named libloom-<kind>-<name>.so "
@@ -173,6 +184,69 @@ Checked load_and_check(const fs::path& file) {
   return c;
 }
 
+// --- Probing a file in a child process (scan, `loom plugins`) --------------
+//
+// Loading a library runs its code (static constructors), and a broken one can
+// crash or hang the process that loads it. A scan only needs each file's
+// descriptor, so it loads every candidate in a forked child, which sends the
+// record (or the check's message) back through a pipe: a crash or a hang is
+// then that file's problem, reported like any refused file, and the listing
+// goes on. A run still loads the one plugin it asks for in-process.
+
+constexpr char kFieldSep = '\x1f';
+
+std::string encode_record(const PluginRecord& r) {
+  return cat("R", static_cast<uint32_t>(r.kind), kFieldSep, r.name, kFieldSep, r.version, kFieldSep, r.description,
+             kFieldSep, r.build_id, kFieldSep, r.abi_major, kFieldSep, r.abi_minor);
+}
+
+std::optional<PluginRecord> decode_record(const std::string& s, const fs::path& file) {
+  if (s.empty() || s[0] != 'R') return std::nullopt;
+  std::vector<std::string> f;
+  size_t at = 1;
+  for (;;) {
+    const size_t sep = s.find(kFieldSep, at);
+    f.push_back(s.substr(at, sep == std::string::npos ? std::string::npos : sep - at));
+    if (sep == std::string::npos) break;
+    at = sep + 1;
+  }
+  if (f.size() != 7) return std::nullopt;
+  PluginRecord r;
+  try {
+    auto kind = detail::kind_from_number(static_cast<uint32_t>(std::stoul(f[0])));
+    if (!kind) return std::nullopt;
+    r.kind = *kind;
+    r.abi_major = static_cast<uint32_t>(std::stoul(f[5]));
+    r.abi_minor = static_cast<uint32_t>(std::stoul(f[6]));
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  r.file = file;
+  r.name = f[1];
+  r.version = f[2];
+  r.description = f[3];
+  r.build_id = f[4];
+  return r;
+}
+
+double probe_timeout_s() {
+  if (const char* e = std::getenv("LOOM_PLUGIN_PROBE_TIMEOUT")) {
+    char* end = nullptr;
+    const double v = std::strtod(e, &end);
+    if (end != e && v > 0) return v;
+  }
+  return 20.0;
+}
+
+std::string signal_text(int sig) {
+  const char* d = ::strsignal(sig);
+  return cat("signal ", sig, d ? cat(", ", d) : std::string());
+}
+
+// The file's record, or throws loom::Error with the reason it was refused,
+// crashed or hung; the library is never loaded into this process.
+PluginRecord probe_in_child(const fs::path& file);
+
 // Candidate plugin files of one directory, sorted by name so that scans and
 // messages do not depend on the file system's order. Missing directories are
 // not an error here: the search path names several places on purpose.
@@ -198,6 +272,78 @@ std::string describe_search_path(const std::vector<fs::path>& dirs) {
     os << "\n  " << d.string() << (fs::is_directory(d, ec) ? "" : "   (does not exist)");
   }
   return os.str();
+}
+
+PluginRecord probe_in_child(const fs::path& file) {
+  const std::string f = file.string();
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) throw Error(cat("cannot probe ", f, ": pipe: ", std::strerror(errno)));
+  std::fflush(nullptr);  // the child must not flush the parent's buffered output a second time
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    const int e = errno;
+    ::close(fds[0]);
+    ::close(fds[1]);
+    throw Error(cat("cannot probe ", f, ": fork: ", std::strerror(e)));
+  }
+  if (pid == 0) {
+    ::close(fds[0]);
+    std::string out;
+    try {
+      out = encode_record(load_and_check(file).record);
+    } catch (const std::exception& e) {
+      out = cat("E", e.what());
+    } catch (...) {
+      out = "Eunknown exception while loading the plugin";
+    }
+    for (size_t done = 0; done < out.size();) {
+      const ssize_t w = ::write(fds[1], out.data() + done, out.size() - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) break;
+      done += static_cast<size_t>(w);
+    }
+    ::_exit(0);  // no exit handlers or static destructors: they belong to the parent
+  }
+  ::close(fds[1]);
+  std::string got;
+  bool hung = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(probe_timeout_s());
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      hung = true;
+      break;
+    }
+    pollfd p{fds[0], POLLIN, 0};
+    const int rc = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
+    if (rc < 0 && errno != EINTR) break;
+    if (rc <= 0) continue;
+    char buf[4096];
+    const ssize_t n = ::read(fds[0], buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // the child closed the pipe: done (or dead)
+    got.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  if (hung) ::kill(pid, SIGKILL);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (hung)
+    throw Error(cat(f, ": loading it did not finish within ", probe_timeout_s(), " s (its initialisation code, which "
+                    "runs when the library is loaded, hangs); a run that asks for it would hang the same way. Fix or "
+                    "remove the file"));
+  if (WIFSIGNALED(status))
+    throw Error(cat(f, ": loading it crashed the process (", signal_text(WTERMSIG(status)), ") in the library's own "
+                    "initialisation code, before Loom could check anything; a run that asks for this plugin would "
+                    "crash the same way. Rebuild it, or remove it from the plugin path"));
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || got.empty())
+    throw Error(cat(f, ": loading it ended the process (exit status ", WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+                    ") in the library's own initialisation code; a run that asks for this plugin would end the same "
+                    "way. Rebuild it, or remove it from the plugin path"));
+  if (got[0] == 'E') throw Error(got.substr(1));
+  if (auto r = decode_record(got, file)) return *r;
+  throw Error(cat(f, ": the probe of this file returned an unreadable answer"));
 }
 
 }  // namespace
@@ -331,7 +477,7 @@ void PluginRegistry::scan() {
         seen.emplace(key, file);
       }
       try {
-        records_.push_back(load_and_check(file).record);
+        records_.push_back(probe_in_child(file));
       } catch (const Error& e) {
         problems_.push_back(e.what());
       }
@@ -417,6 +563,7 @@ std::unique_ptr<Plugin> PluginRegistry::create(PluginKind kind, const std::strin
     throw Error(cat(kname, " plugin '", c.record.name, "' (", file.string(),
                     ") returned no object from its factory: the plugin is broken; report it to its authors."));
   log_debug(cat("loaded ", kname, " plugin '", c.record.name, "' ", c.record.version, " from ", file.string()));
+  loaded_.push_back(c.record);
   return std::unique_ptr<Plugin>(obj);
 }
 

@@ -7,12 +7,29 @@
 
 namespace loom {
 
-double BackendOptimizerOps::grad_sq_norm(const ExecContext&, const Tensor& grads, int64_t begin, int64_t end) {
-  return backend_.sq_norm(grads, begin, end);
+void BackendOptimizerOps::norm_add(const ExecContext& ctx, const Tensor& grads, int64_t begin, int64_t end) {
+  LOOM_CHECK(scalars_.data != nullptr, "OptimizerOps::norm_add before the core bound the step scalars");
+  QueueScope q(backend_, ctx);
+  Tensor acc = view(scalars_, kNormSq, {1});
+  backend_.sum_into(acc, grads, begin, end, true);
 }
 
-void BackendOptimizerOps::adamw(const ExecContext&, UnitState& unit, const Tensor& grads_owned, float grad_scale,
-                                const AdamWHyper& h, Tensor& params_out, int64_t params_out_begin) {
+void BackendOptimizerOps::norm_finish(const ExecContext& ctx, Communicator* group) {
+  LOOM_CHECK(scalars_.data != nullptr, "OptimizerOps::norm_finish before the core bound the step scalars");
+  if (group != nullptr && group->size() > 1) {
+    // The group's sums of squares added up where they live (NCCL: on the
+    // device, ordered on the stream; MPI: host memory, which is the CPU's).
+    Tensor acc = view(scalars_, kNormSq, {1});
+    group->wait(ctx, group->all_reduce(ctx, acc, ReduceOp::sum));
+  }
+  QueueScope q(backend_, ctx);
+  backend_.clip_scale(scalars_, grad_scale_, clip_norm_);
+}
+
+void BackendOptimizerOps::adamw(const ExecContext& ctx, UnitState& unit, const Tensor& grads_owned,
+                                const AdamWHyper& h, Tensor& params_out, int64_t params_out_begin,
+                                bool consume_grads) {
+  QueueScope q(backend_, ctx);
   const int64_t lo = unit.layout.optim_begin, hi = lo + unit.layout.optim_numel;
   LOOM_CHECK(grads_owned.numel() >= unit.layout.optim_numel, "unit ", unit.info->name, ": owned gradient has ",
              grads_owned.numel(), " elements, the owned range ", unit.layout.optim_numel);
@@ -23,7 +40,9 @@ void BackendOptimizerOps::adamw(const ExecContext&, UnitState& unit, const Tenso
   a.beta2 = h.beta2;
   a.eps = h.eps;
   a.step = h.step;
-  a.grad_scale = grad_scale;
+  a.grad_scale = 1.0f;
+  a.scalars = scalars_.ptr<const double>();
+  a.consume_grad = consume_grads;
   a.stochastic_rounding = stochastic_rounding_;
   a.seed = seed_ ^ (static_cast<uint64_t>(unit.index) << 40);
   // One update per parameter tensor overlapping the owned range: weight decay is per tensor.
@@ -36,14 +55,23 @@ void BackendOptimizerOps::adamw(const ExecContext&, UnitState& unit, const Tenso
     Tensor v = view(unit.adam_v, local, {n});
     Tensor w = view(params_out, b - params_out_begin, {n});
     Tensor master = has_master ? view(unit.master, local, {n}) : Tensor();
-    a.weight_decay = p.weight_decay ? h.weight_decay : 0.f;
+    a.weight_decay = p.weight_decay() ? h.weight_decay : 0.f;
     backend_.adamw(w, has_master ? &master : nullptr, g, m, v, a);
   }
 }
 
-void BackendOptimizerOps::zero(const ExecContext&, Tensor& t) { backend_.zero(t); }
-void BackendOptimizerOps::accumulate(const ExecContext&, Tensor& dst, const Tensor& src) { backend_.accumulate(dst, src); }
-void BackendOptimizerOps::convert(const ExecContext&, Tensor& dst, const Tensor& src) { backend_.convert(dst, src); }
+void BackendOptimizerOps::zero(const ExecContext& ctx, Tensor& t) {
+  QueueScope q(backend_, ctx);
+  backend_.zero(t);
+}
+void BackendOptimizerOps::accumulate(const ExecContext& ctx, Tensor& dst, const Tensor& src) {
+  QueueScope q(backend_, ctx);
+  backend_.accumulate(dst, src);
+}
+void BackendOptimizerOps::convert(const ExecContext& ctx, Tensor& dst, const Tensor& src) {
+  QueueScope q(backend_, ctx);
+  backend_.convert(dst, src);
+}
 
 double lr_at(int64_t step, int64_t total_steps, int64_t warmup_steps, double lr, double min_lr,
              const std::string& schedule) {

@@ -1,548 +1,143 @@
 #include "train/session.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <csignal>
 #include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
-#include <random>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
-
 #include "checkpoint/checkpoint.hpp"
-#include "comm/launch.hpp"
-#include "comm/mpi_communicator.hpp"
-#ifdef LOOM_HAVE_NCCL
-#include "comm/nccl_communicator.hpp"
-#endif
 #include "hf/hf_llama.hpp"
-#include "hf/safetensors.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
+#include "train/checkpointing.hpp"
+#include "train/fault_injection.hpp"
+#include "train/optimizer.hpp"
+#include "train/run_health.hpp"
+#include "train/stop_signal.hpp"
+#include "train/tensorboard.hpp"
+#include "train/weights.hpp"
 
 namespace fs = std::filesystem;
 
 namespace loom {
 namespace {
 
-// fp32 host data into a tensor of any storage dtype (bf16 rounds to nearest even).
-void upload_f32(Backend& be, Tensor& dst, const float* src) {
-  const size_t n = static_cast<size_t>(dst.numel());
-  if (dst.dtype == DType::f32) return be.upload(dst, src, n * 4);
-  LOOM_CHECK(dst.dtype == DType::bf16, "parameters stored as ", dtype_name(dst.dtype), " cannot be initialised");
-  std::vector<uint16_t> tmp(n);
-#pragma omp parallel for schedule(static)
-  for (size_t i = 0; i < n; ++i) tmp[i] = hf::f32_to_bf16(src[i]);
-  be.upload(dst, tmp.data(), n * 2);
+// The architecture: the config's [model] table, or an HF folder's config.json.
+ModelSpec spec_for(const Config& cfg) {
+  const std::string& init = cfg.model.init;
+  if (init.rfind("hf:", 0) != 0) return cfg.model.spec;
+  ModelSpec hf = hf::read_hf_llama_config(init.substr(3));
+  hf.max_seq_len = std::max(hf.max_seq_len, cfg.train.seq_len);
+  return hf;
 }
 
-std::vector<float> download_f32(Backend& be, const Tensor& src) {
-  const size_t n = static_cast<size_t>(src.numel());
-  std::vector<float> out(n);
-  if (src.dtype == DType::f32) {
-    be.download(out.data(), src, n * 4);
-    return out;
-  }
-  LOOM_CHECK(src.dtype == DType::bf16, "cannot read ", dtype_name(src.dtype), " parameters as fp32");
-  std::vector<uint16_t> tmp(n);
-  be.download(tmp.data(), src, n * 2);
-  for (size_t i = 0; i < n; ++i) out[i] = hf::bf16_to_f32(tmp[i]);
-  return out;
-}
-
-// A normal sample from SplitMix64 + Box-Muller: the same numbers on every
-// platform and standard library, and a pure function of (seed, stream, index)
-// so initialisation does not depend on how parameters are laid out or sharded.
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
-void fill_normal(float* out, int64_t n, uint64_t seed, uint64_t stream, double stddev) {
-  const uint64_t base = splitmix64(seed ^ splitmix64(stream));
-  // Each pair of outputs depends only on its index: parallel and still the same numbers.
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; i += 2) {
-    double u1 = uniform01(splitmix64(base + 2 * static_cast<uint64_t>(i)));
-    double u2 = uniform01(splitmix64(base + 2 * static_cast<uint64_t>(i) + 1));
-    double r = std::sqrt(-2.0 * std::log(u1)), t = 2.0 * M_PI * u2;
-    out[i] = static_cast<float>(stddev * r * std::cos(t));
-    if (i + 1 < n) out[i + 1] = static_cast<float>(stddev * r * std::sin(t));
-  }
-}
-
-std::string human_count(double n) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(2);
-  if (n >= 1e9) os << n / 1e9 << "B";
-  else if (n >= 1e6) os << n / 1e6 << "M";
-  else if (n >= 1e3) os << n / 1e3 << "K";
-  else os << n;
-  return os.str();
+Config with_log_level(Config cfg) {
+  set_log_level(cfg.run.log_level);
+  return cfg;
 }
 
 }  // namespace
 
-Session::Session(Config cfg, SessionOptions opts) : cfg_(std::move(cfg)) {
-  set_log_level(cfg_.run.log_level);
-  spec_ = cfg_.model.spec;
-  const std::string& init = cfg_.model.init;
-  if (init.rfind("hf:", 0) == 0) {
-    // The HF folder's config.json defines the architecture.
-    ModelSpec hf = hf::read_hf_llama_config(init.substr(3));
-    hf.max_seq_len = std::max(hf.max_seq_len, cfg_.train.seq_len);
-    spec_ = hf;
-  }
-  // Rank, world and node-local rank: from MPI when started by mpirun / srun,
-  // otherwise this is the only rank and MPI is never touched.
-  LaunchInfo launch = opts.single_process ? LaunchInfo{} : launch_from_env();
-  const bool several = launch.under_launcher && launch.world != 1;
-  if (several && !mpi_available())
-    throw Error(cat("this process is one of ", launch.world == 0 ? std::string("several") : std::to_string(launch.world),
-                    " ranks started by ", launch.launcher, ", but this loom was built without MPI: rebuild with "
-                    "MPI (libopenmpi-dev; cmake -DLOOM_WITH_MPI=ON) or start a single process"));
-  if (launch.under_launcher && mpi_available()) launch = detect_launch();
-  local_rank_ = launch.local_rank;
-  local_world_ = launch.local_world;
-  launcher_ = launch.launcher;
-  if (launch.world == 1 && cfg_.sharding.plugin != "none" && !launch.under_launcher)
-    throw Error(cat("sharding.plugin = \"", cfg_.sharding.plugin, "\" splits the work across ranks, but this "
-                    "process was started alone: launch it with `mpirun -np N loom ...` (or `srun --mpi=pmix ...` "
-                    "under Slurm), or set sharding.plugin = \"none\" for one process"));
-  // Quiet the other ranks: rank 0 speaks for the run, the rest report warnings and errors.
-  if (launch.rank != 0 && cfg_.run.log_level == "info") set_log_level("warn");
-  if (cfg_.model.layers != "native")
-    throw Error(cat("model.layers = \"", cfg_.model.layers,
-                    "\": this version of loom builds native layers only (separate q/k/v and gate/up GEMMs); "
-                    "set model.layers = \"native\""));
-  if (cfg_.train.seq_len > spec_.max_seq_len)
-    throw Error(cat("train.seq_len = ", cfg_.train.seq_len, " exceeds the model's max_seq_len = ", spec_.max_seq_len));
-  if (cfg_.run.device == "cuda") {
-#ifdef LOOM_HAVE_CUDA
-    if (!cuda_available())
-      throw Error("run.device = \"cuda\" but no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)");
-#endif
-    backend_ = make_cuda_backend(cuda_device_for_rank(launch.local_rank, launch.local_world));
-  } else {
-    backend_ = make_cpu_backend(cfg_.run.threads);
-  }
-  if (launch.under_launcher && mpi_available()) {
-    // MPI carries host tensors; on CUDA, NCCL carries the device tensors and
-    // MPI stays for scalars, barriers and the NCCL unique id.
-    if (cfg_.run.device == "cuda") {
-      host_owned_ = make_mpi_communicator(cfg_.run.collective_timeout);
-      host_ = host_owned_.get();
-#ifdef LOOM_HAVE_NCCL
-      comm_ = make_nccl_communicator(backend_->device_index(), cfg_.run.collective_timeout);
-#else
-      throw Error("run.device = \"cuda\" with several ranks needs NCCL, and this loom was built without it: "
-                  "install NCCL (libnccl-dev) and rebuild");
-#endif
-    } else {
-      comm_ = make_mpi_communicator(cfg_.run.collective_timeout);
-      host_ = comm_.get();
-    }
-  } else {
-    comm_ = make_self_communicator();
-    host_ = comm_.get();
-  }
-  create_plugins();
-  plan_memory();
+Session::Session(Config cfg, SessionOptions opts)
+    : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, spec_for(cfg_), opts.single_process)) {
+  model_ = std::make_unique<Model>(spec_for(cfg_), cfg_.model.layers);
+  state_ = std::make_unique<TrainState>(cfg_, rt_, *model_);
 }
 
 Session::~Session() = default;
 
-void Session::create_plugins() {
-  std::vector<fs::path> dirs(cfg_.run.plugin_path.begin(), cfg_.run.plugin_path.end());
-  registry_ = std::make_unique<PluginRegistry>(dirs);
-  auto init_for = [&](const PluginSection& s) {
-    PluginInit init;
-    init.config = s.table;
-    init.device = backend_->device();
-    init.rank = comm_->rank();
-    init.world = comm_->size();
-    init.local_rank = local_rank_;
-    init.local_world = local_world_;
-    init.seed = cfg_.run.seed;
-    init.deterministic = cfg_.run.deterministic;
-    return init;
-  };
-  precision_ = registry_->create_as<PluginKind::precision>(cfg_.precision.plugin, init_for(cfg_.precision),
-                                                           cfg_.precision.path);
-  attention_ = registry_->create_as<PluginKind::attention>(cfg_.attention.plugin, init_for(cfg_.attention),
-                                                           cfg_.attention.path);
-  sharding_ = registry_->create_as<PluginKind::sharding>(cfg_.sharding.plugin, init_for(cfg_.sharding),
-                                                         cfg_.sharding.path);
-  data_ = registry_->create_as<PluginKind::data>(cfg_.data.plugin, init_for(cfg_.data), cfg_.data.path);
-
-  dtypes_ = precision_->dtypes();
-  // Refuse shapes the attention kernel cannot do before anything is allocated.
-  LlamaModel probe(spec_, cfg_.train.micro_batch, cfg_.train.seq_len, parse_recompute(cfg_.model.recompute),
-                   dtypes_.activation, *precision_, *attention_, *backend_);
-  Support sup = attention_->supports(probe.attention_shape(), dtypes_.activation, backend_->device());
-  if (!sup.ok)
-    throw Error(cat("attention.plugin = \"", cfg_.attention.plugin, "\" cannot run this model: ", sup.reason));
-
-  DataSpec ds;
-  ds.batch = cfg_.train.micro_batch;
-  ds.seq_len = cfg_.train.seq_len;
-  ds.vocab_size = spec_.vocab_size;
-  ds.rank = comm_->rank();
-  ds.world = comm_->size();
-  ds.seed = cfg_.run.seed;
-  data_->open(ds);
-  if (int64_t hint = data_->vocab_hint(); hint > spec_.vocab_size)
-    throw Error(cat("data.plugin = \"", cfg_.data.plugin, "\" produces token ids up to ", hint - 1,
-                    " but model.vocab_size = ", spec_.vocab_size, ": raise model.vocab_size to at least ", hint));
-  if (cfg_.train.validation_every > 0 && !data_->has_split(Split::validation))
-    throw Error(cat("train.validation_every = ", cfg_.train.validation_every, " but data.plugin = \"",
-                    cfg_.data.plugin, "\" has no validation split: configure one or set train.validation_every = 0"));
-}
-
-void Session::plan_memory() {
-  unit_infos_ = model_units(spec_);
-  ops_ = std::make_unique<BackendOptimizerOps>(*backend_, dtypes_.stochastic_rounding, cfg_.run.seed);
-  env_.ctx = backend_->ctx();
-  env_.ctx.deterministic = cfg_.run.deterministic;
-  env_.world = comm_.get();
-  env_.ops = ops_.get();
-  env_.host = host_;
-  env_.local_world = local_world_;
-  env_.param_dtype = dtypes_.param;
-  env_.grad_dtype = dtypes_.grad;
-  env_.grad_accum = cfg_.train.grad_accum;
-  layouts_ = sharding_->plan(env_, unit_infos_);
-  LOOM_CHECK(layouts_.size() == unit_infos_.size(), "sharding plugin returned ", layouts_.size(), " layouts for ",
-             unit_infos_.size(), " units");
-
-  const size_t pb = dtype_size(dtypes_.param), gb = dtype_size(dtypes_.grad), ob = dtype_size(dtypes_.optim_state);
-  unit_blocks_.clear();
-  for (size_t i = 0; i < unit_infos_.size(); ++i) {
-    const UnitLayout& l = layouts_[i];
-    const std::string& n = unit_infos_[i].name;
-    LOOM_CHECK(l.padded_numel >= unit_infos_[i].numel && l.optim_numel >= 0 && l.optim_begin >= 0 &&
-                   l.optim_begin + l.optim_numel <= l.padded_numel && l.replicas >= 1 && l.replica >= 0 &&
-                   l.replica < l.replicas && l.param_numel == (l.params_sharded ? l.optim_numel : l.padded_numel),
-               "sharding.plugin = \"", cfg_.sharding.plugin, "\" planned an inconsistent layout for unit ", n);
-    UnitBlocks b{};
-    b.params = plan_.add("params." + n, MemCategory::params, static_cast<size_t>(l.param_numel) * pb);
-    b.grads = plan_.add("grads." + n, MemCategory::grads, static_cast<size_t>(l.grad_numel) * gb);
-    b.grad_shard = plan_.add("grad_shard." + n, MemCategory::grads, static_cast<size_t>(l.grad_shard_numel) * 4);
-    b.has_master = dtypes_.has_master;
-    if (b.has_master)
-      b.master = plan_.add("master." + n, MemCategory::master, static_cast<size_t>(l.optim_numel) * 4);
-    b.m = plan_.add("adam_m." + n, MemCategory::optimizer, static_cast<size_t>(l.optim_numel) * ob);
-    b.v = plan_.add("adam_v." + n, MemCategory::optimizer, static_cast<size_t>(l.optim_numel) * ob);
-    unit_blocks_.push_back(b);
-  }
-  scratch_req_ = sharding_->scratch(env_);
-  scratch_blocks_.clear();
-  for (const ShardingBuffer& r : scratch_req_)
-    scratch_blocks_.push_back(
-        plan_.add("sharding." + r.name, r.category, static_cast<size_t>(r.numel) * dtype_size(r.dtype)));
-  model_ = std::make_unique<LlamaModel>(spec_, cfg_.train.micro_batch, cfg_.train.seq_len,
-                                        parse_recompute(cfg_.model.recompute), dtypes_.activation, *precision_,
-                                        *attention_, *backend_);
-  model_->plan(plan_);
-  precision_ws_bytes_ = precision_->workspace_bytes();
-  precision_ws_ = plan_.add("precision.workspace", MemCategory::workspace, precision_ws_bytes_);
-}
-
-std::string Session::describe() const {
-  std::ostringstream os;
-  const double N = static_cast<double>(spec_.total_params());
-  os << "model: " << human_count(N) << " parameters (" << spec_.total_params() << "): hidden " << spec_.hidden
-     << ", layers " << spec_.num_layers << ", heads " << spec_.num_heads << "/" << spec_.num_kv_heads << " kv"
-     << ", ffn " << spec_.ffn_hidden << ", vocab " << spec_.vocab_size
-     << (spec_.tied_embeddings ? ", tied embeddings" : "") << "\n";
-  os << "flops per token: " << human_count(spec_.flops_per_token(cfg_.train.seq_len)) << " (6N + 12LhS, N = "
-     << human_count(static_cast<double>(spec_.matmul_params())) << " matmul weights)\n";
-  os << "plugins: precision " << cfg_.precision.plugin << ", attention " << cfg_.attention.plugin << ", sharding "
-     << cfg_.sharding.plugin << ", data " << cfg_.data.plugin << "; device " << cfg_.run.device << ", ranks "
-     << comm_->size() << "\n";
-  os << "batch: " << cfg_.train.micro_batch << " x " << cfg_.train.seq_len << " tokens per micro-step, grad_accum "
-     << cfg_.train.grad_accum << " -> "
-     << cfg_.train.micro_batch * cfg_.train.seq_len * cfg_.train.grad_accum * comm_->size() << " tokens per step\n";
-  if (comm_->size() > 1 || cfg_.sharding.plugin != "none") {
-    const MemoryFormula f = memory_formula();
-    auto mib = [](double b) {
-      std::ostringstream m;
-      m << std::fixed << std::setprecision(2) << b / (1024.0 * 1024.0) << " MiB";
-      return m.str();
-    };
-    os << "ranks: " << comm_->size() << (launcher_.empty() ? "" : " (" + launcher_ + ")") << ", this is rank "
-       << comm_->rank() << "; ZeRO formulas per rank for " << cfg_.sharding.plugin << ": params "
-       << mib(f.params) << ", grads " << mib(f.grads) << ", optimizer state " << mib(f.optimizer)
-       << " (the plan below adds padding and the strategy's comm buffers)\n";
-  }
-  os << "memory plan per rank (" << dtype_name(dtypes_.param) << " params, " << dtype_name(dtypes_.grad) << " grads, "
-     << dtype_name(dtypes_.optim_state) << " optimizer state, " << dtype_name(dtypes_.activation)
-     << " activations, recompute " << cfg_.model.recompute << "):\n"
-     << plan_.summary();
-  return os.str();
-}
-
-std::string Session::memory_report() const {
-  std::ostringstream os;
-  auto mib = [](double b) { return b / (1024.0 * 1024.0); };
-  os << std::fixed << std::setprecision(1) << "memory on rank " << comm_->rank() << ": planned "
-     << mib(static_cast<double>(plan_.total_bytes())) << " MiB (params "
-     << mib(static_cast<double>(plan_.category_bytes(MemCategory::params))) << ", grads "
-     << mib(static_cast<double>(plan_.category_bytes(MemCategory::grads))) << ", optimizer "
-     << mib(static_cast<double>(plan_.category_bytes(MemCategory::optimizer) +
-                                plan_.category_bytes(MemCategory::master)))
-     << ", activations " << mib(static_cast<double>(plan_.category_bytes(MemCategory::activations)))
-     << ", comm " << mib(static_cast<double>(plan_.category_bytes(MemCategory::comm))) << "), arena allocated "
-     << mib(static_cast<double>(arena_.bytes())) << " MiB";
-  if (backend_->device() == Device::cuda) {
-    os << ", device in use " << mib(static_cast<double>(backend_->device_memory_used())) << " MiB";
-  } else {
-    std::ifstream st("/proc/self/status");
-    for (std::string line; std::getline(st, line);)
-      if (line.rfind("VmRSS:", 0) == 0) os << ", process RSS " << line.substr(6);
-  }
-  return os.str();
-}
-
-void Session::fault_point() {
-  static const char* spec = std::getenv("LOOM_FAULT_STALL");
-  if (!spec) return;
-  int rank = -1;
-  long long step = -1;
-  char mode[8] = {};
-  const int n = std::sscanf(spec, "%d:%lld:%7s", &rank, &step, mode);
-  if (n < 2) return;
-  if (rank != comm_->rank() || step != step_ + 1) return;
-  if (n == 3 && std::string(mode) == "kill") {
-    log_warn(cat("LOOM_FAULT_STALL: rank ", rank, " dies before step ", step));
-    std::fflush(nullptr);
-    std::raise(SIGKILL);
-  }
-  log_warn(cat("LOOM_FAULT_STALL: rank ", rank, " stops responding before step ", step));
-  for (;;) ::pause();
-}
-
 void Session::initialise() {
   LOOM_CHECK(!initialised_, "session initialised twice");
-  arena_.allocate(plan_, backend_->device());
-  model_->bind(arena_);
-  precision_->set_workspace(arena_.ptr(precision_ws_), precision_ws_bytes_);
-  units_.clear();
-  for (size_t i = 0; i < unit_infos_.size(); ++i) {
-    const UnitLayout& l = layouts_[i];
-    const UnitBlocks& b = unit_blocks_[i];
-    UnitState u;
-    u.index = static_cast<int>(i);
-    u.info = &unit_infos_[i];
-    u.layout = l;
-    Tensor p = arena_.tensor(b.params, dtypes_.param, {l.param_numel});
-    (l.params_sharded ? u.param_shard : u.params) = p;
-    if (l.grad_numel > 0) u.grads = arena_.tensor(b.grads, dtypes_.grad, {l.grad_numel});
-    if (l.grad_shard_numel > 0) u.grad_shard = arena_.tensor(b.grad_shard, DType::f32, {l.grad_shard_numel});
-    if (b.has_master) u.master = arena_.tensor(b.master, DType::f32, {l.optim_numel});
-    u.adam_m = arena_.tensor(b.m, dtypes_.optim_state, {l.optim_numel});
-    u.adam_v = arena_.tensor(b.v, dtypes_.optim_state, {l.optim_numel});
-    // Padding and optimizer state start at zero (AdamW's m and v, and the
-    // padded tail every gather and reduce carries).
-    for (Tensor* t : {&p, &u.grads, &u.grad_shard, &u.master, &u.adam_m, &u.adam_v})
-      if (t->data) backend_->zero(*t);
-    units_.push_back(u);
-    own_grads_.push_back(u.grads);
+  state_->check_memory_fits();  // a plan that cannot fit is refused, not OOM-killed
+  state_->allocate();
+  // Enough pinned slots for every micro-batch between two log steps (plus an
+  // evaluation's), so that staging never waits for the device.
+  const auto& t = cfg_.train;
+  const int64_t slots = t.grad_accum * state_->scalar_log_rows() + t.validation_batches + 2;
+  stager_ = std::make_unique<TokenStager>(*rt_.backend, t.micro_batch, t.seq_len, slots);
+  if (std::optional<int64_t> s = resume_checkpoint(cfg_, rt_, *state_, *model_)) {
+    step_ = *s;
+    resumed_ = true;
+  } else if (cfg_.model.init.rfind("hf:", 0) == 0) {
+    init_from_hf(*state_, model_->spec(), cfg_.model.init.substr(3));
+  } else {
+    init_random(*state_, model_->spec(), cfg_.run.seed, cfg_.model.init_std);
   }
-  scratch_.clear();
-  for (size_t i = 0; i < scratch_req_.size(); ++i) {
-    scratch_.push_back(arena_.tensor(scratch_blocks_[i], scratch_req_[i].dtype, {scratch_req_[i].numel}));
-    backend_->zero(scratch_.back());
-  }
-  const size_t n = static_cast<size_t>(cfg_.train.micro_batch * cfg_.train.seq_len);
-  host_tokens_.assign(static_cast<size_t>(cfg_.train.micro_batch * (cfg_.train.seq_len + 1)), 0);
-  host_inputs_.assign(n, 0);
-  host_targets_.assign(n, 0);
-
-  const bool resumed = try_resume();
-  if (!resumed) {
-    const std::string& init = cfg_.model.init;
-    if (init.rfind("hf:", 0) == 0) init_from_hf(init.substr(3));
-    else init_random();
-  }
-  sharding_->setup(env_, units_, scratch_);
+  state_->setup_sharding();
+  profiler_ = std::make_unique<Profiler>(cfg_.profile, *rt_.backend, rank(), world(), cfg_.run.out_dir, arena_bytes());
   initialised_ = true;
 }
 
-const ParamInfo& Session::find_param(const std::string& hf_name, int* unit) const {
-  for (size_t u = 0; u < unit_infos_.size(); ++u)
-    for (const ParamInfo& p : unit_infos_[u].params)
-      if (p.name == hf_name) {
-        *unit = static_cast<int>(u);
-        return p;
-      }
-  throw Error(cat("no parameter named '", hf_name, "' in this model"));
-}
+// ---------------------------------------------------------------------------
+// The step (DESIGN.md "One training step"), queued on the device.
+// ---------------------------------------------------------------------------
 
-std::vector<float> Session::read_tensor(const Tensor& t) const { return download_f32(*backend_, t); }
+void Session::train_step() {
+  const auto& t = cfg_.train;
+  Backend& be = *rt_.backend;
+  // The gradient of the mean loss over every token of the step, on every rank:
+  // strategies then reduce gradients with a plain sum.
+  const float dloss_scale = 1.0f / static_cast<float>(model_->env().N * t.grad_accum * world());
+  fault_point(rank(), step_ + 1);
+  if (pending_ == state_->scalar_log_rows()) {  // the ring is full: keep its rows on the host
+    std::vector<StepLog> early = read_ring();
+    unread_.insert(unread_.end(), early.begin(), early.end());
+  }
+  Range step_range(be, "step");  // NVTX and the tracer: the whole step on the compute stream
 
-std::vector<float> Session::read_param(const std::string& hf_name, bool grad) const {
-  int u = 0;
-  const ParamInfo& p = find_param(hf_name, &u);
-  const UnitState& unit = units_[static_cast<size_t>(u)];
-  LOOM_CHECK(!unit.layout.params_sharded && (!grad || unit.layout.grad_numel > 0), "read_param('", hf_name,
-             "'): sharding.plugin = \"", cfg_.sharding.plugin, "\" keeps only a shard of it on this rank");
-  const Tensor& flat = grad ? unit.grads : unit.params;
-  return download_f32(*backend_, view(flat, p.offset, {p.numel}));
-}
-
-void Session::write_param(const std::string& hf_name, const float* src) {
-  int u = 0;
-  const ParamInfo& p = find_param(hf_name, &u);
-  UnitState& unit = units_[static_cast<size_t>(u)];
-  // The owned range [optim_begin, optim_begin + optim_numel): what the master
-  // copy holds in fp32, and what a sharded params buffer holds.
-  const int64_t lo = std::max(p.offset, unit.layout.optim_begin);
-  const int64_t hi = std::min(p.offset + p.numel, unit.layout.optim_begin + unit.layout.optim_numel);
-  if (unit.layout.params_sharded) {
-    if (lo < hi) {
-      Tensor dst = view(unit.param_shard, lo - unit.layout.optim_begin, {hi - lo});
-      upload_f32(*backend_, dst, src + (lo - p.offset));
+  // The step's scalars (loss sum, norm, clip decision, timestamps), on the
+  // device. Two sets alternate: the previous step's optimizer may still be
+  // reading its set on the optimizer queue.
+  const int parity = state_->next_scalars();
+  Tensor& scalars = state_->scalars();
+  if (closed_[parity] != kNoMarker) be.wait(be.ctx(), closed_[parity]);  // its last reader (two steps ago) is done
+  be.zero(scalars);
+  Tensor begin = view(scalars, kTimeBegin, {1});
+  be.timestamp(begin);
+  rt_.sharding->begin_step(state_->env(), units());
+  if (!rt_.sharding->zeroes_grads()) state_->zero_grads();  // else the last step's AdamW left them at zero
+  Tensor loss_sum = view(scalars, kLossSum, {1});
+  for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
+    last_micro_ = micro == t.grad_accum - 1;
+    {
+      trace::Scope phase(trace::Track::host, "data");
+      next_batch(Split::train);   // tokens -> pinned slot -> device, queued
     }
-  } else {
-    Tensor dst = view(unit.params, p.offset, {p.numel});
-    upload_f32(*backend_, dst, src);
-  }
-  if (unit.master.data && lo < hi) {
-    Tensor m = view(unit.master, lo - unit.layout.optim_begin, {hi - lo});
-    upload_f32(*backend_, m, src + (lo - p.offset));
-  }
-}
-
-void Session::init_random() {
-  // Matrices ~ N(0, init_std); the residual-branch outputs (o_proj, down_proj)
-  // scaled by 1/sqrt(2L) as in GPT-2 so the residual stream's variance does
-  // not grow with depth; norm gains = 1.
-  const double std0 = cfg_.model.init_std;
-  const double std_res = std0 / std::sqrt(2.0 * static_cast<double>(spec_.num_layers));
-  uint64_t stream = 0;
-  for (const UnitInfo& u : unit_infos_)
-    for (const ParamInfo& p : u.params) {
-      std::vector<float> buf(static_cast<size_t>(p.numel));
-      ++stream;
-      if (p.shape.size() == 1) std::fill(buf.begin(), buf.end(), 1.0f);
-      else {
-        const bool residual = p.name.find("o_proj") != std::string::npos || p.name.find("down_proj") != std::string::npos;
-        fill_normal(buf.data(), p.numel, cfg_.run.seed, stream, residual ? std_res : std0);
-      }
-      write_param(p.name, buf.data());
+    {
+      trace::Scope phase(trace::Track::host, "forward");
+      forward(true, dloss_scale); // every unit, sharding hooks around each
     }
-}
-
-void Session::init_from_hf(const std::string& dir) {
-  std::vector<std::pair<std::string, std::vector<float>>> loaded;
-  hf::load_hf_llama_weights(dir, spec_, [&](const std::string& name, int64_t numel) -> float* {
-    loaded.emplace_back(name, std::vector<float>(static_cast<size_t>(numel)));
-    return loaded.back().second.data();
-  });
-  for (auto& [name, data] : loaded) write_param(name, data.data());
-  log_info(cat("initialised ", loaded.size(), " tensors from HF checkpoint ", dir));
-}
-
-void Session::load_batch(const int32_t* inputs, const int32_t* targets) {
-  const size_t bytes = static_cast<size_t>(model_->tokens_per_micro()) * 4;
-  backend_->upload(model_->inputs(), inputs, bytes);
-  backend_->upload(model_->targets(), targets, bytes);
-}
-
-void Session::next_batch(Split split) {
-  const int64_t B = cfg_.train.micro_batch, S = cfg_.train.seq_len;
-  data_->next(split, host_tokens_.data());
-  for (int64_t b = 0; b < B; ++b) {
-    const int32_t* row = host_tokens_.data() + b * (S + 1);
-    std::copy(row, row + S, host_inputs_.data() + b * S);
-    std::copy(row + 1, row + S + 1, host_targets_.data() + b * S);
+    {
+      trace::Scope phase(trace::Track::host, "backward");
+      backward();                 // the head computes the loss chunk by chunk, then every unit in reverse
+    }
+    be.sum_into(loss_sum, model_->losses(), 0, model_->env().N, false);
   }
-  for (int32_t t : host_tokens_)
-    if (t < 0 || t >= spec_.vocab_size)
-      throw Error(cat("data.plugin = \"", cfg_.data.plugin, "\" produced token id ", t, " outside [0, ",
-                      spec_.vocab_size, ") (model.vocab_size)"));
-  load_batch(host_inputs_.data(), host_targets_.data());
-}
-
-void Session::forward_unit(int unit, bool training, float dloss_scale) {
-  UnitState& u = units_[static_cast<size_t>(unit)];
-  sharding_->before_forward(env_, u);
-  model_->forward_unit(unit, units_, training, dloss_scale);
-  sharding_->after_forward(env_, u);
-}
-
-void Session::backward_unit(int unit) {
-  UnitState& u = units_[static_cast<size_t>(unit)];
-  sharding_->before_backward(env_, u);
-  model_->backward_unit(unit, units_);
-  sharding_->after_backward(env_, u, last_micro_);
-}
-
-double Session::batch_loss() {
-  return backend_->sum(model_->losses()) / static_cast<double>(model_->tokens_per_micro());
-}
-
-double Session::forward(bool training, float dloss_scale) {
-  for (int u = 0; u < model_->num_units(); ++u) forward_unit(u, training, dloss_scale);
-  return batch_loss();
-}
-
-void Session::backward() {
-  for (int u = model_->num_units() - 1; u >= 0; --u) backward_unit(u);
-}
-
-void Session::zero_grads() {
-  for (Tensor& g : own_grads_)
-    if (g.data) backend_->zero(g);
-}
-
-double Session::mean_over_ranks(double v) { return all_reduce_scalar(*host_, v, ReduceOp::avg); }
-
-Session::MemoryFormula Session::memory_formula() const {
-  // ZeRO (Rajbhandari et al. 2020), per rank, with p the shard group: params
-  // P*Psi/p at stage 3, grads G*Psi/p from stage 2, optimizer state K*Psi/p
-  // from stage 1, where P and G are the param and grad bytes per element and K
-  // the master + m + v bytes. Sharded gradients are kept as fp32 shards
-  // (reduce_dtype), so G = 4 there, and stage 1 keeps whole gradients plus
-  // that shard. The stage and p are read off the layout the strategy planned
-  // for its largest unit (a plugin of any name), not off the plugin's name.
-  const double psi = static_cast<double>(spec_.total_params());
-  const double P = static_cast<double>(dtype_size(dtypes_.param));
-  const double G = static_cast<double>(dtype_size(dtypes_.grad));
-  const double K = (dtypes_.has_master ? 4.0 : 0.0) + 2.0 * static_cast<double>(dtype_size(dtypes_.optim_state));
-  MemoryFormula f;
-  if (layouts_.empty()) return f;
-  // A unit another one reads (a tied embedding) may be kept whole on purpose: skip it.
-  const UnitLayout* big = nullptr;
-  for (size_t i = 0; i < layouts_.size(); ++i) {
-    const bool read_by_another = std::any_of(unit_infos_.begin(), unit_infos_.end(), [&](const UnitInfo& u) {
-      return u.uses_params_of == static_cast<int>(i);
-    });
-    if (!read_by_another && (!big || layouts_[i].padded_numel > big->padded_numel)) big = &layouts_[i];
+  {
+    trace::Scope phase(trace::Track::host, "optimizer");
+    queue_optimizer_step(step_);  // global norm -> clip -> AdamW -> re-gather, on the device
   }
-  if (!big) big = &layouts_[0];
-  const double p = big->optim_numel > 0 ? static_cast<double>(big->padded_numel) / static_cast<double>(big->optim_numel) : 1.0;
-  const bool z1 = big->optim_numel < big->padded_numel;
-  const bool z2 = z1 && big->grad_numel == 0;
-  const bool z3 = big->params_sharded;
-  f.params = P * psi / (z3 ? p : 1.0);
-  f.grads = z2 ? 4.0 * psi / p : G * psi + (z1 ? 4.0 * psi / p : 0.0);
-  f.optimizer = K * psi / (z1 ? p : 1.0);
-  return f;
+
+  // Close the step where its last work runs (the optimizer queue, after the
+  // compute queue's): its end time, and a copy of its scalars into the log
+  // ring for the next log step.
+  const ExecContext& opt = be.side_ctx();
+  be.wait(opt, be.mark(be.ctx()));
+  {
+    QueueScope on(be, opt);
+    Tensor end = view(scalars, kTimeEnd, {1});
+    be.timestamp(end);
+    Tensor row = view(state_->scalar_log(), pending_ * kStepScalars, {kStepScalars});
+    be.copy(row, scalars);
+  }
+  closed_[parity] = be.mark(opt);
+  ++pending_;
+  ++step_;
 }
 
-StepResult Session::optimizer_step(int64_t step_index) {
+void Session::queue_optimizer_step(int64_t step_index) {
   AdamWHyper h;
   const auto& t = cfg_.train;
   h.lr = static_cast<float>(lr_at(step_index, t.steps, t.warmup_steps, t.lr, t.min_lr, t.schedule));
@@ -551,14 +146,285 @@ StepResult Session::optimizer_step(int64_t step_index) {
   h.eps = static_cast<float>(t.eps);
   h.weight_decay = static_cast<float>(t.weight_decay);
   h.step = step_index + 1;
-  StepResult r = sharding_->step(env_, units_, h, 1.0f, static_cast<float>(t.grad_clip));
-  if (!r.skipped) precision_->end_step(backend_->ctx());
-  return r;
+  rt_.sharding->step(state_->env(), units(), h);
+  rt_.precision->end_step(rt_.backend->ctx());
 }
 
-Tensor Session::logits() const {
+std::vector<StepLog> Session::read_step_logs() {
+  std::vector<StepLog> out = std::move(unread_);
+  unread_.clear();
+  std::vector<StepLog> now = read_ring();
+  out.insert(out.end(), now.begin(), now.end());
+  return out;
+}
+
+std::vector<StepLog> Session::read_ring() {
+  std::vector<StepLog> out;
+  if (pending_ == 0) return out;
+  const auto& t = cfg_.train;
+  Backend& be = *rt_.backend;
+  std::vector<double> rows(static_cast<size_t>(pending_ * kStepScalars));
+  be.wait(be.ctx(), be.mark(be.side_ctx()));  // the ring's last rows are written on the optimizer queue
+  be.download(rows.data(), state_->scalar_log(), rows.size() * sizeof(double));  // the one wait
+  stager_->device_caught_up();
+  // Losses averaged over ranks in one collective (every rank reads the same steps).
+  std::vector<double> losses(static_cast<size_t>(pending_));
+  const double tokens_per_rank = static_cast<double>(model_->env().N * t.grad_accum);
+  for (int64_t i = 0; i < pending_; ++i) losses[static_cast<size_t>(i)] = rows[static_cast<size_t>(i * kStepScalars + kLossSum)] / tokens_per_rank;
+  if (rt_.host->size() > 1) {
+    Tensor lt(losses.data(), DType::f64, Device::cpu, {pending_});
+    rt_.host->all_reduce(ExecContext{}, lt, ReduceOp::avg);
+  }
+  const double tokens_per_step = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum * world());
+  const double samples_per_step = static_cast<double>(t.micro_batch * t.grad_accum * world());
+  const bool gpu = be.device() == Device::cuda;
+  const size_t mem = gpu ? be.device_memory_used() : peak_resident_bytes();
+  for (int64_t i = 0; i < pending_; ++i) {
+    const double* r = rows.data() + i * kStepScalars;
+    StepLog s;
+    s.step = step_ - pending_ + i + 1;
+    s.loss = losses[static_cast<size_t>(i)];
+    s.lr = lr_at(s.step - 1, t.steps, t.warmup_steps, t.lr, t.min_lr, t.schedule);
+    s.grad_norm = r[kGradNorm];
+    s.skipped = r[kSkip] != 0.0;
+    // A step's time is the period from its start to the next step's: with the
+    // optimizer overlapping the next forward, that is what each step costs.
+    // The last step of a read has no successor yet: start to end of its work.
+    s.step_ms = i + 1 < pending_ ? r[kStepScalars + kTimeBegin] - r[kTimeBegin] : r[kTimeEnd] - r[kTimeBegin];
+    const double secs = std::max(s.step_ms, 1e-6) * 1e-3;
+    s.tokens_per_s = tokens_per_step / secs;
+    s.samples_per_s = samples_per_step / secs;
+    if (gpu) {
+      // MFU (DESIGN.md): flops per token x tokens/s per GPU over the one peak.
+      s.mfu = model_->spec().flops_per_token(t.seq_len) * s.tokens_per_s / static_cast<double>(world()) / kPeakFlops;
+    }
+    s.peak_mem_bytes = mem;
+    out.push_back(s);
+  }
+  pending_ = 0;
+  return out;
+}
+
+void Session::next_batch(Split split) {
+  Tensor tokens = model_->tokens();
+  stager_->stage(*rt_.data, split, tokens, model_->spec().vocab_size, cfg_.data.plugin);
+}
+
+void Session::load_batch(const int32_t* inputs, const int32_t* targets) {
+  Tensor tokens = model_->tokens();
+  stager_->stage(inputs, targets, tokens);
+}
+
+void Session::forward_unit(int unit, bool training, float dloss_scale) {
+  UnitState& u = units()[static_cast<size_t>(unit)];
+  rt_.sharding->before_forward(state_->env(), u);
+  model_->forward_unit(unit, units(), training, dloss_scale);
+  rt_.sharding->after_forward(state_->env(), u);
+}
+
+void Session::backward_unit(int unit) {
+  UnitState& u = units()[static_cast<size_t>(unit)];
+  rt_.sharding->before_backward(state_->env(), u);
+  model_->backward_unit(unit, units());
+  rt_.sharding->after_backward(state_->env(), u, last_micro_);
+}
+
+void Session::forward(bool training, float dloss_scale) {
+  for (int u = 0; u < model_->num_units(); ++u) forward_unit(u, training, dloss_scale);
+}
+
+void Session::backward() {
+  for (int u = model_->num_units() - 1; u >= 0; --u) backward_unit(u);
+}
+
+double Session::batch_loss() {
+  const double sum = rt_.backend->sum(model_->losses());
+  stager_->device_caught_up();
+  return sum / static_cast<double>(model_->env().N);
+}
+
+void Session::zero_grads() {
+  Backend& be = *rt_.backend;
+  be.wait(be.ctx(), be.mark(be.side_ctx()));  // nothing on the optimizer queue still reads them
+  state_->zero_grads();
+  be.zero(state_->scalars());  // a new step's loss and norm accumulators
+}
+
+StepResult Session::optimizer_step(int64_t step_index) {
+  Backend& be = *rt_.backend;
+  queue_optimizer_step(step_index);
+  be.wait(be.ctx(), be.mark(be.side_ctx()));
+  double sc[kStepScalars];
+  be.download(sc, state_->scalars(), sizeof sc);
+  stager_->device_caught_up();
+  return {sc[kGradNorm], sc[kSkip] != 0.0};
+}
+
+double Session::evaluate() {
+  Backend& be = *rt_.backend;
+  trace::Scope phase(trace::Track::host, "validation");
+  Range range(be, "validation");
+  rt_.data->reset(Split::validation);
+  Tensor& sum = state_->eval_sum();
+  be.zero(sum);
+  const int64_t n = cfg_.train.validation_batches;
+  for (int64_t i = 0; i < n; ++i) {
+    next_batch(Split::validation);
+    forward(false, 0.f);
+    be.sum_into(sum, model_->losses(), 0, model_->env().N, false);
+  }
+  double total = 0;
+  be.download(&total, sum, sizeof total);
+  stager_->device_caught_up();
+  return mean_over_ranks(total / static_cast<double>(n * model_->env().N));
+}
+
+void Session::save_checkpoint(int64_t step) {
+  loom::save_checkpoint(cfg_, rt_, *state_, *model_, step);
+  stager_->device_caught_up();
+}
+
+std::vector<float> Session::logits() {
   LOOM_CHECK(initialised_, "logits() before initialise()");
-  return model_->logits();
+  HeadBlock& head = model_->head();
+  const int64_t N = model_->env().N, V = model_->spec().vocab_size, C = head.chunk();
+  std::vector<float> out;
+  out.reserve(static_cast<size_t>(N * V));
+  const int head_unit = model_->num_units() - 1;
+  for (int64_t c = 0; c * C < N; ++c) {
+    std::vector<float> part = read_tensor(head.logits_of_chunk(units(), head_unit, c));
+    out.insert(out.end(), part.begin(), part.end());
+  }
+  stager_->device_caught_up();
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// The loop: steps, log steps (read back, log, evaluate), checkpoints.
+// ---------------------------------------------------------------------------
+
+int Session::agreed_stop_signal() {
+  const int local = StopSignals::pending();
+  if (rt_.host->size() == 1) return local;
+  // A host all-reduce per step (no device wait): every rank stops after the same step.
+  return static_cast<int>(all_reduce_scalar(*rt_.host, static_cast<double>(local), ReduceOp::max));
+}
+
+void Session::claim_outputs() {
+  if (rank() == 0) {
+    output_lock_ = OutputLock::acquire(cfg_);
+    prepare_run_files(cfg_, resumed_ ? std::optional<int64_t>(step_) : std::nullopt);
+  }
+  rt_.host->barrier();  // checkpoint.dir exists before the other ranks look at it
+  // Every rank writes its shard there: a full disk or a read-only mount on any
+  // node is found now, not at the first save.
+  probe_writable("checkpoint.dir", checkpoint_root(cfg_).string(), cat(".loom.write_test.rank_", rank()));
+}
+
+RunSummary Session::train(int64_t stop_at) {
+  if (!initialised_) initialise();
+  // From here a signal stops the run after the current step, with a checkpoint.
+  StopSignals signals(cfg_.run.stop_signal);
+  const auto& t = cfg_.train;
+  RunSummary sum;
+  sum.first_step = step_;
+  const fs::path out(cfg_.run.out_dir);
+  // Rank 0 writes the run's files and draws the progress bar; the metrics are global (losses averaged over ranks).
+  const bool lead = rank() == 0;
+  MetricsFile metrics;
+  claim_outputs();
+  std::unique_ptr<TensorBoardWriter> tb;  // [run] tensorboard = true
+  if (lead) {
+    metrics.open((out / "metrics.jsonl").string(), step_ > 0);
+    if (cfg_.run.tensorboard) tb = std::make_unique<TensorBoardWriter>((out / "tensorboard").string());
+  }
+
+  log_info(cat("loom: training '", cfg_.run.name, "' for ", t.steps, " steps, output in ", out.string()));
+  {
+    std::istringstream d(describe());
+    for (std::string line; std::getline(d, line);) log_info(line);
+  }
+  if (step_ >= t.steps) {
+    log_info(cat("nothing to do: the checkpoint is at step ", step_, " and train.steps = ", t.steps));
+    return sum;
+  }
+  log_info(memory_report());
+  ProgressBar bar(lead ? t.steps : 0);
+  const auto run_start = std::chrono::steady_clock::now();
+
+  if (t.validation_every > 0 && step_ == 0) {
+    const double v = evaluate();
+    sum.val_losses.emplace_back(0, v);
+    log_info(cat("step 0 | val loss ", std::fixed, std::setprecision(4), v));
+    metrics.write_validation(0, v);
+    if (tb) tb->scalars(0, {{"val/loss", v}});
+  }
+
+  const int64_t last = stop_at > 0 ? std::min(stop_at, t.steps) : t.steps;
+  RunHealth health(t);
+  int stop = agreed_stop_signal();  // a signal during start-up (`loom train` listens from its start): nothing new to save
+  while (step_ < last && stop == 0) {
+    profiler_->before_step(step_ + 1);
+    train_step();
+    profiler_->after_step(step_);
+    stop = agreed_stop_signal();
+    const bool validate = t.validation_every > 0 && (step_ % t.validation_every == 0 || step_ == t.steps) && !stop;
+    const bool checkpoint =
+        stop || (cfg_.checkpoint.every > 0 && (step_ % cfg_.checkpoint.every == 0 || step_ == last));
+    const bool log_step = step_ % t.log_every == 0 || step_ == last || validate || checkpoint;
+    if (!log_step) continue;  // the device runs on; nothing here waits for it
+
+    std::vector<StepLog> logs = read_step_logs();
+    // An update large enough to overflow AdamW's second moment: look at the state (rare; see run_health.hpp).
+    if (const double applied = health.max_applied_norm(logs); applied > kOverflowRiskNorm)
+      check_optimizer_state(*state_, rt_, step_, applied, t.grad_clip);
+    if (validate) {
+      logs.back().has_val = true;
+      logs.back().val_loss = evaluate();
+      sum.val_losses.emplace_back(step_, logs.back().val_loss);
+    }
+    bar.clear();
+    for (const StepLog& s : logs) {
+      metrics.write(s);
+      if (tb) tb->step(s);
+      sum.steps.push_back(s);
+      if (s.skipped) log_warn(cat("step ", s.step, ": gradient norm is not finite; update skipped"));
+    }
+    health.observe(logs);  // too many skipped steps in a row: stops with an error
+    const StepLog& s = logs.back();
+    if (s.step % t.log_every == 0 || s.step == t.steps || s.has_val) log_info(log_line(s, t.steps));
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double per_step = elapsed / static_cast<double>(step_ - sum.first_step);
+    bar.draw(step_, s.loss, per_step * static_cast<double>(t.steps - step_));
+    if (checkpoint) {
+      bar.clear();
+      save_checkpoint(step_);
+    }
+  }
+  profiler_->finish();
+  bar.finish();
+  sum.last_step = step_;
+  sum.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+  if (stop) {
+    sum.stop_signal = stop;
+    const bool stepped = step_ > sum.first_step;
+    log_warn(cat("stopped by ", signal_name(stop), world() > 1 ? cat(" on rank ", rank(), " of ", world()) : std::string(),
+                 " after step ", step_, stepped ? cat("; checkpoint ", (checkpoint_root(cfg_) / ckpt::step_dir_name(step_)).string(),
+                                                      " written")
+                                                : std::string("; no step ran in this process, nothing new to save"),
+                 ". Run the same command to resume"));
+    return sum;
+  }
+  health.finish();
+  std::ostringstream fin;
+  fin << "done: " << (step_ - sum.first_step) << " steps in " << duration(sum.wall_s) << " | final loss "
+      << std::fixed << std::setprecision(4) << (sum.steps.empty() ? 0.0 : sum.steps.back().loss);
+  if (!sum.val_losses.empty())
+    fin << " | val loss " << sum.val_losses.front().second << " -> " << sum.val_losses.back().second;
+  if (health.skipped_total()) fin << " | " << health.skipped_total() << " skipped steps";
+  fin << " | metrics " << (out / "metrics.jsonl").string();
+  log_info(fin.str());
+  return sum;
 }
 
 }  // namespace loom

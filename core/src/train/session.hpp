@@ -1,9 +1,21 @@
-// A training session: everything one run needs, built in the order DESIGN.md
-// asks for — plugins loaded and configs validated, data opened and the memory
-// plan made before any memory is touched — then the step loop.
+// A training session: one run, put together from parts with one job each —
 //
-// Used by `loom train` and `loom check`, and directly by the tests (goldens,
-// end-to-end), which drive forward/backward on batches of their own.
+//   runtime.hpp        launch, backend, communicators, the four plugins
+//   model/model.hpp    the model as blocks (native or fused layers)
+//   train_state.hpp    the memory plan and arena: parameters, gradients,
+//                      optimizer state, activations, the step's device scalars
+//   weights.hpp        random or HF initial weights
+//   checkpointing.hpp  save and resume (by parameter name)
+//   token_stager.hpp   tokens to the device without waiting
+//   progress.hpp       log lines, metrics.jsonl, the progress bar
+//
+// — and the step loop, which reads top to bottom in train_step() below. The
+// step never makes the host wait for the device: the loss, the gradient norm,
+// the clipping decision and the step's timing stay on the device until a log
+// step reads them all at once (read_step_logs).
+//
+// Used by `loom train`, `check`, `bench`, `compare`, and directly by the tests
+// (goldens, end-to-end), which drive forward/backward on batches of their own.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -11,28 +23,19 @@
 #include <vector>
 
 #include "config/run_config.hpp"
-#include "loom/arena.hpp"
-#include "loom/attention.hpp"
-#include "loom/comm.hpp"
-#include "loom/data.hpp"
-#include "loom/precision.hpp"
-#include "loom/registry.hpp"
-#include "loom/sharding.hpp"
-#include "model/backend.hpp"
-#include "model/llama.hpp"
-#include "train/optimizer.hpp"
+#include "model/model.hpp"
+#include "train/outputs.hpp"
+#include "train/profiler.hpp"
+#include "train/progress.hpp"
+#include "train/runtime.hpp"
+#include "train/token_stager.hpp"
+#include "train/train_state.hpp"
 
 namespace loom {
 
-struct StepLog {
-  int64_t step = 0;  // 1-based: the number of optimizer steps done after this one
-  double loss = 0, lr = 0, grad_norm = 0, step_ms = 0, tokens_per_s = 0, samples_per_s = 0;
-  bool skipped = false;
-  double mfu = 0;              // GPU only: model flops utilisation against 989 TFLOP/s
-  size_t peak_mem_bytes = 0;   // GPU only: device memory in use (cudaMemGetInfo)
-  bool has_val = false;
-  double val_loss = 0;
-};
+// The dense bf16 peak of an H100/H200 (DESIGN.md "MFU"): every recipe's MFU is
+// against this one number, so MFU compares across recipes.
+constexpr double kPeakFlops = 989e12;
 
 struct RunSummary {
   std::vector<StepLog> steps;                          // the steps this process ran
@@ -40,12 +43,21 @@ struct RunSummary {
   int64_t first_step = 0;                              // 0, or the resumed step
   int64_t last_step = 0;
   double wall_s = 0;
+  // The signal that stopped the run early (SIGTERM, ...; 0: it ran to its end).
+  // The checkpoint of last_step was written (unless no step ran).
+  int stop_signal = 0;
 };
 
 struct SessionOptions {
   // Train alone even when started by a launcher (the single-process reference
   // that tests compare the strategies with).
   bool single_process = false;
+};
+
+// What the tests' synchronous optimizer step reads back.
+struct StepResult {
+  double grad_norm = 0;  // global norm before clipping
+  bool skipped = false;  // non-finite gradients: no update
 };
 
 class Session {
@@ -55,11 +67,12 @@ class Session {
   ~Session();
 
   const Config& config() const { return cfg_; }
-  const ModelSpec& spec() const { return spec_; }
-  // Human-readable model size and memory plan (what `loom check` prints).
-  std::string describe() const;
-  // The plan per rank beside what was allocated (arena) and what the process uses (device memory or RSS).
-  std::string memory_report() const;
+  const ModelSpec& spec() const { return model_->spec(); }
+  std::string describe() const { return state_->describe(); }
+  std::string memory_report() const { return state_->memory_report(); }
+  // Throws loom::Error with the plan and what to change when it does not fit
+  // the memory available (initialise() calls it before allocating).
+  void check_memory_fits() const { state_->check_memory_fits(); }
 
   // Allocates the arena and initialises weights (random, HF, or from a checkpoint when resuming).
   void initialise();
@@ -67,91 +80,87 @@ class Session {
   // The step loop: trains until train.steps, logging, evaluating and checkpointing.
   // stop_at > 0 stops after that step instead (e.g. a job's time slice), writing
   // a checkpoint there when checkpoint.every > 0 so the next job resumes exactly.
+  // Before step 1 it locks and checks the output folders (train/outputs.hpp);
+  // a stop signal (train/stop_signal.hpp) ends it after the current step with
+  // a checkpoint and RunSummary::stop_signal set; too many skipped steps or an
+  // overflowed optimizer state end it with loom::Error (train/run_health.hpp).
   RunSummary train(int64_t stop_at = -1);
 
-  // One optimizer step (grad_accum micro-batches), timed on the backend.
-  StepLog train_step();
-  size_t arena_bytes() const { return arena_.bytes(); }
-  const ArenaPlan& memory_plan() const { return plan_; }
-  // The ZeRO paper's per-rank bytes for this strategy (params, grads, optimizer
-  // state incl. master) from the unpadded parameter count, beside the plan.
-  struct MemoryFormula { double params = 0, grads = 0, optimizer = 0; };
-  MemoryFormula memory_formula() const;
-  int rank() const { return comm_->rank(); }
-  int world() const { return comm_->size(); }
-  Communicator& comm() { return *comm_; }       // the data communicator (MPI on CPU, NCCL on CUDA)
-  Communicator& host_comm() { return *host_; }  // host scalars and barriers
+  // One optimizer step (grad_accum micro-batches), queued on the device; the
+  // host does not wait for it.
+  void train_step();
+  // The steps queued since the last call, read back from the device (one host
+  // synchronisation): loss (averaged over ranks), grad norm, skipped, time.
+  // A driver that queues more steps than the ring holds (TrainState::
+  // scalar_log_rows; the train loop never does) makes train_step read early.
+  std::vector<StepLog> read_step_logs();
 
-  // Building blocks, public for tests.
+  size_t arena_bytes() const { return state_->arena_bytes(); }
+  const ArenaPlan& memory_plan() const { return state_->plan(); }
+  TrainState::MemoryFormula memory_formula() const { return state_->memory_formula(); }
+  int rank() const { return rt_.rank(); }
+  int world() const { return rt_.world(); }
+  Communicator& comm() { return *rt_.comm; }       // the data communicator (MPI on CPU, NCCL on CUDA)
+  Communicator& host_comm() { return *rt_.host; }  // host scalars and barriers
+  // Times the backend made the host wait for the device (model/backend.hpp).
+  int64_t host_syncs() const { return rt_.backend->host_syncs(); }
+
+  // Building blocks, public for tests and `loom bench --breakdown`.
   void load_batch(const int32_t* inputs, const int32_t* targets);  // host [B*S] each
-  double forward(bool training, float dloss_scale);                 // mean token loss of the batch
-  // One unit at a time, with the sharding hooks around it (what forward()/backward() loop over).
+  // Every unit forward, with the sharding hooks around each. Training keeps
+  // what backward needs; its loss comes in the head's backward.
+  void forward(bool training, float dloss_scale);
   void forward_unit(int unit, bool training, float dloss_scale);
   void backward_unit(int unit);
-  double batch_loss();  // mean token loss of the last forward
   void backward();
+  // Mean token loss of the last evaluation forward or training backward (synchronises).
+  double batch_loss();
+  // Zeroes every gradient and the step's loss and norm accumulators (a new step).
   void zero_grads();
-  StepResult optimizer_step(int64_t step_index);  // step_index 0-based; lr from the schedule
-  double evaluate();                              // mean validation loss over validation_batches
+  // A whole optimizer step on the gradients in place (after zero_grads, forward
+  // and backward), read back (synchronises): for tests.
+  StepResult optimizer_step(int64_t step_index);
+  double evaluate();  // mean validation loss over validation_batches (synchronises once)
   void save_checkpoint(int64_t step);
   int64_t step() const { return step_; }
-  std::vector<UnitState>& units() { return units_; }
-  LlamaModel& model() { return *model_; }
-  Backend& backend() { return *backend_; }
-  Tensor logits() const;  // [B*S, V] after a forward with training = false
-  // Any backend tensor copied to host fp32 (fp32 or bf16 storage).
-  std::vector<float> read_tensor(const Tensor& t) const;
-  // A parameter (or its gradient) by HF name, copied to host fp32.
-  std::vector<float> read_param(const std::string& hf_name, bool grad = false) const;
-  void write_param(const std::string& hf_name, const float* src);
+  std::vector<UnitState>& units() { return state_->units(); }
+  Model& model() { return *model_; }
+  Backend& backend() { return *rt_.backend; }
+  TrainState& state() { return *state_; }
+  // The logits [B*S, V] of the last evaluation forward, copied to host fp32
+  // (computed chunk by chunk when the head is chunked): for tests and tools.
+  std::vector<float> logits();
+  std::vector<float> read_tensor(const Tensor& t) const { return state_->read_tensor(t); }
+  std::vector<float> read_param(const std::string& hf_name, bool grad = false) const {
+    return state_->read_param(hf_name, grad);
+  }
+  void write_param(const std::string& hf_name, const float* src) { state_->write_param(hf_name, src); }
 
  private:
-  void create_plugins();
-  void plan_memory();
-  void init_random();
-  void init_from_hf(const std::string& dir);
-  bool try_resume();
-  void load_checkpoint_tensors(const std::string& dir, const std::string& meta_text);
-  double mean_over_ranks(double v);
-  // LOOM_FAULT_STALL="RANK:STEP": that rank stops responding before STEP (to test collective timeouts);
-  // "RANK:STEP:kill": it dies (SIGKILL) there instead.
-  void fault_point();
+  void queue_optimizer_step(int64_t step_index);
+  std::vector<StepLog> read_ring();
   void next_batch(Split split);
-  const ParamInfo& find_param(const std::string& hf_name, int* unit) const;
+  double mean_over_ranks(double v) { return all_reduce_scalar(*rt_.host, v, ReduceOp::avg); }
+  // The stop signal any rank received (0: none); the same on every rank.
+  int agreed_stop_signal();
+  // Before step 1: out_dir locked and prepared (rank 0), checkpoint.dir writable from every rank.
+  void claim_outputs();
 
   Config cfg_;
-  ModelSpec spec_;
-  std::unique_ptr<PluginRegistry> registry_;
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<Communicator> comm_;
-  std::unique_ptr<Communicator> host_owned_;  // the MPI communicator beside NCCL
-  Communicator* host_ = nullptr;
-  int local_rank_ = 0, local_world_ = 1;
-  std::string launcher_;
-  std::unique_ptr<Precision> precision_;
-  std::unique_ptr<Attention> attention_;
-  std::unique_ptr<Sharding> sharding_;
-  std::unique_ptr<DataSource> data_;
-  std::unique_ptr<LlamaModel> model_;
-  std::unique_ptr<BackendOptimizerOps> ops_;
-  ShardingEnv env_;
-  std::vector<UnitInfo> unit_infos_;
-  std::vector<UnitLayout> layouts_;
-  std::vector<UnitState> units_;
-  ArenaPlan plan_;
-  size_t precision_ws_ = 0, precision_ws_bytes_ = 0;
-  struct UnitBlocks { size_t params, grads, grad_shard, master, m, v; bool has_master; };
-  std::vector<UnitBlocks> unit_blocks_;
-  std::vector<ShardingBuffer> scratch_req_;
-  std::vector<size_t> scratch_blocks_;
-  std::vector<Tensor> scratch_;
-  std::vector<Tensor> own_grads_;  // the per-unit grads the core allocated (zeroed each step)
-  Arena arena_;
-  PrecisionDTypes dtypes_{};
-  std::vector<int32_t> host_tokens_, host_inputs_, host_targets_;
-  int64_t step_ = 0;  // optimizer steps done
+  Runtime rt_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<TrainState> state_;
+  std::unique_ptr<TokenStager> stager_;
+  std::unique_ptr<Profiler> profiler_;  // the [profile] window
+  int64_t step_ = 0;        // optimizer steps done (queued)
+  int64_t pending_ = 0;     // steps queued since the last read of the step log
+  std::vector<StepLog> unread_;  // read early because the ring was full, not yet handed out
+  static constexpr uint64_t kNoMarker = ~uint64_t{0};
+  uint64_t closed_[2] = {kNoMarker, kNoMarker};  // per scalar set: the marker after its step's last use
   bool last_micro_ = true;  // the current micro-batch is the step's last (sharding may communicate)
   bool initialised_ = false;
+  bool resumed_ = false;    // initialise() loaded a checkpoint
+  std::shared_ptr<OutputLock> output_lock_;
 };
 
 }  // namespace loom

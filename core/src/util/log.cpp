@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "loom/error.hpp"
+#include "util/terminal.hpp"
 
 namespace loom {
 namespace {
@@ -14,7 +15,9 @@ std::atomic<int> g_rank{0};
 
 spdlog::logger& logger() {
   static std::shared_ptr<spdlog::logger> l = [] {
-    auto lg = spdlog::stderr_color_mt("loom");
+    // Colours only for a person at a terminal (util/terminal.hpp).
+    auto lg = spdlog::stderr_color_mt("loom", interactive_terminal(STDERR_FILENO) ? spdlog::color_mode::automatic
+                                                                                 : spdlog::color_mode::never);
     lg->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] %v");
     lg->set_level(spdlog::level::info);
     return lg;

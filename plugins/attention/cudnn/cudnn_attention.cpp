@@ -11,7 +11,21 @@
 // - Building a graph (heuristics, engine compilation) is the slow part, so each
 //   graph is built once per (shape, strides, dtype, direction, determinism) and
 //   cached; workspace_bytes(), called at start-up, builds the graphs a shape
-//   needs and reports the largest workspace among them.
+//   needs (packed tensors and the fused-QKV layout, see fused_key) and reports
+//   the largest workspace among them.
+// - forward/backward run a few hundred times a step, so after the first call of
+//   a graph they allocate nothing, format nothing and take no lock: the graph key
+//   is a fixed-size array compared with the last graph each direction used, and
+//   each cached graph owns its variant pack, whose pointer values are overwritten
+//   in place (Graph::execute only looks the uids up). Whatever cuDNN itself does
+//   inside execute is cuDNN's (the backend creates a variant-pack descriptor per
+//   call); tests/test_cuda_attention.cpp counts the two apart.
+//
+// Threads: one. The core drives a plugin object from its step thread. The
+// caches and variant packs are unguarded and the cuDNN handle's stream is set
+// per call, so two threads calling one object at the same time are not
+// supported (the mutex this replaced did not make that safe either: a stream
+// set by one thread could be used by another's execute).
 //
 // The whole plugin is one translation unit: the frontend headers take long to
 // compile, and nothing else needs them.
@@ -21,18 +35,32 @@
 #include <cudnn_frontend.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "loom/attention.hpp"
 #include "loom/error.hpp"
+
+namespace {
+// Graphs built (cuDNN asked, whether it accepted or refused) by every
+// CudnnAttention object of this library.
+std::atomic<int64_t> g_graphs_built{0};
+}  // namespace
+
+// Exported so that tests can prove that workspace_bytes() built every graph a
+// step uses (the fused-QKV layout included) and that calls build no more (dlsym
+// on the loaded plugin).
+extern "C" __attribute__((visibility("default"))) int64_t loom_attention_cudnn_graphs_built() {
+  return g_graphs_built.load();
+}
 
 namespace loom::cudnn_attn {
 namespace {
@@ -45,6 +73,9 @@ constexpr int64_t kMaxHeadDim = 256;  // cuDNN SDPA's limit for bf16/fp16 (9.x, 
 // Tensor uids of the variant pack; fixed, so execution maps pointers without
 // keeping the frontend's tensor objects around.
 enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
+constexpr int kUidSlots = kDV + 1;  // indexed by Uid; slot 0 unused
+constexpr std::array<Uid, 5> kForwardUids{kQ, kK, kV, kO, kStats};
+constexpr std::array<Uid, 9> kBackwardUids{kQ, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV};
 
 // Element strides of a [B, S, heads, D] tensor (the D stride is 1).
 struct Bshd {
@@ -52,22 +83,40 @@ struct Bshd {
   static Bshd packed(int64_t S, int64_t heads, int64_t D) { return {S * heads * D, heads * D, D}; }
 };
 
+// A graph's identity as a plain array: built and compared on every call
+// without allocating. 10 shape/dtype/direction words, then the strides of
+// q, k, v, o (forward) and dout, dq, dk, dv (backward; zero in forward).
+using GraphId = std::array<int64_t, 10 + 8 * 3>;
+// What workspace_bytes() is asked about: the shape and dtype.
+using ShapeId = std::array<int64_t, 8>;
+
+ShapeId shape_id(const AttentionShape& s, DType t) {
+  return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal, std::bit_cast<int32_t>(s.scale),
+          static_cast<int64_t>(t)};
+}
+
 // Everything a graph depends on. For forward only q/k/v/o are used.
 struct GraphKey {
   AttentionShape shape;
   DType dtype = DType::bf16;
   bool backward = false;
-  bool deterministic = false;
+  bool deterministic = false;  // backward only: forward has a single algorithm
   Bshd q, k, v, o, dout, dq, dk, dv;
 
-  std::vector<int64_t> id() const {
-    std::vector<int64_t> v_{shape.batch, shape.seq, shape.heads, shape.kv_heads, shape.head_dim, shape.causal,
-                            std::bit_cast<int32_t>(shape.scale), static_cast<int64_t>(dtype), backward,
-                            backward && deterministic};
-    const int n = backward ? 8 : 4;
+  GraphId id() const {
+    const ShapeId sid = shape_id(shape, dtype);
+    GraphId g{};
+    std::copy(sid.begin(), sid.end(), g.begin());
+    g[8] = backward;
+    g[9] = backward && deterministic;
     const Bshd* all[8] = {&q, &k, &v, &o, &dout, &dq, &dk, &dv};
-    for (int i = 0; i < n; ++i) v_.insert(v_.end(), {all[i]->b, all[i]->s, all[i]->h});
-    return v_;
+    const int n = backward ? 8 : 4;
+    for (int i = 0; i < n; ++i) {
+      g[10 + 3 * i] = all[i]->b;
+      g[11 + 3 * i] = all[i]->s;
+      g[12 + 3 * i] = all[i]->h;
+    }
+    return g;
   }
   std::string describe() const {
     return cat(backward ? "backward" : "forward", " B=", shape.batch, " S=", shape.seq, " H=", shape.heads,
@@ -76,16 +125,12 @@ struct GraphKey {
   }
 };
 
-// Shape-only identity (what workspace_bytes sees): the workspace the core
-// planned for a shape is recorded under it.
-std::vector<int64_t> shape_id(const AttentionShape& s, DType t) {
-  return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, s.causal, std::bit_cast<int32_t>(s.scale),
-          static_cast<int64_t>(t)};
-}
-
 // The layouts the model hands over: separate packed q/k/v/o (and grads), or
-// q/k/v (and dq/dk/dv) as views into one fused [B, S, (H + 2 Hkv) * D] buffer
-// with out/dout packed.
+// the fused attention block's: q/k/v as views into one packed
+// [B, S, (H + 2 Hkv) * D] buffer (q: heads [0, H), k: [H, H + Hkv), v: the
+// rest), dq/dk/dv the same views of one packed gradient buffer of that shape,
+// out and dout packed [B, S, H * D]. Only strides enter the key: the views'
+// offsets inside the buffer are pointers, which the variant pack carries.
 GraphKey packed_key(const AttentionShape& s, DType t, bool backward, bool det) {
   GraphKey k{s, t, backward, det};
   k.q = k.o = k.dout = k.dq = Bshd::packed(s.seq, s.heads, s.head_dim);
@@ -93,17 +138,19 @@ GraphKey packed_key(const AttentionShape& s, DType t, bool backward, bool det) {
   return k;
 }
 GraphKey fused_key(const AttentionShape& s, DType t, bool backward, bool det) {
-  GraphKey k = packed_key(s, t, backward, det);
+  GraphKey k = packed_key(s, t, backward, det);  // o and dout stay packed
   const int64_t W = (s.heads + 2 * s.kv_heads) * s.head_dim;
   k.q = k.k = k.v = k.dq = k.dk = k.dv = Bshd{s.seq * W, W, s.head_dim};
   return k;
 }
 
-void check_cudnn(cudnnStatus_t st, const char* call, const std::string& what) {
-  LOOM_CHECK(st == CUDNN_STATUS_SUCCESS, "cudnn attention: ", call, " failed for ", what, ": ",
-             cudnnGetErrorString(st));
+void check_cudnn(cudnnStatus_t st, const char* call, const GraphKey* key) {
+  LOOM_CHECK(st == CUDNN_STATUS_SUCCESS, "cudnn attention: ", call, " failed for ",
+             key ? key->describe() : std::string("the plugin's handle"), ": ", cudnnGetErrorString(st));
 }
 
+// By value: error_t::get_message() is not const. Copying a success (an empty
+// message, held in place by the small-string buffer) allocates nothing.
 void check_fe(fe::error_t st, const char* step, const GraphKey& key) {
   if (st.is_bad())
     throw Error(cat("cudnn attention: cuDNN SDPA ", step, " failed for ", key.describe(), ": ", st.get_message()));
@@ -127,10 +174,21 @@ void set_stats_layout(fe::graph::Tensor_attributes& t, const AttentionShape& s) 
       .set_stride({s.heads * s.seq, s.seq, 1, 1});
 }
 
+// One cached graph with everything its calls need.
 struct Entry {
+  GraphId id{};
+  GraphKey key;  // for messages
   std::shared_ptr<fe::graph::Graph> graph;  // null when cuDNN refused the graph
   int64_t workspace = 0;
   std::string error;  // why it was refused
+  // The variant pack handed to Graph::execute, holding every uid of the graph
+  // from the start; a call only overwrites the values (through `slot`: pointers
+  // into the map's nodes, which never move), so execute's lookups allocate nothing.
+  std::unordered_map<int64_t, void*> pack;
+  std::array<void**, kUidSlots> slot{};
+  // workspace_bytes()'s figure for this shape, found on the first call (the
+  // planned_ map's nodes never move either).
+  const int64_t* planned = nullptr;
 };
 
 std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const GraphKey& key, int64_t& workspace) {
@@ -213,6 +271,7 @@ class CudnnAttention final : public Attention {
 
   ~CudnnAttention() override {
     // Graphs hold cuDNN descriptors: release them before the handle.
+    last_ = {};
     cache_.clear();
     if (handle_) cudnnDestroy(handle_);  // at teardown there is nobody to report a failure to
   }
@@ -247,16 +306,19 @@ class CudnnAttention final : public Attention {
     return Support::yes();
   }
 
+  // Builds every graph a step can ask for with this shape: forward and backward
+  // (with the determinism the plugin was created with), for packed tensors and
+  // for the fused attention block's layout (fused_key).
   size_t workspace_bytes(const AttentionShape& shape, DType dtype, Device device) const override {
     LOOM_CHECK(device == Device::cuda, "cudnn attention runs on cuda only, got device ", device_name(device), kUseNaive);
     int64_t most = 0;
     for (bool bwd : {false, true})
-      for (const GraphKey& k : {packed_key(shape, dtype, bwd, deterministic_), fused_key(shape, dtype, bwd, deterministic_)}) {
+      for (const GraphKey& k :
+           {packed_key(shape, dtype, bwd, deterministic_), fused_key(shape, dtype, bwd, deterministic_)}) {
         const Entry& e = entry(k);
         LOOM_CHECK(e.graph != nullptr, e.error, kUseNaive);
         most = std::max(most, e.workspace);
       }
-    std::lock_guard<std::mutex> lock(mu_);
     int64_t& planned = planned_[shape_id(shape, dtype)];
     planned = std::max(planned, most);
     return static_cast<size_t>(most);
@@ -272,9 +334,9 @@ class CudnnAttention final : public Attention {
     key.v = bshd(v, "v", shape, shape.kv_heads, t);
     key.o = bshd(out, "out", shape, shape.heads, t);
     check_stats(stats, shape);
-    std::unordered_map<int64_t, void*> pack{{kQ, q.data}, {kK, k.data}, {kV, v.data}, {kO, out.data},
-                                            {kStats, stats.data}};
-    execute(ctx, key, pack, workspace);
+    std::array<void*, kUidSlots> ptrs{};
+    ptrs[kQ] = q.data, ptrs[kK] = k.data, ptrs[kV] = v.data, ptrs[kO] = out.data, ptrs[kStats] = stats.data;
+    execute(ctx, key, ptrs, workspace);
   }
 
   void backward(const ExecContext& ctx, const AttentionShape& shape, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -292,10 +354,10 @@ class CudnnAttention final : public Attention {
     key.dk = bshd(dk, "dk", shape, shape.kv_heads, t);
     key.dv = bshd(dv, "dv", shape, shape.kv_heads, t);
     check_stats(stats, shape);
-    std::unordered_map<int64_t, void*> pack{{kQ, q.data},       {kK, k.data},   {kV, v.data},
-                                            {kO, out.data},     {kDO, dout.data}, {kStats, stats.data},
-                                            {kDQ, dq.data},     {kDK, dk.data}, {kDV, dv.data}};
-    execute(ctx, key, pack, workspace);
+    std::array<void*, kUidSlots> ptrs{};
+    ptrs[kQ] = q.data, ptrs[kK] = k.data, ptrs[kV] = v.data, ptrs[kO] = out.data, ptrs[kStats] = stats.data;
+    ptrs[kDO] = dout.data, ptrs[kDQ] = dq.data, ptrs[kDK] = dk.data, ptrs[kDV] = dv.data;
+    execute(ctx, key, ptrs, workspace);
   }
 
  private:
@@ -315,54 +377,83 @@ class CudnnAttention final : public Attention {
   cudnnHandle_t handle() const {
     // Created on first use, not in the constructor: supports() for another
     // device, and loading the plugin to list it, need no GPU.
-    if (!handle_) check_cudnn(cudnnCreate(&handle_), "cudnnCreate", "the plugin's handle");
+    if (!handle_) check_cudnn(cudnnCreate(&handle_), "cudnnCreate", nullptr);
     return handle_;
   }
 
   // The cached graph for `key`, built on first use. A graph cuDNN refuses is
-  // cached too (with the reason), so asking again costs nothing.
-  const Entry& entry(const GraphKey& key) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    const std::vector<int64_t> id = key.id();
+  // cached too (with the reason), so asking again costs nothing. Lookups
+  // (std::map::find on an array key) allocate nothing; building does.
+  Entry& entry(const GraphKey& key) const { return entry(key, key.id()); }
+  Entry& entry(const GraphKey& key, const GraphId& id) const {
     auto it = cache_.find(id);
     if (it != cache_.end()) return it->second;
     cudnnHandle_t h = handle();  // a failure here (no GPU, no libcudnn) is not cached: it throws
     Entry e;
+    e.id = id;
+    e.key = key;
+    ++g_graphs_built;
     try {
       e.graph = build_graph(h, key, e.workspace);
     } catch (const Error& err) {
       e.graph.reset();
       e.error = err.what();
     }
-    return cache_.emplace(id, std::move(e)).first->second;
+    Entry& placed = cache_.emplace(id, std::move(e)).first->second;
+    if (placed.graph) {
+      // The variant pack, filled once: in place, because `slot` points into its nodes.
+      const bool bwd = key.backward;
+      const Uid* uids = bwd ? kBackwardUids.data() : kForwardUids.data();
+      const size_t n = bwd ? kBackwardUids.size() : kForwardUids.size();
+      placed.pack.reserve(n);
+      for (size_t i = 0; i < n; ++i) placed.slot[uids[i]] = &placed.pack.emplace(uids[i], nullptr).first->second;
+    }
+    return placed;
   }
 
-  void execute(const ExecContext& ctx, const GraphKey& key, std::unordered_map<int64_t, void*>& pack,
+  // The graph of a forward/backward call: the one this direction used last
+  // (every layer of a model asks for the same), else the cache.
+  Entry& call_entry(const GraphKey& key) {
+    const GraphId id = key.id();
+    Entry*& last = last_[key.backward ? 1 : 0];
+    if (last == nullptr || last->id != id) last = &entry(key, id);
+    return *last;
+  }
+
+  void execute(const ExecContext& ctx, const GraphKey& key, const std::array<void*, kUidSlots>& ptrs,
                void* workspace) {
-    const Entry& e = entry(key);
+    Entry& e = call_entry(key);
     LOOM_CHECK(e.graph != nullptr, e.error, kUseNaive);
-    int64_t planned = -1;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
+    if (e.workspace > 0 && e.planned == nullptr) {
       auto it = planned_.find(shape_id(key.shape, key.dtype));
-      if (it != planned_.end()) planned = it->second;
+      if (it != planned_.end()) e.planned = &it->second;
     }
     // The core sizes the workspace from workspace_bytes() once; a layout or
     // determinism setting it did not foresee may need more.
-    LOOM_CHECK(e.workspace == 0 || (workspace != nullptr && planned >= e.workspace), "cudnn attention: the ",
-               key.describe(), " graph for these tensor strides needs a workspace of ", e.workspace,
-               " bytes, but workspace_bytes() planned ", planned < 0 ? std::string("nothing") : std::to_string(planned),
-               " bytes for this shape", workspace ? "" : " and none was passed");
-    check_cudnn(cudnnSetStream(handle(), static_cast<cudaStream_t>(ctx.stream)), "cudnnSetStream", key.describe());
-    check_fe(e.graph->execute(handle(), pack, workspace), "execute", key);
+    LOOM_CHECK(e.workspace == 0 || (workspace != nullptr && e.planned != nullptr && *e.planned >= e.workspace),
+               "cudnn attention: the ", key.describe(), " graph for these tensor strides needs a workspace of ",
+               e.workspace, " bytes, but workspace_bytes() planned ",
+               e.planned ? std::to_string(*e.planned) : std::string("nothing"), " bytes for this shape",
+               workspace ? "" : " and none was passed",
+               key.backward && key.deterministic != deterministic_
+                   ? " (ExecContext::deterministic differs from the PluginInit::deterministic it was planned with)"
+                   : "");
+    for (int uid = kQ; uid < kUidSlots; ++uid)
+      if (e.slot[uid] != nullptr) *e.slot[uid] = ptrs[uid];
+    // Every call: a stream value may be destroyed and its address reused for a
+    // new stream, which cuDNN must be told about all the same.
+    cudnnHandle_t h = handle();
+    check_cudnn(cudnnSetStream(h, static_cast<cudaStream_t>(ctx.stream)), "cudnnSetStream", &key);
+    check_fe(e.graph->execute(h, e.pack, workspace), "execute", key);
   }
 
   Device device_;
   bool deterministic_;
-  mutable std::mutex mu_;  // recursive use is avoided: entry() never calls back into a locked section
   mutable cudnnHandle_t handle_ = nullptr;
-  mutable std::map<std::vector<int64_t>, Entry> cache_;
-  mutable std::map<std::vector<int64_t>, int64_t> planned_;  // shape -> workspace bytes reported
+  // std::map: entries never move, so `last_` and Entry::slot stay valid.
+  mutable std::map<GraphId, Entry> cache_;
+  std::array<Entry*, 2> last_{};                // per direction: forward, backward
+  mutable std::map<ShapeId, int64_t> planned_;  // shape -> workspace bytes reported
 };
 
 }  // namespace

@@ -10,9 +10,17 @@
 //   wgrad  dW = dy^T x    ->  dW^T[k, n] = x^T dy      : A = x buffer  (k x m, ld ldx) op N
 //                                                        B = dy buffer (n x m, ld lddy) op T  "NT"
 //
-// and D (= C, the same buffer and layout) is the column-major view of the
-// row-major output. In cuBLASLt's terms D[M', N'] = op(A)[M', K'] op(B)[K', N'] with
+// and D is the column-major view of the row-major output. In cuBLASLt's terms
+// D[M', N'] = op(A)[M', K'] op(B)[K', N'] with
 //   fprop M'=n N'=m K'=k,  dgrad M'=k N'=m K'=n,  wgrad M'=k N'=n K'=m.
+// The C input is D itself (beta = 0, or beta = 1 for an accumulated dW) except
+// for fprop's residual: then C is the residual's buffer with its own leading
+// dimension, which the plan key holds (C's alignment too).
+//
+// The hot path (a plan already built) allocates nothing and formats nothing:
+// the plan key is a fixed-size array, messages are built only when a check
+// fails, and the plans of a (linear, GEMM) slot are a short vector searched in
+// place. One thread per object: plans are built without a lock.
 #include "precision/common/cublaslt_linear.hpp"
 
 #include <cublasLt.h>
@@ -23,6 +31,7 @@
 #include <atomic>
 
 #include "loom/error.hpp"
+#include "precision/common/residual.hpp"
 
 namespace {
 // Per plugin library (each plugin links its own copy of this static library).
@@ -60,11 +69,12 @@ uint32_t alignment_of(const void* p) {
 // Everything cuBLASLt needs to run one GEMM shape, built once.
 struct CublasLtLinears::Plan {
   // The call shape the plan was built for (M', N', K', leading dims, pointer alignments).
-  std::array<int64_t, 9> key{};
+  std::array<int64_t, 11> key{};
   cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;  // c null: C uses d's layout
   cublasLtMatmulAlgo_t algo{};
   size_t workspace_needed = 0;
+  cublasLtMatrixLayout_t c_layout() const { return c ? c : d; }
   Plan() = default;
   Plan(const Plan&) = delete;
   Plan& operator=(const Plan&) = delete;
@@ -133,7 +143,7 @@ RowMatrix row_matrix(const Tensor& t, const char* what, DType want, const char* 
              ", got ", dtype_name(t.dtype), " (the ", recipe, " recipe stores ", role, " in ", dtype_name(want), ")");
   LOOM_CHECK(t.device == Device::cuda, "precision ", recipe, ": ", d.name, ": ", what, " is on ",
              device_name(t.device), "; this plugin object runs its GEMMs on cuda");
-  return fold_rows(t, cat("precision ", recipe, ": ", d.name, ": ", what));
+  return fold_rows(t, "precision ", recipe, ": ", d.name, ": ", what);
 }
 
 // The weight and its gradient are one packed [out, in] matrix (a parameter buffer, never a view).
@@ -158,7 +168,8 @@ void check_rows(const std::string& recipe, const LinearDesc& d, const RowMatrix&
 
 }  // namespace
 
-void CublasLtLinears::forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y) {
+void CublasLtLinears::forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
+                              const Tensor* residual) {
   const LinearDesc& d = lookup(ctx, id);
   const RowMatrix mx = row_matrix(x, "x", dtypes_.activation, "activations", recipe_, d);
   const RowMatrix my = row_matrix(y, "y", dtypes_.activation, "activations", recipe_, d);
@@ -168,8 +179,26 @@ void CublasLtLinears::forward(const ExecContext& ctx, int id, const Tensor& x, c
   check_cols(recipe_, d, my, d.out, "y", "out");
   LOOM_CHECK(my.rows == mx.rows, "precision ", recipe_, ": ", d.name, ": y has ", my.rows, " rows but x has ",
              mx.rows);
+  const void* c = y.data;
+  int64_t ldc = my.ld;
+  if (residual != nullptr) {
+    // The residual is the C input (beta = 1): y = x W^T + residual in one pass.
+    const RowMatrix mr = row_matrix(*residual, "residual", dtypes_.activation, "activations", recipe_, d);
+    LOOM_CHECK(mr.rows == my.rows && mr.cols == my.cols, "precision ", recipe_, ": ", d.name, ": residual is [",
+               mr.rows, ", ", mr.cols, "] but y is [", my.rows, ", ", my.cols, "] (the residual must have y's shape)");
+    // cuBLASLt computes in place only with C == D and one layout; an
+    // out-of-place product reading C where it writes D is undefined.
+    LOOM_CHECK(residual_layout_ok(residual->data, mr.ld, y.data, my.ld, my.rows, my.cols,
+                                  dtype_size(dtypes_.activation)),
+               "precision ", recipe_, ": ", d.name, ": residual overlaps y without being y (residual at ",
+               residual->data, " row stride ", mr.ld, ", y at ", y.data, " row stride ", my.ld,
+               "): it must be y itself (same data and row stride) or share no element with it");
+    c = residual->data;
+    ldc = residual->data == y.data ? my.ld : mr.ld;  // one row: fold_rows may report different strides
+  }
   if (mx.rows == 0) return;
-  matmul(ctx, id, kFprop, d.out, mx.rows, d.in, w.data, d.in, x.data, mx.ld, y.data, my.ld, 0.0f);
+  matmul(ctx, id, kFprop, d.out, mx.rows, d.in, w.data, d.in, x.data, mx.ld, c, ldc, y.data, my.ld,
+         residual != nullptr ? 1.0f : 0.0f);
 }
 
 void CublasLtLinears::backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,
@@ -202,8 +231,10 @@ void CublasLtLinears::backward(const ExecContext& ctx, int id, const Tensor& x, 
     }
     return;
   }
-  if (dx != nullptr) matmul(ctx, id, kDgrad, d.in, m, d.out, w.data, d.in, dy.data, mdy.ld, dx->data, mdx.ld, 0.0f);
-  matmul(ctx, id, kWgrad, d.in, d.out, m, x.data, mx.ld, dy.data, mdy.ld, dw.data, d.in, accumulate ? 1.0f : 0.0f);
+  if (dx != nullptr)
+    matmul(ctx, id, kDgrad, d.in, m, d.out, w.data, d.in, dy.data, mdy.ld, dx->data, mdx.ld, dx->data, mdx.ld, 0.0f);
+  matmul(ctx, id, kWgrad, d.in, d.out, m, x.data, mx.ld, dy.data, mdy.ld, dw.data, d.in, dw.data, d.in,
+         accumulate ? 1.0f : 0.0f);
 }
 
 #define LOOM_CUBLASLT_CHECK(call, where)                                                                        \
@@ -214,8 +245,8 @@ void CublasLtLinears::backward(const ExecContext& ctx, int id, const Tensor& x, 
   } while (0)
 
 void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t rows, int64_t cols, int64_t inner,
-                             const void* a, int64_t lda, const void* b, int64_t ldb, void* d, int64_t ldd,
-                             float beta) {
+                             const void* a, int64_t lda, const void* b, int64_t ldb, const void* c, int64_t ldc,
+                             void* d, int64_t ldd, float beta) {
   auto handle = static_cast<cublasLtHandle_t>(ctx.blas_handle);
   const LinearDesc& desc = linears_[static_cast<size_t>(id)];
   // See the file comment for why these are the ops of each GEMM.
@@ -224,14 +255,15 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
   const DType ta = g == kWgrad ? dtypes_.activation : dtypes_.param;
   const DType tb = dtypes_.activation;
   const DType td = g == kWgrad ? dtypes_.grad : dtypes_.activation;
-  const std::array<int64_t, 9> key{rows, cols, inner, lda, ldb, ldd, alignment_of(a), alignment_of(b),
-                                   alignment_of(d)};
+  const std::array<int64_t, 11> key{rows, cols, inner, lda, ldb, ldd, alignment_of(a), alignment_of(b),
+                                    alignment_of(d), ldc, alignment_of(c)};
   // Every message names the linear, the GEMM and the cuBLASLt problem.
   auto where = [&] {
     return cat("precision ", recipe_, ": ", desc.name, ": ", gemm_name(g), " (", op_a == CUBLAS_OP_T ? "T" : "N",
                op_b == CUBLAS_OP_T ? "T" : "N", " column-major D[", rows, ",", cols, "] = op(A) op(B), K=", inner,
-               ", lda=", lda, " ldb=", ldb, " ldd=", ldd, ", A ", dtype_name(ta), " B ", dtype_name(tb), " C/D ",
-               dtype_name(td), ", alignments ", key[6], "/", key[7], "/", key[8], " bytes)");
+               ", lda=", lda, " ldb=", ldb, " ldc=", ldc, " ldd=", ldd, ", A ", dtype_name(ta), " B ",
+               dtype_name(tb), " C/D ", dtype_name(td), ", alignments A/B/D/C ", key[6], "/", key[7], "/", key[8],
+               "/", key[10], " bytes)");
   };
 
   auto& plans = slots_[static_cast<size_t>(id)]->plans[g];
@@ -253,8 +285,10 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     const uint64_t b_rows = op_b == CUBLAS_OP_N ? inner : cols, b_cols = op_b == CUBLAS_OP_N ? cols : inner;
     LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->a, cuda_type(ta), a_rows, a_cols, lda), where());
     LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->b, cuda_type(tb), b_rows, b_cols, ldb), where());
-    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->c, cuda_type(td), rows, cols, ldd), where());
     LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->d, cuda_type(td), rows, cols, ldd), where());
+    // C (the residual, or D itself) gets its own layout only where its leading
+    // dimension differs: an in-place product (C == D) must pass one layout for both.
+    if (ldc != ldd) LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->c, cuda_type(td), rows, cols, ldc), where());
 
     cublasLtMatmulPreference_t pref = nullptr;
     LOOM_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref), where());
@@ -270,7 +304,7 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     // Views into wider buffers need not be 256-byte aligned (cuBLASLt's default
     // assumption): tell the heuristic what the pointers really are.
     const uint32_t al_a = static_cast<uint32_t>(key[6]), al_b = static_cast<uint32_t>(key[7]),
-                   al_d = static_cast<uint32_t>(key[8]);
+                   al_d = static_cast<uint32_t>(key[8]), al_c = static_cast<uint32_t>(key[10]);
     LOOM_CUBLASLT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)),
         where());
@@ -278,7 +312,7 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)),
         where());
     LOOM_CUBLASLT_CHECK(
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d)),
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)),
         where());
     LOOM_CUBLASLT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)),
@@ -287,7 +321,8 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     LOOM_CUBLASLT_CHECK(
-        cublasLtMatmulAlgoGetHeuristic(handle, p->op, p->a, p->b, p->c, p->d, pref, 1, &result, &found), where());
+        cublasLtMatmulAlgoGetHeuristic(handle, p->op, p->a, p->b, p->c_layout(), p->d, pref, 1, &result, &found),
+        where());
     LOOM_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS, where(),
                ": cuBLASLt has no algorithm for this problem with a ", workspace_bytes_, "-byte workspace");
     p->algo = result.algo;
@@ -302,8 +337,9 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
 
   // Host scalars (cuBLASLt's default pointer mode); beta = 1 accumulates into dW.
   const float alpha = 1.0f;
-  LOOM_CUBLASLT_CHECK(cublasLtMatmul(handle, plan->op, &alpha, a, plan->a, b, plan->b, &beta, d, plan->c, d, plan->d,
-                                     &plan->algo, workspace_, workspace_bytes_, static_cast<cudaStream_t>(ctx.stream)),
+  LOOM_CUBLASLT_CHECK(cublasLtMatmul(handle, plan->op, &alpha, a, plan->a, b, plan->b, &beta, c, plan->c_layout(), d,
+                                     plan->d, &plan->algo, workspace_, workspace_bytes_,
+                                     static_cast<cudaStream_t>(ctx.stream)),
                       where());
 }
 

@@ -9,12 +9,15 @@
 // x, y, dy and dx may be row views into wider buffers (row stride > width, the
 // stride of dim ndim-2 is used as leading dimension); W and dW are packed.
 //
-// Every (linear id, GEMM) pair keeps a plan: the matmul descriptor, the four
-// matrix layouts and the heuristic's best algorithm for the workspace handed
-// in. A plan is built on first use and never rebuilt; a call whose shape,
-// leading dimensions or pointer alignment differ from every plan of its slot
-// gets a new plan beside the others (the model never does this in a step, so
-// steady state issues exactly one cublasLtMatmul per GEMM and no heuristic query).
+// Every (linear id, GEMM) pair keeps a plan: the matmul descriptor, the matrix
+// layouts (C shares D's unless a residual has its own leading dimension) and
+// the heuristic's best algorithm for the workspace handed in. A plan is built
+// on first use and never rebuilt; a call whose shape, leading dimensions or
+// pointer alignment differ from every plan of its slot gets a new plan beside
+// the others (the model never does this in a step, so steady state issues
+// exactly one cublasLtMatmul per GEMM and no heuristic query). Forward also
+// takes a residual as the C input (y = x W^T + residual): y itself, or a
+// buffer sharing no element with y, with its own row stride.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -51,7 +54,8 @@ class CublasLtLinears {
   // The device buffer every GEMM of this object uses (at least 256-byte aligned).
   void set_workspace(void* ptr, size_t bytes);
 
-  void forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y);
+  // y = x W^T (+ residual: the C input with beta = 1; may be y itself or a row view).
+  void forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y, const Tensor* residual);
   void backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
                 Tensor& dw, bool accumulate);
 
@@ -64,9 +68,10 @@ class CublasLtLinears {
   enum Gemm { kFprop = 0, kDgrad = 1, kWgrad = 2 };
   struct Slot;
   const LinearDesc& lookup(const ExecContext& ctx, int id) const;
-  // Finds or builds the plan for this call, then runs D = alpha op(A) op(B) + beta C with C = D.
+  // Finds or builds the plan for this call, then runs D = alpha op(A) op(B) + beta C
+  // (C has D's shape and dtype; it is D itself except for a fused residual).
   void matmul(const ExecContext& ctx, int id, Gemm g, int64_t rows, int64_t cols, int64_t inner, const void* a,
-              int64_t lda, const void* b, int64_t ldb, void* d, int64_t ldd, float beta);
+              int64_t lda, const void* b, int64_t ldb, const void* c, int64_t ldc, void* d, int64_t ldd, float beta);
 
   std::string recipe_;
   GemmDTypes dtypes_;

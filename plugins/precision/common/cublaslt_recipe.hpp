@@ -19,8 +19,9 @@ class CublasLtRecipe : public Precision {
   int register_linear(const LinearDesc& desc) override { return gemms_.register_linear(desc); }
   size_t workspace_bytes() const override { return CublasLtLinears::kWorkspaceBytes; }
   void set_workspace(void* ptr, size_t bytes) override { gemms_.set_workspace(ptr, bytes); }
-  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y) override {
-    gemms_.forward(ctx, id, x, w, y);
+  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
+                      const Tensor* residual) override {
+    gemms_.forward(ctx, id, x, w, y, residual);
   }
   void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
                        Tensor& dw, bool accumulate) override {

@@ -10,6 +10,7 @@
 
 #include "loom/error.hpp"
 #include "loom/precision.hpp"
+#include "precision/common/residual.hpp"
 #include "precision/fp32/gemm_cpu.hpp"
 #ifdef LOOM_FP32_WITH_CUDA
 #include "precision/common/cublaslt_linear.hpp"
@@ -24,7 +25,7 @@ RowMatrix as_matrix(const Tensor& t, const char* what, const std::string& linear
              dtype_name(t.dtype), " (the fp32 recipe stores every tensor in fp32)");
   LOOM_CHECK(t.device == Device::cpu, "precision fp32: ", linear, ": ", what, " is on ", device_name(t.device),
              "; this plugin object was created for device cpu");
-  return fold_rows(t, cat("precision fp32: ", linear, ": ", what));
+  return fold_rows(t, "precision fp32: ", linear, ": ", what);
 }
 
 class Fp32Precision final : public Precision {
@@ -65,9 +66,10 @@ class Fp32Precision final : public Precision {
   }
 #endif
 
-  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y) override {
+  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
+                      const Tensor* residual) override {
 #ifdef LOOM_FP32_WITH_CUDA
-    if (gpu_) return gpu_->forward(ctx, id, x, w, y);
+    if (gpu_) return gpu_->forward(ctx, id, x, w, y, residual);
 #endif
     const LinearDesc& d = lookup(ctx, id);
     const RowMatrix mx = as_matrix(x, "x", d.name), my = as_matrix(y, "y", d.name);
@@ -76,8 +78,25 @@ class Fp32Precision final : public Precision {
     check_cols(d, mx, d.in, "x", "in");
     check_cols(d, my, d.out, "y", "out");
     LOOM_CHECK(my.rows == mx.rows, "precision fp32: ", d.name, ": y has ", my.rows, " rows but x has ", mx.rows);
+    if (residual != nullptr) {
+      // y = residual first (unless it is y), then the GEMM adds onto it (beta = 1).
+      const RowMatrix mr = as_matrix(*residual, "residual", d.name);
+      LOOM_CHECK(mr.rows == my.rows && mr.cols == my.cols, "precision fp32: ", d.name, ": residual is [", mr.rows,
+                 ", ", mr.cols, "] but y is [", my.rows, ", ", my.cols, "] (the residual must have y's shape)");
+      LOOM_CHECK(precision_common::residual_layout_ok(residual->data, mr.ld, y.data, my.ld, my.rows, my.cols,
+                                                      sizeof(float)),
+                 "precision fp32: ", d.name, ": residual overlaps y without being y (residual at ", residual->data,
+                 " row stride ", mr.ld, ", y at ", y.data, " row stride ", my.ld,
+                 "): it must be y itself (same data and row stride) or share no element with it");
+      if (residual->data != y.data) {
+        const float* src = residual->ptr<const float>();
+        float* dst = y.ptr<float>();
+        for (int64_t r = 0; r < my.rows; ++r)
+          std::copy(src + r * mr.ld, src + r * mr.ld + my.cols, dst + r * my.ld);
+      }
+    }
     fp32::linear_forward(y.ptr<float>(), my.ld, x.ptr<const float>(), mx.ld, w.ptr<const float>(), mx.rows, d.in,
-                         d.out);
+                         d.out, residual != nullptr);
   }
 
   void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,

@@ -34,13 +34,14 @@ void gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, blasint M, blasint N, blasint 
 }
 
 template <typename T>
-void forward_t(T* y, int64_t ldy, const T* x, int64_t ldx, const T* w, int64_t m, int64_t k, int64_t n) {
+void forward_t(T* y, int64_t ldy, const T* x, int64_t ldx, const T* w, int64_t m, int64_t k, int64_t n,
+               bool accumulate) {
   check_ld(ldy, n, "y");
   check_ld(ldx, k, "x");
   if (m == 0 || n == 0) return;
-  // y[m,n] = x[m,k] * (W[n,k])^T
+  // y[m,n] = x[m,k] * (W[n,k])^T (+ y: beta = 1 adds the residual already in y)
   gemm(CblasNoTrans, CblasTrans, to_blas(m, "m"), to_blas(n, "n"), to_blas(k, "k"), T(1), x, to_blas(ldx, "ldx"), w,
-       to_blas(k, "k"), T(0), y, to_blas(ldy, "ldy"));
+       to_blas(k, "k"), accumulate ? T(1) : T(0), y, to_blas(ldy, "ldy"));
 }
 
 template <typename T>
@@ -68,12 +69,12 @@ void backward_weight_t(T* dw, const T* dy, int64_t lddy, const T* x, int64_t ldx
 }  // namespace
 
 void linear_forward(float* y, int64_t ldy, const float* x, int64_t ldx, const float* w, int64_t m, int64_t k,
-                    int64_t n) {
-  forward_t(y, ldy, x, ldx, w, m, k, n);
+                    int64_t n, bool accumulate) {
+  forward_t(y, ldy, x, ldx, w, m, k, n, accumulate);
 }
 void linear_forward(double* y, int64_t ldy, const double* x, int64_t ldx, const double* w, int64_t m, int64_t k,
-                    int64_t n) {
-  forward_t(y, ldy, x, ldx, w, m, k, n);
+                    int64_t n, bool accumulate) {
+  forward_t(y, ldy, x, ldx, w, m, k, n, accumulate);
 }
 void linear_backward_input(float* dx, int64_t lddx, const float* dy, int64_t lddy, const float* w, int64_t m,
                            int64_t k, int64_t n) {

@@ -9,11 +9,11 @@
 
 namespace loom::fp32 {
 
-// y[m, n] = x[m, k] W[n, k]^T
+// y[m, n] = x[m, k] W[n, k]^T, added to y when accumulate (the residual a fused layer put there)
 void linear_forward(float* y, int64_t ldy, const float* x, int64_t ldx, const float* w, int64_t m, int64_t k,
-                    int64_t n);
+                    int64_t n, bool accumulate = false);
 void linear_forward(double* y, int64_t ldy, const double* x, int64_t ldx, const double* w, int64_t m, int64_t k,
-                    int64_t n);
+                    int64_t n, bool accumulate = false);
 
 // dx[m, k] = dy[m, n] W[n, k]   (written)
 void linear_backward_input(float* dx, int64_t lddx, const float* dy, int64_t lddy, const float* w, int64_t m,

@@ -52,13 +52,11 @@ struct FlatSharding::Impl {
   bool shard_params() const { return strategy == Strategy::zero3 || strategy == Strategy::hybrid; }
 
   // Groups. shard: the ranks a unit is split over; replica: the ranks holding
-  // the same shard (size 1 unless ddp or hybrid). host_*: the same groups over
-  // host memory, for the gradient norm.
+  // the same shard (size 1 unless ddp or hybrid).
   Communicator* world_comm = nullptr;
-  std::unique_ptr<Communicator> shard_own, replica_own, host_shard_own;
+  std::unique_ptr<Communicator> shard_own, replica_own;
   Communicator* shard = nullptr;
   Communicator* replica = nullptr;
-  Communicator* host_shard = nullptr;
 
   // Per unit.
   struct Unit {
@@ -214,6 +212,12 @@ FlatSharding::FlatSharding(const PluginInit& init, Strategy strategy, std::strin
   I.name = std::move(name);
   I.rank = init.rank;
   I.world = init.world;
+  // A strategy splits the work across ranks: started as one plain process
+  // there is nothing to split, and the user most likely forgot the launcher.
+  if (!init.under_launcher && init.world == 1)
+    throw Error(cat("sharding.plugin = \"", I.name, "\" splits the work across ranks, but this process was started "
+                    "alone: launch it with `mpirun -np N loom ...` (or `srun --mpi=pmix ...` under Slurm), or set "
+                    "sharding.plugin = \"none\" for one process"));
   const ConfigTable& t = init.config;
   const std::string rd = t.get_choice("reduce_dtype", "fp32", {"fp32", "bf16"});
   I.reduce_dtype = rd == "fp32" ? DType::f32 : DType::bf16;
@@ -255,12 +259,6 @@ std::vector<UnitLayout> FlatSharding::plan(const ShardingEnv& env, const std::ve
   I.replica_own = env.world->split(gr, gi);
   I.shard = I.shard_own.get();
   I.replica = I.replica_own.get();
-  if (env.host == env.world) {
-    I.host_shard = I.shard;
-  } else {
-    I.host_shard_own = env.host->split(gi, gr);
-    I.host_shard = I.host_shard_own.get();
-  }
   I.param_dtype = env.param_dtype;
   I.grad_dtype = env.grad_dtype;
   I.grad_accum = env.grad_accum;
@@ -451,8 +449,7 @@ void FlatSharding::after_backward(ShardingEnv& env, UnitState& u, bool last_micr
   }
 }
 
-StepResult FlatSharding::step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h,
-                              float grad_scale, float clip_norm) {
+void FlatSharding::step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h) {
   Impl& I = *impl_;
   I.land_pending(env);
   if (I.last_shard) I.shard->wait(env.ctx, I.last_shard);
@@ -460,40 +457,28 @@ StepResult FlatSharding::step(ShardingEnv& env, std::vector<UnitState>& units, c
   if (I.last_world) I.world_comm->wait(env.ctx, I.last_world);
 
   // Global norm: each rank sums its owned range (padding excluded), the shard
-  // group adds them up; replicas hold the same values and are not added again.
-  double sq = 0;
+  // group adds them up; replicas hold the same values and are not added
+  // again. All of it on the device: clipping and skipping happen there.
   for (UnitState& u : units) {
     const auto& m = I.units[static_cast<size_t>(u.index)];
     if (I.strategy == Strategy::ddp) {
-      sq += env.ops->grad_sq_norm(env.ctx, u.grads, 0, m.numel);
+      env.ops->norm_add(env.ctx, u.grads, 0, m.numel);
     } else {
       const int64_t valid = std::clamp<int64_t>(m.numel - m.begin, 0, m.chunk);
-      if (valid > 0) sq += env.ops->grad_sq_norm(env.ctx, u.grad_shard, 0, valid);
+      if (valid > 0) env.ops->norm_add(env.ctx, u.grad_shard, 0, valid);
     }
   }
-  sq = all_reduce_scalar(*I.host_shard, sq, ReduceOp::sum);
-  StepResult r;
-  r.grad_norm = std::sqrt(sq) * grad_scale;
-  if (!std::isfinite(r.grad_norm)) {
-    r.skipped = true;  // every rank sees the same global norm, so all skip together
-    return r;
-  }
-  // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
-  float scale = grad_scale;
-  if (clip_norm > 0) {
-    const double coef = clip_norm / (r.grad_norm + 1e-6);
-    if (coef < 1.0) scale = static_cast<float>(grad_scale * coef);
-  }
+  env.ops->norm_finish(env.ctx, I.strategy == Strategy::ddp ? nullptr : I.shard);
   for (UnitState& u : units) {
     auto& m = I.units[static_cast<size_t>(u.index)];
     switch (I.strategy) {
       case Strategy::ddp:
-        env.ops->adamw(env.ctx, u, u.grads, scale, h, u.params, 0);
+        env.ops->adamw(env.ctx, u, u.grads, h, u.params, 0);
         break;
       case Strategy::zero1:
       case Strategy::zero2: {
         // Update the owned range in place, then gather everyone's ranges.
-        env.ops->adamw(env.ctx, u, u.grad_shard, scale, h, u.params, 0);
+        env.ops->adamw(env.ctx, u, u.grad_shard, h, u.params, 0);
         Tensor own = view(u.params, m.begin, {m.chunk});
         Tensor full = view(u.params, 0, {m.padded});
         m.gather_ticket = I.shard->all_gather(env.ctx, own, full);
@@ -502,11 +487,10 @@ StepResult FlatSharding::step(ShardingEnv& env, std::vector<UnitState>& units, c
       }
       case Strategy::zero3:
       case Strategy::hybrid:
-        env.ops->adamw(env.ctx, u, u.grad_shard, scale, h, u.param_shard, m.begin);
+        env.ops->adamw(env.ctx, u, u.grad_shard, h, u.param_shard, m.begin);
         break;
     }
   }
-  return r;
 }
 
 }  // namespace loom::shard

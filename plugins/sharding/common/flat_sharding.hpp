@@ -58,8 +58,7 @@ class FlatSharding : public Sharding {
   void before_forward(ShardingEnv& env, UnitState& unit) override;
   void before_backward(ShardingEnv& env, UnitState& unit) override;
   void after_backward(ShardingEnv& env, UnitState& unit, bool last_micro) override;
-  StepResult step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h, float grad_scale,
-                  float clip_norm) override;
+  void step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h) override;
 
  private:
   struct Impl;

@@ -1,7 +1,17 @@
-// Sharding "none": one rank holds everything; the step is global-norm
-// clipping followed by AdamW over every unit. The reference the other
-// strategies are compared against.
-#include <cmath>
+// Sharding "none": one rank holds everything. The reference the other
+// strategies are compared against, and the single-GPU path — so it overlaps
+// the optimizer with the model:
+//
+//   backward of unit u ends     -> the optimizer queue adds u's squared gradients to the norm
+//   step()                      -> the optimizer queue: clip decision, then AdamW unit by unit
+//                                  (consuming the gradients: they are left at zero), a marker after each
+//   next forward of unit u      -> the compute queue waits for u's marker only
+//
+// so the memory-bound norm runs beside the backward's GEMMs and each unit's
+// AdamW beside the next step's forward of the units before it, instead of
+// after everything. On the CPU both queues are one and this is the plain
+// sequence: norm, clip, AdamW, forward.
+#include <vector>
 
 #include "loom/error.hpp"
 #include "loom/sharding.hpp"
@@ -24,28 +34,39 @@ class NoSharding final : public loom::Sharding {
       l.padded_numel = l.param_numel = l.grad_numel = l.optim_numel = u.numel;
       out.push_back(l);
     }
+    updated_.assign(units.size(), kNone);
     return out;
   }
 
-  loom::StepResult step(loom::ShardingEnv& env, std::vector<loom::UnitState>& units, const loom::AdamWHyper& h,
-                        float grad_scale, float clip_norm) override {
-    double sq = 0;
-    for (auto& u : units) sq += env.ops->grad_sq_norm(env.ctx, u.grads, 0, u.info->numel);
-    loom::StepResult r;
-    r.grad_norm = std::sqrt(sq) * grad_scale;
-    if (!std::isfinite(r.grad_norm)) {
-      r.skipped = true;
-      return r;
-    }
-    // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
-    float scale = grad_scale;
-    if (clip_norm > 0) {
-      const double coef = clip_norm / (r.grad_norm + 1e-6);
-      if (coef < 1.0) scale = static_cast<float>(grad_scale * coef);
-    }
-    for (auto& u : units) env.ops->adamw(env.ctx, u, u.grads, scale, h, u.params, 0);
-    return r;
+  bool zeroes_grads() const override { return true; }
+
+  void before_forward(loom::ShardingEnv& env, loom::UnitState& u) override {
+    const uint64_t m = updated_.at(static_cast<size_t>(u.index));
+    if (m != kNone) env.ops->wait(env.ctx, m);  // this unit's last update has landed
   }
+
+  void after_backward(loom::ShardingEnv& env, loom::UnitState& u, bool last_micro) override {
+    if (!last_micro) return;  // the gradients are complete only after the step's last micro-batch
+    const loom::ExecContext q = env.ops->optimizer_queue(env.ctx);
+    env.ops->wait(q, env.ops->mark(env.ctx));
+    env.ops->norm_add(q, u.grads, 0, u.info->numel);
+  }
+
+  void step(loom::ShardingEnv& env, std::vector<loom::UnitState>& units, const loom::AdamWHyper& h) override {
+    const loom::ExecContext q = env.ops->optimizer_queue(env.ctx);
+    // Everything queued on the compute queue so far (the last backward, and a
+    // unit whose after_backward was not the last micro-batch's) comes first.
+    env.ops->wait(q, env.ops->mark(env.ctx));
+    env.ops->norm_finish(q, nullptr);
+    for (auto& u : units) {
+      env.ops->adamw(q, u, u.grads, h, u.params, 0, /*consume_grads=*/true);
+      updated_[static_cast<size_t>(u.index)] = env.ops->mark(q);
+    }
+  }
+
+ private:
+  static constexpr uint64_t kNone = ~uint64_t{0};
+  std::vector<uint64_t> updated_;  // per unit: the marker after its last AdamW
 };
 
 }  // namespace

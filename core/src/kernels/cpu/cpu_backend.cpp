@@ -1,8 +1,12 @@
 // The CPU backend: Tensor-level checks, then the fp32 reference kernels.
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "loom/error.hpp"
@@ -17,29 +21,49 @@ float* f32(const Tensor& t, const char* what) {
   return static_cast<float*>(t.data);
 }
 
+// A [rows, cols] fp32 view with row stride ld (fold_rows), for the row-strided ops.
+struct Rows {
+  float* p;
+  RowMatrix m;
+};
+Rows rows_of(const Tensor& t, const char* what) {
+  float* p = f32(t, what);
+  return {p, fold_rows(t, what)};
+}
+
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads) {
+  CpuBackend(int threads, bool deterministic) {
     if (threads > 0) omp_set_num_threads(threads);
     ctx_.device = Device::cpu;
+    ctx_.deterministic = deterministic;
   }
   Device device() const override { return Device::cpu; }
   const ExecContext& ctx() const override { return ctx_; }
 
+  // upload counts as a wait (the CUDA one waits for its copy); upload_async does not.
   void upload(Tensor& dst, const void* host, size_t bytes) override {
-    LOOM_CHECK(bytes <= dst.bytes(), "upload of ", bytes, " bytes into a ", dst.bytes(), "-byte tensor");
-    std::memcpy(dst.data, host, bytes);
+    ++host_syncs_;
+    copy_in(dst, host, bytes);
   }
   void download(void* host, const Tensor& src, size_t bytes) override {
     LOOM_CHECK(bytes <= src.bytes(), "download of ", bytes, " bytes from a ", src.bytes(), "-byte tensor");
+    ++host_syncs_;
     std::memcpy(host, src.data, bytes);
   }
+  void* host_alloc(size_t bytes) override {
+    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
+    LOOM_CHECK(p != nullptr, "host_alloc of ", bytes, " bytes failed");
+    return p;
+  }
+  void host_free(void* p) override { std::free(p); }
+  void upload_async(Tensor& dst, const void* host, size_t bytes) override { copy_in(dst, host, bytes); }
   void zero(Tensor& t) override { std::memset(t.data, 0, t.bytes()); }
   void copy(Tensor& dst, const Tensor& src) override {
     LOOM_CHECK(dst.bytes() == src.bytes(), "copy ", src.shape_str(), " -> ", dst.shape_str());
     std::memcpy(dst.data, src.data, src.bytes());
   }
-  void synchronize() override {}
+  void synchronize() override { ++host_syncs_; }
 
   void embedding_forward(Tensor& out, const Tensor& tokens, const Tensor& wte) override {
     LOOM_CHECK(tokens.dtype == DType::i32, "embedding tokens must be int32");
@@ -67,12 +91,23 @@ class CpuBackend final : public Backend {
     LOOM_CHECK(dx.ndim == 4, "rope expects [B,S,nh,D], got ", dx.shape_str());
     cpu::rope_backward(f32(dx, "rope dx"), dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3], dx.stride[1], theta);
   }
+  // Row by row: gate/up (and their gradients) may be the two halves of a packed gate_up buffer.
   void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) override {
-    cpu::swiglu_forward(f32(out, "swiglu out"), f32(gate, "gate"), f32(up, "up"), out.numel());
+    const Rows o = rows_of(out, "swiglu out"), g = rows_of(gate, "swiglu gate"), u = rows_of(up, "swiglu up");
+    check_same_rows(o, g, "swiglu gate");
+    check_same_rows(o, u, "swiglu up");
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < o.m.rows; ++r)
+      cpu::swiglu_forward(o.p + r * o.m.ld, g.p + r * g.m.ld, u.p + r * u.m.ld, o.m.cols);
   }
   void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up) override {
-    cpu::swiglu_backward(f32(dgate, "dgate"), f32(dup, "dup"), f32(dout, "swiglu dout"), f32(gate, "gate"),
-                         f32(up, "up"), dout.numel());
+    const Rows dg = rows_of(dgate, "swiglu dgate"), du = rows_of(dup, "swiglu dup"), d = rows_of(dout, "swiglu dout");
+    const Rows g = rows_of(gate, "swiglu gate"), u = rows_of(up, "swiglu up");
+    for (const Rows* x : {&dg, &du, &g, &u}) check_same_rows(d, *x, "swiglu operand");
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < d.m.rows; ++r)
+      cpu::swiglu_backward(dg.p + r * dg.m.ld, du.p + r * du.m.ld, d.p + r * d.m.ld, g.p + r * g.m.ld,
+                           u.p + r * u.m.ld, d.m.cols);
   }
   void add(Tensor& out, const Tensor& a, const Tensor& b) override {
     cpu::residual_forward(f32(out, "add out"), f32(a, "add a"), f32(b, "add b"), out.numel());
@@ -92,14 +127,43 @@ class CpuBackend final : public Backend {
       out[n] = static_cast<float>(cpu::cross_entropy(lg + n * V, tg + n, 1, V, dlogits_scale));
   }
   double sum(const Tensor& x) override {
+    ++host_syncs_;
     const float* p = f32(x, "sum");
     double s = 0;
     for (int64_t i = 0; i < x.numel(); ++i) s += p[i];
     return s;
   }
   double sq_norm(const Tensor& x, int64_t begin, int64_t end) override {
+    ++host_syncs_;
     LOOM_CHECK(0 <= begin && begin <= end && end <= x.numel(), "sq_norm range [", begin, ",", end, ") of ", x.numel());
     return cpu::sq_norm(f32(x, "sq_norm") + begin, end - begin);
+  }
+  void sum_into(Tensor& acc, const Tensor& x, int64_t begin, int64_t end, bool square) override {
+    LOOM_CHECK(acc.dtype == DType::f64 && acc.numel() >= 1 && acc.device == Device::cpu,
+               "sum_into: the accumulator must be a host f64 scalar, got ", dtype_name(acc.dtype), acc.shape_str());
+    LOOM_CHECK(0 <= begin && begin <= end && end <= x.numel(), "sum_into range [", begin, ",", end, ") of ",
+               x.numel());
+    const float* p = f32(x, "sum_into") + begin;
+    double s = 0;
+    if (square) s = cpu::sq_norm(p, end - begin);
+    else
+      for (int64_t i = 0; i < end - begin; ++i) s += p[i];
+    acc.ptr<double>()[0] += s;
+  }
+  void clip_scale(Tensor& scalars, float grad_scale, float clip_norm) override {
+    LOOM_CHECK(scalars.dtype == DType::f64 && scalars.numel() >= kStepScalars, "clip_scale: scalars must be f64[",
+               kStepScalars, "], got ", dtype_name(scalars.dtype), scalars.shape_str());
+    double* s = scalars.ptr<double>();
+    const double norm = std::sqrt(s[kNormSq]) * grad_scale;
+    s[kGradNorm] = norm;
+    s[kSkip] = std::isfinite(norm) ? 0.0 : 1.0;
+    double coef = 1.0;
+    if (clip_norm > 0 && std::isfinite(norm)) {
+      const double c = clip_norm / (norm + 1e-6);
+      if (c < 1.0) coef = c;
+    }
+    // fp32 as the kernels apply it, so CPU and CUDA scale identically.
+    s[kUpdateScale] = static_cast<double>(static_cast<float>(grad_scale * coef));
   }
   void scale(Tensor& x, float s) override { cpu::scale(f32(x, "scale"), s, x.numel()); }
   void adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& a) override {
@@ -107,8 +171,14 @@ class CpuBackend final : public Backend {
                "the CPU backend runs the fp32 recipe: no master copy, no stochastic rounding");
     LOOM_CHECK(param.numel() == grad.numel() && grad.numel() == m.numel() && m.numel() == v.numel(),
                "adamw sizes differ: param ", param.numel(), " grad ", grad.numel(), " m ", m.numel(), " v ", v.numel());
-    cpu::adamw(f32(param, "param"), f32(grad, "grad"), f32(m, "adam m"), f32(v, "adam v"), param.numel(), a.lr,
-               a.beta1, a.beta2, a.eps, a.weight_decay, a.step, a.grad_scale);
+    float scale = a.grad_scale;
+    const bool skip = a.scalars && a.scalars[kSkip] != 0.0;  // a non-finite step: nothing changes
+    if (a.scalars) scale *= static_cast<float>(a.scalars[kUpdateScale]);
+    if (!skip)
+      cpu::adamw(f32(param, "param"), f32(grad, "grad"), f32(m, "adam m"), f32(v, "adam v"), param.numel(), a.lr,
+                 a.beta1, a.beta2, a.eps, a.weight_decay, a.step, scale);
+    // Consumed: the next step starts from zero gradients (a skipped step's are dropped).
+    if (a.consume_grad) std::memset(grad.data, 0, grad.bytes());
   }
   void convert(Tensor& dst, const Tensor& src) override {
     LOOM_CHECK(dst.numel() == src.numel(), "convert ", src.shape_str(), " -> ", dst.shape_str());
@@ -118,20 +188,49 @@ class CpuBackend final : public Backend {
   }
   void timer_start() override { t0_ = std::chrono::steady_clock::now(); }
   double timer_stop_ms() override {
+    ++host_syncs_;
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
+  }
+  void timestamp(Tensor& dst) override {
+    LOOM_CHECK(dst.dtype == DType::f64 && dst.numel() >= 1, "timestamp: dst must be an f64 scalar, got ",
+               dtype_name(dst.dtype), dst.shape_str());
+    dst.ptr<double>()[0] =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  void timer_reserve(int slots) override {
+    LOOM_CHECK(slots > 0, "timer_reserve(", slots, ")");
+    marks_.assign(static_cast<size_t>(slots), {});
+  }
+  void timer_mark(int slot) override { marks_.at(static_cast<size_t>(slot)) = std::chrono::steady_clock::now(); }
+  double timer_elapsed_ms(int from, int to) override {
+    ++host_syncs_;
+    return std::chrono::duration<double, std::milli>(marks_.at(static_cast<size_t>(to)) -
+                                                     marks_.at(static_cast<size_t>(from)))
+        .count();
   }
 
  private:
+  static void copy_in(Tensor& dst, const void* host, size_t bytes) {
+    LOOM_CHECK(bytes <= dst.bytes(), "upload of ", bytes, " bytes into a ", dst.bytes(), "-byte tensor");
+    std::memcpy(dst.data, host, bytes);
+  }
+  static void check_same_rows(const Rows& a, const Rows& b, const char* what) {
+    LOOM_CHECK(a.m.rows == b.m.rows && a.m.cols == b.m.cols, what, " is [", b.m.rows, ", ", b.m.cols, "], expected [",
+               a.m.rows, ", ", a.m.cols, "]");
+  }
   ExecContext ctx_;
   std::chrono::steady_clock::time_point t0_;
+  std::vector<std::chrono::steady_clock::time_point> marks_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(int threads) { return std::make_unique<CpuBackend>(threads); }
+std::unique_ptr<Backend> make_cpu_backend(int threads, bool deterministic) {
+  return std::make_unique<CpuBackend>(threads, deterministic);
+}
 
 #ifndef LOOM_HAVE_CUDA
-std::unique_ptr<Backend> make_cuda_backend(int) {
+std::unique_ptr<Backend> make_cuda_backend(int, bool) {
   throw Error(
       "run.device = \"cuda\": this build of loom has no CUDA backend (configure with -DLOOM_WITH_CUDA=ON on a "
       "machine with the CUDA toolkit), or set run.device = \"cpu\"");

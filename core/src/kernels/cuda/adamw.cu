@@ -13,6 +13,17 @@
 //   range) through a counter-based hash (splitmix64 finalizers): runs are
 //   reproducible, and no RNG state needs checkpointing.
 // m and v in bf16 are updated in fp32 and rounded to nearest even.
+//
+// AdamWArgs::consume_grad: each gradient element is zeroed right after it is
+// read (also on a skipped step), so the next step needs no zeroing pass.
+//
+// The step's device scalars (AdamWArgs::scalars, set by the asynchronous
+// step): each thread reads scalars[kSkip] and scalars[kUpdateScale] once,
+// before touching any element. A skipped step (non-finite gradient norm)
+// returns at once, so param, master, m and v keep their bits; otherwise the
+// gradient scale is grad_scale * fp32(scalars[kUpdateScale]), the same fp32
+// product the CPU forms, so the update is bitwise the one a call with that
+// grad_scale and no scalars makes.
 #include <cmath>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -53,10 +64,11 @@ template <typename TP, typename TG, typename TM, bool kMaster, bool kStochastic>
 struct AdamWOp {
   TP* param;
   float* master;
-  const TG* grad;
+  TG* grad;  // written only when consume (zeroed once read)
   TM* m;
   TM* v;
   AdamWScalars a;
+  bool consume;
   template <int K>
   __device__ void apply(int64_t i) const {
     float g[K], mi[K], vi[K], p[K];
@@ -82,20 +94,65 @@ struct AdamWOp {
       for (int k = 0; k < K; ++k) p[k] = round_bf16_stochastic(p[k], sr_bits(a.sr_key, static_cast<uint64_t>(i + k)));
     }
     store_vec<K>(param + i, p);  // round to nearest even (exact after stochastic rounding)
+    // Last: a store before the other loads would serialise them behind it
+    // (the compiler must assume the pointers may alias), halving the
+    // bandwidth of this memory-bound kernel.
+    if (consume) zero_grad<K>(i);
+  }
+  template <int K>
+  __device__ void zero_grad(int64_t i) const {
+    float z[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) z[k] = 0.f;
+    store_vec<K>(grad + i, z);
   }
 };
 
+// launch_elementwise's loop, after the device scalars are applied to the op's
+// grad_scale (a per-thread copy: the op is a kernel parameter).
+template <int K, typename Op>
+__global__ void adamw_kernel(Op op, int64_t n, const double* scalars) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t gid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nvec = n / K;
+  if (scalars != nullptr) {
+    if (scalars[kSkip] != 0.0) {
+      // The step is skipped: param, master, m and v keep their bits; consumed
+      // gradients are still zeroed (the skipped step's gradients are dropped).
+      if (op.consume) {
+        for (int64_t v = gid; v < nvec; v += stride) op.template zero_grad<K>(v * K);
+        for (int64_t i = nvec * K + gid; i < n; i += stride) op.template zero_grad<1>(i);
+      }
+      return;
+    }
+    op.a.grad_scale *= static_cast<float>(scalars[kUpdateScale]);
+  }
+  for (int64_t v = gid; v < nvec; v += stride) op.template apply<K>(v * K);
+  for (int64_t i = nvec * K + gid; i < n; i += stride) op.template apply<1>(i);
+}
+
 template <typename TP, typename TG, typename TM, bool kMaster, bool kStochastic>
 void launch_adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWScalars& s,
-                  cudaStream_t stream) {
+                  const double* scalars, bool consume, cudaStream_t stream) {
   constexpr int K = 4;  // 16-byte fp32 accesses; 8-byte ones for bf16 operands
   float* mp = kMaster ? master->ptr<float>() : nullptr;
   const bool vec = aligned_bytes(param.data, K * sizeof(TP)) && aligned_bytes(grad.data, K * sizeof(TG)) &&
                    aligned_bytes(m.data, K * sizeof(TM)) && aligned_bytes(v.data, K * sizeof(TM)) &&
                    (!kMaster || aligned_bytes(mp, K * sizeof(float)));
-  launch_elementwise<K>(
-      AdamWOp<TP, TG, TM, kMaster, kStochastic>{param.ptr<TP>(), mp, grad.ptr<TG>(), m.ptr<TM>(), v.ptr<TM>(), s},
-      param.numel(), vec, stream, "adamw");
+  const AdamWOp<TP, TG, TM, kMaster, kStochastic> op{param.ptr<TP>(), mp, grad.ptr<TG>(), m.ptr<TM>(), v.ptr<TM>(), s,
+                                                      consume};
+  const int64_t n = param.numel();
+  if (n == 0) return;
+  if (vec) {
+    const unsigned grid = grid_for((n + K - 1) / K, kElementwiseThreads);
+    adamw_kernel<K><<<grid, kElementwiseThreads, 0, stream>>>(op, n, scalars);
+    LOOM_CUDA_LAUNCH_CHECK("adamw_kernel", "n=", n, " K=", K, " grid=", grid, " device scalars=", scalars != nullptr);
+  } else {
+    const unsigned grid = grid_for(n, kElementwiseThreads);
+    adamw_kernel<1><<<grid, kElementwiseThreads, 0, stream>>>(op, n, scalars);
+    LOOM_CUDA_LAUNCH_CHECK("adamw_kernel", "n=", n, " K=1 (unaligned) grid=", grid,
+                           " device scalars=", scalars != nullptr);
+  }
 }
 
 }  // namespace
@@ -144,12 +201,12 @@ void adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor&
         using TP = decltype(tp);
         using TG = decltype(tg);
         using TM = decltype(tm);
-        if (master) launch_adamw<TP, TG, TM, true, false>(param, master, grad, m, v, s, stream);
+        if (master) launch_adamw<TP, TG, TM, true, false>(param, master, grad, m, v, s, a.scalars, a.consume_grad, stream);
         else if constexpr (std::is_same_v<TP, bf16>) {
-          if (sr) launch_adamw<TP, TG, TM, false, true>(param, master, grad, m, v, s, stream);
-          else launch_adamw<TP, TG, TM, false, false>(param, master, grad, m, v, s, stream);
+          if (sr) launch_adamw<TP, TG, TM, false, true>(param, master, grad, m, v, s, a.scalars, a.consume_grad, stream);
+          else launch_adamw<TP, TG, TM, false, false>(param, master, grad, m, v, s, a.scalars, a.consume_grad, stream);
         } else {
-          launch_adamw<TP, TG, TM, false, false>(param, master, grad, m, v, s, stream);
+          launch_adamw<TP, TG, TM, false, false>(param, master, grad, m, v, s, a.scalars, a.consume_grad, stream);
         }
       });
     });

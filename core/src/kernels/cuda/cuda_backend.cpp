@@ -4,16 +4,23 @@
 // its kernels (one .cu per layer in this folder).
 //
 // Memory: the scratch (kScratchBytes) and a pinned result slot are allocated
-// once, here at creation, never inside a step. The only allocation after
-// creation is a RoPE cos/sin table, built on the first rope call of each
-// (S, D, theta) — the first step of a run — and cached for the backend's
-// life.
+// once, here at creation, never inside a step; so are the timer ring's
+// events (timer_reserve), the pinned staging buffers (host_alloc) and the
+// RoPE cos/sin tables (prepare_rope, when the model binds its arena; a rope
+// call for an (S, D, theta) nobody prepared builds its table then, once).
+//
+// Host synchronisations: every call that makes the host wait for the device
+// (synchronize, upload, download, sum, sq_norm, timer_stop_ms,
+// timer_elapsed_ms, a RoPE table upload) counts one in host_syncs_; the
+// asynchronous step's ops (upload_async, sum_into, clip_scale, adamw with
+// device scalars, timer_mark) only queue work and never wait.
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 #include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <tuple>
@@ -40,7 +47,7 @@ void check_dev(const Tensor& t, const char* what) {
 class CudaBackend final : public Backend {
  public:
   int device_index() const override { return device_index_; }
-  explicit CudaBackend(int device_index) : device_index_(device_index) {
+  CudaBackend(int device_index, bool deterministic) : device_index_(device_index) {
     int count = 0;
     LOOM_CUDA_CHECK(cudaGetDeviceCount(&count), "counting CUDA devices");
     LOOM_CHECK(device_index >= 0 && device_index < count, "CUDA device ", device_index, " requested but ", count,
@@ -56,6 +63,15 @@ class CudaBackend final : public Backend {
       LOOM_CUDA_CHECK(cudaEventCreate(&ev_stop_), "timer stop event");
       LOOM_CUDA_CHECK(cudaMalloc(&scratch_.ptr, kScratchBytes), "backend scratch of ", kScratchBytes, " bytes");
       scratch_.bytes = kScratchBytes;
+      // The side queue: the optimizer beside the model. Its own scratch, so a
+      // norm reduction there never shares partials with the model's.
+      LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "side stream on device ",
+                      device_index);
+      LOOM_CUDA_CHECK(cudaMalloc(&side_scratch_.ptr, kScratchBytes), "side scratch of ", kScratchBytes, " bytes");
+      side_scratch_.bytes = kScratchBytes;
+      markers_.resize(kMarkers);
+      for (size_t i = 0; i < markers_.size(); ++i)
+        LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&markers_[i], cudaEventDisableTiming), "marker event ", i);
       LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_result_), sizeof(double)),
                       "pinned reduction result");
     } catch (...) {
@@ -65,17 +81,35 @@ class CudaBackend final : public Backend {
     ctx_.device = Device::cuda;
     ctx_.stream = stream_;
     ctx_.blas_handle = blas_;
+    ctx_.deterministic = deterministic;
+    side_ctx_ = ctx_;
+    side_ctx_.stream = side_;
+    cur_ = stream_;
   }
   ~CudaBackend() override { release(); }
 
   Device device() const override { return Device::cuda; }
   const ExecContext& ctx() const override { return ctx_; }
+  const ExecContext& side_ctx() const override { return side_ctx_; }
+  void use_side_queue(bool side) override { cur_ = side ? side_ : stream_; }
+  uint64_t mark(const ExecContext& on) override {
+    const uint64_t m = next_marker_++;
+    cudaEvent_t e = markers_[m % markers_.size()];
+    LOOM_CUDA_CHECK(cudaEventRecord(e, stream_of(on)), "marker ", m);
+    return m;
+  }
+  void wait(const ExecContext& ctx, uint64_t marker) override {
+    LOOM_CHECK(marker < next_marker_, "wait for marker ", marker, ", which was never made (", next_marker_, " so far)");
+    LOOM_CUDA_CHECK(cudaStreamWaitEvent(stream_of(ctx), markers_[marker % markers_.size()], 0), "wait for marker ",
+                    marker);
+  }
 
   // The host buffer may be reused as soon as upload returns (pinned or not),
   // so the copy is waited for; uploads are per step (tokens) or at start-up.
   void upload(Tensor& dst, const void* host, size_t bytes) override {
     check_dev(dst, "upload");
     LOOM_CHECK(bytes <= dst.bytes(), "upload of ", bytes, " bytes into a ", dst.bytes(), "-byte tensor");
+    ++host_syncs_;  // per call, like download
     if (bytes == 0) return;
     LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.data, host, bytes, cudaMemcpyHostToDevice, stream_), "upload of ", bytes,
                     " bytes");
@@ -84,6 +118,7 @@ class CudaBackend final : public Backend {
   void download(void* host, const Tensor& src, size_t bytes) override {
     check_dev(src, "download");
     LOOM_CHECK(bytes <= src.bytes(), "download of ", bytes, " bytes from a ", src.bytes(), "-byte tensor");
+    ++host_syncs_;  // counted even when empty, as on the CPU: the count is per call
     if (bytes == 0) return;
     LOOM_CUDA_CHECK(cudaMemcpyAsync(host, src.data, bytes, cudaMemcpyDeviceToHost, stream_), "download of ", bytes,
                     " bytes");
@@ -93,7 +128,7 @@ class CudaBackend final : public Backend {
     check_dev(t, "zero");
     LOOM_CHECK(t.is_contiguous(), "zero: tensor ", t.shape_str(), " must be contiguous");
     if (t.bytes() == 0) return;
-    LOOM_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), stream_), "zero of ", t.bytes(), " bytes");
+    LOOM_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), cur_), "zero of ", t.bytes(), " bytes");
   }
   void copy(Tensor& dst, const Tensor& src) override {
     check_dev(dst, "copy dst");
@@ -101,10 +136,100 @@ class CudaBackend final : public Backend {
     LOOM_CHECK(dst.bytes() == src.bytes(), "copy ", src.shape_str(), " -> ", dst.shape_str());
     LOOM_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy: tensors must be contiguous");
     if (src.bytes() == 0 || dst.data == src.data) return;
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDeviceToDevice, stream_), "copy of ",
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDeviceToDevice, cur_), "copy of ",
                     src.bytes(), " bytes");
   }
-  void synchronize() override { LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "backend synchronize"); }
+  void synchronize() override {
+    ++host_syncs_;
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(side_), "backend synchronize (side queue)");
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "backend synchronize");
+  }
+
+  // Pinned (page-locked) memory, so that upload_async's copy is a true
+  // asynchronous DMA; from pageable memory cudaMemcpyAsync stages through a
+  // driver buffer and may block the host. Start-up only: cudaMallocHost and
+  // cudaFreeHost are slow and cudaFreeHost may synchronise the device.
+  void* host_alloc(size_t bytes) override {
+    const size_t n = std::max<size_t>(bytes, 1);  // a distinct, valid pointer even for 0 bytes
+    void* p = nullptr;
+    LOOM_CUDA_CHECK(cudaMallocHost(&p, n), "host_alloc: cudaMallocHost of ", n, " bytes");
+    try {
+      pinned_.emplace(reinterpret_cast<uintptr_t>(p), n);
+    } catch (...) {
+      cudaFreeHost(p);
+      throw;
+    }
+    return p;
+  }
+  void host_free(void* p) override {
+    if (p == nullptr) return;
+    const auto it = pinned_.find(reinterpret_cast<uintptr_t>(p));
+    LOOM_CHECK(it != pinned_.end(), "host_free: ", p, " was not returned by this backend's host_alloc");
+    const size_t n = it->second;
+    pinned_.erase(it);
+    LOOM_CUDA_CHECK(cudaFreeHost(p), "host_free: cudaFreeHost of ", n, " bytes");
+  }
+  // Queued on the stream, so every kernel queued after it sees the data and
+  // every kernel queued before it runs first; the host buffer must stay
+  // unchanged until the copy has run (the caller's ordering, see backend.hpp).
+  // The source must lie inside one host_alloc buffer: a pageable source
+  // would make the copy (partly) synchronous, a silent stall in the step.
+  void upload_async(Tensor& dst, const void* host, size_t bytes) override {
+    check_dev(dst, "upload_async");
+    LOOM_CHECK(bytes <= dst.bytes(), "upload_async of ", bytes, " bytes into a ", dst.bytes(), "-byte tensor");
+    if (bytes == 0) return;
+    LOOM_CHECK(is_pinned(host, bytes), "upload_async: the ", bytes, "-byte source at ", host,
+               " is not inside a buffer from host_alloc (pinned memory); asynchronous copies need one");
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.data, host, bytes, cudaMemcpyHostToDevice, stream_), "upload_async of ",
+                    bytes, " bytes");
+  }
+  void sum_into(Tensor& acc, const Tensor& x, int64_t begin, int64_t end, bool square) override {
+    gpu::sum_into(acc, x, begin, end, square, cur_ == side_ ? side_scratch_ : scratch_, cur_);
+  }
+  void clip_scale(Tensor& scalars, float grad_scale, float clip_norm) override {
+    gpu::clip_scale(scalars, grad_scale, clip_norm, cur_);
+  }
+
+  // The timer ring: one event per slot, all created here at start-up.
+  // Calling it again replaces the ring (the old events are destroyed; CUDA
+  // releases an event still pending on the stream once it completes).
+  void timer_reserve(int slots) override {
+    LOOM_CHECK(slots > 0, "timer_reserve(", slots, "): the ring needs at least one slot");
+    std::vector<cudaEvent_t> events;
+    events.reserve(static_cast<size_t>(slots));
+    try {
+      for (int i = 0; i < slots; ++i) {
+        cudaEvent_t e = nullptr;
+        LOOM_CUDA_CHECK(cudaEventCreate(&e), "timer_reserve: event ", i, " of ", slots);
+        events.push_back(e);
+      }
+    } catch (...) {
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
+      throw;
+    }
+    destroy_marks();
+    marks_ = std::move(events);
+    marked_.assign(marks_.size(), false);
+  }
+  void timer_mark(int slot) override {
+    check_slot(slot, "timer_mark");
+    LOOM_CUDA_CHECK(cudaEventRecord(marks_[static_cast<size_t>(slot)], stream_), "timer_mark(", slot, ")");
+    marked_[static_cast<size_t>(slot)] = true;
+  }
+  void timestamp(Tensor& dst) override { gpu::timestamp(dst, cur_); }
+  double timer_elapsed_ms(int from, int to) override {
+    check_slot(from, "timer_elapsed_ms (from)");
+    check_slot(to, "timer_elapsed_ms (to)");
+    LOOM_CHECK(marked_[static_cast<size_t>(from)] && marked_[static_cast<size_t>(to)], "timer_elapsed_ms(", from,
+               ", ", to, "): slot ", marked_[static_cast<size_t>(from)] ? to : from,
+               " was never marked since timer_reserve");
+    ++host_syncs_;
+    LOOM_CUDA_CHECK(cudaEventSynchronize(marks_[static_cast<size_t>(to)]), "timer_elapsed_ms: waiting for mark ", to);
+    float ms = 0.f;
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[static_cast<size_t>(from)], marks_[static_cast<size_t>(to)]),
+                    "timer_elapsed_ms(", from, ", ", to, ")");
+    return ms;
+  }
 
   void embedding_forward(Tensor& out, const Tensor& tokens, const Tensor& wte) override {
     gpu::embedding_forward(out, tokens, wte, stream_);
@@ -129,19 +254,23 @@ class CudaBackend final : public Backend {
     gpu::swiglu_backward(dgate, dup, dout, gate, up, stream_);
   }
   void add(Tensor& out, const Tensor& a, const Tensor& b) override { gpu::add(out, a, b, stream_); }
-  void accumulate(Tensor& dst, const Tensor& src) override { gpu::accumulate(dst, src, stream_); }
+  void accumulate(Tensor& dst, const Tensor& src) override { gpu::accumulate(dst, src, cur_); }
   void cross_entropy(Tensor& logits, const Tensor& targets, Tensor& losses, float dlogits_scale) override {
     gpu::cross_entropy(logits, targets, losses, dlogits_scale, stream_);
   }
-  double sum(const Tensor& x) override { return gpu::reduce_sum(x, 0, x.numel(), false, scratch_, host_result_, stream_); }
+  double sum(const Tensor& x) override {
+    ++host_syncs_;
+    return gpu::reduce_sum(x, 0, x.numel(), false, scratch_, host_result_, stream_);
+  }
   double sq_norm(const Tensor& x, int64_t begin, int64_t end) override {
+    ++host_syncs_;
     return gpu::reduce_sum(x, begin, end, true, scratch_, host_result_, stream_);
   }
-  void scale(Tensor& x, float s) override { gpu::scale(x, s, stream_); }
+  void scale(Tensor& x, float s) override { gpu::scale(x, s, cur_); }
   void adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWArgs& a) override {
-    gpu::adamw(param, master, grad, m, v, a, stream_);
+    gpu::adamw(param, master, grad, m, v, a, cur_);
   }
-  void convert(Tensor& dst, const Tensor& src) override { gpu::convert(dst, src, stream_); }
+  void convert(Tensor& dst, const Tensor& src) override { gpu::convert(dst, src, cur_); }
 
   void timer_start() override {
     LOOM_CUDA_CHECK(cudaEventRecord(ev_start_, stream_), "timer start");
@@ -150,6 +279,7 @@ class CudaBackend final : public Backend {
   double timer_stop_ms() override {
     LOOM_CHECK(timer_running_, "timer_stop_ms without timer_start");
     timer_running_ = false;
+    ++host_syncs_;
     LOOM_CUDA_CHECK(cudaEventRecord(ev_stop_, stream_), "timer stop");
     LOOM_CUDA_CHECK(cudaEventSynchronize(ev_stop_), "timer stop");
     float ms = 0.f;
@@ -168,6 +298,11 @@ class CudaBackend final : public Backend {
     size_t free_b = 0, total_b = 0;
     LOOM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "device memory query on device ", device_index_);
     return total_b - free_b;
+  }
+  size_t device_memory_free() const override {
+    size_t free_b = 0, total_b = 0;
+    LOOM_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "device memory query on device ", device_index_);
+    return free_b;
   }
 
  private:
@@ -211,6 +346,7 @@ class CudaBackend final : public Backend {
     // before the DMA lands, and the non-blocking stream would not wait for
     // it); the wait keeps `host` alive until the copy is done.
     if (!host.empty()) {
+      ++host_syncs_;
       LOOM_CUDA_CHECK(cudaMemcpyAsync(p, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream_),
                       "rope table upload, ", host.size() * sizeof(float), " bytes");
       LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "rope table upload");
@@ -218,12 +354,43 @@ class CudaBackend final : public Backend {
     return rope_tables_.at(key);
   }
 
+  void check_slot(int slot, const char* what) const {
+    LOOM_CHECK(!marks_.empty(), what, ": slot ", slot, " but timer_reserve was never called");
+    LOOM_CHECK(slot >= 0 && static_cast<size_t>(slot) < marks_.size(), what, ": slot ", slot,
+               " is outside the timer ring of ", marks_.size(), " slots (timer_reserve)");
+  }
+  void destroy_marks() noexcept {
+    for (cudaEvent_t e : marks_) cudaEventDestroy(e);
+    marks_.clear();
+    marked_.clear();
+  }
+  // [p, p + bytes) inside one host_alloc buffer.
+  bool is_pinned(const void* p, size_t bytes) const {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    auto it = pinned_.upper_bound(a);  // the first buffer starting after p
+    if (it == pinned_.begin()) return false;
+    --it;
+    return a - it->first <= it->second && bytes <= it->second - (a - it->first);
+  }
+
   // Frees everything that was created; errors are ignored (destructors must
-  // not throw, and a failed device leaves nothing to do).
+  // not throw, and a failed device leaves nothing to do). Pinned buffers
+  // nobody gave back are freed too.
   void release() noexcept {
     if (stream_) cudaStreamSynchronize(stream_);
+    if (side_) cudaStreamSynchronize(side_);
+    for (cudaEvent_t e : markers_)
+      if (e) cudaEventDestroy(e);
+    markers_.clear();
+    if (side_scratch_.ptr) cudaFree(side_scratch_.ptr);
+    side_scratch_ = {};
+    if (side_) cudaStreamDestroy(side_);
+    side_ = nullptr;
     for (auto& kv : rope_tables_) cudaFree(kv.second.cos);
     rope_tables_.clear();
+    destroy_marks();
+    for (auto& kv : pinned_) cudaFreeHost(reinterpret_cast<void*>(kv.first));
+    pinned_.clear();
     if (host_result_) cudaFreeHost(host_result_);
     if (scratch_.ptr) cudaFree(scratch_.ptr);
     if (ev_start_) cudaEventDestroy(ev_start_);
@@ -240,17 +407,33 @@ class CudaBackend final : public Backend {
   int device_index_;
   ExecContext ctx_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t side_ = nullptr;    // the optimizer's queue
+  cudaStream_t cur_ = nullptr;     // where the optimizer-class ops go now (stream_ or side_)
+  ExecContext side_ctx_;
+  gpu::Scratch side_scratch_;
+  static constexpr size_t kMarkers = 4096;
+  std::vector<cudaEvent_t> markers_;
+  uint64_t next_marker_ = 0;
+  cudaStream_t stream_of(const ExecContext& c) const {
+    LOOM_CHECK(c.stream == stream_ || c.stream == side_, "a context whose stream is neither of this backend's queues");
+    return static_cast<cudaStream_t>(c.stream);
+  }
   cublasLtHandle_t blas_ = nullptr;
   cudaEvent_t ev_start_ = nullptr, ev_stop_ = nullptr;
   bool timer_running_ = false;
   gpu::Scratch scratch_;
   double* host_result_ = nullptr;
   std::map<std::tuple<int64_t, int64_t, double>, RopeTable> rope_tables_;
+  std::vector<cudaEvent_t> marks_;  // the timer ring (timer_reserve)
+  std::vector<bool> marked_;        // slot recorded since timer_reserve
+  std::map<uintptr_t, size_t> pinned_;  // host_alloc buffers: address -> bytes
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(int device_index) { return std::make_unique<CudaBackend>(device_index); }
+std::unique_ptr<Backend> make_cuda_backend(int device_index, bool deterministic) {
+  return std::make_unique<CudaBackend>(device_index, deterministic);
+}
 
 int cuda_device_for_rank(int local_rank, int local_world) {
   int count = 0;

@@ -179,12 +179,15 @@ constexpr DType dtype_of() {
   else return DType::bf16;
 }
 
+// Blocks that fill an H100 (132 SMs) several times over: the most a
+// grid-stride launch asks for.
+constexpr int64_t kMaxGridBlocks = 132 * 32;
+
 // Grid for a grid-stride loop over `work` items with `threads` per block:
 // enough blocks to fill an H100 several times over, never more than needed.
 inline unsigned grid_for(int64_t work, int threads) {
   const int64_t blocks = (work + threads - 1) / threads;
-  constexpr int64_t kMaxBlocks = 132 * 32;
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > kMaxBlocks ? kMaxBlocks : blocks));
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > kMaxGridBlocks ? kMaxGridBlocks : blocks));
 }
 
 }  // namespace loom::gpu

@@ -36,7 +36,8 @@ void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& 
 // sign = +1 forward, -1 backward (the inverse rotation).
 void rope_apply(Tensor& x, const float* cos_table, const float* sin_table, int sign, cudaStream_t stream);
 
-// swiglu.cu
+// swiglu.cu: [rows, f] row views (fold_rows; row strides may exceed f, as for
+// the halves of a packed [N, 2f] gate_up buffer), or 1-D contiguous.
 void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up, cudaStream_t stream);
 void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
                      cudaStream_t stream);
@@ -53,9 +54,20 @@ void cross_entropy(Tensor& logits, const Tensor& targets, Tensor& losses, float 
 // result goes through `host_result` (pinned) and the stream is synchronised.
 double reduce_sum(const Tensor& x, int64_t begin, int64_t end, bool square, const Scratch& scratch,
                   double* host_result, cudaStream_t stream);
+// The same reduction added into acc[0] (a device f64) on the device: queued,
+// never waits; end == begin adds nothing.
+void sum_into(Tensor& acc, const Tensor& x, int64_t begin, int64_t end, bool square, const Scratch& scratch,
+              cudaStream_t stream);
+// Backend::clip_scale on the device StepScalars (f64[kStepScalars]): one
+// thread, bitwise the CPU's result for a finite norm. Queued, never waits.
+void clip_scale(Tensor& scalars, float grad_scale, float clip_norm, cudaStream_t stream);
 void scale(Tensor& x, float s, cudaStream_t stream);
 
-// adamw.cu
+// timestamp.cu: dst[0] = the device's global timer in ms when the stream gets there.
+void timestamp(Tensor& dst, cudaStream_t stream);
+
+// adamw.cu: a.scalars, when set, points to device StepScalars (skip, update
+// scale), read by the kernel itself.
 void adamw(Tensor& param, Tensor* master, const Tensor& grad, Tensor& m, Tensor& v, const Backend::AdamWArgs& a,
            cudaStream_t stream);
 // The stochastic rounding stream: 32 random bits for element `index` of a

@@ -7,7 +7,8 @@
 //
 // One thread per (row, head, group of K pairs): it loads K elements of each
 // half, K cosines and K sines, all packed when D/2, the row stride and the
-// base pointer allow it.
+// base pointer allow it. Rows (b, s) are x.stride[1] apart, which may exceed
+// nh * D (the q and k heads of a packed qkv buffer, see rope_apply).
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.hpp"
 
@@ -49,8 +50,13 @@ void rope_apply(Tensor& x, const float* cos_table, const float* sin_table, int s
   const int64_t B = x.shape[0], S = x.shape[1], nh = x.shape[2], D = x.shape[3], row_stride = x.stride[1];
   LOOM_CHECK(D > 0 && D % 2 == 0, "rope: head_dim must be even and positive, got D=", D);
   // The layout the CPU kernel assumes: heads contiguous inside a (b, s) row,
-  // rows `row_stride` apart, batches S rows apart.
-  LOOM_CHECK(x.stride[3] == 1 && x.stride[2] == D && row_stride >= nh * D && x.stride[0] == S * row_stride,
+  // rows `row_stride` apart, batches S rows apart. The row stride may exceed
+  // nh * D: the fused attention block rotates the q and k heads of a packed
+  // [B, S, (H + 2 Hkv) D] qkv buffer as one [B, S, H + Hkv, D] view whose rows
+  // are (H + 2 Hkv) D apart, leaving the v heads alone. A batch or head dim
+  // of size 1 may carry any stride (it is never stepped over).
+  LOOM_CHECK(x.stride[3] == 1 && (nh == 1 || x.stride[2] == D) && row_stride >= nh * D &&
+                 (B == 1 || x.stride[0] == S * row_stride),
              "rope: unsupported strides for ", x.shape_str(), ": (", x.stride[0], ",", x.stride[1], ",", x.stride[2],
              ",", x.stride[3], ")");
   LOOM_CHECK(sign == 1 || sign == -1, "rope: sign must be +1 or -1, got ", sign);

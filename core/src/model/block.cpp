@@ -1,0 +1,118 @@
+#include "model/block.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "loom/error.hpp"
+
+namespace loom {
+
+Recompute parse_recompute(const std::string& s) {
+  if (s == "none") return Recompute::none;
+  if (s == "attention") return Recompute::attention;
+  if (s == "full") return Recompute::full;
+  throw Error(cat("model.recompute = \"", s, "\" is not one of: none, attention, full"));
+}
+
+AttentionShape BlockEnv::attention_shape() const {
+  AttentionShape a;
+  a.batch = B;
+  a.seq = S;
+  a.heads = spec->num_heads;
+  a.kv_heads = spec->num_kv_heads;
+  a.head_dim = spec->head_dim();
+  a.causal = true;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
+  return a;
+}
+
+// ---------------------------------------------------------------------------
+
+int ActivationPlan::own(const std::string& name, size_t bytes) {
+  entries_.push_back({name, bytes, MemCategory::activations});
+  return static_cast<int>(entries_.size()) - 1;
+}
+
+int ActivationPlan::shared(const std::string& name, size_t bytes) {
+  auto it = shared_index_.find(name);
+  if (it != shared_index_.end()) {
+    Entry& e = entries_[static_cast<size_t>(it->second)];
+    e.bytes = std::max(e.bytes, bytes);
+    return it->second;
+  }
+  const int id = own(name, bytes);
+  shared_index_[name] = id;
+  return id;
+}
+
+int ActivationPlan::kept(const std::string& name, int64_t layer, size_t bytes, bool recompute_full) {
+  return recompute_full ? shared(name + ".shared", bytes) : own(name + "." + std::to_string(layer), bytes);
+}
+
+void ActivationPlan::add_to(ArenaPlan& plan) {
+  blocks_.clear();
+  for (const Entry& e : entries_) blocks_.push_back(plan.add(e.name, e.category, e.bytes));
+}
+
+void ActivationPlan::bind(const Arena& arena) {
+  LOOM_CHECK(blocks_.size() == entries_.size(), "activation plan bound before add_to()");
+  ptrs_.clear();
+  for (size_t b : blocks_) ptrs_.push_back(arena.ptr(b));
+}
+
+// ---------------------------------------------------------------------------
+
+int Block::add_param(UnitInfo& unit, std::string name, std::vector<int64_t> shape, ParamRole role) {
+  ParamInfo p;
+  p.name = std::move(name);
+  p.shape = std::move(shape);
+  p.numel = 1;
+  for (int64_t d : p.shape) p.numel *= d;
+  p.offset = unit.numel;
+  p.role = role;
+  unit.numel += p.numel;
+  unit.params.push_back(std::move(p));
+  params_.push_back(static_cast<int>(unit.params.size()) - 1);
+  return static_cast<int>(params_.size()) - 1;
+}
+
+Tensor Block::param(const UnitState& u, int index, bool grad) const {
+  const ParamInfo& p = u.info->params[static_cast<size_t>(params_[static_cast<size_t>(index)])];
+  const Tensor& flat = grad ? u.grads : u.params;
+  if (p.shape.size() == 1) return view(flat, p.offset, {p.shape[0]});
+  return view(flat, p.offset, {p.shape[0], p.shape[1]});
+}
+
+Tensor Block::param_rows(const UnitState& u, int first, int count, bool grad) const {
+  const auto& all = u.info->params;
+  const ParamInfo& a = all[static_cast<size_t>(params_[static_cast<size_t>(first)])];
+  int64_t rows = 0;
+  for (int i = first; i < first + count; ++i) {
+    const ParamInfo& p = all[static_cast<size_t>(params_[static_cast<size_t>(i)])];
+    // Declared consecutively by the block itself, so this holds by construction.
+    LOOM_CHECK(p.shape.size() == 2 && p.shape[1] == a.shape[1] && p.offset == a.offset + rows * a.shape[1], kind(),
+               ": parameters ", a.name, " .. ", p.name, " are not one contiguous matrix");
+    rows += p.shape[0];
+  }
+  const Tensor& flat = grad ? u.grads : u.params;
+  return view(flat, a.offset, {rows, a.shape[1]});
+}
+
+void AttentionBlock::declare(UnitInfo& u) {
+  const std::string p = "model.layers." + std::to_string(layer_) + ".";
+  add_param(u, p + "input_layernorm.weight", {spec_.hidden}, ParamRole::norm_gain);
+  add_param(u, p + "self_attn.q_proj.weight", {spec_.q_dim(), spec_.hidden}, ParamRole::matrix);
+  add_param(u, p + "self_attn.k_proj.weight", {spec_.kv_dim(), spec_.hidden}, ParamRole::matrix);
+  add_param(u, p + "self_attn.v_proj.weight", {spec_.kv_dim(), spec_.hidden}, ParamRole::matrix);
+  add_param(u, p + "self_attn.o_proj.weight", {spec_.hidden, spec_.q_dim()}, ParamRole::output_projection);
+}
+
+void FfnBlock::declare(UnitInfo& u) {
+  const std::string p = "model.layers." + std::to_string(layer_) + ".";
+  add_param(u, p + "post_attention_layernorm.weight", {spec_.hidden}, ParamRole::norm_gain);
+  add_param(u, p + "mlp.gate_proj.weight", {spec_.ffn_hidden, spec_.hidden}, ParamRole::matrix);
+  add_param(u, p + "mlp.up_proj.weight", {spec_.ffn_hidden, spec_.hidden}, ParamRole::matrix);
+  add_param(u, p + "mlp.down_proj.weight", {spec_.hidden, spec_.ffn_hidden}, ParamRole::output_projection);
+}
+
+}  // namespace loom

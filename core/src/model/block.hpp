@@ -1,0 +1,165 @@
+// A block is one part of the model: the token embedding, the attention or the
+// feed-forward half of a decoder layer, or the final norm + LM head. A unit
+// (what a sharding strategy moves with one collective) is the embedding, one
+// decoder layer (an attention block then a feed-forward block), or the head.
+//
+// Each block variant lives in its own file under blocks/ and declares
+//   - its parameters: canonical HF names, shapes and roles (declare), in the
+//     order they sit in the unit's flat buffer;
+//   - its linears (registered with the precision plugin) and its activation
+//     buffers (plan);
+//   - its forward and backward.
+// The residual stream between blocks belongs to the model (model.hpp): a block
+// reads `in` and writes `out` in forward, and turns dL/d(out) into dL/d(in) in
+// place in backward. A fusion never crosses a block, so it never crosses a unit
+// (zero3 gathers unit by unit).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/arena.hpp"
+#include "loom/attention.hpp"
+#include "loom/model.hpp"
+#include "loom/precision.hpp"
+#include "loom/sharding.hpp"
+#include "model/backend.hpp"
+#include "util/trace.hpp"
+
+namespace loom {
+
+enum class Recompute { none, attention, full };
+Recompute parse_recompute(const std::string& s);
+
+// What every block computes with, fixed at start-up.
+struct BlockEnv {
+  const ModelSpec* spec = nullptr;
+  int64_t B = 0, S = 0, N = 0;  // micro-batch, sequence, tokens (B * S)
+  Recompute recompute = Recompute::none;
+  DType act = DType::f32;       // the recipe's activation dtype
+  Precision* precision = nullptr;
+  Attention* attention = nullptr;
+  Backend* backend = nullptr;
+  int64_t head_chunk = 0;       // tokens per LM-head chunk (the head block's)
+  AttentionShape attention_shape() const;
+};
+
+// Activation buffers of every block, planned once. A buffer is either a
+// block's own (one per layer) or shared by name (gradient scratch, and every
+// layer buffer under recompute = full): shared requests of one name get one
+// arena block of the largest size asked for.
+class ActivationPlan {
+ public:
+  int own(const std::string& name, size_t bytes);
+  int shared(const std::string& name, size_t bytes);
+  // own() for per-layer activations, shared() when the whole layer is recomputed.
+  int kept(const std::string& name, int64_t layer, size_t bytes, bool recompute_full);
+  void add_to(ArenaPlan& plan);    // after every block planned
+  void bind(const Arena& arena);
+  void* ptr(int id) const { return ptrs_.at(static_cast<size_t>(id)); }
+
+ private:
+  struct Entry {
+    std::string name;
+    size_t bytes = 0;
+    MemCategory category = MemCategory::activations;
+  };
+  std::vector<Entry> entries_;
+  std::map<std::string, int> shared_index_;
+  std::vector<size_t> blocks_;   // arena block per entry
+  std::vector<void*> ptrs_;
+};
+
+class Block {
+ public:
+  virtual ~Block() = default;
+  // "attention.native": names the block in profiler ranges and messages.
+  virtual const char* kind() const = 0;
+  // Appends this block's parameters to its unit (offsets follow the unit's numel).
+  virtual void declare(UnitInfo& unit) = 0;
+  virtual void plan(const BlockEnv& env, ActivationPlan& acts) = 0;
+  virtual void bind(const ActivationPlan& acts) { acts_ = &acts; }
+
+ protected:
+  // A view of this block's parameter (or its gradient) number `index` among
+  // the ones it declared, from the unit's flat buffer.
+  Tensor param(const UnitState& u, int index, bool grad = false) const;
+  // Several consecutive parameters of equal row width seen as one matrix: the
+  // fused blocks' [q; k; v] and [gate; up] weights.
+  Tensor param_rows(const UnitState& u, int first, int count, bool grad = false) const;
+  void* buf(int id) const { return acts_->ptr(id); }
+  Device dev() const { return env_.backend->device(); }
+  // An activation buffer seen as a tensor of the recipe's activation dtype, or of fp32.
+  Tensor act(int id, std::initializer_list<int64_t> dims) const {
+    return Tensor(buf(id), env_.act, env_.backend->device(), dims);
+  }
+  Tensor f32(int id, std::initializer_list<int64_t> dims) const {
+    return Tensor(buf(id), DType::f32, env_.backend->device(), dims);
+  }
+  int add_param(UnitInfo& unit, std::string name, std::vector<int64_t> shape, ParamRole role);
+
+  BlockEnv env_;
+  const ActivationPlan* acts_ = nullptr;
+  std::vector<int> params_;  // indices into the unit's params, in declaration order
+};
+
+// The attention half of decoder layer `layer`: x -> x + attention(rmsnorm(x)).
+class AttentionBlock : public Block {
+ public:
+  // HF LlamaAttention's parameters of `layer`, in the order of its state
+  // dict: input_layernorm, q, k, v, o — the layout every variant keeps (q, k
+  // and v consecutive: together they are the fused block's [q; k; v] weight).
+  enum Param { kLn1 = 0, kWq, kWk, kWv, kWo };
+  AttentionBlock(const ModelSpec& spec, int64_t layer) : spec_(spec), layer_(layer) {}
+  void declare(UnitInfo& unit) override;
+  // in: the residual stream entering the layer; out: after the attention residual.
+  virtual void forward(const UnitState& u, const Tensor& in, Tensor& out) = 0;
+  // d: dL/d(out) on entry, dL/d(in) on return. `in` is the forward's input.
+  virtual void backward(UnitState& u, const Tensor& in, Tensor& d) = 0;
+
+ protected:
+  const ModelSpec& spec_;
+  int64_t layer_;
+};
+
+// The feed-forward half: x -> x + ffn(rmsnorm(x)).
+class FfnBlock : public Block {
+ public:
+  // HF LlamaMLP's parameters of `layer`: post_attention_layernorm, gate, up,
+  // down (gate and up consecutive: the fused block's [gate; up] weight).
+  enum Param { kLn2 = 0, kWgate, kWup, kWdown };
+  FfnBlock(const ModelSpec& spec, int64_t layer) : spec_(spec), layer_(layer) {}
+  void declare(UnitInfo& unit) override;
+  virtual void forward(const UnitState& u, const Tensor& in, Tensor& out) = 0;
+  virtual void backward(UnitState& u, const Tensor& in, Tensor& d) = 0;
+
+ protected:
+  const ModelSpec& spec_;
+  int64_t layer_;
+};
+
+// Block variants by name (block_factory.cpp): "native", "fused".
+std::unique_ptr<AttentionBlock> make_attention_block(const std::string& variant, const ModelSpec& spec, int64_t layer);
+std::unique_ptr<FfnBlock> make_ffn_block(const std::string& variant, const ModelSpec& spec, int64_t layer);
+// The variants make_*_block knows, for messages ("native, fused").
+std::string layer_variants();
+
+// A profiler range (NVTX on CUDA) for the scope of one op or block; also a
+// range of the step tracer while a profiling window is open (util/trace.hpp).
+class Range {
+ public:
+  Range(Backend& b, const char* name) : b_(b), trace_(trace::Track::compute, name, b.ctx().stream) {
+    b_.range_push(name);
+  }
+  ~Range() { b_.range_pop(); }
+  Range(const Range&) = delete;
+  Range& operator=(const Range&) = delete;
+
+ private:
+  Backend& b_;
+  trace::Scope trace_;  // ends after range_pop: the tracer's range encloses the NVTX one
+};
+
+}  // namespace loom

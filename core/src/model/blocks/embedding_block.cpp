@@ -1,0 +1,22 @@
+// The token embedding: x0 = wte[tokens]; backward scatters the gradient back
+// by token in a fixed order (deterministic).
+#include "model/blocks/blocks.hpp"
+
+namespace loom {
+
+void EmbeddingBlock::declare(UnitInfo& u) {
+  add_param(u, "model.embed_tokens.weight", {spec_.vocab_size, spec_.hidden}, ParamRole::embedding);
+}
+
+void EmbeddingBlock::plan(const BlockEnv& env, ActivationPlan&) { env_ = env; }
+
+void EmbeddingBlock::forward(const UnitState& u, const Tensor& tokens, Tensor& out) {
+  env_.backend->embedding_forward(out, tokens, param(u, 0));
+}
+
+void EmbeddingBlock::backward(UnitState& u, const Tensor& tokens, const Tensor& d) {
+  Tensor dwte = param(u, 0, true);
+  env_.backend->embedding_backward(dwte, d, tokens);
+}
+
+}  // namespace loom

@@ -1,0 +1,103 @@
+// The fused feed-forward block (TransformerEngine's LayerNormMLP). Same
+// parameters, names and layout as the native block:
+//
+//   h = rmsnorm(x)                the norm writes the GEMM's input dtype
+//   gu = h [Wg; Wu]^T             one GEMM over the contiguous [gate; up] weight: [N, 2f]
+//   m = silu(gu[:, :f]) * gu[:, f:]   SwiGLU reads the two halves of the packed output
+//   out = x + m Wd^T              the residual is the GEMM's C input (beta = 1)
+//
+// Backward: SwiGLU writes its gradient into one packed [N, 2f] buffer, so one
+// dgrad GEMM (K = 2f) and one wgrad GEMM (into the [gate; up] gradient)
+// replace two of each and the add between them.
+#include "loom/error.hpp"
+#include "model/blocks/blocks.hpp"
+
+namespace loom {
+namespace {
+
+class FusedFfn final : public FfnBlock {
+ public:
+  FusedFfn(const ModelSpec& spec, int64_t layer) : FfnBlock(spec, layer) {}
+  const char* kind() const override { return "ffn.fused"; }
+
+  void plan(const BlockEnv& env, ActivationPlan& a) override {
+    env_ = env;
+    const int64_t h = spec_.hidden, f = spec_.ffn_hidden, l = layer_;
+    const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
+    const bool full = env.recompute == Recompute::full;
+    ln2_ = a.kept("ln2", l, n * h * e, full);
+    rstd2_ = a.kept("rstd2", l, n * 4, full);
+    gu_ = a.kept("gate_up", l, n * 2 * f * e, full);
+    swi_ = a.kept("swi", l, n * f * e, full);
+    d_ln_ = a.shared("grad.ln", n * h * e);
+    d_gu_ = a.shared("grad.gate_up", n * 2 * f * e);
+    d_swi_ = a.shared("grad.swi", n * f * e);
+    const std::string s = "layer." + std::to_string(l) + ".";
+    wgu_ = env.precision->register_linear({s + "gate_up_proj", h, 2 * f, env.N});
+    wd_ = env.precision->register_linear({s + "down_proj", f, h, env.N});
+  }
+
+  void forward(const UnitState& u, const Tensor& x, Tensor& out) override {
+    Backend& be = *env_.backend;
+    const ExecContext& ctx = be.ctx();
+    const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
+    Tensor ln2 = act(ln2_, {N, h}), rstd2 = f32(rstd2_, {N});
+    {
+      Range r(be, "rmsnorm");
+      be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), static_cast<float>(spec_.norm_eps));
+    }
+    {
+      Range r(be, "gate_up");
+      Tensor gu = act(gu_, {N, 2 * f});
+      env_.precision->linear_forward(ctx, wgu_, ln2, param_rows(u, kWgate, 2), gu, nullptr);
+    }
+    Tensor swi = act(swi_, {N, f});
+    {
+      Range r(be, "swiglu");
+      be.swiglu_forward(swi, half(gu_, 0), half(gu_, 1));
+    }
+    {
+      Range r(be, "down+residual");
+      env_.precision->linear_forward(ctx, wd_, swi, param(u, kWdown), out, &x);
+    }
+  }
+
+  void backward(UnitState& u, const Tensor& x, Tensor& d) override {
+    Backend& be = *env_.backend;
+    const ExecContext& ctx = be.ctx();
+    const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
+    Tensor d_swi = act(d_swi_, {N, f});
+    Tensor dWd = param(u, kWdown, true);
+    env_.precision->linear_backward(ctx, wd_, act(swi_, {N, f}), param(u, kWdown), d, &d_swi, dWd, true);
+    Tensor dg = half(d_gu_, 0), du = half(d_gu_, 1);
+    be.swiglu_backward(dg, du, d_swi, half(gu_, 0), half(gu_, 1));
+    Tensor d_ln = act(d_ln_, {N, h});
+    Tensor dWgu = param_rows(u, kWgate, 2, true);
+    env_.precision->linear_backward(ctx, wgu_, act(ln2_, {N, h}), param_rows(u, kWgate, 2), act(d_gu_, {N, 2 * f}),
+                                    &d_ln, dWgu, true);
+    Tensor dln2 = param(u, kLn2, true);
+    be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn2), f32(rstd2_, {N}));
+  }
+
+ private:
+  // Half `which` (0: gate, 1: up) of a packed [N, 2f] buffer, as an [N, f] view with row stride 2f.
+  Tensor half(int id, int which) const {
+    const int64_t f = spec_.ffn_hidden;
+    Tensor t(static_cast<char*>(buf(id)) + which * f * static_cast<int64_t>(dtype_size(env_.act)), env_.act, dev(),
+             {env_.N, f});
+    t.stride[0] = 2 * f;
+    return t;
+  }
+
+  int ln2_ = -1, rstd2_ = -1, gu_ = -1, swi_ = -1;
+  int d_ln_ = -1, d_gu_ = -1, d_swi_ = -1;
+  int wgu_ = -1, wd_ = -1;
+};
+
+}  // namespace
+
+std::unique_ptr<FfnBlock> make_fused_ffn(const ModelSpec& spec, int64_t layer) {
+  return std::make_unique<FusedFfn>(spec, layer);
+}
+
+}  // namespace loom

@@ -1,0 +1,94 @@
+// The native feed-forward block (HF's LlamaMLP, one kernel per op):
+//
+//   h = rmsnorm(x) ; g, u = h Wg^T, h Wu^T  (two GEMMs)
+//   m = silu(g) * u ; out = x + m Wd^T      (GEMM, then an add)
+#include "loom/error.hpp"
+#include "model/blocks/blocks.hpp"
+
+namespace loom {
+namespace {
+
+class NativeFfn final : public FfnBlock {
+ public:
+  NativeFfn(const ModelSpec& spec, int64_t layer) : FfnBlock(spec, layer) {}
+  const char* kind() const override { return "ffn.native"; }
+
+  void plan(const BlockEnv& env, ActivationPlan& a) override {
+    env_ = env;
+    const int64_t h = spec_.hidden, f = spec_.ffn_hidden, l = layer_;
+    const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
+    const bool full = env.recompute == Recompute::full;
+    ln2_ = a.kept("ln2", l, n * h * e, full);
+    rstd2_ = a.kept("rstd2", l, n * 4, full);
+    gate_ = a.kept("gate", l, n * f * e, full);
+    up_ = a.kept("up", l, n * f * e, full);
+    swi_ = a.kept("swi", l, n * f * e, full);
+    tmp_ = a.shared("scratch.h", n * h * e);  // down_proj's output before the add; a gradient scratch in backward
+    d_ln_ = a.shared("grad.ln", n * h * e);
+    d_gate_ = a.shared("grad.gate", n * f * e);
+    d_up_ = a.shared("grad.up", n * f * e);
+    d_swi_ = a.shared("grad.swi", n * f * e);
+    const std::string s = "layer." + std::to_string(l) + ".";
+    wg_ = env.precision->register_linear({s + "gate_proj", h, f, env.N});
+    wu_ = env.precision->register_linear({s + "up_proj", h, f, env.N});
+    wd_ = env.precision->register_linear({s + "down_proj", f, h, env.N});
+  }
+
+  void forward(const UnitState& u, const Tensor& x, Tensor& out) override {
+    Backend& be = *env_.backend;
+    const ExecContext& ctx = be.ctx();
+    const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
+    Tensor ln2 = act(ln2_, {N, h}), rstd2 = f32(rstd2_, {N});
+    {
+      Range r(be, "rmsnorm");
+      be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), static_cast<float>(spec_.norm_eps));
+    }
+    Tensor gate = act(gate_, {N, f}), up = act(up_, {N, f}), swi = act(swi_, {N, f});
+    {
+      Range r(be, "gate_up");
+      env_.precision->linear_forward(ctx, wg_, ln2, param(u, kWgate), gate, nullptr);
+      env_.precision->linear_forward(ctx, wu_, ln2, param(u, kWup), up, nullptr);
+    }
+    {
+      Range r(be, "swiglu");
+      be.swiglu_forward(swi, gate, up);
+    }
+    Tensor tmp = act(tmp_, {N, h});
+    {
+      Range r(be, "down+residual");
+      env_.precision->linear_forward(ctx, wd_, swi, param(u, kWdown), tmp, nullptr);
+      be.add(out, x, tmp);
+    }
+  }
+
+  void backward(UnitState& u, const Tensor& x, Tensor& d) override {
+    Backend& be = *env_.backend;
+    const ExecContext& ctx = be.ctx();
+    const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
+    Tensor d_swi = act(d_swi_, {N, f}), d_gate = act(d_gate_, {N, f}), d_up = act(d_up_, {N, f});
+    Tensor dWd = param(u, kWdown, true);
+    env_.precision->linear_backward(ctx, wd_, act(swi_, {N, f}), param(u, kWdown), d, &d_swi, dWd, true);
+    be.swiglu_backward(d_gate, d_up, d_swi, act(gate_, {N, f}), act(up_, {N, f}));
+    Tensor ln2 = act(ln2_, {N, h}), d_ln = act(d_ln_, {N, h}), d_tmp = act(tmp_, {N, h});
+    Tensor dWg = param(u, kWgate, true), dWu = param(u, kWup, true);
+    env_.precision->linear_backward(ctx, wg_, ln2, param(u, kWgate), d_gate, &d_ln, dWg, true);
+    env_.precision->linear_backward(ctx, wu_, ln2, param(u, kWup), d_up, &d_tmp, dWu, true);
+    be.accumulate(d_ln, d_tmp);
+    Tensor dln2 = param(u, kLn2, true);
+    be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn2), f32(rstd2_, {N}));
+  }
+
+ private:
+
+  int ln2_ = -1, rstd2_ = -1, gate_ = -1, up_ = -1, swi_ = -1, tmp_ = -1;
+  int d_ln_ = -1, d_gate_ = -1, d_up_ = -1, d_swi_ = -1;
+  int wg_ = -1, wu_ = -1, wd_ = -1;
+};
+
+}  // namespace
+
+std::unique_ptr<FfnBlock> make_native_ffn(const ModelSpec& spec, int64_t layer) {
+  return std::make_unique<NativeFfn>(spec, layer);
+}
+
+}  // namespace loom

@@ -1,0 +1,132 @@
+#include "model/model.hpp"
+
+#include <algorithm>
+
+#include "loom/error.hpp"
+
+namespace loom {
+
+Model::Model(const ModelSpec& spec, std::string layers) : spec_(spec), layers_(std::move(layers)), embedding_(spec_) {
+  LOOM_CHECK(spec_.hidden % spec_.num_heads == 0, "hidden ", spec_.hidden, " not divisible by num_heads ",
+             spec_.num_heads);
+  LOOM_CHECK(spec_.num_heads % spec_.num_kv_heads == 0, "num_heads ", spec_.num_heads,
+             " not divisible by num_kv_heads ", spec_.num_kv_heads);
+  units_.push_back(UnitInfo{"embedding", {}, 0});
+  embedding_.declare(units_.back());
+  for (int64_t l = 0; l < spec_.num_layers; ++l) {
+    attention_.push_back(make_attention_block(layers_, spec_, l));
+    ffn_.push_back(make_ffn_block(layers_, spec_, l));
+    units_.push_back(UnitInfo{"layer." + std::to_string(l), {}, 0});
+    // Profiler range names with the layer's index, made once (a range takes a lasting const char*).
+    range_names_.push_back("forward.layer." + std::to_string(l));
+    range_names_.push_back("backward.layer." + std::to_string(l));
+    attention_.back()->declare(units_.back());
+    ffn_.back()->declare(units_.back());
+  }
+  head_ = std::make_unique<HeadBlock>(spec_);
+  units_.push_back(UnitInfo{"head", {}, 0});
+  head_->declare(units_.back());
+}
+
+void Model::plan(const BlockEnv& env, ArenaPlan& plan) {
+  env_ = env;
+  env_.spec = &spec_;
+  const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
+  const size_t stream_bytes = n * static_cast<size_t>(spec_.hidden) * e;
+  const bool full = env.recompute == Recompute::full;
+  res_.clear();
+  mid_.clear();
+  for (int64_t l = 0; l <= spec_.num_layers; ++l) res_.push_back(acts_.own("res." + std::to_string(l), stream_bytes));
+  for (int64_t l = 0; l < spec_.num_layers; ++l) mid_.push_back(acts_.kept("res_mid", l, stream_bytes, full));
+  d_res_ = acts_.shared("grad.res", stream_bytes);
+  tokens_ = acts_.own("tokens", 2 * n * 4);
+  embedding_.plan(env_, acts_);
+  for (size_t l = 0; l < attention_.size(); ++l) {
+    attention_[l]->plan(env_, acts_);
+    ffn_[l]->plan(env_, acts_);
+  }
+  head_->plan(env_, acts_);
+  acts_.add_to(plan);
+}
+
+void Model::bind(const Arena& arena) {
+  acts_.bind(arena);
+  env_.backend->prepare_rope(env_.S, spec_.head_dim(), spec_.rope_theta);
+  embedding_.bind(acts_);
+  for (size_t l = 0; l < attention_.size(); ++l) {
+    attention_[l]->bind(acts_);
+    ffn_[l]->bind(acts_);
+  }
+  head_->bind(acts_);
+}
+
+Tensor Model::stream(int id) const {
+  return Tensor(acts_.ptr(id), env_.act, env_.backend->device(), {env_.N, spec_.hidden});
+}
+Tensor Model::tokens() const { return Tensor(acts_.ptr(tokens_), DType::i32, env_.backend->device(), {2 * env_.N}); }
+Tensor Model::inputs() const {
+  return Tensor(acts_.ptr(tokens_), DType::i32, env_.backend->device(), {env_.B, env_.S});
+}
+Tensor Model::targets() const { return view(tokens(), env_.N, {env_.N}); }
+
+void Model::forward_unit(int unit, std::vector<UnitState>& units, bool training, float dloss_scale) {
+  Backend& be = *env_.backend;
+  const int64_t L = spec_.num_layers;
+  UnitState& u = units[static_cast<size_t>(unit)];
+  if (unit == 0) {
+    Range r(be, "forward.embedding");
+    Tensor x0 = stream(res_[0]);
+    embedding_.forward(u, inputs(), x0);
+    return;
+  }
+  if (unit <= L) {
+    const size_t l = static_cast<size_t>(unit - 1);
+    Range r(be, range_names_[2 * l].c_str());
+    Tensor x = stream(res_[l]), mid = stream(mid_[l]), out = stream(res_[l + 1]);
+    attention_[l]->forward(u, x, mid);
+    ffn_[l]->forward(u, mid, out);
+    return;
+  }
+  Range r(be, "forward.head");
+  dloss_scale_ = dloss_scale;
+  head_->forward(units, unit, stream(res_[static_cast<size_t>(L)]), targets(), training);
+}
+
+void Model::backward_unit(int unit, std::vector<UnitState>& units) {
+  Backend& be = *env_.backend;
+  const int64_t L = spec_.num_layers;
+  UnitState& u = units[static_cast<size_t>(unit)];
+  Tensor d = stream(d_res_);
+  if (unit == 0) {
+    Range r(be, "backward.embedding");
+    embedding_.backward(u, inputs(), d);
+    return;
+  }
+  if (unit <= L) {
+    const size_t l = static_cast<size_t>(unit - 1);
+    Range r(be, range_names_[2 * l + 1].c_str());
+    Tensor x = stream(res_[l]), mid = stream(mid_[l]);
+    if (env_.recompute == Recompute::full) {
+      // Only the residual stream was kept: rebuild this layer's activations
+      // (its output, rewritten into res[l + 1], comes out the same).
+      Tensor out = stream(res_[l + 1]);
+      attention_[l]->forward(u, x, mid);
+      ffn_[l]->forward(u, mid, out);
+    }
+    ffn_[l]->backward(u, mid, d);
+    attention_[l]->backward(u, x, d);
+    return;
+  }
+  Range r(be, "backward.head");
+  head_->backward(units, unit, stream(res_[static_cast<size_t>(L)]), targets(), dloss_scale_, d);
+}
+
+int64_t head_chunk_tokens(const std::string& layers, int64_t configured, int64_t tokens, int64_t vocab, DType act) {
+  if (layers == "native") return tokens;
+  if (configured > 0) return std::min(configured, tokens);
+  const int64_t budget = (int64_t{256} << 20) / (vocab * static_cast<int64_t>(dtype_size(act)));
+  int64_t c = budget >= 128 ? budget / 128 * 128 : std::max<int64_t>(budget, 1);
+  return std::clamp<int64_t>(c, 1, tokens);
+}
+
+}  // namespace loom

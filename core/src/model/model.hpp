@@ -1,0 +1,76 @@
+// The Llama decoder as blocks (DESIGN.md "The model as blocks"):
+//
+//   embedding -> L x [attention block + feed-forward block] -> final norm + head
+//
+// Units: 0 = the embedding, 1..L = decoder layers, L + 1 = the head. The model
+// owns the residual stream between blocks (res[l] entering layer l, mid[l]
+// between its attention and feed-forward blocks) and one gradient buffer for
+// it; each block owns the rest of its activations. `layers` picks the block
+// variant of every decoder layer ("native" or "fused"); every variant declares
+// the same HF parameter names, shapes and order, so the units — and with them
+// checkpoints and HF folders — are the same whichever computes.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/block.hpp"
+#include "model/blocks/blocks.hpp"
+
+namespace loom {
+
+class Model {
+ public:
+  Model(const ModelSpec& spec, std::string layers);
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelSpec& spec() const { return spec_; }
+  const std::string& layers() const { return layers_; }
+  // The parameter layout, derived from the blocks' declarations.
+  const std::vector<UnitInfo>& units() const { return units_; }
+  int num_units() const { return static_cast<int>(units_.size()); }
+
+  // Registers every linear and plans every activation buffer (env fixed from here on).
+  void plan(const BlockEnv& env, ArenaPlan& plan);
+  void bind(const Arena& arena);
+  const BlockEnv& env() const { return env_; }
+
+  // The micro-batch's tokens on the backend: [2 * N] int32, inputs then targets.
+  Tensor tokens() const;
+  Tensor inputs() const;   // [B, S]
+  Tensor targets() const;  // [N]
+
+  // training: keep what backward needs; the loss of a training micro-batch is
+  // computed in the head's backward with gradient scale dloss_scale.
+  void forward_unit(int unit, std::vector<UnitState>& units, bool training, float dloss_scale);
+  void backward_unit(int unit, std::vector<UnitState>& units);
+  // Per-token losses ([N] fp32) of the last evaluation forward or training backward.
+  Tensor losses() const { return head_->losses(); }
+  HeadBlock& head() { return *head_; }
+
+ private:
+  Tensor stream(int id) const;  // a residual-stream buffer as [N, h]
+
+  ModelSpec spec_;
+  std::string layers_;
+  EmbeddingBlock embedding_;
+  std::vector<std::unique_ptr<AttentionBlock>> attention_;
+  std::vector<std::unique_ptr<FfnBlock>> ffn_;
+  std::unique_ptr<HeadBlock> head_;
+  std::vector<UnitInfo> units_;
+  std::vector<std::string> range_names_;  // "forward.layer.N", "backward.layer.N" per layer
+
+  BlockEnv env_;
+  ActivationPlan acts_;
+  std::vector<int> res_, mid_;
+  int d_res_ = -1, tokens_ = -1;
+  float dloss_scale_ = 0.f;
+};
+
+// Tokens per LM-head chunk: the whole micro-batch for native layers; for fused
+// layers `configured` when > 0, else as many tokens as 256 MiB of logits hold
+// (a multiple of 128), at most the micro-batch.
+int64_t head_chunk_tokens(const std::string& layers, int64_t configured, int64_t tokens, int64_t vocab, DType act);
+
+}  // namespace loom

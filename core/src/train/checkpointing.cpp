@@ -1,0 +1,336 @@
+#include "train/checkpointing.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/train_checkpoint.hpp"
+#include "loom/error.hpp"
+#include "loom/log.hpp"
+#include "train/finite_checks.hpp"
+#include "train/outputs.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom {
+namespace {
+
+std::string hex(const std::string& bytes) {
+  static const char* d = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) { out += d[c >> 4]; out += d[c & 15]; }
+  return out;
+}
+std::string unhex(const std::string& h) {
+  LOOM_CHECK(h.size() % 2 == 0, "odd-length hex string in checkpoint metadata");
+  auto v = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    throw Error("non-hex character in checkpoint metadata");
+  };
+  std::string out;
+  for (size_t i = 0; i < h.size(); i += 2) out += static_cast<char>(v(h[i]) * 16 + v(h[i + 1]));
+  return out;
+}
+
+// The part of a unit this rank writes: its owned range (what its optimizer
+// state covers), split between the ranks that own the same range (ddp: every
+// rank; hybrid_shard: one per group), so every element is written once and
+// the save is spread over all ranks.
+std::pair<int64_t, int64_t> checkpoint_piece(const UnitState& u) {
+  const UnitLayout& l = u.layout;
+  const int64_t lo = std::min(l.optim_begin, u.info->numel);
+  const int64_t hi = std::min(l.optim_begin + l.optim_numel, u.info->numel);
+  const int64_t n = hi - lo, r = l.replicas, k = l.replica;
+  return {lo + n * k / r, lo + n * (k + 1) / r};
+}
+
+// Flat range [lo, hi) of a unit's params as this rank holds them.
+Tensor params_range(const UnitState& u, int64_t lo, int64_t hi) {
+  if (u.layout.params_sharded) return view(u.param_shard, lo - u.layout.optim_begin, {hi - lo});
+  return view(u.params, lo, {hi - lo});
+}
+
+// The parameter of unit `u` holding flat element `index`, for messages.
+std::string param_at(const UnitState& u, int64_t index) {
+  for (const ParamInfo& p : u.info->params)
+    if (index >= p.offset && index < p.offset + p.numel) return cat("'", p.name, "' (element ", index - p.offset, ")");
+  return cat("unit ", u.info->name, " (padding element ", index, ")");
+}
+
+}  // namespace
+
+fs::path checkpoint_root(const Config& cfg) {
+  return cfg.checkpoint.dir.empty() ? fs::path(cfg.run.out_dir) / "checkpoints" : fs::path(cfg.checkpoint.dir);
+}
+
+void save_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Model& model, int64_t step) {
+  const fs::path root = checkpoint_root(cfg);
+  Backend& be = *rt.backend;
+  const int rank = rt.rank(), world = rt.world();
+  if (rank == 0) create_output_dir("checkpoint.dir", root.string());
+  be.synchronize();
+  rt.comm->synchronize();  // collectives still writing params (zero1/zero2's gathers) have finished
+  std::vector<UnitState>& units = state.units();
+  // Per unit this rank's [lo, hi), then the CRC of its shard's header: gathered for meta.json.
+  std::vector<int64_t> pieces(units.size() * 2 + 1);
+  Communicator& host = *rt.host;
+  {
+    ckpt::CheckpointWriter w(root.string(), step, rank);
+    // Device tensors go through host copies that live until the shard is written.
+    std::vector<std::vector<std::byte>> staging;
+    // Nothing is written from non-finite state: every value is looked at on
+    // the host (where it passes anyway) before any rank writes a byte.
+    std::string problem;
+    auto add = [&](const std::string& name, const Tensor& t, const UnitState& u, int64_t lo) {
+      Tensor host_t = t;
+      if (t.device != Device::cpu) {
+        staging.emplace_back(t.bytes());
+        be.download(staging.back().data(), t, t.bytes());
+        host_t.data = staging.back().data();
+        host_t.device = Device::cpu;
+      }
+      if (problem.empty())
+        if (const NonFiniteCount bad = count_nonfinite(host_t.data, host_t.dtype, host_t.numel()))
+          problem = cat("rank ", rank, "'s part of unit ", u.info->name, " holds ", count_words(bad), " in the ",
+                        state_kind_words(name.substr(0, name.find('.'))), ", the first in ", param_at(u, lo + bad.first));
+      w.add(name, host_t);
+    };
+    for (size_t i = 0; i < units.size(); ++i) {
+      const UnitState& u = units[i];
+      const auto [lo, hi] = checkpoint_piece(u);
+      pieces[2 * i] = lo;
+      pieces[2 * i + 1] = hi;
+      if (lo >= hi) continue;
+      const std::string& n = u.info->name;
+      const int64_t o = lo - u.layout.optim_begin;  // offset in the owned-range buffers
+      add("params." + n, params_range(u, lo, hi), u, lo);
+      if (u.master.data) add("master." + n, view(u.master, o, {hi - lo}), u, lo);
+      add("adam_m." + n, view(u.adam_m, o, {hi - lo}), u, lo);
+      add("adam_v." + n, view(u.adam_v, o, {hi - lo}), u, lo);
+    }
+    // Every rank learns whether any rank found a problem, so all refuse together.
+    std::vector<double> flags(static_cast<size_t>(host.size()));
+    {
+      double mine = problem.empty() ? 0.0 : 1.0;
+      Tensor in(&mine, DType::f64, Device::cpu, {1});
+      Tensor out(flags.data(), DType::f64, Device::cpu, {static_cast<int64_t>(flags.size())});
+      host.all_gather(ExecContext{}, in, out);
+    }
+    std::string bad_ranks;
+    for (int r = 0; r < host.size(); ++r)
+      if (flags[static_cast<size_t>(r)] != 0.0) bad_ranks += cat(bad_ranks.empty() ? "" : ", ", r);
+    if (!bad_ranks.empty()) {
+      const std::string keep = ckpt::complete_list(root.string());
+      throw Error(cat("no checkpoint of step ", step, " was written: the training state is not finite (",
+                      problem.empty() ? cat("rank(s) ", bad_ranks, " found NaN or inf values; their messages name the tensor")
+                                      : problem,
+                      "). A checkpoint of it could only be resumed into the same failure. The complete checkpoints in ",
+                      root.string(), " are untouched: ", keep,
+                      ". Resume from one of them with a lower train.lr or a train.grad_clip"));
+    }
+    pieces.back() = static_cast<int64_t>(w.write_shard());
+  }
+  // Every rank's piece of every unit and its header CRC, for the metadata (and for resharding on load).
+  std::vector<int64_t> all(pieces.size() * static_cast<size_t>(host.size()));
+  {
+    // all_gather moves raw bytes: the 8-byte integers travel as f64-sized elements, unconverted.
+    Tensor in(pieces.data(), DType::f64, Device::cpu, {static_cast<int64_t>(pieces.size())});
+    Tensor out(all.data(), DType::f64, Device::cpu, {static_cast<int64_t>(all.size())});
+    host.all_gather(ExecContext{}, in, out);
+  }
+  host.barrier();  // every rank's shard is on disk before the marker
+  if (rank == 0) {
+    const std::vector<UnitInfo>& infos = state.infos();
+    nlohmann::json jun = nlohmann::json::array();
+    for (size_t i = 0; i < units.size(); ++i) {
+      nlohmann::json params = nlohmann::json::array();
+      for (const ParamInfo& p : infos[i].params)
+        params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}, {"role", param_role_name(p.role)}});
+      nlohmann::json ranges = nlohmann::json::array();
+      for (int r = 0; r < host.size(); ++r) {
+        const size_t k = static_cast<size_t>(r) * pieces.size() + 2 * i;
+        if (all[k] < all[k + 1]) ranges.push_back({r, all[k], all[k + 1]});
+      }
+      jun.push_back({{"name", infos[i].name}, {"numel", infos[i].numel}, {"params", params}, {"shards", ranges}});
+    }
+    const PrecisionDTypes& dt = rt.dtypes;
+    std::vector<uint32_t> header_crcs;
+    for (int r = 0; r < host.size(); ++r)
+      header_crcs.push_back(static_cast<uint32_t>(all[static_cast<size_t>(r) * pieces.size() + pieces.size() - 1]));
+    nlohmann::json meta = {
+        {"format", "loom-checkpoint"},
+        {"version", 4},
+        {"step", step},
+        {"world_size", world},
+        {"strategy", cfg.sharding.plugin},
+        {"precision", cfg.precision.plugin},
+        {"dtypes", {{"params", std::string(dtype_name(dt.param))},
+                    {"grads", std::string(dtype_name(dt.grad))},
+                    {"optim_state", std::string(dtype_name(dt.optim_state))},
+                    {"activation", std::string(dtype_name(dt.activation))},
+                    {"master", dt.has_master}}},
+        {"layers", model.layers()},
+        {"model", nlohmann::json::parse(ckpt::model_json(model.spec()))},
+        {"units", jun},
+        {"data_plugin", cfg.data.plugin},
+        {"data_state", rt.data->state()},
+        {"samples_seen", step * cfg.train.micro_batch * cfg.train.grad_accum * world},
+        {"precision_state", hex(rt.precision->save_state())},
+        {"seed", cfg.run.seed},
+        {"config", cfg.effective_toml},
+        {"shard_header_crc32", header_crcs},
+    };
+    ckpt::CheckpointWriter::write_meta(root.string(), step, meta.dump(2));
+    ckpt::CheckpointWriter::mark_complete(root.string(), step);
+    ckpt::prune(root.string(), static_cast<int>(cfg.checkpoint.keep_last));
+  }
+  host.barrier();
+  log_info(cat("checkpoint: step ", step, " written to ", (root / "").string(), " (", world, " rank",
+               world == 1 ? "" : "s", ", ", cfg.sharding.plugin, ", ", model.layers(), " layers)"));
+}
+
+namespace {
+
+// The checkpoint checkpoint.resume names, or nullopt.
+std::optional<ckpt::CheckpointInfo> find_resume_point(const Config& cfg) {
+  const std::string& mode = cfg.checkpoint.resume;
+  if (mode == "none") return std::nullopt;
+  const fs::path root = checkpoint_root(cfg);
+  if (mode == "auto") {
+    if (!fs::exists(root)) return std::nullopt;
+    return ckpt::latest_complete(root.string());
+  }
+  ckpt::CheckpointInfo info = ckpt::find_step(root.string(), std::stoll(mode));
+  // Going back to an older step with checkpointing on would later overwrite
+  // the newer checkpoints of this directory: refuse now, before any work.
+  if (cfg.checkpoint.every > 0) {
+    std::string newer;
+    for (const ckpt::CheckpointInfo& c : ckpt::list_checkpoints(root.string()))
+      if (c.step > info.step) newer += (newer.empty() ? "" : ", ") + c.dir;
+    if (!newer.empty())
+      throw Error(cat("checkpoint.resume = ", mode, ": newer checkpoints would be overwritten as training continues (",
+                      newer, "); move them away, set checkpoint.dir to another folder, or set checkpoint.every = 0"));
+  }
+  return info;
+}
+
+// Every parameter of this model must be in the checkpoint with the same shape,
+// and the checkpoint must hold nothing else.
+void check_layout(const ckpt::CheckpointSet& set, const std::vector<UnitInfo>& infos) {
+  const ckpt::TrainMeta& m = set.meta();
+  size_t ours = 0;
+  for (const UnitInfo& u : infos)
+    for (const ParamInfo& p : u.params) {
+      ++ours;
+      auto it = m.by_name.find(p.name);
+      if (it == m.by_name.end())
+        throw Error(cat("checkpoint ", set.dir(), " has no parameter '", p.name,
+                        "' that this model has: it was written for another model. Point checkpoint.dir elsewhere "
+                        "or set checkpoint.resume = \"none\""));
+      const ckpt::SavedParam& sp = m.params[it->second];
+      if (sp.shape != p.shape) {
+        auto str = [](const std::vector<int64_t>& s) {
+          std::string r = "[";
+          for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+          return r + "]";
+        };
+        throw Error(cat("checkpoint ", set.dir(), ": parameter '", p.name, "' has shape ", str(sp.shape),
+                        " there and ", str(p.shape), " in this model. Point checkpoint.dir elsewhere or set "
+                        "checkpoint.resume = \"none\""));
+      }
+    }
+  if (m.params.size() != ours) {
+    std::string extra;
+    for (const ckpt::SavedParam& sp : m.params) {
+      bool found = false;
+      for (const UnitInfo& u : infos)
+        for (const ParamInfo& p : u.params) found = found || p.name == sp.name;
+      if (!found) {
+        extra = sp.name;
+        break;
+      }
+    }
+    throw Error(cat("checkpoint ", set.dir(), " holds ", m.params.size(), " parameters, this model ", ours,
+                    " (e.g. '", extra, "' is not part of it): it was written for another model"));
+  }
+}
+
+void load_unit_range(ckpt::CheckpointSet& set, const std::string& kind, const ParamInfo& p, int64_t lo, int64_t hi,
+                     Tensor dst_flat, int64_t dst_begin, Backend& be, std::vector<std::byte>& staging) {
+  // Elements [lo, hi) of the unit's flat vector that fall in parameter p, into dst_flat (whose element 0 is
+  // flat index dst_begin).
+  const int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.numel);
+  if (a >= b) return;
+  const ckpt::SavedParam& sp = set.param(p.name);
+  staging.resize(static_cast<size_t>(b - a) * dtype_size(dst_flat.dtype));
+  set.read(kind, sp, a - p.offset, b - p.offset, dst_flat.dtype, staging.data());
+  // NaN or inf in the weights or the AdamW state would make every step of
+  // the resumed run non-finite: refused here, naming what holds them.
+  if (const NonFiniteCount bad = count_nonfinite(staging.data(), dst_flat.dtype, b - a))
+    throw Error(cat("checkpoint ", set.dir(), ": the ", state_kind_words(kind), " of '", p.name, "' hold ",
+                    describe_nonfinite(bad, b - a), " (elements counted from ", a - p.offset,
+                    "): it was written from a diverged run and cannot be resumed. Resume an earlier checkpoint "
+                    "(checkpoint.resume = <step>; complete ones: ", ckpt::complete_list(fs::path(set.dir()).parent_path().string()),
+                    ") or start fresh (checkpoint.resume = \"none\")"));
+  Tensor dst = view(dst_flat, a - dst_begin, {b - a});
+  be.upload(dst, staging.data(), staging.size());
+}
+
+}  // namespace
+
+std::optional<int64_t> resume_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Model& model) {
+  const std::optional<ckpt::CheckpointInfo> info = find_resume_point(cfg);
+  if (!info) return std::nullopt;
+  ckpt::CheckpointSet set(info->dir);
+  const ckpt::TrainMeta& m = set.meta();
+  const std::string want = ckpt::model_json(model.spec());
+  if (nlohmann::json::parse(m.model_json) != nlohmann::json::parse(want))
+    throw Error(cat("checkpoint ", info->dir, " was written for another model: it has ", m.model_json,
+                    ", this config builds ", want, ". Point checkpoint.dir elsewhere or set checkpoint.resume = \"none\""));
+  check_layout(set, state.infos());
+
+  // What differs is said, not refused: every combination loads by name.
+  if (m.world_size != rt.world() || m.strategy != cfg.sharding.plugin)
+    log_info(cat("resharding checkpoint ", info->dir, ": written by ", m.world_size, " rank(s) with sharding \"",
+                 m.strategy, "\", loading into ", rt.world(), " rank(s) with \"", cfg.sharding.plugin, "\""));
+  if (m.layers != model.layers())
+    log_info(cat("checkpoint ", info->dir, " was computed with ", m.layers, " layers, this run uses ", model.layers(),
+                 " layers: same parameters, names and layout"));
+  const PrecisionDTypes& dt = rt.dtypes;
+  const bool same_dtypes = m.params_dtype == dt.param && m.optim_dtype == dt.optim_state && m.has_master == dt.has_master;
+  if (!same_dtypes)
+    log_info(cat("checkpoint ", info->dir, " holds ", dtype_name(m.params_dtype), " params",
+                 m.has_master ? " with an fp32 master copy" : "", " and ", dtype_name(m.optim_dtype),
+                 " AdamW state (precision \"", m.precision, "\"); converting to this run's ", dtype_name(dt.param),
+                 " params", dt.has_master ? " with an fp32 master copy" : "", " and ", dtype_name(dt.optim_state),
+                 " state (precision \"", cfg.precision.plugin, "\")"));
+
+  Backend& be = *rt.backend;
+  std::vector<std::byte> staging;
+  // fp32 params with an fp32 master in the checkpoint: take the exact master values.
+  const std::string params_kind = m.has_master && dt.param == DType::f32 ? "master" : "params";
+  const std::string master_kind = m.has_master ? "master" : "params";
+  for (UnitState& u : state.units()) {
+    const int64_t N = u.info->numel;
+    const int64_t olo = std::min(u.layout.optim_begin, N);
+    const int64_t ohi = std::min(u.layout.optim_begin + u.layout.optim_numel, N);
+    for (const ParamInfo& p : u.info->params) {
+      if (u.layout.params_sharded) load_unit_range(set, params_kind, p, olo, ohi, u.param_shard, u.layout.optim_begin, be, staging);
+      else load_unit_range(set, params_kind, p, 0, N, u.params, 0, be, staging);
+      if (u.master.data) load_unit_range(set, master_kind, p, olo, ohi, u.master, u.layout.optim_begin, be, staging);
+      load_unit_range(set, "adam_m", p, olo, ohi, u.adam_m, u.layout.optim_begin, be, staging);
+      load_unit_range(set, "adam_v", p, olo, ohi, u.adam_v, u.layout.optim_begin, be, staging);
+    }
+  }
+  rt.data->restore(m.data_state);
+  if (m.precision == cfg.precision.plugin) rt.precision->load_state(unhex(m.precision_state));
+  else if (!m.precision_state.empty())
+    log_info(cat("checkpoint ", info->dir, ": the state of precision \"", m.precision,
+                 "\" does not carry over to \"", cfg.precision.plugin, "\"; its scales start fresh"));
+  log_info(cat("resumed from ", info->dir, " at step ", m.step));
+  return m.step;
+}
+
+}  // namespace loom

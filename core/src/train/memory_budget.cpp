@@ -1,0 +1,129 @@
+#include "train/memory_budget.hpp"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <vector>
+
+#include "loom/error.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom {
+namespace {
+
+struct CgroupMount {
+  std::string mount_point, root;
+  bool found = false;
+};
+
+// A number from a one-line cgroup file; UINT64_MAX for "max" or a missing file.
+uint64_t read_limit(const fs::path& file) {
+  std::ifstream in(file);
+  std::string word;
+  if (!(in >> word) || word == "max") return UINT64_MAX;
+  try {
+    return std::stoull(word);
+  } catch (const std::exception&) {
+    return UINT64_MAX;
+  }
+}
+
+// "key value" lines (memory.stat, /proc/meminfo); -1 when the key is absent.
+int64_t read_keyed(const fs::path& file, const std::string& key) {
+  std::ifstream in(file);
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream ls(line);
+    std::string k;
+    int64_t v = 0;
+    if ((ls >> k >> v) && (k == key || k == key + ":")) return v;
+  }
+  return -1;
+}
+
+// Where the cgroup v2 hierarchy and the v1 memory hierarchy are mounted.
+void find_mounts(const std::string& mountinfo, CgroupMount& v2, CgroupMount& v1) {
+  std::ifstream in(mountinfo);
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream ls(line);
+    std::vector<std::string> f;
+    for (std::string w; ls >> w;) f.push_back(w);
+    auto dash = std::find(f.begin(), f.end(), "-");
+    if (f.size() < 5 || dash == f.end() || dash + 3 > f.end()) continue;
+    const std::string& type = *(dash + 1);
+    const std::string& opts = *(dash + 3);
+    if (type == "cgroup2" && !v2.found) v2 = {f[4], f[3], true};
+    if (type == "cgroup" && !v1.found) {
+      std::istringstream os(opts);
+      for (std::string o; std::getline(os, o, ',');)
+        if (o == "memory") v1 = {f[4], f[3], true};
+    }
+  }
+}
+
+// The folder of this process's cgroup under a mount, from /proc/self/cgroup's path.
+fs::path cgroup_dir(const CgroupMount& m, std::string path) {
+  if (m.root != "/" && path.rfind(m.root, 0) == 0) path = path.substr(m.root.size());
+  return fs::path(m.mount_point) / fs::path(path).relative_path();
+}
+
+}  // namespace
+
+std::string human_bytes(double b) {
+  std::ostringstream m;
+  if (b >= 1024.0 * 1024.0 * 1024.0) m << std::fixed << std::setprecision(2) << b / (1024.0 * 1024.0 * 1024.0) << " GiB";
+  else m << std::fixed << std::setprecision(1) << b / (1024.0 * 1024.0) << " MiB";
+  return m.str();
+}
+
+MemoryBudget host_memory_budget(const HostMemoryFiles& files) {
+  MemoryBudget best;
+  auto consider = [&](uint64_t avail, const std::string& source) {
+    if (avail < best.available) best = {avail, source};
+  };
+  CgroupMount v2, v1;
+  find_mounts(files.mountinfo, v2, v1);
+  std::ifstream cg(files.self_cgroup);
+  for (std::string line; std::getline(cg, line);) {
+    // "hierarchy:controllers:path"; v2 is "0::path".
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    bool is_v1_memory = false;
+    {
+      std::istringstream cs(controllers);
+      for (std::string c; std::getline(cs, c, ',');) is_v1_memory = is_v1_memory || c == "memory";
+    }
+    const bool is_v2 = controllers.empty() && line.rfind("0:", 0) == 0;
+    const CgroupMount* m = is_v1_memory ? &v1 : is_v2 ? &v2 : nullptr;
+    if (!m || !m->found) continue;
+    const char* limit_file = is_v2 ? "memory.max" : "memory.limit_in_bytes";
+    const char* usage_file = is_v2 ? "memory.current" : "memory.usage_in_bytes";
+    const char* cache_key = is_v2 ? "inactive_file" : "total_inactive_file";
+    // Every level up to the mount: a parent's limit binds its children too.
+    const fs::path top = fs::path(m->mount_point).lexically_normal();
+    for (fs::path dir = cgroup_dir(*m, path).lexically_normal();; dir = dir.parent_path()) {
+      const uint64_t limit = read_limit(dir / limit_file);
+      // v1 reports "no limit" as a huge page-rounded number.
+      if (limit != UINT64_MAX && limit < (uint64_t{1} << 62)) {
+        const uint64_t usage = read_limit(dir / usage_file);
+        const int64_t cache = read_keyed(dir / "memory.stat", cache_key);
+        uint64_t used = usage == UINT64_MAX ? 0 : usage;
+        if (cache > 0) used -= std::min(used, static_cast<uint64_t>(cache));
+        consider(limit > used ? limit - used : 0,
+                 cat("the memory cgroup ", dir.string(), " allows ", human_bytes(static_cast<double>(limit)), " (",
+                     is_v2 ? "memory.max" : "memory.limit_in_bytes", ") and ", human_bytes(static_cast<double>(used)),
+                     " of it is in use"));
+      }
+      if (dir == top || dir == dir.parent_path() || dir.string().size() <= top.string().size()) break;
+    }
+  }
+  const int64_t kb = read_keyed(files.meminfo, "MemAvailable");
+  if (kb >= 0) consider(static_cast<uint64_t>(kb) * 1024, cat("the machine has ", human_bytes(static_cast<double>(kb) * 1024.0),
+                                                               " available (MemAvailable in ", files.meminfo, ")"));
+  return best;
+}
+
+}  // namespace loom

@@ -1,0 +1,344 @@
+#include "train/outputs.hpp"
+
+#include <fcntl.h>
+#include <limits.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/checkpoint.hpp"
+#include "checkpoint/file_util.hpp"
+#include "loom/error.hpp"
+#include "loom/log.hpp"
+#include "train/checkpointing.hpp"
+
+namespace fs = std::filesystem;
+
+namespace loom {
+namespace {
+
+std::string quoted(const std::string& key, const std::string& path) { return cat(key, " = \"", path, "\""); }
+
+std::string where_relative(const std::string& path) {
+  if (fs::path(path).is_absolute()) return "";
+  std::error_code ec;
+  return cat(" (relative to the working directory ", fs::current_path(ec).string(), ")");
+}
+
+// The reason a directory cannot be written, from access(2): "" when it can.
+std::string unwritable_reason(const fs::path& dir) {
+  if (::access(dir.c_str(), W_OK | X_OK) == 0) return "";
+  const int e = errno;
+  if (e == EROFS) return "it is on a read-only file system";
+  if (e == EACCES || e == EPERM) return "this user may not write there (permission denied)";
+  return std::strerror(e);
+}
+
+std::string host_name() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof buf - 1) != 0) return "?";
+  return buf;
+}
+
+void check_one_path(const std::string& key, const std::string& path) {
+  const std::string q = quoted(key, path);
+  if (path.size() >= PATH_MAX)
+    throw Error(cat(q, ": the path is ", path.size(), " characters long, more than the ", PATH_MAX - 1,
+                    " a path may have: choose a shorter ", key));
+  for (const fs::path& part : fs::path(path)) {
+    const std::string s = part.string();
+    if (s.size() > NAME_MAX)
+      throw Error(cat(q, ": the name '", s.substr(0, 24), "...' is ", s.size(), " characters long, more than the ",
+                      NAME_MAX, " a file or folder name may have: choose a shorter ", key));
+  }
+  // Walk down from the root: every existing part must be a folder; the last
+  // existing one must be writable (the rest is created in it).
+  const fs::path full = fs::absolute(fs::path(path)).lexically_normal();
+  fs::path cur, last_existing = full.root_path();
+  for (const fs::path& part : full) {
+    cur /= part;
+    if (part.empty() || cur == full.root_path()) continue;
+    struct stat st {};
+    if (::stat(cur.c_str(), &st) != 0) {
+      const int e = errno;
+      if (e == ENOENT) break;
+      if (e == ENOTDIR)
+        throw Error(cat(q, ": '", cur.parent_path().string(), "' is a file, not a folder: move it away or choose "
+                        "another ", key));
+      if (e == EACCES)
+        throw Error(cat(q, ": '", cur.string(), "' cannot be reached (permission denied on a folder above it): "
+                        "choose another ", key));
+      throw Error(cat(q, ": cannot inspect '", cur.string(), "': ", std::strerror(e)));
+    }
+    if (!S_ISDIR(st.st_mode))
+      throw Error(cat(q, where_relative(path), ": '", cur.string(), "' is ", S_ISREG(st.st_mode) ? "a file" : "not a folder",
+                      ", where a folder is needed: move it away or choose another ", key));
+    last_existing = cur;
+  }
+  if (const std::string why = unwritable_reason(last_existing); !why.empty())
+    throw Error(cat(q, where_relative(path), ": cannot write in '", last_existing.string(), "': ", why,
+                    ". Choose a writable ", key));
+}
+
+// Non-empty metrics.jsonl: the results of a run that did at least one step.
+int64_t metrics_lines(const fs::path& file) {
+  std::ifstream in(file);
+  int64_t n = 0;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) ++n;
+  return n;
+}
+
+std::string join_steps(const std::vector<ckpt::CheckpointInfo>& cks) {
+  std::string s;
+  for (size_t i = 0; i < cks.size(); ++i) {
+    if (i == 4 && cks.size() > 5) {
+      s += cat(", ... (", cks.size(), " in all)");
+      break;
+    }
+    s += (i ? ", " : "") + fs::path(cks[i].dir).filename().string();
+  }
+  return s;
+}
+
+}  // namespace
+
+void check_output_paths(const Config& cfg) {
+  check_one_path("run.out_dir", cfg.run.out_dir);
+  check_one_path("checkpoint.dir", checkpoint_root(cfg).string());
+}
+
+std::optional<int64_t> planned_resume_step(const Config& cfg) {
+  const std::string& mode = cfg.checkpoint.resume;
+  if (mode == "none") return std::nullopt;
+  const std::string root = checkpoint_root(cfg).string();
+  if (mode == "auto") {
+    if (auto c = ckpt::latest_complete(root)) return c->step;
+    return std::nullopt;
+  }
+  return std::stoll(mode);
+}
+
+void check_no_overwrite(const Config& cfg, std::optional<int64_t> resume_step) {
+  if (resume_step || cfg.run.overwrite) return;
+  const fs::path out(cfg.run.out_dir);
+  const std::string root = checkpoint_root(cfg).string();
+  std::error_code ec;
+  const int64_t lines = fs::is_regular_file(out / "metrics.jsonl", ec) ? metrics_lines(out / "metrics.jsonl") : 0;
+  std::vector<ckpt::CheckpointInfo> complete;
+  for (const ckpt::CheckpointInfo& c : ckpt::list_checkpoints(root))
+    if (c.complete) complete.push_back(c);
+  if (lines == 0 && complete.empty()) return;
+  std::string what;
+  if (lines > 0) what = cat((out / "metrics.jsonl").string(), " (", lines, " lines)");
+  if (!complete.empty())
+    what += cat(what.empty() ? "" : " and ", complete.size(), " complete checkpoint", complete.size() == 1 ? "" : "s",
+                " in ", root, " (", join_steps(complete), ")");
+  const bool none = cfg.checkpoint.resume == "none";
+  throw Error(cat("run.out_dir = \"", cfg.run.out_dir, "\" holds a previous run: ", what, ". ",
+                  none ? "checkpoint.resume = \"none\" would start over and overwrite it"
+                       : "There is no complete checkpoint to resume from, so this run would start over and overwrite it",
+                  ". ", none && !complete.empty() ? "Resume it (checkpoint.resume = \"auto\"), write" : "Write",
+                  " this run elsewhere (run.out_dir), or replace the previous run on purpose (run.overwrite = true)"));
+}
+
+void create_output_dir(const std::string& key, const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir)) {
+    // The static checks name the usual causes; this is what is left (a race, a full disk).
+    check_one_path(key, dir);
+    throw Error(cat(quoted(key, dir), ": the folder cannot be created: ",
+                    ec ? ec.message() : std::string("something else is in the way")));
+  }
+}
+
+void probe_writable(const std::string& key, const std::string& dir, const std::string& probe_name) {
+  const std::string file = (fs::path(dir) / probe_name).string();
+  const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  auto fail = [&](const char* what, int e) {
+    return Error(cat(quoted(key, dir), ": cannot ", what, " ", file, ": ", std::strerror(e),
+                     e == ENOSPC || e == EDQUOT ? " (the disk or quota is full: free space or choose another folder)"
+                     : e == EROFS                ? " (a read-only file system: choose another folder)"
+                                                 : ""));
+  };
+  if (fd < 0) throw fail("create", errno);
+  // More than one page: a file system with less free space than this cannot
+  // hold a metrics line or a checkpoint either.
+  static const std::string block(8192, '\n');
+  int err = 0;
+  for (size_t done = 0; done < block.size() && !err;) {
+    const ssize_t w = ::write(fd, block.data() + done, block.size() - done);
+    if (w < 0 && errno != EINTR) err = errno;
+    if (w > 0) done += static_cast<size_t>(w);
+  }
+  if (!err && ::fsync(fd) != 0 && errno != EINVAL) err = errno;
+  if (::close(fd) != 0 && !err) err = errno;
+  ::unlink(file.c_str());
+  if (err) throw fail("write", err);
+}
+
+// ---------------------------------------------------------------------------
+// The lock
+// ---------------------------------------------------------------------------
+
+struct OutputLock::Held {
+  std::string path;
+  int fd = -1;
+  ~Held() {
+    if (fd >= 0) ::close(fd);  // closing the last descriptor releases the flock
+  }
+};
+
+namespace {
+
+std::mutex g_locks_mu;
+std::map<std::string, std::weak_ptr<OutputLock::Held>>& held_locks() {
+  static auto* m = new std::map<std::string, std::weak_ptr<OutputLock::Held>>;
+  return *m;
+}
+
+std::shared_ptr<OutputLock::Held> lock_dir(const std::string& key, const std::string& dir) {
+  create_output_dir(key, dir);
+  std::error_code ec;
+  const std::string canon = fs::canonical(dir, ec).string();
+  const std::string id = ec ? fs::absolute(dir).lexically_normal().string() : canon;
+  std::lock_guard<std::mutex> g(g_locks_mu);
+  if (auto existing = held_locks()[id].lock()) return existing;
+  auto h = std::make_shared<OutputLock::Held>();
+  h->path = (fs::path(dir) / ".loom.lock").string();
+  h->fd = ::open(h->path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (h->fd < 0) {
+    const int e = errno;
+    throw Error(cat(quoted(key, dir), ": cannot create the lock file ", h->path, ": ", std::strerror(e)));
+  }
+  if (::flock(h->fd, LOCK_EX | LOCK_NB) != 0) {
+    const int e = errno;
+    if (e == EWOULDBLOCK) {
+      std::string holder;
+      {
+        std::ifstream in(h->path);
+        std::getline(in, holder);
+      }
+      throw Error(cat(quoted(key, dir), " is in use by another run",
+                      holder.empty() ? std::string() : cat(" (", holder, ")"),
+                      ": two runs writing one folder would mix their metrics and checkpoints. Wait for it to end, or "
+                      "choose another ", key));
+    }
+    throw Error(cat(quoted(key, dir), ": cannot lock ", h->path, ": ", std::strerror(e)));
+  }
+  // Who holds it, for the message a second run gets.
+  const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  char when[64] = {};
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", std::localtime(&now));
+  const std::string who = cat("pid ", ::getpid(), " on host ", host_name(), ", since ", when, "\n");
+  int err = 0;
+  if (::ftruncate(h->fd, 0) != 0) err = errno;
+  if (!err && ::pwrite(h->fd, who.data(), who.size(), 0) != static_cast<ssize_t>(who.size())) err = errno ? errno : EIO;
+  if (err)
+    throw Error(cat(quoted(key, dir), ": cannot write the lock file ", h->path, ": ", std::strerror(err),
+                    err == ENOSPC ? " (the disk is full: free space or choose another folder)" : ""));
+  held_locks()[id] = h;
+  return h;
+}
+
+}  // namespace
+
+std::shared_ptr<OutputLock> OutputLock::acquire(const Config& cfg) {
+  std::shared_ptr<OutputLock> l(new OutputLock);
+  l->held_.push_back(lock_dir("run.out_dir", cfg.run.out_dir));
+  // checkpoint.dir too, wherever it is: another run may name this run's
+  // checkpoint folder as its own checkpoint.dir with a different out_dir.
+  const fs::path root = checkpoint_root(cfg);
+  l->held_.push_back(lock_dir("checkpoint.dir", root.string()));
+  // A real write into each: a full disk is found here, before any work.
+  probe_writable("run.out_dir", cfg.run.out_dir, ".loom.write_test");
+  probe_writable("checkpoint.dir", root.string(), ".loom.write_test");
+  return l;
+}
+
+OutputLock::~OutputLock() = default;
+
+// ---------------------------------------------------------------------------
+// The run's files
+// ---------------------------------------------------------------------------
+
+namespace {
+
+// Removes every step_* folder of root (rename, then delete, as pruning does,
+// so a crash never leaves one that looks complete with shards missing).
+size_t remove_checkpoints(const std::string& root) {
+  size_t n = 0;
+  for (const ckpt::CheckpointInfo& c : ckpt::list_checkpoints(root)) {
+    const fs::path victim(c.dir);
+    const fs::path trash = victim.parent_path() / ("." + victim.filename().string() + ".deleting");
+    std::error_code ec;
+    fs::remove_all(trash, ec);
+    fs::rename(victim, trash, ec);
+    if (ec) throw Error(cat("run.overwrite = true: cannot remove the previous run's checkpoint ", c.dir, ": ", ec.message()));
+    fs::remove_all(trash, ec);
+    if (ec) throw Error(cat("run.overwrite = true: cannot remove ", trash.string(), ": ", ec.message()));
+    ++n;
+  }
+  return n;
+}
+
+// Keeps the lines of metrics.jsonl up to `step` (a resumed run continues
+// there; lines of steps after the checkpoint belong to a timeline that was lost).
+void trim_metrics(const fs::path& file, int64_t step) {
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec)) return;
+  std::ifstream in(file);
+  std::string kept, line;
+  int64_t dropped = 0;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    int64_t s = -1;
+    try {
+      s = nlohmann::json::parse(line).value("step", int64_t{-1});
+    } catch (const nlohmann::json::exception&) {
+      s = -1;  // a torn last line of a killed run
+    }
+    if (s < 0 || s > step) {
+      ++dropped;
+      continue;
+    }
+    kept += line + "\n";
+  }
+  if (dropped == 0) return;
+  ckpt::write_file_atomic(file.string(), kept);
+  log_info(cat("metrics: dropped ", dropped, " line(s) after step ", step, " from ", file.string(),
+               " (steps the resumed checkpoint does not include)"));
+}
+
+}  // namespace
+
+void prepare_run_files(const Config& cfg, std::optional<int64_t> resume_step) {
+  const fs::path out(cfg.run.out_dir);
+  check_no_overwrite(cfg, resume_step);
+  if (!resume_step && cfg.run.overwrite) {
+    const size_t removed = remove_checkpoints(checkpoint_root(cfg).string());
+    std::error_code ec;
+    const bool had_metrics = fs::remove(out / "metrics.jsonl", ec);
+    if (removed || had_metrics)
+      log_warn(cat("run.overwrite = true: replaced the previous run in ", cfg.run.out_dir, " (",
+                   removed, " checkpoint(s)", had_metrics ? ", metrics.jsonl" : "", " removed)"));
+  }
+  if (resume_step) trim_metrics(out / "metrics.jsonl", *resume_step);
+  probe_writable("run.out_dir", cfg.run.out_dir, ".loom.write_test");
+  ckpt::write_file_atomic((out / "config.toml").string(), cfg.effective_toml);
+}
+
+}  // namespace loom

@@ -1,0 +1,68 @@
+// Where a run writes, checked before it starts (docs/RELIABILITY.md "Files"):
+//
+//   check_output_paths    run.out_dir and checkpoint.dir can be created and
+//                         written (a file where a folder should be, a name too
+//                         long, a read-only or unwritable place), naming the
+//                         key and the path; creates nothing.
+//   check_no_overwrite    a fresh run never replaces a previous run's results
+//                         (metrics.jsonl, complete checkpoints) unless
+//                         run.overwrite = true says so.
+//   OutputLock            an exclusive lock (flock) on out_dir and on
+//                         checkpoint.dir, held while the run lives: a second
+//                         run on either folder is refused, naming the process
+//                         that holds it.
+//                         The kernel drops it when the process ends, even on
+//                         kill -9, so there is never a stale lock to clean.
+//   prepare_run_files     what rank 0 does to the folder before step 1:
+//                         replace the previous run (run.overwrite), trim
+//                         metrics.jsonl to the resumed step, write config.toml.
+//   probe_writable        a real write (create, write, fsync, remove) into a
+//                         folder: a full disk or a read-only mount fails here,
+//                         before any step, instead of at the first save.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "config/run_config.hpp"
+
+namespace loom {
+
+void check_output_paths(const Config& cfg);
+
+// `resume_step`: the step the run resumes from, nullopt for a fresh start.
+void check_no_overwrite(const Config& cfg, std::optional<int64_t> resume_step);
+
+// The step checkpoint.resume will resume from, read from the files only
+// (nullopt: a fresh start). Errors for a missing step are left to resuming.
+std::optional<int64_t> planned_resume_step(const Config& cfg);
+
+class OutputLock {
+ public:
+  // Creates out_dir (and checkpoint.dir) and locks them; throws loom::Error
+  // naming the key, the path and the holder when another run has them. Locks
+  // are per process and path: acquiring one this process already holds
+  // shares it.
+  static std::shared_ptr<OutputLock> acquire(const Config& cfg);
+  ~OutputLock();
+  OutputLock(const OutputLock&) = delete;
+  OutputLock& operator=(const OutputLock&) = delete;
+  struct Held;  // one locked folder, shared by every holder in this process
+
+ private:
+  OutputLock() = default;
+  std::vector<std::shared_ptr<Held>> held_;
+};
+
+void prepare_run_files(const Config& cfg, std::optional<int64_t> resume_step);
+
+// Creates, writes, fsyncs and removes a small file in `dir`; throws naming
+// `key`, the path and the system's reason.
+void probe_writable(const std::string& key, const std::string& dir, const std::string& probe_name);
+
+// Creates `dir` (and its parents) for `key`, with a message naming both on failure.
+void create_output_dir(const std::string& key, const std::string& dir);
+
+}  // namespace loom

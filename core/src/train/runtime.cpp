@@ -1,0 +1,123 @@
+#include "train/runtime.hpp"
+
+#include "comm/mpi_communicator.hpp"
+#ifdef LOOM_HAVE_NCCL
+#include "comm/nccl_communicator.hpp"
+#endif
+#include "loom/error.hpp"
+#include "loom/log.hpp"
+#include "model/block.hpp"
+#include "train/rank_agreement.hpp"
+
+namespace loom {
+namespace {
+
+void start_communicators(Runtime& rt, const Config& cfg) {
+  if (!(rt.launch.under_launcher && mpi_available())) {
+    rt.comm = make_self_communicator();
+    rt.host = rt.comm.get();
+    return;
+  }
+  // MPI carries host tensors; on CUDA, NCCL carries the device tensors and
+  // MPI stays for scalars, barriers and the NCCL unique id.
+  if (cfg.run.device == "cuda") {
+    rt.host_owned = make_mpi_communicator(cfg.run.collective_timeout);
+    rt.host = rt.host_owned.get();
+#ifdef LOOM_HAVE_NCCL
+    rt.comm = make_nccl_communicator(rt.backend->device_index(), cfg.run.collective_timeout);
+#else
+    throw Error("run.device = \"cuda\" with several ranks needs NCCL, and this loom was built without it: "
+                "install NCCL (libnccl-dev) and rebuild");
+#endif
+  } else {
+    rt.comm = make_mpi_communicator(cfg.run.collective_timeout);
+    rt.host = rt.comm.get();
+  }
+}
+
+void load_plugins(Runtime& rt, const Config& cfg, const ModelSpec& spec) {
+  std::vector<std::filesystem::path> dirs(cfg.run.plugin_path.begin(), cfg.run.plugin_path.end());
+  rt.registry = std::make_unique<PluginRegistry>(dirs);
+  auto init_for = [&](const PluginSection& s) {
+    PluginInit init;
+    init.config = s.table;
+    init.device = rt.backend->device();
+    init.rank = rt.comm->rank();
+    init.world = rt.comm->size();
+    init.local_rank = rt.launch.local_rank;
+    init.local_world = rt.launch.local_world;
+    init.seed = cfg.run.seed;
+    init.deterministic = cfg.run.deterministic;
+    init.under_launcher = rt.launch.under_launcher;
+    return init;
+  };
+  rt.precision = rt.registry->create_as<PluginKind::precision>(cfg.precision.plugin, init_for(cfg.precision),
+                                                               cfg.precision.path);
+  rt.attention = rt.registry->create_as<PluginKind::attention>(cfg.attention.plugin, init_for(cfg.attention),
+                                                               cfg.attention.path);
+  rt.sharding = rt.registry->create_as<PluginKind::sharding>(cfg.sharding.plugin, init_for(cfg.sharding),
+                                                             cfg.sharding.path);
+  rt.data = rt.registry->create_as<PluginKind::data>(cfg.data.plugin, init_for(cfg.data), cfg.data.path);
+  rt.dtypes = rt.precision->dtypes();
+
+  // Refuse shapes the attention kernel cannot do before anything is allocated.
+  BlockEnv probe;
+  probe.spec = &spec;
+  probe.B = cfg.train.micro_batch;
+  probe.S = cfg.train.seq_len;
+  const Support sup = rt.attention->supports(probe.attention_shape(), rt.dtypes.activation, rt.backend->device());
+  if (!sup.ok)
+    throw Error(cat("attention.plugin = \"", cfg.attention.plugin, "\" cannot run this model: ", sup.reason));
+
+  DataSpec ds;
+  ds.batch = cfg.train.micro_batch;
+  ds.seq_len = cfg.train.seq_len;
+  ds.vocab_size = spec.vocab_size;
+  ds.rank = rt.comm->rank();
+  ds.world = rt.comm->size();
+  ds.seed = cfg.run.seed;
+  rt.data->open(ds);
+  if (int64_t hint = rt.data->vocab_hint(); hint > spec.vocab_size)
+    throw Error(cat("data.plugin = \"", cfg.data.plugin, "\" produces token ids up to ", hint - 1,
+                    " but model.vocab_size = ", spec.vocab_size, ": raise model.vocab_size to at least ", hint));
+  if (cfg.train.validation_every > 0 && !rt.data->has_split(Split::validation))
+    throw Error(cat("train.validation_every = ", cfg.train.validation_every, " but data.plugin = \"", cfg.data.plugin,
+                    "\" has no validation split: configure one or set train.validation_every = 0"));
+}
+
+}  // namespace
+
+Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_process) {
+  Runtime rt;
+  // Rank, world and node-local rank: from MPI when started by mpirun / srun,
+  // otherwise this is the only rank and MPI is never touched.
+  rt.launch = single_process ? LaunchInfo{} : launch_from_env();
+  const bool several = rt.launch.under_launcher && rt.launch.world != 1;
+  if (several && !mpi_available())
+    throw Error(cat("this process is one of ",
+                    rt.launch.world == 0 ? std::string("several") : std::to_string(rt.launch.world),
+                    " ranks started by ", rt.launch.launcher, ", but this loom was built without MPI: rebuild with "
+                    "MPI (libopenmpi-dev; cmake -DLOOM_WITH_MPI=ON) or start a single process"));
+  if (rt.launch.under_launcher && mpi_available()) rt.launch = detect_launch();
+  // Quiet the other ranks: rank 0 speaks for the run, the rest report warnings and errors.
+  if (rt.launch.rank != 0 && cfg.run.log_level == "info") set_log_level("warn");
+  if (cfg.train.seq_len > spec.max_seq_len)
+    throw Error(cat("train.seq_len = ", cfg.train.seq_len, " exceeds the model's max_seq_len = ", spec.max_seq_len));
+  if (cfg.run.device == "cuda") {
+#ifdef LOOM_HAVE_CUDA
+    if (!cuda_available())
+      throw Error("run.device = \"cuda\" but no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)");
+#endif
+    rt.backend = make_cuda_backend(cuda_device_for_rank(rt.launch.local_rank, rt.launch.local_world),
+                                   cfg.run.deterministic);
+  } else {
+    rt.backend = make_cpu_backend(cfg.run.threads, cfg.run.deterministic);
+  }
+  start_communicators(rt, cfg);
+  load_plugins(rt, cfg, spec);
+  // Before any collective whose size depends on the config: the ranks must agree on it.
+  check_ranks_agree(cfg, spec, rt);
+  return rt;
+}
+
+}  // namespace loom

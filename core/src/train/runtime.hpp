@@ -1,0 +1,44 @@
+// What a run computes with, set up from the config before any memory is
+// touched: how the process was launched (rank, world), the backend, the
+// communicators, and the four plugins (loaded, their tables validated, the
+// data opened, the attention shape accepted).
+#pragma once
+#include <memory>
+
+#include "comm/launch.hpp"
+#include "config/run_config.hpp"
+#include "loom/attention.hpp"
+#include "loom/comm.hpp"
+#include "loom/data.hpp"
+#include "loom/precision.hpp"
+#include "loom/registry.hpp"
+#include "loom/sharding.hpp"
+#include "model/backend.hpp"
+
+namespace loom {
+
+struct Runtime {
+  LaunchInfo launch;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Communicator> comm;        // the data communicator: NCCL on CUDA, MPI on CPU, self alone
+  std::unique_ptr<Communicator> host_owned;  // MPI beside NCCL
+  Communicator* host = nullptr;              // host scalars, barriers, checkpoint metadata
+  std::unique_ptr<PluginRegistry> registry;
+  std::unique_ptr<Precision> precision;
+  std::unique_ptr<Attention> attention;
+  std::unique_ptr<Sharding> sharding;
+  std::unique_ptr<DataSource> data;
+  PrecisionDTypes dtypes{};
+
+  int rank() const { return comm->rank(); }
+  int world() const { return comm->size(); }
+};
+
+// `single_process`: train alone even under a launcher (the one-process
+// reference the multi-rank tests compare with). Throws loom::Error for every
+// problem a user can fix (no GPU, no MPI, a plugin missing or refusing its
+// table, an attention shape its kernel cannot do, data that does not fit the
+// model), naming the key.
+Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_process);
+
+}  // namespace loom

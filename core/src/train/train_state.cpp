@@ -1,0 +1,371 @@
+#include "train/train_state.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include "hf/safetensors.hpp"
+#include "loom/error.hpp"
+#include "train/memory_budget.hpp"
+
+namespace loom {
+namespace {
+
+std::string human_count(double n) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(2);
+  if (n >= 1e9) os << n / 1e9 << "B";
+  else if (n >= 1e6) os << n / 1e6 << "M";
+  else if (n >= 1e3) os << n / 1e3 << "K";
+  else os << n;
+  return os.str();
+}
+
+// GiB from 1 GiB up, MiB below (a small model's plan would read 0.00 GiB).
+std::string gib(double b) {
+  std::ostringstream m;
+  if (b >= 1024.0 * 1024.0 * 1024.0) m << std::fixed << std::setprecision(2) << b / (1024.0 * 1024.0 * 1024.0) << " GiB";
+  else m << std::fixed << std::setprecision(1) << b / (1024.0 * 1024.0) << " MiB";
+  return m.str();
+}
+
+}  // namespace
+
+void upload_f32(Backend& be, Tensor& dst, const float* src) {
+  const size_t n = static_cast<size_t>(dst.numel());
+  if (dst.dtype == DType::f32) return be.upload(dst, src, n * 4);
+  LOOM_CHECK(dst.dtype == DType::bf16, "parameters stored as ", dtype_name(dst.dtype), " cannot be initialised");
+  std::vector<uint16_t> tmp(n);
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; ++i) tmp[i] = hf::f32_to_bf16(src[i]);
+  be.upload(dst, tmp.data(), n * 2);
+}
+
+std::vector<float> download_f32(Backend& be, const Tensor& src) {
+  const size_t n = static_cast<size_t>(src.numel());
+  std::vector<float> out(n);
+  if (src.dtype == DType::f32) {
+    be.download(out.data(), src, n * 4);
+    return out;
+  }
+  LOOM_CHECK(src.dtype == DType::bf16, "cannot read ", dtype_name(src.dtype), " tensors as fp32");
+  std::vector<uint16_t> tmp(n);
+  be.download(tmp.data(), src, n * 2);
+  for (size_t i = 0; i < n; ++i) out[i] = hf::bf16_to_f32(tmp[i]);
+  return out;
+}
+
+TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg), rt_(rt), model_(model) {
+  const PrecisionDTypes& dt = rt_.dtypes;
+  ops_ = std::make_unique<BackendOptimizerOps>(*rt_.backend, dt.stochastic_rounding, cfg_.run.seed);
+  env_.ctx = rt_.backend->ctx();
+  env_.world = rt_.comm.get();
+  env_.ops = ops_.get();
+  env_.host = rt_.host;
+  env_.local_world = rt_.launch.local_world;
+  env_.param_dtype = dt.param;
+  env_.grad_dtype = dt.grad;
+  env_.grad_accum = cfg_.train.grad_accum;
+  const std::vector<UnitInfo>& infos = model_.units();
+  layouts_ = rt_.sharding->plan(env_, infos);
+  LOOM_CHECK(layouts_.size() == infos.size(), "sharding plugin returned ", layouts_.size(), " layouts for ",
+             infos.size(), " units");
+
+  const size_t pb = dtype_size(dt.param), gb = dtype_size(dt.grad), ob = dtype_size(dt.optim_state);
+  for (size_t i = 0; i < infos.size(); ++i) {
+    const UnitLayout& l = layouts_[i];
+    const std::string& n = infos[i].name;
+    LOOM_CHECK(l.padded_numel >= infos[i].numel && l.optim_numel >= 0 && l.optim_begin >= 0 &&
+                   l.optim_begin + l.optim_numel <= l.padded_numel && l.replicas >= 1 && l.replica >= 0 &&
+                   l.replica < l.replicas && l.param_numel == (l.params_sharded ? l.optim_numel : l.padded_numel),
+               "sharding.plugin = \"", cfg_.sharding.plugin, "\" planned an inconsistent layout for unit ", n);
+    UnitBlocks b{};
+    b.params = plan_.add("params." + n, MemCategory::params, static_cast<size_t>(l.param_numel) * pb);
+    b.grads = plan_.add("grads." + n, MemCategory::grads, static_cast<size_t>(l.grad_numel) * gb);
+    b.grad_shard = plan_.add("grad_shard." + n, MemCategory::grads, static_cast<size_t>(l.grad_shard_numel) * 4);
+    b.has_master = dt.has_master;
+    if (b.has_master) b.master = plan_.add("master." + n, MemCategory::master, static_cast<size_t>(l.optim_numel) * 4);
+    b.m = plan_.add("adam_m." + n, MemCategory::optimizer, static_cast<size_t>(l.optim_numel) * ob);
+    b.v = plan_.add("adam_v." + n, MemCategory::optimizer, static_cast<size_t>(l.optim_numel) * ob);
+    unit_blocks_.push_back(b);
+  }
+  scratch_req_ = rt_.sharding->scratch(env_);
+  for (const ShardingBuffer& r : scratch_req_)
+    scratch_blocks_.push_back(
+        plan_.add("sharding." + r.name, r.category, static_cast<size_t>(r.numel) * dtype_size(r.dtype)));
+
+  BlockEnv be;
+  be.B = cfg_.train.micro_batch;
+  be.S = cfg_.train.seq_len;
+  be.N = be.B * be.S;
+  be.recompute = parse_recompute(cfg_.model.recompute);
+  be.act = dt.activation;
+  be.precision = rt_.precision.get();
+  be.attention = rt_.attention.get();
+  be.backend = rt_.backend.get();
+  be.head_chunk = head_chunk_tokens(model_.layers(), cfg_.model.head_chunk, be.N, model_.spec().vocab_size, be.act);
+  model_.plan(be, plan_);
+  precision_ws_bytes_ = rt_.precision->workspace_bytes();
+  precision_ws_ = plan_.add("precision.workspace", MemCategory::workspace, precision_ws_bytes_);
+  // One row per step between two reads of the step log: log_every in
+  // training, at least 16 for drivers that read less often (loom bench).
+  scalar_log_rows_ = std::max<int64_t>(cfg_.train.log_every, 16);
+  scalars_blk_ = plan_.add("step.scalars", MemCategory::other, 2 * kStepScalars * sizeof(double));
+  scalar_log_blk_ =
+      plan_.add("step.log", MemCategory::other, static_cast<size_t>(scalar_log_rows_) * kStepScalars * sizeof(double));
+  eval_sum_blk_ = plan_.add("eval.sum", MemCategory::other, sizeof(double));
+}
+
+void TrainState::allocate() {
+  Backend& be = *rt_.backend;
+  arena_.allocate(plan_, be.device());
+  model_.bind(arena_);
+  rt_.precision->set_workspace(arena_.ptr(precision_ws_), precision_ws_bytes_);
+  const Tensor both = arena_.tensor(scalars_blk_, DType::f64, {2 * kStepScalars});
+  scalars_[0] = view(both, 0, {kStepScalars});
+  scalars_[1] = view(both, kStepScalars, {kStepScalars});
+  parity_ = 0;
+  scalar_log_ = arena_.tensor(scalar_log_blk_, DType::f64, {scalar_log_rows_ * kStepScalars});
+  eval_sum_ = arena_.tensor(eval_sum_blk_, DType::f64, {1});
+  ops_->bind(scalars_[0], 1.0f, static_cast<float>(cfg_.train.grad_clip));
+  const PrecisionDTypes& dt = rt_.dtypes;
+  const std::vector<UnitInfo>& infos = model_.units();
+  units_.clear();
+  own_grads_.clear();
+  for (size_t i = 0; i < infos.size(); ++i) {
+    const UnitLayout& l = layouts_[i];
+    const UnitBlocks& b = unit_blocks_[i];
+    UnitState u;
+    u.index = static_cast<int>(i);
+    u.info = &infos[i];
+    u.layout = l;
+    Tensor p = arena_.tensor(b.params, dt.param, {l.param_numel});
+    (l.params_sharded ? u.param_shard : u.params) = p;
+    if (l.grad_numel > 0) u.grads = arena_.tensor(b.grads, dt.grad, {l.grad_numel});
+    if (l.grad_shard_numel > 0) u.grad_shard = arena_.tensor(b.grad_shard, DType::f32, {l.grad_shard_numel});
+    if (b.has_master) u.master = arena_.tensor(b.master, DType::f32, {l.optim_numel});
+    u.adam_m = arena_.tensor(b.m, dt.optim_state, {l.optim_numel});
+    u.adam_v = arena_.tensor(b.v, dt.optim_state, {l.optim_numel});
+    // Padding and optimizer state start at zero (AdamW's m and v, and the
+    // padded tail every gather and reduce carries).
+    for (Tensor* t : {&p, &u.grads, &u.grad_shard, &u.master, &u.adam_m, &u.adam_v})
+      if (t->data) be.zero(*t);
+    units_.push_back(u);
+    own_grads_.push_back(u.grads);
+  }
+  scratch_.clear();
+  for (size_t i = 0; i < scratch_req_.size(); ++i) {
+    scratch_.push_back(arena_.tensor(scratch_blocks_[i], scratch_req_[i].dtype, {scratch_req_[i].numel}));
+    be.zero(scratch_.back());
+  }
+  for (Tensor* t : {&scalars_[0], &scalars_[1], &scalar_log_, &eval_sum_}) be.zero(*t);
+}
+
+int TrainState::next_scalars() {
+  parity_ ^= 1;
+  ops_->bind(scalars_[parity_], 1.0f, static_cast<float>(cfg_.train.grad_clip));
+  return parity_;
+}
+
+void TrainState::zero_grads() {
+  for (Tensor& g : own_grads_)
+    if (g.data) rt_.backend->zero(g);
+}
+
+TrainState::MemoryFormula TrainState::memory_formula() const {
+  // ZeRO (Rajbhandari et al. 2020), per rank, with p the shard group: params
+  // P*Psi/p at stage 3, grads G*Psi/p from stage 2, optimizer state K*Psi/p
+  // from stage 1, where P and G are the param and grad bytes per element and K
+  // the master + m + v bytes. Sharded gradients are kept as fp32 shards
+  // (reduce_dtype), so G = 4 there, and stage 1 keeps whole gradients plus
+  // that shard. The stage and p are read off the layout the strategy planned
+  // for its largest unit (a plugin of any name), not off the plugin's name.
+  const PrecisionDTypes& dt = rt_.dtypes;
+  const std::vector<UnitInfo>& infos = model_.units();
+  const double psi = static_cast<double>(model_.spec().total_params());
+  const double P = static_cast<double>(dtype_size(dt.param));
+  const double G = static_cast<double>(dtype_size(dt.grad));
+  const double K = (dt.has_master ? 4.0 : 0.0) + 2.0 * static_cast<double>(dtype_size(dt.optim_state));
+  MemoryFormula f;
+  if (layouts_.empty()) return f;
+  // A unit another one reads (a tied embedding) may be kept whole on purpose: skip it.
+  const UnitLayout* big = nullptr;
+  for (size_t i = 0; i < layouts_.size(); ++i) {
+    const bool read_by_another = std::any_of(infos.begin(), infos.end(), [&](const UnitInfo& u) {
+      return u.uses_params_of == static_cast<int>(i);
+    });
+    if (!read_by_another && (!big || layouts_[i].padded_numel > big->padded_numel)) big = &layouts_[i];
+  }
+  if (!big) big = &layouts_[0];
+  const double p = big->optim_numel > 0 ? static_cast<double>(big->padded_numel) / static_cast<double>(big->optim_numel) : 1.0;
+  const bool z1 = big->optim_numel < big->padded_numel;
+  const bool z2 = z1 && big->grad_numel == 0;
+  const bool z3 = big->params_sharded;
+  f.params = P * psi / (z3 ? p : 1.0);
+  f.grads = z2 ? 4.0 * psi / p : G * psi + (z1 ? 4.0 * psi / p : 0.0);
+  f.optimizer = K * psi / (z1 ? p : 1.0);
+  return f;
+}
+
+std::string TrainState::describe() const {
+  const ModelSpec& spec = model_.spec();
+  const PrecisionDTypes& dt = rt_.dtypes;
+  std::ostringstream os;
+  const double N = static_cast<double>(spec.total_params());
+  os << "model: " << human_count(N) << " parameters (" << spec.total_params() << "): hidden " << spec.hidden
+     << ", layers " << spec.num_layers << " (" << model_.layers() << "), heads " << spec.num_heads << "/"
+     << spec.num_kv_heads << " kv, ffn " << spec.ffn_hidden << ", vocab " << spec.vocab_size
+     << (spec.tied_embeddings ? ", tied embeddings" : "") << "\n";
+  os << "flops per token: " << human_count(spec.flops_per_token(cfg_.train.seq_len)) << " (6N + 12LhS, N = "
+     << human_count(static_cast<double>(spec.matmul_params())) << " matmul weights)\n";
+  os << "plugins: precision " << cfg_.precision.plugin << ", attention " << cfg_.attention.plugin << ", sharding "
+     << cfg_.sharding.plugin << ", data " << cfg_.data.plugin << "; device " << cfg_.run.device << ", ranks "
+     << rt_.world() << "\n";
+  os << "batch: " << cfg_.train.micro_batch << " x " << cfg_.train.seq_len << " tokens per micro-step, grad_accum "
+     << cfg_.train.grad_accum << " -> "
+     << cfg_.train.micro_batch * cfg_.train.seq_len * cfg_.train.grad_accum * rt_.world() << " tokens per step";
+  if (model_.env().head_chunk < model_.env().N)
+    os << "; LM head in chunks of " << model_.env().head_chunk << " tokens";
+  os << "\n";
+  // A layout that shards anything: print the ZeRO formulas beside the plan.
+  const bool sharded = std::any_of(layouts_.begin(), layouts_.end(), [](const UnitLayout& l) {
+    return l.optim_numel < l.padded_numel || l.params_sharded || l.replicas > 1;
+  });
+  if (rt_.world() > 1 || sharded) {
+    const MemoryFormula f = memory_formula();
+    os << "ranks: " << rt_.world() << (rt_.launch.launcher.empty() ? "" : " (" + rt_.launch.launcher + ")")
+       << ", this is rank " << rt_.rank() << "; ZeRO formulas per rank for " << cfg_.sharding.plugin << ": params "
+       << gib(f.params) << ", grads " << gib(f.grads) << ", optimizer state " << gib(f.optimizer)
+       << " (the plan below adds padding and the strategy's comm buffers)\n";
+  }
+  os << "memory plan per rank (" << dtype_name(dt.param) << " params, " << dtype_name(dt.grad) << " grads, "
+     << dtype_name(dt.optim_state) << " optimizer state, " << dtype_name(dt.activation) << " activations, recompute "
+     << cfg_.model.recompute << "):\n"
+     << plan_.summary();
+  return os.str();
+}
+
+std::string TrainState::memory_report() const {
+  std::ostringstream os;
+  auto g = [](size_t b) { return gib(static_cast<double>(b)); };
+  os << "memory on rank " << rt_.rank() << ": planned " << g(plan_.total_bytes()) << " (params "
+     << g(plan_.category_bytes(MemCategory::params)) << ", grads " << g(plan_.category_bytes(MemCategory::grads))
+     << ", optimizer "
+     << g(plan_.category_bytes(MemCategory::optimizer) + plan_.category_bytes(MemCategory::master))
+     << ", activations " << g(plan_.category_bytes(MemCategory::activations)) << ", comm "
+     << g(plan_.category_bytes(MemCategory::comm)) << "), arena allocated " << g(arena_.bytes());
+  if (rt_.backend->device() == Device::cuda) {
+    os << ", device in use " << g(rt_.backend->device_memory_used());
+  } else {
+    std::ifstream st("/proc/self/status");
+    for (std::string line; std::getline(st, line);)
+      if (line.rfind("VmRSS:", 0) == 0) {
+        std::istringstream is(line.substr(6));
+        size_t kb = 0;
+        is >> kb;
+        os << ", process RSS " << g(kb * 1024);
+      }
+  }
+  return os.str();
+}
+
+void TrainState::check_memory_fits() const {
+  const bool gpu = rt_.backend->device() == Device::cuda;
+  const double plan = static_cast<double>(plan_.total_bytes());
+  // Memory the process needs beyond the arena: token staging (<= 64 MiB),
+  // BLAS and library buffers on the host. On the GPU the CUDA context, NCCL
+  // and the cuDNN graphs exist already (free memory is measured after them),
+  // so only what libraries allocate lazily at the first step remains: a small
+  // margin, so that a config sized to fill the GPU is not refused.
+  const double extra = gpu ? 128.0 * (1 << 20) : std::max(128.0 * (1 << 20), plan / 16.0);
+  // Ranks on one machine share its host memory (and its cgroup); each has its own GPU.
+  const int sharing = gpu ? 1 : std::max(1, rt_.launch.local_world);
+  MemoryBudget budget;
+  if (gpu) {
+    budget.available = rt_.backend->device_memory_free();
+    budget.source = cat("device ", rt_.backend->device_index(), " (", rt_.backend->device_name(), ") has ",
+                        human_bytes(static_cast<double>(budget.available)), " free");
+  } else {
+    budget = host_memory_budget();
+  }
+  const double need = (plan + extra) * sharing;
+  if (!budget.known() || need <= static_cast<double>(budget.available)) return;
+
+  auto cat_bytes = [&](MemCategory c) { return static_cast<double>(plan_.category_bytes(c)); };
+  const double acts = cat_bytes(MemCategory::activations);
+  const double state = cat_bytes(MemCategory::params) + cat_bytes(MemCategory::grads) +
+                       cat_bytes(MemCategory::optimizer) + cat_bytes(MemCategory::master);
+  const ModelSpec& spec = model_.spec();
+  // Both levers, the larger part's first.
+  const std::string for_acts =
+      cat("the activations (", human_bytes(acts), "): lower train.micro_batch (", cfg_.train.micro_batch,
+          ") or train.seq_len (", cfg_.train.seq_len, ")",
+          cfg_.model.recompute == "full" ? std::string() : std::string(", or set model.recompute = \"full\""));
+  const std::string for_state =
+      cat("the weights, gradients and optimizer state (", human_bytes(state), "): a smaller model (model.hidden = ",
+          spec.hidden, ", model.num_layers = ", spec.num_layers, ", model.vocab_size = ", spec.vocab_size,
+          ", model.ffn_hidden = ", spec.ffn_hidden, "), or the state spread over more ranks (sharding.plugin = "
+          "\"zero2\" or \"zero3\" under mpirun / srun)", gpu ? ", or bf16 weights (precision.plugin = \"bf16\")" : "");
+  const std::string fix = acts >= state ? cat("shrink ", for_acts, "; or ", for_state) : cat("shrink ", for_state, "; or ", for_acts);
+  throw Error(cat("the memory plan does not fit: this run needs about ", human_bytes(need), " (the plan: ",
+                  human_bytes(plan), " per rank — params ", human_bytes(cat_bytes(MemCategory::params)), ", grads ",
+                  human_bytes(cat_bytes(MemCategory::grads)), ", optimizer ",
+                  human_bytes(cat_bytes(MemCategory::optimizer) + cat_bytes(MemCategory::master)), ", activations ",
+                  human_bytes(acts), ", workspace and comm ",
+                  human_bytes(cat_bytes(MemCategory::workspace) + cat_bytes(MemCategory::comm) +
+                              cat_bytes(MemCategory::other)),
+                  " — plus ", human_bytes(extra), " outside it",
+                  sharing > 1 ? cat(", times ", sharing, " ranks on this machine") : std::string(), "), but only ",
+                  human_bytes(static_cast<double>(budget.available)), " is available: ", budget.source,
+                  ". Nothing was allocated. To fit: ", fix, ". 'loom check' prints the whole plan"));
+}
+
+const ParamInfo& TrainState::find_param(const std::string& hf_name, int* unit) const {
+  const std::vector<UnitInfo>& infos = model_.units();
+  for (size_t u = 0; u < infos.size(); ++u)
+    for (const ParamInfo& p : infos[u].params)
+      if (p.name == hf_name) {
+        *unit = static_cast<int>(u);
+        return p;
+      }
+  throw Error(cat("no parameter named '", hf_name, "' in this model"));
+}
+
+std::vector<float> TrainState::read_tensor(const Tensor& t) const { return download_f32(*rt_.backend, t); }
+
+std::vector<float> TrainState::read_param(const std::string& hf_name, bool grad) const {
+  int u = 0;
+  const ParamInfo& p = find_param(hf_name, &u);
+  const UnitState& unit = units_[static_cast<size_t>(u)];
+  LOOM_CHECK(!unit.layout.params_sharded && (!grad || unit.layout.grad_numel > 0), "read_param('", hf_name,
+             "'): sharding.plugin = \"", cfg_.sharding.plugin, "\" keeps only a shard of it on this rank");
+  const Tensor& flat = grad ? unit.grads : unit.params;
+  return download_f32(*rt_.backend, view(flat, p.offset, {p.numel}));
+}
+
+void TrainState::write_param(const std::string& hf_name, const float* src) {
+  int u = 0;
+  const ParamInfo& p = find_param(hf_name, &u);
+  UnitState& unit = units_[static_cast<size_t>(u)];
+  Backend& be = *rt_.backend;
+  // The owned range [optim_begin, optim_begin + optim_numel): what the master
+  // copy holds in fp32, and what a sharded params buffer holds.
+  const int64_t lo = std::max(p.offset, unit.layout.optim_begin);
+  const int64_t hi = std::min(p.offset + p.numel, unit.layout.optim_begin + unit.layout.optim_numel);
+  if (unit.layout.params_sharded) {
+    if (lo < hi) {
+      Tensor dst = view(unit.param_shard, lo - unit.layout.optim_begin, {hi - lo});
+      upload_f32(be, dst, src + (lo - p.offset));
+    }
+  } else {
+    Tensor dst = view(unit.params, p.offset, {p.numel});
+    upload_f32(be, dst, src);
+  }
+  if (unit.master.data && lo < hi) {
+    Tensor m = view(unit.master, lo - unit.layout.optim_begin, {hi - lo});
+    upload_f32(be, m, src + (lo - p.offset));
+  }
+}
+
+}  // namespace loom

@@ -1,0 +1,101 @@
+// The memory of a run, planned once and allocated once (DESIGN.md "Numerics
+// and memory"): every unit's parameters, gradients and optimizer state laid
+// out as the sharding plugin asks, the plugin's scratch, the model's
+// activations, the precision recipe's workspace and the step's device
+// scalars — one arena. Also the parameters by HF name (read, write), which
+// initialisation, HF import and the tests use.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/run_config.hpp"
+#include "loom/arena.hpp"
+#include "model/model.hpp"
+#include "train/optimizer.hpp"
+#include "train/runtime.hpp"
+
+namespace loom {
+
+class TrainState {
+ public:
+  // Plans everything (the sharding plugin's layouts, the model's activations);
+  // allocates nothing.
+  TrainState(const Config& cfg, Runtime& rt, Model& model);
+  // Allocates the arena, binds the model and the plugins to it, zeroes the
+  // buffers. Called once, before weights are initialised or loaded.
+  void allocate();
+
+  std::vector<UnitState>& units() { return units_; }
+  const std::vector<UnitState>& units() const { return units_; }
+  const std::vector<UnitInfo>& infos() const { return model_.units(); }
+  const std::vector<UnitLayout>& layouts() const { return layouts_; }
+  ShardingEnv& env() { return env_; }
+  BackendOptimizerOps& ops() { return *ops_; }
+  // The step's scalars (StepScalar in model/backend.hpp): f64[kStepScalars].
+  // Two sets, one per step parity: a step's optimizer may still read its set
+  // on the optimizer queue while the next step zeroes and fills the other.
+  Tensor& scalars() { return scalars_[parity_]; }
+  // Moves to the other set and points the optimizer ops at it; returns its index.
+  int next_scalars();
+  // A ring of `rows` copies of the step scalars, one per step since the last
+  // read (train/step_log.hpp): f64[rows * kStepScalars].
+  Tensor& scalar_log() { return scalar_log_; }
+  int64_t scalar_log_rows() const { return scalar_log_rows_; }
+  // An f64 accumulator for evaluation losses.
+  Tensor& eval_sum() { return eval_sum_; }
+
+  void zero_grads();
+  // Hands the buffers to the sharding plugin, once the weights are in place.
+  void setup_sharding() { rt_.sharding->setup(env_, units_, scratch_); }
+
+  const ArenaPlan& plan() const { return plan_; }
+  size_t arena_bytes() const { return arena_.bytes(); }
+  // The ZeRO paper's per-rank bytes for this layout (params, grads, optimizer
+  // state incl. master) from the unpadded parameter count, beside the plan.
+  struct MemoryFormula { double params = 0, grads = 0, optimizer = 0; };
+  MemoryFormula memory_formula() const;
+  // What `loom check` prints: model size, plugins, batch, the plan per rank.
+  std::string describe() const;
+  // The plan beside what was allocated and what the process uses.
+  std::string memory_report() const;
+  // Throws loom::Error, with the plan and what to change, when the plan does
+  // not fit the memory available (train/memory_budget.hpp). Before allocate().
+  void check_memory_fits() const;
+
+  // Parameters by HF name. read_param needs the whole tensor on this rank.
+  const ParamInfo& find_param(const std::string& hf_name, int* unit) const;
+  std::vector<float> read_param(const std::string& hf_name, bool grad = false) const;
+  // Writes fp32 values into the param (and master) copies this rank holds.
+  void write_param(const std::string& hf_name, const float* src);
+  // Any backend tensor copied to host fp32 (fp32 or bf16 storage).
+  std::vector<float> read_tensor(const Tensor& t) const;
+
+ private:
+  const Config& cfg_;
+  Runtime& rt_;
+  Model& model_;
+  std::unique_ptr<BackendOptimizerOps> ops_;
+  ShardingEnv env_;
+  std::vector<UnitLayout> layouts_;
+  std::vector<UnitState> units_;
+  struct UnitBlocks { size_t params, grads, grad_shard, master, m, v; bool has_master; };
+  std::vector<UnitBlocks> unit_blocks_;
+  std::vector<ShardingBuffer> scratch_req_;
+  std::vector<size_t> scratch_blocks_;
+  std::vector<Tensor> scratch_;
+  std::vector<Tensor> own_grads_;  // the per-unit grads the core allocated (zeroed each step)
+  size_t precision_ws_ = 0, precision_ws_bytes_ = 0;
+  size_t scalars_blk_ = 0, scalar_log_blk_ = 0, eval_sum_blk_ = 0;
+  int64_t scalar_log_rows_ = 0;
+  Tensor scalars_[2], scalar_log_, eval_sum_;
+  int parity_ = 0;
+  ArenaPlan plan_;
+  Arena arena_;
+};
+
+// fp32 host values into / out of a backend tensor of any storage dtype (bf16 rounds to nearest even).
+void upload_f32(Backend& be, Tensor& dst, const float* src);
+std::vector<float> download_f32(Backend& be, const Tensor& src);
+
+}  // namespace loom

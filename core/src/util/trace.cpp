@@ -1,0 +1,5 @@
+#include "util/trace.hpp"
+
+namespace loom::trace {
+std::atomic<Sink*> g_sink{nullptr};
+}  // namespace loom::trace

@@ -1,0 +1,258 @@
+// Data plugin `megatron`: Megatron indexed datasets written by an independent
+// Python writer (tests/data/megatron_model.py, following the published
+// layout), samples checked against that script's from-scratch model of
+// GPTDataset's index building and BlendedDataset's blending; resume; damaged
+// indexes refused by name; a real `loom train` on one.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/megatron/megatron_data.hpp"
+#include "data/megatron_source.hpp"
+#include "loom/config.hpp"
+#include "loom/error.hpp"
+#include "test_util.hpp"
+
+namespace fs = std::filesystem;
+using loom::DataSpec;
+using loom::Split;
+using loom::data::MegatronOptions;
+using loom::plugins::MegatronData;
+using loom::test::expect_error;
+using loom::test::TmpDir;
+
+namespace {
+
+// Runs the Python writer and model into `dir`; returns the scenarios.
+nlohmann::json make_datasets(const fs::path& dir) {
+  const std::string cmd = loom::cat("python3 ", LOOM_SOURCE_DIR, "/tests/data/megatron_model.py ", dir.string());
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(dir / "expected.json");
+  EXPECT_TRUE(in.good()) << "megatron_model.py wrote no expected.json";
+  return in ? nlohmann::json::parse(in) : nlohmann::json::array();
+}
+
+MegatronOptions options_of(const nlohmann::json& s) {
+  MegatronOptions o;
+  o.prefixes = s["prefix"].get<std::vector<std::string>>();
+  if (s.contains("weights")) o.weights = s["weights"].get<std::vector<double>>();
+  if (s.contains("split")) o.split = s["split"];
+  if (s.contains("val_prefix")) o.val_prefixes = s["val_prefix"].get<std::vector<std::string>>();
+  o.shuffle = s.value("shuffle", true);
+  return o;
+}
+
+DataSpec spec_of(const nlohmann::json& s, int rank) {
+  DataSpec d;
+  d.batch = s["batch"];
+  d.seq_len = s["seq_len"];
+  d.world = s["world"];
+  d.rank = rank;
+  d.seed = s["seed"];
+  d.vocab_size = 200000;
+  return d;
+}
+
+std::vector<int32_t> batch(MegatronData& m, const DataSpec& d, Split split) {
+  std::vector<int32_t> t(static_cast<size_t>(d.batch * (d.seq_len + 1)));
+  m.next(split, t.data());
+  return t;
+}
+
+std::vector<int32_t> flat(const nlohmann::json& rows, size_t from, size_t n) {
+  std::vector<int32_t> v;
+  for (size_t i = from; i < from + n; ++i)
+    for (auto& t : rows.at(i)) v.push_back(t.get<int32_t>());
+  return v;
+}
+
+}  // namespace
+
+TEST(Megatron, SamplesMatchThePythonModelOfGptDataset) {
+  TmpDir d;
+  const auto scenarios = make_datasets(d.path);
+  ASSERT_EQ(scenarios.size(), 4u);
+  for (const auto& s : scenarios) {
+    SCOPED_TRACE(s["name"].get<std::string>());
+    const auto& e = s["expected"];
+    for (int r = 0; r < s["world"].get<int>(); ++r) {
+      MegatronData m(loom::PluginInit{}, options_of(s));
+      const DataSpec spec = spec_of(s, r);
+      m.open(spec);
+      const auto want_samples = e["train_samples"].get<std::vector<uint64_t>>();
+      for (size_t k = 0; k < want_samples.size(); ++k) EXPECT_EQ(m.train_samples(k), want_samples[k]);
+      const size_t B = static_cast<size_t>(spec.batch);
+      for (int step = 0; step < s["steps"].get<int>(); ++step)
+        ASSERT_EQ(batch(m, spec, Split::train), flat(e["train"][r], step * B, B)) << "rank " << r << " step " << step;
+      EXPECT_EQ(m.counts(), e["counts"].get<std::vector<uint64_t>>());
+      ASSERT_TRUE(m.has_split(Split::validation));
+      for (int v = 0; v < s["val_batches"].get<int>(); ++v)
+        ASSERT_EQ(batch(m, spec, Split::validation), flat(e["val"][r], v * B, B)) << "rank " << r << " val " << v;
+    }
+  }
+}
+
+TEST(Megatron, SamplesShareOneTokenAndCrossDocuments) {
+  TmpDir d;
+  const auto scenarios = make_datasets(d.path);
+  const auto& s = scenarios.at(2);  // unshuffled: samples in stream order
+  MegatronData m(loom::PluginInit{}, options_of(s));
+  DataSpec spec = spec_of(s, 0);
+  m.open(spec);
+  auto a = batch(m, spec, Split::train);
+  const size_t row = static_cast<size_t>(spec.seq_len + 1);
+  for (size_t i = 0; i + 1 < static_cast<size_t>(spec.batch); ++i)
+    EXPECT_EQ(a[i * row + row - 1], a[(i + 1) * row]) << "sample " << i << " and the next share their boundary token";
+}
+
+TEST(Megatron, ResumeIsExactUnderAnyWorldSize) {
+  TmpDir d;
+  const auto scenarios = make_datasets(d.path);
+  const auto& s = scenarios.at(1);  // a blend
+  // Uninterrupted, one rank with batch 4.
+  DataSpec one = spec_of(s, 0);
+  one.batch = 4;
+  one.world = 1;
+  MegatronData ref(loom::PluginInit{}, options_of(s));
+  ref.open(one);
+  std::vector<int32_t> all;
+  for (int i = 0; i < 30; ++i) {
+    auto b = batch(ref, one, Split::train);
+    all.insert(all.end(), b.begin(), b.end());
+  }
+  // 10 steps, state, then two ranks of batch 2 continue the same global stream.
+  MegatronData first(loom::PluginInit{}, options_of(s));
+  first.open(one);
+  for (int i = 0; i < 10; ++i) batch(first, one, Split::train);
+  const std::string state = first.state();
+  const size_t row = static_cast<size_t>(one.seq_len + 1);
+  for (int r = 0; r < 2; ++r) {
+    DataSpec two = one;
+    two.batch = 2;
+    two.world = 2;
+    two.rank = r;
+    MegatronData m(loom::PluginInit{}, options_of(s));
+    m.open(two);
+    m.restore(state);
+    for (int step = 10; step < 30; ++step) {
+      auto b = batch(m, two, Split::train);
+      std::vector<int32_t> want(all.begin() + static_cast<long>((step * 4 + r * 2) * row),
+                                all.begin() + static_cast<long>((step * 4 + r * 2 + 2) * row));
+      ASSERT_EQ(b, want) << "rank " << r << " step " << step;
+    }
+  }
+  // A state from other data, another seq_len or another plugin is refused.
+  MegatronOptions other = options_of(s);
+  other.prefixes = {other.prefixes[0]};
+  other.weights.clear();
+  MegatronData m(loom::PluginInit{}, other);
+  m.open(one);
+  expect_error([&] { m.restore(state); }, {"the data changed since the checkpoint"});
+  MegatronData m2(loom::PluginInit{}, options_of(s));
+  DataSpec longer = one;
+  longer.seq_len = 9;
+  m2.open(longer);
+  expect_error([&] { m2.restore(state); }, {"seq_len 8", "train.seq_len is now 9"});
+  expect_error([&] { m2.restore(R"({"source": "tokens"})"); }, {"data plugin 'tokens', not 'megatron'"});
+  expect_error([&] { m2.restore("{"); }, {"not valid JSON"});
+}
+
+TEST(Megatron, DamagedIndexesAreRefusedByName) {
+  TmpDir d;
+  make_datasets(d.path);
+  const fs::path a = d.path / "a";
+  auto bytes = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  const std::string idx = bytes(a.string() + ".idx"), bin = bytes(a.string() + ".bin");
+  auto variant = [&](const std::string& name, const std::string& idx_bytes, const std::string& bin_bytes) {
+    const fs::path p = d.path / name;
+    std::ofstream(p.string() + ".idx", std::ios::binary) << idx_bytes;
+    std::ofstream(p.string() + ".bin", std::ios::binary) << bin_bytes;
+    return p.string();
+  };
+  auto open = [](const std::string& prefix) { loom::data::IndexedDataset ds(prefix); };
+  std::string bad_magic = idx;
+  bad_magic[0] = 'X';
+  expect_error([&] { open(variant("magic", bad_magic, bin)); }, {"magic.idx", "is not a Megatron index: bad magic"});
+  expect_error([&] { open(variant("short", idx.substr(0, 20), bin)); }, {"short.idx", "truncated", "34-byte header"});
+  expect_error([&] { open(variant("trunc", idx.substr(0, idx.size() - 9), bin)); },
+               {"trunc.idx", "is truncated: header says 240 sequences and 241 document indices"});
+  expect_error([&] { open(variant("long", idx + "x", bin)); }, {"long.idx", "longer than its header says"});
+  std::string version = idx;
+  version[9] = 2;
+  expect_error([&] { open(variant("version", version, bin)); }, {"version.idx", "version 2"});
+  std::string fl = idx;
+  fl[17] = 7;
+  expect_error([&] { open(variant("float", fl, bin)); }, {"float.idx", "floating-point"});
+  expect_error([&] { open(variant("shortbin", idx, bin.substr(0, bin.size() - 2))); },
+               {"shortbin.idx", "points past the end of", "shortbin.bin"});
+  std::string docs = idx;
+  docs[docs.size() - 8] = 7;  // the last document index no longer equals N
+  expect_error([&] { open(variant("docs", docs, bin)); }, {"docs.idx", "document indices"});
+  expect_error([&] { open((d.path / "missing").string()); }, {"missing.idx", "does not exist", "PREFIX.bin"});
+  std::ofstream((d.path / "nobin.idx").string(), std::ios::binary) << idx;
+  expect_error([&] { open((d.path / "nobin").string()); }, {"nobin.bin", "does not exist"});
+
+  // Tokens beyond the model's vocabulary are named when read.
+  MegatronOptions o;
+  o.prefixes = {(d.path / "b").string()};
+  MegatronData m(loom::PluginInit{}, o);
+  DataSpec spec;
+  spec.batch = 2;
+  spec.seq_len = 8;
+  spec.vocab_size = 32000;
+  m.open(spec);
+  std::vector<int32_t> t(18);
+  expect_error([&] { m.next(Split::train, t.data()); }, {"b.bin", "not in [0, 32000)", "model.vocab_size is too small"});
+}
+
+TEST(Megatron, ConfigTableAndSplitChecks) {
+  auto opts = [](const std::string& toml) {
+    loom::ConfigTable root = loom::parse_config_table(toml, "m.toml", {});
+    loom::ConfigTable t = root.table("data");
+    t.mark_used("plugin");
+    return MegatronData::read_options(t);
+  };
+  auto o = opts("[data]\nplugin = \"megatron\"\nprefix = [\"x\", \"y\"]\nweights = [1, 3]\nsplit = \"98,2\"\n");
+  EXPECT_EQ(o.prefixes.size(), 2u);
+  EXPECT_EQ(o.weights, (std::vector<double>{1, 3}));
+  expect_error([&] { opts("[data]\nplugin = \"megatron\"\n"); }, {"m.toml", "prefix", "is required"});
+  expect_error([&] { opts("[data]\nplugin = \"megatron\"\nprefix = \"x\"\nweights = [1, 2]\n"); },
+               {"m.toml:4", "weights", "one weight per prefix"});
+  expect_error([&] { opts("[data]\nplugin = \"megatron\"\nprefix = \"x\"\nsplit = \"9,x\"\n"); },
+               {"m.toml:4", "'x' is not a non-negative number"});
+  expect_error([&] { opts("[data]\nplugin = \"megatron\"\nprefix = \"x\"\nsplt = \"1\"\n"); },
+               {"unknown key 'data.splt'", "did you mean 'split'"});
+  EXPECT_EQ(loom::data::megatron_split_indices("969,30,1", 1000, "k"), (std::vector<uint64_t>{0, 969, 999, 1000}));
+  EXPECT_EQ(loom::data::megatron_split_indices("1", 7, "k"), (std::vector<uint64_t>{0, 7, 7, 7}));
+  // Ties round to even, as Python's round: 0.5 -> 0 (half-up would give {0, 0, 1, 2}).
+  EXPECT_EQ(loom::data::megatron_split_indices("1,1,2", 2, "k"), (std::vector<uint64_t>{0, 1, 1, 2}));
+  expect_error([] { loom::data::megatron_split_indices("1,2,3,4", 10, "data.split"); }, {"4 parts"});
+  expect_error([] { loom::data::megatron_split_indices("0,0", 10, "data.split"); }, {"sums to 0"});
+}
+
+TEST(Megatron, TrainsThroughTheCommand) {
+  TmpDir d;
+  make_datasets(d.path);
+  const std::string cfg = (d.path / "m.toml").string();
+  std::ofstream(cfg) << "[run]\nname = \"m\"\nout_dir = \"" << (d.path / "run").string() << "\"\n"
+                     << "[model]\nhidden = 32\nnum_layers = 1\nnum_heads = 2\nnum_kv_heads = 2\nffn_hidden = 64\n"
+                     << "vocab_size = 50000\nmax_seq_len = 16\n"
+                     << "[train]\nsteps = 3\nmicro_batch = 2\nseq_len = 16\nvalidation_every = 3\nvalidation_batches = 1\n"
+                     << "[data]\nplugin = \"megatron\"\nprefix = \"" << (d.path / "a").string() << "\"\nsplit = \"90,10\"\n";
+  const std::string cmd = loom::cat(LOOM_CLI, " train ", cfg, " > ", (d.path / "out.txt").string(), " 2>&1");
+  const int rc = std::system(cmd.c_str());
+  std::ifstream in(d.path / "out.txt");
+  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("megatron: '"), std::string::npos) << out;
+  EXPECT_NE(out.find("val loss"), std::string::npos) << out;
+}

@@ -1,0 +1,167 @@
+// Files changed under a running job (docs/RELIABILITY.md "Files"): a token
+// shard truncated in place (reads fault with SIGBUS on the mapping), rewritten
+// in place with other bytes of the same size, or replaced by another file at
+// the same path is refused with an error naming the file — at the faulting
+// read, at the next epoch or validation pass, and before a checkpoint records
+// a data position — never a crash and never training on the new bytes.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <csignal>
+
+#include "data/tokens_source.hpp"
+#include "loom/token_shard.hpp"
+#include "reliability_util.hpp"
+#include "test_util.hpp"
+
+namespace fs = std::filesystem;
+using namespace loom::test;
+
+namespace {
+
+// n tokens below `vocab`, a repeating pattern.
+void write_shard(const fs::path& p, uint64_t n, uint32_t vocab, uint32_t salt = 0) {
+  std::vector<uint32_t> t(n);
+  for (uint64_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>((i * 7 + salt) % vocab);
+  loom::write_token_shard(p.string(), t.data(), n, 2, vocab);
+}
+
+// Rewrites tokens in place (same inode, same size) with other valid tokens,
+// as `dd conv=notrunc` would: nothing but the file's identity shows it.
+void overwrite_in_place(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_WRONLY);
+  ASSERT_GE(fd, 0);
+  std::vector<uint16_t> tokens(256, 5);
+  const ssize_t bytes = static_cast<ssize_t>(tokens.size() * 2);
+  ASSERT_EQ(::pwrite(fd, tokens.data(), static_cast<size_t>(bytes), loom::kTokenShardHeaderBytes), bytes);
+  ::close(fd);
+}
+
+loom::DataSpec spec(int64_t batch, int64_t seq) {
+  loom::DataSpec s;
+  s.batch = batch;
+  s.seq_len = seq;
+  s.vocab_size = 96;
+  s.seed = 3;
+  return s;
+}
+
+// Waits past the file system's timestamp granularity, so that a write after
+// it gets a new modification time (as any write minutes into a run does).
+void tick() { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
+
+}  // namespace
+
+// Truncated in place while mapped: the read that faults is an error naming the file.
+TEST(ReliabilityFiles, ShardTruncatedInPlaceIsAnErrorNotSigbus) {
+  const fs::path dir = fresh_dir("files_truncate");
+  const fs::path p = dir / "a.bin";
+  write_shard(p, 100000, 96);
+  loom::TokenShard shard(p.string());
+  std::vector<int32_t> out(64);
+  shard.copy(90000, 64, out.data());  // fine before
+  ASSERT_EQ(::truncate(p.c_str(), 4096), 0);
+  expect_error([&] { shard.copy(90000, 64, out.data()); }, {p.string(), "SIGBUS", "truncated or rewritten in place"});
+  expect_error([&] { (void)shard[95000]; }, {p.string(), "SIGBUS"});
+  // Reads within what is left still work, and the process is alive to say so.
+  EXPECT_NO_THROW(shard.copy(0, 64, out.data()));
+  expect_error([&] { shard.verify_unchanged(); }, {p.string(), "size changed from 201024 to 4096 bytes"});
+}
+
+// Same size, new bytes (in place) or a new file at the path: found by the identity check.
+TEST(ReliabilityFiles, ShardRewrittenOrReplacedIsDetected) {
+  const fs::path dir = fresh_dir("files_identity");
+  const fs::path p = dir / "a.bin";
+  write_shard(p, 5000, 96);
+  {
+    loom::TokenShard shard(p.string());
+    EXPECT_NO_THROW(shard.verify_unchanged());
+    tick();
+    overwrite_in_place(p);
+    expect_error([&] { shard.verify_unchanged(); }, {p.string(), "rewritten in place"});
+  }
+  {
+    loom::TokenShard shard(p.string());
+    tick();
+    write_shard(p, 5000, 96, 1);  // tmp + rename: a new inode at the same path
+    expect_error([&] { shard.verify_unchanged(); }, {p.string(), "replaced by another file"});
+  }
+  {
+    loom::TokenShard shard(p.string());
+    fs::remove(p);
+    expect_error([&] { shard.verify_unchanged(); }, {p.string(), "can no longer be found"});
+  }
+}
+
+// The tokens source checks at every epoch, every validation pass and every
+// state() (what a checkpoint records): each point refuses a changed file.
+TEST(ReliabilityFiles, TokensSourceChecksAtEpochsValidationAndCheckpoints) {
+  const fs::path dir = fresh_dir("files_source");
+  const fs::path train = dir / "train.bin", val = dir / "val.bin";
+  write_shard(train, 400, 96);  // 400 tokens: 12 windows of 33 per epoch
+  write_shard(val, 200, 96);
+  auto open = [&] {
+    loom::data::TokensOptions o;
+    o.train = {train.string()};
+    o.val = {val.string()};
+    auto s = std::make_unique<loom::data::TokensSource>(o);
+    s->open(spec(4, 32));
+    return s;
+  };
+  std::vector<int32_t> buf(4 * 33);
+  {  // epoch boundary
+    auto s = open();
+    s->next(loom::Split::train, buf.data());
+    tick();
+    overwrite_in_place(train);
+    s->next(loom::Split::train, buf.data());  // still epoch 0: windows 4..7 (the mapping shows the new bytes)
+    s->next(loom::Split::train, buf.data());
+    expect_error([&] { s->next(loom::Split::train, buf.data()); }, {train.string(), "changed on disk"});
+  }
+  write_shard(train, 400, 96);
+  {  // checkpoint
+    auto s = open();
+    s->next(loom::Split::train, buf.data());
+    EXPECT_NO_THROW((void)s->state());
+    tick();
+    overwrite_in_place(train);
+    expect_error([&] { (void)s->state(); }, {train.string(), "changed on disk"});
+  }
+  write_shard(train, 400, 96);
+  {  // validation pass
+    auto s = open();
+    s->reset(loom::Split::validation);
+    tick();
+    overwrite_in_place(val);
+    expect_error([&] { s->reset(loom::Split::validation); }, {val.string(), "changed on disk"});
+  }
+}
+
+// End to end: `loom train` on shards truncated or rewritten while it runs
+// stops with exit code 1 and the file named (not 135/SIGBUS, not silence).
+TEST(ReliabilityFiles, TrainingStopsWhenAShardChangesUnderIt) {
+  for (const std::string how : {"truncate", "rewrite"}) {
+    SCOPED_TRACE(how);
+    const fs::path dir = fresh_dir("files_cli_" + how);
+    const fs::path shard = dir / "train_0.bin";
+    // truncate: a long epoch, so the faulting read comes first; rewrite: a
+    // short epoch (20 windows), so the next epoch's check finds it.
+    write_shard(shard, how == "truncate" ? 400000 : 20 * 31 + 1, 96);
+    const fs::path cfg = dir / "run.toml";
+    std::ofstream(cfg) << tiny_config(dir / "run", 100000) << "train = \"" << shard.string() << "\"\n";
+    std::string text = read_text(cfg);
+    text.replace(text.find("plugin = \"synthetic\"\npattern = \"ramp\""), 37, "plugin = \"tokens\"");
+    std::ofstream(cfg, std::ios::trunc) << text;
+    Background p(std::string("'") + LOOM_CLI + "' train '" + cfg.string() + "' --set train.seq_len=30", dir / "log.txt");
+    ASSERT_TRUE(wait_for([&] { return count_lines(dir / "run" / "metrics.jsonl") >= 3; }, 120)) << p.output();
+    if (how == "truncate") ASSERT_EQ(::truncate(shard.c_str(), 2048), 0);
+    else overwrite_in_place(shard);
+    const ProcResult r = p.wait(120);
+    EXPECT_EQ(r.signal, 0) << r.out;
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, shard.string());
+    EXPECT_CONTAINS(r.out, how == "truncate" ? "SIGBUS" : "changed on disk");
+  }
+}

@@ -1,0 +1,153 @@
+// Messages (docs/RELIABILITY.md "Messages"): a refused value is told the
+// range that is really accepted. The class of defect — a hidden cap, or a
+// bound stated as closed when it is open — is caught by a property over every
+// numeric core key: for probes across the number line, each refusal's stated
+// range must exclude the value refused, and every value accepted must lie in
+// that stated range. And `loom convert` pointed at a checkpoints folder lists
+// the complete checkpoints and names the newest.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <optional>
+#include <regex>
+
+#include "config/run_config.hpp"
+#include "reliability_util.hpp"
+#include "train/session.hpp"
+
+namespace fs = std::filesystem;
+using namespace loom::test;
+
+namespace {
+
+// "must be in [a, b]", "in (a, b]", "in [a, b)", ">= a", "> a", "<= b",
+// "a finite number", "a finite number >= a", as a predicate on values.
+struct Claim {
+  std::string text;
+  std::optional<double> lo, hi;
+  bool lo_open = false, hi_open = false;
+  bool contains(double v) const {
+    if (!std::isfinite(v)) return false;  // every range is of finite numbers
+    if (lo && (lo_open ? !(v > *lo) : !(v >= *lo))) return false;
+    if (hi && (hi_open ? !(v < *hi) : !(v <= *hi))) return false;
+    return true;
+  }
+};
+
+std::optional<Claim> parse_claim(const std::string& msg) {
+  const size_t at = msg.find("is out of range: must be ");
+  if (at == std::string::npos) return std::nullopt;
+  Claim c;
+  c.text = msg.substr(at + 25);
+  // Non-finite values are told "a finite number >= 0": the same range, said for them.
+  if (c.text.rfind("a finite number ", 0) == 0) c.text = c.text.substr(16);
+  std::smatch m;
+  const std::string num = R"(([-+0-9.eEinf]+))";
+  if (std::regex_search(c.text, m, std::regex(R"(in ([\[(]))" + num + ", " + num + R"(([\])]))"))) {
+    c.lo = std::stod(m[2]);
+    c.hi = std::stod(m[3]);
+    c.lo_open = m[1] == "(";
+    c.hi_open = m[4] == ")";
+  } else if (std::regex_search(c.text, m, std::regex("(>=|>|<=|<) " + num))) {
+    const bool upper = m[1] == "<=" || m[1] == "<";
+    (upper ? c.hi : c.lo) = std::stod(m[2]);
+    (upper ? c.hi_open : c.lo_open) = m[1] == ">" || m[1] == "<";
+  } else if (c.text.rfind("a finite number", 0) != 0) {
+    ADD_FAILURE() << "unrecognised range: " << msg;
+  }
+  return c;
+}
+
+struct Key {
+  std::string section, key;
+  bool is_float;
+};
+
+const std::vector<Key> kKeys = {
+    {"run", "seed", false},           {"run", "threads", false},           {"run", "collective_timeout", true},
+    {"model", "hidden", false},       {"model", "num_layers", false},      {"model", "num_heads", false},
+    {"model", "num_kv_heads", false}, {"model", "ffn_hidden", false},      {"model", "vocab_size", false},
+    {"model", "max_seq_len", false},  {"model", "rope_theta", true},       {"model", "norm_eps", true},
+    {"model", "init_std", true},      {"model", "head_chunk", false},      {"train", "steps", false},
+    {"train", "micro_batch", false},  {"train", "seq_len", false},         {"train", "grad_accum", false},
+    {"train", "lr", true},            {"train", "min_lr", true},           {"train", "warmup_steps", false},
+    {"train", "grad_clip", true},     {"train", "weight_decay", true},     {"train", "beta1", true},
+    {"train", "beta2", true},         {"train", "eps", true},              {"train", "log_every", false},
+    {"train", "validation_every", false}, {"train", "validation_batches", false},
+    {"train", "max_skipped_steps", false}, {"checkpoint", "every", false}, {"checkpoint", "keep_last", false}};
+
+// TOML text and value of each probe.
+std::vector<std::pair<std::string, double>> probes(bool is_float) {
+  if (is_float)
+    return {{"-1e308", -1e308}, {"-1e300", -1e300}, {"-1.0", -1}, {"-0.0", 0}, {"0.0", 0}, {"1e-300", 1e-300},
+            {"1e-8", 1e-8},     {"0.5", 0.5},       {"0.999", 0.999}, {"1.0", 1}, {"1.5", 1.5}, {"10.0", 10},
+            {"11.0", 11},       {"86400.0", 86400}, {"1e6", 1e6},     {"1e300", 1e300}, {"1e301", 1e301},
+            {"1e308", 1e308},   {"inf", INFINITY},  {"-inf", -INFINITY}, {"nan", NAN}};
+  return {{"-9223372036854775808", -9.223372036854775808e18}, {"-1", -1}, {"0", 0}, {"1", 1}, {"2", 2},
+          {"4096", 4096}, {"4097", 4097}, {"1048576", 1048576}, {"1048577", 1048577}, {"2147483647", 2147483647.0},
+          {"2147483648", 2147483648.0}, {"1099511627776", 1099511627776.0}, {"1099511627777", 1099511627777.0},
+          {"9223372036854775807", 9.223372036854775807e18}};
+}
+
+}  // namespace
+
+TEST(ReliabilityMessages, EveryStatedRangeIsTheRangeThatIsAccepted) {
+  for (const Key& k : kKeys) {
+    std::optional<Claim> claim;
+    std::vector<double> accepted;
+    for (const auto& [text, value] : probes(k.is_float)) {
+      const std::string toml = "[" + k.section + "]\n" + k.key + " = " + text + "\n";
+      std::string msg;
+      try {
+        (void)loom::parse_config_string(toml, "m.toml", {});
+        accepted.push_back(value);
+        continue;
+      } catch (const loom::Error& e) {
+        msg = e.what();
+      }
+      const std::optional<Claim> c = parse_claim(msg);
+      if (!c) continue;  // refused by a rule across keys (e.g. seq_len > max_seq_len): not a range claim
+      // The refused value lies outside the range the message states.
+      EXPECT_FALSE(c->contains(value)) << k.section << "." << k.key << " = " << text << " refused with: " << msg;
+      EXPECT_TRUE(has(msg, k.section + "." + k.key + " = ")) << msg;
+      if (!claim) claim = c;
+      EXPECT_EQ(c->text, claim->text) << k.section << "." << k.key << ": two refusals state different ranges";
+    }
+    // Every accepted value lies inside the stated range.
+    if (claim)
+      for (double v : accepted)
+        EXPECT_TRUE(claim->contains(v)) << k.section << "." << k.key << " = " << v
+                                        << " is accepted but outside the stated range: " << claim->text;
+  }
+}
+
+// The reported case: no hidden cap on rope_theta, and the open bound said as open.
+TEST(ReliabilityMessages, RopeThetaHasNoHiddenCap) {
+  EXPECT_DOUBLE_EQ(loom::parse_config_string("[model]\nrope_theta = 1e308\n", "m.toml", {}).model.spec.rope_theta,
+                   1e308);
+  for (const char* bad : {"0.0", "-5.0"}) {
+    try {
+      (void)loom::parse_config_string(std::string("[model]\nrope_theta = ") + bad + "\n", "m.toml", {});
+      ADD_FAILURE() << bad;
+    } catch (const loom::Error& e) {
+      EXPECT_CONTAINS(std::string(e.what()), "must be > 0");
+    }
+  }
+}
+
+// `loom convert` of a checkpoints folder: lists the complete ones, suggests the newest.
+TEST(ReliabilityMessages, ConvertOfACheckpointsFolderNamesTheNewest) {
+  const fs::path dir = fresh_dir("messages_convert");
+  {
+    loom::Session s(loom::parse_config_string(tiny_config(dir / "run", 6), "m.toml",
+                                              {"checkpoint.every=2", "checkpoint.keep_last=0"}));
+    s.train();
+  }
+  const fs::path root = dir / "run" / "checkpoints";
+  const ProcResult r = run_shell(std::string("'") + LOOM_CLI + "' convert '" + root.string() + "' --to-hf '" +
+                                 (dir / "hf").string() + "'");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, "is a folder of checkpoints, not one checkpoint");
+  EXPECT_CONTAINS(r.out, "complete ones: step_00000002, step_00000004, step_00000006");
+  EXPECT_CONTAINS(r.out, "loom convert " + (root / "step_00000006").string());
+}

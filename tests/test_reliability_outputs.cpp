@@ -1,0 +1,223 @@
+// Outputs (docs/RELIABILITY.md "Files"): every write is checked; run.out_dir
+// and checkpoint.dir are checked before step 1 — a file where a folder should
+// be, a name too long, a read-only or full file system — each with a message
+// naming the key and the path (never "internal error"); a previous run is
+// never overwritten without run.overwrite = true; a run locks its folders, so
+// a second run on them is refused while the first lives (and not after it
+// died, even by kill -9). The full-disk and read-only cases mount a small
+// tmpfs and need root: they skip with a message otherwise (CI runs as root).
+#include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/checkpoint.hpp"
+#include "reliability_util.hpp"
+
+namespace fs = std::filesystem;
+using namespace loom::test;
+
+namespace {
+
+// For Background (which bounds the time itself, and signals the pid it started).
+std::string train_cmd(const fs::path& cfg, const std::string& sets = "") {
+  return std::string("'") + LOOM_CLI + "' train '" + cfg.string() + "' " + sets;
+}
+
+// A run in the foreground, bounded: a run that is not refused as expected
+// ends the test instead of hanging it.
+ProcResult run_train(const fs::path& cfg, const std::string& sets = "") {
+  return run_shell("timeout 300 " + train_cmd(cfg, sets));
+}
+
+fs::path write_config(const fs::path& dir, const fs::path& out, int64_t steps = 4) {
+  const fs::path cfg = dir / "run.toml";
+  std::ofstream(cfg) << tiny_config(out, steps);
+  return cfg;
+}
+
+void expect_path_error(const ProcResult& r, const std::string& key, const std::string& path, const std::string& says) {
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, key + " = \"" + path + "\"");
+  EXPECT_CONTAINS(r.out, says);
+  EXPECT_FALSE(has(r.out, "internal error")) << r.out;
+}
+
+// A tmpfs of `size` mounted at `at` (unmounted at the end); skips without root.
+class Tmpfs {
+ public:
+  Tmpfs(const fs::path& at, const std::string& options) : at_(at) {
+    fs::create_directories(at);
+    mounted_ = ::geteuid() == 0 && ::mount("tmpfs", at.c_str(), "tmpfs", 0, options.c_str()) == 0;
+  }
+  ~Tmpfs() {
+    if (mounted_) ::umount2(at_.c_str(), MNT_DETACH);
+  }
+  bool ok() const { return mounted_; }
+
+ private:
+  fs::path at_;
+  bool mounted_ = false;
+};
+
+#define NEED_ROOT_MOUNT(t)                                                                                  \
+  if (!(t).ok()) GTEST_SKIP() << "needs root to mount a small tmpfs (CI runs as root); running as uid " << ::geteuid()
+
+// Fills the file system holding `dir` until a write fails.
+void fill(const fs::path& dir) {
+  std::ofstream f(dir / "filler", std::ios::binary);
+  const std::string block(4096, 'x');
+  while (f.write(block.data(), block.size()) && f.flush()) {
+  }
+}
+
+}  // namespace
+
+TEST(ReliabilityOutputs, PathProblemsNameTheKeyAndThePath) {
+  const fs::path dir = fresh_dir("outputs_paths");
+  std::ofstream(dir / "a_file") << "not a folder";
+  const fs::path cfg = write_config(dir, dir / "unused");
+  // A file where a folder should be, for either key.
+  expect_path_error(run_train(cfg, "--set run.out_dir=" + (dir / "a_file" / "run").string()), "run.out_dir",
+                    (dir / "a_file" / "run").string(), "'" + (dir / "a_file").string() + "' is a file");
+  expect_path_error(run_train(cfg, "--set checkpoint.dir=" + (dir / "a_file").string()), "checkpoint.dir",
+                    (dir / "a_file").string(), "is a file, where a folder is needed");
+  // A name longer than the file system allows.
+  const std::string longname = (dir / std::string(300, 'n')).string();
+  expect_path_error(run_train(cfg, "--set run.out_dir=" + longname), "run.out_dir", longname,
+                    "is 300 characters long, more than the 255");
+  // loom check says the same before a run.
+  expect_path_error(run_shell(std::string("'") + LOOM_CLI + "' check '" + cfg.string() + "' --set run.out_dir=" +
+                              (dir / "a_file" / "x").string()),
+                    "run.out_dir", (dir / "a_file" / "x").string(), "is a file");
+}
+
+TEST(ReliabilityOutputs, ReadOnlyPlaceIsRefusedBeforeAnyWork) {
+  const fs::path dir = fresh_dir("outputs_ro");
+  Tmpfs ro(dir / "ro", "ro,size=1m");
+  NEED_ROOT_MOUNT(ro);
+  const fs::path cfg = write_config(dir, dir / "run");
+  expect_path_error(run_train(cfg, "--set run.out_dir=" + (dir / "ro" / "run").string()), "run.out_dir",
+                    (dir / "ro" / "run").string(), "read-only file system");
+  expect_path_error(run_train(cfg, "--set checkpoint.dir=" + (dir / "ro" / "ck").string()),
+                    "checkpoint.dir", (dir / "ro" / "ck").string(), "read-only file system");
+}
+
+// Full before the run starts: the write probe refuses, before step 1.
+TEST(ReliabilityOutputs, FullDiskAtStartIsRefusedBeforeStepOne) {
+  const fs::path dir = fresh_dir("outputs_full_start");
+  Tmpfs t(dir / "mnt", "size=256k");
+  NEED_ROOT_MOUNT(t);
+  fill(dir / "mnt");
+  const fs::path cfg = write_config(dir, dir / "mnt" / "run");
+  const ProcResult r = run_train(cfg);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, "No space left on device");
+  EXPECT_CONTAINS(r.out, (dir / "mnt" / "run").string());
+  EXPECT_FALSE(has(r.out, "step 1/")) << r.out;
+  EXPECT_FALSE(fs::exists(dir / "mnt" / "run" / "metrics.jsonl"));
+}
+
+// Full during the run: the metrics line or the checkpoint that does not fit
+// stops the run with exit 1 and the file named; never exit 0 with empty files.
+TEST(ReliabilityOutputs, DiskFillingDuringTheRunStopsItNamingTheFile) {
+  {  // a checkpoint larger than the space left
+    const fs::path dir = fresh_dir("outputs_full_ckpt");
+    Tmpfs t(dir / "mnt", "size=1m");
+    NEED_ROOT_MOUNT(t);
+    const fs::path cfg = write_config(dir, dir / "mnt" / "run", 6);
+    const ProcResult r = run_train(cfg, "--set checkpoint.every=2");
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, "No space left on device");
+    EXPECT_CONTAINS(r.out, (dir / "mnt" / "run" / "checkpoints" / "step_00000002").string());
+    EXPECT_FALSE(fs::exists(dir / "mnt" / "run" / "checkpoints" / "step_00000002" / "COMPLETE"));
+  }
+  {  // the metrics file: the disk fills while the run writes it
+    const fs::path dir = fresh_dir("outputs_full_metrics");
+    Tmpfs t(dir / "mnt", "size=1m");
+    NEED_ROOT_MOUNT(t);
+    const fs::path cfg = write_config(dir, dir / "mnt" / "run", 1000000);
+    Background p(train_cmd(cfg), dir / "log.txt");
+    ASSERT_TRUE(wait_for([&] { return count_lines(dir / "mnt" / "run" / "metrics.jsonl") >= 3; }, 60)) << p.output();
+    fill(dir / "mnt");
+    const ProcResult r = p.wait(120);
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, "writing a metrics line to " + (dir / "mnt" / "run" / "metrics.jsonl").string() + " failed");
+    EXPECT_CONTAINS(r.out, "No space left on device");
+  }
+}
+
+// A fresh run never replaces a previous run's results unless told to.
+TEST(ReliabilityOutputs, PreviousRunIsNeverOverwrittenWithoutRunOverwrite) {
+  const fs::path dir = fresh_dir("outputs_overwrite");
+  const fs::path cfg = write_config(dir, dir / "run", 4);
+  ASSERT_EQ(run_train(cfg, "--set checkpoint.every=2").code, 0);
+  const std::string metrics = read_text(dir / "run" / "metrics.jsonl");
+  const std::string meta = read_text(dir / "run" / "checkpoints" / "step_00000004" / "meta.json");
+  // checkpoint.resume = "none" over checkpoints; "auto" over metrics without any checkpoint.
+  ProcResult r = run_train(cfg, "--set checkpoint.resume=none --set checkpoint.every=2");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, "holds a previous run");
+  EXPECT_CONTAINS(r.out, "step_00000002, step_00000004");
+  EXPECT_CONTAINS(r.out, "run.overwrite = true");
+  EXPECT_EQ(read_text(dir / "run" / "metrics.jsonl"), metrics);
+  EXPECT_EQ(read_text(dir / "run" / "checkpoints" / "step_00000004" / "meta.json"), meta);
+  r = run_train(cfg, "--set checkpoint.dir=" + (dir / "elsewhere").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, "no complete checkpoint to resume from");
+  EXPECT_EQ(read_text(dir / "run" / "metrics.jsonl"), metrics);
+  // The explicit choice replaces it: old checkpoints gone, metrics of the new run only.
+  r = run_train(cfg, "--set checkpoint.resume=none --set run.overwrite=true --set train.steps=3");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 3);
+  EXPECT_TRUE(loom::ckpt::list_checkpoints((dir / "run" / "checkpoints").string()).empty());
+}
+
+// One run per folder at a time; the lock goes with the process, even on kill -9.
+TEST(ReliabilityOutputs, SecondRunOnTheSameFolderIsRefusedWhileTheFirstLives) {
+  const fs::path dir = fresh_dir("outputs_lock");
+  const fs::path cfg = write_config(dir, dir / "run", 1000000);
+  Background first(train_cmd(cfg, "--set checkpoint.every=5"), dir / "first.txt");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(dir / "run" / "checkpoints" / "step_00000005" / "COMPLETE"); }, 60))
+      << first.output();
+  ProcResult r = run_train(cfg);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, "run.out_dir = \"" + (dir / "run").string() + "\" is in use by another run (pid " +
+                             std::to_string(first.pid()));
+  // Another out_dir, the same checkpoint.dir: refused too, naming that key.
+  r = run_train(cfg, "--set run.out_dir=" + (dir / "run2").string() + " --set checkpoint.dir=" +
+                                   (dir / "run" / "checkpoints").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, "checkpoint.dir = \"" + (dir / "run" / "checkpoints").string() + "\" is in use by another run");
+  first.signal(SIGKILL);
+  (void)first.wait(30);
+  // Killed without a word: nothing stale is left to clean; the next run resumes.
+  const auto ck = loom::ckpt::latest_complete((dir / "run" / "checkpoints").string());
+  ASSERT_TRUE(ck.has_value());
+  r = run_train(cfg, "--set checkpoint.every=5 --set train.steps=" + std::to_string(ck->step + 2));
+  EXPECT_EQ(r.code, 0) << r.out;
+}
+
+// A run killed after its last checkpoint leaves metrics lines the checkpoint
+// does not include: the resumed run drops them, so each step appears once.
+TEST(ReliabilityOutputs, ResumeKeepsMetricsConsistentWithTheCheckpoint) {
+  const fs::path dir = fresh_dir("outputs_trim");
+  const fs::path cfg = write_config(dir, dir / "run", 1000000);
+  Background first(train_cmd(cfg, "--set checkpoint.every=5"), dir / "first.txt");
+  ASSERT_TRUE(wait_for([&] { return count_lines(dir / "run" / "metrics.jsonl") >= 12; }, 60)) << first.output();
+  first.signal(SIGKILL);
+  (void)first.wait(30);
+  const auto ck = loom::ckpt::latest_complete((dir / "run" / "checkpoints").string());
+  ASSERT_TRUE(ck.has_value());
+  const int64_t until = ck->step + 3;
+  const ProcResult r = run_train(cfg, "--set train.steps=" + std::to_string(until));
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ifstream in(dir / "run" / "metrics.jsonl");
+  int64_t expect = 1;
+  for (std::string line; std::getline(in, line);) {
+    EXPECT_EQ(nlohmann::json::parse(line)["step"].get<int64_t>(), expect) << line;
+    ++expect;
+  }
+  EXPECT_EQ(expect, until + 1);
+}

@@ -1,0 +1,93 @@
+// `loom plugins` next to broken libraries (docs/RELIABILITY.md "Plugins"): a
+// scan loads each candidate file in a child process, so a library whose own
+// load-time code crashes, hangs or exits is reported as that file's problem,
+// and the listing (the good plugins, the other problems) goes on.
+#include <gtest/gtest.h>
+
+#include <csignal>
+
+#include "loom/error.hpp"
+#include "loom/registry.hpp"
+#include "reliability_util.hpp"
+
+namespace fs = std::filesystem;
+using namespace loom::test;
+
+namespace {
+
+const fs::path kMisbehave = fs::path(LOOM_TEST_BROKEN_PLUGIN_DIR) / "misbehave";
+
+// LOOM_PLUGIN_PATH unset (and restored) so that only the given directories count.
+struct NoPluginPathEnv {
+  std::string saved;
+  bool had = false;
+  NoPluginPathEnv() {
+    if (const char* v = std::getenv("LOOM_PLUGIN_PATH")) {
+      had = true;
+      saved = v;
+    }
+    ::unsetenv("LOOM_PLUGIN_PATH");
+    ::setenv("LOOM_PLUGIN_PROBE_TIMEOUT", "2", 1);
+  }
+  ~NoPluginPathEnv() {
+    if (had) ::setenv("LOOM_PLUGIN_PATH", saved.c_str(), 1);
+    ::unsetenv("LOOM_PLUGIN_PROBE_TIMEOUT");
+  }
+};
+
+}  // namespace
+
+// In-process: scan() survives every misbehaving file and reports each.
+TEST(ReliabilityPlugins, ScanReportsCrashHangAndExitAsTheFilesProblems) {
+  NoPluginPathEnv env;
+  loom::PluginRegistry reg({kMisbehave});
+  reg.scan();  // this process is still here: nothing was loaded into it
+  // (The search path also holds the build's own plugins: look at this directory's.)
+  std::vector<loom::PluginRecord> here;
+  for (const auto& r : reg.records())
+    if (r.file.parent_path() == kMisbehave) here.push_back(r);
+  ASSERT_EQ(here.size(), 1u);
+  EXPECT_EQ(here[0].name, "fine");
+  EXPECT_EQ(here[0].version, "2.0.0");
+  std::string all;
+  int problems_here = 0;
+  for (const auto& p : reg.problems()) {
+    all += p + "\n";
+    if (has(p, kMisbehave.string() + "/")) ++problems_here;
+  }
+  EXPECT_EQ(problems_here, 3) << all;
+  EXPECT_CONTAINS(all, (kMisbehave / "libloom-data-crash.so").string() + ": loading it crashed the process (signal " +
+                           std::to_string(SIGSEGV));
+  EXPECT_CONTAINS(all, (kMisbehave / "libloom-data-hang.so").string() + ": loading it did not finish within 2 s");
+  EXPECT_CONTAINS(all, (kMisbehave / "libloom-data-quit.so").string() + ": loading it ended the process (exit status 7)");
+}
+
+// The command: exit 0, the good plugins listed (the build's own and 'fine'),
+// every misbehaving file under Problems.
+TEST(ReliabilityPlugins, LoomPluginsListsEverythingDespiteACrashingLibrary) {
+  NoPluginPathEnv env;
+  const ProcResult r = run_shell(std::string("'") + LOOM_CLI + "' plugins --path '" + kMisbehave.string() +
+                                 "' --path '" + LOOM_TEST_PLUGIN_DIR + "'");
+  EXPECT_EQ(r.signal, 0) << r.out;
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_CONTAINS(r.out, "Problems (3 files not loaded)");
+  EXPECT_CONTAINS(r.out, "libloom-data-crash.so: loading it crashed the process");
+  EXPECT_CONTAINS(r.out, "libloom-data-hang.so: loading it did not finish");
+  EXPECT_CONTAINS(r.out, "libloom-data-quit.so: loading it ended the process");
+  for (const char* good : {"fine", "synthetic", "tokens", "naive", "fp32", "zero3"}) EXPECT_CONTAINS(r.out, good);
+}
+
+// A plugin file that is a FIFO (named like a plugin) is refused without blocking.
+TEST(ReliabilityPlugins, ExplicitPluginFileMustBeARegularFile) {
+  const fs::path dir = fresh_dir("plugins_fifo");
+  const fs::path fifo = dir / "libloom-data-pipe.so";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  loom::PluginInit init;
+  loom::PluginRegistry reg;
+  try {
+    reg.create(loom::PluginKind::data, "pipe", init, fifo);
+    ADD_FAILURE() << "a FIFO was accepted as a plugin file";
+  } catch (const loom::Error& e) {
+    EXPECT_CONTAINS(std::string(e.what()), "is a FIFO (named pipe), not a regular file");
+  }
+}

@@ -1,0 +1,112 @@
+// Reads that never end (docs/RELIABILITY.md "Files"): every file Loom reads
+// through a path a user gives is checked for its type before it is opened and
+// read with a bound, so a FIFO, a device, a directory or a huge file is one
+// clear error, at once — never a blocked open() or a read until memory runs
+// out. Every command runs under `timeout 30`: exit code 124 would be a hang.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include "checkpoint/file_util.hpp"
+#include "config/run_config.hpp"
+#include "loom/token_shard.hpp"
+#include "reliability_util.hpp"
+#include "test_util.hpp"
+#include "train/session.hpp"
+#include "util/files.hpp"
+
+namespace fs = std::filesystem;
+using namespace loom::test;
+
+namespace {
+
+ProcResult loom_cmd(const std::string& args) { return run_shell(std::string("timeout 30 '") + LOOM_CLI + "' " + args); }
+
+void make_fifo(const fs::path& p) { ASSERT_EQ(::mkfifo(p.c_str(), 0644), 0) << p; }
+
+}  // namespace
+
+TEST(ReliabilityReads, ConfigThatIsNotARegularFileIsRefusedAtOnce) {
+  const fs::path dir = fresh_dir("reads_config");
+  make_fifo(dir / "pipe.toml");
+  for (const auto& [path, says] : std::vector<std::pair<std::string, std::string>>{
+           {"/dev/zero", "is a character device, not a regular file"},
+           {(dir / "pipe.toml").string(), "is a FIFO (named pipe), not a regular file"},
+           {dir.string(), "is a directory"}}) {
+    for (const char* cmd : {"check", "train"}) {
+      SCOPED_TRACE(std::string(cmd) + " " + path);
+      const ProcResult r = loom_cmd(std::string(cmd) + " '" + path + "'");
+      EXPECT_EQ(r.code, 1) << r.out;
+      EXPECT_CONTAINS(r.out, says);
+      EXPECT_CONTAINS(r.out, path);
+    }
+  }
+}
+
+TEST(ReliabilityReads, HugeConfigIsRefusedWithTheLimit) {
+  const fs::path dir = fresh_dir("reads_huge");
+  {
+    std::ofstream f(dir / "huge.toml");
+    const std::string line(1023, '#');
+    for (int i = 0; i < 17 * 1024; ++i) f << line << "\n";  // 17 MiB of comments
+  }
+  const ProcResult r = loom_cmd("check '" + (dir / "huge.toml").string() + "'");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, "is larger than 16 MiB");
+  // A file under /proc (regular, reported size 0) is read to its end, not trusted by its size.
+  EXPECT_EQ(loom::read_bounded_file("/proc/self/status", "status", 1 << 20).find("Name:"), 0u);
+}
+
+// data.train naming a FIFO (alone, or matched by a glob among real shards).
+TEST(ReliabilityReads, DataShardThatIsAFifoIsRefusedAtOnce) {
+  const fs::path dir = fresh_dir("reads_data");
+  make_fifo(dir / "train_1.bin");
+  {
+    std::vector<uint32_t> t(1000, 3);
+    loom::write_token_shard((dir / "train_0.bin").string(), t.data(), t.size(), 2, 96);
+  }
+  const fs::path cfg = dir / "run.toml";
+  std::string text = tiny_config(dir / "run", 2);
+  text.replace(text.find("plugin = \"synthetic\"\npattern = \"ramp\""), 37, "plugin = \"tokens\"");
+  std::ofstream(cfg) << text;
+  for (const std::string& pattern : {(dir / "train_1.bin").string(), (dir / "train_*.bin").string()}) {
+    SCOPED_TRACE(pattern);
+    const ProcResult r = loom_cmd("check '" + cfg.string() + "' --set 'data.train=\"" + pattern + "\"'");
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, "token shard '" + (dir / "train_1.bin").string() + "' is a FIFO");
+  }
+}
+
+// Metadata files a run reads: an HF folder's config.json, a checkpoint's meta.json.
+TEST(ReliabilityReads, MetadataFilesThatAreFifosAreRefusedAtOnce) {
+  const fs::path dir = fresh_dir("reads_meta");
+  const fs::path hf = dir / "hf";
+  fs::create_directories(hf);
+  make_fifo(hf / "config.json");
+  const fs::path cfg = dir / "run.toml";
+  std::ofstream(cfg) << tiny_config(dir / "run", 2);
+  ProcResult r = loom_cmd("check '" + cfg.string() + "' --set 'model.init=\"hf:" + hf.string() + "\"'");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, (hf / "config.json").string() + "' is a FIFO");
+
+  // A checkpoint whose meta.json was replaced by a FIFO.
+  r = loom_cmd("train '" + cfg.string() + "' --set checkpoint.every=2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const fs::path meta = dir / "run" / "checkpoints" / "step_00000002" / "meta.json";
+  fs::remove(meta);
+  make_fifo(meta);
+  r = loom_cmd("train '" + cfg.string() + "' --set train.steps=4");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, meta.string() + "' is a FIFO");
+}
+
+TEST(ReliabilityReads, FileTypeNamesAndTheRegularFileCheck) {
+  const fs::path dir = fresh_dir("reads_types");
+  make_fifo(dir / "f");
+  expect_error([&] { loom::require_regular_file((dir / "f").string(), "thing"); }, {"thing '", "is a FIFO"});
+  expect_error([&] { loom::require_regular_file("/dev/null", "thing"); }, {"is a character device"});
+  expect_error([&] { loom::require_regular_file(dir.string(), "thing"); }, {"is a directory"});
+  expect_error([&] { loom::require_regular_file((dir / "missing").string(), "thing"); }, {"does not exist"});
+  std::ofstream(dir / "ok") << "x";
+  EXPECT_NO_THROW(loom::require_regular_file((dir / "ok").string(), "thing"));
+  expect_error([&] { (void)loom::read_bounded_file((dir / "ok").string(), "thing", 0); }, {"larger than"});
+}

@@ -1,0 +1,193 @@
+// What a run writes for people to look at: TensorBoard event files (read back
+// with the `tensorboard` package by tests/metrics/read_tensorboard.py),
+// `loom plot` of runs' metrics.jsonl, memory in every log line, and a progress
+// bar only on a terminal that no launcher owns.
+#include <gtest/gtest.h>
+
+#include <pty.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "loom/error.hpp"
+#include "compare_report.hpp"
+#include "png_writer.hpp"
+#include "run_plot.hpp"
+#include "test_util.hpp"
+#include "train/progress.hpp"
+#include "train/session.hpp"
+#include "train/tensorboard.hpp"
+
+namespace fs = std::filesystem;
+using loom::test::expect_error;
+using loom::test::TmpDir;
+
+namespace {
+
+std::string config(const fs::path& out, const std::string& run_extra = "", const std::string& train_extra = "") {
+  std::ostringstream s;
+  s << "[run]\nname = \"" << out.filename().string() << "\"\nout_dir = \"" << out.string() << "\"\nseed = 3\nthreads = 2\n"
+    << "plugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n" << run_extra
+    << "[model]\nhidden = 32\nnum_layers = 1\nnum_heads = 2\nnum_kv_heads = 2\nffn_hidden = 64\n"
+    << "vocab_size = 64\nmax_seq_len = 16\n"
+    << "[train]\nsteps = 8\nmicro_batch = 2\nseq_len = 16\nlr = 1e-2\nvalidation_every = 4\nvalidation_batches = 1\n"
+    << train_extra << "[checkpoint]\nresume = \"none\"\n[data]\nplugin = \"synthetic\"\npattern = \"ramp\"\n";
+  return s.str();
+}
+
+std::string run_cmd(const std::string& cmd, int* rc = nullptr) {
+  const std::string out = "/tmp/loom_run_outputs_" + std::to_string(getpid()) + ".txt";
+  const int r = std::system((cmd + " > " + out + " 2>&1").c_str());
+  if (rc) *rc = r;
+  std::ifstream in(out);
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  fs::remove(out);
+  return s;
+}
+
+// Runs argv on a pseudo-terminal (as a person at a terminal, or mpirun's
+// forwarding, sees it) with `env` added; returns everything it printed.
+std::string on_pty(const std::vector<std::string>& argv, const std::vector<std::string>& env) {
+  int master = -1;
+  const pid_t pid = forkpty(&master, nullptr, nullptr, nullptr);
+  if (pid < 0) return "forkpty failed";
+  if (pid == 0) {
+    setenv("TERM", "xterm", 1);
+    unsetenv("OMPI_COMM_WORLD_SIZE");
+    unsetenv("PMI_RANK");
+    unsetenv("PMIX_RANK");
+    unsetenv("SLURM_PROCID");
+    for (auto& e : env) putenv(const_cast<char*>(e.c_str()));
+    std::vector<char*> a;
+    for (auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+    a.push_back(nullptr);
+    execv(a[0], a.data());
+    _exit(127);
+  }
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = read(master, buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  int status = 0;
+  waitpid(pid, &status, 0);
+  close(master);
+  return out;
+}
+
+}  // namespace
+
+TEST(TensorBoard, Crc32cAndMasking) {
+  EXPECT_EQ(loom::crc32c("123456789", 9), 0xe3069283u);  // the CRC-32C check value
+  EXPECT_EQ(loom::crc32c("", 0), 0u);
+}
+
+TEST(TensorBoard, EventFileReadsBackWithTheTensorboardPackage) {
+  TmpDir d;
+  const fs::path run = d.path / "tb";
+  {
+    loom::Session s(loom::parse_config_string(config(run, "tensorboard = true\n"), "tb.toml", {}));
+    s.train();
+  }
+  int rc = 0;
+  const std::string out =
+      run_cmd(loom::cat("python3 ", LOOM_SOURCE_DIR, "/tests/metrics/read_tensorboard.py ", run.string()), &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("tensorboard OK"), std::string::npos) << out;
+  EXPECT_NE(out.find("val/loss"), std::string::npos) << out;
+  EXPECT_NE(out.find("perf/memory_gib"), std::string::npos) << out;
+
+  // The reader is not a rubber stamp: a flipped byte in a payload is caught.
+  fs::path file;
+  for (auto& e : fs::directory_iterator(run / "tensorboard")) file = e.path();
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(static_cast<std::streamoff>(fs::file_size(file) - 10));
+  f.put('\x7f');
+  f.close();
+  const std::string bad =
+      run_cmd(loom::cat("python3 ", LOOM_SOURCE_DIR, "/tests/metrics/read_tensorboard.py ", run.string()), &rc);
+  EXPECT_NE(rc, 0) << bad;
+  EXPECT_NE(bad.find("bad payload CRC"), std::string::npos) << bad;
+}
+
+TEST(Plot, DrawsEveryRunInEveryPanel) {
+  TmpDir d;
+  for (const char* name : {"runA", "runB"}) {
+    loom::Session s(loom::parse_config_string(config(d.path / name), "p.toml",
+                                              {"train.lr=" + std::string(name[3] == 'A' ? "1e-2" : "3e-3")}));
+    s.train();
+  }
+  const std::vector<loom::report::RunCurves> runs = {loom::report::read_run_curves((d.path / "runA").string()),
+                                                     loom::report::read_run_curves((d.path / "runB").string())};
+  EXPECT_EQ(runs[0].name, "runA");
+  EXPECT_EQ(runs[0].step.size(), 8u);
+  EXPECT_EQ(runs[0].val_step, (std::vector<double>{0, 4, 8}));
+  const auto plot = loom::report::render_run_plot(runs);
+  // Each run's colour appears inside each of the four panels.
+  for (int p = 0; p < 4; ++p)
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const auto& rect = plot.panels[p];
+      bool found = false;
+      for (int y = rect.y; y < rect.y + rect.h && !found; ++y)
+        for (int x = rect.x; x < rect.x + rect.w && !found; ++x) found = plot.canvas.at(x, y) == loom::report::row_color(r);
+      EXPECT_TRUE(found) << "run " << r << " not drawn in panel " << p;
+    }
+
+  // The command writes a PNG of the chart's size.
+  const std::string png = (d.path / "plot.png").string();
+  int rc = 0;
+  const std::string out = run_cmd(loom::cat(LOOM_CLI, " plot ", (d.path / "runA").string(), " ",
+                                            (d.path / "runB").string(), " --out ", png), &rc);
+  ASSERT_EQ(rc, 0) << out;
+  std::ifstream in(png, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 33u);
+  EXPECT_EQ(bytes.substr(0, 8), "\x89PNG\r\n\x1a\n");
+  auto be32 = [&](size_t at) {
+    return (static_cast<uint32_t>(static_cast<unsigned char>(bytes[at])) << 24) |
+           (static_cast<uint32_t>(static_cast<unsigned char>(bytes[at + 1])) << 16) |
+           (static_cast<uint32_t>(static_cast<unsigned char>(bytes[at + 2])) << 8) | static_cast<unsigned char>(bytes[at + 3]);
+  };
+  EXPECT_EQ(be32(16), static_cast<uint32_t>(plot.canvas.width()));
+  EXPECT_EQ(be32(20), static_cast<uint32_t>(plot.canvas.height()));
+
+  // Bad inputs are named.
+  expect_error([&] { loom::report::read_run_curves((d.path / "nope").string()); }, {"nope", "has no metrics.jsonl"});
+  fs::create_directories(d.path / "bad");
+  std::ofstream(d.path / "bad" / "metrics.jsonl") << "{\"step\": 1, \"loss\": 2}\nnot json\n";
+  expect_error([&] { loom::report::read_run_curves((d.path / "bad").string()); }, {"metrics.jsonl:2", "not a JSON object"});
+  const std::string none = run_cmd(loom::cat(LOOM_CLI, " plot"), &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(none.find("needs at least one RUN_DIR"), std::string::npos) << none;
+}
+
+TEST(Progress, MemoryInEveryLogLine) {
+  loom::StepLog s;
+  s.step = 3;
+  s.loss = 2.5;
+  s.peak_mem_bytes = size_t{3} << 29;  // 1.5 GiB
+  EXPECT_NE(loom::log_line(s, 10).find("| mem 1.50 GiB"), std::string::npos) << loom::log_line(s, 10);
+  EXPECT_GT(loom::peak_resident_bytes(), size_t{1} << 20);
+}
+
+TEST(Progress, BarOnlyOnATerminalNoLauncherOwns) {
+  TmpDir d;
+  const std::string cfg = (d.path / "c.toml").string();
+  std::ofstream(cfg) << config(d.path / "run", "", "log_every = 4\n");
+  const std::vector<std::string> argv = {LOOM_CLI, "train", cfg};
+  const std::string alone = on_pty(argv, {});
+  EXPECT_NE(alone.find("\033[2K"), std::string::npos) << "a person at a terminal sees the bar:\n" << alone;
+  EXPECT_NE(alone.find("] 8/8"), std::string::npos) << alone;
+  const std::string mpi = on_pty(argv, {"OMPI_COMM_WORLD_SIZE=1", "OMPI_COMM_WORLD_RANK=0",
+                                        "OMPI_COMM_WORLD_LOCAL_RANK=0", "OMPI_COMM_WORLD_LOCAL_SIZE=1"});
+  EXPECT_EQ(mpi.find("\033["), std::string::npos) << "under mpirun no escape code reaches the log:\n" << mpi;
+  EXPECT_NE(mpi.find("step 8/8"), std::string::npos) << mpi;
+  EXPECT_NE(mpi.find("mem "), std::string::npos) << mpi;
+  // Not a terminal (a file, a pipe): no bar either.
+  int rc = 0;
+  const std::string piped = run_cmd(loom::cat(LOOM_CLI, " train ", cfg), &rc);
+  EXPECT_EQ(rc, 0) << piped;
+  EXPECT_EQ(piped.find("\033["), std::string::npos) << piped;
+}

@@ -1,0 +1,71 @@
+// The training step allocates nothing: after the first steps have built every
+// GEMM plan, attention graph and buffer, queuing steps makes no C++ heap
+// allocation in libloom, the plugins or the step loop (tests/alloc_counter.hpp
+// counts every operator new in the process; allocations inside NVIDIA's
+// libraries are reported, not ours to remove). On the CPU (the reference
+// path, in CI) and, where there is one, on the GPU at the llama-125m shape.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+#include "alloc_counter.hpp"
+#include "config/run_config.hpp"
+#include "gpu_test_util.hpp"
+#include "train/session.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+void expect_steps_allocate_nothing(const loom::Config& cfg, const char* what) {
+  loom::Session s(cfg);
+  s.initialise();
+  for (int i = 0; i < 3; ++i) s.train_step();  // warm: plans, graphs, first-use tables
+  (void)s.read_step_logs();
+  loom_test::AllocCounter counter;
+  counter.start();
+  for (int i = 0; i < 4; ++i) s.train_step();
+  const loom_test::AllocCounts c = counter.stop();
+  EXPECT_EQ(c.ours_new, 0) << what << ": the step allocated; first at\n" << c.first_ours;
+  EXPECT_EQ(c.ours_delete, 0) << what;
+  std::printf("[step allocations %s] ours %lld, inside NVIDIA libraries %lld, over 4 steps\n", what,
+              static_cast<long long>(c.ours_new), static_cast<long long>(c.vendor_new));
+  EXPECT_EQ(s.read_step_logs().size(), 4u);
+}
+
+std::string tiny(const std::string& layers, const fs::path& out) {
+  std::ostringstream c;
+  c << "[run]\ndevice = \"cpu\"\nseed = 3\nthreads = 2\nout_dir = \"" << out.string() << "\"\n"
+    << "plugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
+    << "[model]\nlayers = \"" << layers << "\"\nhidden = 64\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\n"
+    << "ffn_hidden = 160\nvocab_size = 96\nmax_seq_len = 32\nhead_chunk = 40\n"
+    << "[train]\nsteps = 10\nmicro_batch = 4\nseq_len = 31\ngrad_accum = 2\nlog_every = 10\n"
+    << "[checkpoint]\nresume = \"none\"\n"
+    << "[precision]\nplugin = \"fp32\"\n[attention]\nplugin = \"naive\"\n[sharding]\nplugin = \"none\"\n"
+    << "[data]\nplugin = \"synthetic\"\npattern = \"ramp\"\n";
+  return c.str();
+}
+
+TEST(StepAllocations, CpuStepAllocatesNothing) {
+  for (const char* layers : {"native", "fused"}) {
+    const fs::path out = fs::path(LOOM_BINARY_DIR) / "test_tmp" / "step_alloc" / layers;
+    expect_steps_allocate_nothing(loom::parse_config_string(tiny(layers, out), "alloc.toml", {}), layers);
+  }
+}
+
+TEST(StepAllocations, CudaStepAllocatesNothing) {
+  LOOM_REQUIRE_GPU();
+  for (const char* layers : {"native", "fused"}) {
+    const fs::path out = fs::path(LOOM_BINARY_DIR) / "test_tmp" / "step_alloc_cuda" / layers;
+    const std::vector<std::string> ov = {"run.out_dir=\"" + out.string() + "\"",
+                                         "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
+                                         "model.layers=" + std::string(layers), "train.log_every=10",
+                                         "checkpoint.resume=none"};
+    expect_steps_allocate_nothing(
+        loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov), layers);
+  }
+}
+
+}  // namespace

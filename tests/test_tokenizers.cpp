@@ -1,0 +1,372 @@
+// Real tokenizers for `loom prepare text` (core/src/data/tokenizers): ids equal
+// to the reference libraries' on hard strings, invalid UTF-8 handled as
+// Python's decode("utf-8", "replace"), and prepare's shards, header vocabulary,
+// 4-byte tokens and parallel output.
+//
+// The reference ids come from tests/tokenizers/reference_ids.py (a ctest
+// fixture run before this suite) on files fetched by scripts/setup.sh; a
+// missing file fails the suite, it does not skip it.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+#include <tuple>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/prepare_text.hpp"
+#include "data/tokenizers/bpe.hpp"
+#include "data/tokenizers/tokenizer.hpp"
+#include "data/tokens/tokens_data.hpp"
+#include "loom/error.hpp"
+#include "loom/token_shard.hpp"
+#include "test_util.hpp"
+
+namespace fs = std::filesystem;
+using loom::data::load_tokenizer;
+using loom::data::Tokenizer;
+using loom::test::expect_error;
+using loom::test::TmpDir;
+
+namespace {
+
+const fs::path kFiles = fs::path(LOOM_SOURCE_DIR) / ".cache" / "tokenizers";
+const fs::path kReference = fs::path(LOOM_BINARY_DIR) / "tokenizer_refs" / "reference.json";
+
+std::string b64decode(const std::string& s) {
+  auto val = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    return c == '+' ? 62 : c == '/' ? 63 : -1;
+  };
+  std::string out;
+  uint32_t acc = 0;
+  int bits = 0;
+  for (char c : s) {
+    const int v = val(c);
+    if (v < 0) break;
+    acc = (acc << 6) | static_cast<uint32_t>(v);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out += static_cast<char>((acc >> bits) & 0xff);
+    }
+  }
+  return out;
+}
+
+const nlohmann::json& reference() {
+  static nlohmann::json j = [] {
+    std::ifstream in(kReference);
+    if (!in) return nlohmann::json();
+    return nlohmann::json::parse(in);
+  }();
+  return j;
+}
+
+std::string show(const Tokenizer& t, const std::vector<uint32_t>& ids) {
+  std::string s;
+  for (uint32_t id : ids) s += loom::cat(id, "'", t.piece(id), "' ");
+  return s;
+}
+
+// Every case of the reference corpus, through one tokenizer.
+void check_parity(const std::string& key, const fs::path& file, const loom::data::TokenizerOptions& opt = {},
+                  const std::string& engine = "") {
+  const auto& ref = reference();
+  ASSERT_FALSE(ref.is_null()) << kReference << " is missing: the ctest fixture tokenizer_reference_ids writes it "
+                              << "(python3 tests/tokenizers/reference_ids.py " << kFiles << " " << kReference << ")";
+  ASSERT_TRUE(fs::exists(file)) << file << " is missing: run scripts/setup.sh";
+  std::unique_ptr<Tokenizer> tok = load_tokenizer(file.string(), opt);
+  if (!engine.empty()) EXPECT_EQ(tok->engine(), engine);
+  int failures = 0, cases = 0;
+  for (const auto& c : ref["cases"]) {
+    const std::string text = b64decode(c["text"]);
+    std::vector<uint32_t> got;
+    tok->encode(text, got);
+    const auto want = c[key].get<std::vector<uint32_t>>();
+    ++cases;
+    if (got != want && ++failures <= 5)
+      ADD_FAILURE() << key << " differs from the reference on \"" << text << "\"\n  loom: " << show(*tok, got)
+                    << "\n  ref:  " << show(*tok, want);
+  }
+  EXPECT_EQ(failures, 0) << failures << " of " << cases << " cases differ";
+  EXPECT_GT(cases, 250);
+}
+
+}  // namespace
+
+TEST(Utf8, ReplacementMatchesPythonOnEveryCase) {
+  const auto& ref = reference();
+  ASSERT_FALSE(ref.is_null()) << kReference << " is missing";
+  int invalid = 0;
+  for (const auto& c : ref["cases"]) {
+    const std::string raw = b64decode(c["bytes"]), want = b64decode(c["text"]);
+    std::string got;
+    const std::size_t n = loom::data::sanitize_utf8(raw, got);
+    EXPECT_EQ(got, want) << "bytes: " << raw;
+    EXPECT_EQ(n > 0, raw != want);
+    invalid += n > 0;
+  }
+  EXPECT_GE(invalid, 14);  // the corpus's invalid cases all needed repair
+}
+
+TEST(Utf8, MaximalSubparts) {
+  std::string out;
+  EXPECT_EQ(loom::data::sanitize_utf8("\xe2\x82 x", out), 1u);  // a truncated sequence is one U+FFFD
+  EXPECT_EQ(out, "\xEF\xBF\xBD x");
+  EXPECT_EQ(loom::data::sanitize_utf8("\xc0\xaf", out), 2u);  // C0 is never valid: each byte
+  EXPECT_EQ(loom::data::sanitize_utf8("\xed\xa0\x80", out), 3u);  // a surrogate: ED then two lone continuations
+  EXPECT_EQ(loom::data::sanitize_utf8("ok \xf0\x9f\x98\x80", out), 0u);
+  EXPECT_EQ(out, "ok \xf0\x9f\x98\x80");
+}
+
+TEST(TokenizerParity, SentencePieceMistralMatchesSentencepiece) {
+  // Loom's BPE path for SentencePiece BPE models...
+  check_parity("sentencepiece", kFiles / "mistral" / "tokenizer.model", {}, "loom-bpe");
+}
+
+TEST(TokenizerParity, SentencePieceThroughTheLibraryMatchesToo) {
+  // ...and libsentencepiece itself, which encodes every other model.
+  loom::data::TokenizerOptions lib;
+  lib.sentencepiece_library = true;
+  check_parity("sentencepiece", kFiles / "mistral" / "tokenizer.model", lib, "libsentencepiece");
+}
+
+TEST(TokenizerParity, Llama3TiktokenMatchesTiktoken) { check_parity("tiktoken", kFiles / "llama3" / "tokenizer.model"); }
+
+TEST(TokenizerParity, Llama3TokenizerJsonMatchesTokenizers) {
+  check_parity("hf_llama3", kFiles / "llama3-hf" / "tokenizer.json");
+}
+
+TEST(TokenizerParity, Gpt2StyleTokenizerJsonMatchesTokenizers) {
+  check_parity("hf_gpt2", kFiles / "gpt2-hf" / "tokenizer.json");
+}
+
+TEST(TokenizerParity, SpecialTokensComeFromTheTokenizer) {
+  const auto& ref = reference();
+  ASSERT_FALSE(ref.is_null());
+  auto sp = load_tokenizer((kFiles / "mistral" / "tokenizer.model").string());
+  EXPECT_EQ(sp->kind(), "sentencepiece");
+  EXPECT_EQ(sp->vocab_size(), ref["special"]["sentencepiece"]["vocab"].get<uint32_t>());
+  EXPECT_EQ(sp->bos(), ref["special"]["sentencepiece"]["bos"].get<uint32_t>());
+  EXPECT_EQ(sp->eos(), ref["special"]["sentencepiece"]["eos"].get<uint32_t>());
+  auto tt = load_tokenizer((kFiles / "llama3" / "tokenizer.model").string());
+  EXPECT_EQ(tt->kind(), "tiktoken");
+  EXPECT_EQ(tt->vocab_size(), 128256u);
+  EXPECT_EQ(tt->bos(), 128000u);
+  EXPECT_EQ(tt->eos(), 128001u);
+  EXPECT_EQ(tt->piece(128009), "<|eot_id|>");
+  auto hf = load_tokenizer((kFiles / "llama3-hf" / "tokenizer.json").string());
+  EXPECT_EQ(hf->kind(), "hf-bpe");
+  EXPECT_EQ(hf->vocab_size(), 128256u);
+  EXPECT_EQ(hf->bos(), 128000u);  // from the post-processor's template
+  EXPECT_EQ(hf->eos(), 128001u);  // by its usual name
+  auto gpt2 = load_tokenizer((kFiles / "gpt2-hf" / "tokenizer.json").string());
+  EXPECT_EQ(gpt2->bos(), 0u);  // <|endoftext|> is both
+  EXPECT_EQ(gpt2->eos(), 0u);
+  // Overrides name tokens of the file.
+  auto eot = load_tokenizer((kFiles / "llama3" / "tokenizer.model").string(), {"", "<|eot_id|>"});
+  EXPECT_EQ(eot->eos(), 128009u);
+  expect_error([&] { load_tokenizer((kFiles / "llama3" / "tokenizer.model").string(), {"<|nope|>", ""}); },
+               {"--bos '<|nope|>'", "not a special token"});
+  expect_error([&] { load_tokenizer((kFiles / "mistral" / "tokenizer.model").string(), {"", "<nope>"}); },
+               {"--eos '<nope>'", "not a piece"});
+}
+
+TEST(TokenizerParity, EncodingIsThreadSafe) {
+  auto tok = load_tokenizer((kFiles / "llama3" / "tokenizer.model").string());
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += loom::cat("word", i, " ünïcode ", i * 7919, "\n");
+  std::vector<uint32_t> want;
+  tok->encode(text, want);
+  std::vector<std::vector<uint32_t>> got(4);
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 4; ++t)
+    ts.emplace_back([&, t] {
+      for (int r = 0; r < 20; ++r) {
+        got[t].clear();
+        tok->encode(text, got[t]);
+      }
+    });
+  for (auto& t : ts) t.join();
+  for (auto& g : got) EXPECT_EQ(g, want);
+}
+
+TEST(Tokenizers, BadFilesAreRefusedByName) {
+  TmpDir d;
+  auto write = [&](const std::string& name, const std::string& bytes) {
+    const std::string p = (d.path / name).string();
+    std::ofstream(p, std::ios::binary) << bytes;
+    return p;
+  };
+  expect_error([&] { load_tokenizer((d.path / "none.model").string()); }, {"none.model", "cannot read tokenizer"});
+  expect_error([&] { load_tokenizer(write("empty", "")); }, {"empty", "is empty"});
+  expect_error([&] { load_tokenizer(write("junk.bin", "\x01\x02junk")); }, {"junk.bin", "none of the formats"});
+  expect_error([&] { load_tokenizer(write("bad.json", "{ not json")); }, {"bad.json", "not valid JSON"});
+  expect_error([&] { load_tokenizer(write("wp.json", R"({"model": {"type": "WordPiece", "vocab": {}}})")); },
+               {"wp.json", "model.type is \"WordPiece\"", "byte-level BPE"});
+  expect_error(
+      [&] {
+        load_tokenizer(write("nfc.json", R"({"normalizer": {"type": "NFC"}, "pre_tokenizer": {"type": "ByteLevel"},
+                                            "model": {"type": "BPE", "vocab": {}, "merges": []}})"));
+      },
+      {"nfc.json", "normalizer \"NFC\" is not supported"});
+  expect_error([&] { load_tokenizer(write("small.tiktoken", "IQ== 0\nIg== 1\n")); },
+               {"small.tiktoken", "has 2 ranks", "Llama 3"});
+  expect_error([&] { load_tokenizer(write("gap.tiktoken", "IQ== 0\nIg== 2\n")); }, {"gap.tiktoken", "no token of rank 1"});
+  expect_error([&] { load_tokenizer(write("dup.tiktoken", "IQ== 0\nIg== 0\n")); }, {"dup.tiktoken", "rank 0 is given twice"});
+  expect_error([&] { load_tokenizer(write("trunc.model", "\x0a\x20\x0a\x05<unk>")); },
+               {"trunc.model", "SentencePiece", "cannot load"});
+  // A byte-level vocabulary without every byte.
+  expect_error(
+      [&] {
+        load_tokenizer(write("nobytes.json", R"({"pre_tokenizer": {"type": "ByteLevel"},
+                                                 "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})"));
+      },
+      {"nobytes.json", "no token for the byte 0x00"});
+}
+
+TEST(Tokenizers, WhitespaceClassesAreUnicodeWhiteSpace) {
+  using loom::data::rewrite_whitespace_classes;
+  const std::string r = rewrite_whitespace_classes(R"(a\s+[^\s\p{L}]\S\\s)", "t");
+  EXPECT_EQ(r.find("\\s"), r.rfind("\\s"));  // only the escaped backslash's "\\s" is left
+  EXPECT_NE(r.find("[^\\t\\n"), std::string::npos);
+  expect_error([] { rewrite_whitespace_classes(R"([\S])", "file.json"); }, {"file.json", "\\S inside a character class"});
+  // U+180E is not White_Space (Unicode 6.3+): tiktoken and Oniguruma keep it out of \s, PCRE2 would not.
+  loom::data::RegexSplitter sp(R"(\s+|\S+)", false, "t");
+  std::vector<std::string> words;
+  sp.split("a\xe1\xa0\x8e" "b \xe3\x80\x80" "c", [&](std::string_view w) { words.emplace_back(w); });
+  EXPECT_EQ(words, (std::vector<std::string>{"a\xe1\xa0\x8e" "b", " \xe3\x80\x80", "c"}));
+}
+
+TEST(PrepareWithTokenizer, Llama3WritesFourByteShardsAndTrainingChecksTheVocabulary) {
+  TmpDir d;
+  fs::create_directories(d.path / "in");
+  std::string corpus;
+  for (int i = 0; i < 300; ++i) corpus += loom::cat("Document ", i, " says héllo to <|eot_id|> number ", i * 31, ".\n%\n");
+  std::ofstream(d.path / "in" / "a.txt") << corpus;
+  loom::data::PrepareTextOptions o;
+  o.out_dir = (d.path / "out").string();
+  o.inputs = {(d.path / "in").string()};
+  o.tokenizer = (kFiles / "llama3" / "tokenizer.model").string();
+  o.val_fraction = 0.1;
+  o.shard_tokens = 2000;
+  o.threads = 2;
+  const auto r = loom::data::prepare_text(o);
+  EXPECT_EQ(r.tokenizer, "tiktoken");
+  EXPECT_EQ(r.vocab, 128256u);
+  EXPECT_EQ(r.token_width, 4);
+  ASSERT_GE(r.train_shards.size(), 2u);
+  loom::TokenShard s(r.train_shards[0]);
+  EXPECT_EQ(s.width(), 4);
+  EXPECT_EQ(s.vocab(), 128256u);
+  EXPECT_EQ(s[0], 128000u);  // BOS first
+  // Every document is BOS ... EOS and the look-alike stayed text.
+  uint64_t bos = 0, eos = 0, eot = 0;
+  for (const auto& path : r.train_shards) {
+    loom::TokenShard t(path);
+    for (uint64_t i = 0; i < t.size(); ++i) {
+      bos += t[i] == 128000u;
+      eos += t[i] == 128001u;
+      eot += t[i] == 128009u;
+    }
+  }
+  EXPECT_EQ(bos, r.train_documents);
+  EXPECT_EQ(eos, r.train_documents);
+  EXPECT_EQ(eot, 0u);
+  std::ifstream mf(r.manifest);
+  const auto m = nlohmann::json::parse(mf);
+  EXPECT_EQ(m["tokenizer"], "tiktoken");
+  EXPECT_EQ(m["vocab"], 128256);
+  EXPECT_EQ(m["token_width"], 4);
+  EXPECT_EQ(m["bos"], 128000);
+  EXPECT_EQ(m["eos"], 128001);
+
+  // The same corpus on one thread gives the same bytes (output keeps document order).
+  loom::data::PrepareTextOptions o1 = o;
+  o1.out_dir = (d.path / "out1").string();
+  o1.threads = 1;
+  const auto r1 = loom::data::prepare_text(o1);
+  ASSERT_EQ(r1.train_shards.size(), r.train_shards.size());
+  for (std::size_t i = 0; i < r.train_shards.size(); ++i) {
+    std::ifstream a(r.train_shards[i], std::ios::binary), b(r1.train_shards[i], std::ios::binary);
+    EXPECT_TRUE(std::equal(std::istreambuf_iterator<char>(a), {}, std::istreambuf_iterator<char>(b))) << i;
+  }
+
+  // Training refuses a model whose vocab_size is smaller than the shards'.
+  loom::data::TokensOptions to;
+  to.train = {(d.path / "out" / "train_*.bin").string()};
+  loom::plugins::TokensData src(loom::PluginInit{}, to);
+  loom::DataSpec spec;
+  spec.batch = 1;
+  spec.seq_len = 16;
+  spec.vocab_size = 32000;
+  expect_error([&] { src.open(spec); }, {"vocabulary of 128256", "vocab_size = 32000", "model.vocab_size >= 128256"});
+  spec.vocab_size = 128256;
+  src.open(spec);
+  EXPECT_EQ(src.vocab_hint(), 128256);
+}
+
+TEST(PrepareWithTokenizer, SentencePieceKeepsTwoByteTokensAndInvalidUtf8CanBeReplaced) {
+  TmpDir d;
+  fs::create_directories(d.path / "in");
+  std::ofstream(d.path / "in" / "good.txt") << "Hello world\n%\nSecond document\n";
+  std::ofstream(d.path / "in" / "latin1.txt", std::ios::binary) << "caf\xe9 au lait\n";
+  loom::data::PrepareTextOptions o;
+  o.out_dir = (d.path / "skip").string();
+  o.inputs = {(d.path / "in").string()};
+  o.tokenizer = (kFiles / "mistral" / "tokenizer.model").string();
+  o.val_fraction = 0;
+  auto r = loom::data::prepare_text(o);
+  EXPECT_EQ(r.token_width, 2);
+  EXPECT_EQ(r.vocab, 32000u);
+  ASSERT_EQ(r.files_skipped.size(), 1u);  // skipped by default
+  EXPECT_EQ(r.documents, 2u);
+  o.out_dir = (d.path / "replace").string();
+  o.replace_invalid_utf8 = true;
+  r = loom::data::prepare_text(o);
+  EXPECT_EQ(r.files_skipped.size(), 0u);
+  EXPECT_EQ(r.documents, 3u);
+  // The repaired document is what the tokenizer gives for "caf\uFFFD au lait".
+  auto sp = load_tokenizer(o.tokenizer);
+  std::vector<uint32_t> want;
+  sp->encode_document("Hello world\n", want);
+  sp->encode_document("Second document\n", want);
+  sp->encode_document("caf\xEF\xBF\xBD au lait\n", want);
+  loom::TokenShard s(r.train_shards.at(0));
+  ASSERT_EQ(s.size(), want.size());
+  for (uint64_t i = 0; i < s.size(); ++i) EXPECT_EQ(s[i], want[i]) << i;
+}
+
+TEST(PrepareWithTokenizer, CommandLine) {
+  TmpDir d;
+  fs::create_directories(d.path / "in");
+  std::ofstream(d.path / "in" / "a.txt") << "One document.\n%\nAnother one, with ünïcode.\n";
+  const std::string out = (d.path / "cmd.txt").string();
+  auto run = [&](const std::string& args) {
+    const int rc = std::system(loom::cat(LOOM_CLI, " prepare text ", args, " > ", out, " 2>&1").c_str());
+    std::ifstream in(out);
+    return std::make_pair(rc, std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()));
+  };
+  auto [rc, text] = run(loom::cat((d.path / "o").string(), " ", (d.path / "in").string(), " --tokenizer ",
+                                  (kFiles / "mistral" / "tokenizer.model").string(), " --threads 2 --val-fraction 0"));
+  EXPECT_EQ(rc, 0) << text;
+  EXPECT_NE(text.find("tokenizer: sentencepiece, vocab 32000, bos 1, eos 2, 2-byte tokens"), std::string::npos) << text;
+  EXPECT_NE(text.find("MB/s"), std::string::npos) << text;
+  std::tie(rc, text) = run(loom::cat((d.path / "p").string(), " ", (d.path / "in").string(), " --tokenizer ",
+                                     (d.path / "missing.model").string()));
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(text.find("missing.model"), std::string::npos) << text;
+  std::tie(rc, text) = run(loom::cat((d.path / "q").string(), " ", (d.path / "in").string(), " --invalid-utf8 maybe"));
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(text.find("--invalid-utf8 'maybe' is not one of: skip, replace"), std::string::npos) << text;
+  std::tie(rc, text) = run(loom::cat((d.path / "r").string(), " ", (d.path / "in").string(), " --bos '<s>'"));
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(text.find("byte-level tokenizer's are fixed"), std::string::npos) << text;
+}
