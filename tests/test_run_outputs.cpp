@@ -4,10 +4,14 @@
 // bar only on a terminal that no launcher owns.
 #include <gtest/gtest.h>
 
+#include <poll.h>
 #include <pty.h>
+#include <sys/ioctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -52,10 +56,21 @@ std::string run_cmd(const std::string& cmd, int* rc = nullptr) {
 // Runs argv on a pseudo-terminal (as a person at a terminal, or mpirun's
 // forwarding, sees it) with `env` added; returns everything it printed.
 std::string on_pty(const std::vector<std::string>& argv, const std::vector<std::string>& env) {
-  int master = -1;
-  const pid_t pid = forkpty(&master, nullptr, nullptr, nullptr);
-  if (pid < 0) return "forkpty failed";
+  // The parent keeps its own descriptor of the terminal's slave side open, so
+  // the master never reports a hang-up while the child's last lines are still
+  // in the kernel's terminal buffers (under load, reading until EIO loses the
+  // tail of the output). It reads until the child has exited and the terminal
+  // has been quiet for a moment.
+  int master = -1, slave = -1;
+  if (openpty(&master, &slave, nullptr, nullptr, nullptr) != 0) return "openpty failed";
+  const pid_t pid = fork();
+  if (pid < 0) return "fork failed";
   if (pid == 0) {
+    close(master);
+    setsid();
+    ioctl(slave, TIOCSCTTY, 0);
+    for (int fd = 0; fd <= 2; ++fd) dup2(slave, fd);
+    if (slave > 2) close(slave);
     setenv("TERM", "xterm", 1);
     unsetenv("OMPI_COMM_WORLD_SIZE");
     unsetenv("PMI_RANK");
@@ -70,9 +85,26 @@ std::string on_pty(const std::vector<std::string>& argv, const std::vector<std::
   }
   std::string out;
   char buf[4096];
-  for (ssize_t n; (n = read(master, buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  bool exited = false;
   int status = 0;
-  waitpid(pid, &status, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  for (;;) {
+    pollfd p{master, POLLIN, 0};
+    const int ready = poll(&p, 1, exited ? 300 : 50);
+    if (ready > 0 && (p.revents & POLLIN)) {
+      const ssize_t n = read(master, buf, sizeof buf);
+      if (n > 0) { out.append(buf, static_cast<size_t>(n)); continue; }
+    }
+    if (exited) break;  // quiet for 300 ms after the child ended: everything is read
+    if (waitpid(pid, &status, WNOHANG) == pid) exited = true;
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      out += "\n[on_pty: the command did not end within 120 s]";
+      break;
+    }
+  }
+  close(slave);
   close(master);
   return out;
 }
@@ -175,7 +207,8 @@ TEST(Progress, MemoryInEveryLogLine) {
 TEST(Progress, BarOnlyOnATerminalNoLauncherOwns) {
   TmpDir d;
   const std::string cfg = (d.path / "c.toml").string();
-  std::ofstream(cfg) << config(d.path / "run", "", "log_every = 4\n");
+  // Three runs into one folder: each replaces the last on purpose.
+  std::ofstream(cfg) << config(d.path / "run", "overwrite = true\n", "log_every = 4\n");
   const std::vector<std::string> argv = {LOOM_CLI, "train", cfg};
   const std::string alone = on_pty(argv, {});
   EXPECT_NE(alone.find("\033[2K"), std::string::npos) << "a person at a terminal sees the bar:\n" << alone;
