@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Builds the CUDA configuration (sm_90a) into build-gpu/ and stages what a GPU
+# Builds the CUDA configuration (sm_90a) into build-gpu/ (or $BUILD_DIR: the
+# CI build folder build/ is the same configuration wherever nvcc is found, so
+# BUILD_DIR=build reuses it) and stages what a GPU
 # machine needs to run it into .carry/ (binaries, libloom, plugins, and the
 # OpenBLAS runtime the fp32 plugin links, which CUDA images often lack).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WITH_CUDA=ON "$@"
-cmake --build build-gpu -j "$(nproc)"
+B=${BUILD_DIR:-build-gpu}
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WITH_CUDA=ON "$@"
+cmake --build "$B" -j "$(nproc)"
 rm -rf .carry && mkdir -p .carry/bin .carry/lib
-cp -a build-gpu/bin/. .carry/bin/
-cp -a build-gpu/lib/. .carry/lib/
+cp -a "$B"/bin/. .carry/bin/
+cp -a "$B"/lib/. .carry/lib/
 for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do
   # awk reads all of ldconfig's output (no early exit: with pipefail a SIGPIPE would stop the script).
   src=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ && !found {print $NF; found = 1}')

@@ -518,6 +518,16 @@ TEST(TrainE2E, StepsBeyondTheLogRingAreAllReported) {
 // A strategy that splits work across ranks, started as a single process
 // (no mpirun / srun), refuses before touching anything and says how to launch.
 // (Multi-rank runs themselves are tested under mpirun in tests/mpi.)
+// A CUDA-only recipe asked for on the CPU is refused by the recipe itself when
+// it is created, before anything is allocated, naming the key and the choices.
+TEST(TrainE2E, CudaRecipeOnTheCpuIsRefusedByThePlugin) {
+  fs::path d = temp_dir("cuda_recipe_on_cpu");
+  for (const char* recipe : {"bf16", "bf16_pure"})
+    expect_session_error(parse(small_config(d / "run"), {loom::cat("precision.plugin=\"", recipe, "\"")}),
+                         {loom::cat("precision.plugin = \"", recipe, "\" runs on CUDA only"), "run.device = \"cpu\"",
+                          "precision.plugin = \"fp32\""});
+}
+
 TEST(TrainE2E, MultiRankStrategyStartedAloneIsRefused) {
   fs::path d = temp_dir("ranks");
   for (const char* plugin : {"ddp", "zero1", "zero2", "zero3", "full_shard", "hybrid_shard"})

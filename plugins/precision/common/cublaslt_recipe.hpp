@@ -13,8 +13,12 @@ class CublasLtRecipe : public Precision {
  public:
   // Refuses a non-CUDA device with a message naming the recipe and the CPU reference.
   CublasLtRecipe(const std::string& name, GemmDTypes dtypes, const PluginInit& init) : gemms_(name, dtypes) {
-    LOOM_CHECK(init.device == Device::cuda, "precision ", name, ": bf16 runs on CUDA; the CPU reference is "
-               "precision.plugin = \"fp32\" (this run asked for device ", device_name(init.device), ")");
+    // The CPU backend computes in fp32 only; the core leaves this decision to
+    // the recipe (it never matches plugin names), so the refusal is here.
+    if (init.device != Device::cuda)
+      throw Error(cat("precision.plugin = \"", name, "\" runs on CUDA only and this run has run.device = \"",
+                      device_name(init.device), "\": set run.device = \"cuda\", or precision.plugin = \"fp32\" ",
+                      "for the CPU reference"));
   }
   int register_linear(const LinearDesc& desc) override { return gemms_.register_linear(desc); }
   size_t workspace_bytes() const override { return CublasLtLinears::kWorkspaceBytes; }
