@@ -60,6 +60,15 @@ TEST(Profile, TraceOfTheWindowNestsAndAddsUpToTheSteps) {
   for (const auto& e : j["traceEvents"])
     if (e["ph"] == "X") steps.insert(e["args"]["step"].get<int64_t>());
   EXPECT_EQ(steps, (std::set<int64_t>{2, 3, 4}));
+  // Every op has its range, backward and optimizer included.
+  std::set<std::string> names;
+  for (const auto& e : j["traceEvents"])
+    if (e["ph"] == "X") names.insert(e["name"].get<std::string>());
+  for (const char* op : {"rmsnorm", "qkv", "rope", "attention", "o_proj+residual", "gate_up", "swiglu", "down+residual",
+                         "lm_head", "cross_entropy", "lm_head.grad", "down.grad", "swiglu.grad", "gate_up.grad",
+                         "rmsnorm.grad", "o_proj.grad", "attention.grad", "rope.grad", "qkv.grad", "grad_norm", "clip",
+                         "adamw"})
+    EXPECT_TRUE(names.count(op)) << "no '" << op << "' range in the trace";
   const std::string cmd = loom::cat("python3 ", LOOM_SOURCE_DIR, "/tests/trace/check_trace.py ", trace.string(), " ",
                                     (d.path / "p" / "metrics.jsonl").string(), " > ", (d.path / "check.txt").string(), " 2>&1");
   const int rc = std::system(cmd.c_str());
@@ -73,7 +82,7 @@ TEST(Profile, CheckerRejectsABrokenTrace) {
   // The checker itself must be able to fail: a child that outlives its step.
   TmpDir d;
   nlohmann::json ev = nlohmann::json::array();
-  for (int t = 1; t <= 3; ++t) ev.push_back({{"ph", "M"}, {"pid", 0}, {"tid", t}, {"name", "thread_name"}, {"args", {{"name", "x"}}}});
+  for (int t = 1; t <= 4; ++t) ev.push_back({{"ph", "M"}, {"pid", 0}, {"tid", t}, {"name", "thread_name"}, {"args", {{"name", "x"}}}});
   ev.push_back({{"name", "step"}, {"ph", "X"}, {"ts", 0}, {"dur", 1000}, {"pid", 0}, {"tid", 1}, {"args", {{"step", 1}}}});
   ev.push_back({{"name", "forward.layer.0"}, {"ph", "X"}, {"ts", 500}, {"dur", 800}, {"pid", 0}, {"tid", 1}, {"args", {{"step", 1}}}});
   nlohmann::json doc = {{"traceEvents", ev}, {"otherData", {{"loom_steps", {1, 1}}}}};
@@ -87,6 +96,7 @@ TEST(Profile, CheckerRejectsABrokenTrace) {
   EXPECT_NE(out.find("overlaps the end of step"), std::string::npos) << out;
   EXPECT_NE(out.find("step_ms = 5.000"), std::string::npos) << out;
   EXPECT_NE(out.find("no backward.layer.0"), std::string::npos) << out;
+  EXPECT_NE(out.find("no adamw range in steps [1]"), std::string::npos) << out;
 }
 
 TEST(Profile, TheWindowAddsOnlyItsTwoWaits) {

@@ -518,6 +518,48 @@ TEST(TrainE2E, StepsBeyondTheLogRingAreAllReported) {
 // A strategy that splits work across ranks, started as a single process
 // (no mpirun / srun), refuses before touching anything and says how to launch.
 // (Multi-rank runs themselves are tested under mpirun in tests/mpi.)
+// The train loop reads an ordinary log step one step later, leaving the newest
+// step (whose optimizer may still run beside the next forward) for the next
+// read: every step is still reported once, in order, with the same numbers as
+// reading everything at once, and a read that has a finished step to report
+// makes exactly one host synchronisation (none when there is none).
+TEST(TrainE2E, ReadingAllButTheNewestStepLosesNothing) {
+  fs::path d = temp_dir("log_lag");
+  const std::vector<std::string> ov = {"train.steps=9", "train.log_every=1", "train.validation_every=0"};
+  Session full(parse(small_config(d / "full"), ov));
+  full.initialise();
+  for (int i = 0; i < 9; ++i) full.train_step();
+  const auto want = full.read_step_logs();
+  ASSERT_EQ(want.size(), 9u);
+
+  Session lag(parse(small_config(d / "lag"), ov));
+  lag.initialise();
+  std::vector<loom::StepLog> got;
+  lag.train_step();
+  int64_t before = lag.host_syncs();
+  EXPECT_TRUE(lag.read_step_logs_but_newest().empty()) << "only the newest step is queued";
+  EXPECT_EQ(lag.host_syncs(), before);
+  for (int i = 2; i <= 9; ++i) {
+    lag.train_step();
+    if (i % 3 == 0) continue;  // some reads cover several steps
+    before = lag.host_syncs();
+    const auto logs = lag.read_step_logs_but_newest();
+    EXPECT_EQ(lag.host_syncs() - before, 1) << "step " << i;
+    ASSERT_FALSE(logs.empty());
+    EXPECT_EQ(logs.back().step, i - 1) << "the newest step stays for the next read";
+    got.insert(got.end(), logs.begin(), logs.end());
+  }
+  const auto rest = lag.read_step_logs();
+  got.insert(got.end(), rest.begin(), rest.end());
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].step, static_cast<int64_t>(i) + 1);
+    EXPECT_EQ(got[i].loss, want[i].loss) << "step " << i + 1;
+    EXPECT_EQ(got[i].grad_norm, want[i].grad_norm) << "step " << i + 1;
+    EXPECT_GT(got[i].step_ms, 0.0) << "step " << i + 1;
+  }
+}
+
 // A CUDA-only recipe asked for on the CPU is refused by the recipe itself when
 // it is created, before anything is allocated, naming the key and the choices.
 TEST(TrainE2E, CudaRecipeOnTheCpuIsRefusedByThePlugin) {

@@ -4,14 +4,15 @@
 
 usage: check_trace.py TRACE.json METRICS.jsonl [--tolerance-ms 0.5] [--tolerance 0.10]
 
-Checks, per track (compute, comm, host): every complete event ("X") either
+Checks, per track (compute, comm, host, optimizer): every complete event ("X") either
 nests inside the enclosing one or starts after it ends (no partial overlap).
 Compute track: the top-level events are one "step" per step of the window
 (and "validation" passes); every layer has its forward.layer.N and backward.layer.N inside each
 step; the direct children of a step add up to no more than the step; the
 step's duration agrees with metrics.jsonl's step_ms for that step (within
 max(tolerance-ms, tolerance * step_ms)). Host track: one "step" per step, with
-the data/forward/backward/optimizer phases inside. Counters: one memory sample
+the data/forward/backward/optimizer phases inside. Optimizer track: its ops
+follow one another, and every step runs AdamW (there or on compute). Counters: one memory sample
 per step boundary. Exits 1 naming every failed check.
 """
 import argparse
@@ -41,8 +42,8 @@ meta = doc.get("otherData", {})
 start, stop = meta["loom_steps"]
 window = list(range(start, stop + 1))
 tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
-if sorted(tracks) != [1, 2, 3]:
-    fail(f"expected 3 named tracks (compute, comm, host), found {tracks}")
+if sorted(tracks) != [1, 2, 3, 4]:
+    fail(f"expected 4 named tracks (compute, comm, host, optimizer), found {tracks}")
 xs = collections.defaultdict(list)
 for e in events:
     if e.get("ph") == "X":
@@ -123,6 +124,18 @@ if op_total:
 
 # Comm track: collectives must not overlap one another on their stream.
 nest(2)
+# Optimizer track (CUDA: AdamW on the second stream): its ops follow one
+# another. Every step of the window runs AdamW, on this track or on compute.
+nest(4)
+opt_total = collections.Counter()
+for e in xs[4]:
+    opt_total[e["name"]] += e["dur"]
+adamw_steps = {e["args"]["step"] for t in (1, 4) for e in xs[t] if e["name"] == "adamw"}
+missing_adamw = [s for s in window if s not in adamw_steps]
+if missing_adamw:
+    fail(f"no adamw range in steps {missing_adamw} (on the compute or the optimizer track)")
+if opt_total:
+    print("  optimizer stream in the window: " + ", ".join(f"{n} {t / 1000:.2f} ms" for n, t in opt_total.most_common()))
 # Host track.
 host = xs[3]
 hpar = nest(3)

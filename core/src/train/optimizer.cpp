@@ -4,12 +4,24 @@
 #include <cmath>
 
 #include "loom/error.hpp"
+#include "util/trace.hpp"
 
 namespace loom {
+namespace {
+
+// A tracer range for an optimizer op queued on `ctx`: on the optimizer track
+// when that is the backend's second queue, else on the compute track.
+trace::Scope op_range(const Backend& b, const ExecContext& ctx, const char* name) {
+  const bool side = ctx.stream != nullptr && ctx.stream == b.side_ctx().stream && ctx.stream != b.ctx().stream;
+  return trace::Scope(side ? trace::Track::optimizer : trace::Track::compute, name, ctx.stream);
+}
+
+}  // namespace
 
 void BackendOptimizerOps::norm_add(const ExecContext& ctx, const Tensor& grads, int64_t begin, int64_t end) {
   LOOM_CHECK(scalars_.data != nullptr, "OptimizerOps::norm_add before the core bound the step scalars");
   QueueScope q(backend_, ctx);
+  trace::Scope r = op_range(backend_, ctx, "grad_norm");
   Tensor acc = view(scalars_, kNormSq, {1});
   backend_.sum_into(acc, grads, begin, end, true);
 }
@@ -23,6 +35,7 @@ void BackendOptimizerOps::norm_finish(const ExecContext& ctx, Communicator* grou
     group->wait(ctx, group->all_reduce(ctx, acc, ReduceOp::sum));
   }
   QueueScope q(backend_, ctx);
+  trace::Scope r = op_range(backend_, ctx, "clip");
   backend_.clip_scale(scalars_, grad_scale_, clip_norm_);
 }
 
@@ -30,6 +43,7 @@ void BackendOptimizerOps::adamw(const ExecContext& ctx, UnitState& unit, const T
                                 const AdamWHyper& h, Tensor& params_out, int64_t params_out_begin,
                                 bool consume_grads) {
   QueueScope q(backend_, ctx);
+  trace::Scope r = op_range(backend_, ctx, "adamw");
   const int64_t lo = unit.layout.optim_begin, hi = lo + unit.layout.optim_numel;
   LOOM_CHECK(grads_owned.numel() >= unit.layout.optim_numel, "unit ", unit.info->name, ": owned gradient has ",
              grads_owned.numel(), " elements, the owned range ", unit.layout.optim_numel);

@@ -191,12 +191,13 @@ void Profiler::write_trace() {
     return static_cast<double>(m.host_ns) / 1000.0;
   };
   const bool cuda = be_.device() == Device::cuda;
-  const char* track_names[3] = {cuda ? "compute stream" : "compute (CPU)",
-                                cuda && world_ > 1 ? "comm stream (NCCL)" : "comm (MPI, host)", "host"};
-  const char* cats[3] = {"compute", "comm", "host"};
+  const char* track_names[trace::kTracks] = {cuda ? "compute stream" : "compute (CPU)",
+                                             cuda && world_ > 1 ? "comm stream (NCCL)" : "comm (MPI, host)", "host",
+                                             "optimizer stream"};
+  const char* cats[trace::kTracks] = {"compute", "comm", "host", "optimizer"};
   nlohmann::json events = nlohmann::json::array();
   events.push_back({{"ph", "M"}, {"pid", rank_}, {"name", "process_name"}, {"args", {{"name", cat("rank ", rank_)}}}});
-  for (int t = 0; t < 3; ++t) {
+  for (int t = 0; t < trace::kTracks; ++t) {
     events.push_back({{"ph", "M"}, {"pid", rank_}, {"tid", t + 1}, {"name", "thread_name"}, {"args", {{"name", track_names[t]}}}});
     events.push_back({{"ph", "M"}, {"pid", rank_}, {"tid", t + 1}, {"name", "thread_sort_index"}, {"args", {{"sort_index", t}}}});
   }

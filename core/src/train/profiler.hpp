@@ -78,7 +78,7 @@ class Profiler final : public trace::Sink {
   int64_t step_ = 0;
   std::chrono::steady_clock::time_point t0_;
   std::vector<Rec> recs_;
-  std::vector<size_t> stack_[3];  // open records per track
+  std::vector<size_t> stack_[trace::kTracks];  // open records per track
   std::vector<Counter> counters_;
   size_t host_step_rec_ = 0;
   // CUDA: the event ring and the window's reference event (opaque here so

@@ -96,6 +96,11 @@ void Session::train_step() {
   be.zero(scalars);
   Tensor begin = view(scalars, kTimeBegin, {1});
   be.timestamp(begin);
+  // The step's start also goes straight into its log row (the rest of the row
+  // is copied when the step closes, on the optimizer queue), so a read that
+  // leaves this step for later still has the end of the step before it.
+  Tensor ring_begin = view(state_->scalar_log(), pending_ * kStepScalars + kTimeBegin, {1});
+  be.copy(ring_begin, begin);
   rt_.sharding->begin_step(state_->env(), units());
   if (!rt_.sharding->zeroes_grads()) state_->zero_grads();  // else the last step's AdamW left them at zero
   Tensor loss_sum = view(scalars, kLossSum, {1});
@@ -132,6 +137,7 @@ void Session::train_step() {
     Tensor row = view(state_->scalar_log(), pending_ * kStepScalars, {kStepScalars});
     be.copy(row, scalars);
   }
+  closed_prev_ = closed_[parity ^ 1];
   closed_[parity] = be.mark(opt);
   ++pending_;
   ++step_;
@@ -158,28 +164,47 @@ std::vector<StepLog> Session::read_step_logs() {
   return out;
 }
 
-std::vector<StepLog> Session::read_ring() {
+std::vector<StepLog> Session::read_step_logs_but_newest() {
+  std::vector<StepLog> out = std::move(unread_);
+  unread_.clear();
+  std::vector<StepLog> now = read_ring(true);
+  out.insert(out.end(), now.begin(), now.end());
+  return out;
+}
+
+// keep_newest: read the steps before the newest one. The newest step's row is
+// written when its optimizer finishes; the rows before it were closed by the
+// previous step's optimizer, long done, so the compute queue waits only for
+// that (closed_prev_), not for the optimizer still running beside it. The one
+// download waits for the compute queue, which has just queued the newest
+// step's forward and backward; the host then queues the next step at once.
+std::vector<StepLog> Session::read_ring(bool keep_newest) {
   std::vector<StepLog> out;
-  if (pending_ == 0) return out;
+  const int64_t n = keep_newest ? pending_ - 1 : pending_;  // rows reported
+  if (n <= 0) return out;
+  LOOM_CHECK(!keep_newest || closed_prev_ != kNoMarker, "step log: ", pending_, " steps pending but no previous step closed");
   const auto& t = cfg_.train;
   Backend& be = *rt_.backend;
   std::vector<double> rows(static_cast<size_t>(pending_ * kStepScalars));
-  be.wait(be.ctx(), be.mark(be.side_ctx()));  // the ring's last rows are written on the optimizer queue
+  if (keep_newest) be.wait(be.ctx(), closed_prev_);   // rows [0, n) are complete there
+  else be.wait(be.ctx(), be.mark(be.side_ctx()));     // the ring's last rows are written on the optimizer queue
+  // Every pending row, the newest included: rows [0, n) whole, and the newest
+  // row's start (written on the compute queue) ends step n - 1's period.
   be.download(rows.data(), state_->scalar_log(), rows.size() * sizeof(double));  // the one wait
   stager_->device_caught_up();
   // Losses averaged over ranks in one collective (every rank reads the same steps).
-  std::vector<double> losses(static_cast<size_t>(pending_));
+  std::vector<double> losses(static_cast<size_t>(n));
   const double tokens_per_rank = static_cast<double>(model_->env().N * t.grad_accum);
-  for (int64_t i = 0; i < pending_; ++i) losses[static_cast<size_t>(i)] = rows[static_cast<size_t>(i * kStepScalars + kLossSum)] / tokens_per_rank;
+  for (int64_t i = 0; i < n; ++i) losses[static_cast<size_t>(i)] = rows[static_cast<size_t>(i * kStepScalars + kLossSum)] / tokens_per_rank;
   if (rt_.host->size() > 1) {
-    Tensor lt(losses.data(), DType::f64, Device::cpu, {pending_});
+    Tensor lt(losses.data(), DType::f64, Device::cpu, {n});
     rt_.host->all_reduce(ExecContext{}, lt, ReduceOp::avg);
   }
   const double tokens_per_step = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum * world());
   const double samples_per_step = static_cast<double>(t.micro_batch * t.grad_accum * world());
   const bool gpu = be.device() == Device::cuda;
   const size_t mem = gpu ? be.device_memory_used() : peak_resident_bytes();
-  for (int64_t i = 0; i < pending_; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const double* r = rows.data() + i * kStepScalars;
     StepLog s;
     s.step = step_ - pending_ + i + 1;
@@ -201,7 +226,18 @@ std::vector<StepLog> Session::read_ring() {
     s.peak_mem_bytes = mem;
     out.push_back(s);
   }
-  pending_ = 0;
+  if (keep_newest) {
+    // The newest step's row moves to the front of the ring, on the optimizer
+    // queue after the step's own close has written it.
+    const ExecContext& opt = be.side_ctx();
+    QueueScope on(be, opt);
+    Tensor front = view(state_->scalar_log(), 0, {kStepScalars});
+    Tensor newest = view(state_->scalar_log(), n * kStepScalars, {kStepScalars});
+    be.copy(front, newest);
+    pending_ = 1;
+  } else {
+    pending_ = 0;
+  }
   return out;
 }
 
@@ -362,27 +398,12 @@ RunSummary Session::train(int64_t stop_at) {
 
   const int64_t last = stop_at > 0 ? std::min(stop_at, t.steps) : t.steps;
   RunHealth health(t);
-  int stop = agreed_stop_signal();  // a signal during start-up (`loom train` listens from its start): nothing new to save
-  while (step_ < last && stop == 0) {
-    profiler_->before_step(step_ + 1);
-    train_step();
-    profiler_->after_step(step_);
-    stop = agreed_stop_signal();
-    const bool validate = t.validation_every > 0 && (step_ % t.validation_every == 0 || step_ == t.steps) && !stop;
-    const bool checkpoint =
-        stop || (cfg_.checkpoint.every > 0 && (step_ % cfg_.checkpoint.every == 0 || step_ == last));
-    const bool log_step = step_ % t.log_every == 0 || step_ == last || validate || checkpoint;
-    if (!log_step) continue;  // the device runs on; nothing here waits for it
-
-    std::vector<StepLog> logs = read_step_logs();
+  // Steps read back: checked, written to metrics and TensorBoard, logged.
+  auto report = [&](std::vector<StepLog>& logs) {
+    if (logs.empty()) return;
     // An update large enough to overflow AdamW's second moment: look at the state (rare; see run_health.hpp).
     if (const double applied = health.max_applied_norm(logs); applied > kOverflowRiskNorm)
       check_optimizer_state(*state_, rt_, step_, applied, t.grad_clip);
-    if (validate) {
-      logs.back().has_val = true;
-      logs.back().val_loss = evaluate();
-      sum.val_losses.emplace_back(step_, logs.back().val_loss);
-    }
     bar.clear();
     for (const StepLog& s : logs) {
       metrics.write(s);
@@ -395,7 +416,41 @@ RunSummary Session::train(int64_t stop_at) {
     if (s.step % t.log_every == 0 || s.step == t.steps || s.has_val) log_info(log_line(s, t.steps));
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     const double per_step = elapsed / static_cast<double>(step_ - sum.first_step);
-    bar.draw(step_, s.loss, per_step * static_cast<double>(t.steps - step_));
+    bar.draw(s.step, s.loss, per_step * static_cast<double>(t.steps - step_));
+  };
+  int stop = agreed_stop_signal();  // a signal during start-up (`loom train` listens from its start): nothing new to save
+  while (step_ < last && stop == 0) {
+    profiler_->before_step(step_ + 1);
+    train_step();
+    profiler_->after_step(step_);
+    stop = agreed_stop_signal();
+    const bool validate = t.validation_every > 0 && (step_ % t.validation_every == 0 || step_ == t.steps) && !stop;
+    const bool checkpoint =
+        stop || (cfg_.checkpoint.every > 0 && (step_ % cfg_.checkpoint.every == 0 || step_ == last));
+    // An ordinary log step is read and reported after the next step is
+    // queued (read_step_logs_but_newest): the device never idles waiting for
+    // an optimizer step to end so that the host can read it. Validation,
+    // checkpoints, the last step and the end of a profiling window (whose
+    // steps' times the trace is checked against) read everything now.
+    const bool window_end = cfg_.profile.enabled() && step_ == cfg_.profile.stop;
+    const bool forced = step_ == last || validate || checkpoint || window_end;
+    if (!forced) {
+      if (log_due_) {
+        std::vector<StepLog> logs = read_step_logs_but_newest();
+        report(logs);
+        log_due_ = false;
+      }
+      if (step_ % t.log_every == 0) log_due_ = true;
+      continue;  // the device runs on; nothing here waits for it
+    }
+    log_due_ = false;
+    std::vector<StepLog> logs = read_step_logs();
+    if (validate) {
+      logs.back().has_val = true;
+      logs.back().val_loss = evaluate();
+      sum.val_losses.emplace_back(step_, logs.back().val_loss);
+    }
+    report(logs);
     if (checkpoint) {
       bar.clear();
       save_checkpoint(step_);

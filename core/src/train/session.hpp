@@ -94,6 +94,12 @@ class Session {
   // A driver that queues more steps than the ring holds (TrainState::
   // scalar_log_rows; the train loop never does) makes train_step read early.
   std::vector<StepLog> read_step_logs();
+  // The same for every queued step but the newest, which stays for the next
+  // read: the device need not finish the newest step's optimizer (AdamW on
+  // its own queue, overlapping the next forward) before the host reads, so a
+  // log step costs the compute queue no idle time. One host synchronisation
+  // when there is a finished step to read, none otherwise.
+  std::vector<StepLog> read_step_logs_but_newest();
 
   size_t arena_bytes() const { return state_->arena_bytes(); }
   const ArenaPlan& memory_plan() const { return state_->plan(); }
@@ -138,7 +144,7 @@ class Session {
 
  private:
   void queue_optimizer_step(int64_t step_index);
-  std::vector<StepLog> read_ring();
+  std::vector<StepLog> read_ring(bool keep_newest = false);
   void next_batch(Split split);
   double mean_over_ranks(double v) { return all_reduce_scalar(*rt_.host, v, ReduceOp::avg); }
   // The stop signal any rank received (0: none); the same on every rank.
@@ -157,6 +163,8 @@ class Session {
   std::vector<StepLog> unread_;  // read early because the ring was full, not yet handed out
   static constexpr uint64_t kNoMarker = ~uint64_t{0};
   uint64_t closed_[2] = {kNoMarker, kNoMarker};  // per scalar set: the marker after its step's last use
+  uint64_t closed_prev_ = kNoMarker;  // the previous step's closing marker (its log row written)
+  bool log_due_ = false;    // an ordinary log step waits to be read after the next step is queued
   bool last_micro_ = true;  // the current micro-batch is the step's last (sharding may communicate)
   bool initialised_ = false;
   bool resumed_ = false;    // initialise() loaded a checkpoint

@@ -110,7 +110,9 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   precision_ws_ = plan_.add("precision.workspace", MemCategory::workspace, precision_ws_bytes_);
   // One row per step between two reads of the step log: log_every in
   // training, at least 16 for drivers that read less often (loom bench).
-  scalar_log_rows_ = std::max<int64_t>(cfg_.train.log_every, 16);
+  // A log step is read one step later (Session::read_step_logs_but_newest),
+  // so up to log_every + 1 steps are unread at once.
+  scalar_log_rows_ = std::max<int64_t>(cfg_.train.log_every + 1, 16);
   scalars_blk_ = plan_.add("step.scalars", MemCategory::other, 2 * kStepScalars * sizeof(double));
   scalar_log_blk_ =
       plan_.add("step.log", MemCategory::other, static_cast<size_t>(scalar_log_rows_) * kStepScalars * sizeof(double));

@@ -9,8 +9,12 @@
 namespace loom::trace {
 
 // The tracks of a rank's trace: the compute stream, the communicator's stream
-// (host thread for MPI), and the host's phases of the step.
-enum class Track : int { compute = 0, comm = 1, host = 2 };
+// (host thread for MPI), the host's phases of the step, and the optimizer's
+// queue (CUDA: the second stream beside compute, where AdamW overlaps the
+// next step's forward; on the CPU it is the compute queue and its ops land
+// on the compute track).
+enum class Track : int { compute = 0, comm = 1, host = 2, optimizer = 3 };
+inline constexpr int kTracks = 4;
 
 class Sink {
  public:

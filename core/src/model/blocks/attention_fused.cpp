@@ -83,22 +83,40 @@ class FusedAttention final : public AttentionBlock {
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, qd = spec_.q_dim();
     const int64_t H = spec_.num_heads, Hkv = spec_.num_kv_heads;
-    if (env_.recompute == Recompute::attention) attention_forward();
+    if (env_.recompute == Recompute::attention) {
+      Range r(be, "attention.recompute");
+      attention_forward();
+    }
     Tensor d_att = act(d_att_, {N, qd});
-    Tensor dWo = param(u, kWo, true);
-    env_.precision->linear_backward(ctx, wo_, act(att_, {N, qd}), param(u, kWo), d, &d_att, dWo, true);
-    Tensor dq = heads_view(d_qkv_, 0, H), dk = heads_view(d_qkv_, H, Hkv), dv = heads_view(d_qkv_, H + Hkv, Hkv);
-    env_.attention->backward(ctx, env_.attention_shape(), heads_view(qkv_, 0, H), heads_view(qkv_, H, Hkv),
-                             heads_view(qkv_, H + Hkv, Hkv), packed_heads(att_, H), packed_heads(d_att_, H),
-                             f32(stats_, {env_.B, H, env_.S}), dq, dk, dv, buf(ws_));
-    Tensor dqk = heads_view(d_qkv_, 0, H + Hkv);
-    be.rope_backward(dqk, spec_.rope_theta);
+    {
+      Range r(be, "o_proj.grad");
+      Tensor dWo = param(u, kWo, true);
+      env_.precision->linear_backward(ctx, wo_, act(att_, {N, qd}), param(u, kWo), d, &d_att, dWo, true);
+    }
+    {
+      Range r(be, "attention.grad");
+      Tensor dq = heads_view(d_qkv_, 0, H), dk = heads_view(d_qkv_, H, Hkv), dv = heads_view(d_qkv_, H + Hkv, Hkv);
+      env_.attention->backward(ctx, env_.attention_shape(), heads_view(qkv_, 0, H), heads_view(qkv_, H, Hkv),
+                               heads_view(qkv_, H + Hkv, Hkv), packed_heads(att_, H), packed_heads(d_att_, H),
+                               f32(stats_, {env_.B, H, env_.S}), dq, dk, dv, buf(ws_));
+    }
+    {
+      Range r(be, "rope.grad");
+      Tensor dqk = heads_view(d_qkv_, 0, H + Hkv);
+      be.rope_backward(dqk, spec_.rope_theta);
+    }
     Tensor d_ln = act(d_ln_, {N, h});
-    Tensor dWqkv = param_rows(u, kWq, 3, true);
-    env_.precision->linear_backward(ctx, wqkv_, act(ln1_, {N, h}), param_rows(u, kWq, 3), act(d_qkv_, {N, width()}),
-                                    &d_ln, dWqkv, true);
-    Tensor dln1 = param(u, kLn1, true);
-    be.rmsnorm_backward(d, dln1, d_ln, x, param(u, kLn1), f32(rstd1_, {N}));
+    {
+      Range r(be, "qkv.grad");
+      Tensor dWqkv = param_rows(u, kWq, 3, true);
+      env_.precision->linear_backward(ctx, wqkv_, act(ln1_, {N, h}), param_rows(u, kWq, 3),
+                                      act(d_qkv_, {N, width()}), &d_ln, dWqkv, true);
+    }
+    {
+      Range r(be, "rmsnorm.grad");
+      Tensor dln1 = param(u, kLn1, true);
+      be.rmsnorm_backward(d, dln1, d_ln, x, param(u, kLn1), f32(rstd1_, {N}));
+    }
   }
 
  private:

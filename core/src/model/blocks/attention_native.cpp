@@ -89,24 +89,42 @@ class NativeAttention final : public AttentionBlock {
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, qd = spec_.q_dim(), kvd = spec_.kv_dim();
     const int64_t H = spec_.num_heads, Hkv = spec_.num_kv_heads;
-    if (env_.recompute == Recompute::attention) attention_forward();
+    if (env_.recompute == Recompute::attention) {
+      Range r(be, "attention.recompute");
+      attention_forward();
+    }
     Tensor d_att = act(d_att_, {N, qd});
-    Tensor dWo = param(u, kWo, true);
-    env_.precision->linear_backward(ctx, wo_, act(att_, {N, qd}), param(u, kWo), d, &d_att, dWo, true);
+    {
+      Range r(be, "o_proj.grad");
+      Tensor dWo = param(u, kWo, true);
+      env_.precision->linear_backward(ctx, wo_, act(att_, {N, qd}), param(u, kWo), d, &d_att, dWo, true);
+    }
     Tensor dq = heads(d_q_, H), dk = heads(d_k_, Hkv), dv = heads(d_v_, Hkv);
-    env_.attention->backward(ctx, env_.attention_shape(), heads(q_, H), heads(k_, Hkv), heads(v_, Hkv), heads(att_, H),
-                             heads(d_att_, H), f32(stats_, {env_.B, H, env_.S}), dq, dk, dv, buf(ws_));
-    be.rope_backward(dq, spec_.rope_theta);
-    be.rope_backward(dk, spec_.rope_theta);
+    {
+      Range r(be, "attention.grad");
+      env_.attention->backward(ctx, env_.attention_shape(), heads(q_, H), heads(k_, Hkv), heads(v_, Hkv),
+                               heads(att_, H), heads(d_att_, H), f32(stats_, {env_.B, H, env_.S}), dq, dk, dv, buf(ws_));
+    }
+    {
+      Range r(be, "rope.grad");
+      be.rope_backward(dq, spec_.rope_theta);
+      be.rope_backward(dk, spec_.rope_theta);
+    }
     Tensor ln1 = act(ln1_, {N, h}), d_ln = act(d_ln_, {N, h}), d_tmp = act(d_tmp_, {N, h});
-    Tensor dWq = param(u, kWq, true), dWk = param(u, kWk, true), dWv = param(u, kWv, true);
-    env_.precision->linear_backward(ctx, wq_, ln1, param(u, kWq), act(d_q_, {N, qd}), &d_ln, dWq, true);
-    env_.precision->linear_backward(ctx, wk_, ln1, param(u, kWk), act(d_k_, {N, kvd}), &d_tmp, dWk, true);
-    be.accumulate(d_ln, d_tmp);
-    env_.precision->linear_backward(ctx, wv_, ln1, param(u, kWv), act(d_v_, {N, kvd}), &d_tmp, dWv, true);
-    be.accumulate(d_ln, d_tmp);
-    Tensor dln1 = param(u, kLn1, true);
-    be.rmsnorm_backward(d, dln1, d_ln, x, param(u, kLn1), f32(rstd1_, {N}));
+    {
+      Range r(be, "qkv.grad");
+      Tensor dWq = param(u, kWq, true), dWk = param(u, kWk, true), dWv = param(u, kWv, true);
+      env_.precision->linear_backward(ctx, wq_, ln1, param(u, kWq), act(d_q_, {N, qd}), &d_ln, dWq, true);
+      env_.precision->linear_backward(ctx, wk_, ln1, param(u, kWk), act(d_k_, {N, kvd}), &d_tmp, dWk, true);
+      be.accumulate(d_ln, d_tmp);
+      env_.precision->linear_backward(ctx, wv_, ln1, param(u, kWv), act(d_v_, {N, kvd}), &d_tmp, dWv, true);
+      be.accumulate(d_ln, d_tmp);
+    }
+    {
+      Range r(be, "rmsnorm.grad");
+      Tensor dln1 = param(u, kLn1, true);
+      be.rmsnorm_backward(d, dln1, d_ln, x, param(u, kLn1), f32(rstd1_, {N}));
+    }
   }
 
  private:

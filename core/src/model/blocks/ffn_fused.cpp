@@ -67,16 +67,28 @@ class FusedFfn final : public FfnBlock {
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
     Tensor d_swi = act(d_swi_, {N, f});
-    Tensor dWd = param(u, kWdown, true);
-    env_.precision->linear_backward(ctx, wd_, act(swi_, {N, f}), param(u, kWdown), d, &d_swi, dWd, true);
-    Tensor dg = half(d_gu_, 0), du = half(d_gu_, 1);
-    be.swiglu_backward(dg, du, d_swi, half(gu_, 0), half(gu_, 1));
+    {
+      Range r(be, "down.grad");
+      Tensor dWd = param(u, kWdown, true);
+      env_.precision->linear_backward(ctx, wd_, act(swi_, {N, f}), param(u, kWdown), d, &d_swi, dWd, true);
+    }
+    {
+      Range r(be, "swiglu.grad");
+      Tensor dg = half(d_gu_, 0), du = half(d_gu_, 1);
+      be.swiglu_backward(dg, du, d_swi, half(gu_, 0), half(gu_, 1));
+    }
     Tensor d_ln = act(d_ln_, {N, h});
-    Tensor dWgu = param_rows(u, kWgate, 2, true);
-    env_.precision->linear_backward(ctx, wgu_, act(ln2_, {N, h}), param_rows(u, kWgate, 2), act(d_gu_, {N, 2 * f}),
-                                    &d_ln, dWgu, true);
-    Tensor dln2 = param(u, kLn2, true);
-    be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn2), f32(rstd2_, {N}));
+    {
+      Range r(be, "gate_up.grad");
+      Tensor dWgu = param_rows(u, kWgate, 2, true);
+      env_.precision->linear_backward(ctx, wgu_, act(ln2_, {N, h}), param_rows(u, kWgate, 2),
+                                      act(d_gu_, {N, 2 * f}), &d_ln, dWgu, true);
+    }
+    {
+      Range r(be, "rmsnorm.grad");
+      Tensor dln2 = param(u, kLn2, true);
+      be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn2), f32(rstd2_, {N}));
+    }
   }
 
  private:

@@ -66,16 +66,28 @@ class NativeFfn final : public FfnBlock {
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
     Tensor d_swi = act(d_swi_, {N, f}), d_gate = act(d_gate_, {N, f}), d_up = act(d_up_, {N, f});
-    Tensor dWd = param(u, kWdown, true);
-    env_.precision->linear_backward(ctx, wd_, act(swi_, {N, f}), param(u, kWdown), d, &d_swi, dWd, true);
-    be.swiglu_backward(d_gate, d_up, d_swi, act(gate_, {N, f}), act(up_, {N, f}));
+    {
+      Range r(be, "down.grad");
+      Tensor dWd = param(u, kWdown, true);
+      env_.precision->linear_backward(ctx, wd_, act(swi_, {N, f}), param(u, kWdown), d, &d_swi, dWd, true);
+    }
+    {
+      Range r(be, "swiglu.grad");
+      be.swiglu_backward(d_gate, d_up, d_swi, act(gate_, {N, f}), act(up_, {N, f}));
+    }
     Tensor ln2 = act(ln2_, {N, h}), d_ln = act(d_ln_, {N, h}), d_tmp = act(tmp_, {N, h});
-    Tensor dWg = param(u, kWgate, true), dWu = param(u, kWup, true);
-    env_.precision->linear_backward(ctx, wg_, ln2, param(u, kWgate), d_gate, &d_ln, dWg, true);
-    env_.precision->linear_backward(ctx, wu_, ln2, param(u, kWup), d_up, &d_tmp, dWu, true);
-    be.accumulate(d_ln, d_tmp);
-    Tensor dln2 = param(u, kLn2, true);
-    be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn2), f32(rstd2_, {N}));
+    {
+      Range r(be, "gate_up.grad");
+      Tensor dWg = param(u, kWgate, true), dWu = param(u, kWup, true);
+      env_.precision->linear_backward(ctx, wg_, ln2, param(u, kWgate), d_gate, &d_ln, dWg, true);
+      env_.precision->linear_backward(ctx, wu_, ln2, param(u, kWup), d_up, &d_tmp, dWu, true);
+      be.accumulate(d_ln, d_tmp);
+    }
+    {
+      Range r(be, "rmsnorm.grad");
+      Tensor dln2 = param(u, kLn2, true);
+      be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn2), f32(rstd2_, {N}));
+    }
   }
 
  private:

@@ -90,14 +90,22 @@ void HeadBlock::backward(std::vector<UnitState>& units, int self, const Tensor& 
   for (int64_t first = 0; first < N; first += C) {
     const int64_t rows = std::min(C, N - first);
     Range r(be, "head.chunk");
-    Tensor logits = chunk_logits(units, self, first, rows);
-    Tensor tg = view(targets, first, {rows});
-    Tensor ls = view(all_losses, first, {rows});
-    be.cross_entropy(logits, tg, ls, dloss_scale);  // logits now hold their gradient
+    Tensor logits = [&] {
+      Range g(be, "lm_head");
+      return chunk_logits(units, self, first, rows);
+    }();
+    {
+      Range ce(be, "cross_entropy");
+      Tensor tg = view(targets, first, {rows});
+      Tensor ls = view(all_losses, first, {rows});
+      be.cross_entropy(logits, tg, ls, dloss_scale);  // logits now hold their gradient
+    }
+    Range g(be, "lm_head.grad");
     Tensor lnf = view(lnf_all, first * h, {rows, h});
     Tensor d_ln = view(d_ln_all, first * h, {rows, h});
     env_.precision->linear_backward(ctx, lm_head_, lnf, w, logits, &d_ln, dw, true);
   }
+  Range r(be, "rmsnorm.grad");
   be.zero(d);
   UnitState& u = units[static_cast<size_t>(self)];
   Tensor dnorm = param(u, kNorm, true);
