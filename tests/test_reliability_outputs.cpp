@@ -221,3 +221,35 @@ TEST(ReliabilityOutputs, ResumeKeepsMetricsConsistentWithTheCheckpoint) {
   }
   EXPECT_EQ(expect, until + 1);
 }
+
+// The files a run creates in its folders (the lock, the write probe, a file's
+// temporary twin before its rename) are its own: a symbolic or hard link
+// planted under one of those names — in a shared folder, by mistake or not —
+// never lets the run truncate or overwrite the file it leads to. The run
+// either replaces the link with a file of its own or refuses, naming it.
+TEST(ReliabilityOutputs, FilesARunCreatesNeverWriteThroughAPlantedLink) {
+  const fs::path dir = fresh_dir("outputs_links");
+  const fs::path out = dir / "out", precious = dir / "precious.txt";
+  const fs::path cfg = write_config(dir, out, 2);
+  const std::string ck = (out / "checkpoints").string();
+  for (const std::string name : {"out/.loom.write_test", "out/.loom.lock", "out/config.toml.tmp",
+                                 "out/checkpoints/.loom.lock", "out/checkpoints/.loom.write_test",
+                                 "out/checkpoints/.loom.write_test.rank_0"}) {
+    for (const bool hard : {false, true}) {
+      SCOPED_TRACE(name + (hard ? " as a hard link" : " as a symbolic link"));
+      fs::remove_all(out);
+      fs::create_directories(out / "checkpoints");
+      std::ofstream(precious) << "precious";
+      if (hard) fs::create_hard_link(precious, dir / name);
+      else fs::create_symlink(precious, dir / name);
+      const ProcResult r = run_train(cfg, "--set checkpoint.every=2");
+      EXPECT_EQ(read_text(precious), "precious") << r.out;
+      if (r.code != 0) {
+        EXPECT_EQ(r.code, 1) << r.out;
+        EXPECT_CONTAINS(r.out, (dir / name).string());
+        EXPECT_FALSE(has(r.out, "internal error")) << r.out;
+      }
+      fs::remove(dir / name);
+    }
+  }
+}

@@ -15,6 +15,7 @@
 
 #include "checkpoint/file_util.hpp"
 #include "loom/error.hpp"
+#include "util/files.hpp"
 
 namespace fs = std::filesystem;
 
@@ -364,8 +365,8 @@ CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(d
                     num_ranks_, " shard(s))", kUnusable));
 
   auto bad = [&](const std::string& what) { return Error(cat(file_, ": ", what, kUnusable)); };
-  Fd fd{::open(file_.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (fd.fd < 0) throw Error(cat("cannot open ", file_, ": ", std::strerror(errno)));
+  // A regular file only: open() of a FIFO in its place would block for ever.
+  Fd fd{open_regular_file(file_, "checkpoint shard")};
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0) throw Error(cat("cannot stat ", file_, ": ", std::strerror(errno)));
   file_size_ = static_cast<uint64_t>(st.st_size);
@@ -468,8 +469,7 @@ void CheckpointReader::read(const std::string& name, Tensor& dst) const {
     throw Error(cat(file_, ": tensor '", name, "': read into a host tensor, then copy it to the device"));
   if (!dst.is_contiguous() || (r.bytes > 0 && dst.data == nullptr))
     throw Error(cat(file_, ": tensor '", name, "': the destination must be a contiguous tensor with memory"));
-  Fd fd{::open(file_.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (fd.fd < 0) throw Error(cat("cannot open ", file_, ": ", std::strerror(errno)));
+  Fd fd{open_regular_file(file_, "checkpoint shard")};  // replaced since the header was read: still no FIFO
   if (!pread_all(fd.fd, dst.data, r.bytes, data_start_ + r.offset))
     throw Error(cat(file_, ": tensor '", name, "' could not be read (", std::strerror(errno), " or truncated file)", kUnusable));
   if (crc32(dst.data, r.bytes) != r.crc32)
