@@ -322,11 +322,18 @@ std::vector<std::string> prune(const std::string& root, int keep_last) {
 CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(dir)) {
   const fs::path d(dir_);
   file_ = (d / rank_file_name(rank)).string();
-  if (!fs::is_directory(d)) throw Error(cat("checkpoint directory ", dir_, " does not exist"));
-  if (!fs::exists(d / kComplete))
+  if (!fs::is_directory(d))
+    throw Error(cat("checkpoint directory ", dir_, fs::exists(d) ? " is not a folder" : " does not exist"));
+  if (!fs::exists(d / kComplete)) {
+    // The folder above, also for "step_00000009/" (whose parent_path is itself).
+    fs::path root = d.lexically_normal();
+    if (root.filename().empty()) root = root.parent_path();
+    root = root.parent_path();
+    if (root.empty()) root = ".";
     throw Error(cat("checkpoint ", dir_, " is incomplete (no ", kComplete,
                     " marker: its save was interrupted) and cannot be used; complete checkpoints in ",
-                    d.parent_path().string(), ": ", complete_steps(d.parent_path().string())));
+                    root.string(), ": ", complete_steps(root.string())));
+  }
   meta_ = read_file((d / kMeta).string(), "checkpoint metadata");
   {
     // COMPLETE records the step and meta.json's size and CRC (checkpoints of
