@@ -253,3 +253,29 @@ TEST(ReliabilityOutputs, FilesARunCreatesNeverWriteThroughAPlantedLink) {
     }
   }
 }
+
+// run.out_dir or checkpoint.dir inside a checkpoint (this run's or another's,
+// existing or to be created there): refused before any work, naming the key and
+// the checkpoint; the checkpoint stays as it was.
+TEST(ReliabilityOutputs, OutputFoldersInsideACheckpointAreRefused) {
+  const fs::path dir = fresh_dir("outputs_inside_ckpt");
+  const fs::path cfg = write_config(dir, dir / "a", 4);
+  ASSERT_EQ(run_train(cfg, "--set checkpoint.every=2").code, 0);
+  const fs::path step = dir / "a" / "checkpoints" / "step_00000002";
+  const auto before = read_text(step / "rank_00000.bin");
+  for (const auto& [key, path] : std::vector<std::pair<std::string, fs::path>>{
+           {"checkpoint.dir", step}, {"checkpoint.dir", step / "more"}, {"run.out_dir", step / "b"}}) {
+    SCOPED_TRACE(key + " = " + path.string());
+    const std::string other = key == "run.out_dir" ? "" : "--set 'run.out_dir=\"" + (dir / "c").string() + "\"'";
+    const ProcResult r = run_train(cfg, "--set '" + key + "=\"" + path.string() + "\"' " + other);
+    expect_path_error(r, key, path.string(), "'" + step.string() + "' is a checkpoint");
+    EXPECT_CONTAINS(r.out, "checkpoint.dir = \"" + (dir / "a" / "checkpoints").string() + "\"");
+    EXPECT_FALSE(fs::exists(path / "metrics.jsonl"));
+    EXPECT_FALSE(fs::exists(step / "more"));
+    EXPECT_FALSE(fs::exists(step / "b"));
+  }
+  EXPECT_EQ(read_text(step / "rank_00000.bin"), before);
+  // A folder merely named like one, without a checkpoint's files, is an ordinary folder.
+  fs::create_directories(dir / "step_7");
+  EXPECT_EQ(run_train(cfg, "--set 'run.out_dir=\"" + (dir / "step_7" / "run").string() + "\"'").code, 0);
+}

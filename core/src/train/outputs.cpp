@@ -91,6 +91,20 @@ void check_one_path(const std::string& key, const std::string& path) {
   if (const std::string why = unwritable_reason(last_existing); !why.empty())
     throw Error(cat(q, where_relative(path), ": cannot write in '", last_existing.string(), "': ", why,
                     ". Choose a writable ", key));
+  // Not inside a checkpoint (a step folder, of this run or another): writing
+  // there changes a complete checkpoint, and pruning it (checkpoint.keep_last)
+  // would delete this run's files with it.
+  for (fs::path p = last_existing;; p = p.parent_path()) {
+    std::error_code ec;
+    const bool complete = fs::exists(p / "COMPLETE", ec);
+    if (p.filename().string().rfind("step_", 0) == 0 && (complete || fs::exists(p / "meta.json", ec)))
+      throw Error(cat(q, where_relative(path), ": '", p.string(), "' is a checkpoint (it holds ",
+                      complete ? "COMPLETE" : "meta.json",
+                      "); a run's files do not belong inside one (pruning old checkpoints would delete them). To "
+                      "resume from it, set checkpoint.dir = \"", p.parent_path().string(),
+                      "\" (the folder above it); otherwise choose another ", key));
+    if (p == p.parent_path() || p.empty()) break;
+  }
 }
 
 // Non-empty metrics.jsonl: the results of a run that did at least one step.
