@@ -208,3 +208,18 @@ TEST(ReliabilityMessages, HfInitThatIsNoFolderSaysWhatItIs) {
     expect_error([&] { loom::Session s(std::move(cfg)); }, {"model.init = \"hf:" + path + "\"", path + says});
   }
 }
+
+// A number too large for TOML (beyond 64-bit integers, beyond double) is told
+// as that, wherever it is written — in the file or with --set — not taken for a
+// string ("must be an integer, got string"). A word starting with a digit
+// is still a string on the command line.
+TEST(ReliabilityMessages, NumbersBeyondWhatTomlHoldsAreToldSo) {
+  for (const std::string v : {"99999999999999999999", "-9223372036854775809", "1e999", "-1e999"}) {
+    SCOPED_TRACE(v);
+    expect_error([&] { (void)loom::parse_config_string("", "m.toml", {"train.steps=" + v}); },
+                 {"--set train.steps=" + v, "train.steps = " + v + " is not a number Loom can hold"});
+    expect_error([&] { (void)loom::parse_config_string("[train]\nsteps = " + v + "\n", "m.toml", {}); },
+                 {"m.toml:2:", "TOML syntax error"});
+  }
+  EXPECT_EQ(loom::parse_config_string("", "m.toml", {"run.name=1st_run"}).run.name, "1st_run");
+}
