@@ -13,6 +13,7 @@
 
 #include "config/run_config.hpp"
 #include "reliability_util.hpp"
+#include "test_util.hpp"
 #include "train/session.hpp"
 
 namespace fs = std::filesystem;
@@ -150,4 +151,75 @@ TEST(ReliabilityMessages, ConvertOfACheckpointsFolderNamesTheNewest) {
   EXPECT_CONTAINS(r.out, "is a folder of checkpoints, not one checkpoint");
   EXPECT_CONTAINS(r.out, "complete ones: step_00000002, step_00000004, step_00000006");
   EXPECT_CONTAINS(r.out, "loom convert " + (root / "step_00000006").string());
+}
+
+// `loom convert` pointed at every kind of wrong place says what the place is
+// (missing, a file, a run folder, a folder of something else, an interrupted
+// save) and what to give instead; and never writes its export into a checkpoint.
+TEST(ReliabilityMessages, ConvertPointedAtTheWrongPlaceSaysWhatItIs) {
+  const fs::path dir = fresh_dir("messages_convert_wrong");
+  {
+    loom::Session s(loom::parse_config_string(tiny_config(dir / "run", 4), "m.toml", {"checkpoint.every=2"}));
+    s.train();
+  }
+  const fs::path root = dir / "run" / "checkpoints", newest = root / "step_00000004";
+  std::ofstream(dir / "afile") << "x";
+  fs::create_directories(dir / "other");
+  fs::create_directories(root / "step_00000009");  // an interrupted save
+  const std::string hf = (dir / "hf").string();
+  auto convert = [&](const std::string& from, const std::string& to) {
+    return run_shell(std::string("timeout 60 '") + LOOM_CLI + "' convert '" + from + "' --to-hf '" + to + "'");
+  };
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {(dir / "missing").string(), {"does not exist", "give a checkpoint folder"}},
+      {(dir / "afile").string(), {"is a file", "give a checkpoint folder"}},
+      {(dir / "run").string(), {"is a run folder", "step_00000002, step_00000004", "loom convert " + newest.string()}},
+      {(dir / "other").string(), {"is not a checkpoint (it has no meta.json)"}},
+      {(root / "step_00000009").string() + "/", {"is incomplete", "complete checkpoints in " + root.string() + ": 2, 4"}},
+  };
+  for (const auto& [from, says] : cases) {
+    SCOPED_TRACE(from);
+    const ProcResult r = convert(from, hf);
+    EXPECT_EQ(r.code, 1) << r.out;
+    for (const std::string& s : says) EXPECT_CONTAINS(r.out, s);
+    EXPECT_FALSE(fs::exists(hf));
+  }
+  for (const fs::path& into : {newest, newest / "hf", root / "step_00000002" / "hf"}) {
+    SCOPED_TRACE(into.string());
+    const ProcResult r = convert(newest.string(), into.string());
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, "is inside the checkpoint");
+    EXPECT_FALSE(fs::exists(newest / "model.safetensors"));
+    EXPECT_FALSE(fs::exists(newest / "hf"));
+  }
+  const ProcResult ok = convert(newest.string(), hf);
+  EXPECT_EQ(ok.code, 0) << ok.out;
+}
+
+// model.init = "hf:DIR" naming no folder: says so, not "no config.json in DIR (found: (empty))".
+TEST(ReliabilityMessages, HfInitThatIsNoFolderSaysWhatItIs) {
+  const fs::path dir = fresh_dir("messages_hf_init");
+  std::ofstream(dir / "afile") << "x";
+  for (const auto& [path, says] : std::vector<std::pair<std::string, std::string>>{
+           {(dir / "missing").string(), " does not exist"}, {(dir / "afile").string(), " is a file"},
+           {"/dev/null", " is not a folder"}}) {
+    SCOPED_TRACE(path);
+    loom::Config cfg = loom::parse_config_string(tiny_config(dir / "run", 2), "m.toml", {"model.init=hf:" + path});
+    expect_error([&] { loom::Session s(std::move(cfg)); }, {"model.init = \"hf:" + path + "\"", path + says});
+  }
+}
+
+// A number too large for TOML (beyond 64-bit integers, beyond double) is told
+// as that, wherever it is written — in the file or with --set — not taken for a
+// string ("must be an integer, got string"). A word starting with a digit
+// is still a string on the command line.
+TEST(ReliabilityMessages, NumbersBeyondWhatTomlHoldsAreToldSo) {
+  for (const std::string v : {"99999999999999999999", "-9223372036854775809", "1e999", "-1e999"}) {
+    SCOPED_TRACE(v);
+    expect_error([&] { (void)loom::parse_config_string("", "m.toml", {"train.steps=" + v}); },
+                 {"--set train.steps=" + v, "train.steps = " + v + " is not a number Loom can hold"});
+    expect_error([&] { (void)loom::parse_config_string("[train]\nsteps = " + v + "\n", "m.toml", {}); },
+                 {"m.toml:2:", "TOML syntax error"});
+  }
+  EXPECT_EQ(loom::parse_config_string("", "m.toml", {"run.name=1st_run"}).run.name, "1st_run");
 }

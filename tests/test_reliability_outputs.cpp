@@ -221,3 +221,61 @@ TEST(ReliabilityOutputs, ResumeKeepsMetricsConsistentWithTheCheckpoint) {
   }
   EXPECT_EQ(expect, until + 1);
 }
+
+// The files a run creates in its folders (the lock, the write probe, a file's
+// temporary twin before its rename) are its own: a symbolic or hard link
+// planted under one of those names — in a shared folder, by mistake or not —
+// never lets the run truncate or overwrite the file it leads to. The run
+// either replaces the link with a file of its own or refuses, naming it.
+TEST(ReliabilityOutputs, FilesARunCreatesNeverWriteThroughAPlantedLink) {
+  const fs::path dir = fresh_dir("outputs_links");
+  const fs::path out = dir / "out", precious = dir / "precious.txt";
+  const fs::path cfg = write_config(dir, out, 2);
+  const std::string ck = (out / "checkpoints").string();
+  for (const std::string name : {"out/.loom.write_test", "out/.loom.lock", "out/config.toml.tmp",
+                                 "out/checkpoints/.loom.lock", "out/checkpoints/.loom.write_test",
+                                 "out/checkpoints/.loom.write_test.rank_0"}) {
+    for (const bool hard : {false, true}) {
+      SCOPED_TRACE(name + (hard ? " as a hard link" : " as a symbolic link"));
+      fs::remove_all(out);
+      fs::create_directories(out / "checkpoints");
+      std::ofstream(precious) << "precious";
+      if (hard) fs::create_hard_link(precious, dir / name);
+      else fs::create_symlink(precious, dir / name);
+      const ProcResult r = run_train(cfg, "--set checkpoint.every=2");
+      EXPECT_EQ(read_text(precious), "precious") << r.out;
+      if (r.code != 0) {
+        EXPECT_EQ(r.code, 1) << r.out;
+        EXPECT_CONTAINS(r.out, (dir / name).string());
+        EXPECT_FALSE(has(r.out, "internal error")) << r.out;
+      }
+      fs::remove(dir / name);
+    }
+  }
+}
+
+// run.out_dir or checkpoint.dir inside a checkpoint (this run's or another's,
+// existing or to be created there): refused before any work, naming the key and
+// the checkpoint; the checkpoint stays as it was.
+TEST(ReliabilityOutputs, OutputFoldersInsideACheckpointAreRefused) {
+  const fs::path dir = fresh_dir("outputs_inside_ckpt");
+  const fs::path cfg = write_config(dir, dir / "a", 4);
+  ASSERT_EQ(run_train(cfg, "--set checkpoint.every=2").code, 0);
+  const fs::path step = dir / "a" / "checkpoints" / "step_00000002";
+  const auto before = read_text(step / "rank_00000.bin");
+  for (const auto& [key, path] : std::vector<std::pair<std::string, fs::path>>{
+           {"checkpoint.dir", step}, {"checkpoint.dir", step / "more"}, {"run.out_dir", step / "b"}}) {
+    SCOPED_TRACE(key + " = " + path.string());
+    const std::string other = key == "run.out_dir" ? "" : "--set 'run.out_dir=\"" + (dir / "c").string() + "\"'";
+    const ProcResult r = run_train(cfg, "--set '" + key + "=\"" + path.string() + "\"' " + other);
+    expect_path_error(r, key, path.string(), "'" + step.string() + "' is a checkpoint");
+    EXPECT_CONTAINS(r.out, "checkpoint.dir = \"" + (dir / "a" / "checkpoints").string() + "\"");
+    EXPECT_FALSE(fs::exists(path / "metrics.jsonl"));
+    EXPECT_FALSE(fs::exists(step / "more"));
+    EXPECT_FALSE(fs::exists(step / "b"));
+  }
+  EXPECT_EQ(read_text(step / "rank_00000.bin"), before);
+  // A folder merely named like one, without a checkpoint's files, is an ordinary folder.
+  fs::create_directories(dir / "step_7");
+  EXPECT_EQ(run_train(cfg, "--set 'run.out_dir=\"" + (dir / "step_7" / "run").string() + "\"'").code, 0);
+}

@@ -91,3 +91,21 @@ TEST(ReliabilityPlugins, ExplicitPluginFileMustBeARegularFile) {
     EXPECT_CONTAINS(std::string(e.what()), "is a FIFO (named pipe), not a regular file");
   }
 }
+
+// A search folder that is a file, a FIFO or a device is listed as "not a
+// folder", not as missing (and is not opened: a FIFO would block).
+TEST(ReliabilityPlugins, SearchPathThatIsNotAFolderIsNamedSo) {
+  NoPluginPathEnv env;
+  const fs::path dir = fs::path(LOOM_BINARY_DIR) / "test_tmp" / "reliability" / "plugins_path_kinds";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ofstream(dir / "afile") << "x";
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0644), 0);
+  const ProcResult r = run_shell(std::string("timeout 60 '") + LOOM_CLI + "' plugins --path /dev/null --path '" +
+                                 (dir / "afile").string() + "' --path '" + (dir / "fifo").string() + "' --path '" +
+                                 (dir / "missing").string() + "'");
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const std::string p : {std::string("/dev/null"), (dir / "afile").string(), (dir / "fifo").string()})
+    EXPECT_CONTAINS(r.out, "  " + p + "   (not a folder)");
+  EXPECT_CONTAINS(r.out, "  " + (dir / "missing").string() + "   (does not exist)");
+}

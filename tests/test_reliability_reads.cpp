@@ -110,3 +110,43 @@ TEST(ReliabilityReads, FileTypeNamesAndTheRegularFileCheck) {
   EXPECT_NO_THROW(loom::require_regular_file((dir / "ok").string(), "thing"));
   expect_error([&] { (void)loom::read_bounded_file((dir / "ok").string(), "thing", 0); }, {"larger than"});
 }
+
+// The class, not one file: every file of a checkpoint and of a run folder that
+// Loom reads or appends to, replaced by a FIFO (open() would block for ever)
+// or a link to a device, is one error naming that file, at once.
+TEST(ReliabilityReads, EveryFileOfACheckpointOrRunFolderThatIsNotRegularIsRefusedAtOnce) {
+  const fs::path dir = fresh_dir("reads_every");
+  const fs::path cfg = dir / "run.toml";
+  std::ofstream(cfg) << tiny_config(dir / "run", 2);
+  ProcResult r = loom_cmd("train '" + cfg.string() + "' --set checkpoint.every=2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const fs::path run = dir / "run", step = run / "checkpoints" / "step_00000002";
+  const fs::path saved = dir / "saved";
+  fs::copy(run, saved, fs::copy_options::recursive);
+  for (const std::string name : {"COMPLETE", "meta.json", "rank_00000.bin"}) {
+    for (const bool fifo : {true, false}) {
+      SCOPED_TRACE(name + (fifo ? " as a FIFO" : " as a link to /dev/zero"));
+      fs::remove_all(run);
+      fs::copy(saved, run, fs::copy_options::recursive);
+      fs::remove(step / name);
+      if (fifo) make_fifo(step / name);
+      else fs::create_symlink("/dev/zero", step / name);
+      for (const std::string cmd : {"train '" + cfg.string() + "' --set train.steps=4",
+                                    "convert '" + step.string() + "' --to-hf '" + (dir / "hf").string() + "'"}) {
+        r = loom_cmd(cmd);
+        EXPECT_EQ(r.code, 1) << cmd << "\n" << r.out;
+        EXPECT_CONTAINS(r.out, (step / name).string() + "' is " + (fifo ? "a FIFO" : "a character device"));
+      }
+    }
+  }
+  // Files of the run folder that a run appends to or `loom plot` reads.
+  fs::remove_all(run);
+  fs::create_directories(run);
+  make_fifo(run / "metrics.jsonl");
+  r = loom_cmd("train '" + cfg.string() + "'");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, (run / "metrics.jsonl").string() + ": it is a FIFO");
+  r = loom_cmd("plot '" + run.string() + "' --out '" + (dir / "plot.png").string() + "'");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, (run / "metrics.jsonl").string() + "' is a FIFO");
+}

@@ -30,6 +30,7 @@
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "train/session.hpp"
+#include "util/files.hpp"
 
 namespace fs = std::filesystem;
 
@@ -116,6 +117,7 @@ report::CompareRow run_one(const Job& job, int64_t steps, int64_t warmup) {
 
 // PEER_JSON lines of benchmarks/torch_fsdp.py (the prefix is optional).
 std::vector<report::CompareRow> read_peer(const std::string& path) {
+  require_regular_file(path, "--peer file");  // a FIFO would block the read for ever
   std::ifstream in(path);
   if (!in) throw Error(cat("loom compare: cannot read --peer file '", path, "'"));
   std::vector<report::CompareRow> rows;

@@ -32,13 +32,40 @@ int cmd_convert(const Args& args) {
   if (ckpt_dir.empty() || out_dir.empty()) throw Error(usage);
   if (dtype != "fp32" && dtype != "bf16") throw Error(cat("loom convert: --dtype ", dtype, " is not one of: fp32, bf16"));
 
-  // A checkpoints folder rather than one step of it: name the steps it holds.
-  if (fs::is_directory(ckpt_dir) && !fs::exists(fs::path(ckpt_dir) / "meta.json")) {
-    const auto latest = ckpt::latest_complete(ckpt_dir);
-    if (latest)
-      throw Error(cat("loom convert: ", ckpt_dir, " is a folder of checkpoints, not one checkpoint; complete ones: ",
-                      ckpt::complete_list(ckpt_dir), ". Convert the newest with: loom convert ", latest->dir,
-                      " --to-hf ", out_dir));
+  std::error_code ec;
+  const fs::file_status st = fs::status(ckpt_dir, ec);
+  if (!fs::exists(st)) throw Error(cat("loom convert: ", ckpt_dir, " does not exist; give a checkpoint folder "
+                                       "(<checkpoint.dir>/step_NNNNNNNN)"));
+  if (!fs::is_directory(st))
+    throw Error(cat("loom convert: ", ckpt_dir, " is ", fs::is_regular_file(st) ? "a file" : "not a folder",
+                    "; give a checkpoint folder (<checkpoint.dir>/step_NNNNNNNN)"));
+  // A checkpoints folder rather than one step of it, or a run folder (its
+  // checkpoints in checkpoints/, the default checkpoint.dir): name the steps.
+  if (!fs::exists(fs::path(ckpt_dir) / "meta.json")) {
+    for (const fs::path& root : {fs::path(ckpt_dir), fs::path(ckpt_dir) / "checkpoints"}) {
+      const auto latest = ckpt::latest_complete(root.string());
+      if (latest)
+        throw Error(cat("loom convert: ", ckpt_dir, " is ",
+                        root == fs::path(ckpt_dir) ? "a folder of checkpoints" : "a run folder",
+                        ", not one checkpoint; complete ones", root == fs::path(ckpt_dir) ? "" : cat(" in ", root.string()),
+                        ": ", ckpt::complete_list(root.string()), ". Convert the newest with: loom convert ",
+                        latest->dir, " --to-hf ", out_dir));
+    }
+    // Neither: not an interrupted save either (that has the folder name and no marker).
+    fs::path named = fs::path(ckpt_dir).lexically_normal();
+    if (named.filename().empty()) named = named.parent_path();  // "step_00000009/"
+    if (!fs::exists(fs::path(ckpt_dir) / "COMPLETE") && named.filename().string().rfind("step_", 0) != 0)
+      throw Error(cat("loom convert: ", ckpt_dir, " is not a checkpoint (it has no meta.json) and holds no complete "
+                      "checkpoints; give a checkpoint folder (<checkpoint.dir>/step_NNNNNNNN)"));
+  }
+  // The export must not land inside a checkpoint: it would change a complete
+  // checkpoint's folder, and pruning (checkpoint.keep_last) would delete it.
+  const fs::path out_abs = fs::weakly_canonical(fs::absolute(out_dir), ec);
+  for (fs::path p = out_abs; !ec && !p.empty(); p = p.parent_path()) {
+    if (fs::exists(p / "meta.json", ec) || fs::exists(p / "COMPLETE", ec))
+      throw Error(cat("loom convert: --to-hf ", out_dir, " is inside the checkpoint ", p.string(),
+                      "; write the Hugging Face folder elsewhere (pruning of old checkpoints would delete it)"));
+    if (p == p.parent_path()) break;
   }
   ckpt::CheckpointSet set(ckpt_dir);
   const ckpt::TrainMeta& m = set.meta();

@@ -88,7 +88,11 @@ int cmd_plugins(const Args& args) {
   std::printf("\nSearch path (first match wins):\n");
   for (const auto& d : reg.search_path()) {
     std::error_code ec;
-    std::printf("  %s%s\n", d.string().c_str(), std::filesystem::is_directory(d, ec) ? "" : "   (does not exist)");
+    // "(does not exist)" would be wrong for a file or a device given as --path.
+    const char* note = std::filesystem::is_directory(d, ec)                     ? ""
+                       : std::filesystem::exists(std::filesystem::status(d, ec)) ? "   (not a folder)"
+                                                                                 : "   (does not exist)";
+    std::printf("  %s%s\n", d.string().c_str(), note);
   }
   // Listing succeeded even when some files were refused: they are reported above,
   // and a run fails with the same message only if it asks for one of them.

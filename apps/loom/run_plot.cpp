@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -11,6 +13,7 @@
 
 #include "compare_report.hpp"
 #include "loom/error.hpp"
+#include "util/files.hpp"
 #include "png_writer.hpp"
 
 namespace loom::report {
@@ -96,9 +99,13 @@ void panel(Canvas& c, const Rect& p, const std::string& title, const std::vector
 
 RunCurves read_run_curves(const std::string& run_dir) {
   const std::filesystem::path file = std::filesystem::path(run_dir) / "metrics.jsonl";
-  std::ifstream in(file);
-  if (!in)
+  std::error_code ec;
+  if (!std::filesystem::exists(file, ec))
     throw Error(cat("'", run_dir, "' has no metrics.jsonl; give run directories (run.out_dir) that loom train wrote"));
+  // A FIFO there would block the read for ever, a device never end it.
+  require_regular_file(file.string(), "metrics file");
+  std::ifstream in(file);
+  if (!in) throw Error(cat("cannot read ", file.string(), ": ", std::strerror(errno)));
   RunCurves r;
   r.name = std::filesystem::path(run_dir).lexically_normal().filename().string();
   if (r.name.empty() || r.name == ".") r.name = std::filesystem::path(run_dir).lexically_normal().parent_path().filename().string();

@@ -15,6 +15,7 @@
 
 #include "checkpoint/file_util.hpp"
 #include "loom/error.hpp"
+#include "util/files.hpp"
 
 namespace fs = std::filesystem;
 
@@ -321,11 +322,18 @@ std::vector<std::string> prune(const std::string& root, int keep_last) {
 CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(dir)) {
   const fs::path d(dir_);
   file_ = (d / rank_file_name(rank)).string();
-  if (!fs::is_directory(d)) throw Error(cat("checkpoint directory ", dir_, " does not exist"));
-  if (!fs::exists(d / kComplete))
+  if (!fs::is_directory(d))
+    throw Error(cat("checkpoint directory ", dir_, fs::exists(d) ? " is not a folder" : " does not exist"));
+  if (!fs::exists(d / kComplete)) {
+    // The folder above, also for "step_00000009/" (whose parent_path is itself).
+    fs::path root = d.lexically_normal();
+    if (root.filename().empty()) root = root.parent_path();
+    root = root.parent_path();
+    if (root.empty()) root = ".";
     throw Error(cat("checkpoint ", dir_, " is incomplete (no ", kComplete,
                     " marker: its save was interrupted) and cannot be used; complete checkpoints in ",
-                    d.parent_path().string(), ": ", complete_steps(d.parent_path().string())));
+                    root.string(), ": ", complete_steps(root.string())));
+  }
   meta_ = read_file((d / kMeta).string(), "checkpoint metadata");
   {
     // COMPLETE records the step and meta.json's size and CRC (checkpoints of
@@ -364,8 +372,8 @@ CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(d
                     num_ranks_, " shard(s))", kUnusable));
 
   auto bad = [&](const std::string& what) { return Error(cat(file_, ": ", what, kUnusable)); };
-  Fd fd{::open(file_.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (fd.fd < 0) throw Error(cat("cannot open ", file_, ": ", std::strerror(errno)));
+  // A regular file only: open() of a FIFO in its place would block for ever.
+  Fd fd{open_regular_file(file_, "checkpoint shard")};
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0) throw Error(cat("cannot stat ", file_, ": ", std::strerror(errno)));
   file_size_ = static_cast<uint64_t>(st.st_size);
@@ -468,8 +476,7 @@ void CheckpointReader::read(const std::string& name, Tensor& dst) const {
     throw Error(cat(file_, ": tensor '", name, "': read into a host tensor, then copy it to the device"));
   if (!dst.is_contiguous() || (r.bytes > 0 && dst.data == nullptr))
     throw Error(cat(file_, ": tensor '", name, "': the destination must be a contiguous tensor with memory"));
-  Fd fd{::open(file_.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (fd.fd < 0) throw Error(cat("cannot open ", file_, ": ", std::strerror(errno)));
+  Fd fd{open_regular_file(file_, "checkpoint shard")};  // replaced since the header was read: still no FIFO
   if (!pread_all(fd.fd, dst.data, r.bytes, data_start_ + r.offset))
     throw Error(cat(file_, ": tensor '", name, "' could not be read (", std::strerror(errno), " or truncated file)", kUnusable));
   if (crc32(dst.data, r.bytes) != r.crc32)

@@ -25,10 +25,19 @@ std::string parent_dir(const std::string& path) {
 }  // namespace
 
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
-  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0)
+  // A fresh file of our own: a leftover tmp (a killed write) is removed, and
+  // O_EXCL | O_NOFOLLOW never follow a symbolic link planted under the tmp
+  // name — O_TRUNC through it would overwrite whatever file it points to.
+  if (::unlink(tmp_.c_str()) != 0 && errno != ENOENT && errno != EISDIR && errno != EPERM)
+    throw Error(cat("cannot remove the leftover ", tmp_, ": ", errno_str(), "; remove it, or check permissions"));
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    if (errno == EEXIST)
+      throw Error(cat("cannot create ", tmp_, ": something that is not a file (a folder?) is in the way; "
+                      "move it away"));
     throw Error(cat("cannot create ", tmp_, ": ", errno_str(),
                     "; check that the directory exists, is writable and the disk is not full"));
+  }
 }
 
 AtomicFile::~AtomicFile() {

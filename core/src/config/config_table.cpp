@@ -11,6 +11,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <regex>
 #include <sstream>
 #include <tuple>
 
@@ -481,6 +482,11 @@ void apply_override(ConfigShared& shared, const std::string& text, size_t order)
     char c = value.front();
     if (c == '"' || c == '\'' || c == '[' || c == '{')
       throw Error(cat(where, ": the value is not valid TOML: ", e.description()));
+    // A number TOML cannot hold (beyond 64-bit integers, 1e999) is a number
+    // out of range, not a string: "must be an integer, got string" would hide why.
+    static const std::regex number(R"([+-]?[0-9][0-9_]*(\.[0-9_]*)?([eE][+-]?[0-9_]+)?)");
+    if (std::regex_match(value, number))
+      throw Error(cat(where, ": ", dotted, " = ", value, " is not a number Loom can hold: ", e.description()));
     snippet = toml::table{};
     snippet.insert("v", value);
   }

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "loom/error.hpp"
+#include "util/files.hpp"
 
 namespace loom::data {
 namespace {
@@ -27,17 +28,16 @@ T get(const unsigned char* p) {
 }  // namespace
 
 IndexedDataset::Map IndexedDataset::map_file(const std::string& path, const char* what) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT)
-      throw Error(cat("Megatron dataset ", what, " '", path, "' does not exist; data.prefix names PREFIX of PREFIX.bin ",
-                      "and PREFIX.idx (as written by preprocess_data.py --output-prefix, plus _text_document)"));
-    throw Error(cat("cannot open Megatron dataset ", what, " '", path, "': ", std::strerror(errno)));
-  }
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::stat(path.c_str(), &st) != 0 && errno == ENOENT)
+    throw Error(cat("Megatron dataset ", what, " '", path, "' does not exist; data.prefix names PREFIX of PREFIX.bin ",
+                    "and PREFIX.idx (as written by preprocess_data.py --output-prefix, plus _text_document)"));
+  // The type is checked before open(): a FIFO would block it for ever.
+  const int fd = open_regular_file(path, cat("Megatron dataset ", what));
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
     ::close(fd);
-    throw Error(cat("Megatron dataset ", what, " '", path, "' is not a regular file"));
+    throw Error(cat("cannot stat Megatron dataset ", what, " '", path, "': ", std::strerror(e)));
   }
   Map m;
   m.bytes = static_cast<std::size_t>(st.st_size);

@@ -14,6 +14,7 @@
 #include "data/hash.hpp"
 #include "data/parallel_tokenize.hpp"
 #include "data/tokenizers/tokenizer.hpp"
+#include "checkpoint/file_util.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "loom/token_shard.hpp"
@@ -298,15 +299,8 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
                                    : nlohmann::json(nullptr)},
   };
   res.manifest = (out / "prepare.json").string();
-  {
-    const std::string tmp = res.manifest + ".tmp";
-    std::ofstream o(tmp);
-    o << manifest.dump(2) << "\n";
-    o.close();
-    if (!o) throw Error(cat("cannot write '", tmp, "'; check free disk space and permissions"));
-    fs::rename(tmp, res.manifest, ec);
-    if (ec) throw Error(cat("cannot rename '", tmp, "' to '", res.manifest, "': ", ec.message()));
-  }
+  // tmp + fsync + rename, never writing through a link planted under the tmp name.
+  ckpt::write_file_atomic(res.manifest, manifest.dump(2) + "\n");
   return res;
 }
 

@@ -133,10 +133,14 @@ void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t
   put<uint32_t>(header + 24, vocab);
 
   const std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A fresh file of our own (as ckpt::AtomicFile): O_TRUNC through a symbolic
+  // link planted under the tmp name would overwrite the file it points to.
+  (void)::unlink(tmp.c_str());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0)
-    throw Error(cat("cannot create token shard '", tmp, "': ", errno_text(),
-                    "; check that the directory exists and is writable"));
+    throw Error(cat("cannot create token shard '", tmp, "': ", errno == EEXIST ? std::string("something that is not a "
+                    "file (a folder?) is in the way; move it away") : errno_text(),
+                    errno == EEXIST ? "" : "; check that the directory exists and is writable"));
   try {
     write_all(fd, header, sizeof header, tmp);
     // Narrow in chunks so that a 16M-token shard does not need a second full copy.

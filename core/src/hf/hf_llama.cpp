@@ -135,6 +135,18 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
 
 ModelSpec read_hf_llama_config(const std::string& dir) {
   std::string path = (fs::path(dir) / "config.json").string();
+  // The folder itself first: "no config.json in X (found: (empty))" would hide
+  // that X does not exist or is a file.
+  std::error_code ec;
+  const fs::file_status st = fs::status(dir, ec);
+  if (!fs::exists(st))
+    throw Error(cat("model.init = \"hf:", dir, "\": ", dir, " does not exist",
+                    fs::path(dir).is_relative() ? cat(" (relative to the working directory ", fs::current_path(ec).string(), ")") : "",
+                    "; point at a Hugging Face model directory (the one save_pretrained writes)"));
+  if (!fs::is_directory(st))
+    throw Error(cat("model.init = \"hf:", dir, "\": ", dir, " is ", fs::is_regular_file(st) ? "a file" : "not a folder",
+                    "; point at the Hugging Face model directory (the one save_pretrained writes) that holds "
+                    "config.json and the safetensors files"));
   if (!fs::exists(path))
     throw Error(cat("no config.json in ", dir, " (found: ", list_dir(dir),
                     "); point at a Hugging Face model directory (the one save_pretrained writes)"));

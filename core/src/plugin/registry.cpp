@@ -269,7 +269,8 @@ std::string describe_search_path(const std::vector<fs::path>& dirs) {
   std::ostringstream os;
   for (const auto& d : dirs) {
     std::error_code ec;
-    os << "\n  " << d.string() << (fs::is_directory(d, ec) ? "" : "   (does not exist)");
+    os << "\n  " << d.string()
+       << (fs::is_directory(d, ec) ? "" : fs::exists(fs::status(d, ec)) ? "   (not a folder)" : "   (does not exist)");
   }
   return os.str();
 }

@@ -23,6 +23,7 @@
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "train/checkpointing.hpp"
+#include "util/files.hpp"
 
 namespace fs = std::filesystem;
 
@@ -90,6 +91,20 @@ void check_one_path(const std::string& key, const std::string& path) {
   if (const std::string why = unwritable_reason(last_existing); !why.empty())
     throw Error(cat(q, where_relative(path), ": cannot write in '", last_existing.string(), "': ", why,
                     ". Choose a writable ", key));
+  // Not inside a checkpoint (a step folder, of this run or another): writing
+  // there changes a complete checkpoint, and pruning it (checkpoint.keep_last)
+  // would delete this run's files with it.
+  for (fs::path p = last_existing;; p = p.parent_path()) {
+    std::error_code ec;
+    const bool complete = fs::exists(p / "COMPLETE", ec);
+    if (p.filename().string().rfind("step_", 0) == 0 && (complete || fs::exists(p / "meta.json", ec)))
+      throw Error(cat(q, where_relative(path), ": '", p.string(), "' is a checkpoint (it holds ",
+                      complete ? "COMPLETE" : "meta.json",
+                      "); a run's files do not belong inside one (pruning old checkpoints would delete them). To "
+                      "resume from it, set checkpoint.dir = \"", p.parent_path().string(),
+                      "\" (the folder above it); otherwise choose another ", key));
+    if (p == p.parent_path() || p.empty()) break;
+  }
 }
 
 // Non-empty metrics.jsonl: the results of a run that did at least one step.
@@ -167,13 +182,17 @@ void create_output_dir(const std::string& key, const std::string& dir) {
 
 void probe_writable(const std::string& key, const std::string& dir, const std::string& probe_name) {
   const std::string file = (fs::path(dir) / probe_name).string();
-  const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   auto fail = [&](const char* what, int e) {
     return Error(cat(quoted(key, dir), ": cannot ", what, " ", file, ": ", std::strerror(e),
                      e == ENOSPC || e == EDQUOT ? " (the disk or quota is full: free space or choose another folder)"
                      : e == EROFS                ? " (a read-only file system: choose another folder)"
+                     : e == EEXIST               ? " (something that is not a file is in the way: move it away)"
                                                  : ""));
   };
+  // A file of our own, never one reached through a symbolic link planted
+  // under the probe's name: writing through it would overwrite its target.
+  if (::unlink(file.c_str()) != 0 && errno != ENOENT && errno != EISDIR && errno != EPERM) throw fail("remove", errno);
+  const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) throw fail("create", errno);
   // More than one page: a file system with less free space than this cannot
   // hold a metrics line or a checkpoint either.
@@ -219,11 +238,23 @@ std::shared_ptr<OutputLock::Held> lock_dir(const std::string& key, const std::st
   if (auto existing = held_locks()[id].lock()) return existing;
   auto h = std::make_shared<OutputLock::Held>();
   h->path = (fs::path(dir) / ".loom.lock").string();
-  h->fd = ::open(h->path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // O_NOFOLLOW and a regular file only: the holder's line is written into the
+  // lock (after truncating it), which must never reach another file through a
+  // symbolic link, and a FIFO or device there cannot hold a lock.
+  h->fd = ::open(h->path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
   if (h->fd < 0) {
     const int e = errno;
-    throw Error(cat(quoted(key, dir), ": cannot create the lock file ", h->path, ": ", std::strerror(e)));
+    throw Error(cat(quoted(key, dir), ": cannot create the lock file ", h->path, ": ",
+                    e == ELOOP ? "it is a symbolic link; remove it (Loom creates the lock file itself)"
+                               : std::strerror(e)));
   }
+  struct stat lst {};
+  if (::fstat(h->fd, &lst) != 0 || !S_ISREG(lst.st_mode))
+    throw Error(cat(quoted(key, dir), ": the lock file ", h->path, " is ", file_type_name(lst.st_mode),
+                    ", not a regular file: remove it (Loom creates the lock file itself)"));
+  if (lst.st_nlink > 1)  // a hard link: truncating it would truncate the other name's file too
+    throw Error(cat(quoted(key, dir), ": the lock file ", h->path, " has ", lst.st_nlink,
+                    " names (hard links), so it is another file too: remove it (Loom creates the lock file itself)"));
   if (::flock(h->fd, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;
     if (e == EWOULDBLOCK) {

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/file_util.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 
@@ -243,14 +244,8 @@ void Profiler::write_trace() {
   std::error_code ec;
   fs::create_directories(path.parent_path(), ec);
   if (ec) throw Error(cat("cannot create the trace directory '", path.parent_path().string(), "': ", ec.message()));
-  const std::string tmp = path.string() + ".tmp";
-  {
-    std::ofstream o(tmp);
-    o << doc.dump() << "\n";
-    if (!o) throw Error(cat("cannot write the trace '", tmp, "'; check free disk space and permissions"));
-  }
-  fs::rename(tmp, path, ec);
-  if (ec) throw Error(cat("cannot rename '", tmp, "' to '", path.string(), "': ", ec.message()));
+  // tmp + fsync + rename, never writing through a link planted under the tmp name.
+  ckpt::write_file_atomic(path.string(), doc.dump() + "\n");
   recs_.clear();
 }
 

@@ -1,6 +1,7 @@
 #include "train/progress.hpp"
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -12,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
+#include "util/files.hpp"
 #include "util/terminal.hpp"
 
 namespace loom {
@@ -42,6 +44,12 @@ std::string log_line(const StepLog& s, int64_t total_steps) {
 
 void MetricsFile::open(const std::string& path, bool append) {
   path_ = path;
+  // Appending to a FIFO would block the run until a reader comes; a device
+  // would swallow the metrics. (A symbolic link to a regular file is fine.)
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    throw Error(cat("cannot write ", path, ": it is ", file_type_name(st.st_mode),
+                    ", not a regular file; move it away, or choose another run.out_dir"));
   f_.open(path, append ? std::ios::app : std::ios::trunc);
   if (!f_) throw Error(cat("cannot write ", path, ": ", std::strerror(errno), "; check run.out_dir"));
 }
