@@ -262,6 +262,23 @@ TEST(Megatron, DamagedIndexesAreRefusedByName) {
   std::ofstream((d.path / "nobin.idx").string(), std::ios::binary) << idx;
   expect_error([&] { open((d.path / "nobin").string()); }, {"nobin.bin", "does not exist"});
 
+  // A seq_len longer than a train split, or a validation split without one sample, is named with what to change.
+  {
+    MegatronOptions o;
+    o.prefixes = {(d.path / "c").string()};
+    o.split = "1";
+    MegatronData m(loom::PluginInit{}, o);
+    DataSpec spec;
+    spec.batch = 1;
+    spec.seq_len = 100000;
+    spec.vocab_size = 32000;
+    expect_error([&] { m.open(spec); }, {"c'", "its train split", "less than one sample of seq_len + 1 = 100001",
+                                         "shorter seq_len"});
+    o.split = "90,10";  // 3 documents of 5..24 tokens
+    MegatronData v(loom::PluginInit{}, o);
+    spec.seq_len = 100;
+    expect_error([&] { v.open(spec); }, {"validation documents hold no sample of seq_len + 1 = 101", "data.split"});
+  }
   // Tokens beyond the model's vocabulary are named when read.
   MegatronOptions o;
   o.prefixes = {(d.path / "b").string()};
