@@ -86,7 +86,7 @@ HARD += [
     "\uffff\ufffe \U0010ffff", "\ue000\uf8ff private", "\ufffd literal replacement", "\u00ad soft\u00adhyphen",
     "ภาษาไทยไม่มีช่องว่าง", "עִבְרִית", "தமிழ்", "ქართული", "Հայերեն", "አማርኛ", "∀x∈ℝ: x²≥0 ⇒ ∑", "┌─┐│└┘ box",
     "<s><s></s></s>", "<<|begin_of_text|>>", "<|begin_of_text|><|end_of_text|>", "<|begin_of_text|> text",
-    "<unk><pad><mask>", "<0x0A> byte piece", "▁ lower one eighth block ▁▁x", "<|endoftext|><|endoftext|>",
+    "<unk><pad><mask>", "<0x0A> byte piece", "a\\Eb\\E. c \\Q x \\ xx\\\\E.y", "C:\\Path\\E.txt", "xxaxx bx\\E.x", "▁ lower one eighth block ▁▁x", "<|endoftext|><|endoftext|>",
     "x" * 5000, " " * 3000 + "y", "\n" * 1000, "7" * 1000, "supercalifragilistic" * 60, "ü" * 800,
     "\t" * 500 + "z", "a b" * 700, ("lorem ipsum " * 400).strip(),
 ]
@@ -174,6 +174,13 @@ VARIANTS = {
         {"type": "Split", "pattern": {"String": " "}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}),
     "sequence_of_one": lambda j: j.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [GPT2["pre_tokenizer"]]}),
+    # A literal Split holding regex syntax ("\E" ends a \Q...\E quote), and a regex that matches the empty string.
+    "split_string_backslash": lambda j: j.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"String": "\\E."}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}),
+    "split_empty_matches": lambda j: j.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "x*"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}),
 }
 VARIANT_DIR = os.path.join(os.path.dirname(os.path.abspath(OUT)), "variants")
 for name, edit in VARIANTS.items():

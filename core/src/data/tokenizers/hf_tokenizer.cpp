@@ -3,6 +3,7 @@
 // ByteLevel or a Sequence of Split (regex, "Isolated") stages and a
 // ByteLevel, no normalizer. Anything else is refused by name rather than
 // tokenized differently from the reference.
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 
@@ -275,10 +276,15 @@ class HfBpeTokenizer final : public Tokenizer {
     if (!byte_level) fail("has no ByteLevel pre-tokenizer, so it is not a byte-level BPE tokenizer");
   }
 
+  // A literal for PCRE2: every ASCII character that is not a letter or digit
+  // behind a backslash (\Q...\E would end early at a "\E" in the string).
   static std::string escape(const std::string& s) {
-    std::string out = "\\Q";
-    out += s;
-    out += "\\E";
+    std::string out;
+    for (char c : s) {
+      const auto u = static_cast<unsigned char>(c);
+      if (u < 0x80 && !std::isalnum(u)) out += '\\';
+      out += c;
+    }
     return out;
   }
 
