@@ -259,6 +259,8 @@ TEST(Megatron, DamagedIndexesAreRefusedByName) {
   std::ofstream((d.path / "dirbin.idx").string(), std::ios::binary) << idx;
   expect_error([&] { open((d.path / "dirbin").string()); }, {"dirbin.bin", "not a regular file"});
   expect_error([&] { open((d.path / "missing").string()); }, {"missing.idx", "does not exist", "PREFIX.bin"});
+  expect_error([&] { open((d.path / "a.bin").string()); }, {"a.bin' ends with .bin", "write \"" + a.string() + "\""});
+  expect_error([&] { open((d.path / "a.idx").string()); }, {"a.idx' ends with .idx"});
   std::ofstream((d.path / "nobin.idx").string(), std::ios::binary) << idx;
   expect_error([&] { open((d.path / "nobin").string()); }, {"nobin.bin", "does not exist"});
 

@@ -56,6 +56,14 @@ IndexedDataset::Map IndexedDataset::map_file(const std::string& path, const char
 
 IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
   const std::string ip = prefix + ".idx", bp = prefix + ".bin";
+  // The usual slip: the prefix given with the file's extension.
+  for (const char* ext : {".bin", ".idx"})
+    if (prefix.size() > 4 && prefix.ends_with(ext) && ::access(ip.c_str(), F_OK) != 0) {
+      const std::string bare = prefix.substr(0, prefix.size() - 4);
+      if (::access((bare + ".idx").c_str(), F_OK) == 0)
+        throw Error(cat("Megatron dataset prefix '", prefix, "' ends with ", ext, "; data.prefix names PREFIX of PREFIX.bin ",
+                        "and PREFIX.idx: write \"", bare, "\""));
+    }
   idx_ = map_file(ip, "index");
   try {
     bin_ = map_file(bp, "data file");
