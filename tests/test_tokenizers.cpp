@@ -8,6 +8,7 @@
 // missing file fails the suite, it does not skip it.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <thread>
@@ -164,6 +165,29 @@ TEST(TokenizerParity, TokenizerJsonVariantsMatchTokenizers) {
     ++n;
   }
   EXPECT_GE(n, 6);
+}
+
+// Added tokens are found in time linear in the text: a large document with
+// dozens of whitespace added tokens costs a small multiple of the plain
+// tokenizer's time (searching every token again after each match made it
+// minutes on 1 MB, over a thousand times the plain time).
+TEST(TokenizerParity, ManyAddedTokensStayLinearInTheText) {
+  const fs::path many = kReference.parent_path() / "variants" / "many_added_whitespace" / "tokenizer.json";
+  ASSERT_TRUE(fs::exists(many)) << many << " is missing: reference_ids.py writes it";
+  auto with = load_tokenizer(many.string());
+  auto plain = load_tokenizer((kFiles / "gpt2-hf" / "tokenizer.json").string());
+  std::string text;
+  for (int i = 0; text.size() < (1u << 18); ++i)
+    text += loom::cat("    def f", i, "(x):\n\t\treturn  x  +   ", i, "\n        pass\n");
+  auto seconds = [&](const Tokenizer& t) {
+    std::vector<uint32_t> ids;
+    const auto t0 = std::chrono::steady_clock::now();
+    t.encode(text, ids);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  seconds(*plain);  // warm the caches
+  const double a = seconds(*plain), b = seconds(*with);
+  EXPECT_LT(b, 10 * a + 0.05) << "added tokens: " << b << " s, plain: " << a << " s on 256 KB";
 }
 
 TEST(TokenizerParity, SpecialTokensComeFromTheTokenizer) {

@@ -174,6 +174,9 @@ VARIANTS = {
         {"type": "Split", "pattern": {"String": " "}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}),
     "sequence_of_one": lambda j: j.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [GPT2["pre_tokenizer"]]}),
+    # Code models add whitespace runs as (non-special) added tokens: dozens of them.
+    "many_added_whitespace": lambda j: j.update(written_by_tokenizers(variant(lambda k: k["added_tokens"].extend(
+        [added(" " * n, n) for n in range(2, 32)] + [added("\t" * n, 30 + n) for n in range(1, 10)])))),
     # A literal Split holding regex syntax ("\E" ends a \Q...\E quote), and a regex that matches the empty string.
     "split_string_backslash": lambda j: j.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"String": "\\E."}, "behavior": "Isolated", "invert": False},

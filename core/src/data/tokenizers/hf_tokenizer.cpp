@@ -291,19 +291,28 @@ class HfBpeTokenizer final : public Tokenizer {
   // Non-special added tokens are cut out of the text first (as the tokenizers
   // library does); the rest goes through the pre-tokenizer and BPE.
   void encode_segments(std::string_view text, std::vector<uint32_t>& out) const {
+    if (added_.empty()) return segment(text, out);
+    // Each added token's next occurrence, searched again only once a match
+    // has passed it: every token scans the text once in all, where searching
+    // them all from every match took time in (matches x text) -- minutes on
+    // one large document with a few dozen whitespace tokens.
+    constexpr std::size_t npos = std::string_view::npos;
+    std::vector<std::size_t> next(added_.size());
+    for (std::size_t k = 0; k < added_.size(); ++k) next[k] = text.find(added_[k].first);
     std::size_t pos = 0;
-    while (pos < text.size() && !added_.empty()) {
-      std::size_t best = std::string_view::npos, best_len = 0;
+    while (pos < text.size()) {
+      std::size_t best = npos, best_len = 0;
       uint32_t best_id = 0;
-      for (auto& [content, id] : added_) {
-        const std::size_t at = text.find(content, pos);
-        if (at < best || (at == best && content.size() > best_len)) {
-          best = at;
+      for (std::size_t k = 0; k < added_.size(); ++k) {
+        const auto& [content, id] = added_[k];
+        if (next[k] != npos && next[k] < pos) next[k] = text.find(content, pos);
+        if (next[k] < best || (next[k] == best && next[k] != npos && content.size() > best_len)) {
+          best = next[k];
           best_len = content.size();
           best_id = id;
         }
       }
-      if (best == std::string_view::npos) break;
+      if (best == npos) break;
       segment(text.substr(pos, best - pos), out);
       out.push_back(best_id);
       pos = best + best_len;
