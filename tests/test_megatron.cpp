@@ -313,6 +313,7 @@ TEST(Megatron, ConfigTableAndSplitChecks) {
                {"unknown key 'data.splt'", "did you mean 'split'"});
   EXPECT_EQ(loom::data::megatron_split_indices("969,30,1", 1000, "k"), (std::vector<uint64_t>{0, 969, 999, 1000}));
   EXPECT_EQ(loom::data::megatron_split_indices("1", 7, "k"), (std::vector<uint64_t>{0, 7, 7, 7}));
+  EXPECT_EQ(loom::data::megatron_split_indices(" 969, 30 ,1 ", 1000, "k"), (std::vector<uint64_t>{0, 969, 999, 1000}));
   // Ties round to even, as Python's round: 0.5 -> 0 (half-up would give {0, 0, 1, 2}).
   EXPECT_EQ(loom::data::megatron_split_indices("1,1,2", 2, "k"), (std::vector<uint64_t>{0, 1, 1, 2}));
   expect_error([] { loom::data::megatron_split_indices("1,2,3,4", 10, "data.split"); }, {"4 parts"});
@@ -322,7 +323,7 @@ TEST(Megatron, ConfigTableAndSplitChecks) {
            {"0,0,0", "sums to 0"}, {"a,b,c", "'a' is not a non-negative number"},
            {"-1,2,3", "'-1' is not"}, {"969,,1", "'' is not"}, {"nan,1", "'nan' is not"},
            {"inf,1", "'inf' is not"}, {"1e999,1", "'1e999' is not"}, {"969,30,", "'' is not"},
-           {"9 6 9", "'9 6 9' is not"}}) {
+           {"9 6 9", "'9 6 9' is not"}, {" , 1", "'' is not"}}) {
     SCOPED_TRACE(split);
     expect_error([&] { opts("[data]\nplugin = \"megatron\"\nprefix = \"x\"\nsplit = \"" + split + "\"\n"); },
                  {"m.toml:4", "data.split = \"" + split + "\"", what});

@@ -31,7 +31,10 @@ std::vector<uint64_t> megatron_split_indices(const std::string& split, uint64_t 
   while (pos <= split.size()) {
     std::size_t e = split.find_first_of(",/", pos);
     if (e == std::string::npos) e = split.size();
-    const std::string tok = split.substr(pos, e - pos);
+    // Spaces around a part are allowed, as Python's float() in Megatron allows them ("969, 30, 1").
+    std::string tok = split.substr(pos, e - pos);
+    tok.erase(0, std::min(tok.find_first_not_of(" \t"), tok.size()));
+    tok.erase(tok.find_last_not_of(" \t") + 1);
     std::size_t used = 0;
     double v = -1;
     try {
