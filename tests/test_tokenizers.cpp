@@ -167,6 +167,23 @@ TEST(TokenizerParity, TokenizerJsonVariantsMatchTokenizers) {
   EXPECT_GE(n, 6);
 }
 
+// SentencePiece BPE models of other settings (trained by reference_ids.py):
+// without byte fallback, where a run of unknown characters is one <unk>, and
+// without a dummy prefix; through loom's BPE path and through the library.
+TEST(TokenizerParity, SentencePieceVariantsMatchSentencepiece) {
+  const auto& ref = reference();
+  ASSERT_FALSE(ref.is_null()) << kReference << " is missing";
+  ASSERT_TRUE(ref.contains("sp_variants"));
+  loom::data::TokenizerOptions lib;
+  lib.sentencepiece_library = true;
+  for (const auto& name : ref["sp_variants"]) {
+    SCOPED_TRACE(name.get<std::string>());
+    const fs::path file = kReference.parent_path() / "variants" / name.get<std::string>() / "tokenizer.model";
+    check_parity("variant_" + name.get<std::string>(), file, {}, "loom-bpe");
+    check_parity("variant_" + name.get<std::string>(), file, lib, "libsentencepiece");
+  }
+}
+
 // Added tokens are found in time linear in the text: a large document with
 // dozens of whitespace added tokens costs a small multiple of the plain
 // tokenizer's time (searching every token again after each match made it

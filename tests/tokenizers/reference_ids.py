@@ -193,6 +193,22 @@ for name, edit in VARIANTS.items():
         json.dump(variant(edit), f)
     FILES["variant_" + name] = path
 
+# SentencePiece BPE models of other settings, trained here on Loom's README
+# (seconds): without byte fallback (unknown characters become <unk>), and with
+# byte fallback but no dummy prefix.
+SP_VARIANTS = {
+    "sp_no_byte_fallback": dict(vocab_size=400, byte_fallback=False),
+    "sp_no_dummy_prefix": dict(vocab_size=600, byte_fallback=True, add_dummy_prefix=False, character_coverage=0.99),
+}
+sps = {}
+for name, kw in SP_VARIANTS.items():
+    prefix = os.path.join(VARIANT_DIR, name, "tokenizer")
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    sentencepiece.SentencePieceTrainer.train(input=os.path.join(REPO, "README.md"), model_prefix=prefix, model_type="bpe",
+                                             normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                             minloglevel=2, num_threads=1, **kw)
+    sps[name] = sentencepiece.SentencePieceProcessor(model_file=prefix + ".model")
+
 hf = {}
 for key in ["hf_llama3", "hf_gpt2"] + ["variant_" + n for n in VARIANTS]:
     t = tokenizers.Tokenizer.from_file(FILES[key])
@@ -203,6 +219,7 @@ out = {"versions": {"sentencepiece": sentencepiece.__version__, "tiktoken": tikt
                     "tokenizers": tokenizers.__version__},
        "files": FILES,
        "variants": sorted(VARIANTS),
+       "sp_variants": sorted(SP_VARIANTS),
        "special": {"sentencepiece": {"vocab": sp.get_piece_size(), "bos": sp.bos_id(), "eos": sp.eos_id()},
                    "tiktoken": {"vocab": len(ranks) + len(specials), "bos": specials["<|begin_of_text|>"],
                                 "eos": specials["<|end_of_text|>"]}},
@@ -217,6 +234,7 @@ for raw in cases:
         "hf_llama3": hf["hf_llama3"].encode(text, add_special_tokens=False).ids,
         "hf_gpt2": hf["hf_gpt2"].encode(text, add_special_tokens=False).ids,
         **{"variant_" + n: hf["variant_" + n].encode(text, add_special_tokens=False).ids for n in VARIANTS},
+        **{"variant_" + n: sps[n].encode(text) for n in SP_VARIANTS},
     })
 os.makedirs(os.path.dirname(os.path.abspath(OUT)), exist_ok=True)
 with open(OUT + ".tmp", "w") as f:
