@@ -196,10 +196,16 @@ for name, edit in VARIANTS.items():
 # SentencePiece BPE models of other settings, trained here on Loom's README
 # (seconds): without byte fallback (unknown characters become <unk>), and with
 # byte fallback but no dummy prefix.
+# Models loom's BPE path cannot reproduce word by word -- user-defined symbols,
+# pieces across a word start -- must go to the library (the expected engine).
 SP_VARIANTS = {
     "sp_no_byte_fallback": dict(vocab_size=400, byte_fallback=False),
     "sp_no_dummy_prefix": dict(vocab_size=600, byte_fallback=True, add_dummy_prefix=False, character_coverage=0.99),
+    "sp_user_symbols": dict(vocab_size=500, byte_fallback=True, user_defined_symbols=["<tag>", "Loom", "\n"]),
+    "sp_pieces_across_words": dict(vocab_size=700, byte_fallback=True, split_by_whitespace=False),
 }
+SP_ENGINES = {"sp_no_byte_fallback": "loom-bpe", "sp_no_dummy_prefix": "loom-bpe", "sp_user_symbols": "libsentencepiece",
+              "sp_pieces_across_words": "libsentencepiece"}
 sps = {}
 for name, kw in SP_VARIANTS.items():
     prefix = os.path.join(VARIANT_DIR, name, "tokenizer")
@@ -219,7 +225,7 @@ out = {"versions": {"sentencepiece": sentencepiece.__version__, "tiktoken": tikt
                     "tokenizers": tokenizers.__version__},
        "files": FILES,
        "variants": sorted(VARIANTS),
-       "sp_variants": sorted(SP_VARIANTS),
+       "sp_variants": SP_ENGINES,
        "special": {"sentencepiece": {"vocab": sp.get_piece_size(), "bos": sp.bos_id(), "eos": sp.eos_id()},
                    "tiktoken": {"vocab": len(ranks) + len(specials), "bos": specials["<|begin_of_text|>"],
                                 "eos": specials["<|end_of_text|>"]}},
