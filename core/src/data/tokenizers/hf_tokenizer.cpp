@@ -1,5 +1,5 @@
 // Hugging Face tokenizer.json files of byte-level BPE type (GPT-2, Llama 3,
-// Qwen, ...): model.type "BPE" with a byte-level alphabet, pre_tokenizer
+// ...): model.type "BPE" with a byte-level alphabet, pre_tokenizer
 // ByteLevel or a Sequence of Split (regex, "Isolated") stages and a
 // ByteLevel, no normalizer. Anything else is refused by name rather than
 // tokenized differently from the reference.
