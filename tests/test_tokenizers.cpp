@@ -8,6 +8,7 @@
 // missing file fails the suite, it does not skip it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -198,13 +199,17 @@ TEST(TokenizerParity, ManyAddedTokensStayLinearInTheText) {
   std::string text;
   for (int i = 0; text.size() < (1u << 18); ++i)
     text += loom::cat("    def f", i, "(x):\n\t\treturn  x  +   ", i, "\n        pass\n");
+  // The best of three, so a busy machine does not decide the ratio.
   auto seconds = [&](const Tokenizer& t) {
-    std::vector<uint32_t> ids;
-    const auto t0 = std::chrono::steady_clock::now();
-    t.encode(text, ids);
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double best = 1e9;
+    for (int r = 0; r < 3; ++r) {
+      std::vector<uint32_t> ids;
+      const auto t0 = std::chrono::steady_clock::now();
+      t.encode(text, ids);
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
   };
-  seconds(*plain);  // warm the caches
   const double a = seconds(*plain), b = seconds(*with);
   EXPECT_LT(b, 10 * a + 0.05) << "added tokens: " << b << " s, plain: " << a << " s on 256 KB";
 }
