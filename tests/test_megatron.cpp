@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -77,7 +78,7 @@ std::vector<int32_t> flat(const nlohmann::json& rows, size_t from, size_t n) {
 TEST(Megatron, SamplesMatchThePythonModelOfGptDataset) {
   TmpDir d;
   const auto scenarios = make_datasets(d.path);
-  ASSERT_EQ(scenarios.size(), 4u);
+  ASSERT_EQ(scenarios.size(), 7u);
   for (const auto& s : scenarios) {
     SCOPED_TRACE(s["name"].get<std::string>());
     const auto& e = s["expected"];
@@ -91,7 +92,7 @@ TEST(Megatron, SamplesMatchThePythonModelOfGptDataset) {
       for (int step = 0; step < s["steps"].get<int>(); ++step)
         ASSERT_EQ(batch(m, spec, Split::train), flat(e["train"][r], step * B, B)) << "rank " << r << " step " << step;
       EXPECT_EQ(m.counts(), e["counts"].get<std::vector<uint64_t>>());
-      ASSERT_TRUE(m.has_split(Split::validation));
+      ASSERT_EQ(m.has_split(Split::validation), e["has_val"].get<bool>());
       for (int v = 0; v < s["val_batches"].get<int>(); ++v)
         ASSERT_EQ(batch(m, spec, Split::validation), flat(e["val"][r], v * B, B)) << "rank " << r << " val " << v;
     }
@@ -161,6 +162,17 @@ TEST(Megatron, ResumeIsExactUnderAnyWorldSize) {
   expect_error([&] { m2.restore(state); }, {"seq_len 8", "train.seq_len is now 9"});
   expect_error([&] { m2.restore(R"({"source": "tokens"})"); }, {"data plugin 'tokens', not 'megatron'"});
   expect_error([&] { m2.restore("{"); }, {"not valid JSON"});
+  // Counts that do not add up to the cursor, or one per dataset, are damage (not an out-of-range write).
+  MegatronData m3(loom::PluginInit{}, options_of(s));
+  m3.open(one);
+  auto damaged = nlohmann::json::parse(state);
+  damaged["counts"].push_back(0);
+  expect_error([&] { m3.restore(damaged.dump()); }, {"3 per-dataset count(s)", "for 2 dataset(s)", "damaged"});
+  damaged = nlohmann::json::parse(state);
+  damaged["cursor"] = damaged["cursor"].get<uint64_t>() + 1;
+  expect_error([&] { m3.restore(damaged.dump()); }, {"summing to 40", "at global sample 41"});
+  m3.restore(state);  // the undamaged state still restores
+  EXPECT_EQ(m3.cursor(), 40u);
 }
 
 TEST(Megatron, DamagedIndexesAreRefusedByName) {
@@ -197,10 +209,78 @@ TEST(Megatron, DamagedIndexesAreRefusedByName) {
   std::string docs = idx;
   docs[docs.size() - 8] = 7;  // the last document index no longer equals N
   expect_error([&] { open(variant("docs", docs, bin)); }, {"docs.idx", "document indices"});
+  // Every other field: dtype codes, counts, sizes, pointers, document indices.
+  auto with = [&](std::size_t at, const void* v, std::size_t n) {
+    std::string s = idx;
+    std::memcpy(s.data() + at, v, n);
+    return s;
+  };
+  const uint64_t N = 240, kSizes = 34, kPtrs = 34 + 4 * N, kDocs = 34 + 12 * N;
+  for (unsigned char code : {0, 9, 255}) {
+    SCOPED_TRACE(int(code));
+    expect_error([&] { open(variant("dtype", with(17, &code, 1), bin)); }, {"dtype.idx", "unknown dtype code"});
+  }
+  const uint64_t huge = uint64_t{1} << 63, big = uint64_t{1} << 57;
+  expect_error([&] { open(variant("count", with(18, &huge, 8), bin)); }, {"count.idx", "impossible header"});
+  expect_error([&] { open(variant("count2", with(26, &big, 8), bin)); }, {"count2.idx", "is truncated: header says"});
+  const int32_t neg = -3;
+  expect_error([&] { open(variant("negsize", with(kSizes + 4 * 5, &neg, 4), bin)); },
+               {"negsize.idx", "sequence 5 a negative length (-3)"});
+  // Two pointers swapped: both in bounds, but not where the sizes put them.
+  std::string swapped = idx;
+  std::memcpy(swapped.data() + kPtrs + 8 * 10, idx.data() + kPtrs + 8 * 20, 8);
+  std::memcpy(swapped.data() + kPtrs + 8 * 20, idx.data() + kPtrs + 8 * 10, 8);
+  ASSERT_NE(swapped, idx);
+  expect_error([&] { open(variant("swap", swapped, bin)); }, {"swap.idx", "sizes and pointers that disagree"});
+  const int64_t past = static_cast<int64_t>(bin.size()) + 100, negp = -8;
+  expect_error([&] { open(variant("ptr", with(kPtrs + 8 * 3, &past, 8), bin)); },
+               {"ptr.idx", "points past the end of", "sequence 3"});
+  expect_error([&] { open(variant("negptr", with(kPtrs + 8 * 3, &negp, 8), bin)); }, {"negptr.idx", "sequence 3 at byte -8"});
+  // A size that grew: the pointers after it disagree (or the last one runs past the .bin).
+  int32_t grown = 0;
+  std::memcpy(&grown, idx.data() + kSizes + 4 * 7, 4);
+  grown += 1;
+  expect_error([&] { open(variant("grown", with(kSizes + 4 * 7, &grown, 4), bin)); },
+               {"grown.idx", "sizes and pointers that disagree: sequence 8"});
+  expect_error([&] { open(variant("longbin", idx, bin + "xx")); },
+               {"longbin.idx", "covers", "do not belong together"});
+  const int64_t back = 2;
+  std::string nonmono = with(kDocs + 8 * 5, &back, 8);
+  expect_error([&] { open(variant("nonmono", nonmono, bin)); }, {"nonmono.idx", "bad document indices: entry 5 is 2"});
+  const int64_t one = 1;
+  expect_error([&] { open(variant("docstart", with(kDocs, &one, 8), bin)); }, {"docstart.idx", "entry 0 is 1"});
+  // An empty dataset, and one whose .bin is a directory.
+  std::string empty(idx.data(), 18);
+  const uint64_t zero = 0, d1 = 1;
+  empty.append(reinterpret_cast<const char*>(&zero), 8).append(reinterpret_cast<const char*>(&d1), 8);
+  empty.append(reinterpret_cast<const char*>(&zero), 8);
+  expect_error([&] { open(variant("empty", empty, "")); }, {"empty.idx", "holds no sequences"});
+  fs::create_directories(d.path / "dirbin.bin");
+  std::ofstream((d.path / "dirbin.idx").string(), std::ios::binary) << idx;
+  expect_error([&] { open((d.path / "dirbin").string()); }, {"dirbin.bin", "not a regular file"});
   expect_error([&] { open((d.path / "missing").string()); }, {"missing.idx", "does not exist", "PREFIX.bin"});
+  expect_error([&] { open((d.path / "a.bin").string()); }, {"a.bin' ends with .bin", "write \"" + a.string() + "\""});
+  expect_error([&] { open((d.path / "a.idx").string()); }, {"a.idx' ends with .idx"});
   std::ofstream((d.path / "nobin.idx").string(), std::ios::binary) << idx;
   expect_error([&] { open((d.path / "nobin").string()); }, {"nobin.bin", "does not exist"});
 
+  // A seq_len longer than a train split, or a validation split without one sample, is named with what to change.
+  {
+    MegatronOptions o;
+    o.prefixes = {(d.path / "c").string()};
+    o.split = "1";
+    MegatronData m(loom::PluginInit{}, o);
+    DataSpec spec;
+    spec.batch = 1;
+    spec.seq_len = 100000;
+    spec.vocab_size = 32000;
+    expect_error([&] { m.open(spec); }, {"c'", "its train split", "less than one sample of seq_len + 1 = 100001",
+                                         "shorter seq_len"});
+    o.split = "90,10";  // 3 documents of 5..24 tokens
+    MegatronData v(loom::PluginInit{}, o);
+    spec.seq_len = 100;
+    expect_error([&] { v.open(spec); }, {"validation documents hold no sample of seq_len + 1 = 101", "data.split"});
+  }
   // Tokens beyond the model's vocabulary are named when read.
   MegatronOptions o;
   o.prefixes = {(d.path / "b").string()};
@@ -233,10 +313,30 @@ TEST(Megatron, ConfigTableAndSplitChecks) {
                {"unknown key 'data.splt'", "did you mean 'split'"});
   EXPECT_EQ(loom::data::megatron_split_indices("969,30,1", 1000, "k"), (std::vector<uint64_t>{0, 969, 999, 1000}));
   EXPECT_EQ(loom::data::megatron_split_indices("1", 7, "k"), (std::vector<uint64_t>{0, 7, 7, 7}));
+  EXPECT_EQ(loom::data::megatron_split_indices(" 969, 30 ,1 ", 1000, "k"), (std::vector<uint64_t>{0, 969, 999, 1000}));
   // Ties round to even, as Python's round: 0.5 -> 0 (half-up would give {0, 0, 1, 2}).
   EXPECT_EQ(loom::data::megatron_split_indices("1,1,2", 2, "k"), (std::vector<uint64_t>{0, 1, 1, 2}));
   expect_error([] { loom::data::megatron_split_indices("1,2,3,4", 10, "data.split"); }, {"4 parts"});
   expect_error([] { loom::data::megatron_split_indices("0,0", 10, "data.split"); }, {"sums to 0"});
+  // Malformed split strings, each named with the part that is wrong.
+  for (const auto& [split, what] : std::vector<std::pair<std::string, std::string>>{
+           {"0,0,0", "sums to 0"}, {"a,b,c", "'a' is not a non-negative number"},
+           {"-1,2,3", "'-1' is not"}, {"969,,1", "'' is not"}, {"nan,1", "'nan' is not"},
+           {"inf,1", "'inf' is not"}, {"1e999,1", "'1e999' is not"}, {"969,30,", "'' is not"},
+           {"9 6 9", "'9 6 9' is not"}, {" , 1", "'' is not"}}) {
+    SCOPED_TRACE(split);
+    expect_error([&] { opts("[data]\nplugin = \"megatron\"\nprefix = \"x\"\nsplit = \"" + split + "\"\n"); },
+                 {"m.toml:4", "data.split = \"" + split + "\"", what});
+  }
+  // Blend weights: negative, all zero, or the wrong count name the key and its line.
+  expect_error([&] { opts("[data]\nplugin = \"megatron\"\nprefix = [\"x\", \"y\"]\nweights = [1, -1]\n"); },
+               {"m.toml:4", "weights"});
+  expect_error([&] { opts("[data]\nplugin = \"megatron\"\nprefix = [\"x\", \"y\"]\nweights = [0, 0]\n"); },
+               {"m.toml:4", "weights", "sum to 0"});
+  expect_error([&] { opts("[data]\nplugin = \"megatron\"\nprefix = [\"x\", \"y\"]\nweights = [1, 2, 3]\n"); },
+               {"m.toml:4", "3 entries", "names 2 dataset(s)"});
+  expect_error([&] { opts("[data]\nplugin = \"megatron\"\nprefix = [\"x\", \"y\"]\nweights = \"1,2\"\n"); },
+               {"m.toml:4", "weights"});
 }
 
 TEST(Megatron, TrainsThroughTheCommand) {

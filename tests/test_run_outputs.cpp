@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
@@ -142,6 +143,121 @@ TEST(TensorBoard, EventFileReadsBackWithTheTensorboardPackage) {
       run_cmd(loom::cat("python3 ", LOOM_SOURCE_DIR, "/tests/metrics/read_tensorboard.py ", run.string()), &rc);
   EXPECT_NE(rc, 0) << bad;
   EXPECT_NE(bad.find("bad payload CRC"), std::string::npos) << bad;
+}
+
+TEST(TensorBoard, AResumeFromAnOlderCheckpointShowsOneCurve) {
+  // Steps 1..8 with checkpoints at 4 and 8, then the run resumed from 4:
+  // metrics.jsonl holds steps 5..8 twice; TensorBoard must show each once
+  // (the second event file's START marker drops the first one's 5..8), and
+  // the resumed run in the same process and second must not overwrite the
+  // first event file.
+  TmpDir d;
+  const fs::path run = d.path / "tbr";
+  for (const char* resume : {"none", "4"}) {
+    // As if the first run had died before its step-8 checkpoint.
+    fs::remove_all(run / "checkpoints" / "step_00000008");
+    loom::Session s(loom::parse_config_string(config(run, "tensorboard = true\n"), "tb.toml",
+                                              {"checkpoint.every=4", std::string("checkpoint.resume=") + resume}));
+    s.train();
+  }
+  int files = 0;
+  for (auto& e : fs::directory_iterator(run / "tensorboard")) files += e.path().filename().string().rfind("events.", 0) == 0;
+  EXPECT_EQ(files, 2);
+  int rc = 0;
+  const std::string out =
+      run_cmd(loom::cat("python3 ", LOOM_SOURCE_DIR, "/tests/metrics/read_tensorboard.py ", run.string(), " 2"), &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("tensorboard OK"), std::string::npos) << out;
+  // loom plot reads the same file as one curve: steps 1..8, the later lines winning.
+  const auto curves = loom::report::read_run_curves(run.string());
+  EXPECT_EQ(curves.step, (std::vector<double>{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(curves.val_step, (std::vector<double>{0, 4, 8}));
+}
+
+TEST(TensorBoard, NonFiniteScalarsReadBack) {
+  TmpDir d;
+  {
+    loom::TensorBoardWriter w((d.path / "tb").string());
+    w.scalars(1, {{"x", std::nan("")}, {"y", 1.0}});
+    w.scalars(2, {{"x", INFINITY}, {"y", -INFINITY}});
+    w.scalars(3, {{"x", 1e39}, {"y", -0.0}});  // beyond float: +inf
+  }
+  const std::string script = loom::cat(
+      "import math\nfrom tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n",
+      "a = EventAccumulator('", (d.path / "tb").string(), "', size_guidance={'scalars': 0}); a.Reload()\n",
+      "x = [e.value for e in a.Scalars('x')]; y = [e.value for e in a.Scalars('y')]\n",
+      "assert math.isnan(x[0]) and x[1] == math.inf and x[2] == math.inf, x\n",
+      "assert y == [1.0, -math.inf, 0.0], y\n", "print('nonfinite OK')\n");
+  std::ofstream(d.path / "check.py") << script;
+  int rc = 0;
+  const std::string out = run_cmd(loom::cat("python3 ", (d.path / "check.py").string()), &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("nonfinite OK"), std::string::npos) << out;
+}
+
+TEST(TensorBoard, TwoWritersInOneSecondKeepBothFiles) {
+  TmpDir d;
+  loom::TensorBoardWriter a((d.path / "tb").string());
+  loom::TensorBoardWriter b((d.path / "tb").string());
+  EXPECT_NE(a.path(), b.path());
+  EXPECT_LT(a.path(), b.path());  // read in the order written
+  a.scalars(1, {{"x", 1.0}});
+  EXPECT_GT(fs::file_size(a.path()), 0u);
+  EXPECT_GT(fs::file_size(b.path()), 0u);
+}
+
+// Runs of every shape `loom plot` meets: a single step, validation only,
+// skipped steps with a null loss, steps logged again after a resume, runs of
+// different lengths in one chart; each PNG decoded by tests/metrics/check_png.py.
+TEST(Plot, EveryShapeOfRunGivesAValidPng) {
+  TmpDir d;
+  auto run = [&](const std::string& name, const std::string& lines) {
+    fs::create_directories(d.path / name);
+    std::ofstream(d.path / name / "metrics.jsonl") << lines;
+    return (d.path / name).string();
+  };
+  auto line = [](int step, const std::string& loss) {
+    return loom::cat("{\"step\": ", step, ", \"loss\": ", loss, ", \"lr\": 0.001, \"tokens_per_s\": 1000}\n");
+  };
+  const std::string one = run("one", line(1, "4.0"));
+  const std::string val = run("valonly", "{\"step\": 0, \"val_loss\": 5.0}\n{\"step\": 4, \"val_loss\": 4.0}\n");
+  const std::string skipped = run("skipped", line(1, "4.0") + line(2, "null").insert(1, "\"skipped\": true, ") + line(3, "3.0"));
+  const std::string resumed = run("resumed", line(1, "4.0") + line(2, "3.0") + line(3, "2.0") + line(2, "3.5") +
+                                                 line(3, "2.5") + line(4, "2.2"));
+  std::string long_lines;
+  for (int i = 1; i <= 500; ++i) long_lines += line(i, loom::cat(5.0 / i));
+  const std::string longer = run("long", long_lines);
+  const auto r = loom::report::read_run_curves(resumed);
+  EXPECT_EQ(r.step, (std::vector<double>{1, 2, 3, 4}));
+  EXPECT_EQ(r.loss, (std::vector<double>{4.0, 3.5, 2.5, 2.2}));
+  const auto s = loom::report::read_run_curves(skipped);
+  ASSERT_EQ(s.loss.size(), 3u);
+  EXPECT_TRUE(std::isnan(s.loss[1]));
+  for (const std::string& dirs : {one, val, skipped, resumed, loom::cat(one, " ", val, " ", skipped, " ", resumed, " ", longer)}) {
+    SCOPED_TRACE(dirs);
+    const std::string png = (d.path / "p.png").string();
+    fs::remove(png);
+    int rc = 0;
+    std::string out = run_cmd(loom::cat(LOOM_CLI, " plot ", dirs, " --out ", png), &rc);
+    ASSERT_EQ(rc, 0) << out;
+    out = run_cmd(loom::cat("python3 ", LOOM_SOURCE_DIR, "/tests/metrics/check_png.py ", png, " 1200 820"), &rc);
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_NE(out.find("png OK"), std::string::npos) << out;
+  }
+  // Where the PNG cannot go, one message names it.
+  int rc = 0;
+  std::string out = run_cmd(loom::cat(LOOM_CLI, " plot ", one, " --out ", d.path.string()), &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("is a directory; give a file name"), std::string::npos) << out;
+  out = run_cmd(loom::cat(LOOM_CLI, " plot ", one, " --out ", (d.path / "no" / "such" / "p.png").string()), &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("cannot write"), std::string::npos) << out;
+  EXPECT_EQ(out.find("internal error"), std::string::npos) << out;
+  // An empty metrics.jsonl is named.
+  run("empty", "");
+  out = run_cmd(loom::cat(LOOM_CLI, " plot ", (d.path / "empty").string(), " --out ", (d.path / "e.png").string()), &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("holds no steps yet"), std::string::npos) << out;
 }
 
 TEST(Plot, DrawsEveryRunInEveryPanel) {

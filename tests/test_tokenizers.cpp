@@ -8,6 +8,8 @@
 // missing file fails the suite, it does not skip it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <thread>
@@ -148,6 +150,70 @@ TEST(TokenizerParity, Gpt2StyleTokenizerJsonMatchesTokenizers) {
   check_parity("hf_gpt2", kFiles / "gpt2-hf" / "tokenizer.json");
 }
 
+// The tokenizer.json layouts a user may bring besides the two files above:
+// add_prefix_space, non-special added tokens (with and without a prefix
+// space), ignore_merges, a literal Split in a Sequence, a Sequence of one.
+// reference_ids.py writes each beside the reference ids.
+TEST(TokenizerParity, TokenizerJsonVariantsMatchTokenizers) {
+  const auto& ref = reference();
+  ASSERT_FALSE(ref.is_null()) << kReference << " is missing";
+  ASSERT_TRUE(ref.contains("variants"));
+  int n = 0;
+  for (const auto& name : ref["variants"]) {
+    SCOPED_TRACE(name.get<std::string>());
+    check_parity("variant_" + name.get<std::string>(), kReference.parent_path() / "variants" /
+                                                           name.get<std::string>() / "tokenizer.json");
+    ++n;
+  }
+  EXPECT_GE(n, 6);
+}
+
+// SentencePiece BPE models of other settings (trained by reference_ids.py):
+// without byte fallback, where a run of unknown characters is one <unk>,
+// without a dummy prefix, with user-defined symbols, with pieces across word
+// starts; through loom's BPE path where it applies and through the library.
+TEST(TokenizerParity, SentencePieceVariantsMatchSentencepiece) {
+  const auto& ref = reference();
+  ASSERT_FALSE(ref.is_null()) << kReference << " is missing";
+  ASSERT_TRUE(ref.contains("sp_variants"));
+  loom::data::TokenizerOptions lib;
+  lib.sentencepiece_library = true;
+  for (const auto& [name, engine] : ref["sp_variants"].items()) {
+    SCOPED_TRACE(name);
+    const fs::path file = kReference.parent_path() / "variants" / name / "tokenizer.model";
+    check_parity("variant_" + name, file, {}, engine.get<std::string>());
+    check_parity("variant_" + name, file, lib, "libsentencepiece");
+  }
+  EXPECT_GE(ref["sp_variants"].size(), 4u);
+}
+
+// Added tokens are found in time linear in the text: a large document with
+// dozens of whitespace added tokens costs a small multiple of the plain
+// tokenizer's time (searching every token again after each match made it
+// minutes on 1 MB, over a thousand times the plain time).
+TEST(TokenizerParity, ManyAddedTokensStayLinearInTheText) {
+  const fs::path many = kReference.parent_path() / "variants" / "many_added_whitespace" / "tokenizer.json";
+  ASSERT_TRUE(fs::exists(many)) << many << " is missing: reference_ids.py writes it";
+  auto with = load_tokenizer(many.string());
+  auto plain = load_tokenizer((kFiles / "gpt2-hf" / "tokenizer.json").string());
+  std::string text;
+  for (int i = 0; text.size() < (1u << 18); ++i)
+    text += loom::cat("    def f", i, "(x):\n\t\treturn  x  +   ", i, "\n        pass\n");
+  // The best of three, so a busy machine does not decide the ratio.
+  auto seconds = [&](const Tokenizer& t) {
+    double best = 1e9;
+    for (int r = 0; r < 3; ++r) {
+      std::vector<uint32_t> ids;
+      const auto t0 = std::chrono::steady_clock::now();
+      t.encode(text, ids);
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+  };
+  const double a = seconds(*plain), b = seconds(*with);
+  EXPECT_LT(b, 10 * a + 0.05) << "added tokens: " << b << " s, plain: " << a << " s on 256 KB";
+}
+
 TEST(TokenizerParity, SpecialTokensComeFromTheTokenizer) {
   const auto& ref = reference();
   ASSERT_FALSE(ref.is_null());
@@ -223,6 +289,32 @@ TEST(Tokenizers, BadFilesAreRefusedByName) {
   expect_error([&] { load_tokenizer(write("dup.tiktoken", "IQ== 0\nIg== 0\n")); }, {"dup.tiktoken", "rank 0 is given twice"});
   expect_error([&] { load_tokenizer(write("trunc.model", "\x0a\x20\x0a\x05<unk>")); },
                {"trunc.model", "SentencePiece", "cannot load"});
+  // A directory (which opens as a stream and fails on read) is named, with the file inside it.
+  fs::create_directories(d.path / "tokdir");
+  std::ofstream(d.path / "tokdir" / "tokenizer.json") << "{}";
+  expect_error([&] { load_tokenizer((d.path / "tokdir").string()); },
+               {"tokdir' is a directory", "--tokenizer " + (d.path / "tokdir" / "tokenizer.json").string()});
+  expect_error([&] { load_tokenizer(write("array.json", "[1, 2]")); }, {"array.json", "JSON but not an object"});
+  // A Unigram tokenizer.json without model.type, and ids that would size the piece table.
+  expect_error([&] { load_tokenizer(write("uni.json", R"({"model": {"vocab": [["a", 0.0]]}, "pre_tokenizer": null})")); },
+               {"uni.json", "Unigram", "byte-level BPE"});
+  expect_error(
+      [&] {
+        load_tokenizer(write("negid.json", R"({"pre_tokenizer": {"type": "ByteLevel"},
+                                               "model": {"type": "BPE", "vocab": {"a": -5}, "merges": []}})"));
+      },
+      {"negid.json", "gives \"a\" the id -5"});
+  expect_error(
+      [&] {
+        load_tokenizer(write("hugeid.json", R"({"pre_tokenizer": {"type": "ByteLevel"},
+                                                "model": {"type": "BPE", "vocab": {"a": 4000000000}, "merges": []}})"));
+      },
+      {"hugeid.json", "the id 4000000000"});
+  // A tiktoken file cut mid-line says it looks truncated, whatever the cut line parses to.
+  expect_error([&] { load_tokenizer(write("cut.tiktoken", "IQ== 0\nIg== 1\nIw== 2\nJA== 1")); },
+               {"cut.tiktoken", "line 4", "rank 1 is given twice", "looks truncated"});
+  expect_error([&] { load_tokenizer(write("cut2.tiktoken", "IQ== 0\nIg== 1\nIw")); },
+               {"cut2.tiktoken", "line 3", "looks truncated"});
   // A byte-level vocabulary without every byte.
   expect_error(
       [&] {

@@ -122,13 +122,25 @@ RunCurves read_run_curves(const std::string& run_dir) {
       throw Error(cat(file.string(), ":", n, ": a line without a \"step\"; is this a loom metrics.jsonl?"));
     const double step = j["step"].get<double>();
     auto num = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : std::nan(""); };
+    // A resumed run appends to metrics.jsonl from its checkpoint's step, so
+    // the steps logged after that checkpoint by the run it replaces come
+    // again: the later lines win (as TensorBoard drops the abandoned points),
+    // and a curve never runs back in steps.
+    auto supersede = [&](std::vector<double>& steps, std::vector<std::vector<double>*> ys) {
+      std::size_t keep = steps.size();
+      while (keep > 0 && steps[keep - 1] >= step) --keep;
+      steps.resize(keep);
+      for (auto* y : ys) y->resize(keep);
+    };
     if (j.contains("loss")) {
+      supersede(r.step, {&r.loss, &r.lr, &r.tokens_per_s});
       r.step.push_back(step);
       r.loss.push_back(num("loss"));
       r.lr.push_back(num("lr"));
       r.tokens_per_s.push_back(num("tokens_per_s"));
     }
     if (j.contains("val_loss")) {
+      supersede(r.val_step, {&r.val_loss});
       r.val_step.push_back(step);
       r.val_loss.push_back(num("val_loss"));
     }
@@ -168,6 +180,10 @@ RunPlot render_run_plot(const std::vector<RunCurves>& runs) {
 }
 
 void write_run_plot(const std::string& path, const std::vector<RunCurves>& runs) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw Error(cat("--out '", path, "' is a directory; give a file name, e.g. --out ",
+                    (std::filesystem::path(path) / "plot.png").string()));
   const RunPlot p = render_run_plot(runs);
   const std::vector<uint8_t> png = png::encode_rgb(p.canvas.width(), p.canvas.height(), p.canvas.rgb());
   std::ofstream o(path, std::ios::binary);

@@ -136,6 +136,7 @@ def model(datasets, cfg):
             counts[d] += 1
             g += 1
     out["counts"] = counts
+    out["has_val"] = bool(val)
     total = sum(s.samples for s in val)
     vc = 0
     for _ in range(cfg.get("val_batches", 0)):
@@ -174,6 +175,15 @@ def main():
          "world": 1, "steps": 40, "seed": 1, "val_batches": 2},
         {"name": "blend_by_size", "prefix": [p("b"), p("a")], "split": "98,2", "seq_len": 12, "batch": 1, "world": 3,
          "steps": 50, "seed": 77, "val_batches": 2},
+        # Few samples an epoch (seq_len near the split's size): many epochs, each reshuffled; no validation.
+        {"name": "many_epochs", "prefix": [p("c")], "split": "1", "seq_len": 150, "batch": 3, "world": 2,
+         "steps": 20, "seed": 123456789, "val_batches": 0},
+        # The shortest sample (2 tokens), a dataset of weight 0 that is never drawn, a 64-bit seed.
+        {"name": "seq_len_one_zero_weight", "prefix": [p("a"), p("c")], "weights": [1, 0], "val_prefix": [p("b")],
+         "seq_len": 1, "batch": 7, "world": 3, "steps": 15, "seed": (1 << 63) + 5, "val_batches": 2},
+        # Three datasets, uneven weights, a two-part split.
+        {"name": "blend_of_three", "prefix": [p("c"), p("a"), p("b")], "weights": [0.2, 0.5, 0.3], "split": "80,20",
+         "seq_len": 5, "batch": 2, "world": 2, "steps": 70, "seed": 31337, "val_batches": 5},
     ]
     for s in scenarios:
         s["expected"] = model(datasets, s)

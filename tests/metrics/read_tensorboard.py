@@ -2,26 +2,31 @@
 """Reads a run's TensorBoard event file back and checks it against the run's
 metrics.jsonl.
 
-usage: read_tensorboard.py RUN_DIR
+usage: read_tensorboard.py RUN_DIR [FILES]
 
-1. The TFRecord framing of every record: length, masked CRC-32C of the length,
-   payload, masked CRC-32C of the payload (checked here, independently).
+1. The TFRecord framing of every record of the FILES (default 1) event files:
+   length, masked CRC-32C of the length, payload, masked CRC-32C of the
+   payload (checked here, independently).
 2. The `tensorboard` package's EventAccumulator loads RUN_DIR/tensorboard and
    finds the scalars: train/loss, train/lr, train/grad_norm, perf/tokens_per_s,
    perf/step_ms, perf/memory_gib at every logged step, val/loss at every
-   validation, each equal (as float32) to metrics.jsonl's value.
+   validation, each equal (as float32) to metrics.jsonl's value -- the last
+   line of a step, when a resumed run logged it again -- and no step twice
+   (a resumed run's event file drops the steps it repeats).
 Exits 1 naming what differs.
 """
 import glob
 import json
+import math
 import os
 import struct
 import sys
 
 run = sys.argv[1]
-files = glob.glob(os.path.join(run, "tensorboard", "events.out.tfevents.*"))
-if len(files) != 1:
-    sys.exit(f"expected one event file in {run}/tensorboard, found {files}")
+want_files = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+files = sorted(glob.glob(os.path.join(run, "tensorboard", "events.out.tfevents.*")))
+if len(files) != want_files:
+    sys.exit(f"expected {want_files} event file(s) in {run}/tensorboard, found {files}")
 
 POLY = 0x82F63B78
 TABLE = []
@@ -43,21 +48,25 @@ def masked(c):
     return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
-data = open(files[0], "rb").read()
-pos, records = 0, 0
-while pos < len(data):
-    if pos + 12 > len(data):
-        sys.exit(f"{files[0]}: truncated record header at byte {pos}")
-    (n,) = struct.unpack_from("<Q", data, pos)
-    (lcrc,) = struct.unpack_from("<I", data, pos + 8)
-    if lcrc != masked(crc32c(data[pos:pos + 8])):
-        sys.exit(f"{files[0]}: bad length CRC at byte {pos}")
-    payload = data[pos + 12:pos + 12 + n]
-    (pcrc,) = struct.unpack_from("<I", data, pos + 12 + n)
-    if len(payload) != n or pcrc != masked(crc32c(payload)):
-        sys.exit(f"{files[0]}: bad payload CRC at byte {pos}")
-    pos += 12 + n + 4
-    records += 1
+records = 0
+for name in files:
+    data = open(name, "rb").read()
+    pos = 0
+    while pos < len(data):
+        if pos + 12 > len(data):
+            sys.exit(f"{name}: truncated record header at byte {pos}")
+        (n,) = struct.unpack_from("<Q", data, pos)
+        (lcrc,) = struct.unpack_from("<I", data, pos + 8)
+        if lcrc != masked(crc32c(data[pos:pos + 8])):
+            sys.exit(f"{name}: bad length CRC at byte {pos}")
+        payload = data[pos + 12:pos + 12 + n]
+        if len(payload) != n or pos + 16 + n > len(data):
+            sys.exit(f"{name}: truncated record at byte {pos}")
+        (pcrc,) = struct.unpack_from("<I", data, pos + 12 + n)
+        if pcrc != masked(crc32c(payload)):
+            sys.exit(f"{name}: bad payload CRC at byte {pos}")
+        pos += 12 + n + 4
+        records += 1
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
@@ -67,16 +76,28 @@ tags = set(acc.Tags()["scalars"])
 scalars = {t: {e.step: e.value for e in acc.Scalars(t)} for t in tags}
 
 errors = []
+for t in sorted(tags):
+    steps_of = [e.step for e in acc.Scalars(t)]
+    if len(steps_of) != len(set(steps_of)) or steps_of != sorted(steps_of):
+        errors.append(f"{t}: steps repeat or run back: {steps_of}")
+# The last line of each step (a resumed run appends the steps it repeats).
+lines = {}
+for line in open(os.path.join(run, "metrics.jsonl")):
+    m = json.loads(line)
+    lines.setdefault(m["step"], {}).update(m)
 want = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
         "step_ms": "perf/step_ms", "val_loss": "val/loss"}
 steps = 0
-for line in open(os.path.join(run, "metrics.jsonl")):
-    m = json.loads(line)
+for m in lines.values():
     steps += "loss" in m
     for key, tag in want.items():
         if key not in m:
             continue
         got = scalars.get(tag, {}).get(m["step"])
+        if m[key] is None:  # metrics.jsonl writes a non-finite value as null
+            if got is None or math.isfinite(got):
+                errors.append(f"{tag} at step {m['step']}: {got} in TensorBoard, non-finite in metrics.jsonl")
+            continue
         expect = struct.unpack("<f", struct.pack("<f", m[key]))[0]
         if got is None:
             errors.append(f"{tag} has no value at step {m['step']}")

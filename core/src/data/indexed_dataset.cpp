@@ -56,6 +56,14 @@ IndexedDataset::Map IndexedDataset::map_file(const std::string& path, const char
 
 IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
   const std::string ip = prefix + ".idx", bp = prefix + ".bin";
+  // The usual slip: the prefix given with the file's extension.
+  for (const char* ext : {".bin", ".idx"})
+    if (prefix.size() > 4 && prefix.ends_with(ext) && ::access(ip.c_str(), F_OK) != 0) {
+      const std::string bare = prefix.substr(0, prefix.size() - 4);
+      if (::access((bare + ".idx").c_str(), F_OK) == 0)
+        throw Error(cat("Megatron dataset prefix '", prefix, "' ends with ", ext, "; data.prefix names PREFIX of PREFIX.bin ",
+                        "and PREFIX.idx: write \"", bare, "\""));
+    }
   idx_ = map_file(ip, "index");
   try {
     bin_ = map_file(bp, "data file");
@@ -87,9 +95,14 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
       throw bad(cat(idx_.bytes < want ? "is truncated" : "is longer than its header says", ": header says ", n_,
                     " sequences and ", d_, " document indices (", want, " bytes) but the file has ", idx_.bytes, " bytes"));
     if (n_ == 0) throw bad("holds no sequences");
-    // Sizes and pointers: every sequence lies inside PREFIX.bin.
+    // Sizes and pointers: every sequence lies inside PREFIX.bin, right after
+    // the one before it (the writers lay them out back to back from byte 0),
+    // and together they fill PREFIX.bin. A pointer that disagrees with the
+    // sizes before it means a damaged index, and one that is merely in bounds
+    // would read another sequence's tokens without a word.
     const unsigned char* sizes = idx_.data + kHeader;
     const unsigned char* ptrs = sizes + 4 * n_;
+    uint64_t expect = 0;
     for (uint64_t i = 0; i < n_; ++i) {
       const int32_t len = get<int32_t>(sizes + 4 * i);
       const int64_t ptr = get<int64_t>(ptrs + 8 * i);
@@ -98,8 +111,16 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
       if (ptr < 0 || end > bin_.bytes)
         throw bad(cat("points past the end of '", bp, "': sequence ", i, " at byte ", ptr, " with ", len, " tokens of ",
                       item_, " bytes ends at ", end, ", the file has ", bin_.bytes, " bytes (is the .bin truncated?)"));
+      if (static_cast<uint64_t>(ptr) != expect)
+        throw bad(cat("has sizes and pointers that disagree: sequence ", i, " starts at byte ", ptr, " of '", bp,
+                      "' but the sizes before it end at byte ", expect));
+      expect = end;
       total_ += static_cast<uint64_t>(len);
     }
+    if (expect != bin_.bytes)
+      throw bad(cat("covers ", expect, " bytes of '", bp, "' but that file has ", bin_.bytes,
+                    " bytes; the .bin and .idx do not belong together (written by different runs, or one copied "
+                    "incompletely)"));
     const unsigned char* docs = ptrs + 8 * n_;
     if (d_ < 1) throw bad("has no document indices (at least [0, N] expected)");
     int64_t prev = -1;

@@ -15,7 +15,7 @@
 //                        was split into sentences)
 // PREFIX.bin: the tokens of every sequence, back to back.
 //
-// Everything is checked at open (sizes, pointers within PREFIX.bin, document
+// Everything is checked at open (sizes, pointers back to back filling PREFIX.bin, document
 // indices), so a damaged file is refused by name before training starts.
 #pragma once
 #include <cstdint>

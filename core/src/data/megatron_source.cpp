@@ -31,7 +31,10 @@ std::vector<uint64_t> megatron_split_indices(const std::string& split, uint64_t 
   while (pos <= split.size()) {
     std::size_t e = split.find_first_of(",/", pos);
     if (e == std::string::npos) e = split.size();
-    const std::string tok = split.substr(pos, e - pos);
+    // Spaces around a part are allowed, as Python's float() in Megatron allows them ("969, 30, 1").
+    std::string tok = split.substr(pos, e - pos);
+    tok.erase(0, std::min(tok.find_first_not_of(" \t"), tok.size()));
+    tok.erase(tok.find_last_not_of(" \t") + 1);
     std::size_t used = 0;
     double v = -1;
     try {
@@ -276,8 +279,15 @@ void MegatronSource::restore(const std::string& state) {
     const auto weights = j.at("weights").get<std::vector<double>>();
     if (weights != weights_)
       log_warn("megatron: data.weights changed since the checkpoint; the blend continues from the checkpoint's counts with the new weights");
-    cursor_ = j.at("cursor").get<uint64_t>();
-    counts_ = j.at("counts").get<std::vector<uint64_t>>();
+    const auto cursor = j.at("cursor").get<uint64_t>();
+    const auto counts = j.at("counts").get<std::vector<uint64_t>>();
+    // Every global sample went to exactly one dataset: the counts sum to the cursor.
+    if (counts.size() != train_.size() || std::accumulate(counts.begin(), counts.end(), uint64_t{0}) != cursor)
+      throw Error(cat("data state for plugin 'megatron' has ", counts.size(), " per-dataset count(s) summing to ",
+                      std::accumulate(counts.begin(), counts.end(), uint64_t{0}), " for ", train_.size(),
+                      " dataset(s) at global sample ", cursor, "; the checkpoint's metadata is damaged"));
+    cursor_ = cursor;
+    counts_ = counts;
     const uint64_t seed = j.at("seed").get<uint64_t>();
     if (seed != seed_) {
       log_info(cat("megatron: continuing the checkpoint's sample order (seed ", seed, ", not the run's seed ", seed_, ")"));

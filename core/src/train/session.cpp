@@ -372,7 +372,7 @@ RunSummary Session::train(int64_t stop_at) {
   std::unique_ptr<TensorBoardWriter> tb;  // [run] tensorboard = true
   if (lead) {
     metrics.open((out / "metrics.jsonl").string(), step_ > 0);
-    if (cfg_.run.tensorboard) tb = std::make_unique<TensorBoardWriter>((out / "tensorboard").string());
+    if (cfg_.run.tensorboard) tb = std::make_unique<TensorBoardWriter>((out / "tensorboard").string(), step_);
   }
 
   log_info(cat("loom: training '", cfg_.run.name, "' for ", t.steps, " steps, output in ", out.string()));

@@ -52,13 +52,15 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-std::string event(double wall, int64_t step, const std::string* version, const std::string* summary) {
+std::string event(double wall, int64_t step, const std::string* version, const std::string* summary,
+                  const std::string* session_log = nullptr) {
   std::string e;
   fixed(e, 1, wall);
   varint(e, 2 << 3 | 0);
   varint(e, static_cast<uint64_t>(step));
   if (version) bytes_field(e, 3, *version);
   if (summary) bytes_field(e, 5, *summary);
+  if (session_log) bytes_field(e, 7, *session_log);
   return e;
 }
 
@@ -72,18 +74,29 @@ uint32_t crc32c(const void* data, std::size_t n) {
   return c ^ 0xffffffffu;
 }
 
-TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
+TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t resume_step) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) throw Error(cat("cannot create the TensorBoard directory '", dir, "': ", ec.message(), "; check run.out_dir"));
   char host[256] = "localhost";
   if (gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "localhost");
-  path_ = (std::filesystem::path(dir) / cat("events.out.tfevents.", static_cast<int64_t>(now_s()), ".", host, ".",
-                                            getpid(), ".loom")).string();
-  f_ = std::fopen(path_.c_str(), "wb");
-  if (!f_) throw Error(cat("cannot create the TensorBoard event file '", path_, "': ", std::strerror(errno)));
+  const std::string base = (std::filesystem::path(dir) / cat("events.out.tfevents.", static_cast<int64_t>(now_s()), ".",
+                                                             host, ".", getpid(), ".loom")).string();
+  // Exclusive: a second writer in the same second and process (a resume in
+  // the same process) must not truncate the first one's file. The suffix
+  // sorts after the bare name, so TensorBoard still reads them in order.
+  for (int n = 0; !f_; ++n) {
+    path_ = n == 0 ? base : cat(base, ".", n);
+    f_ = std::fopen(path_.c_str(), "wbx");
+    if (!f_ && (errno != EEXIST || n >= 99))
+      throw Error(cat("cannot create the TensorBoard event file '", path_, "': ", std::strerror(errno)));
+  }
   const std::string version = "brain.Event:2";
   record(event(now_s(), 0, &version, nullptr));
+  std::string start;
+  varint(start, 1 << 3 | 0);  // SessionLog.status
+  varint(start, 1);           // START
+  record(event(now_s(), resume_step > 0 ? resume_step + 1 : 0, nullptr, nullptr, &start));
 }
 
 TensorBoardWriter::~TensorBoardWriter() {

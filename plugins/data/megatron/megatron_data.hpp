@@ -31,6 +31,8 @@ class MegatronData final : public data::MegatronSource {
       if (o.weights.size() != o.prefixes.size())
         cfg.fail("weights", cat("data.weights has ", o.weights.size(), " entries but data.prefix names ", o.prefixes.size(),
                                 " dataset(s); give one weight per prefix"));
+      if (std::all_of(o.weights.begin(), o.weights.end(), [](double w) { return w == 0; }))
+        cfg.fail("weights", "data.weights sum to 0; give at least one prefix a positive weight");
     }
     o.split = cfg.get_string("split", "");
     if (cfg.has("split") && o.split.empty()) cfg.fail("split", "is empty; write e.g. \"969,30,1\"");

@@ -85,17 +85,22 @@ class RegexSplitter {
   RegexSplitter(const RegexSplitter&) = delete;
   RegexSplitter& operator=(const RegexSplitter&) = delete;
   // Calls fn(word) for each word of `text` (valid UTF-8), in order.
+  // An empty match makes no word but still cuts: the text before it is a
+  // gap of its own (as the tokenizers library's Isolated split does), and
+  // the search moves on one character while that character stays in the
+  // next gap -- never dropped.
   template <typename Fn>
   void split(std::string_view text, Fn&& fn) const {
-    std::size_t pos = 0;
+    std::size_t pos = 0, gap = 0;  // search from pos; text from gap on is not yet handed out
     while (pos < text.size()) {
       std::size_t b, e;
       if (!next(text, pos, b, e)) break;
-      if (keep_gaps_ && b > pos) fn(text.substr(pos, b - pos));
+      if (keep_gaps_ && b > gap) fn(text.substr(gap, b - gap));
       if (e > b) fn(text.substr(b, e - b));
+      gap = e;
       pos = e > b ? e : b + utf8_len(text, b);
     }
-    if (keep_gaps_ && pos < text.size()) fn(text.substr(pos));
+    if (keep_gaps_ && gap < text.size()) fn(text.substr(gap));
   }
   // The pattern as PCRE2 compiled it (after the \s rewrite), for messages.
   const std::string& compiled_pattern() const { return pattern_; }

@@ -1,8 +1,9 @@
 // Hugging Face tokenizer.json files of byte-level BPE type (GPT-2, Llama 3,
-// Qwen, ...): model.type "BPE" with a byte-level alphabet, pre_tokenizer
+// ...): model.type "BPE" with a byte-level alphabet, pre_tokenizer
 // ByteLevel or a Sequence of Split (regex, "Isolated") stages and a
 // ByteLevel, no normalizer. Anything else is refused by name rather than
 // tokenized differently from the reference.
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 
@@ -11,11 +12,16 @@
 #include "data/tokenizers/bpe.hpp"
 #include "data/tokenizers/formats.hpp"
 #include "loom/error.hpp"
+#include "loom/log.hpp"
 
 namespace loom::data {
 namespace {
 
 using nlohmann::json;
+
+// Far above any real vocabulary (Llama 3: 128256, Gemma: 262144), far below
+// what would make the piece table exhaust memory.
+constexpr int64_t kMaxId = int64_t{1} << 24;
 
 // GPT-2's pre-tokenizer, used by ByteLevel when use_regex is true.
 constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
@@ -67,6 +73,9 @@ class HfBpeTokenizer final : public Tokenizer {
     } catch (const json::exception& e) {
       throw Error(cat("tokenizer '", path, "' is not valid JSON (", e.what(), "); an HF tokenizer.json was expected"));
     }
+    if (!j.is_object())
+      throw Error(cat("tokenizer '", path, "' is JSON but not an object; an HF tokenizer.json is an object with ",
+                      "\"model\", \"pre_tokenizer\" and \"added_tokens\""));
     try {
       load(j, opt);
     } catch (const json::exception& e) {
@@ -81,16 +90,7 @@ class HfBpeTokenizer final : public Tokenizer {
   uint32_t eos() const override { return eos_; }
   std::string piece(uint32_t id) const override { return id < pieces_.size() ? pieces_[id] : cat("<", id, ">"); }
 
-  void encode(std::string_view text, std::vector<uint32_t>& out) const override {
-    if (text.empty()) return;
-    if (prefix_space_ && (text.empty() || text.front() != ' ')) {
-      std::string with(" ");
-      with += text;
-      encode_segments(with, out);
-    } else {
-      encode_segments(text, out);
-    }
-  }
+  void encode(std::string_view text, std::vector<uint32_t>& out) const override { encode_segments(text, out); }
 
  private:
   void fail(const std::string& what) const { throw Error(cat("HF tokenizer '", path_, "': ", what)); }
@@ -101,6 +101,10 @@ class HfBpeTokenizer final : public Tokenizer {
     if (type != "BPE")
       fail(cat("model.type is \"", type, "\"; loom reads byte-level BPE tokenizers only (SentencePiece models: pass the "
                "tokenizer.model file instead)"));
+    // A Unigram model's vocab is a list of [piece, score] (older files carry no model.type).
+    if (model.contains("vocab") && model["vocab"].is_array())
+      fail("model.vocab is a list of [piece, score] pairs, as a Unigram model writes it; loom reads byte-level BPE "
+           "tokenizers only (a SentencePiece model: pass its tokenizer.model instead)");
     if (model.contains("dropout") && !model["dropout"].is_null() && model["dropout"].get<double>() != 0.0)
       fail("model.dropout is set; BPE dropout is for training-time augmentation, not for preparing a corpus");
     for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"})
@@ -121,10 +125,15 @@ class HfBpeTokenizer final : public Tokenizer {
 
     const auto map = byte_level_decoder();
     const json& vocab = model.at("vocab");
+    if (!vocab.is_object()) fail("model.vocab is not an object of token -> id");
     std::string raw;
     std::unordered_map<std::string, uint32_t> ids;  // the vocabulary's own strings
     uint32_t max_id = 0;
     for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+      // Checked before use: a negative or huge id would size the piece table from it.
+      if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 || it.value().get<int64_t>() >= kMaxId)
+        fail(cat("model.vocab gives \"", it.key(), "\" the id ", it.value().dump(), "; ids are integers in [0, ", kMaxId,
+                 ")"));
       const auto id = it.value().get<uint32_t>();
       ids.emplace(it.key(), id);
       max_id = std::max(max_id, id);
@@ -158,10 +167,32 @@ class HfBpeTokenizer final : public Tokenizer {
 
     pieces_.assign(max_id + 1, std::string());
     for (auto& [s, id] : ids) pieces_[id] = s;
+    // Added tokens get the ids the tokenizers library gives them when it
+    // loads the file, which ignores the written "id": a content already
+    // added or in model.vocab keeps that id, any other takes the next one
+    // after the model's vocabulary (AddedVocabulary::add_tokens). Files the
+    // library wrote agree; a hand-edited one is tokenized as the library does.
+    const uint32_t model_size = static_cast<uint32_t>(vocab.size());
+    std::unordered_map<std::string, uint32_t> added_ids;
+    bool any_added = false, warned = false;
+    uint32_t max_added = 0;
     if (j.contains("added_tokens") && j["added_tokens"].is_array())
       for (const json& t : j["added_tokens"]) {
-        const auto id = t.at("id").get<uint32_t>();
+        const auto written = t.at("id").get<int64_t>();
         const std::string content = t.at("content").get<std::string>();
+        uint32_t id;
+        if (auto a = added_ids.find(content); a != added_ids.end()) id = a->second;
+        else if (auto v = ids.find(content); v != ids.end()) id = v->second;
+        else id = !any_added ? model_size : (max_added >= model_size || model_size == 0) ? max_added + 1 : model_size;
+        added_ids.emplace(content, id);
+        max_added = any_added ? std::max(max_added, id) : id;
+        any_added = true;
+        if (written != static_cast<int64_t>(id) && !warned) {
+          log_warn(cat("HF tokenizer '", path_, "': added token \"", content, "\" is written with id ", written,
+                       " but the tokenizers library gives it id ", id, " when it loads the file; loom uses ", id,
+                       " (and the ids after it) as the library does"));
+          warned = true;
+        }
         if (id >= pieces_.size()) pieces_.resize(id + 1);
         pieces_[id] = content;
         ids[content] = id;
@@ -245,34 +276,62 @@ class HfBpeTokenizer final : public Tokenizer {
     if (!byte_level) fail("has no ByteLevel pre-tokenizer, so it is not a byte-level BPE tokenizer");
   }
 
+  // A literal for PCRE2: every ASCII character that is not a letter or digit
+  // behind a backslash (\Q...\E would end early at a "\E" in the string).
   static std::string escape(const std::string& s) {
-    std::string out = "\\Q";
-    out += s;
-    out += "\\E";
+    std::string out;
+    for (char c : s) {
+      const auto u = static_cast<unsigned char>(c);
+      if (u < 0x80 && !std::isalnum(u)) out += '\\';
+      out += c;
+    }
     return out;
   }
 
   // Non-special added tokens are cut out of the text first (as the tokenizers
   // library does); the rest goes through the pre-tokenizer and BPE.
   void encode_segments(std::string_view text, std::vector<uint32_t>& out) const {
+    if (added_.empty()) return segment(text, out);
+    // Each added token's next occurrence, searched again only once a match
+    // has passed it: every token scans the text once in all, where searching
+    // them all from every match took time in (matches x text) -- minutes on
+    // one large document with a few dozen whitespace tokens.
+    constexpr std::size_t npos = std::string_view::npos;
+    std::vector<std::size_t> next(added_.size());
+    for (std::size_t k = 0; k < added_.size(); ++k) next[k] = text.find(added_[k].first);
     std::size_t pos = 0;
-    while (pos < text.size() && !added_.empty()) {
-      std::size_t best = std::string_view::npos, best_len = 0;
+    while (pos < text.size()) {
+      std::size_t best = npos, best_len = 0;
       uint32_t best_id = 0;
-      for (auto& [content, id] : added_) {
-        const std::size_t at = text.find(content, pos);
-        if (at < best || (at == best && content.size() > best_len)) {
-          best = at;
+      for (std::size_t k = 0; k < added_.size(); ++k) {
+        const auto& [content, id] = added_[k];
+        if (next[k] != npos && next[k] < pos) next[k] = text.find(content, pos);
+        if (next[k] < best || (next[k] == best && next[k] != npos && content.size() > best_len)) {
+          best = next[k];
           best_len = content.size();
           best_id = id;
         }
       }
-      if (best == std::string_view::npos) break;
-      stage(0, text.substr(pos, best - pos), out);
+      if (best == npos) break;
+      segment(text.substr(pos, best - pos), out);
       out.push_back(best_id);
       pos = best + best_len;
     }
-    stage(0, text.substr(pos), out);
+    segment(text.substr(pos), out);
+  }
+
+  // One stretch of text between added tokens. ByteLevel's add_prefix_space
+  // applies to each such stretch that does not start with a space, as the
+  // tokenizers library pre-tokenizes every one on its own.
+  void segment(std::string_view piece, std::vector<uint32_t>& out) const {
+    if (piece.empty()) return;
+    if (prefix_space_ && piece.front() != ' ') {
+      std::string with(" ");
+      with += piece;
+      stage(0, with, out);
+      return;
+    }
+    stage(0, piece, out);
   }
 
   void stage(std::size_t i, std::string_view piece, std::vector<uint32_t>& out) const {

@@ -175,7 +175,7 @@ class SpBpe {
       else norm += c;
     }
     const std::string_view s = norm;
-    std::size_t start = 0;
+    std::size_t start = 0, unk_end = std::string_view::npos;
     bool prev_space = false;
     auto flush = [&](std::size_t end) {
       if (end > start) bpe_.encode_word(s.substr(start, end - start), out);
@@ -190,11 +190,13 @@ class SpBpe {
       }
       if (!space && bpe_.find(ch) == BytePairEncoder::kNone) {
         // A character outside the vocabulary: its UTF-8 bytes (byte fallback) or <unk>; nothing merges with it.
+        // A run of such characters is one <unk>, as the library merges adjacent unknown pieces.
         flush(i);
         if (byte_fallback_)
           for (char b : ch) out.push_back(byte_ids_[static_cast<unsigned char>(b)]);
-        else
+        else if (unk_end != i)
           out.push_back(unk_);
+        unk_end = i + n;
         start = i + n;
       }
       prev_space = space;

@@ -56,6 +56,17 @@ class TiktokenTokenizer final : public Tokenizer {
  public:
   TiktokenTokenizer(const std::string& path, const std::string& bytes, const TokenizerOptions& opt)
       : splitter_(kLlama3Pattern, false, cat("tiktoken file '", path, "'")) {
+    // A file cut mid-line (a partial download) can end in a line that still
+    // parses, with a shorter rank: say so rather than blame that rank.
+    const bool cut = !bytes.empty() && bytes.back() != '\n';
+    auto truncated = [&](std::size_t at_line, std::size_t last_line) {
+      return cut && at_line == last_line
+                 ? cat(" (the file ends without a newline in that line: it looks truncated; fetch it again)")
+                 : std::string();
+    };
+    std::size_t last_line = 0;
+    for (char c : bytes) last_line += c == '\n';
+    ++last_line;
     std::vector<std::string> by_rank;
     std::size_t line_no = 0, pos = 0;
     std::string tok;
@@ -76,18 +87,20 @@ class TiktokenTokenizer final : public Tokenizer {
       }
       if (!ok)
         throw Error(cat("tiktoken file '", path, "' line ", line_no, " is not \"<base64 token> <rank>\": '",
-                        std::string(line.substr(0, 80)), "'"));
+                        std::string(line.substr(0, 80)), "'", truncated(line_no, last_line)));
       if (rank >= by_rank.size()) by_rank.resize(rank + 1);
       if (!by_rank[rank].empty())
-        throw Error(cat("tiktoken file '", path, "' line ", line_no, ": rank ", rank, " is given twice"));
+        throw Error(cat("tiktoken file '", path, "' line ", line_no, ": rank ", rank, " is given twice",
+                        truncated(line_no, last_line)));
       by_rank[rank] = tok;
     }
     for (std::size_t r = 0; r < by_rank.size(); ++r)
       if (by_rank[r].empty())
         throw Error(cat("tiktoken file '", path, "' has no token of rank ", r, " (ranks must be 0..", by_rank.size() - 1,
-                        " without gaps); the file is damaged"));
+                        " without gaps); the file is damaged", truncated(last_line, last_line)));
     if (by_rank.size() != kLlama3Ranks)
-      throw Error(cat("tiktoken file '", path, "' has ", by_rank.size(), " ranks; loom knows the pre-tokenizer and special ",
+      throw Error(cat("tiktoken file '", path, "' has ", by_rank.size(), " ranks", truncated(last_line, last_line),
+                      "; loom knows the pre-tokenizer and special ",
                       "tokens of Llama 3's (", kLlama3Ranks, " ranks), which the file itself does not carry. Convert ",
                       "this vocabulary to an HF tokenizer.json (which records both) and pass that instead"));
     base_ = static_cast<uint32_t>(by_rank.size());

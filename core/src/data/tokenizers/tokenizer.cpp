@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "data/byte_tokenizer.hpp"
@@ -86,6 +87,17 @@ class BytesTokenizer final : public Tokenizer {
 std::unique_ptr<Tokenizer> make_byte_tokenizer() { return std::make_unique<BytesTokenizer>(); }
 
 std::string read_tokenizer_file(const std::string& path) {
+  // A directory opens as a stream and fails on the first read; name it instead,
+  // and the tokenizer file it holds when there is one.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    std::string hint;
+    for (const char* name : {"tokenizer.model", "tokenizer.json"})
+      if (std::filesystem::is_regular_file(std::filesystem::path(path) / name, ec))
+        hint += cat(hint.empty() ? "; e.g. --tokenizer " : " or ", (std::filesystem::path(path) / name).string());
+    throw Error(cat("tokenizer '", path, "' is a directory; give the tokenizer file itself (a SentencePiece or tiktoken ",
+                    "tokenizer.model, or an HF tokenizer.json)", hint));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in)
     throw Error(cat("cannot read tokenizer '", path, "': ", std::strerror(errno),
@@ -101,7 +113,8 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path, const Tokeniz
   if (bytes.empty()) throw Error(cat("tokenizer '", path, "' is empty"));
   std::size_t first = 0;
   while (first < bytes.size() && std::strchr(" \t\r\n", bytes[first])) ++first;
-  if (first < bytes.size() && bytes[first] == '{') return load_hf_tokenizer(path, bytes, opt);
+  // '[' too: a JSON array is refused by the HF loader as JSON, not as "no format".
+  if (first < bytes.size() && (bytes[first] == '{' || bytes[first] == '[')) return load_hf_tokenizer(path, bytes, opt);
   if (looks_like_tiktoken(bytes)) return load_tiktoken(path, bytes, opt);
   // A SentencePiece model is a serialized ModelProto whose first field is the
   // repeated `pieces` (field 1, length-delimited: tag byte 0x0a).
