@@ -1,0 +1,321 @@
+// FP8 on the host: the E4M3/E5M2 codecs against references computed here
+// from the bit fields and by brute force.
+//
+// Tolerances. The codecs are exact: codes and values are compared bitwise.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "loom/fp8.hpp"
+
+namespace {
+
+using loom::fp8::Format;
+using loom::fp8::Overflow;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+const Format kFormats[] = {Format::e4m3, Format::e5m2};
+
+const char* fmt_name(Format f) { return f == Format::e4m3 ? "e4m3" : "e5m2"; }
+
+uint32_t bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+// ---- An independent reference: the value of a code from its bit fields -----
+// (the specification's formula through std::ldexp, in double; nothing of
+// loom/fp8.hpp is used).
+struct FieldSpec {
+  int exp_bits, man_bits, bias;
+  bool ieee_specials;  // E5M2: exponent all ones is inf/NaN; E4M3: only S.1111.111 is NaN
+};
+FieldSpec spec(Format f) { return f == Format::e4m3 ? FieldSpec{4, 3, 7, false} : FieldSpec{5, 2, 15, true}; }
+
+double reference_value(int code, Format f) {
+  const FieldSpec s = spec(f);
+  const int sign = (code >> 7) & 1;
+  const int e = (code >> s.man_bits) & ((1 << s.exp_bits) - 1);
+  const int m = code & ((1 << s.man_bits) - 1);
+  const int e_all = (1 << s.exp_bits) - 1, m_all = (1 << s.man_bits) - 1;
+  double v;
+  if (s.ieee_specials && e == e_all) v = m == 0 ? std::numeric_limits<double>::infinity() : std::nan("");
+  else if (!s.ieee_specials && e == e_all && m == m_all) v = std::nan("");
+  else if (e == 0) v = std::ldexp(static_cast<double>(m), 1 - s.bias - s.man_bits);  // subnormal: 0.m * 2^(1-bias)
+  else v = std::ldexp(static_cast<double>((1 << s.man_bits) + m), e - s.bias - s.man_bits);  // 1.m * 2^(e-bias)
+  return sign ? -v : v;
+}
+bool reference_finite(int code, Format f) { return std::isfinite(reference_value(code, f)); }
+
+// Round to nearest even by brute force: the finite code of x's sign nearest
+// to x, the even code (mantissa LSB 0) on a tie. Values beyond max land on max
+// (the nearest finite code), which is what saturation means.
+//
+// Within the codes' range the distances that decide (to the codes on either
+// side of x, which share x's magnitude) are exact in double. Beyond the
+// largest finite value they are not: for x = 1e24 the differences to 57344
+// and 49152 round to the same double and would fake a tie, so there the
+// nearest code is taken as what it is, the largest (every distance is
+// |x| - v, smallest for the largest v).
+uint8_t brute_force_encode(double x, Format f) {
+  const int sign = std::signbit(x) ? 0x80 : 0;
+  int largest = 0;
+  for (int mag = 0; mag < 128; ++mag)
+    if (reference_finite(mag, f) && reference_value(mag, f) > reference_value(largest, f)) largest = mag;
+  if (std::fabs(x) >= reference_value(largest, f)) return static_cast<uint8_t>(sign | largest);
+  int best = -1;
+  double best_d = 0;
+  for (int mag = 0; mag < 128; ++mag) {
+    const int c = sign | mag;
+    if (!reference_finite(c, f)) continue;
+    const double d = std::fabs(reference_value(c, f) - x);
+    if (best < 0 || d < best_d || (d == best_d && (c & 1) == 0)) {
+      best = c;
+      best_d = d;
+    }
+  }
+  return static_cast<uint8_t>(best);
+}
+
+// ============================== formats ==============================
+
+TEST(Fp8Format, Every256CodesDecodeToTheBitFieldReference) {
+  for (Format f : kFormats) {
+    int nans = 0, infs = 0;
+    for (int c = 0; c < 256; ++c) {
+      const double ref = reference_value(c, f);
+      const float got = loom::fp8::decode(static_cast<uint8_t>(c), f);
+      if (std::isnan(ref)) {
+        ++nans;
+        EXPECT_TRUE(std::isnan(got)) << fmt_name(f) << " code 0x" << std::hex << c << " decodes to " << got
+                                     << ", not NaN";
+        continue;
+      }
+      if (std::isinf(ref)) ++infs;
+      // Bitwise: the value and the sign of zero. Every FP8 value is exact in fp32.
+      EXPECT_EQ(bits(got), bits(static_cast<float>(ref)))
+          << fmt_name(f) << " code 0x" << std::hex << c << std::dec << " decodes to " << got << ", reference " << ref;
+    }
+    // The formats' specials: E4M3 has 2 NaN codes and no inf; E5M2 6 NaNs and ±inf.
+    EXPECT_EQ(nans, f == Format::e4m3 ? 2 : 6) << fmt_name(f) << " NaN codes";
+    EXPECT_EQ(infs, f == Format::e4m3 ? 0 : 2) << fmt_name(f) << " inf codes";
+  }
+}
+
+TEST(Fp8Format, ConstantsMatchTheReference) {
+  EXPECT_EQ(reference_value(loom::fp8::max_code(Format::e4m3), Format::e4m3), 448.0);
+  EXPECT_EQ(reference_value(loom::fp8::max_code(Format::e5m2), Format::e5m2), 57344.0);
+  EXPECT_EQ(loom::fp8::max_value(Format::e4m3), 448.0f);
+  EXPECT_EQ(loom::fp8::max_value(Format::e5m2), 57344.0f);
+  EXPECT_EQ(reference_value(1, Format::e4m3), std::ldexp(1.0, -9));   // smallest subnormal
+  EXPECT_EQ(reference_value(1, Format::e5m2), std::ldexp(1.0, -16));
+  EXPECT_EQ(reference_value(0x08, Format::e4m3), std::ldexp(1.0, -6));  // smallest normal
+  EXPECT_EQ(reference_value(0x04, Format::e5m2), std::ldexp(1.0, -14));
+  for (Format f : kFormats) {
+    EXPECT_EQ(loom::fp8::subnormal_unit(f), static_cast<float>(reference_value(1, f))) << fmt_name(f);
+    EXPECT_TRUE(std::isnan(reference_value(loom::fp8::kNaNCode, f))) << fmt_name(f);
+  }
+  EXPECT_TRUE(std::isnan(reference_value(loom::fp8::overflow_code(Format::e4m3), Format::e4m3)));
+  EXPECT_EQ(reference_value(loom::fp8::overflow_code(Format::e5m2), Format::e5m2),
+            std::numeric_limits<double>::infinity());
+}
+
+TEST(Fp8Format, EveryNonNaNCodeRoundTrips) {
+  for (Format f : kFormats) {
+    for (int c = 0; c < 256; ++c) {
+      const double ref = reference_value(c, f);
+      if (std::isnan(ref)) continue;
+      const float v = loom::fp8::decode(static_cast<uint8_t>(c), f);
+      // Without saturation every non-NaN code, ±inf included, comes back (±0 by its sign).
+      EXPECT_EQ(loom::fp8::encode(v, f, Overflow::to_special), c)
+          << fmt_name(f) << " code 0x" << std::hex << c << " (value " << v << ") under to_special";
+      // Saturating (TE's casts) keeps every finite code; ±inf becomes ±max (.satfinite).
+      const int expect_sat = std::isinf(ref) ? ((c & 0x80) | loom::fp8::max_code(f)) : c;
+      EXPECT_EQ(loom::fp8::encode(v, f), expect_sat)
+          << fmt_name(f) << " code 0x" << std::hex << c << " (value " << v << ") saturating";
+    }
+  }
+}
+
+TEST(Fp8Format, RandomValuesEncodeAsTheBruteForceNearestEven) {
+  std::mt19937_64 gen(20261126);
+  std::uniform_int_distribution<uint32_t> any_bits;
+  std::uniform_real_distribution<double> unit(1.0, 2.0);
+  std::uniform_int_distribution<int> exponent(-20, 17);  // the two formats' range and beyond, both ends
+  for (Format f : kFormats) {
+    int checked = 0;
+    for (int i = 0; i < 100000; ++i) {
+      float x;
+      if (i % 2 == 0) {
+        // Any fp32 bit pattern but NaN/inf: mostly far outside FP8's range (saturation, zero).
+        const uint32_t u = any_bits(gen);
+        std::memcpy(&x, &u, sizeof x);
+        if (!std::isfinite(x)) continue;
+      } else {
+        // Log-uniform over FP8's range, with a random sign: normals, subnormals, saturation.
+        x = static_cast<float>(std::ldexp(unit(gen), exponent(gen)));
+        if (gen() & 1) x = -x;
+      }
+      const uint8_t want = brute_force_encode(x, f);
+      ASSERT_EQ(loom::fp8::encode(x, f), want)
+          << fmt_name(f) << " x=" << x << " (bits 0x" << std::hex << bits(x) << ") reference code 0x" << int{want};
+      ++checked;
+    }
+    EXPECT_GT(checked, 90000) << fmt_name(f);
+  }
+}
+
+TEST(Fp8Format, MidpointsBetweenNeighboursRoundToEven) {
+  for (Format f : kFormats) {
+    const int maxc = loom::fp8::max_code(f);
+    for (int sign : {0, 0x80}) {
+      for (int c = 0; c < maxc; ++c) {
+        const int lo = sign | c, hi = sign | (c + 1);
+        const double a = reference_value(lo, f), b = reference_value(hi, f);
+        // Exact in fp32: FP8 values have at most 4 significant bits, their midpoints 5.
+        const float mid = static_cast<float>((a + b) / 2);
+        ASSERT_EQ(static_cast<double>(mid), (a + b) / 2) << "midpoint not exact in fp32";
+        const int even = (lo & 1) == 0 ? lo : hi;
+        EXPECT_EQ(loom::fp8::encode(mid, f), even) << fmt_name(f) << " midpoint " << mid << " of codes 0x" << std::hex
+                                                   << lo << " and 0x" << hi;
+        EXPECT_EQ(loom::fp8::encode(mid, f), brute_force_encode(mid, f)) << fmt_name(f) << " midpoint " << mid;
+        // One fp32 ulp either side decides it.
+        const float toward_b = std::nextafter(mid, static_cast<float>(b));
+        const float toward_a = std::nextafter(mid, static_cast<float>(a));
+        EXPECT_EQ(loom::fp8::encode(toward_b, f), hi) << fmt_name(f) << " x=" << toward_b;
+        EXPECT_EQ(loom::fp8::encode(toward_a, f), lo) << fmt_name(f) << " x=" << toward_a;
+      }
+    }
+  }
+}
+
+TEST(Fp8Format, SaturationAndOverflow) {
+  // Beyond max: saturating gives ±max; to_special gives E5M2 ±inf and E4M3 NaN
+  // from the midpoint to the next power of two on (E4M3: 464 ties to the even
+  // 448 = 1.110b·2^8; E5M2: 61440 ties to the even 2^16, i.e. inf).
+  struct Case {
+    Format f;
+    float x;
+    int saturated, special;
+  };
+  const Case cases[] = {
+      {Format::e4m3, 448.0f, 0x7E, 0x7E},          {Format::e4m3, 464.0f, 0x7E, 0x7E},
+      {Format::e4m3, std::nextafter(464.0f, 1e9f), 0x7E, 0x7F},
+      {Format::e4m3, 1e30f, 0x7E, 0x7F},           {Format::e4m3, FLT_MAX, 0x7E, 0x7F},
+      {Format::e4m3, kInf, 0x7E, 0x7F},            {Format::e4m3, -500.0f, 0xFE, 0xFF},
+      {Format::e4m3, -kInf, 0xFE, 0xFF},           {Format::e5m2, 57344.0f, 0x7B, 0x7B},
+      {Format::e5m2, std::nextafter(61440.0f, 0.0f), 0x7B, 0x7B},
+      {Format::e5m2, 61440.0f, 0x7B, 0x7C},        {Format::e5m2, 1e30f, 0x7B, 0x7C},
+      {Format::e5m2, kInf, 0x7B, 0x7C},            {Format::e5m2, -FLT_MAX, 0xFB, 0xFC},
+      {Format::e5m2, -kInf, 0xFB, 0xFC},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(loom::fp8::encode(c.x, c.f), c.saturated) << fmt_name(c.f) << " x=" << c.x << " saturating";
+    EXPECT_EQ(loom::fp8::encode(c.x, c.f, Overflow::to_special), c.special) << fmt_name(c.f) << " x=" << c.x;
+  }
+}
+
+TEST(Fp8Format, NaNStaysNaN) {
+  const uint32_t nan_bits[] = {0x7FC00000u, 0xFFC00000u, 0x7F800001u /* signalling */, 0xFFFFFFFFu};
+  for (Format f : kFormats) {
+    for (uint32_t u : nan_bits) {
+      float x;
+      std::memcpy(&x, &u, sizeof x);
+      for (Overflow o : {Overflow::saturate, Overflow::to_special}) {
+        const uint8_t c = loom::fp8::encode(x, f, o);
+        EXPECT_TRUE(std::isnan(reference_value(c, f)))
+            << fmt_name(f) << " NaN bits 0x" << std::hex << u << " encode to 0x" << int{c} << ", not a NaN code";
+      }
+    }
+  }
+}
+
+TEST(Fp8Format, SubnormalsAndSignedZero) {
+  const double u4 = std::ldexp(1.0, -9), u5 = std::ldexp(1.0, -16);  // subnormal units
+  struct Case {
+    Format f;
+    double x;
+    int code;
+  };
+  const Case cases[] = {
+      {Format::e4m3, 1 * u4, 0x01},    {Format::e4m3, 3 * u4, 0x03},   {Format::e4m3, 7 * u4, 0x07},
+      {Format::e4m3, 0.5 * u4, 0x00},  // tie between 0 and 1: even 0
+      {Format::e4m3, 1.5 * u4, 0x02},  // tie between 1 and 2: even 2
+      {Format::e4m3, 2.5 * u4, 0x02},  // tie between 2 and 3: even 2
+      {Format::e4m3, 7.5 * u4, 0x08},  // tie between the largest subnormal 7 and the smallest normal 8 (2^-6)
+      {Format::e4m3, 0.25 * u4, 0x00}, {Format::e4m3, -0.75 * u4, 0x81},
+      {Format::e4m3, std::ldexp(1.0, -6), 0x08}, {Format::e4m3, std::ldexp(1.0, -7), 0x04},
+      {Format::e5m2, 1 * u5, 0x01},    {Format::e5m2, 3 * u5, 0x03},
+      {Format::e5m2, 0.5 * u5, 0x00},  {Format::e5m2, 3.5 * u5, 0x04},  // tie 3|4 -> even 4 = 2^-14, smallest normal
+      {Format::e5m2, -2.5 * u5, 0x82}, {Format::e5m2, std::ldexp(1.0, -15), 0x02},
+  };
+  for (const Case& c : cases) {
+    const float x = static_cast<float>(c.x);
+    EXPECT_EQ(loom::fp8::encode(x, c.f), c.code) << fmt_name(c.f) << " x=" << x;
+    EXPECT_EQ(loom::fp8::encode(x, c.f), brute_force_encode(x, c.f)) << fmt_name(c.f) << " x=" << x;
+  }
+  for (Format f : kFormats) {
+    EXPECT_EQ(loom::fp8::encode(0.0f, f), 0x00) << fmt_name(f);
+    EXPECT_EQ(loom::fp8::encode(-0.0f, f), 0x80) << fmt_name(f);
+    EXPECT_EQ(loom::fp8::encode(-1e-30f, f), 0x80) << fmt_name(f) << ": a tiny negative is -0";
+    EXPECT_EQ(loom::fp8::encode(-1e-45f, f), 0x80) << fmt_name(f) << ": an fp32 subnormal is a signed zero";
+    EXPECT_EQ(loom::fp8::encode(1e-45f, f), 0x00) << fmt_name(f);
+    const float nz = loom::fp8::decode(0x80, f);
+    EXPECT_TRUE(nz == 0.0f && std::signbit(nz)) << fmt_name(f) << " code 0x80 decodes to " << nz << ", not -0";
+  }
+}
+
+TEST(Fp8Format, BatchedCastsMatchTheScalarOnesWithAScale) {
+  std::mt19937_64 gen(7);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  // Over 2 chunks of the parallel loops, with an odd tail.
+  std::vector<float> x(40000 + 17);
+  for (auto& v : x) v = normal(gen);
+  x[5] = -0.0f;
+  x[9] = 1e6f;  // saturates after scaling
+  for (Format f : kFormats) {
+    float want_amax = 0;
+    for (float v : x) want_amax = std::max(want_amax, std::fabs(v));
+    const float scale = loom::fp8::max_value(f) / 8.0f;  // 8 ~ 2.7 sigma: the tail saturates
+    std::vector<uint8_t> q(x.size());
+    EXPECT_EQ(loom::fp8::quantize(x.data(), static_cast<int64_t>(x.size()), scale, f, q.data()), want_amax);
+    std::vector<float> y(x.size()), fused(x.size()), inplace = x;
+    loom::fp8::dequantize(q.data(), static_cast<int64_t>(q.size()), scale, f, y.data());
+    EXPECT_EQ(loom::fp8::quantize_dequantize(x.data(), static_cast<int64_t>(x.size()), scale, f, fused.data()),
+              want_amax);
+    EXPECT_EQ(loom::fp8::quantize_dequantize(inplace.data(), static_cast<int64_t>(x.size()), scale, f,
+                                             inplace.data()),
+              want_amax)
+        << "in place";
+    for (size_t i = 0; i < x.size(); ++i) {
+      const uint8_t c = loom::fp8::encode(x[i] * scale, f);
+      ASSERT_EQ(q[i], c) << fmt_name(f) << " x[" << i << "]=" << x[i];
+      const float want = loom::fp8::decode(c, f) / scale;
+      ASSERT_EQ(bits(y[i]), bits(want)) << fmt_name(f) << " x[" << i << "]=" << x[i];
+      ASSERT_EQ(bits(fused[i]), bits(want)) << fmt_name(f) << " x[" << i << "]=" << x[i];
+      ASSERT_EQ(bits(inplace[i]), bits(want)) << fmt_name(f) << " x[" << i << "]=" << x[i];
+    }
+    EXPECT_EQ(q[9], loom::fp8::max_code(f)) << "1e6 * scale saturates";
+    EXPECT_EQ(q[5], 0x80) << "-0 keeps its sign";
+  }
+  // amax: NaN anywhere (also in the second chunk) makes it NaN; empty is 0.
+  std::vector<float> z(40000, 1.0f);
+  z[39000] = kNaN;
+  EXPECT_TRUE(std::isnan(loom::fp8::amax(z.data(), static_cast<int64_t>(z.size()))));
+  z[39000] = -kInf;
+  EXPECT_EQ(loom::fp8::amax(z.data(), static_cast<int64_t>(z.size())), kInf);
+  EXPECT_EQ(loom::fp8::amax(z.data(), 0), 0.0f);
+}
+
+}  // namespace
