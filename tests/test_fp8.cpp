@@ -1,7 +1,9 @@
 // FP8 on the host: the E4M3/E5M2 codecs against references computed here
-// from the bit fields and by brute force.
+// from the bit fields and by brute force, and the delayed/current scaling
+// state against hand-computed sequences and its edge cases.
 //
-// Tolerances. The codecs are exact: codes and values are compared bitwise.
+// Tolerances. The codecs and the scaling arithmetic are exact: codes and
+// scales are compared bitwise (EXPECT_EQ on floats).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,12 +17,20 @@
 #include <string>
 #include <vector>
 
+#include "loom/error.hpp"
 #include "loom/fp8.hpp"
+#include "loom/fp8_scaling.hpp"
 
 namespace {
 
+using loom::fp8::AmaxAlgo;
 using loom::fp8::Format;
+using loom::fp8::Formats;
 using loom::fp8::Overflow;
+using loom::fp8::Role;
+using loom::fp8::Scaling;
+using loom::fp8::ScalingConfig;
+using loom::fp8::ScalingState;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -316,6 +326,245 @@ TEST(Fp8Format, BatchedCastsMatchTheScalarOnesWithAScale) {
   z[39000] = -kInf;
   EXPECT_EQ(loom::fp8::amax(z.data(), static_cast<int64_t>(z.size())), kInf);
   EXPECT_EQ(loom::fp8::amax(z.data(), 0), 0.0f);
+}
+
+// ============================== scaling ==============================
+
+ScalingConfig delayed(int len, AmaxAlgo algo, int margin = 0, Formats formats = Formats::hybrid) {
+  ScalingConfig c;
+  c.scaling = Scaling::delayed;
+  c.formats = formats;
+  c.amax_history_len = len;
+  c.amax_compute_algo = algo;
+  c.margin = margin;
+  return c;
+}
+
+// Runs one linear through steps of (x, w, dy) amaxes; returns the scales after each step.
+struct Triple {
+  float x, w, dy;
+};
+std::vector<Triple> run_steps(ScalingState& s, const std::vector<Triple>& amaxes) {
+  std::vector<Triple> out;
+  for (const Triple& a : amaxes) {
+    s.record_amax(0, Role::x, a.x);
+    s.record_amax(0, Role::w, a.w);
+    s.record_amax(0, Role::dy, a.dy);
+    s.update_scales();
+    out.push_back({s.scale(0, Role::x), s.scale(0, Role::w), s.scale(0, Role::dy)});
+  }
+  return out;
+}
+
+TEST(Fp8Scaling, DelayedMaxOverTheHistory) {
+  ScalingState s(delayed(3, AmaxAlgo::max));
+  s.add_linear("layer.0.q_proj");
+  // hybrid: x and w are E4M3 (max 448), dy E5M2 (max 57344).
+  const auto got = run_steps(s, {{2, 1, 8}, {4, 1, 0.5f}, {1, 1, 0.5f}, {1, 1, 0.5f}, {1, 0.25f, 0.5f}});
+  // history len 3: the window is the last 3 steps' amaxes, this one included.
+  const Triple want[] = {
+      {448.0f / 2, 448.0f / 1, 57344.0f / 8},  // x {2} -> 224; w {1} -> 448; dy {8} -> 7168
+      {448.0f / 4, 448.0f / 1, 57344.0f / 8},  // x {2,4} -> 112; dy {8,.5} -> 7168
+      {448.0f / 4, 448.0f / 1, 57344.0f / 8},  // x {2,4,1} -> 112; dy {8,.5,.5} -> 7168
+      {448.0f / 4, 448.0f / 1, 57344.0f / 0.5f},  // x {4,1,1} -> 112; dy {.5,.5,.5} -> 114688
+      {448.0f / 1, 448.0f / 1, 57344.0f / 0.5f},  // x {1,1,1} -> 448; w {1,1,.25} -> 448
+  };
+  ASSERT_EQ(got.size(), 5u);
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].x, want[i].x) << "step " << i + 1 << " x";
+    EXPECT_EQ(got[i].w, want[i].w) << "step " << i + 1 << " w";
+    EXPECT_EQ(got[i].dy, want[i].dy) << "step " << i + 1 << " dy";
+  }
+  EXPECT_EQ(s.history(0, Role::x), (std::vector<float>{1, 1, 1})) << "newest first";
+  EXPECT_EQ(s.history(0, Role::w), (std::vector<float>{0.25f, 1, 1}));
+  EXPECT_EQ(s.scale_inv(0, Role::x), 1.0f / 448.0f);
+  EXPECT_EQ(s.steps(), 5);
+  EXPECT_EQ(s.skipped_updates(), 0);
+}
+
+TEST(Fp8Scaling, DelayedMostRecent) {
+  ScalingState s(delayed(3, AmaxAlgo::most_recent));
+  s.add_linear("l");
+  const auto got = run_steps(s, {{2, 1, 8}, {4, 1, 0.5f}, {1, 1, 0.5f}, {1, 1, 2}});
+  // Only this step's amax counts: x 2,4,1,1 -> 224,112,448,448; dy 8,.5,.5,2 -> 7168,114688,114688,28672.
+  const float want_x[] = {224, 112, 448, 448}, want_dy[] = {7168, 114688, 114688, 28672};
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(got[i].x, want_x[i]) << "step " << i + 1;
+    EXPECT_EQ(got[i].dy, want_dy[i]) << "step " << i + 1;
+  }
+  // The history still records the window (for a later switch of algorithm and for the log).
+  EXPECT_EQ(s.history(0, Role::x), (std::vector<float>{1, 1, 4}));
+}
+
+TEST(Fp8Scaling, HistoryLengthOneIsTheCurrentStepForBothAlgorithms) {
+  for (AmaxAlgo algo : {AmaxAlgo::max, AmaxAlgo::most_recent}) {
+    ScalingState s(delayed(1, algo));
+    s.add_linear("l");
+    const auto got = run_steps(s, {{2, 1, 1}, {4, 1, 1}, {1, 1, 1}});
+    // x: 448/2, 448/4, 448/1: nothing older is remembered.
+    EXPECT_EQ(got[0].x, 224.0f) << loom::fp8::name(algo);
+    EXPECT_EQ(got[1].x, 112.0f) << loom::fp8::name(algo);
+    EXPECT_EQ(got[2].x, 448.0f) << loom::fp8::name(algo);
+    EXPECT_EQ(s.history(0, Role::x), (std::vector<float>{1}));
+  }
+}
+
+TEST(Fp8Scaling, MarginDividesByAPowerOfTwo) {
+  ScalingState s(delayed(2, AmaxAlgo::max, /*margin=*/2));
+  s.add_linear("l");
+  const auto got = run_steps(s, {{2, 3, 7}});
+  EXPECT_EQ(got[0].x, 56.0f);                  // 448 / 2 / 2^2
+  EXPECT_EQ(got[0].w, 448.0f / 3.0f / 4.0f);   // 149.33333 / 4 = 37.333332 (fp32: the /4 is exact)
+  EXPECT_EQ(got[0].dy, 2048.0f);               // 57344 / 7 = 8192 exactly, / 4
+  // "e4m3" casts the gradient to E4M3 too: 448 / 7 / 2^2 = 16.
+  ScalingState e(delayed(2, AmaxAlgo::max, 2, Formats::e4m3));
+  e.add_linear("l");
+  EXPECT_EQ(run_steps(e, {{2, 3, 7}})[0].dy, 16.0f);
+  EXPECT_EQ(e.format(Role::dy), Format::e4m3);
+  EXPECT_EQ(s.format(Role::dy), Format::e5m2);
+}
+
+TEST(Fp8Scaling, ZeroAndNonFiniteAmaxesKeepTheScaleAndAreCounted) {
+  ScalingState s(delayed(2, AmaxAlgo::max));
+  s.add_linear("l");
+  // Step 1: every amax 0 (a linear that saw only zeros): the scales stay at 1; 3 skips.
+  EXPECT_EQ(run_steps(s, {{0, 0, 0}})[0].x, 1.0f);
+  EXPECT_EQ(s.skipped_updates(), 3);
+  EXPECT_EQ(s.scale_inv(0, Role::dy), 1.0f);
+  // Step 2: good amaxes.
+  auto g = run_steps(s, {{2, 2, 2}})[0];
+  EXPECT_EQ(g.x, 224.0f);
+  EXPECT_EQ(s.skipped_updates(), 3);
+  // Step 3: x inf, w NaN (recorded as +inf, so the all-reduce buffer holds no NaN),
+  // dy NaN written straight into the buffer (as a reduction could): all kept, all counted.
+  s.record_amax(0, Role::x, kInf);
+  s.record_amax(0, Role::w, kNaN);
+  EXPECT_EQ(s.step_amax()[ScalingState::slot(0, Role::w)], kInf);
+  s.record_amax(0, Role::w, 5.0f);  // a later micro-batch does not hide the bad one
+  EXPECT_EQ(s.step_amax()[ScalingState::slot(0, Role::w)], kInf);
+  s.step_amax()[ScalingState::slot(0, Role::dy)] = kNaN;
+  EXPECT_EQ(s.update_scales(), 3);
+  EXPECT_EQ(s.scale(0, Role::x), 224.0f);
+  EXPECT_EQ(s.scale(0, Role::w), 224.0f);
+  EXPECT_EQ(s.scale(0, Role::dy), 28672.0f);  // 57344 / 2
+  EXPECT_EQ(s.skipped_updates(), 6);
+  EXPECT_EQ(s.nonfinite_amaxes(), 3);
+  // The bad step entered the history as 0: with window {0, 1} the next scale is 448 / 1,
+  // not held at 224 by the inf (nor skipped for the window's length).
+  EXPECT_EQ(s.history(0, Role::x), (std::vector<float>{0, 2}));
+  EXPECT_EQ(run_steps(s, {{1, 1, 1}})[0].x, 448.0f);
+  EXPECT_EQ(s.skipped_updates(), 6);
+  for (int64_t t = 0; t < s.tensors(); ++t) {
+    EXPECT_TRUE(std::isfinite(s.scales()[t]) && s.scales()[t] > 0) << "scale " << t << " = " << s.scales()[t];
+    EXPECT_TRUE(std::isfinite(s.scale_invs()[t]) && s.scale_invs()[t] > 0) << "scale_inv " << t;
+  }
+}
+
+TEST(Fp8Scaling, ExtremeAmaxesNeverGiveAnInfOrZeroScale) {
+  ScalingState s(delayed(1, AmaxAlgo::max, /*margin=*/126));
+  s.add_linear("l");
+  // x: amax 1e-39 (fp32 subnormal): 448 / 1e-39 overflows, so the scale is FLT_MAX (TE).
+  // w: amax FLT_MAX: 448 / 3.4e38 / 2^126 = 1.6e-74 underflows to 0: kept (1) and counted.
+  // dy: amax FLT_MIN (2^-126): 57344 / 2^-126 overflows: FLT_MAX.
+  run_steps(s, {{1e-39f, FLT_MAX, FLT_MIN}});
+  EXPECT_EQ(s.scale(0, Role::x), FLT_MAX);
+  EXPECT_EQ(s.scale(0, Role::w), 1.0f);
+  EXPECT_EQ(s.scale(0, Role::dy), FLT_MAX);
+  EXPECT_EQ(s.skipped_updates(), 1);
+  EXPECT_GT(s.scale_inv(0, Role::x), 0.0f) << "1 / FLT_MAX is subnormal, not 0";
+  // Without the margin FLT_MAX is an ordinary amax: 448 / FLT_MAX = 1.3e-36, a normal float.
+  ScalingState t(delayed(1, AmaxAlgo::max));
+  t.add_linear("l");
+  run_steps(t, {{1, FLT_MAX, 1}});
+  EXPECT_EQ(t.scale(0, Role::w), 448.0f / FLT_MAX);
+  EXPECT_GT(t.scale(0, Role::w), 0.0f);
+}
+
+TEST(Fp8Scaling, CurrentScalingUsesTheTensorsOwnAmax) {
+  ScalingConfig cfg;
+  cfg.scaling = Scaling::current;
+  ScalingState s(cfg);
+  s.add_linear("a");
+  s.add_linear("b");
+  EXPECT_EQ(s.current_scale(1, Role::x, 2.0f), 224.0f);      // 448 / 2
+  EXPECT_EQ(s.current_scale(1, Role::dy, 2.0f), 28672.0f);   // 57344 / 2 (hybrid: E5M2)
+  EXPECT_EQ(s.current_scale(1, Role::x, 8.0f), 56.0f);       // just in time: the next cast's own amax
+  EXPECT_EQ(s.scale_inv(1, Role::x), 1.0f / 56.0f);
+  EXPECT_EQ(s.current_scale(1, Role::x, 0.0f), 56.0f);       // 0: the previous scale, counted
+  EXPECT_EQ(s.current_scale(1, Role::x, kNaN), 56.0f);       // NaN: the same, counted as non-finite
+  EXPECT_EQ(s.current_scale(0, Role::w, kInf), 1.0f);        // before any good amax: 1
+  EXPECT_EQ(s.skipped_updates(), 3);
+  EXPECT_EQ(s.nonfinite_amaxes(), 2);
+  // The step's amaxes are recorded for the log (max over the casts; NaN as inf) and cleared by the step.
+  EXPECT_EQ(s.step_amax()[ScalingState::slot(1, Role::x)], kInf);
+  EXPECT_EQ(s.step_amax()[ScalingState::slot(1, Role::dy)], 2.0f);
+  EXPECT_EQ(s.update_scales(), 0);
+  EXPECT_EQ(s.step_amax()[ScalingState::slot(1, Role::x)], 0.0f);
+  EXPECT_TRUE(s.history(1, Role::x).empty());
+}
+
+TEST(Fp8Scaling, OneContiguousAmaxBufferReducedAcrossRanksGivesEqualScales) {
+  // Two "ranks" see different amaxes; an elementwise max over the one buffer
+  // (what one all-reduce does) makes every scale equal on both.
+  ScalingState r0(delayed(4, AmaxAlgo::max)), r1(delayed(4, AmaxAlgo::max));
+  for (auto* s : {&r0, &r1})
+    for (int l = 0; l < 3; ++l) s->add_linear("layer." + std::to_string(l));
+  ASSERT_EQ(r0.tensors(), 9);
+  EXPECT_EQ(ScalingState::slot(2, Role::dy), 8);  // linear-major: 3 * linear + role
+  std::mt19937 gen(3);
+  std::uniform_real_distribution<float> u(0.1f, 10.0f);
+  for (int step = 0; step < 6; ++step) {
+    for (int l = 0; l < 3; ++l)
+      for (Role r : {Role::x, Role::w, Role::dy}) {
+        r0.record_amax(l, r, u(gen));
+        r1.record_amax(l, r, u(gen));
+      }
+    for (int64_t t = 0; t < 9; ++t) {
+      const float m = std::max(r0.step_amax()[t], r1.step_amax()[t]);
+      r0.step_amax()[t] = r1.step_amax()[t] = m;
+    }
+    r0.update_scales();
+    r1.update_scales();
+    for (int64_t t = 0; t < 9; ++t) ASSERT_EQ(r0.scales()[t], r1.scales()[t]) << "step " << step << " tensor " << t;
+  }
+  // A slot written through the buffer is the one record_amax writes.
+  r0.record_amax(1, Role::w, 42.0f);
+  EXPECT_EQ(r0.step_amax()[ScalingState::slot(1, Role::w)], 42.0f);
+  EXPECT_EQ(r0.step_amax()[4], 42.0f);
+}
+
+TEST(Fp8Scaling, ConfigErrorsNameTheValue) {
+  auto message = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const loom::Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_NE(message([] { loom::fp8::parse_formats("e5m2"); }).find("'e5m2'"), std::string::npos);
+  EXPECT_NE(message([] { loom::fp8::parse_amax_algo("mean"); }).find("'mean'"), std::string::npos);
+  EXPECT_NE(message([] { loom::fp8::parse_scaling("block"); }).find("'block'"), std::string::npos);
+  EXPECT_EQ(loom::fp8::parse_formats("hybrid"), Formats::hybrid);
+  EXPECT_EQ(loom::fp8::parse_amax_algo("most_recent"), AmaxAlgo::most_recent);
+  EXPECT_EQ(loom::fp8::parse_scaling("current"), Scaling::current);
+  EXPECT_NE(message([] { ScalingState s(delayed(0, AmaxAlgo::max)); }).find("amax_history_len = 0"),
+            std::string::npos);
+  EXPECT_NE(message([] { ScalingState s(delayed(1, AmaxAlgo::max, -1)); }).find("margin = -1"), std::string::npos);
+  EXPECT_NE(message([] { ScalingState s(delayed(1, AmaxAlgo::max, 127)); }).find("margin = 127"), std::string::npos);
+  EXPECT_NE(message([] {
+              ScalingState s(delayed(1, AmaxAlgo::max));
+              s.add_linear("a");
+              s.update_scales();
+              s.add_linear("late");
+            }).find("'late'"),
+            std::string::npos);
+  EXPECT_NE(message([] {
+              ScalingState s(delayed(1, AmaxAlgo::max));
+              s.add_linear("a");
+              s.record_amax(1, Role::x, 1.0f);
+            }).find("linear 1"),
+            std::string::npos);
 }
 
 }  // namespace
