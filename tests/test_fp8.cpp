@@ -1,9 +1,11 @@
 // FP8 on the host: the E4M3/E5M2 codecs against references computed here
-// from the bit fields and by brute force, and the delayed/current scaling
-// state against hand-computed sequences and its edge cases.
+// from the bit fields and by brute force, the delayed/current scaling state
+// against hand-computed sequences and its edge cases, and the emulated FP8
+// GEMMs against fp64 GEMMs.
 //
 // Tolerances. The codecs and the scaling arithmetic are exact: codes and
-// scales are compared bitwise (EXPECT_EQ on floats).
+// scales are compared bitwise (EXPECT_EQ on floats). The GEMM tolerances are
+// derived where they are used.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 
 #include "loom/error.hpp"
 #include "loom/fp8.hpp"
+#include "loom/fp8_emulated.hpp"
 #include "loom/fp8_scaling.hpp"
 
 namespace {
@@ -564,6 +567,214 @@ TEST(Fp8Scaling, ConfigErrorsNameTheValue) {
               s.add_linear("a");
               s.record_amax(1, Role::x, 1.0f);
             }).find("linear 1"),
+            std::string::npos);
+}
+
+// ============================== emulated GEMMs ==============================
+
+using Mat = std::vector<float>;
+
+Mat random_matrix(std::mt19937_64& gen, int64_t rows, int64_t ld, float sigma) {
+  std::normal_distribution<float> d(0.0f, sigma);
+  Mat a(static_cast<size_t>(rows * ld));
+  for (auto& v : a) v = d(gen);
+  return a;
+}
+
+// The quantised operand, computed here with the scalar codec (tested above),
+// not with the batched helpers the GEMMs use.
+Mat fake_quant(const Mat& a, int64_t rows, int64_t cols, int64_t ld, float scale, Format f) {
+  Mat q(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      q[r * cols + c] = loom::fp8::decode(loom::fp8::encode(a[r * ld + c] * scale, f), f) / scale;
+  return q;
+}
+
+float amax_of(const Mat& a, int64_t rows, int64_t cols, int64_t ld) {
+  float m = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) m = std::max(m, std::fabs(a[r * ld + c]));
+  return m;
+}
+
+// C[i, j] = sum_p A(i, p) B(p, j) in fp64, with accessors for the layouts; also
+// sum_p |A(i, p) B(p, j)| for the rounding bound.
+template <typename FA, typename FB>
+void gemm64(int64_t rows, int64_t cols, int64_t inner, FA a, FB b, std::vector<double>& c, std::vector<double>& abs) {
+  c.assign(static_cast<size_t>(rows * cols), 0.0);
+  abs.assign(static_cast<size_t>(rows * cols), 0.0);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      double s = 0, sa = 0;
+      for (int64_t p = 0; p < inner; ++p) {
+        const double t = static_cast<double>(a(i, p)) * static_cast<double>(b(p, j));
+        s += t;
+        sa += std::fabs(t);
+      }
+      c[i * cols + j] = s;
+      abs[i * cols + j] = sa;
+    }
+}
+
+// fp32 accumulation of an inner product of length k, in any summation order
+// (BLAS blocks and uses FMA), errs by at most gamma_k * sum |a_p b_p| with
+// gamma_k = k u / (1 - k u), u = 2^-24 (Higham, Accuracy and Stability, 3.1);
+// the product's own rounding and the final beta = 1 add (one more term: the
+// residual) are covered by taking k + 2 terms. This is a worst case: the
+// observed error is ~sqrt(k) times smaller, so an operand quantised
+// differently (errors of ~1e-2 relative) cannot hide inside it.
+double gamma(int64_t k) {
+  const double u = std::ldexp(1.0, -24);
+  return static_cast<double>(k + 2) * u / (1 - static_cast<double>(k + 2) * u);
+}
+
+TEST(Fp8EmulatedGemm, MatchesAnFp64GemmOfTheSameQuantisedInputs) {
+  std::mt19937_64 gen(11);
+  const int64_t m = 37, k = 300, n = 29;  // odd sizes; strided views for x, y, dy, dx
+  const int64_t ldx = k + 5, ldy = n + 3, lddy = n + 2, lddx = k + 1;
+  const Formats formats = Formats::hybrid;
+  const Format fx = loom::fp8::role_format(formats, Role::x), fw = loom::fp8::role_format(formats, Role::w),
+               fdy = loom::fp8::role_format(formats, Role::dy);
+  ASSERT_EQ(fdy, Format::e5m2) << "hybrid casts gradients to E5M2";
+  const Mat x = random_matrix(gen, m, ldx, 1.0f), w = random_matrix(gen, n, k, 0.05f),
+            dy = random_matrix(gen, m, lddy, 1e-3f), residual = random_matrix(gen, m, ldy, 1.0f);
+  // Delayed-scaling-like scales (not powers of two, so the division in q() rounds).
+  const float sx = 448.0f / amax_of(x, m, k, ldx), sw = 448.0f / amax_of(w, n, k, k),
+              sdy = 57344.0f / amax_of(dy, m, n, lddy) / 2.0f;
+  const Mat qx = fake_quant(x, m, k, ldx, sx, fx), qw = fake_quant(w, n, k, k, sw, fw),
+            qdy = fake_quant(dy, m, n, lddy, sdy, fdy);
+  std::vector<float> ws(static_cast<size_t>(loom::fp8::emulated_workspace_floats(m, k, n)));
+  const loom::fp8::Operand ox{x.data(), ldx, sx, fx}, ow{w.data(), k, sw, fw}, ody{dy.data(), lddy, sdy, fdy};
+  std::vector<double> ref, abs;
+
+  // forward, accumulating onto the residual: y = residual + q(x) q(w)^T
+  Mat y = residual;
+  const auto famax = loom::fp8::emulated_linear_forward(y.data(), ldy, ox, ow, m, k, n, true, ws.data());
+  EXPECT_EQ(famax.first, amax_of(x, m, k, ldx));
+  EXPECT_EQ(famax.second, amax_of(w, n, k, k));
+  gemm64(m, n, k, [&](int64_t i, int64_t p) { return qx[i * k + p]; },
+         [&](int64_t p, int64_t j) { return qw[j * k + p]; }, ref, abs);
+  double worst = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const double r = residual[i * ldy + j];
+      const double err = std::fabs(y[i * ldy + j] - (ref[i * n + j] + r));
+      const double tol = gamma(k) * (abs[i * n + j] + std::fabs(r));
+      worst = std::max(worst, err / tol);
+      ASSERT_LE(err, tol) << "forward y[" << i << "," << j << "]";
+    }
+  EXPECT_EQ(y[ldy - 1], residual[ldy - 1]) << "padding of y's rows untouched";
+  std::printf("forward: worst error / bound = %.3g\n", worst);
+
+  // dgrad: dx = q(dy) q(w)
+  Mat dx(static_cast<size_t>(m * lddx), -7.0f);
+  const auto damax = loom::fp8::emulated_linear_backward_input(dx.data(), lddx, ody, ow, m, k, n, ws.data());
+  EXPECT_EQ(damax.first, amax_of(dy, m, n, lddy));
+  gemm64(m, k, n, [&](int64_t i, int64_t p) { return qdy[i * n + p]; },
+         [&](int64_t p, int64_t j) { return qw[p * k + j]; }, ref, abs);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < k; ++j)
+      ASSERT_LE(std::fabs(dx[i * lddx + j] - ref[i * k + j]), gamma(n) * abs[i * k + j])
+          << "dgrad dx[" << i << "," << j << "]";
+  EXPECT_EQ(dx[lddx - 1], -7.0f) << "padding of dx's rows untouched";
+
+  // wgrad, accumulating onto an earlier micro-batch's dw: dw = dw0 + q(dy)^T q(x)
+  const Mat dw0 = random_matrix(gen, n, k, 1e-3f);
+  Mat dw = dw0;
+  const auto wamax = loom::fp8::emulated_linear_backward_weight(dw.data(), ody, ox, m, k, n, true, ws.data());
+  EXPECT_EQ(wamax.second, amax_of(x, m, k, ldx));
+  gemm64(n, k, m, [&](int64_t i, int64_t p) { return qdy[p * n + i]; },
+         [&](int64_t p, int64_t j) { return qx[p * k + j]; }, ref, abs);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < k; ++j) {
+      const double r = dw0[i * k + j];
+      ASSERT_LE(std::fabs(dw[i * k + j] - (ref[i * k + j] + r)), gamma(m) * (abs[i * k + j] + std::fabs(r)))
+          << "wgrad dw[" << i << "," << j << "]";
+    }
+}
+
+// |q(a) - a| for one element: round to nearest in the normal range errs by at
+// most 2^-(M+1) relative (M mantissa bits: 2^-4 for E4M3, 2^-3 for E5M2); in
+// the subnormal range by half the subnormal unit, over the scale. The fp32
+// product a * s and quotient / s add 2^-24 relative each (2^-22 covers both).
+double quant_error_bound(double a, float scale, Format f) {
+  const double rel = f == Format::e4m3 ? std::ldexp(1.0, -4) : std::ldexp(1.0, -3);
+  return (rel + std::ldexp(1.0, -22)) * std::fabs(a) + 0.5 * loom::fp8::subnormal_unit(f) / scale * (1 + 1e-6);
+}
+
+TEST(Fp8EmulatedGemm, QuantisationErrorIsWithinTheE4M3Bound) {
+  std::mt19937_64 gen(12);
+  const int64_t m = 64, k = 512, n = 48;
+  const Mat x = random_matrix(gen, m, k, 1.0f), w = random_matrix(gen, n, k, 0.02f);
+  const float sx = 448.0f / amax_of(x, m, k, k), sw = 448.0f / amax_of(w, n, k, k);
+  std::vector<float> ws(static_cast<size_t>(loom::fp8::emulated_workspace_floats(m, k, n)));
+  Mat y(static_cast<size_t>(m * n));
+  loom::fp8::emulated_linear_forward(y.data(), n, {x.data(), k, sx, Format::e4m3}, {w.data(), k, sw, Format::e4m3},
+                                     m, k, n, false, ws.data());
+  std::vector<double> exact, abs;
+  gemm64(m, n, k, [&](int64_t i, int64_t p) { return x[i * k + p]; },
+         [&](int64_t p, int64_t j) { return w[j * k + p]; }, exact, abs);
+  // Elementwise, a rigorous bound: |q(x)q(w) - xw| <= ex |w| + |x| ew + ex ew per
+  // term, plus the fp32 accumulation of the quantised products (gamma above).
+  double err2 = 0, ref2 = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double bound = 0, qabs = 0;
+      for (int64_t p = 0; p < k; ++p) {
+        const double a = x[i * k + p], b = w[j * k + p];
+        const double ea = quant_error_bound(a, sx, Format::e4m3), eb = quant_error_bound(b, sw, Format::e4m3);
+        bound += ea * std::fabs(b) + std::fabs(a) * eb + ea * eb;
+        qabs += (std::fabs(a) + ea) * (std::fabs(b) + eb);
+      }
+      bound += gamma(k) * qabs;
+      const double err = std::fabs(y[i * n + j] - exact[i * n + j]);
+      ASSERT_LE(err, bound) << "y[" << i << "," << j << "] = " << y[i * n + j] << ", exact " << exact[i * n + j];
+      err2 += err * err;
+      ref2 += exact[i * n + j] * exact[i * n + j];
+    }
+  // In the aggregate. Rounding errors of Gaussian inputs are spread evenly
+  // over [-half ulp, +half ulp]: an E4M3 operand with significand s in [1, 2)
+  // errs by 2^-4 / s relative at most, RMS 2^-4 / (sqrt(3) s). Independent
+  // errors of the two operands add in quadrature, and the sum over k of
+  // independent terms keeps the ratio, so the relative Frobenius error of the
+  // product is
+  //   at most  sqrt(2) * 2^-4 / sqrt(3) = 0.051      (s = 1 everywhere), and
+  //   about    0.051 * sqrt(E[1/s^2]) = 0.051 * 0.736 = 0.0375
+  // for significands spread log-uniformly over the binade (E[1/s^2] =
+  // (1/2 - 1/8) / ln 2 = 0.541). The lower end, 0.030, fails a GEMM that
+  // quantised one operand only (0.0375 / sqrt(2) = 0.0265) or none (~1e-7);
+  // the upper end one that used E5M2 for either (0.059 and up).
+  const double rel = std::sqrt(err2 / ref2);
+  std::printf("relative Frobenius error of the E4M3 GEMM: %.4f (expected about 0.0375)\n", rel);
+  EXPECT_LE(rel, std::sqrt(2.0) * std::ldexp(1.0, -4) / std::sqrt(3.0));
+  EXPECT_GE(rel, 0.030);
+}
+
+TEST(Fp8EmulatedGemm, BadArgumentsAreRefusedWithTheirValues) {
+  std::vector<float> a(16, 1.0f), ws(64);
+  auto message = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const loom::Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_NE(message([&] {
+              loom::fp8::emulated_linear_forward(a.data(), 2, {a.data(), 2, 0.0f, Format::e4m3},
+                                                 {a.data(), 2, 1.0f, Format::e4m3}, 2, 2, 2, false, ws.data());
+            }).find("scale of x is 0"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              loom::fp8::emulated_linear_forward(a.data(), 2, {a.data(), 1, 1.0f, Format::e4m3},
+                                                 {a.data(), 2, 1.0f, Format::e4m3}, 2, 2, 2, false, ws.data());
+            }).find("row stride of x is 1"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              loom::fp8::emulated_linear_backward_weight(a.data(), {a.data(), 2, 1.0f, Format::e5m2},
+                                                         {a.data(), 2, 1.0f, Format::e4m3}, 2, 2, 2, false, nullptr);
+            }).find("needs 8 floats"),
             std::string::npos);
 }
 
