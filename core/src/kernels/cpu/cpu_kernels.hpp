@@ -15,6 +15,10 @@
 // an order fixed by the shapes alone, so results are bitwise equal for any
 // thread count (run.deterministic and reproducible losses rely on it).
 // Reductions (norms, softmax sums, the loss) accumulate in double.
+//
+// The mixture-of-experts layer (HF Mixtral's sparse MoE block, its routing and
+// its load-balancing loss) is declared in moe.hpp: it carries a saved routing
+// state that the one-op kernels here do not have.
 #pragma once
 #include <cstdint>
 
