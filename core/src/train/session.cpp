@@ -50,6 +50,8 @@ Session::~Session() = default;
 
 void Session::initialise() {
   LOOM_CHECK(!initialised_, "session initialised twice");
+  // A step_N in checkpoint.dir that is no folder would only fail at the save of step N.
+  check_checkpoint_names(cfg_);
   state_->check_memory_fits();  // a plan that cannot fit is refused, not OOM-killed
   state_->allocate();
   // Enough pinned slots for every micro-batch between two log steps (plus an
