@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <string>
 #include <vector>
@@ -796,4 +797,59 @@ TEST(PrepareText, FortunesInstalled) {
   auto src = tokens_source(t, s);
   const auto b = take(*src, s, 2);
   EXPECT_NE(b[0], b[1]);
+}
+
+// Whatever a shard holds (its header's vocabulary, a token id) and whatever
+// data.vocab says, a message never asks for a model.vocab_size above the
+// largest one accepted (2147483647: ids are int32); beyond it, it says so.
+TEST(TokensData, NoMessageAsksForAVocabularyBeyondTheMaximum) {
+  TempDir d;
+  const int64_t max_vocab = 2147483647;
+  std::vector<std::string> messages;
+  // The header's vocabulary.
+  for (const uint32_t header : {1001u, 2147483646u, 2147483647u, 2147483648u, 4294967295u}) {
+    std::vector<uint32_t> t(64, 5);
+    const std::string p = d / ("h" + std::to_string(header) + ".bin");
+    loom::write_token_shard(p, t.data(), t.size(), 4, header);
+    TokensOptions o;
+    o.train = {p};
+    const std::string m = error_of([&] { tokens_source(o, spec(1, 8, 0, 1, 1, 1000)); });
+    EXPECT_NE(m.find(p), std::string::npos) << m;
+    EXPECT_NE(m.find(std::to_string(header)), std::string::npos) << m;
+    messages.push_back(m);
+  }
+  // A token id read (the header gives no vocabulary).
+  for (const uint32_t id : {1500u, 2147483646u, 2147483647u, 4294967295u}) {
+    std::vector<uint32_t> t(64, 5);
+    t[3] = id;
+    const std::string p = d / ("t" + std::to_string(id) + ".bin");
+    loom::write_token_shard(p, t.data(), t.size(), 4, 0);
+    TokensOptions o;
+    o.train = {p};
+    o.shuffle = false;
+    auto src = tokens_source(o, spec(1, 63, 0, 1, 1, 1000));
+    Batch b(64);
+    const std::string m = error_of([&] { src->next(Split::train, b.data()); });
+    EXPECT_NE(m.find(p), std::string::npos) << m;
+    EXPECT_NE(m.find("index 3 is " + std::to_string(id)), std::string::npos) << m;
+    messages.push_back(m);
+  }
+  // The synthetic plugin's data.vocab.
+  for (const int64_t vocab : {int64_t{2000}, max_vocab + 1, int64_t{3000000000}})
+    messages.push_back(error_of([&] { synthetic("random", vocab, spec(1, 8, 0, 1, 1, 1000)); }));
+  const std::regex ask(R"(model\.vocab_size (>=|is too small \(set it >=) (\d+))");
+  int asked = 0, beyond = 0;
+  for (const std::string& m : messages) {
+    std::smatch g;
+    if (std::regex_search(m, g, ask)) {
+      ++asked;
+      EXPECT_LE(std::stoll(g[2]), max_vocab) << "asks for a vocabulary Loom refuses: " << m;
+    } else if (m.find("raise model.vocab_size") == std::string::npos) {
+      ++beyond;
+      EXPECT_NE(m.find("beyond"), std::string::npos) << m;
+      EXPECT_NE(m.find("2147483647"), std::string::npos) << m;
+    }
+  }
+  EXPECT_EQ(asked, 5);   // headers 1001, 2147483646, 2147483647; ids 1500, 2147483646
+  EXPECT_EQ(beyond, 6);  // headers 2^31, 2^32 - 1; ids 2^31 - 1, 2^32 - 1; data.vocab 2^31, 3e9
 }

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config/run_config.hpp"
 #include "data/hash.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
@@ -52,6 +53,11 @@ TokensSource::Stream TokensSource::open_stream(const std::vector<std::string>& p
   s.first_window.push_back(0);
   for (auto& path : expand_patterns(patterns, key)) {
     TokenShard shard(path);
+    if (shard.vocab() > 0 && static_cast<int64_t>(shard.vocab()) > kMaxVocabSize)
+      throw Error(cat("token shard '", path, "' was written for a vocabulary of ", shard.vocab(),
+                      " tokens, beyond what Loom supports (model.vocab_size is at most ", kMaxVocabSize,
+                      ": token ids are int32); the shard's header may be damaged, or it was made with a tokenizer Loom "
+                      "cannot train — use shards from the model's tokenizer (loom prepare text)"));
     if (shard.vocab() > 0 && static_cast<int64_t>(shard.vocab()) > spec_.vocab_size)
       throw Error(cat("token shard '", path, "' was written for a vocabulary of ", shard.vocab(),
                       " tokens but the model has vocab_size = ", spec_.vocab_size,
