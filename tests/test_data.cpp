@@ -853,3 +853,61 @@ TEST(TokensData, NoMessageAsksForAVocabularyBeyondTheMaximum) {
   EXPECT_EQ(asked, 5);   // headers 1001, 2147483646, 2147483647; ids 1500, 2147483646
   EXPECT_EQ(beyond, 6);  // headers 2^31, 2^32 - 1; ids 2^31 - 1, 2^32 - 1; data.vocab 2^31, 3e9
 }
+
+// A validation split too small to validate on is told when it is made, with
+// the option that would give a usable one (a --val-fraction, more documents,
+// or none), and training on it names the same fixes. The warning holds its
+// promise: the --val-fraction it suggests gives a val.bin that serves seq_len 2048.
+TEST(PrepareText, SmallValidationSplitIsToldWhenMadeAndWhenUsed) {
+  TempDir d;
+  auto prepare = [&](const std::string& out, const std::string& in, double fraction) {
+    loom::data::PrepareTextOptions o;
+    o.out_dir = d / out;
+    o.inputs = {d / in};
+    o.val_fraction = fraction;
+    o.progress = false;
+    return loom::data::prepare_text(o);
+  };
+  // One document: val.bin is empty, and no fraction can help.
+  write_file(d / "one/a.txt", "a single document of text\n");
+  auto r = prepare("o1", "one", 0.05);
+  EXPECT_EQ(r.val_tokens, 0u);
+  EXPECT_NE(r.val_warning.find("val.bin is empty"), std::string::npos) << r.val_warning;
+  EXPECT_NE(r.val_warning.find("With one document no --val-fraction"), std::string::npos) << r.val_warning;
+  EXPECT_NE(r.val_warning.find("--val-fraction 0"), std::string::npos) << r.val_warning;
+  // Eighty documents of ~200 bytes: 5% is 4 of them, ~800 tokens.
+  std::string many;
+  for (int i = 0; i < 80; ++i) many += "document " + std::to_string(i) + " " + std::string(190, 'a' + i % 26) + "\n%\n";
+  write_file(d / "many/f.txt", many);
+  r = prepare("o2", "many", 0.05);
+  EXPECT_GT(r.val_tokens, 0u);
+  EXPECT_LT(r.val_tokens, 2049u);
+  EXPECT_NE(r.val_warning.find("holds only " + std::to_string(r.val_tokens) + " tokens"), std::string::npos)
+      << r.val_warning;
+  EXPECT_NE(r.val_warning.find("train.seq_len <= " + std::to_string(r.val_tokens - 1)), std::string::npos)
+      << r.val_warning;
+  const size_t at = r.val_warning.find("--val-fraction 0.");
+  ASSERT_NE(at, std::string::npos) << r.val_warning;
+  const double suggested = std::stod(r.val_warning.substr(at + 15));
+  EXPECT_GT(suggested, 0.05);
+  // Training on it says what to do.
+  TokensOptions o;
+  o.train = {d / "o2/train_*.bin"};
+  o.val = {d / "o2/val.bin"};
+  const std::string m = error_of([&] { tokens_source(o, spec(1, 2048, 0, 1, 1, 300)); });
+  EXPECT_NE(m.find("data.val"), std::string::npos) << m;
+  EXPECT_NE(m.find("--val-fraction"), std::string::npos) << m;
+  EXPECT_NE(m.find("shorten train.seq_len to at most " + std::to_string(r.val_tokens - 1)), std::string::npos) << m;
+  EXPECT_NE(m.find("leave data.val out"), std::string::npos) << m;
+  // The suggestion is enough, and then nothing is said.
+  r = prepare("o3", "many", suggested);
+  EXPECT_GE(r.val_tokens, 2049u);
+  EXPECT_EQ(r.val_warning, "");
+  // An empty val.bin at training: the same fixes, no seq_len to shorten to.
+  o.val = {d / "o1/val.bin"};
+  o.train = {d / "o2/train_*.bin"};
+  const std::string e = error_of([&] { tokens_source(o, spec(1, 8, 0, 1, 1, 300)); });
+  EXPECT_NE(e.find("hold 0 token(s)"), std::string::npos) << e;
+  EXPECT_NE(e.find("--val-fraction"), std::string::npos) << e;
+  EXPECT_EQ(e.find("shorten train.seq_len"), std::string::npos) << e;
+}
