@@ -210,7 +210,11 @@ TEST(Checkpoint, IncompleteCheckpointsAreIgnoredAndRefused) {
   // Unrelated entries in root are not checkpoints.
   fs::create_directories(tmp.path / "step_abc");
   fs::create_directories(tmp.path / "logs");
+  // A checkpoint's name that is not a folder is not passed over: the save of
+  // step 400 would fail on it (tests/test_reliability_checkpoints.cpp).
   std::ofstream(tmp.path / "step_00000400") << "a file, not a directory";
+  expect_error([&] { list_checkpoints(tmp.str()); }, {"step_00000400", "a regular file", "not a checkpoint folder"});
+  fs::remove(tmp.path / "step_00000400");
 
   auto all = list_checkpoints(tmp.str());
   ASSERT_EQ(all.size(), 3u);

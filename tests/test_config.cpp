@@ -357,17 +357,17 @@ TEST(Config, OutOfRange) {
   EXPECT_EQ(parse_error("[train]\nsteps = 0\n"), "q.toml:2:9: train.steps = 0 is out of range: must be >= 1");
   EXPECT_EQ(parse_error("[train]\ngrad_accum = -2\n"),
             "q.toml:2:14: train.grad_accum = -2 is out of range: must be in [1, 1048576]");
-  EXPECT_EQ(parse_error("[train]\nbeta2 = 1.0\n"), "q.toml:2:9: train.beta2 = 1 is out of range: must be in [0, 1)");
+  EXPECT_EQ(parse_error("[train]\nbeta2 = 1.0\n"), "q.toml:2:9: train.beta2 = 1 is out of range: must be in [0, 0.9999999]");
   EXPECT_EQ(parse_error("[train]\nbeta1 = -0.1\n"),
-            "q.toml:2:9: train.beta1 = -0.1 is out of range: must be in [0, 1)");
-  EXPECT_EQ(parse_error("[train]\neps = 0\n"), "q.toml:2:7: train.eps = 0 is out of range: must be in (0, 1]");
+            "q.toml:2:9: train.beta1 = -0.1 is out of range: must be in [0, 0.9999999]");
+  EXPECT_EQ(parse_error("[train]\neps = 0\n"), "q.toml:2:7: train.eps = 0 is out of range: must be in [1.17549435e-38, 1]");
   EXPECT_EQ(parse_error("[train]\ngrad_clip = -1\n"),
-            "q.toml:2:13: train.grad_clip = -1 is out of range: must be >= 0");
+            "q.toml:2:13: train.grad_clip = -1 is out of range: must be in [0, 3.40282347e38]");
   EXPECT_EQ(parse_error("[train]\nlr = nan\n"), "q.toml:2:6: train.lr = nan is out of range: must be in [0, 10]");
   EXPECT_EQ(parse_error("[model]\nrope_theta = -5.0\n"),
-            "q.toml:2:14: model.rope_theta = -5 is out of range: must be > 0");
+            "q.toml:2:14: model.rope_theta = -5 is out of range: must be >= 1");
   EXPECT_EQ(parse_error("[model]\nrope_theta = 0\n"),
-            "q.toml:2:14: model.rope_theta = 0 is out of range: must be > 0");
+            "q.toml:2:14: model.rope_theta = 0 is out of range: must be >= 1");
   EXPECT_EQ(parse_error("[run]\nseed = -1\n"), "q.toml:2:8: run.seed = -1 is out of range: must be >= 0");
 }
 

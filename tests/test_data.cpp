@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <string>
 #include <vector>
@@ -796,4 +797,117 @@ TEST(PrepareText, FortunesInstalled) {
   auto src = tokens_source(t, s);
   const auto b = take(*src, s, 2);
   EXPECT_NE(b[0], b[1]);
+}
+
+// Whatever a shard holds (its header's vocabulary, a token id) and whatever
+// data.vocab says, a message never asks for a model.vocab_size above the
+// largest one accepted (2147483647: ids are int32); beyond it, it says so.
+TEST(TokensData, NoMessageAsksForAVocabularyBeyondTheMaximum) {
+  TempDir d;
+  const int64_t max_vocab = 2147483647;
+  std::vector<std::string> messages;
+  // The header's vocabulary.
+  for (const uint32_t header : {1001u, 2147483646u, 2147483647u, 2147483648u, 4294967295u}) {
+    std::vector<uint32_t> t(64, 5);
+    const std::string p = d / ("h" + std::to_string(header) + ".bin");
+    loom::write_token_shard(p, t.data(), t.size(), 4, header);
+    TokensOptions o;
+    o.train = {p};
+    const std::string m = error_of([&] { tokens_source(o, spec(1, 8, 0, 1, 1, 1000)); });
+    EXPECT_NE(m.find(p), std::string::npos) << m;
+    EXPECT_NE(m.find(std::to_string(header)), std::string::npos) << m;
+    messages.push_back(m);
+  }
+  // A token id read (the header gives no vocabulary).
+  for (const uint32_t id : {1500u, 2147483646u, 2147483647u, 4294967295u}) {
+    std::vector<uint32_t> t(64, 5);
+    t[3] = id;
+    const std::string p = d / ("t" + std::to_string(id) + ".bin");
+    loom::write_token_shard(p, t.data(), t.size(), 4, 0);
+    TokensOptions o;
+    o.train = {p};
+    o.shuffle = false;
+    auto src = tokens_source(o, spec(1, 63, 0, 1, 1, 1000));
+    Batch b(64);
+    const std::string m = error_of([&] { src->next(Split::train, b.data()); });
+    EXPECT_NE(m.find(p), std::string::npos) << m;
+    EXPECT_NE(m.find("index 3 is " + std::to_string(id)), std::string::npos) << m;
+    messages.push_back(m);
+  }
+  // The synthetic plugin's data.vocab.
+  for (const int64_t vocab : {int64_t{2000}, max_vocab + 1, int64_t{3000000000}})
+    messages.push_back(error_of([&] { synthetic("random", vocab, spec(1, 8, 0, 1, 1, 1000)); }));
+  const std::regex ask(R"(model\.vocab_size (>=|is too small \(set it >=) (\d+))");
+  int asked = 0, beyond = 0;
+  for (const std::string& m : messages) {
+    std::smatch g;
+    if (std::regex_search(m, g, ask)) {
+      ++asked;
+      EXPECT_LE(std::stoll(g[2]), max_vocab) << "asks for a vocabulary Loom refuses: " << m;
+    } else if (m.find("raise model.vocab_size") == std::string::npos) {
+      ++beyond;
+      EXPECT_NE(m.find("beyond"), std::string::npos) << m;
+      EXPECT_NE(m.find("2147483647"), std::string::npos) << m;
+    }
+  }
+  EXPECT_EQ(asked, 5);   // headers 1001, 2147483646, 2147483647; ids 1500, 2147483646
+  EXPECT_EQ(beyond, 6);  // headers 2^31, 2^32 - 1; ids 2^31 - 1, 2^32 - 1; data.vocab 2^31, 3e9
+}
+
+// A validation split too small to validate on is told when it is made, with
+// the option that would give a usable one (a --val-fraction, more documents,
+// or none), and training on it names the same fixes. The warning holds its
+// promise: the --val-fraction it suggests gives a val.bin that serves seq_len 2048.
+TEST(PrepareText, SmallValidationSplitIsToldWhenMadeAndWhenUsed) {
+  TempDir d;
+  auto prepare = [&](const std::string& out, const std::string& in, double fraction) {
+    loom::data::PrepareTextOptions o;
+    o.out_dir = d / out;
+    o.inputs = {d / in};
+    o.val_fraction = fraction;
+    o.progress = false;
+    return loom::data::prepare_text(o);
+  };
+  // One document: val.bin is empty, and no fraction can help.
+  write_file(d / "one/a.txt", "a single document of text\n");
+  auto r = prepare("o1", "one", 0.05);
+  EXPECT_EQ(r.val_tokens, 0u);
+  EXPECT_NE(r.val_warning.find("val.bin is empty"), std::string::npos) << r.val_warning;
+  EXPECT_NE(r.val_warning.find("With one document no --val-fraction"), std::string::npos) << r.val_warning;
+  EXPECT_NE(r.val_warning.find("--val-fraction 0"), std::string::npos) << r.val_warning;
+  // Eighty documents of ~200 bytes: 5% is 4 of them, ~800 tokens.
+  std::string many;
+  for (int i = 0; i < 80; ++i) many += "document " + std::to_string(i) + " " + std::string(190, 'a' + i % 26) + "\n%\n";
+  write_file(d / "many/f.txt", many);
+  r = prepare("o2", "many", 0.05);
+  EXPECT_GT(r.val_tokens, 0u);
+  EXPECT_LT(r.val_tokens, 2049u);
+  EXPECT_NE(r.val_warning.find("holds only " + std::to_string(r.val_tokens) + " tokens"), std::string::npos)
+      << r.val_warning;
+  EXPECT_NE(r.val_warning.find("train.seq_len <= " + std::to_string(r.val_tokens - 1)), std::string::npos)
+      << r.val_warning;
+  const size_t at = r.val_warning.find("--val-fraction 0.");
+  ASSERT_NE(at, std::string::npos) << r.val_warning;
+  const double suggested = std::stod(r.val_warning.substr(at + 15));
+  EXPECT_GT(suggested, 0.05);
+  // Training on it says what to do.
+  TokensOptions o;
+  o.train = {d / "o2/train_*.bin"};
+  o.val = {d / "o2/val.bin"};
+  const std::string m = error_of([&] { tokens_source(o, spec(1, 2048, 0, 1, 1, 300)); });
+  EXPECT_NE(m.find("data.val"), std::string::npos) << m;
+  EXPECT_NE(m.find("--val-fraction"), std::string::npos) << m;
+  EXPECT_NE(m.find("shorten train.seq_len to at most " + std::to_string(r.val_tokens - 1)), std::string::npos) << m;
+  EXPECT_NE(m.find("leave data.val out"), std::string::npos) << m;
+  // The suggestion is enough, and then nothing is said.
+  r = prepare("o3", "many", suggested);
+  EXPECT_GE(r.val_tokens, 2049u);
+  EXPECT_EQ(r.val_warning, "");
+  // An empty val.bin at training: the same fixes, no seq_len to shorten to.
+  o.val = {d / "o1/val.bin"};
+  o.train = {d / "o2/train_*.bin"};
+  const std::string e = error_of([&] { tokens_source(o, spec(1, 8, 0, 1, 1, 300)); });
+  EXPECT_NE(e.find("hold 0 token(s)"), std::string::npos) << e;
+  EXPECT_NE(e.find("--val-fraction"), std::string::npos) << e;
+  EXPECT_EQ(e.find("shorten train.seq_len"), std::string::npos) << e;
 }

@@ -277,6 +277,15 @@ TEST(HfConfig, RefusesWhatLoomDoesNotImplement) {
   expect_error(parse(R"("model_type":"llama","head_dim":32)"), {"cfg.json", "head_dim is 32", "= 16"});
   expect_error(parse(R"("model_type":"llama","num_key_value_heads":3)"), {"cfg.json", "not divisible by num_key_value_heads 3"});
   expect_error(parse(R"("model_type":"llama","rms_norm_eps":"small")"), {"cfg.json", "rms_norm_eps", "\"small\""});
+  // The ranges of model.norm_eps and model.rope_theta hold for config.json too:
+  // an epsilon that is 0 in fp32, a RoPE base below 1.
+  for (const char* eps : {"5e-324", "1e-39", "2.0"})
+    expect_error(parse(std::string(R"("model_type":"llama","rms_norm_eps":)") + eps),
+                 {"cfg.json", "rms_norm_eps", eps, "[1.17549435e-38, 1]"});
+  for (const char* theta : {"0.5", "1e-300"})
+    expect_error(parse(std::string(R"("model_type":"llama","rope_theta":)") + theta), {"cfg.json", "rope_theta", ">= 1"});
+  EXPECT_NO_THROW(parse_hf_llama_config(cfg(R"("model_type":"llama","rms_norm_eps":1.17549435e-38,"rope_theta":1e300)"),
+                                        "ok.json"));
   expect_error([&] { parse_hf_llama_config(R"({"model_type":"llama","hidden_size":64})", "cfg.json"); },
                {"cfg.json", "num_hidden_layers", "missing"});
   expect_error([&] { parse_hf_llama_config(R"({"model_type":"llama","hidden_size":-64})", "cfg.json"); },

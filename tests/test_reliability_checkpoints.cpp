@@ -7,6 +7,10 @@
 // checkpoint. Checkpoints of older looms (no certificate) still load.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.hpp"
@@ -169,4 +173,73 @@ TEST(ReliabilityCheckpoints, RefusedCheckpointStopsTheCommandAndStaysAsItWas) {
   EXPECT_EQ(read_text(meta), t);
   EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), lines);
   EXPECT_FALSE(fs::exists(dir / "run" / "checkpoints" / "step_00000006"));
+}
+
+// A name of the checkpoint series that is not a folder — a regular file, a
+// link to /dev/null, a FIFO, a dangling link, under the canonical name of a
+// step still to come or under a short one — is refused before step 1 by every
+// start of `loom train` (resume auto, a fresh start replacing the run) and by
+// Session::train, before metrics.jsonl is trimmed; `loom convert` listing the
+// checkpoints refuses it too. Each message names the path and what to do.
+TEST(ReliabilityCheckpoints, StepNameThatIsNotAFolderIsRefusedBeforeAnyWork) {
+  const fs::path dir = fresh_dir("ckpt_step_not_folder");
+  {
+    loom::Session s(parse(tiny_config(dir / "run", 4), {"checkpoint.every=2", "checkpoint.keep_last=0"}));
+    s.train();
+  }
+  const fs::path root = dir / "run" / "checkpoints", metrics = dir / "run" / "metrics.jsonl";
+  // A line of a step after the newest checkpoint (a run killed after it): a resume would drop it.
+  std::ofstream(metrics, std::ios::app) << "{\"step\": 5, \"loss\": 1.0}\n";
+  const std::string metrics_before = read_text(metrics);
+  const fs::path cfg = dir / "run.toml";
+  std::ofstream(cfg) << tiny_config(dir / "run", 8);
+  const std::vector<std::pair<std::string, std::function<void(const fs::path&)>>> kinds = {
+      {"a regular file", [](const fs::path& p) { std::ofstream(p) << "x"; }},
+      {"a symbolic link to /dev/null, which is a character device",
+       [](const fs::path& p) { fs::create_symlink("/dev/null", p); }},
+      {"a FIFO", [](const fs::path& p) { ASSERT_EQ(::mkfifo(p.c_str(), 0644), 0); }},
+      {"which does not exist", [](const fs::path& p) { fs::create_symlink(p.string() + ".nowhere", p); }},
+  };
+  for (const std::string& name : {std::string("step_00000006"), std::string("step_7")}) {
+    for (const auto& [what, make] : kinds) {
+      SCOPED_TRACE(name + ": " + what);
+      const fs::path bad = root / name;
+      make(bad);
+      for (const std::string& sets :
+           {std::string(), std::string("--set checkpoint.resume=none --set run.overwrite=true")}) {
+        const ProcResult r = run_shell("timeout 60 '" + std::string(LOOM_CLI) + "' train '" + cfg.string() + "' " +
+                                       sets + " --set checkpoint.every=2");
+        EXPECT_EQ(r.code, 1) << r.out;
+        EXPECT_CONTAINS(r.out, "checkpoint.dir = ");
+        EXPECT_CONTAINS(r.out, bad.string() + ", which is ");
+        EXPECT_CONTAINS(r.out, what);
+        EXPECT_CONTAINS(r.out, "not a checkpoint folder");
+        EXPECT_CONTAINS(r.out, "Move it out of " + root.string() + " or remove it");
+        EXPECT_FALSE(has(r.out, "step 1 |")) << r.out;
+      }
+      // The library's entry point refuses it as well, before it trims anything.
+      expect_error(
+          [&] {
+            loom::Session s(parse(tiny_config(dir / "run", 8), {"checkpoint.every=2"}));
+            s.train();
+          },
+          {bad.string(), "not a checkpoint folder"});
+      const ProcResult c = run_shell("timeout 60 '" + std::string(LOOM_CLI) + "' convert '" + root.string() +
+                                     "' --to-hf '" + (dir / "hf").string() + "'");
+      EXPECT_EQ(c.code, 1) << c.out;
+      EXPECT_CONTAINS(c.out, bad.string() + ", which is ");
+      EXPECT_FALSE(fs::exists(dir / "hf"));
+      // Nothing was touched: the metrics (the line after the checkpoint kept), the checkpoints.
+      EXPECT_EQ(read_text(metrics), metrics_before);
+      std::vector<std::string> left;
+      for (const auto& e : fs::directory_iterator(root)) left.push_back(e.path().filename().string());
+      std::sort(left.begin(), left.end());
+      const std::vector<std::string> expect = {".loom.lock", "step_00000002", "step_00000004", name};
+      EXPECT_EQ(left, expect);
+      fs::remove(bad);
+    }
+  }
+  // With the name gone, the run resumes and trains on.
+  const ProcResult ok = run_shell("timeout 60 '" + std::string(LOOM_CLI) + "' train '" + cfg.string() + "'");
+  EXPECT_EQ(ok.code, 0) << ok.out;
 }

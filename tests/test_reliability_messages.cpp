@@ -12,6 +12,7 @@
 #include <regex>
 
 #include "config/run_config.hpp"
+#include "kernels/cpu/cpu_kernels.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
 #include "train/session.hpp"
@@ -59,31 +60,42 @@ std::optional<Claim> parse_claim(const std::string& msg) {
   return c;
 }
 
+// How the run uses a key's value: as an integer or a host double, as an fp32
+// on the device, or as RoPE's base (theta^(-2i/D) in double, then fp32 angles).
+enum class Use { host, fp32, rope };
+
 struct Key {
   std::string section, key;
   bool is_float;
+  Use use = Use::host;
 };
 
 const std::vector<Key> kKeys = {
     {"run", "seed", false},           {"run", "threads", false},           {"run", "collective_timeout", true},
     {"model", "hidden", false},       {"model", "num_layers", false},      {"model", "num_heads", false},
     {"model", "num_kv_heads", false}, {"model", "ffn_hidden", false},      {"model", "vocab_size", false},
-    {"model", "max_seq_len", false},  {"model", "rope_theta", true},       {"model", "norm_eps", true},
-    {"model", "init_std", true},      {"model", "head_chunk", false},      {"train", "steps", false},
+    {"model", "max_seq_len", false},  {"model", "rope_theta", true, Use::rope}, {"model", "norm_eps", true, Use::fp32},
+    {"model", "init_std", true, Use::fp32}, {"model", "head_chunk", false}, {"train", "steps", false},
     {"train", "micro_batch", false},  {"train", "seq_len", false},         {"train", "grad_accum", false},
-    {"train", "lr", true},            {"train", "min_lr", true},           {"train", "warmup_steps", false},
-    {"train", "grad_clip", true},     {"train", "weight_decay", true},     {"train", "beta1", true},
-    {"train", "beta2", true},         {"train", "eps", true},              {"train", "log_every", false},
-    {"train", "validation_every", false}, {"train", "validation_batches", false},
+    {"train", "lr", true, Use::fp32}, {"train", "min_lr", true, Use::fp32}, {"train", "warmup_steps", false},
+    {"train", "grad_clip", true, Use::fp32}, {"train", "weight_decay", true, Use::fp32},
+    {"train", "beta1", true, Use::fp32}, {"train", "beta2", true, Use::fp32}, {"train", "eps", true, Use::fp32},
+    {"train", "log_every", false},    {"train", "validation_every", false}, {"train", "validation_batches", false},
     {"train", "max_skipped_steps", false}, {"checkpoint", "every", false}, {"checkpoint", "keep_last", false}};
 
-// TOML text and value of each probe.
+// TOML text and value of each probe: across the number line, and at the edges
+// of fp32 (denormal doubles, the smallest normal fp32, FLT_MAX and beyond,
+// numbers below 1 that round to 1.0f).
 std::vector<std::pair<std::string, double>> probes(bool is_float) {
   if (is_float)
-    return {{"-1e308", -1e308}, {"-1e300", -1e300}, {"-1.0", -1}, {"-0.0", 0}, {"0.0", 0}, {"1e-300", 1e-300},
-            {"1e-8", 1e-8},     {"0.5", 0.5},       {"0.999", 0.999}, {"1.0", 1}, {"1.5", 1.5}, {"10.0", 10},
-            {"11.0", 11},       {"86400.0", 86400}, {"1e6", 1e6},     {"1e300", 1e300}, {"1e301", 1e301},
-            {"1e308", 1e308},   {"inf", INFINITY},  {"-inf", -INFINITY}, {"nan", NAN}};
+    return {{"-1e308", -1e308}, {"-1e300", -1e300}, {"-1.0", -1}, {"-0.0", 0}, {"0.0", 0}, {"5e-324", 5e-324},
+            {"1e-300", 1e-300}, {"1e-45", 1e-45},   {"1e-39", 1e-39}, {"1.1754942e-38", 1.1754942e-38},
+            {"1.17549435e-38", 1.17549435e-38}, {"1.2e-38", 1.2e-38}, {"1e-8", 1e-8}, {"0.5", 0.5},
+            {"0.999", 0.999},   {"0.9999999", 0.9999999}, {"0.99999996", 0.99999996}, {"0.99999999", 0.99999999},
+            {"1.0", 1},         {"1.5", 1.5},       {"10.0", 10},     {"11.0", 11},       {"86400.0", 86400},
+            {"1e6", 1e6},       {"3.4e38", 3.4e38}, {"3.40282347e38", 3.40282347e38}, {"3.4028236e38", 3.4028236e38},
+            {"1e39", 1e39},     {"1e300", 1e300},   {"1e301", 1e301}, {"1e308", 1e308},   {"inf", INFINITY},
+            {"-inf", -INFINITY}, {"nan", NAN}};
   return {{"-9223372036854775808", -9.223372036854775808e18}, {"-1", -1}, {"0", 0}, {"1", 1}, {"2", 2},
           {"4096", 4096}, {"4097", 4097}, {"1048576", 1048576}, {"1048577", 1048577}, {"2147483647", 2147483647.0},
           {"2147483648", 2147483648.0}, {"1099511627776", 1099511627776.0}, {"1099511627777", 1099511627777.0},
@@ -119,19 +131,40 @@ TEST(ReliabilityMessages, EveryStatedRangeIsTheRangeThatIsAccepted) {
       for (double v : accepted)
         EXPECT_TRUE(claim->contains(v)) << k.section << "." << k.key << " = " << v
                                         << " is accepted but outside the stated range: " << claim->text;
+    // And so does the value the device computes with: the fp32 it becomes
+    // (a subnormal flushed to 0, as the GPU does), never 0 for a range that
+    // excludes 0, never inf, never 1.0f for a range below 1.
+    if (claim && k.use == Use::fp32)
+      for (double v : accepted) {
+        float f = static_cast<float>(v);
+        if (std::fpclassify(f) == FP_SUBNORMAL) f = 0.f;
+        EXPECT_TRUE(claim->contains(static_cast<double>(f)))
+            << k.section << "." << k.key << " = " << v << " is accepted but is " << f
+            << " in fp32, outside the stated range: " << claim->text;
+      }
+    // RoPE: every angle (position x inverse frequency, in fp32) is finite, up
+    // to the longest sequence a model may have.
+    if (k.use == Use::rope)
+      for (double v : accepted)
+        for (int64_t D : {2, 64, 256})
+          for (int64_t i = 0; i < D / 2; ++i)
+            EXPECT_TRUE(std::isfinite(loom::cpu::rope_angle(int64_t{1} << 20, i, D, v)))
+                << k.section << "." << k.key << " = " << v << " is accepted but gives a non-finite RoPE angle (D "
+                << D << ", i " << i << ")";
   }
 }
 
-// The reported case: no hidden cap on rope_theta, and the open bound said as open.
+// The reported case: no hidden cap on rope_theta (a huge base only rounds the
+// slowest frequencies to 0 in fp32), and the lower bound stated as it is.
 TEST(ReliabilityMessages, RopeThetaHasNoHiddenCap) {
   EXPECT_DOUBLE_EQ(loom::parse_config_string("[model]\nrope_theta = 1e308\n", "m.toml", {}).model.spec.rope_theta,
                    1e308);
-  for (const char* bad : {"0.0", "-5.0"}) {
+  for (const char* bad : {"0.0", "-5.0", "0.5", "5e-324"}) {
     try {
       (void)loom::parse_config_string(std::string("[model]\nrope_theta = ") + bad + "\n", "m.toml", {});
       ADD_FAILURE() << bad;
     } catch (const loom::Error& e) {
-      EXPECT_CONTAINS(std::string(e.what()), "must be > 0");
+      EXPECT_CONTAINS(std::string(e.what()), "must be >= 1");
     }
   }
 }

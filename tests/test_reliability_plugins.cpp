@@ -4,11 +4,15 @@
 // and the listing (the good plugins, the other problems) goes on.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <csignal>
 
 #include "loom/error.hpp"
+#include "config/run_config.hpp"
 #include "loom/registry.hpp"
 #include "reliability_util.hpp"
+#include "train/session.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom::test;
@@ -108,4 +112,54 @@ TEST(ReliabilityPlugins, SearchPathThatIsNotAFolderIsNamedSo) {
   for (const std::string p : {std::string("/dev/null"), (dir / "afile").string(), (dir / "fifo").string()})
     EXPECT_CONTAINS(r.out, "  " + p + "   (not a folder)");
   EXPECT_CONTAINS(r.out, "  " + (dir / "missing").string() + "   (does not exist)");
+}
+
+// `loom train` and `loom check` refuse a run.plugin_path entry that is not a
+// folder — missing, empty, a regular file, a device, a FIFO — naming the key,
+// the entry and what it is, before any work (not even run.out_dir is made);
+// Session refuses it too. A $LOOM_PLUGIN_PATH entry that is missing (the
+// environment's, often shared by several machines) is a warning, and the run goes on.
+TEST(ReliabilityPlugins, PluginPathEntryThatIsNoFolderIsRefusedBeforeAnyWork) {
+  NoPluginPathEnv env;
+  const fs::path dir = fresh_dir("plugins_path_config");
+  std::ofstream(dir / "afile") << "x";
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0644), 0);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {(dir / "missing").string(), "does not exist"},
+      {"", "is empty"},
+      {(dir / "afile").string(), "is a regular file, not a folder"},
+      {"/dev/null", "is a character device, not a folder"},
+      {(dir / "fifo").string(), "is a FIFO (named pipe), not a folder"},
+  };
+  for (const auto& [entry, says] : cases) {
+    SCOPED_TRACE(entry);
+    const fs::path out = dir / "run";
+    std::string text = tiny_config(out, 2);
+    const std::string good = std::string("plugin_path = [\"") + LOOM_TEST_PLUGIN_DIR + "\"]";
+    ASSERT_NE(text.find(good), std::string::npos);
+    text.replace(text.find(good), good.size(),
+                 std::string("plugin_path = [\"") + LOOM_TEST_PLUGIN_DIR + "\", \"" + entry + "\"]");
+    const fs::path cfg = dir / "run.toml";
+    std::ofstream(cfg) << text;
+    for (const char* cmd : {"train", "check"}) {
+      const ProcResult r = run_shell(std::string("timeout 60 '") + LOOM_CLI + "' " + cmd + " '" + cfg.string() + "'");
+      EXPECT_EQ(r.code, 1) << r.out;
+      EXPECT_CONTAINS(r.out, cfg.string() + ": run.plugin_path[1] = \"" + entry + "\" " + says);
+      EXPECT_FALSE(has(r.out, "internal error")) << r.out;
+      EXPECT_FALSE(fs::exists(out)) << "work was done before the refusal";
+    }
+    try {
+      loom::Session s(loom::parse_config_string(text, "run.toml", {}));
+      ADD_FAILURE() << "Session accepted run.plugin_path entry '" << entry << "'";
+    } catch (const loom::Error& e) {
+      EXPECT_CONTAINS(std::string(e.what()), "run.plugin_path[1] = \"" + entry + "\" " + says);
+    }
+  }
+  const fs::path cfg = dir / "good.toml";
+  std::ofstream(cfg) << tiny_config(dir / "good", 2);
+  const ProcResult r = run_shell("LOOM_PLUGIN_PATH='" + (dir / "missing").string() + "::" + (dir / "afile").string() +
+                                 "' timeout 60 '" + LOOM_CLI + "' train '" + cfg.string() + "'");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_CONTAINS(r.out, "$LOOM_PLUGIN_PATH entry '" + (dir / "missing").string() + "' does not exist");
+  EXPECT_CONTAINS(r.out, "$LOOM_PLUGIN_PATH entry '" + (dir / "afile").string() + "' is a regular file, not a folder");
 }

@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <chrono>
 #include <csignal>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -173,17 +175,37 @@ TEST(ReliabilitySignals, HandlersAreRestoredAfterTheRun) {
   EXPECT_EQ(loom::stop_signal_number("none"), 0);
 }
 
-// A signal during start-up (loom train listens from its start): the run stops
-// before its first step, says so, and writes no checkpoint it has nothing for.
+// A stop signal during start-up (loom train listens from the moment its
+// config is read) ends the run at once — no step has run, nothing is lost —
+// saying so, with exit code 128 + the signal's number and no checkpoint: also
+// when start-up is blocked where a handler does not interrupt it (a read the
+// kernel restarts after the handler, a library initialiser that waits on).
 TEST(ReliabilitySignals, SignalDuringStartUpStopsBeforeTheFirstStep) {
-  const fs::path dir = fresh_dir("signal_startup");
-  loom::StopSignals outer("USR1");  // what cmd_train installs before building the session
-  ASSERT_EQ(std::raise(SIGTERM), 0);
-  EXPECT_EQ(loom::StopSignals::pending(), SIGTERM);
-  loom::Session s(loom::parse_config_string(tiny_config(dir / "run", 10), "run.toml", {"checkpoint.every=1"}));
-  const loom::RunSummary r = s.train();
-  EXPECT_EQ(r.stop_signal, SIGTERM);
-  EXPECT_TRUE(r.steps.empty());
-  EXPECT_EQ(r.last_step, 0);
-  EXPECT_TRUE(loom::ckpt::list_checkpoints((dir / "run" / "checkpoints").string()).empty());
+  const fs::path broken(LOOM_TEST_BROKEN_PLUGIN_DIR);
+  const std::vector<std::pair<std::string, fs::path>> blocked = {
+      {"block", broken / "blocking" / "libloom-data-block.so"},  // read() on a pipe nobody writes
+      {"hang", broken / "misbehave" / "libloom-data-hang.so"},   // pause() in a loop
+  };
+  for (const auto& [name, file] : blocked)
+    for (const int sig : {SIGTERM, SIGINT, SIGHUP, SIGUSR1}) {
+      SCOPED_TRACE(name + " " + loom::signal_name(sig));
+      const fs::path dir = fresh_dir("signal_startup_" + name + std::to_string(sig));
+      const fs::path cfg = dir / "run.toml";
+      std::ofstream(cfg) << tiny_config(dir / "run", 10);
+      Background p(cli(cfg, "--set checkpoint.every=1 --set data.plugin=" + name + " --set 'data.path=\"" +
+                                file.string() + "\"'"),
+                   dir / "log.txt");
+      // The lock is taken after the handlers are installed; then start-up goes on to load the plugin, and blocks.
+      ASSERT_TRUE(wait_for([&] { return fs::exists(dir / "run" / ".loom.lock"); }, 60)) << p.output();
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      p.signal(sig);
+      const auto sent = std::chrono::steady_clock::now();
+      const ProcResult r = p.wait(10);
+      EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - sent).count(), 5.0);
+      EXPECT_EQ(r.signal, 0) << r.out;
+      EXPECT_EQ(r.code, 128 + sig) << r.out;
+      EXPECT_CONTAINS(r.out, loom::signal_name(sig) + " received during start-up, before the first step: stopping now");
+      EXPECT_TRUE(loom::ckpt::list_checkpoints((dir / "run" / "checkpoints").string()).empty());
+      EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 0);
+    }
 }

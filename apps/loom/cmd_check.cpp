@@ -8,6 +8,7 @@
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
 #include "train/outputs.hpp"
+#include "train/runtime.hpp"
 #include "train/session.hpp"
 
 namespace loom::app {
@@ -17,6 +18,7 @@ int cmd_check(const Args& args) {
   if (a.file.empty()) throw Error("usage: loom check CONFIG [--set section.key=value]...");
   if (!a.rest.empty()) throw Error(cat("loom check: unknown argument '", a.rest.front(), "'"));
   Config cfg = load_config(a.file, a.overrides);
+  check_plugin_path(cfg);  // a search folder that is not there is refused, not passed over
   check_output_paths(cfg);
   check_no_overwrite(cfg, planned_resume_step(cfg));
   Session session(std::move(cfg));

@@ -6,6 +6,7 @@
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
 #include "train/outputs.hpp"
+#include "train/runtime.hpp"
 #include "train/session.hpp"
 #include "train/stop_signal.hpp"
 
@@ -16,6 +17,7 @@ int cmd_train(const Args& args) {
   if (a.file.empty()) throw Error("usage: loom train CONFIG [--set section.key=value]...");
   if (!a.rest.empty()) throw Error(cat("loom train: unknown argument '", a.rest.front(), "'"));
   Config cfg = load_config(a.file, a.overrides);
+  check_plugin_path(cfg);  // a search folder that is not there is refused, not passed over
   // Signals during start-up (loading weights, building kernels) are kept:
   // the run then stops before its first step, saying so, instead of dying.
   StopSignals signals(cfg.run.stop_signal);

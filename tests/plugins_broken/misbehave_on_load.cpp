@@ -1,6 +1,8 @@
 // A plugin file whose own initialisation code misbehaves when the library is
 // loaded — before Loom can look at its descriptor: MISBEHAVE_CRASH raises
-// SIGSEGV, MISBEHAVE_HANG never returns, MISBEHAVE_EXIT ends the process.
+// SIGSEGV, MISBEHAVE_HANG never returns, MISBEHAVE_EXIT ends the process,
+// MISBEHAVE_BLOCK blocks in read() on a pipe that is never written (restarted
+// after a signal handler installed with SA_RESTART returns).
 // `loom plugins` must report each as that file's problem and list the rest
 // (tests/test_reliability_plugins.cpp). Built into their own directory so that
 // the registry suite's scan of the broken directory is unchanged.
@@ -21,6 +23,12 @@ __attribute__((constructor)) void misbehave() {
   for (;;) ::pause();
 #elif defined(MISBEHAVE_EXIT)
   std::_Exit(7);
+#elif defined(MISBEHAVE_BLOCK)
+  int fds[2];
+  if (::pipe(fds) == 0) {
+    char c;
+    for (;;) (void)::read(fds[0], &c, 1);  // the write end stays open: never any data, never end of file
+  }
 #endif
 }
 

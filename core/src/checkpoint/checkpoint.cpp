@@ -103,6 +103,30 @@ struct Fd {
   }
 };
 
+// A checkpoint's name that is not a folder (a file, a FIFO, a device, a link
+// to one, a dangling link): a run would resume past it, train, and fail at the
+// save of that step; `loom convert` would skip it silently. Refused wherever
+// the checkpoints are listed, before anything is done.
+[[noreturn]] void refuse_non_folder(const std::string& root, const fs::path& p, int64_t step) {
+  struct stat lst {};
+  std::string what = "something that is not a folder";
+  if (::lstat(p.c_str(), &lst) == 0) {
+    if (S_ISLNK(lst.st_mode)) {
+      std::error_code ec;
+      const fs::path target = fs::read_symlink(p, ec);
+      struct stat st {};
+      what = cat("a symbolic link to ", ec ? std::string("?") : target.string(), ", which ",
+                 ::stat(p.c_str(), &st) == 0 ? cat("is ", file_type_name(st.st_mode)) : std::string("does not exist"));
+    } else {
+      what = file_type_name(lst.st_mode);
+    }
+  }
+  throw Error(cat("checkpoint folder ", root, " holds ", p.string(), ", which is ", what,
+                  ", not a checkpoint folder: its name is that of the checkpoint of step ", step,
+                  " (a save of that step would fail on it, and resuming or converting would pass it over). Move it out "
+                  "of ", root, " or remove it"));
+}
+
 }  // namespace
 
 std::string step_dir_name(int64_t step) {
@@ -249,9 +273,10 @@ std::vector<CheckpointInfo> list_checkpoints(const std::string& root) {
   std::error_code ec;
   if (!fs::is_directory(root, ec)) return out;
   for (const auto& e : fs::directory_iterator(root, ec)) {
-    if (!e.is_directory()) continue;
     auto step = parse_step_dir(e.path().filename().string());
     if (!step) continue;
+    std::error_code dec;
+    if (!e.is_directory(dec)) refuse_non_folder(root, e.path(), *step);  // follows links: a link to a folder is one
     out.push_back({*step, e.path().string(), fs::exists(e.path() / kComplete)});
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.step < b.step; });

@@ -18,19 +18,19 @@ namespace loom {
 namespace {
 
 constexpr int64_t kMaxDim = int64_t{1} << 20;   // any model width, length or batch beyond this is a typo
-constexpr int64_t kMaxVocab = INT32_MAX;        // token ids are stored as int32
 constexpr size_t kMaxConfigBytes = size_t{16} << 20;  // a config is a few KiB; more is the wrong file
 
 using config_detail::format_number;
 
-// Open ranges: (0, max] and [0, 1).
-double get_positive(const ConfigTable& t, std::string_view key, double def,
-                    double max = std::numeric_limits<double>::infinity()) {
-  return t.get_float(key, def, FloatRange{0.0, max, true, false});
+// Keys the device uses as fp32, their ranges in fp32 terms (run_config.hpp):
+// "> 0" is from the smallest normal fp32 on, no bound beyond FLT_MAX, and a
+// beta below 1 after rounding.
+double get_positive_fp32(const ConfigTable& t, std::string_view key, double def, double max) {
+  return t.get_float(key, def, kFp32MinNormal, max);
 }
 
 double get_beta(const ConfigTable& t, std::string_view key, double def) {
-  return t.get_float(key, def, FloatRange{0.0, 1.0, false, true});
+  return t.get_float(key, def, 0.0, kMaxBeta);
 }
 
 bool is_plugin_name(std::string_view s) {
@@ -84,10 +84,14 @@ ModelSection read_model(const ConfigTable& t) {
   s.num_heads = t.get_int("num_heads", s.num_heads, 1, 4096);
   s.num_kv_heads = t.get_int("num_kv_heads", s.num_kv_heads, 1, 4096);
   s.ffn_hidden = t.get_int("ffn_hidden", s.ffn_hidden, 1, kMaxDim);
-  s.vocab_size = t.get_int("vocab_size", s.vocab_size, 1, kMaxVocab);
+  s.vocab_size = t.get_int("vocab_size", s.vocab_size, 1, kMaxVocabSize);
   s.max_seq_len = t.get_int("max_seq_len", s.max_seq_len, 1, kMaxDim);
-  s.rope_theta = get_positive(t, "rope_theta", s.rope_theta);
-  s.norm_eps = get_positive(t, "norm_eps", s.norm_eps, 1.0);
+  // RoPE's inverse frequencies theta^(-2i/D) are at most 1 from theta = 1 on, so
+  // every angle (position x frequency) is a finite fp32; a huge theta only
+  // rounds the slowest frequencies to 0, as in fp32 torch. Below 1 the ladder
+  // is inverted and, for small theta, the angles overflow fp32.
+  s.rope_theta = t.get_float("rope_theta", s.rope_theta, 1.0);
+  s.norm_eps = get_positive_fp32(t, "norm_eps", s.norm_eps, 1.0);
   s.tied_embeddings = t.get_bool("tied_embeddings", s.tied_embeddings);
   m.init_std = t.get_float("init_std", m.init_std, 0.0, 1.0);
   m.recompute = t.get_choice("recompute", m.recompute, {"none", "attention", "full"});
@@ -105,11 +109,11 @@ TrainSection read_train(const ConfigTable& t) {
   r.min_lr = t.get_float("min_lr", r.min_lr, 0.0, 10.0);
   r.warmup_steps = t.get_int("warmup_steps", r.warmup_steps, 0);
   r.schedule = t.get_choice("schedule", r.schedule, {"cosine", "linear", "constant"});
-  r.grad_clip = t.get_float("grad_clip", r.grad_clip, 0.0);
+  r.grad_clip = t.get_float("grad_clip", r.grad_clip, 0.0, kFp32Max);
   r.weight_decay = t.get_float("weight_decay", r.weight_decay, 0.0, 10.0);
   r.beta1 = get_beta(t, "beta1", r.beta1);
   r.beta2 = get_beta(t, "beta2", r.beta2);
-  r.eps = get_positive(t, "eps", r.eps, 1.0);
+  r.eps = get_positive_fp32(t, "eps", r.eps, 1.0);
   r.log_every = t.get_int("log_every", r.log_every, 1);
   r.validation_every = t.get_int("validation_every", r.validation_every, 0);
   r.validation_batches = t.get_int("validation_batches", r.validation_batches, 1);

@@ -14,6 +14,16 @@
 
 namespace loom {
 
+// Limits of values the device computes with (docs/CONFIG.md). Token ids are
+// int32. The optimizer and RMSNorm take their float keys as fp32: a value
+// meant to be > 0 must stay a normal fp32 number (a smaller one becomes 0 or
+// a subnormal the GPU flushes to 0), none may become inf, and a beta must stay
+// below 1 after rounding (0.99999999 is 1.0f: the moment never moves again).
+inline constexpr int64_t kMaxVocabSize = 2147483647;
+inline constexpr double kFp32MinNormal = 1.17549435e-38;  // FLT_MIN (every double from here rounds to >= it)
+inline constexpr double kFp32Max = 3.40282347e+38;        // FLT_MAX (every double up to here rounds to <= it)
+inline constexpr double kMaxBeta = 0.9999999;             // 0.99999988f; nearer 1 is 1.0f in fp32
+
 struct RunSection {
   std::string name = "run";
   std::string out_dir = "runs/run";  // default: runs/<name>

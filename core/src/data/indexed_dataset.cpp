@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "config/run_config.hpp"
 #include "loom/error.hpp"
 #include "util/files.hpp"
 
@@ -188,8 +189,12 @@ void IndexedDataset::read(uint64_t seq, uint64_t offset, uint64_t n, int32_t* ou
     }
     if (t < 0 || t >= limit)
       throw Error(cat("Megatron dataset '", prefix_, ".bin': token ", offset + i, " of sequence ", seq, " is ", t,
-                      ", not in [0, ", limit, ") (the model's vocab_size); the data was made with another tokenizer, ",
-                      "or model.vocab_size is too small"));
+                      ", not in [0, ", limit, ") (the model's vocab_size); ",
+                      t < 0 || t >= kMaxVocabSize
+                          ? cat("no model.vocab_size can hold it (at most ", kMaxVocabSize,
+                                ": token ids are int32): the data is damaged or was made with another tokenizer")
+                          : cat("the data was made with another tokenizer, or model.vocab_size is too small (set it >= ",
+                                t + 1, ")")));
     out[i] = static_cast<int32_t>(t);
   }
 }

@@ -91,6 +91,41 @@ bool is_prepare_output(const std::string& name) {
          (name.starts_with("train_") && (name.ends_with(".bin") || name.ends_with(".bin.tmp")));
 }
 
+// A validation window is seq_len + 1 tokens: this many serve a run at the
+// default model.max_seq_len (2048). The run's seq_len is not known here.
+constexpr uint64_t kValWindowTokens = 2049;
+
+// What to say when val.bin is too small to validate a run on, "" when it is
+// not: how many tokens it holds, the seq_len it serves, and the option that
+// would give a usable split (a larger --val-fraction, more text, or none).
+std::string small_val_warning(double fraction, const PrepareTextResult& r) {
+  if (r.val_tokens >= kValWindowTokens) return "";
+  const std::string what =
+      r.val_tokens == 0
+          ? cat("val.bin is empty (--val-fraction ", fraction, " of ", r.documents, " document",
+                r.documents == 1 ? "" : "s", " is none)")
+          : cat("val.bin holds only ", r.val_tokens, " tokens (", r.val_documents, " of ", r.documents,
+                " documents): a run validates on it only with train.seq_len <= ", r.val_tokens - 1);
+  const std::string docs_are =
+      "documents are the input files and the parts of a file between lines holding only '%'";
+  const uint64_t total = r.train_tokens + r.val_tokens;
+  if (r.documents < 2)
+    return cat(what, ". With one document no --val-fraction gives a validation split (", docs_are,
+               "): give more documents, or --val-fraction 0 for no val.bin (and train.validation_every = 0)");
+  // Documents needed for one window at the default max_seq_len, at this corpus's mean document length.
+  const double mean = static_cast<double>(total) / static_cast<double>(r.documents);
+  const uint64_t need = static_cast<uint64_t>(std::ceil(static_cast<double>(kValWindowTokens) / std::max(mean, 1.0)));
+  if (need < r.documents && total >= 2 * kValWindowTokens) {
+    // Rounded up to two digits, so that the suggestion is at least what is needed.
+    const double f = std::ceil(static_cast<double>(need) / static_cast<double>(r.documents) * 100.0) / 100.0;
+    if (f < 1.0 && f > fraction)
+      return cat(what, ". --val-fraction ", f, " would put about ", kValWindowTokens,
+                 " tokens there (enough for train.seq_len 2048); or give more text, or --val-fraction 0 for no val.bin");
+  }
+  return cat(what, ". The corpus holds ", total, " tokens in all, too few for a larger validation split: give more "
+             "text, or --val-fraction 0 for no val.bin (and train.validation_every = 0)");
+}
+
 }  // namespace
 
 PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
@@ -181,8 +216,6 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
   if (opt.val_fraction > 0 && docs.size() > 1) {
     n_val = static_cast<uint64_t>(std::llround(opt.val_fraction * static_cast<double>(docs.size())));
     n_val = std::clamp<uint64_t>(n_val, 1, docs.size() - 1);
-  } else if (opt.val_fraction > 0) {
-    log_warn("prepare: only one document, so val.bin is empty; give more text or --val-fraction 0");
   }
   {
     std::vector<uint64_t> order(docs.size());
@@ -267,6 +300,8 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
   if (opt.val_fraction > 0) {
     res.val_shard = (out / "val.bin").string();
     write_token_shard(res.val_shard, val_buf.data(), val_buf.size(), width, vocab);
+    res.val_warning = small_val_warning(opt.val_fraction, res);
+    if (!res.val_warning.empty()) log_warn(cat("prepare: ", res.val_warning));
   }
   res.tokenizer = tok->kind();
   res.vocab = vocab;

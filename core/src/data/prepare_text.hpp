@@ -29,6 +29,7 @@ struct PrepareTextResult {
   uint64_t train_tokens = 0, val_tokens = 0;
   std::vector<std::string> train_shards;  // full paths, in order
   std::string val_shard;                  // empty when val_fraction == 0
+  std::string val_warning;                // why val.bin is too small to validate on, and what would fix it; "" if it is not
   std::string manifest;                   // out_dir/prepare.json
   std::string tokenizer;                  // kind: bytes, sentencepiece, tiktoken, hf-bpe
   uint32_t vocab = 0, bos = 0, eos = 0;

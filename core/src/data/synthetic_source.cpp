@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config/run_config.hpp"
 #include "data/hash.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
@@ -32,7 +33,10 @@ void SyntheticSource::open(const DataSpec& spec) {
                     "); all must be positive and rank < world"));
   if (opt_.vocab > spec.vocab_size)
     throw Error(cat("data plugin 'synthetic': vocab = ", opt_.vocab, " is larger than the model's vocab_size ",
-                    spec.vocab_size, "; lower data.vocab or raise model.vocab_size"));
+                    spec.vocab_size, opt_.vocab > kMaxVocabSize
+                        ? cat(", and beyond what Loom supports (model.vocab_size is at most ", kMaxVocabSize,
+                              ": token ids are int32); lower data.vocab")
+                        : std::string("; lower data.vocab or raise model.vocab_size")));
   spec_ = spec;
   vocab_ = opt_.vocab > 0 ? opt_.vocab : spec.vocab_size;
   seed_ = spec.seed;

@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "config/run_config.hpp"
 #include "loom/error.hpp"
 #include "util/files.hpp"
 
@@ -297,9 +298,14 @@ void TokenShard::copy(uint64_t begin, uint64_t n, int32_t* out, int64_t limit) c
   if (bad < n) {
     const unsigned char* p = map_ + kTokenShardHeaderBytes + (begin + bad) * static_cast<uint64_t>(width_);
     const uint32_t t = width_ == 2 ? get<uint16_t>(p) : get<uint32_t>(p);
+    if (static_cast<int64_t>(t) >= kMaxVocabSize)  // no model.vocab_size can hold it: token ids are int32
+      throw Error(cat("token shard '", path_, "': token at index ", begin + bad, " is ", t,
+                      ", beyond any vocabulary Loom supports (model.vocab_size is at most ", kMaxVocabSize,
+                      ": token ids are int32); the shard is damaged or was made with another tokenizer"));
     throw Error(cat("token shard '", path_, "': token at index ", begin + bad, " is ", t,
                     ", not below the model vocabulary ", limit,
-                    "; the shard was made with another tokenizer, or model.vocab_size is too small"));
+                    "; the shard was made with another tokenizer, or model.vocab_size is too small (set it >= ",
+                    static_cast<int64_t>(t) + 1, ")"));
   }
 }
 

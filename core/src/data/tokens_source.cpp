@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config/run_config.hpp"
 #include "data/hash.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
@@ -52,6 +53,11 @@ TokensSource::Stream TokensSource::open_stream(const std::vector<std::string>& p
   s.first_window.push_back(0);
   for (auto& path : expand_patterns(patterns, key)) {
     TokenShard shard(path);
+    if (shard.vocab() > 0 && static_cast<int64_t>(shard.vocab()) > kMaxVocabSize)
+      throw Error(cat("token shard '", path, "' was written for a vocabulary of ", shard.vocab(),
+                      " tokens, beyond what Loom supports (model.vocab_size is at most ", kMaxVocabSize,
+                      ": token ids are int32); the shard's header may be damaged, or it was made with a tokenizer Loom "
+                      "cannot train — use shards from the model's tokenizer (loom prepare text)"));
     if (shard.vocab() > 0 && static_cast<int64_t>(shard.vocab()) > spec_.vocab_size)
       throw Error(cat("token shard '", path, "' was written for a vocabulary of ", shard.vocab(),
                       " tokens but the model has vocab_size = ", spec_.vocab_size,
@@ -64,10 +70,19 @@ TokensSource::Stream TokensSource::open_stream(const std::vector<std::string>& p
     s.first_window.push_back(s.windows);
     s.shards.push_back(std::move(shard));
   }
-  if (s.windows == 0)
-    throw Error(cat("data.", key, ": the ", s.shards.size(), " shard(s) matched by the pattern(s) hold no window of seq_len + 1 = ",
-                    S + 1, " tokens (the first is '", s.shards.front().path(),
-                    "'); use a shorter train.seq_len or more data"));
+  if (s.windows == 0) {
+    uint64_t tokens = 0, largest = 0;  // windows do not cross shards: the largest bounds seq_len
+    for (const TokenShard& sh : s.shards) tokens += sh.size(), largest = std::max<uint64_t>(largest, sh.size());
+    const std::string what = cat("data.", key, ": the ", s.shards.size(), " shard(s) matched by the pattern(s) hold ",
+                                 tokens, " token(s) and no window of seq_len + 1 = ", S + 1, " tokens (the first is '",
+                                 s.shards.front().path(), "')");
+    if (key == "val")
+      throw Error(cat(what, ": there is nothing to validate on. Give validation more text — loom prepare text "
+                      "--val-fraction F puts a share F of the documents into val.bin (prepare says when it is too "
+                      "small); ", largest > 1 ? cat("shorten train.seq_len to at most ", largest - 1, "; ") : std::string(),
+                      "or leave data.val out (and set train.validation_every = 0)"));
+    throw Error(cat(what, "; use a shorter train.seq_len or more data"));
+  }
   return s;
 }
 

@@ -1,5 +1,6 @@
 #include "hf/hf_llama.hpp"
 
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -8,6 +9,8 @@
 #include <vector>
 
 #include "checkpoint/file_util.hpp"
+#include "config/format_number.hpp"
+#include "config/run_config.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
 
@@ -112,6 +115,14 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
   } else {
     s.rope_theta = 10000.0;
   }
+  // The ranges of model.norm_eps and model.rope_theta (config/run_config.hpp):
+  // RMSNorm's epsilon is an fp32 on the device, RoPE's angles must stay finite.
+  if (!(std::isfinite(s.norm_eps) && s.norm_eps >= kFp32MinNormal && s.norm_eps <= 1.0))
+    throw Error(cat(origin, ": \"rms_norm_eps\" is ", j["rms_norm_eps"].dump(), ", outside what Loom accepts: [",
+                    config_detail::format_number(kFp32MinNormal), ", 1] (a smaller one is 0 in fp32)"));
+  if (!(std::isfinite(s.rope_theta) && s.rope_theta >= 1.0))
+    throw Error(cat(origin, ": rope_theta is ", config_detail::format_number(s.rope_theta),
+                    ", outside what Loom accepts: a finite number >= 1 (below 1 RoPE's angles can overflow fp32)"));
   if (j.contains("tie_word_embeddings") && !j["tie_word_embeddings"].is_null()) {
     if (!j["tie_word_embeddings"].is_boolean())
       throw Error(cat(origin, ": tie_word_embeddings must be true or false, found ", j["tie_word_embeddings"].dump()));

@@ -133,6 +133,16 @@ std::string join_steps(const std::vector<ckpt::CheckpointInfo>& cks) {
 void check_output_paths(const Config& cfg) {
   check_one_path("run.out_dir", cfg.run.out_dir);
   check_one_path("checkpoint.dir", checkpoint_root(cfg).string());
+  check_checkpoint_names(cfg);
+}
+
+void check_checkpoint_names(const Config& cfg) {
+  const std::string root = checkpoint_root(cfg).string();
+  try {
+    (void)ckpt::list_checkpoints(root);  // refuses a step_N that is not a folder
+  } catch (const Error& e) {
+    throw Error(cat(quoted("checkpoint.dir", cfg.checkpoint.dir), ": ", e.what()));
+  }
 }
 
 std::optional<int64_t> planned_resume_step(const Config& cfg) {
@@ -358,6 +368,7 @@ void trim_metrics(const fs::path& file, int64_t step) {
 
 void prepare_run_files(const Config& cfg, std::optional<int64_t> resume_step) {
   const fs::path out(cfg.run.out_dir);
+  check_checkpoint_names(cfg);  // before metrics.jsonl is trimmed or anything replaced
   check_no_overwrite(cfg, resume_step);
   if (!resume_step && cfg.run.overwrite) {
     const size_t removed = remove_checkpoints(checkpoint_root(cfg).string());

@@ -3,7 +3,11 @@
 //   check_output_paths    run.out_dir and checkpoint.dir can be created and
 //                         written (a file where a folder should be, a name too
 //                         long, a read-only or unwritable place), naming the
-//                         key and the path; creates nothing.
+//                         key and the path; creates nothing. Also
+//                         check_checkpoint_names.
+//   check_checkpoint_names every step_N name in checkpoint.dir is a folder:
+//                         a file, FIFO, device or link to one there would
+//                         make the save of step N fail after training to it.
 //   check_no_overwrite    a fresh run never replaces a previous run's results
 //                         (metrics.jsonl, complete checkpoints) unless
 //                         run.overwrite = true says so.
@@ -31,6 +35,7 @@
 namespace loom {
 
 void check_output_paths(const Config& cfg);
+void check_checkpoint_names(const Config& cfg);
 
 // `resume_step`: the step the run resumes from, nullopt for a fresh start.
 void check_no_overwrite(const Config& cfg, std::optional<int64_t> resume_step);

@@ -1,5 +1,12 @@
 #include "train/runtime.hpp"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+
 #include "comm/mpi_communicator.hpp"
 #ifdef LOOM_HAVE_NCCL
 #include "comm/nccl_communicator.hpp"
@@ -8,6 +15,7 @@
 #include "loom/log.hpp"
 #include "model/block.hpp"
 #include "train/rank_agreement.hpp"
+#include "util/files.hpp"
 
 namespace loom {
 namespace {
@@ -85,9 +93,55 @@ void load_plugins(Runtime& rt, const Config& cfg, const ModelSpec& spec) {
                     "\" has no validation split: configure one or set train.validation_every = 0"));
 }
 
+// What is at a search folder's place, "" when it is a folder.
+std::string not_a_folder(const std::string& dir) {
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) {
+    const int e = errno;
+    return e == ENOENT ? std::string("does not exist") : cat("cannot be reached (", std::strerror(e), ")");
+  }
+  return S_ISDIR(st.st_mode) ? std::string() : cat("is ", file_type_name(st.st_mode), ", not a folder");
+}
+
+// $LOOM_PLUGIN_PATH is the environment's, shared by every run and often set
+// for several machines at once: an entry missing here is said, not fatal.
+void warn_env_plugin_path() {
+  const char* env = std::getenv("LOOM_PLUGIN_PATH");
+  if (!env) return;
+  const std::string_view s(env);
+  for (size_t start = 0; start <= s.size();) {
+    size_t colon = s.find(':', start);
+    if (colon == std::string_view::npos) colon = s.size();
+    const std::string dir(s.substr(start, colon - start));
+    start = colon + 1;
+    if (dir.empty()) continue;  // "a::b", a trailing ':': the shell's way of joining, nothing meant
+    if (const std::string why = not_a_folder(dir); !why.empty())
+      log_warn(cat("$LOOM_PLUGIN_PATH entry '", dir, "' ", why, "; plugins are not searched there"));
+  }
+}
+
 }  // namespace
 
+void check_plugin_path(const Config& cfg) {
+  const auto& dirs = cfg.run.plugin_path;
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    const std::string entry = cat(cfg.source, ": run.plugin_path[", i, "] = \"", dirs[i], "\"");
+    if (dirs[i].empty())
+      throw Error(cat(entry, " is empty: each entry names a folder that holds plugin files; remove it"));
+    if (const std::string why = not_a_folder(dirs[i]); !why.empty())
+      throw Error(cat(entry, " ", why, ": each entry of run.plugin_path must be a folder that holds plugin files "
+                      "(libloom-<kind>-<name>.so). Fix the path or remove the entry",
+                      why.rfind("is ", 0) == 0 ? "; to load one plugin file, give it as the section's `path` "
+                                                 "(e.g. [attention] path = \"/dir/libloom-attention-x.so\")"
+                                               : ""));
+  }
+}
+
 Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_process) {
+  // Before anything is started: a search folder that is not there would
+  // otherwise be passed over without a word.
+  check_plugin_path(cfg);
+  warn_env_plugin_path();
   Runtime rt;
   // Rank, world and node-local rank: from MPI when started by mpirun / srun,
   // otherwise this is the only rank and MPI is never touched.

@@ -41,4 +41,9 @@ struct Runtime {
 // model), naming the key.
 Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_process);
 
+// Every run.plugin_path entry is an existing folder (an entry that is missing,
+// empty, a file or a device is refused, naming it); make_runtime checks it
+// first, `loom train` and `loom check` before any other work.
+void check_plugin_path(const Config& cfg);
+
 }  // namespace loom

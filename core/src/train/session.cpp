@@ -50,6 +50,8 @@ Session::~Session() = default;
 
 void Session::initialise() {
   LOOM_CHECK(!initialised_, "session initialised twice");
+  // A step_N in checkpoint.dir that is no folder would only fail at the save of step N.
+  check_checkpoint_names(cfg_);
   state_->check_memory_fits();  // a plan that cannot fit is refused, not OOM-killed
   state_->allocate();
   // Enough pinned slots for every micro-batch between two log steps (plus an
@@ -418,7 +420,10 @@ RunSummary Session::train(int64_t stop_at) {
     const double per_step = elapsed / static_cast<double>(step_ - sum.first_step);
     bar.draw(s.step, s.loss, per_step * static_cast<double>(t.steps - step_));
   };
-  int stop = agreed_stop_signal();  // a signal during start-up (`loom train` listens from its start): nothing new to save
+  // Up to here a stop signal ends the process at once (no step has run:
+  // nothing to save); from here it finishes the current step and checkpoints it.
+  StopSignals::steps_begin();
+  int stop = agreed_stop_signal();  // a signal that arrived before steps_begin (e.g. a rank's peer): nothing new to save
   while (step_ < last && stop == 0) {
     profiler_->before_step(step_ + 1);
     train_step();

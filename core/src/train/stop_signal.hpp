@@ -9,6 +9,15 @@
 // code 128 + the signal's number. A second signal ends the process at once
 // (_exit(128 + signal)), without a checkpoint: the last complete one stays,
 // and a partly written one never counts (COMPLETE is written last).
+//
+// During start-up — from the outermost object's construction until
+// steps_begin(), i.e. before this process's first step — no step has run and
+// there is nothing to save, so the first signal ends the process at once from
+// the handler (saying so, exit code 128 + the signal's number): a start-up
+// blocked in a system call (a read the handler's SA_RESTART resumes, a hung
+// library initialiser, a slow file system) is ended by one signal, not two.
+// What start-up writes is written as a kill -9 at any point leaves it usable
+// (tmp + rename, COMPLETE last, the lock released by the kernel).
 #pragma once
 #include <csignal>
 #include <string>
@@ -31,6 +40,9 @@ class StopSignals {
   static int pending();
   // Forgets a received signal.
   static void clear();
+  // The first step is about to begin: from now on the first signal finishes
+  // the current step and checkpoints it (until the outermost object goes).
+  static void steps_begin();
 
  private:
   std::vector<std::pair<int, struct sigaction>> saved_;
