@@ -525,12 +525,16 @@ TEST(TrainE2E, StepsBeyondTheLogRingAreAllReported) {
 // makes exactly one host synchronisation (none when there is none).
 TEST(TrainE2E, ReadingAllButTheNewestStepLosesNothing) {
   fs::path d = temp_dir("log_lag");
-  const std::vector<std::string> ov = {"train.steps=9", "train.log_every=1", "train.validation_every=0"};
+  // 40 steps go round the 16-row log ring twice.
+  const std::vector<std::string> ov = {"train.steps=40", "train.log_every=1", "train.validation_every=0"};
   Session full(parse(small_config(d / "full"), ov));
   full.initialise();
-  for (int i = 0; i < 9; ++i) full.train_step();
-  const auto want = full.read_step_logs();
-  ASSERT_EQ(want.size(), 9u);
+  std::vector<loom::StepLog> want;
+  for (int i = 1; i <= 40; ++i) {
+    full.train_step();
+    if (i % 10 == 0) for (const auto& l : full.read_step_logs()) want.push_back(l);
+  }
+  ASSERT_EQ(want.size(), 40u);
 
   Session lag(parse(small_config(d / "lag"), ov));
   lag.initialise();
@@ -539,7 +543,7 @@ TEST(TrainE2E, ReadingAllButTheNewestStepLosesNothing) {
   int64_t before = lag.host_syncs();
   EXPECT_TRUE(lag.read_step_logs_but_newest().empty()) << "only the newest step is queued";
   EXPECT_EQ(lag.host_syncs(), before);
-  for (int i = 2; i <= 9; ++i) {
+  for (int i = 2; i <= 40; ++i) {
     lag.train_step();
     if (i % 3 == 0) continue;  // some reads cover several steps
     before = lag.host_syncs();

@@ -101,7 +101,7 @@ void Session::train_step() {
   // The step's start also goes straight into its log row (the rest of the row
   // is copied when the step closes, on the optimizer queue), so a read that
   // leaves this step for later still has the end of the step before it.
-  Tensor ring_begin = view(state_->scalar_log(), pending_ * kStepScalars + kTimeBegin, {1});
+  Tensor ring_begin = view(state_->scalar_log(), ring_row(step_ + 1) * kStepScalars + kTimeBegin, {1});
   be.copy(ring_begin, begin);
   rt_.sharding->begin_step(state_->env(), units());
   if (!rt_.sharding->zeroes_grads()) state_->zero_grads();  // else the last step's AdamW left them at zero
@@ -136,7 +136,7 @@ void Session::train_step() {
     QueueScope on(be, opt);
     Tensor end = view(scalars, kTimeEnd, {1});
     be.timestamp(end);
-    Tensor row = view(state_->scalar_log(), pending_ * kStepScalars, {kStepScalars});
+    Tensor row = view(state_->scalar_log(), ring_row(step_ + 1) * kStepScalars, {kStepScalars});
     be.copy(row, scalars);
   }
   closed_prev_ = closed_[parity ^ 1];
@@ -187,17 +187,23 @@ std::vector<StepLog> Session::read_ring(bool keep_newest) {
   LOOM_CHECK(!keep_newest || closed_prev_ != kNoMarker, "step log: ", pending_, " steps pending but no previous step closed");
   const auto& t = cfg_.train;
   Backend& be = *rt_.backend;
-  std::vector<double> rows(static_cast<size_t>(pending_ * kStepScalars));
+  // The whole ring in one call (a few KiB): rows are indexed by step number,
+  // so nothing on the device ever moves between reads.
+  const int64_t ring = state_->scalar_log_rows();
+  std::vector<double> rows(static_cast<size_t>(ring * kStepScalars));
   if (keep_newest) be.wait(be.ctx(), closed_prev_);   // rows [0, n) are complete there
   else be.wait(be.ctx(), be.mark(be.side_ctx()));     // the ring's last rows are written on the optimizer queue
-  // Every pending row, the newest included: rows [0, n) whole, and the newest
-  // row's start (written on the compute queue) ends step n - 1's period.
+  // Every pending row, the newest included: the n reported rows whole, and
+  // the newest row's start (written on the compute queue) ends the period of
+  // the step before it.
   be.download(rows.data(), state_->scalar_log(), rows.size() * sizeof(double));  // the one wait
   stager_->device_caught_up();
   // Losses averaged over ranks in one collective (every rank reads the same steps).
   std::vector<double> losses(static_cast<size_t>(n));
   const double tokens_per_rank = static_cast<double>(model_->env().N * t.grad_accum);
-  for (int64_t i = 0; i < n; ++i) losses[static_cast<size_t>(i)] = rows[static_cast<size_t>(i * kStepScalars + kLossSum)] / tokens_per_rank;
+  const int64_t first = step_ - pending_ + 1;  // the step number of the oldest unread row
+  auto row_of = [&](int64_t step) { return rows.data() + ring_row(step) * kStepScalars; };
+  for (int64_t i = 0; i < n; ++i) losses[static_cast<size_t>(i)] = row_of(first + i)[kLossSum] / tokens_per_rank;
   if (rt_.host->size() > 1) {
     Tensor lt(losses.data(), DType::f64, Device::cpu, {n});
     rt_.host->all_reduce(ExecContext{}, lt, ReduceOp::avg);
@@ -207,9 +213,9 @@ std::vector<StepLog> Session::read_ring(bool keep_newest) {
   const bool gpu = be.device() == Device::cuda;
   const size_t mem = gpu ? be.device_memory_used() : peak_resident_bytes();
   for (int64_t i = 0; i < n; ++i) {
-    const double* r = rows.data() + i * kStepScalars;
+    const double* r = row_of(first + i);
     StepLog s;
-    s.step = step_ - pending_ + i + 1;
+    s.step = first + i;
     s.loss = losses[static_cast<size_t>(i)];
     s.lr = lr_at(s.step - 1, t.steps, t.warmup_steps, t.lr, t.min_lr, t.schedule);
     s.grad_norm = r[kGradNorm];
@@ -217,7 +223,7 @@ std::vector<StepLog> Session::read_ring(bool keep_newest) {
     // A step's time is the period from its start to the next step's: with the
     // optimizer overlapping the next forward, that is what each step costs.
     // The last step of a read has no successor yet: start to end of its work.
-    s.step_ms = i + 1 < pending_ ? r[kStepScalars + kTimeBegin] - r[kTimeBegin] : r[kTimeEnd] - r[kTimeBegin];
+    s.step_ms = i + 1 < pending_ ? row_of(first + i + 1)[kTimeBegin] - r[kTimeBegin] : r[kTimeEnd] - r[kTimeBegin];
     const double secs = std::max(s.step_ms, 1e-6) * 1e-3;
     s.tokens_per_s = tokens_per_step / secs;
     s.samples_per_s = samples_per_step / secs;
@@ -228,18 +234,7 @@ std::vector<StepLog> Session::read_ring(bool keep_newest) {
     s.peak_mem_bytes = mem;
     out.push_back(s);
   }
-  if (keep_newest) {
-    // The newest step's row moves to the front of the ring, on the optimizer
-    // queue after the step's own close has written it.
-    const ExecContext& opt = be.side_ctx();
-    QueueScope on(be, opt);
-    Tensor front = view(state_->scalar_log(), 0, {kStepScalars});
-    Tensor newest = view(state_->scalar_log(), n * kStepScalars, {kStepScalars});
-    be.copy(front, newest);
-    pending_ = 1;
-  } else {
-    pending_ = 0;
-  }
+  pending_ -= n;  // keep_newest: the newest step stays unread, in its row
   return out;
 }
 

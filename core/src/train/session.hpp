@@ -145,6 +145,8 @@ class Session {
  private:
   void queue_optimizer_step(int64_t step_index);
   std::vector<StepLog> read_ring(bool keep_newest = false);
+  // The log ring's row of a step (1-based): rows go round by step number.
+  int64_t ring_row(int64_t step) const { return (step - 1) % state_->scalar_log_rows(); }
   void next_batch(Split split);
   double mean_over_ranks(double v) { return all_reduce_scalar(*rt_.host, v, ReduceOp::avg); }
   // The stop signal any rank received (0: none); the same on every rank.
