@@ -32,7 +32,7 @@
 #include "loom/error.hpp"
 #include "loom/plugin.hpp"
 #include "loom/precision.hpp"
-#include "precision/fp32/gemm_cpu.hpp"
+#include "loom/cpu_gemm.hpp"
 
 namespace {
 
@@ -527,7 +527,7 @@ TEST(CpuKernels, SqNormAndScale) {
 }
 
 // ---------------------------------------------------------------------------
-// Linear layer GEMMs (plugins/precision/fp32/gemm_cpu)
+// Linear layer GEMMs (loom/cpu_gemm.hpp)
 // ---------------------------------------------------------------------------
 // Packs a [rows, cols] matrix into a buffer with row stride ld, padding = fill.
 Vec pad_rows(const Vec& a, int64_t rows, int64_t cols, int64_t ld, double fill) {
@@ -559,13 +559,13 @@ TEST(Fp32Gemm, LinearForwardBackwardMatchFiniteDifferences) {
   Vec x = rng.uniform(m * k), w = rng.uniform(n * k), R = rng.uniform(m * n);
   auto loss = [&] {
     Vec xb = pad_rows(x, m, k, ldx, 9.0), yb(m * ldy, 7.0);
-    loom::fp32::linear_forward(yb.data(), ldy, xb.data(), ldx, w.data(), m, k, n);
+    loom::cpu::linear_forward(yb.data(), ldy, xb.data(), ldx, w.data(), m, k, n);
     return dot(unpad_rows(yb, m, n, ldy), R);
   };
   // Forward against the definition y[i, o] = sum_c x[i, c] w[o, c].
   // y: NaN where the kernel must write, 7 in the padding it must leave alone.
   Vec xb = pad_rows(x, m, k, ldx, 9.0), yb = pad_rows(Vec(m * n, kNaN), m, n, ldy, 7.0);
-  loom::fp32::linear_forward(yb.data(), ldy, xb.data(), ldx, w.data(), m, k, n);
+  loom::cpu::linear_forward(yb.data(), ldy, xb.data(), ldx, w.data(), m, k, n);
   Vec y = unpad_rows(yb, m, n, ldy), yref(m * n, 0.0);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t o = 0; o < n; ++o)
@@ -574,27 +574,27 @@ TEST(Fp32Gemm, LinearForwardBackwardMatchFiniteDifferences) {
   EXPECT_TRUE(padding_is(yb, m, n, ldy, 7.0)) << "y padding written";
 
   Vec dyb = pad_rows(R, m, n, lddy, 5.0), dxb(m * lddx, kNaN);
-  loom::fp32::linear_backward_input(dxb.data(), lddx, dyb.data(), lddy, w.data(), m, k, n);
+  loom::cpu::linear_backward_input(dxb.data(), lddx, dyb.data(), lddy, w.data(), m, k, n);
   EXPECT_LE(rel_err(unpad_rows(dxb, m, k, lddx), numeric_grad(x, loss)), kGradTol);
   EXPECT_TRUE(padding_is(dxb, m, k, lddx, kNaN)) << "dx padding written";
 
   const Vec dw_fd = numeric_grad(w, loss);
   Vec dw(n * k, kNaN);  // accumulate = false must overwrite (beta = 0 ignores NaN)
-  loom::fp32::linear_backward_weight(dw.data(), dyb.data(), lddy, xb.data(), ldx, m, k, n, false);
+  loom::cpu::linear_backward_weight(dw.data(), dyb.data(), lddy, xb.data(), ldx, m, k, n, false);
   EXPECT_LE(rel_err(dw, dw_fd), kGradTol);
   Vec g0 = rng.uniform(n * k), dwa = g0;  // accumulate = true adds (micro-batches)
-  loom::fp32::linear_backward_weight(dwa.data(), dyb.data(), lddy, xb.data(), ldx, m, k, n, true);
+  loom::cpu::linear_backward_weight(dwa.data(), dyb.data(), lddy, xb.data(), ldx, m, k, n, true);
   EXPECT_LE(rel_err(minus(dwa, g0), dw_fd), kGradTol);
 
   // float against double
   FVec xf = to_float(xb), wf = to_float(w), yf(m * ldy, 7.f);
-  loom::fp32::linear_forward(yf.data(), ldy, xf.data(), ldx, wf.data(), m, k, n);
+  loom::cpu::linear_forward(yf.data(), ldy, xf.data(), ldx, wf.data(), m, k, n);
   EXPECT_LE(rel_err(unpad_rows(to_double(yf), m, n, ldy), y), kFloatTol);
 }
 
 TEST(Fp32Gemm, RejectsRowStrideSmallerThanRow) {
   FVec x(12, 1.f), w(6, 1.f), y(8, 0.f);
-  EXPECT_THROW(loom::fp32::linear_forward(y.data(), 2, x.data(), 2, w.data(), 4, 3, 2), loom::Error);  // ldx 2 < k 3
+  EXPECT_THROW(loom::cpu::linear_forward(y.data(), 2, x.data(), 2, w.data(), 4, 3, 2), loom::Error);  // ldx 2 < k 3
 }
 
 // ---------------------------------------------------------------------------
@@ -852,13 +852,13 @@ TEST(Fp32Plugin, GemmsThroughThePluginMatchTheHelpers) {
   const loom::ExecContext ctx;
   p->linear_forward(ctx, id, tx, tw, ty, nullptr);
   FVec yr(B * S * out);
-  loom::fp32::linear_forward(yr.data(), out, x.data(), in, w.data(), B * S, in, out);
+  loom::cpu::linear_forward(yr.data(), out, x.data(), in, w.data(), B * S, in, out);
   EXPECT_TRUE(bitwise_equal(y, yr));
 
   p->linear_backward(ctx, id, tx, tw, tdy, &tdx, tdw, /*accumulate=*/false);
   FVec dxr(B * S * in), dwr(out * in);
-  loom::fp32::linear_backward_input(dxr.data(), in, dy.data(), out, w.data(), B * S, in, out);
-  loom::fp32::linear_backward_weight(dwr.data(), dy.data(), out, x.data(), in, B * S, in, out, false);
+  loom::cpu::linear_backward_input(dxr.data(), in, dy.data(), out, w.data(), B * S, in, out);
+  loom::cpu::linear_backward_weight(dwr.data(), dy.data(), out, x.data(), in, B * S, in, out, false);
   EXPECT_TRUE(bitwise_equal(dx, dxr));
   EXPECT_TRUE(bitwise_equal(dw, dwr));
   // accumulate: a second micro-batch adds the same gradient again; dx may be skipped.

@@ -1,9 +1,10 @@
 // FP8 GEMMs of a linear layer emulated on the CPU: each operand is cast to FP8
 // with its scale and back (quantize_dequantize in loom/fp8.hpp), then the
-// product runs in fp32 through BLAS sgemm (fp32 accumulation). This is the
+// product runs in fp32 through the CPU GEMMs of loom/cpu_gemm.hpp (fp32
+// accumulation). This is the
 // reference for the device FP8 GEMMs and the CPU path of the FP8 recipes.
 //
-// Layout as the fp32 recipe's (plugins/precision/fp32/gemm_cpu.hpp): W is
+// Layout as loom/cpu_gemm.hpp's (the fp32 recipe's): W is
 // [n_out, k_in] row-major, y = x W^T; row strides ld* >= the row length so
 // views need no copy. m = rows (tokens), k = in features, n = out features.
 //

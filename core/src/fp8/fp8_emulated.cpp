@@ -1,23 +1,14 @@
 // Emulated FP8 GEMMs (loom/fp8_emulated.hpp): quantise-dequantise each operand
-// into the workspace, then one row-major sgemm, as the fp32 recipe maps its
-// three GEMMs onto CBLAS.
+// into the workspace, then the fp32 recipe's GEMM (loom/cpu_gemm.hpp).
 #include "loom/fp8_emulated.hpp"
 
-#include <cblas.h>
-
 #include <algorithm>
-#include <climits>
 
+#include "loom/cpu_gemm.hpp"
 #include "loom/error.hpp"
 
 namespace loom::fp8 {
 namespace {
-
-blasint to_blas(int64_t v, const char* what) {
-  LOOM_CHECK(v >= 0 && v <= INT_MAX, "fp8 emulated gemm: ", what, "=", v, " does not fit the BLAS int range [0, ",
-             INT_MAX, "]");
-  return static_cast<blasint>(v);
-}
 
 void check_operand(const Operand& a, int64_t cols, const char* what) {
   LOOM_CHECK(a.ld >= cols && a.ld >= 1, "fp8 emulated gemm: row stride of ", what, " is ", a.ld, ", smaller than its ",
@@ -31,11 +22,6 @@ void check_workspace(const float* workspace, int64_t m, int64_t k, int64_t n) {
   LOOM_CHECK(workspace != nullptr || emulated_workspace_floats(m, k, n) == 0,
              "fp8 emulated gemm: no workspace for m=", m, " k=", k, " n=", n, ", which needs ",
              emulated_workspace_floats(m, k, n), " floats");
-}
-
-void check_ld(int64_t ld, int64_t cols, const char* what) {
-  LOOM_CHECK(ld >= cols && ld >= 1, "fp8 emulated gemm: row stride of ", what, " is ", ld, ", smaller than its ", cols,
-             " columns");
 }
 
 // q(a) of a [rows, cols] view into a contiguous [rows, cols] buffer; returns amax.
@@ -58,53 +44,48 @@ int64_t emulated_workspace_floats(int64_t m, int64_t k, int64_t n) {
   return std::max({m * k + n * k, m * n + n * k, m * n + m * k});
 }
 
+namespace {
+
+// The two operands of one GEMM cast into the workspace (a [a_rows, a_cols]
+// copy, then b's [b_rows, b_cols]), with their amaxes.
+struct Cast {
+  const float* a;
+  const float* b;
+  OperandAmax amax;
+};
+Cast cast_pair(const Operand& a, int64_t a_rows, int64_t a_cols, const char* a_name, const Operand& b, int64_t b_rows,
+               int64_t b_cols, const char* b_name, int64_t m, int64_t k, int64_t n, float* workspace) {
+  check_operand(a, a_cols, a_name);
+  check_operand(b, b_cols, b_name);
+  check_workspace(workspace, m, k, n);
+  float* qa = workspace;
+  float* qb = workspace + a_rows * a_cols;
+  return {qa, qb, {quantize_rows(a, a_rows, a_cols, qa), quantize_rows(b, b_rows, b_cols, qb)}};
+}
+
+}  // namespace
+
+// The products are the fp32 recipe's (loom/cpu_gemm.hpp) on the cast copies,
+// which are contiguous: their row strides are their row lengths.
 OperandAmax emulated_linear_forward(float* y, int64_t ldy, const Operand& x, const Operand& w, int64_t m, int64_t k,
                                     int64_t n, bool accumulate, float* workspace) {
-  check_ld(ldy, n, "y");
-  check_operand(x, k, "x");
-  check_operand(w, k, "w");
-  check_workspace(workspace, m, k, n);
-  float* qx = workspace;
-  float* qw = workspace + m * k;
-  const OperandAmax amax{quantize_rows(x, m, k, qx), quantize_rows(w, n, k, qw)};
-  if (m == 0 || n == 0) return amax;
-  // y[m,n] = q(x)[m,k] * q(W)[n,k]^T (+ y: beta = 1 adds the residual already in y)
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_blas(m, "m"), to_blas(n, "n"), to_blas(k, "k"), 1.0f, qx,
-              to_blas(std::max<int64_t>(k, 1), "k"), qw, to_blas(std::max<int64_t>(k, 1), "k"),
-              accumulate ? 1.0f : 0.0f, y, to_blas(ldy, "ldy"));
-  return amax;
+  const Cast c = cast_pair(x, m, k, "x", w, n, k, "w", m, k, n, workspace);
+  cpu::linear_forward(y, ldy, c.a, std::max<int64_t>(k, 1), c.b, m, k, n, accumulate);
+  return c.amax;
 }
 
 OperandAmax emulated_linear_backward_input(float* dx, int64_t lddx, const Operand& dy, const Operand& w, int64_t m,
                                            int64_t k, int64_t n, float* workspace) {
-  check_ld(lddx, k, "dx");
-  check_operand(dy, n, "dy");
-  check_operand(w, k, "w");
-  check_workspace(workspace, m, k, n);
-  float* qdy = workspace;
-  float* qw = workspace + m * n;
-  const OperandAmax amax{quantize_rows(dy, m, n, qdy), quantize_rows(w, n, k, qw)};
-  if (m == 0 || k == 0) return amax;
-  // dx[m,k] = q(dy)[m,n] * q(W)[n,k]; with n == 0 BLAS writes zeros (beta = 0).
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, to_blas(m, "m"), to_blas(k, "k"), to_blas(n, "n"), 1.0f, qdy,
-              to_blas(std::max<int64_t>(n, 1), "n"), qw, to_blas(k, "k"), 0.0f, dx, to_blas(lddx, "lddx"));
-  return amax;
+  const Cast c = cast_pair(dy, m, n, "dy", w, n, k, "w", m, k, n, workspace);
+  cpu::linear_backward_input(dx, lddx, c.a, std::max<int64_t>(n, 1), c.b, m, k, n);
+  return c.amax;
 }
 
 OperandAmax emulated_linear_backward_weight(float* dw, const Operand& dy, const Operand& x, int64_t m, int64_t k,
                                             int64_t n, bool accumulate, float* workspace) {
-  check_operand(dy, n, "dy");
-  check_operand(x, k, "x");
-  check_workspace(workspace, m, k, n);
-  float* qdy = workspace;
-  float* qx = workspace + m * n;
-  const OperandAmax amax{quantize_rows(dy, m, n, qdy), quantize_rows(x, m, k, qx)};
-  if (n == 0 || k == 0) return amax;
-  // dW[n,k] = q(dy)[m,n]^T * q(x)[m,k]; beta = 1 adds onto the previous micro-batches
-  // (with m == 0 BLAS scales dW by beta: 0 or unchanged, the right answer).
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, to_blas(n, "n"), to_blas(k, "k"), to_blas(m, "m"), 1.0f, qdy,
-              to_blas(n, "n"), qx, to_blas(k, "k"), accumulate ? 1.0f : 0.0f, dw, to_blas(k, "k"));
-  return amax;
+  const Cast c = cast_pair(dy, m, n, "dy", x, m, k, "x", m, k, n, workspace);
+  cpu::linear_backward_weight(dw, c.a, std::max<int64_t>(n, 1), c.b, std::max<int64_t>(k, 1), m, k, n, accumulate);
+  return c.amax;
 }
 
 }  // namespace loom::fp8

@@ -11,7 +11,7 @@
 #include "loom/error.hpp"
 #include "loom/precision.hpp"
 #include "precision/common/residual.hpp"
-#include "precision/fp32/gemm_cpu.hpp"
+#include "loom/cpu_gemm.hpp"
 #ifdef LOOM_FP32_WITH_CUDA
 #include "precision/common/cublaslt_linear.hpp"
 #endif
@@ -95,7 +95,7 @@ class Fp32Precision final : public Precision {
           std::copy(src + r * mr.ld, src + r * mr.ld + my.cols, dst + r * my.ld);
       }
     }
-    fp32::linear_forward(y.ptr<float>(), my.ld, x.ptr<const float>(), mx.ld, w.ptr<const float>(), mx.rows, d.in,
+    cpu::linear_forward(y.ptr<float>(), my.ld, x.ptr<const float>(), mx.ld, w.ptr<const float>(), mx.rows, d.in,
                          d.out, residual != nullptr);
   }
 
@@ -116,10 +116,10 @@ class Fp32Precision final : public Precision {
       const RowMatrix mdx = as_matrix(*dx, "dx", d.name);
       check_cols(d, mdx, d.in, "dx", "in");
       LOOM_CHECK(mdx.rows == mx.rows, "precision fp32: ", d.name, ": dx has ", mdx.rows, " rows but x has ", mx.rows);
-      fp32::linear_backward_input(dx->ptr<float>(), mdx.ld, dy.ptr<const float>(), mdy.ld, w.ptr<const float>(),
+      cpu::linear_backward_input(dx->ptr<float>(), mdx.ld, dy.ptr<const float>(), mdy.ld, w.ptr<const float>(),
                                   mx.rows, d.in, d.out);
     }
-    fp32::linear_backward_weight(dw.ptr<float>(), dy.ptr<const float>(), mdy.ld, x.ptr<const float>(), mx.ld, mx.rows,
+    cpu::linear_backward_weight(dw.ptr<float>(), dy.ptr<const float>(), mdy.ld, x.ptr<const float>(), mx.ld, mx.rows,
                                  d.in, d.out, accumulate);
   }
 

@@ -1,6 +1,6 @@
 // The three GEMMs of a linear layer mapped onto row-major CBLAS calls.
 // m = rows (tokens), k = in features, n = out features.
-#include "precision/fp32/gemm_cpu.hpp"
+#include "loom/cpu_gemm.hpp"
 
 #include <cblas.h>
 
@@ -8,18 +8,18 @@
 
 #include "loom/error.hpp"
 
-namespace loom::fp32 {
+namespace loom::cpu {
 namespace {
 
 // CBLAS takes int dimensions (LP64 OpenBLAS): refuse what would silently wrap.
 blasint to_blas(int64_t v, const char* what) {
-  LOOM_CHECK(v >= 0 && v <= INT_MAX, "fp32 gemm: ", what, "=", v, " does not fit the BLAS int range [0, ", INT_MAX,
+  LOOM_CHECK(v >= 0 && v <= INT_MAX, "cpu gemm: ", what, "=", v, " does not fit the BLAS int range [0, ", INT_MAX,
              "]");
   return static_cast<blasint>(v);
 }
 
 void check_ld(int64_t ld, int64_t cols, const char* what) {
-  LOOM_CHECK(ld >= cols && ld >= 1, "fp32 gemm: row stride of ", what, " is ", ld, ", smaller than its ", cols,
+  LOOM_CHECK(ld >= cols && ld >= 1, "cpu gemm: row stride of ", what, " is ", ld, ", smaller than its ", cols,
              " columns");
 }
 
@@ -93,4 +93,4 @@ void linear_backward_weight(double* dw, const double* dy, int64_t lddy, const do
   backward_weight_t(dw, dy, lddy, x, ldx, m, k, n, accumulate);
 }
 
-}  // namespace loom::fp32
+}  // namespace loom::cpu
