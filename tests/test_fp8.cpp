@@ -23,9 +23,11 @@
 #include "loom/fp8.hpp"
 #include "loom/fp8_emulated.hpp"
 #include "loom/fp8_scaling.hpp"
+#include "test_util.hpp"
 
 namespace {
 
+using loom::test::expect_error;
 using loom::fp8::AmaxAlgo;
 using loom::fp8::Format;
 using loom::fp8::Formats;
@@ -537,37 +539,26 @@ TEST(Fp8Scaling, OneContiguousAmaxBufferReducedAcrossRanksGivesEqualScales) {
 }
 
 TEST(Fp8Scaling, ConfigErrorsNameTheValue) {
-  auto message = [](auto&& f) -> std::string {
-    try {
-      f();
-    } catch (const loom::Error& e) {
-      return e.what();
-    }
-    return "(no error)";
-  };
-  EXPECT_NE(message([] { loom::fp8::parse_formats("e5m2"); }).find("'e5m2'"), std::string::npos);
-  EXPECT_NE(message([] { loom::fp8::parse_amax_algo("mean"); }).find("'mean'"), std::string::npos);
-  EXPECT_NE(message([] { loom::fp8::parse_scaling("block"); }).find("'block'"), std::string::npos);
+  expect_error([] { loom::fp8::parse_formats("e5m2"); }, {"'e5m2'"});
+  expect_error([] { loom::fp8::parse_amax_algo("mean"); }, {"'mean'"});
+  expect_error([] { loom::fp8::parse_scaling("block"); }, {"'block'"});
   EXPECT_EQ(loom::fp8::parse_formats("hybrid"), Formats::hybrid);
   EXPECT_EQ(loom::fp8::parse_amax_algo("most_recent"), AmaxAlgo::most_recent);
   EXPECT_EQ(loom::fp8::parse_scaling("current"), Scaling::current);
-  EXPECT_NE(message([] { ScalingState s(delayed(0, AmaxAlgo::max)); }).find("amax_history_len = 0"),
-            std::string::npos);
-  EXPECT_NE(message([] { ScalingState s(delayed(1, AmaxAlgo::max, -1)); }).find("margin = -1"), std::string::npos);
-  EXPECT_NE(message([] { ScalingState s(delayed(1, AmaxAlgo::max, 127)); }).find("margin = 127"), std::string::npos);
-  EXPECT_NE(message([] {
-              ScalingState s(delayed(1, AmaxAlgo::max));
-              s.add_linear("a");
-              s.update_scales();
-              s.add_linear("late");
-            }).find("'late'"),
-            std::string::npos);
-  EXPECT_NE(message([] {
-              ScalingState s(delayed(1, AmaxAlgo::max));
-              s.add_linear("a");
-              s.record_amax(1, Role::x, 1.0f);
-            }).find("linear 1"),
-            std::string::npos);
+  expect_error([] { ScalingState s(delayed(0, AmaxAlgo::max)); }, {"amax_history_len = 0"});
+  expect_error([] { ScalingState s(delayed(1, AmaxAlgo::max, -1)); }, {"margin = -1"});
+  expect_error([] { ScalingState s(delayed(1, AmaxAlgo::max, 127)); }, {"margin = 127"});
+  expect_error([] {
+    ScalingState s(delayed(1, AmaxAlgo::max));
+    s.add_linear("a");
+    s.update_scales();
+    s.add_linear("late");
+  }, {"'late'"});
+  expect_error([] {
+    ScalingState s(delayed(1, AmaxAlgo::max));
+    s.add_linear("a");
+    s.record_amax(1, Role::x, 1.0f);
+  }, {"linear 1"});
 }
 
 // ============================== emulated GEMMs ==============================
@@ -753,29 +744,18 @@ TEST(Fp8EmulatedGemm, QuantisationErrorIsWithinTheE4M3Bound) {
 
 TEST(Fp8EmulatedGemm, BadArgumentsAreRefusedWithTheirValues) {
   std::vector<float> a(16, 1.0f), ws(64);
-  auto message = [](auto&& f) -> std::string {
-    try {
-      f();
-    } catch (const loom::Error& e) {
-      return e.what();
-    }
-    return "(no error)";
-  };
-  EXPECT_NE(message([&] {
-              loom::fp8::emulated_linear_forward(a.data(), 2, {a.data(), 2, 0.0f, Format::e4m3},
-                                                 {a.data(), 2, 1.0f, Format::e4m3}, 2, 2, 2, false, ws.data());
-            }).find("scale of x is 0"),
-            std::string::npos);
-  EXPECT_NE(message([&] {
-              loom::fp8::emulated_linear_forward(a.data(), 2, {a.data(), 1, 1.0f, Format::e4m3},
-                                                 {a.data(), 2, 1.0f, Format::e4m3}, 2, 2, 2, false, ws.data());
-            }).find("row stride of x is 1"),
-            std::string::npos);
-  EXPECT_NE(message([&] {
-              loom::fp8::emulated_linear_backward_weight(a.data(), {a.data(), 2, 1.0f, Format::e5m2},
-                                                         {a.data(), 2, 1.0f, Format::e4m3}, 2, 2, 2, false, nullptr);
-            }).find("needs 8 floats"),
-            std::string::npos);
+  expect_error([&] {
+    loom::fp8::emulated_linear_forward(a.data(), 2, {a.data(), 2, 0.0f, Format::e4m3},
+                                       {a.data(), 2, 1.0f, Format::e4m3}, 2, 2, 2, false, ws.data());
+  }, {"scale of x is 0"});
+  expect_error([&] {
+    loom::fp8::emulated_linear_forward(a.data(), 2, {a.data(), 1, 1.0f, Format::e4m3},
+                                       {a.data(), 2, 1.0f, Format::e4m3}, 2, 2, 2, false, ws.data());
+  }, {"row stride of x is 1"});
+  expect_error([&] {
+    loom::fp8::emulated_linear_backward_weight(a.data(), {a.data(), 2, 1.0f, Format::e5m2},
+                                               {a.data(), 2, 1.0f, Format::e4m3}, 2, 2, 2, false, nullptr);
+  }, {"needs 8 floats"});
 }
 
 }  // namespace

@@ -187,6 +187,18 @@ class MoeGolden : public ::testing::Test {
     d_.N = ref_.at("batch").at("batch").get<int64_t>() * ref_.at("batch").at("seq").get<int64_t>();
     coef_ = c.at("router_aux_loss_coef");
   }
+  // The golden layer's router and experts, by their canonical HF names.
+  Layer<float> golden_layer(const loom::hf::SafeTensorsFile& st) const {
+    Layer<float> L(d_);
+    L.router = st.read_f32("gate.weight");
+    for (int64_t e = 0; e < d_.E; ++e) {
+      const std::string p = "experts." + std::to_string(e) + ".";
+      L.w1[e] = st.read_f32(p + "w1.weight");
+      L.w2[e] = st.read_f32(p + "w2.weight");
+      L.w3[e] = st.read_f32(p + "w3.weight");
+    }
+    return L;
+  }
   nlohmann::json ref_;
   MoeDims d_;
   double coef_ = 0;
@@ -194,13 +206,9 @@ class MoeGolden : public ::testing::Test {
 
 TEST_F(MoeGolden, MatchesTransformersForwardAuxLossAndEveryGradient) {
   loom::hf::SafeTensorsFile st(kDir + "/reference.safetensors");
-  Layer<float> L(d_);
-  L.router = st.read_f32("gate.weight");
+  Layer<float> L = golden_layer(st);
   for (int64_t e = 0; e < d_.E; ++e) {
     const std::string p = "experts." + std::to_string(e) + ".";
-    L.w1[e] = st.read_f32(p + "w1.weight");
-    L.w2[e] = st.read_f32(p + "w2.weight");
-    L.w3[e] = st.read_f32(p + "w3.weight");
     ASSERT_EQ(st.info(p + "w1.weight").shape, (std::vector<int64_t>{d_.f, d_.h}));
     ASSERT_EQ(st.info(p + "w2.weight").shape, (std::vector<int64_t>{d_.h, d_.f}));
   }
@@ -252,14 +260,7 @@ TEST_F(MoeGolden, MatchesTransformersForwardAuxLossAndEveryGradient) {
 // projection's (coef 0.02): the gradient of aux alone is checked on its own.
 TEST_F(MoeGolden, AuxLossGradientAloneMatchesTransformers) {
   loom::hf::SafeTensorsFile st(kDir + "/reference.safetensors");
-  Layer<float> L(d_);
-  L.router = st.read_f32("gate.weight");
-  for (int64_t e = 0; e < d_.E; ++e) {
-    const std::string p = "experts." + std::to_string(e) + ".";
-    L.w1[e] = st.read_f32(p + "w1.weight");
-    L.w2[e] = st.read_f32(p + "w2.weight");
-    L.w3[e] = st.read_f32(p + "w3.weight");
-  }
+  Layer<float> L = golden_layer(st);
   const FVec x = st.read_f32("hidden_states"), zero(x.size(), 0.0f);
   MoeBuffers<float> b(d_);
   const Result<float> r = run(L, x, zero, 1.0, nullptr, b, true);  // loss = aux
