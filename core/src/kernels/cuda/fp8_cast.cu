@@ -1,0 +1,348 @@
+// FP8 casts, amaxes and scale updates on the GPU (see fp8_kernels.hpp).
+//
+// The cast works on 64 x 64 tiles of x, one tile per block of 256 threads at a
+// time (grid-stride over tiles). Each thread reads 8 consecutive elements of
+// two rows (one 16-byte load for bf16, two for fp32), encodes them with
+// loom::fp8::encode (the host's function, so bitwise the host cast) and
+// stores 8 bytes of the row-major copy; for the transposed copy the codes go
+// through shared memory and each thread stores 16 consecutive bytes of a row
+// of q_t (16 rows of x). Where a tile runs past the edge, or a pointer or row
+// stride is not aligned for the packed accesses, the same code runs element
+// by element. The amax is a per-thread max, a block max, and one atomicMax per
+// block on the float's bits.
+#include <cfloat>
+
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/fp8_kernels.hpp"
+#include "loom/fp8.hpp"
+
+namespace loom::gpu {
+namespace {
+
+constexpr int kTile = 64;            // rows and columns of x per tile
+constexpr int kCastThreads = 256;    // 8 column groups of 8 x 32 rows, twice
+constexpr int kTileStride = 68;      // bytes per shared tile row (4-aligned, staggers banks)
+constexpr uint32_t kInfBits = 0x7F800000u;
+
+__device__ __forceinline__ float abs_or_inf(float v) {
+  // NaN is recorded as +inf (fp8_scaling.hpp); fmaxf alone would drop it.
+  return fp8::is_nan(v) ? __uint_as_float(kInfBits) : fabsf(v);
+}
+
+// Block-wide max of non-negative, non-NaN values, then one atomicMax on the bits.
+__device__ void block_amax_to(float m, float* amax) {
+  __shared__ float part[32];
+  m = warp_max(m);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) part[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    float v = lane < static_cast<int>(blockDim.x / 32) ? part[lane] : 0.0f;
+    v = warp_max(v);
+    if (lane == 0 && v > 0.0f) atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(v));
+  }
+}
+
+template <typename T, fp8::Format F, bool kRow, bool kTrans>
+__global__ void __launch_bounds__(kCastThreads)
+    cast_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx, uint8_t* __restrict__ q,
+                uint8_t* __restrict__ qt, const float* __restrict__ scale_ptr, float* amax, bool vec_in, bool vec_q,
+                bool vec_t) {
+  __shared__ uint32_t tile_words[kTile * kTileStride / 4];
+  uint8_t* tile = reinterpret_cast<uint8_t*>(tile_words);
+  const float s = (kRow || kTrans) ? *scale_ptr : 1.0f;
+  const int64_t tiles_c = (cols + kTile - 1) / kTile, tiles_r = (rows + kTile - 1) / kTile;
+  const int cg_local = (threadIdx.x % 8) * 8;  // this thread's 8 columns in the tile
+  const int r_local0 = threadIdx.x / 8;        // its rows: r_local0 and r_local0 + 32
+  float m = 0.0f;
+  for (int64_t t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
+    const int64_t r0 = (t / tiles_c) * kTile, c0 = (t % tiles_c) * kTile;
+    const int64_t cg = c0 + cg_local;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int rl = r_local0 + 32 * half;
+      const int64_t r = r0 + rl;
+      if (r >= rows) continue;
+      float v[8];
+      const bool full = cg + 8 <= cols;
+      if (full && vec_in) {
+        load_vec<8>(x + r * ldx + cg, v);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = cg + j < cols ? to_f32(x[r * ldx + cg + j]) : 0.0f;
+      }
+      uint8_t code[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        m = fmaxf(m, abs_or_inf(v[j]));  // out-of-range lanes hold 0
+        if constexpr (kRow || kTrans) code[j] = fp8::encode(v[j] * s, F);
+      }
+      if constexpr (kRow) {
+        uint8_t* dst = q + r * cols + cg;
+        if (full && vec_q) {
+          uint2 w;
+          memcpy(&w, code, 8);
+          *reinterpret_cast<uint2*>(dst) = w;
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            if (cg + j < cols) dst[j] = code[j];
+        }
+      }
+      if constexpr (kTrans) {
+        uint32_t w0, w1;
+        memcpy(&w0, code, 4);
+        memcpy(&w1, code + 4, 4);
+        tile_words[(rl * kTileStride + cg_local) / 4] = w0;
+        tile_words[(rl * kTileStride + cg_local) / 4 + 1] = w1;
+      }
+    }
+    if constexpr (kTrans) {
+      __syncthreads();
+      // Row c of q_t holds column c of x: this thread writes its bytes for x rows [rs, rs + 16).
+      const int cl = threadIdx.x / 4, rl0 = (threadIdx.x % 4) * 16;
+      const int64_t c = c0 + cl, rs = r0 + rl0;
+      if (c < cols && rs < rows) {
+        uint8_t* dst = qt + c * rows + rs;
+        if (vec_t && rs + 16 <= rows) {
+          uint8_t b[16];
+#pragma unroll
+          for (int j = 0; j < 16; ++j) b[j] = tile[(rl0 + j) * kTileStride + cl];
+          uint4 w;
+          memcpy(&w, b, 16);
+          *reinterpret_cast<uint4*>(dst) = w;
+        } else {
+          for (int j = 0; j < 16 && rs + j < rows; ++j) dst[j] = tile[(rl0 + j) * kTileStride + cl];
+        }
+      }
+      __syncthreads();  // the next tile overwrites the shared tile
+    }
+  }
+  if (amax != nullptr) block_amax_to(m, amax);
+}
+
+template <typename T, fp8::Format F, bool kRow, bool kTrans>
+void launch_cast(const T* x, int64_t rows, int64_t cols, int64_t ldx, uint8_t* q, uint8_t* qt, const float* scale,
+                 float* amax, cudaStream_t stream, const char* name) {
+  const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+  const unsigned grid = static_cast<unsigned>(tiles < kMaxGridBlocks ? tiles : kMaxGridBlocks);
+  // Packed paths: 8 elements of x (16 or 32 bytes) at 16-byte aligned
+  // addresses; 8 bytes of q at 8-byte aligned ones; 16 bytes of q_t at
+  // 16-byte aligned ones.
+  const bool vec_in = aligned_bytes(x, 16) && (ldx * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+  const bool vec_q = q != nullptr && aligned_bytes(q, 8) && cols % 8 == 0;
+  const bool vec_t = qt != nullptr && aligned_bytes(qt, 16) && rows % 16 == 0;
+  cast_kernel<T, F, kRow, kTrans>
+      <<<grid, kCastThreads, 0, stream>>>(x, rows, cols, ldx, q, qt, scale, amax, vec_in, vec_q, vec_t);
+  LOOM_CUDA_LAUNCH_CHECK(name, "rows=", rows, " cols=", cols, " ld=", ldx, " grid=", grid, " vec in/q/qt=", vec_in,
+                         "/", vec_q, "/", vec_t);
+}
+
+bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
+fp8::Format format_of(DType t) { return t == DType::e4m3 ? fp8::Format::e4m3 : fp8::Format::e5m2; }
+
+void check_float_ptr(const void* p, const char* what, const char* fn, bool required) {
+  LOOM_CHECK(p != nullptr || !required, fn, ": ", what, " is null; it must point to a device float");
+  LOOM_CHECK(aligned_bytes(p, 4), fn, ": ", what, " at ", p, " is not 4-byte aligned (a device float)");
+}
+
+// x as a row matrix, checked: device, dtype fp32/bf16.
+RowMatrix input_matrix(const Tensor& x, const char* fn) {
+  check_device(x, fn);
+  LOOM_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16, fn, ": x must be fp32 or bf16, got ",
+             dtype_name(x.dtype), " (shape ", x.shape_str(), ")");
+  return fold_rows(x, fn, ": x");
+}
+
+// ---- scale updates --------------------------------------------------------------
+
+__device__ __forceinline__ float fp8_max_of_slot(int64_t t, fp8::Formats formats) {
+  return fp8::max_value(fp8::role_format(formats, static_cast<fp8::Role>(t % fp8::kRolesPerLinear)));
+}
+
+__device__ __forceinline__ void set_scale(float* scale, float* scale_inv, int64_t t, float s) {
+  scale[t] = s;
+  // Correctly rounded 1 / s, like the host's 1.0f / s (s in (0, FLT_MAX]:
+  // finite, at worst subnormal); __frcp_rn stays IEEE under any math flags.
+  scale_inv[t] = __frcp_rn(s);
+}
+
+__global__ void update_scales_kernel(const float* amax, float* scale, float* scale_inv, int64_t first, int64_t count,
+                                     fp8::Formats formats, int margin, uint32_t* skipped) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const int64_t t = first + i;
+    const fp8::ScaleUpdate u = fp8::compute_scale(amax[t], fp8_max_of_slot(t, formats), margin, scale[t]);
+    set_scale(scale, scale_inv, t, u.scale);
+    if (u.skipped && skipped != nullptr) atomicAdd(skipped, 1u);
+  }
+}
+
+__global__ void delayed_update_kernel(float* step_amax, float* history, int history_len, int head, int64_t tensors,
+                                      fp8::AmaxAlgo algo, fp8::Formats formats, int margin, float* scale,
+                                      float* scale_inv, uint32_t* kept, uint32_t* nonfinite) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < tensors; t += stride) {
+    const float a = step_amax[t];
+    step_amax[t] = 0.0f;
+    const bool bad = !fp8::is_finite(a);
+    history[static_cast<int64_t>(head) * tensors + t] = bad || a < 0.0f ? 0.0f : a;
+    if (bad) {
+      if (nonfinite != nullptr) atomicAdd(nonfinite, 1u);
+      if (kept != nullptr) atomicAdd(kept, 1u);
+      continue;
+    }
+    float w;
+    if (algo == fp8::AmaxAlgo::most_recent) {
+      w = history[static_cast<int64_t>(head) * tensors + t];
+    } else {
+      w = 0.0f;  // entries are finite and >= 0
+      for (int row = 0; row < history_len; ++row) {
+        const float h = history[static_cast<int64_t>(row) * tensors + t];
+        if (h > w) w = h;
+      }
+    }
+    const fp8::ScaleUpdate u = fp8::compute_scale(w, fp8_max_of_slot(t, formats), margin, scale[t]);
+    if (u.skipped && kept != nullptr) atomicAdd(kept, 1u);
+    set_scale(scale, scale_inv, t, u.scale);
+  }
+}
+
+// ---- dequantize ---------------------------------------------------------------------
+
+template <typename TY, fp8::Format F>
+struct DequantOp {
+  TY* y;
+  const uint8_t* q;
+  const float* scale;
+  template <int K>
+  __device__ void apply(int64_t i) const {
+    const float s = *scale;
+#pragma unroll
+    for (int k = 0; k < K; ++k) y[i + k] = from_f32<TY>(fp8::decode(q[i + k], F) / s);
+  }
+};
+
+}  // namespace
+
+void fp8_cast(const Tensor& x, Tensor* q, Tensor* q_t, const float* scale, float* amax, cudaStream_t stream) {
+  const char* fn = "fp8_cast";
+  const RowMatrix mx = input_matrix(x, fn);
+  LOOM_CHECK(q != nullptr || q_t != nullptr, fn, ": neither q nor q_t is given (x ", x.shape_str(),
+             "); to measure the amax alone call fp8_amax");
+  DType qt = DType::e4m3;
+  if (q != nullptr) {
+    check_device(*q, "fp8_cast q");
+    LOOM_CHECK(is_fp8(q->dtype), fn, ": q must be fp8_e4m3 or fp8_e5m2, got ", dtype_name(q->dtype));
+    const RowMatrix m = fold_rows(*q, fn, ": q");
+    LOOM_CHECK(m.rows == mx.rows && m.cols == mx.cols && q->is_contiguous(), fn, ": q must be a contiguous [",
+               mx.rows, ", ", mx.cols, "] tensor like x ", x.shape_str(), ", got ", q->shape_str(),
+               q->is_contiguous() ? "" : " (not contiguous)");
+    qt = q->dtype;
+  }
+  if (q_t != nullptr) {
+    check_device(*q_t, "fp8_cast q_t");
+    LOOM_CHECK(is_fp8(q_t->dtype), fn, ": q_t must be fp8_e4m3 or fp8_e5m2, got ", dtype_name(q_t->dtype));
+    LOOM_CHECK(q == nullptr || q_t->dtype == q->dtype, fn, ": q is ", dtype_name(q->dtype), " but q_t is ",
+               dtype_name(q_t->dtype), "; both copies of one cast have one format");
+    LOOM_CHECK(q_t->ndim == 2 && q_t->shape[0] == mx.cols && q_t->shape[1] == mx.rows && q_t->is_contiguous(), fn,
+               ": q_t must be a contiguous [cols, rows] = [", mx.cols, ", ", mx.rows, "] tensor (x is ", x.shape_str(),
+               "), got ", q_t->shape_str());
+    qt = q_t->dtype;
+  }
+  check_float_ptr(scale, "scale", fn, true);
+  check_float_ptr(amax, "amax", fn, false);
+  if (mx.rows == 0 || mx.cols == 0) return;
+  uint8_t* qp = q != nullptr ? q->ptr<uint8_t>() : nullptr;
+  uint8_t* qtp = q_t != nullptr ? q_t->ptr<uint8_t>() : nullptr;
+  dispatch_float(x.dtype, fn, [&](auto tx) {
+    using T = decltype(tx);
+    const T* xp = x.ptr<const T>();
+    auto go = [&](auto fmt) {
+      constexpr fp8::Format F = decltype(fmt)::value;
+      if (qp != nullptr && qtp != nullptr)
+        launch_cast<T, F, true, true>(xp, mx.rows, mx.cols, mx.ld, qp, qtp, scale, amax, stream, "fp8_cast (q, q_t)");
+      else if (qp != nullptr)
+        launch_cast<T, F, true, false>(xp, mx.rows, mx.cols, mx.ld, qp, nullptr, scale, amax, stream, "fp8_cast (q)");
+      else
+        launch_cast<T, F, false, true>(xp, mx.rows, mx.cols, mx.ld, nullptr, qtp, scale, amax, stream,
+                                       "fp8_cast (q_t)");
+    };
+    if (format_of(qt) == fp8::Format::e4m3)
+      go(std::integral_constant<fp8::Format, fp8::Format::e4m3>{});
+    else
+      go(std::integral_constant<fp8::Format, fp8::Format::e5m2>{});
+  });
+}
+
+void fp8_amax(const Tensor& x, float* amax, cudaStream_t stream) {
+  const char* fn = "fp8_amax";
+  const RowMatrix mx = input_matrix(x, fn);
+  check_float_ptr(amax, "amax", fn, true);
+  if (mx.rows == 0 || mx.cols == 0) return;
+  dispatch_float(x.dtype, fn, [&](auto tx) {
+    using T = decltype(tx);
+    launch_cast<T, fp8::Format::e4m3, false, false>(x.ptr<const T>(), mx.rows, mx.cols, mx.ld, nullptr, nullptr,
+                                                    nullptr, amax, stream, "fp8_amax");
+  });
+}
+
+void fp8_update_scales(const float* amax, float* scale, float* scale_inv, int64_t first, int64_t count,
+                       fp8::Formats formats, int margin, uint32_t* skipped, cudaStream_t stream) {
+  const char* fn = "fp8_update_scales";
+  check_float_ptr(amax, "amax", fn, true);
+  check_float_ptr(scale, "scale", fn, true);
+  check_float_ptr(scale_inv, "scale_inv", fn, true);
+  LOOM_CHECK(first >= 0 && count >= 0, fn, ": slots [", first, ", ", first + count, ") are not a valid range");
+  LOOM_CHECK(margin >= 0 && margin <= 126, fn, ": margin ", margin, " is outside [0, 126]");
+  LOOM_CHECK(aligned_bytes(skipped, 4), fn, ": skipped counter at ", static_cast<const void*>(skipped),
+             " is not 4-byte aligned");
+  if (count == 0) return;
+  const unsigned grid = grid_for(count, 256);
+  update_scales_kernel<<<grid, 256, 0, stream>>>(amax, scale, scale_inv, first, count, formats, margin, skipped);
+  LOOM_CUDA_LAUNCH_CHECK(fn, "first=", first, " count=", count, " margin=", margin, " grid=", grid);
+}
+
+void fp8_delayed_update(float* step_amax, float* history, int history_len, int head, int64_t tensors,
+                        fp8::AmaxAlgo algo, fp8::Formats formats, int margin, float* scale, float* scale_inv,
+                        uint32_t* kept, uint32_t* nonfinite, cudaStream_t stream) {
+  const char* fn = "fp8_delayed_update";
+  check_float_ptr(step_amax, "step_amax", fn, true);
+  check_float_ptr(history, "history", fn, true);
+  check_float_ptr(scale, "scale", fn, true);
+  check_float_ptr(scale_inv, "scale_inv", fn, true);
+  LOOM_CHECK(history_len >= 1 && head >= 0 && head < history_len, fn, ": head ", head,
+             " is not a row of a history of ", history_len, " rows");
+  LOOM_CHECK(tensors >= 0, fn, ": tensors = ", tensors);
+  LOOM_CHECK(margin >= 0 && margin <= 126, fn, ": margin ", margin, " is outside [0, 126]");
+  LOOM_CHECK(aligned_bytes(kept, 4) && aligned_bytes(nonfinite, 4), fn, ": counters at ",
+             static_cast<const void*>(kept), " / ", static_cast<const void*>(nonfinite), " are not 4-byte aligned");
+  if (tensors == 0) return;
+  const unsigned grid = grid_for(tensors, 256);
+  delayed_update_kernel<<<grid, 256, 0, stream>>>(step_amax, history, history_len, head, tensors, algo, formats,
+                                                  margin, scale, scale_inv, kept, nonfinite);
+  LOOM_CUDA_LAUNCH_CHECK(fn, "tensors=", tensors, " history_len=", history_len, " head=", head, " grid=", grid);
+}
+
+void fp8_dequantize(Tensor& y, const Tensor& q, const float* scale, cudaStream_t stream) {
+  const char* fn = "fp8_dequantize";
+  check_device(y, "fp8_dequantize y");
+  check_device(q, "fp8_dequantize q");
+  check_contiguous(y, "fp8_dequantize y");
+  check_contiguous(q, "fp8_dequantize q");
+  LOOM_CHECK(is_fp8(q.dtype), fn, ": q must be fp8_e4m3 or fp8_e5m2, got ", dtype_name(q.dtype));
+  LOOM_CHECK(y.numel() == q.numel(), fn, ": y ", y.shape_str(), " and q ", q.shape_str(),
+             " have different element counts");
+  check_float_ptr(scale, "scale", fn, true);
+  dispatch_float(y.dtype, "fp8_dequantize y", [&](auto ty) {
+    using TY = decltype(ty);
+    if (q.dtype == DType::e4m3)
+      launch_elementwise<1>(DequantOp<TY, fp8::Format::e4m3>{y.ptr<TY>(), q.ptr<const uint8_t>(), scale}, y.numel(),
+                            false, stream, fn);
+    else
+      launch_elementwise<1>(DequantOp<TY, fp8::Format::e5m2>{y.ptr<TY>(), q.ptr<const uint8_t>(), scale}, y.numel(),
+                            false, stream, fn);
+  });
+}
+
+}  // namespace loom::gpu

@@ -1,0 +1,892 @@
+// The FP8 device building blocks (kernels/cuda/fp8_kernels.hpp, fp8_gemm.hpp)
+// against the host FP8 code (loom/fp8.hpp, loom/fp8_scaling.hpp) and an fp64
+// CPU GEMM:
+// - casts: bitwise equal to host loom::fp8::quantize (fp32 and bf16 inputs,
+//   E4M3 and E5M2, several scales, saturation, NaN, infinities, zeros, fp32
+//   and FP8 subnormals, rounding ties), the transposed copy, tile edges and
+//   unaligned rows (scalar paths), row views; amax exact (NaN -> +inf);
+// - scale updates: bitwise compute_scale / ScalingState, amax 0, inf, NaN,
+//   negative, tiny (scale overflow) and huge with a margin (scale underflow);
+// - GEMMs: every operand format pair cuBLASLt has, fast accumulation on and
+//   off, with and without C (separate and in place), bf16 and fp32 D, the D
+//   amax, and a linear's fprop/dgrad/wgrad end to end from device casts.
+// GPU cases skip without a device; the argument checks need none and run in
+// every CUDA build (nothing is launched before an argument is refused).
+#include <gtest/gtest.h>
+
+#ifdef LOOM_HAVE_CUDA
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "hf/safetensors.hpp"
+#include "kernels/cuda/fp8_gemm.hpp"
+#include "kernels/cuda/fp8_kernels.hpp"
+#include "loom/fp8.hpp"
+#include "loom/fp8_scaling.hpp"
+
+namespace {
+
+using loom::DType;
+using loom::Device;
+using loom::Tensor;
+namespace fp8 = loom::fp8;
+
+#define CUDA_OK(call)                                                                                    \
+  do {                                                                                                   \
+    const cudaError_t e_ = (call);                                                                       \
+    ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorName(e_) << " " << cudaGetErrorString(e_); \
+  } while (0)
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+uint32_t bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+float round_bf16(float x) { return loom::hf::bf16_to_f32(loom::hf::f32_to_bf16(x)); }
+
+// Device memory for a test, freed at scope end.
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DevBuf(size_t n) : bytes(n) {
+    if (cudaMalloc(&p, n) != cudaSuccess) p = nullptr;
+  }
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+};
+
+template <typename T>
+void upload(const DevBuf& d, const std::vector<T>& v) {
+  ASSERT_EQ(cudaMemcpy(d.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+}
+template <typename T>
+std::vector<T> download(const DevBuf& d, size_t n) {
+  std::vector<T> v(n);
+  EXPECT_EQ(cudaMemcpy(v.data(), d.p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return v;
+}
+void put_float(const DevBuf& d, float v, size_t index = 0) {
+  ASSERT_EQ(cudaMemcpy(d.as<float>() + index, &v, 4, cudaMemcpyHostToDevice), cudaSuccess);
+}
+float get_float(const DevBuf& d, size_t index = 0) {
+  float v = kNaN;
+  EXPECT_EQ(cudaMemcpy(&v, d.as<float>() + index, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  return v;
+}
+
+// The amax a device slot holds for an input whose host amax is `a` (host: NaN
+// when the input has one; device: +inf, fp8_scaling.hpp).
+float device_amax(float a) { return std::isnan(a) ? kInf : a; }
+
+// Values over the whole range of both formats and beyond: random magnitudes
+// 2^[-30, 30), then specials at fixed places (they move with `seed`).
+std::vector<float> cast_inputs(size_t n, uint32_t seed, bool specials, float scale) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> e(-30.f, 30.f), u(-1.f, 1.f);
+  std::vector<float> v(n);
+  for (float& x : v) x = std::copysign(std::exp2(e(rng)), u(rng));
+  if (!specials) return v;
+  // Exact places around each format's edges, as seen after the scale: ties
+  // between codes, max, the saturation boundary, subnormals and half of the
+  // smallest one, fp32 subnormals, zeros, infinities and NaN.
+  const float s = scale;
+  const std::vector<float> sp = {0.f, -0.f, kInf, -kInf, kNaN, 448.f / s, 449.f / s, 464.f / s, 480.f / s,
+                                 -500.f / s, 57344.f / s, 61440.f / s, 1e30f, -1e30f, FLT_MAX, 0x1p-9f / s,
+                                 0x1p-10f / s, 0x3p-10f / s, 0x1p-16f / s, 0x1p-17f / s, 0x3p-17f / s, 1e-40f,
+                                 -1e-42f, 1.0625f / s, 1.1875f / s, 1.125f / s, 0x1p-6f / s, 0x1p-14f / s};
+  std::uniform_int_distribution<size_t> where(0, n - 1);
+  for (int rep = 0; rep < 3; ++rep)
+    for (float x : sp) v[where(rng)] = x;
+  return v;
+}
+
+// ---- argument checks (no device needed) ---------------------------------------
+
+// Addresses that are never dereferenced: every check runs before any launch.
+char* fake_ptr(uintptr_t offset = 0) { return reinterpret_cast<char*>(uintptr_t{1} << 20) + offset; }
+
+TEST(CudaFp8Args, CastRefusesBadArguments) {
+  float* scale = reinterpret_cast<float*>(fake_ptr(1 << 16));
+  Tensor x(fake_ptr(), DType::bf16, Device::cuda, {32, 64});
+  Tensor q(fake_ptr(1 << 12), DType::e4m3, Device::cuda, {32, 64});
+  Tensor qt(fake_ptr(1 << 13), DType::e4m3, Device::cuda, {64, 32});
+  std::string e;
+  Tensor xi = x;
+  xi.dtype = DType::i32;
+  e = error_of([&] { loom::gpu::fp8_cast(xi, &q, &qt, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "fp8_cast: x must be fp32 or bf16, got int32")) << e;
+  Tensor xc = x;
+  xc.device = Device::cpu;
+  e = error_of([&] { loom::gpu::fp8_cast(xc, &q, &qt, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "is on cpu")) << e;
+  e = error_of([&] { loom::gpu::fp8_cast(x, nullptr, nullptr, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "neither q nor q_t is given")) << e;
+  Tensor qb = q;
+  qb.dtype = DType::bf16;
+  e = error_of([&] { loom::gpu::fp8_cast(x, &qb, nullptr, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "q must be fp8_e4m3 or fp8_e5m2, got bf16")) << e;
+  Tensor qs(fake_ptr(1 << 12), DType::e4m3, Device::cuda, {32, 48});
+  e = error_of([&] { loom::gpu::fp8_cast(x, &qs, nullptr, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "q must be a contiguous [32, 64] tensor")) << e;
+  Tensor qtw(fake_ptr(1 << 13), DType::e4m3, Device::cuda, {32, 64});  // not transposed
+  e = error_of([&] { loom::gpu::fp8_cast(x, &q, &qtw, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "q_t must be a contiguous [cols, rows] = [64, 32] tensor")) << e;
+  Tensor qt5 = qt;
+  qt5.dtype = DType::e5m2;
+  e = error_of([&] { loom::gpu::fp8_cast(x, &q, &qt5, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "q is fp8_e4m3 but q_t is fp8_e5m2")) << e;
+  e = error_of([&] { loom::gpu::fp8_cast(x, &q, &qt, nullptr, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "scale is null")) << e;
+  e = error_of([&] {
+    loom::gpu::fp8_cast(x, &q, &qt, scale, reinterpret_cast<float*>(fake_ptr(2)), nullptr);
+  });
+  EXPECT_TRUE(contains(e, "amax at") && contains(e, "is not 4-byte aligned")) << e;
+  e = error_of([&] { loom::gpu::fp8_amax(x, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "fp8_amax: amax is null")) << e;
+  e = error_of([&] {
+    loom::gpu::fp8_update_scales(scale, scale, scale, 0, 3, fp8::Formats::hybrid, 127, nullptr, nullptr);
+  });
+  EXPECT_TRUE(contains(e, "margin 127 is outside [0, 126]")) << e;
+  e = error_of([&] {
+    loom::gpu::fp8_delayed_update(scale, scale, 4, 4, 3, fp8::AmaxAlgo::max, fp8::Formats::hybrid, 0, scale, scale,
+                                  nullptr, nullptr, nullptr);
+  });
+  EXPECT_TRUE(contains(e, "head 4 is not a row of a history of 4 rows")) << e;
+  Tensor y(fake_ptr(), DType::f32, Device::cuda, {32, 64});
+  Tensor q2(fake_ptr(1 << 12), DType::e4m3, Device::cuda, {32, 63});
+  e = error_of([&] { loom::gpu::fp8_dequantize(y, q2, scale, nullptr); });
+  EXPECT_TRUE(contains(e, "have different element counts")) << e;
+}
+
+TEST(CudaFp8Args, GemmRefusesWhatCublasLtCannotDo) {
+  loom::gpu::Fp8Gemm g(nullptr, nullptr, 0);  // no handle: every call below must fail before using one
+  const float* sa = reinterpret_cast<const float*>(fake_ptr(1 << 18));
+  const float* sb = sa + 1;
+  Tensor a(fake_ptr(), DType::e4m3, Device::cuda, {64, 128});
+  Tensor b(fake_ptr(1 << 14), DType::e4m3, Device::cuda, {96, 128});
+  Tensor d(fake_ptr(1 << 16), DType::bf16, Device::cuda, {64, 96});
+  loom::gpu::Fp8GemmOptions o;
+  auto err = [&](const Tensor& ta, const Tensor& tb, Tensor td, const loom::gpu::Fp8GemmOptions& opt) {
+    return error_of([&] { g.gemm(ta, sa, tb, sb, td, opt, nullptr); });
+  };
+  std::string e;
+  Tensor a5 = a, b5 = b;
+  a5.dtype = DType::e5m2;
+  b5.dtype = DType::e5m2;
+  e = err(a5, b5, d, o);
+  EXPECT_TRUE(contains(e, "both fp8_e5m2; cuBLASLt has no E5M2 x E5M2 kernel")) << e;
+  Tensor ab = a;
+  ab.dtype = DType::bf16;
+  e = err(ab, b, d, o);
+  EXPECT_TRUE(contains(e, "A and B must be fp8_e4m3 or fp8_e5m2, got A bf16")) << e;
+  Tensor dh = d;
+  dh.dtype = DType::f16;
+  e = err(a, b, dh, o);
+  EXPECT_TRUE(contains(e, "D must be bf16 or fp32, got fp16")) << e;
+  Tensor a40(fake_ptr(), DType::e4m3, Device::cuda, {40, 128});
+  Tensor d40(fake_ptr(1 << 16), DType::bf16, Device::cuda, {40, 96});
+  e = err(a40, b, d40, o);
+  EXPECT_TRUE(contains(e, "m (rows of A and D) = 40 is not a positive multiple of 16")) << e;
+  Tensor ak(fake_ptr(), DType::e4m3, Device::cuda, {64, 120});
+  Tensor bk(fake_ptr(1 << 14), DType::e4m3, Device::cuda, {96, 120});
+  e = err(ak, bk, d, o);
+  EXPECT_TRUE(contains(e, "row stride of 120 elements, not a multiple of 16 bytes")) << e;
+  Tensor bw(fake_ptr(1 << 14), DType::e4m3, Device::cuda, {96, 64});
+  e = err(a, bw, d, o);
+  EXPECT_TRUE(contains(e, "contracts the last dim of both")) << e;
+  Tensor dw(fake_ptr(1 << 16), DType::bf16, Device::cuda, {64, 80});
+  e = err(a, b, dw, o);
+  EXPECT_TRUE(contains(e, "D is [64, 80] but A B^T is [64, 96]")) << e;
+  Tensor au(fake_ptr(8), DType::e4m3, Device::cuda, {64, 128});
+  e = err(au, b, d, o);
+  EXPECT_TRUE(contains(e, "A at") && contains(e, "is not 16-byte aligned")) << e;
+  Tensor av = a;  // a row view with a row stride of 136 bytes
+  av.stride[0] = 136;
+  e = err(av, b, d, o);
+  EXPECT_TRUE(contains(e, "row stride of 136 elements, not a multiple of 16 bytes")) << e;
+  e = error_of([&] { g.gemm(a, nullptr, b, sb, d, o, nullptr); });
+  EXPECT_TRUE(contains(e, "inverse scales must be device floats")) << e;
+  Tensor c32(fake_ptr(1 << 17), DType::f32, Device::cuda, {64, 96});
+  loom::gpu::Fp8GemmOptions oc;
+  oc.c = &c32;
+  e = err(a, b, d, oc);
+  EXPECT_TRUE(contains(e, "C is fp32 but D is bf16")) << e;
+  Tensor cover(fake_ptr((1 << 16) + 32), DType::bf16, Device::cuda, {64, 96});
+  oc.c = &cover;
+  e = err(a, b, d, oc);
+  EXPECT_TRUE(contains(e, "overlaps D") && contains(e, "must be D itself or share no byte with it")) << e;
+  Tensor cstride = d;
+  cstride.stride[0] = 104;
+  oc.c = &cstride;
+  e = err(a, b, d, oc);
+  EXPECT_TRUE(contains(e, "C is D's buffer with another row stride (104 vs 96)")) << e;
+  // Everything valid: the only thing missing is the handle.
+  e = err(a, b, d, o);
+  EXPECT_TRUE(contains(e, "no cuBLASLt handle")) << e;
+  EXPECT_EQ(g.plans_built(), 0);
+}
+
+// ---- casts ------------------------------------------------------------------------
+
+class CudaFp8 : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    LOOM_REQUIRE_GPU();
+    CUDA_OK(cudaStreamCreate(&stream_));
+  }
+  void TearDown() override {
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  cudaStream_t stream_ = nullptr;
+};
+
+struct CastCase {
+  int64_t rows, cols, pad;  // pad: extra elements per input row (a row view)
+};
+
+TEST_F(CudaFp8, CastMatchesHostEncodeBitwise) {
+  // Full tiles; tile edges in both dims with packed paths; odd shapes and an
+  // odd row stride (scalar paths everywhere); a wide row view.
+  const CastCase cases[] = {{128, 64, 0}, {80, 200, 0}, {37, 45, 0}, {33, 70, 3}, {256, 1024, 64}};
+  const float scales[] = {1.0f, 3.7f, 0x1p-10f, 448.f / 3.f, 1e6f};
+  int checked = 0;
+  for (DType xt : {DType::f32, DType::bf16}) {
+    for (DType qtype : {DType::e4m3, DType::e5m2}) {
+      const fp8::Format f = qtype == DType::e4m3 ? fp8::Format::e4m3 : fp8::Format::e5m2;
+      for (const CastCase& cc : cases) {
+        for (float s : scales) {
+          SCOPED_TRACE(::testing::Message() << loom::dtype_name(xt) << " -> " << loom::dtype_name(qtype) << " ["
+                                            << cc.rows << ", " << cc.cols << "] pad " << cc.pad << " scale " << s);
+          const int64_t R = cc.rows, C = cc.cols, ld = C + cc.pad;
+          const size_t n = static_cast<size_t>(R * C);
+          std::vector<float> v = cast_inputs(n, static_cast<uint32_t>(R * 7 + C + checked), true, s);
+          if (xt == DType::bf16)
+            for (float& x : v) x = round_bf16(x);
+          // Host reference: the batched host cast (fp32 product, then encode).
+          std::vector<uint8_t> want(n);
+          const float host_amax = fp8::quantize(v.data(), static_cast<int64_t>(n), s, f, want.data());
+          // Device input with row stride ld.
+          const size_t es = loom::dtype_size(xt);
+          DevBuf xb(static_cast<size_t>(R * ld) * es), qb(n), qtb(n), sb(4), ab(8);
+          ASSERT_TRUE(xb.p && qb.p && qtb.p && sb.p && ab.p);
+          std::vector<unsigned char> host_x(static_cast<size_t>(R * ld) * es, 0);
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t c = 0; c < C; ++c) {
+              const float x = v[static_cast<size_t>(r * C + c)];
+              unsigned char* dst = host_x.data() + static_cast<size_t>(r * ld + c) * es;
+              if (xt == DType::f32) {
+                std::memcpy(dst, &x, 4);
+              } else {
+                const uint16_t h = loom::hf::f32_to_bf16(x);
+                std::memcpy(dst, &h, 2);
+              }
+            }
+          upload(xb, host_x);
+          put_float(sb, s);
+          put_float(ab, 0.0f);
+          put_float(ab, 0.0f, 1);
+          // Poisoned: an element the kernel leaves unwritten fails wherever the host code is not 0xAA.
+          CUDA_OK(cudaMemset(qb.p, 0xAA, n));
+          CUDA_OK(cudaMemset(qtb.p, 0xAA, n));
+          Tensor x(xb.p, xt, Device::cuda, {R, C});
+          x.stride[0] = ld;
+          Tensor q(qb.p, qtype, Device::cuda, {R, C});
+          Tensor qt(qtb.p, qtype, Device::cuda, {C, R});
+          loom::gpu::fp8_cast(x, &q, &qt, sb.as<float>(), ab.as<float>(), stream_);
+          loom::gpu::fp8_amax(x, ab.as<float>() + 1, stream_);
+          CUDA_OK(cudaStreamSynchronize(stream_));
+          const std::vector<uint8_t> got = download<uint8_t>(qb, n), got_t = download<uint8_t>(qtb, n);
+          int bad = 0, bad_t = 0;
+          for (size_t i = 0; i < n; ++i)
+            if (got[i] != want[i] && bad++ < 5)
+              ADD_FAILURE() << "q[" << i / C << "," << i % C << "] = 0x" << std::hex << int(got[i]) << ", host 0x"
+                            << int(want[i]) << std::dec << " for x = " << v[i] << " (x*scale = " << v[i] * s << ")";
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t c = 0; c < C; ++c)
+              if (got_t[static_cast<size_t>(c * R + r)] != want[static_cast<size_t>(r * C + c)] && bad_t++ < 5)
+                ADD_FAILURE() << "q_t[" << c << "," << r << "] != q[" << r << "," << c << "]";
+          EXPECT_EQ(bad, 0);
+          EXPECT_EQ(bad_t, 0);
+          // amax: exact, NaN recorded as +inf.
+          EXPECT_TRUE(std::isnan(host_amax));  // the specials include NaN
+          EXPECT_EQ(bits(get_float(ab, 0)), bits(device_amax(host_amax)));
+          EXPECT_EQ(bits(get_float(ab, 1)), bits(device_amax(host_amax)));
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2 * 2 * 5 * 5);
+}
+
+TEST_F(CudaFp8, CastOutputsAloneAmaxAccumulatesAndIsExact) {
+  // Finite inputs (amax a real value), q only and q_t only, and the amax slot
+  // max-accumulating across calls (a step's micro-batches).
+  const int64_t R = 96, C = 160;
+  const size_t n = static_cast<size_t>(R * C);
+  for (DType xt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(loom::dtype_name(xt));
+    std::vector<float> v = cast_inputs(n, 11, false, 1.0f);
+    for (float& x : v) x = std::ldexp(x, -25);  // magnitudes 2^[-55, 5)
+    if (xt == DType::bf16)
+      for (float& x : v) x = round_bf16(x);
+    std::vector<uint8_t> want(n);
+    const float s = 17.0f;
+    const float host_amax = fp8::quantize(v.data(), static_cast<int64_t>(n), s, fp8::Format::e5m2, want.data());
+    ASSERT_TRUE(std::isfinite(host_amax) && host_amax > 0);
+    const size_t es = loom::dtype_size(xt);
+    DevBuf xb(n * es), qb(n), qtb(n), sb(4), ab(12);
+    ASSERT_TRUE(xb.p && qb.p && qtb.p && sb.p && ab.p);
+    std::vector<unsigned char> hx(n * es);
+    for (size_t i = 0; i < n; ++i) {
+      if (xt == DType::f32) {
+        std::memcpy(hx.data() + 4 * i, &v[i], 4);
+      } else {
+        const uint16_t h = loom::hf::f32_to_bf16(v[i]);
+        std::memcpy(hx.data() + 2 * i, &h, 2);
+      }
+    }
+    upload(xb, hx);
+    put_float(sb, s);
+    put_float(ab, 0.0f);
+    put_float(ab, 2.0f * host_amax, 1);  // a larger earlier micro-batch: kept
+    put_float(ab, 0.5f * host_amax, 2);  // a smaller one: replaced
+    Tensor x(xb.p, xt, Device::cuda, {R, C});
+    Tensor q(qb.p, DType::e5m2, Device::cuda, {R, C});
+    Tensor qt(qtb.p, DType::e5m2, Device::cuda, {C, R});
+    loom::gpu::fp8_cast(x, &q, nullptr, sb.as<float>(), ab.as<float>(), stream_);
+    loom::gpu::fp8_cast(x, nullptr, &qt, sb.as<float>(), ab.as<float>() + 1, stream_);
+    loom::gpu::fp8_amax(x, ab.as<float>() + 2, stream_);
+    loom::gpu::fp8_amax(x, ab.as<float>() + 2, stream_);  // twice: still the same max
+    CUDA_OK(cudaStreamSynchronize(stream_));
+    const std::vector<uint8_t> got = download<uint8_t>(qb, n), got_t = download<uint8_t>(qtb, n);
+    EXPECT_EQ(got, want);
+    int bad_t = 0;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) bad_t += got_t[static_cast<size_t>(c * R + r)] != want[static_cast<size_t>(r * C + c)];
+    EXPECT_EQ(bad_t, 0);
+    EXPECT_EQ(bits(get_float(ab, 0)), bits(host_amax));
+    EXPECT_EQ(bits(get_float(ab, 1)), bits(2.0f * host_amax));
+    EXPECT_EQ(bits(get_float(ab, 2)), bits(host_amax));
+  }
+}
+
+TEST_F(CudaFp8, DequantizeMatchesHost) {
+  // Every code of both formats, three scales; NaN codes must stay NaN.
+  std::vector<uint8_t> codes(256 * 3);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i);
+  const size_t n = codes.size();
+  for (fp8::Format f : {fp8::Format::e4m3, fp8::Format::e5m2}) {
+    for (float s : {1.0f, 0.3f, 4096.0f}) {
+      std::vector<float> want(n);
+      fp8::dequantize(codes.data(), static_cast<int64_t>(n), s, f, want.data());
+      DevBuf qb(n), yb(n * 4), yb16(n * 2), sb(4);
+      ASSERT_TRUE(qb.p && yb.p && yb16.p && sb.p);
+      upload(qb, codes);
+      put_float(sb, s);
+      const DType qt = f == fp8::Format::e4m3 ? DType::e4m3 : DType::e5m2;
+      Tensor q(qb.p, qt, Device::cuda, {static_cast<int64_t>(n)});
+      Tensor y(yb.p, DType::f32, Device::cuda, {static_cast<int64_t>(n)});
+      Tensor y16(yb16.p, DType::bf16, Device::cuda, {static_cast<int64_t>(n)});
+      loom::gpu::fp8_dequantize(y, q, sb.as<float>(), stream_);
+      loom::gpu::fp8_dequantize(y16, q, sb.as<float>(), stream_);
+      CUDA_OK(cudaStreamSynchronize(stream_));
+      const std::vector<float> got = download<float>(yb, n);
+      const std::vector<uint16_t> got16 = download<uint16_t>(yb16, n);
+      for (size_t i = 0; i < n; ++i) {
+        if (std::isnan(want[i])) {
+          EXPECT_TRUE(std::isnan(got[i]) && std::isnan(loom::hf::bf16_to_f32(got16[i]))) << "code " << i % 256;
+        } else {
+          EXPECT_EQ(bits(got[i]), bits(want[i])) << "code " << i % 256 << " scale " << s;
+          EXPECT_EQ(got16[i], loom::hf::f32_to_bf16(want[i])) << "code " << i % 256 << " scale " << s;
+        }
+      }
+    }
+  }
+}
+
+// ---- scale updates -------------------------------------------------------------------
+
+TEST_F(CudaFp8, UpdateScalesMatchesHostComputeScaleBitwise) {
+  // Slots of 20 linears (60 tensors): random amaxes over 2^[-40, 40), and the
+  // edge cases at fixed slots: 0, +inf, NaN, negative, an fp32 subnormal (the
+  // scale overflows to FLT_MAX, whose inverse is subnormal), FLT_MAX (with a
+  // margin the scale underflows to 0: skipped).
+  const int64_t T = 60;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> e(-40.f, 40.f), pe(-8.f, 8.f);
+  std::vector<float> amax(T), prev(T);
+  for (int64_t t = 0; t < T; ++t) {
+    amax[static_cast<size_t>(t)] = std::exp2(e(rng));
+    prev[static_cast<size_t>(t)] = std::exp2(pe(rng));
+  }
+  const float edge[] = {0.0f, kInf, kNaN, -3.0f, 1e-42f, FLT_MAX, 0x1p-126f, 448.0f, 57344.0f};
+  for (size_t i = 0; i < std::size(edge); ++i) {
+    amax[3 * i] = edge[i];      // an x slot (E4M3)
+    amax[3 * i + 2] = edge[i];  // a dy slot (E5M2 under hybrid)
+  }
+  for (fp8::Formats formats : {fp8::Formats::hybrid, fp8::Formats::e4m3}) {
+    for (int margin : {0, 1, 126}) {
+      for (int64_t first : {int64_t{0}, int64_t{4}}) {
+        SCOPED_TRACE(::testing::Message() << fp8::name(formats) << " margin " << margin << " first " << first);
+        const int64_t count = T - first - (first ? 3 : 0);
+        std::vector<float> want_s = prev, want_inv(T, -1.0f);
+        uint32_t want_skipped = 0;
+        for (int64_t t = first; t < first + count; ++t) {
+          const auto i = static_cast<size_t>(t);
+          const float fmax = fp8::max_value(fp8::role_format(formats, static_cast<fp8::Role>(t % 3)));
+          const fp8::ScaleUpdate u = fp8::compute_scale(amax[i], fmax, margin, prev[i]);
+          want_s[i] = u.scale;
+          want_inv[i] = 1.0f / u.scale;
+          want_skipped += u.skipped;
+        }
+        DevBuf ab(T * 4), sb(T * 4), ib(T * 4), kb(4);
+        ASSERT_TRUE(ab.p && sb.p && ib.p && kb.p);
+        upload(ab, amax);
+        upload(sb, prev);
+        upload(ib, std::vector<float>(T, -1.0f));
+        CUDA_OK(cudaMemset(kb.p, 0, 4));
+        loom::gpu::fp8_update_scales(ab.as<float>(), sb.as<float>(), ib.as<float>(), first, count, formats, margin,
+                                     kb.as<uint32_t>(), stream_);
+        CUDA_OK(cudaStreamSynchronize(stream_));
+        const std::vector<float> got_s = download<float>(sb, T), got_inv = download<float>(ib, T);
+        for (int64_t t = 0; t < T; ++t) {
+          const auto i = static_cast<size_t>(t);
+          EXPECT_EQ(bits(got_s[i]), bits(want_s[i])) << "slot " << t << " amax " << amax[i] << " prev " << prev[i];
+          EXPECT_EQ(bits(got_inv[i]), bits(want_inv[i])) << "slot " << t << " scale " << want_s[i];
+        }
+        EXPECT_EQ(download<uint32_t>(kb, 1)[0], want_skipped);
+        EXPECT_GE(want_skipped, first == 0 ? 8u : 6u);  // the edge cases in range did skip
+      }
+    }
+  }
+}
+
+TEST_F(CudaFp8, DelayedUpdateMatchesScalingStateOverSteps) {
+  for (fp8::AmaxAlgo algo : {fp8::AmaxAlgo::max, fp8::AmaxAlgo::most_recent}) {
+    SCOPED_TRACE(fp8::name(algo));
+    fp8::ScalingConfig cfg;
+    cfg.amax_history_len = 4;
+    cfg.amax_compute_algo = algo;
+    cfg.margin = 1;
+    fp8::ScalingState host(cfg);
+    const int L = 7;
+    for (int l = 0; l < L; ++l) host.add_linear("layer." + std::to_string(l));
+    const int64_t T = host.tensors();
+    DevBuf step(T * 4), hist(T * 4 * 4), sc(T * 4), inv(T * 4), cnt(8);
+    ASSERT_TRUE(step.p && hist.p && sc.p && inv.p && cnt.p);
+    CUDA_OK(cudaMemset(hist.p, 0, T * 16));
+    upload(sc, std::vector<float>(host.scales(), host.scales() + T));
+    upload(inv, std::vector<float>(host.scale_invs(), host.scale_invs() + T));
+    std::mt19937 rng(17);
+    std::uniform_real_distribution<float> e(-12.f, 12.f);
+    int head = 0;
+    for (int s = 0; s < 9; ++s) {
+      SCOPED_TRACE(::testing::Message() << "step " << s);
+      for (int l = 0; l < L; ++l)
+        for (int r = 0; r < 3; ++r) {
+          float a = std::exp2(e(rng));
+          if ((l + s) % 5 == 0 && r == 1) a = 0.0f;  // a tensor that was all zeros
+          if (s == 3 && l == 2) a = kNaN;           // a bad step (recorded as +inf)
+          if (s == 5 && l == 4 && r == 2) a = kInf;
+          host.record_amax(l, static_cast<fp8::Role>(r), a);
+        }
+      upload(step, std::vector<float>(host.step_amax(), host.step_amax() + T));
+      CUDA_OK(cudaMemset(cnt.p, 0, 8));
+      const int64_t nonfinite0 = host.nonfinite_amaxes();
+      const int64_t kept = host.update_scales();
+      head = (head + 1) % cfg.amax_history_len;
+      loom::gpu::fp8_delayed_update(step.as<float>(), hist.as<float>(), cfg.amax_history_len, head, T, algo,
+                                    cfg.formats, cfg.margin, sc.as<float>(), inv.as<float>(), cnt.as<uint32_t>(),
+                                    cnt.as<uint32_t>() + 1, stream_);
+      CUDA_OK(cudaStreamSynchronize(stream_));
+      const std::vector<float> gs = download<float>(sc, T), gi = download<float>(inv, T),
+                               gstep = download<float>(step, T), gh = download<float>(hist, T * 4);
+      const std::vector<uint32_t> gc = download<uint32_t>(cnt, 2);
+      EXPECT_EQ(gc[0], static_cast<uint32_t>(kept));
+      EXPECT_EQ(gc[1], static_cast<uint32_t>(host.nonfinite_amaxes() - nonfinite0));
+      for (int l = 0; l < L; ++l)
+        for (int r = 0; r < 3; ++r) {
+          const auto role = static_cast<fp8::Role>(r);
+          const auto t = static_cast<size_t>(fp8::ScalingState::slot(l, role));
+          EXPECT_EQ(bits(gs[t]), bits(host.scale(l, role))) << "linear " << l << " role " << r;
+          EXPECT_EQ(bits(gi[t]), bits(host.scale_inv(l, role))) << "linear " << l << " role " << r;
+          EXPECT_EQ(gstep[t], 0.0f);
+          const std::vector<float> h = host.history(l, role);  // newest first
+          for (int i = 0; i < cfg.amax_history_len; ++i) {
+            const int row = ((head - i) % cfg.amax_history_len + cfg.amax_history_len) % cfg.amax_history_len;
+            EXPECT_EQ(bits(gh[static_cast<size_t>(row) * T + t]), bits(h[static_cast<size_t>(i)]))
+                << "linear " << l << " role " << r << " history entry " << i;
+          }
+        }
+    }
+  }
+}
+
+// ---- GEMMs --------------------------------------------------------------------------
+
+// FP8 operand data: codes quantised on the host from N(0, 1) * spread values
+// with the scale compute_scale gives their amax, and the decoded values.
+struct Operand {
+  DType dtype;
+  std::vector<uint8_t> codes;
+  std::vector<double> value;  // decode(code), unscaled
+  float scale = 1.0f, inv = 1.0f;
+};
+Operand make_operand(int64_t rows, int64_t cols, DType t, uint32_t seed) {
+  const fp8::Format f = t == DType::e4m3 ? fp8::Format::e4m3 : fp8::Format::e5m2;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  for (float& v : x) v = nd(rng) * 0.05f;
+  Operand o;
+  o.dtype = t;
+  o.scale = fp8::compute_scale(fp8::amax(x.data(), static_cast<int64_t>(x.size())), fp8::max_value(f), 0, 1.0f).scale;
+  o.inv = 1.0f / o.scale;
+  o.codes.resize(x.size());
+  fp8::quantize(x.data(), static_cast<int64_t>(x.size()), o.scale, f, o.codes.data());
+  o.value.resize(x.size());
+  for (size_t i = 0; i < x.size(); ++i) o.value[i] = fp8::decode(o.codes[i], f);
+  return o;
+}
+
+// fp64 reference of D = inv_a inv_b A B^T + C and, per element, the bound's
+// scale S = inv_a inv_b sum |a b| + |C|.
+struct Reference {
+  std::vector<double> d, s;
+};
+Reference reference(const Operand& a, const Operand& b, int64_t m, int64_t n, int64_t k, const std::vector<float>* c) {
+  Reference r;
+  r.d.resize(static_cast<size_t>(m * n));
+  r.s.resize(r.d.size());
+  const double sc = static_cast<double>(a.inv) * static_cast<double>(b.inv);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = 0, mag = 0;
+      const double* ar = a.value.data() + i * k;
+      const double* br = b.value.data() + j * k;
+      for (int64_t p = 0; p < k; ++p) {
+        acc += ar[p] * br[p];
+        mag += std::fabs(ar[p] * br[p]);
+      }
+      const size_t o = static_cast<size_t>(i * n + j);
+      const double cv = c != nullptr ? (*c)[o] : 0.0;
+      r.d[o] = acc * sc + cv;
+      r.s[o] = mag * sc + std::fabs(cv);
+    }
+  return r;
+}
+
+// Tolerances. The products of two FP8 values are exact in fp32 (at most 4 x 4
+// significant bits) and the inverse scales are fp32, so every error is in the
+// accumulation and the output rounding:
+// - accumulation over k terms: fp32 with round-off u = 2^-24 per add would
+//   allow k u S; Hopper's FP8 tensor cores add their partial sums with a
+//   narrower (about 14-bit) significand, which cuBLASLt without fast
+//   accumulation promotes into fp32 every few k-blocks. 2^-10 S covers that
+//   with margin (a 14-bit add loses at most 2^-13 of the running sum, over one
+//   promotion interval of a few 32-wide k-blocks). Fast accumulation keeps the
+//   narrow partial sums over the whole k: 2^-7 S.
+// - D's rounding: half an ulp, at most 2^-8 |D| for bf16 (8 significant
+//   bits; 2^-9 |D| for a value at the top of its binade), 2^-24 |D| for fp32.
+// S = inv_a inv_b sum |a b| + |C| bounds what the sum passes through.
+// Alone this bound can be loose where the terms cancel (S is about sqrt(k)
+// times |D| for random signs), so the relative Frobenius error is held too:
+// 2^-8 with full accumulation (bf16's rounding is about 2^-9 rms; with a
+// 14-bit partial sum per promotion interval the accumulation's share stays
+// near 2^-11 at k = 1024), 2^-5 with fast accumulation (DeepSeek-V3 reports
+// a worst relative error near 2^-6 for k = 4096 without promotion). A wrong
+// scale, format, transpose or missing C gives errors of order |D| and fails
+// both; an unwritten element (D is poisoned with NaN) fails too.
+struct Tol {
+  double acc, out, frob;
+};
+Tol tolerance(bool fast, DType d) {
+  const double out = d == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -24);
+  if (fast) return {std::ldexp(1.0, -7), out, std::ldexp(1.0, -5)};
+  return {std::ldexp(1.0, -10), out, std::ldexp(1.0, -8)};
+}
+
+std::vector<float> download_matrix(const DevBuf& b, DType t, size_t n) {
+  std::vector<float> v(n);
+  if (t == DType::f32) return download<float>(b, n);
+  const std::vector<uint16_t> h = download<uint16_t>(b, n);
+  for (size_t i = 0; i < n; ++i) v[i] = loom::hf::bf16_to_f32(h[i]);
+  return v;
+}
+void upload_matrix(const DevBuf& b, DType t, const std::vector<float>& v) {
+  if (t == DType::f32) return upload(b, v);
+  std::vector<uint16_t> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = loom::hf::f32_to_bf16(v[i]);
+  upload(b, h);
+}
+
+std::string cat_what(DType a, DType b, DType d, bool fast, int cmode) {
+  static const char* cname[] = {"no C", "C separate", "C = D in place"};
+  return std::string(loom::dtype_name(a)) + " x " + std::string(loom::dtype_name(b)) + " -> " +
+         std::string(loom::dtype_name(d)) + (fast ? ", fast accumulation, " : ", full accumulation, ") + cname[cmode];
+}
+
+// Compares got with the reference under tol; returns the worst bound ratio.
+double check_gemm(const std::vector<float>& got, const Reference& ref, const Tol& tol, const std::string& what) {
+  double worst = 0, num = 0, den = 0;
+  int bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - ref.d[i]);
+    const double bound = tol.acc * ref.s[i] + tol.out * std::fabs(ref.d[i]) + 1e-30;
+    if (!(err <= bound) && bad++ < 5)
+      ADD_FAILURE() << what << ": D[" << i << "] = " << got[i] << ", reference " << ref.d[i] << " (error " << err
+                    << " > bound " << bound << ")";
+    worst = std::max(worst, std::isfinite(err) ? err / bound : 1e30);
+    num += err * err;
+    den += ref.d[i] * ref.d[i];
+  }
+  const double frob = std::sqrt(num / den);
+  EXPECT_LE(frob, tol.frob) << what << ": relative Frobenius error";
+  EXPECT_EQ(bad, 0) << what;
+  return worst;
+}
+
+class CudaFp8Gemm : public CudaFp8 {
+ protected:
+  void SetUp() override {
+    CudaFp8::SetUp();
+    if (IsSkipped()) return;
+    ASSERT_EQ(cublasLtCreate(&lt_), CUBLAS_STATUS_SUCCESS);
+    CUDA_OK(cudaMalloc(&workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes));
+  }
+  void TearDown() override {
+    if (workspace_) cudaFree(workspace_);
+    if (lt_) cublasLtDestroy(lt_);
+    CudaFp8::TearDown();
+  }
+  cublasLtHandle_t lt_ = nullptr;
+  void* workspace_ = nullptr;
+};
+
+TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
+  loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes);
+  // m, n, k all different so that a swapped operand cannot pass; k = 1024 so
+  // that accumulation matters.
+  const int64_t m = 128, n = 192, k = 1024;
+  const std::pair<DType, DType> pairs[] = {
+      {DType::e4m3, DType::e4m3}, {DType::e5m2, DType::e4m3}, {DType::e4m3, DType::e5m2}};
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  int64_t runs = 0;
+  for (const auto& [ta, tb] : pairs) {
+    const Operand a = make_operand(m, k, ta, 100 + static_cast<uint32_t>(ta));
+    const Operand b = make_operand(n, k, tb, 200 + static_cast<uint32_t>(tb));
+    DevBuf ab(a.codes.size()), bb(b.codes.size()), scales(8), amax(4);
+    ASSERT_TRUE(ab.p && bb.p && scales.p && amax.p);
+    upload(ab, a.codes);
+    upload(bb, b.codes);
+    put_float(scales, a.inv, 0);
+    put_float(scales, b.inv, 1);
+    Tensor ta_t(ab.p, ta, Device::cuda, {m, k}), tb_t(bb.p, tb, Device::cuda, {n, k});
+    for (DType dt : {DType::bf16, DType::f32}) {
+      // C: a bf16/fp32-representable matrix of D's magnitude.
+      std::vector<float> c(static_cast<size_t>(m * n));
+      for (float& x : c) x = dt == DType::bf16 ? round_bf16(u(rng)) : u(rng);
+      const Reference ref_plain = reference(a, b, m, n, k, nullptr);
+      const Reference ref_c = reference(a, b, m, n, k, &c);
+      const size_t es = loom::dtype_size(dt);
+      DevBuf db(static_cast<size_t>(m * n) * es), cb(static_cast<size_t>(m * n) * es);
+      ASSERT_TRUE(db.p && cb.p);
+      Tensor d(db.p, dt, Device::cuda, {m, n}), ct(cb.p, dt, Device::cuda, {m, n});
+      for (bool fast : {false, true}) {
+        for (int cmode : {0, 1, 2}) {  // no C, C separate, C = D (in place)
+          const std::string what = cat_what(ta, tb, dt, fast, cmode);
+          SCOPED_TRACE(what);
+          loom::gpu::Fp8GemmOptions o;
+          o.fast_accum = fast;
+          o.d_amax = amax.as<float>();
+          if (cmode == 0) {
+            CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));  // NaN: an unwritten element fails
+          } else if (cmode == 1) {
+            CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));
+            upload_matrix(cb, dt, c);
+            o.c = &ct;
+          } else {
+            upload_matrix(db, dt, c);
+            o.c = &d;
+          }
+          put_float(amax, -1.0f);
+          const int64_t plans0 = g.plans_built();
+          g.gemm(ta_t, scales.as<float>(), tb_t, scales.as<float>() + 1, d, o, stream_);
+          CUDA_OK(cudaStreamSynchronize(stream_));
+          const Reference& ref = cmode == 0 ? ref_plain : ref_c;
+          const Tol tol = tolerance(fast, dt);
+          const std::vector<float> got = download_matrix(db, dt, static_cast<size_t>(m * n));
+          const double worst = check_gemm(got, ref, tol, what);
+          // D amax: | max|D| - max|ref| | <= max_i |D_i - ref_i| <= the largest bound.
+          double ref_amax = 0, bound = 0;
+          for (size_t i = 0; i < ref.d.size(); ++i) {
+            ref_amax = std::max(ref_amax, std::fabs(ref.d[i]));
+            bound = std::max(bound, tol.acc * ref.s[i] + tol.out * std::fabs(ref.d[i]));
+          }
+          const float got_amax = get_float(amax);
+          EXPECT_NEAR(got_amax, ref_amax, bound) << "D amax (" << (g.amax_fused() ? "cuBLASLt" : "fp8_amax") << ")";
+          std::printf("[fp8 gemm] %s: worst error / bound %.3f, D amax %s, workspace %zu bytes\n", what.c_str(),
+                      worst, g.amax_fused() ? "fused (cuBLASLt)" : "fp8_amax pass", g.last_workspace_needed());
+          // A repeat reuses the plan.
+          if (cmode == 0) {
+            g.gemm(ta_t, scales.as<float>(), tb_t, scales.as<float>() + 1, d, o, stream_);
+            CUDA_OK(cudaStreamSynchronize(stream_));
+            EXPECT_EQ(g.plans_built(), plans0 + 1);
+          }
+          ++runs;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(runs, 3 * 2 * 2 * 3);
+}
+
+// The linear's three GEMMs as fp8_gemm.hpp maps them, from device casts with
+// device scales (amax -> update_scales -> cast), against the fp64 linear of
+// the dequantised operands: the mapping, the transposed copies and the
+// hybrid formats end to end.
+TEST_F(CudaFp8Gemm, LinearFpropDgradWgradFromDeviceCasts) {
+  loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes);
+  const int64_t tokens = 256, in = 320, out = 192;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto randv = [&](int64_t nn, float sd) {
+    std::vector<float> v(static_cast<size_t>(nn));
+    for (float& x : v) x = round_bf16(nd(rng) * sd);
+    return v;
+  };
+  const std::vector<float> x = randv(tokens * in, 1.0f), w = randv(out * in, 0.02f), dy = randv(tokens * out, 1e-4f);
+  auto to_bf16 = [](const std::vector<float>& v) {
+    std::vector<uint16_t> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) h[i] = loom::hf::f32_to_bf16(v[i]);
+    return h;
+  };
+  DevBuf xb(x.size() * 2), wb(w.size() * 2), dyb(dy.size() * 2);
+  DevBuf xq(x.size()), xqt(x.size()), wq(w.size()), wqt(w.size()), dyq(dy.size()), dyqt(dy.size());
+  DevBuf amax(3 * 4), scale(3 * 4), inv(3 * 4);
+  DevBuf yb(static_cast<size_t>(tokens * out) * 2), dxb(static_cast<size_t>(tokens * in) * 2),
+      dwb(static_cast<size_t>(out * in) * 4);
+  ASSERT_TRUE(xb.p && wb.p && dyb.p && xq.p && xqt.p && wq.p && wqt.p && dyq.p && dyqt.p && amax.p && scale.p &&
+              inv.p && yb.p && dxb.p && dwb.p);
+  upload(xb, to_bf16(x));
+  upload(wb, to_bf16(w));
+  upload(dyb, to_bf16(dy));
+  upload(amax, std::vector<float>(3, 0.0f));
+  upload(scale, std::vector<float>(3, 1.0f));
+  Tensor tx(xb.p, DType::bf16, Device::cuda, {tokens, in}), tw(wb.p, DType::bf16, Device::cuda, {out, in}),
+      tdy(dyb.p, DType::bf16, Device::cuda, {tokens, out});
+  // Slots 0, 1, 2 = x, w, dy of linear 0 (hybrid: dy in E5M2).
+  Tensor txq(xq.p, DType::e4m3, Device::cuda, {tokens, in}), txqt(xqt.p, DType::e4m3, Device::cuda, {in, tokens});
+  Tensor twq(wq.p, DType::e4m3, Device::cuda, {out, in}), twqt(wqt.p, DType::e4m3, Device::cuda, {in, out});
+  Tensor tdyq(dyq.p, DType::e5m2, Device::cuda, {tokens, out}),
+      tdyqt(dyqt.p, DType::e5m2, Device::cuda, {out, tokens});
+  float* am = amax.as<float>();
+  float* sc = scale.as<float>();
+  float* iv = inv.as<float>();
+  loom::gpu::fp8_amax(tx, am + 0, stream_);
+  loom::gpu::fp8_amax(tw, am + 1, stream_);
+  loom::gpu::fp8_amax(tdy, am + 2, stream_);
+  loom::gpu::fp8_update_scales(am, sc, iv, 0, 3, fp8::Formats::hybrid, 0, nullptr, stream_);
+  loom::gpu::fp8_cast(tx, &txq, &txqt, sc + 0, nullptr, stream_);
+  loom::gpu::fp8_cast(tw, &twq, &twqt, sc + 1, nullptr, stream_);
+  loom::gpu::fp8_cast(tdy, &tdyq, &tdyqt, sc + 2, nullptr, stream_);
+  Tensor ty(yb.p, DType::bf16, Device::cuda, {tokens, out}), tdx(dxb.p, DType::bf16, Device::cuda, {tokens, in}),
+      tdw(dwb.p, DType::f32, Device::cuda, {out, in});
+  CUDA_OK(cudaMemsetAsync(yb.p, 0xFF, yb.bytes, stream_));
+  CUDA_OK(cudaMemsetAsync(dxb.p, 0xFF, dxb.bytes, stream_));
+  // dW accumulates onto an earlier micro-batch's value (beta = 1, in place).
+  std::vector<float> dw0(static_cast<size_t>(out * in));
+  for (float& v : dw0) v = nd(rng) * 1e-3f;
+  upload(dwb, dw0);
+  loom::gpu::Fp8GemmOptions fprop, dgrad, wgrad;
+  fprop.fast_accum = true;  // as TransformerEngine: fast accumulation for fprop only
+  wgrad.c = &tdw;
+  g.gemm(txq, iv + 0, twq, iv + 1, ty, fprop, stream_);     // y  = x W^T
+  g.gemm(tdyq, iv + 2, twqt, iv + 1, tdx, dgrad, stream_);  // dx = dy W
+  g.gemm(tdyqt, iv + 2, txqt, iv + 0, tdw, wgrad, stream_); // dW += dy^T x
+  CUDA_OK(cudaStreamSynchronize(stream_));
+
+  // Host: the same scales (bitwise, from the host rule) and casts.
+  const float amaxes[3] = {fp8::amax(x.data(), static_cast<int64_t>(x.size())),
+                           fp8::amax(w.data(), static_cast<int64_t>(w.size())),
+                           fp8::amax(dy.data(), static_cast<int64_t>(dy.size()))};
+  const fp8::Format fmt[3] = {fp8::Format::e4m3, fp8::Format::e4m3, fp8::Format::e5m2};
+  const std::vector<float> dev_scale = download<float>(scale, 3), dev_inv = download<float>(inv, 3);
+  Operand ox, ow, ody;
+  Operand* ops[3] = {&ox, &ow, &ody};
+  const std::vector<float>* src[3] = {&x, &w, &dy};
+  for (int i = 0; i < 3; ++i) {
+    const float s = fp8::compute_scale(amaxes[i], fp8::max_value(fmt[i]), 0, 1.0f).scale;
+    ASSERT_EQ(bits(dev_scale[static_cast<size_t>(i)]), bits(s)) << "scale of operand " << i;
+    ASSERT_EQ(bits(dev_inv[static_cast<size_t>(i)]), bits(1.0f / s)) << "inverse scale of operand " << i;
+    Operand& o = *ops[i];
+    o.scale = s;
+    o.inv = 1.0f / s;
+    o.codes.resize(src[i]->size());
+    fp8::quantize(src[i]->data(), static_cast<int64_t>(src[i]->size()), s, fmt[i], o.codes.data());
+    o.value.resize(o.codes.size());
+    for (size_t j = 0; j < o.codes.size(); ++j) o.value[j] = fp8::decode(o.codes[j], fmt[i]);
+  }
+  EXPECT_EQ(download<uint8_t>(xq, x.size()), ox.codes);
+  EXPECT_EQ(download<uint8_t>(dyq, dy.size()), ody.codes);
+  // Transposed host operands for the reference's A B^T form.
+  auto transposed = [](const Operand& o, int64_t rows, int64_t cols) {
+    Operand t = o;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        t.codes[static_cast<size_t>(c * rows + r)] = o.codes[static_cast<size_t>(r * cols + c)];
+        t.value[static_cast<size_t>(c * rows + r)] = o.value[static_cast<size_t>(r * cols + c)];
+      }
+    return t;
+  };
+  const Operand wt = transposed(ow, out, in), dyt = transposed(ody, tokens, out), xt = transposed(ox, tokens, in);
+  EXPECT_EQ(download<uint8_t>(wqt, w.size()), wt.codes);
+  const Reference ry = reference(ox, ow, tokens, out, in, nullptr);
+  const Reference rdx = reference(ody, wt, tokens, in, out, nullptr);
+  const Reference rdw = reference(dyt, xt, out, in, tokens, &dw0);
+  check_gemm(download_matrix(yb, DType::bf16, ry.d.size()), ry, tolerance(true, DType::bf16), "fprop y = x W^T");
+  check_gemm(download_matrix(dxb, DType::bf16, rdx.d.size()), rdx, tolerance(false, DType::bf16), "dgrad dx = dy W");
+  check_gemm(download_matrix(dwb, DType::f32, rdw.d.size()), rdw, tolerance(false, DType::f32),
+             "wgrad dW += dy^T x");
+}
+
+}  // namespace
+
+#else  // !LOOM_HAVE_CUDA
+
+TEST(CudaFp8, SkippedWithoutCuda) { GTEST_SKIP() << "loom built without CUDA: no FP8 device kernels or GEMMs"; }
+
+#endif
