@@ -15,6 +15,9 @@
 #       sharding tests, single-GPU bench, PyTorch FSDP2 peer, `loom compare` of every
 #       strategy, and the throughput targets; env NP, STEPS, WARMUP, STRATEGIES)
 #   bash scripts/gpu_check.sh sharding-tests      (the test part of `sharding` only)
+#   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8, then benchmarks/fp8_gemm.cpp:
+#       bf16 vs FP8 cuBLASLt GEMMs on the llama-1b and llama2-7b linears, the cast
+#       kernels and the block-scaled FP8 probe; $OUT/fp8_gemm_bench.md; env FP8_BENCH_ARGS)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -40,7 +43,7 @@ status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   : > "$OUT/tests.txt"
   # The suites with GPU cases (the CPU suites run in CI).
-  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_attention test_golden test_gpu_train test_step_alloc}; do
+  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_golden test_gpu_train test_step_alloc}; do
     t=.carry/bin/$n
     if "$t" --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
@@ -50,8 +53,25 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
     if [ "$real_skips" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi
     echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
     [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -20
-    grep -hE '^\[(golden|gpu curve|deterministic|timestamp|step allocations)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+    grep -hE '^\[(golden|gpu curve|deterministic|timestamp|step allocations|fp8 gemm)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
   done
+fi
+if [ "$WHAT" = fp8 ]; then
+  # The FP8 building blocks: the suite (nothing may skip on a GPU), then the GEMM benchmark.
+  : > "$OUT/tests.txt"
+  n=test_cuda_fp8
+  if .carry/bin/$n --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+  s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
+  if [ "$s" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi
+  echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
+  [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -40
+  grep -hE '^\[fp8 gemm\]' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+  # shellcheck disable=SC2086
+  if .carry/bin/fp8_gemm_bench ${FP8_BENCH_ARGS:-} > "$OUT/fp8_gemm_bench.md" 2> "$OUT/fp8_gemm_bench.log"; then
+    r=PASS; else r=FAIL; status=1; fi
+  cat "$OUT/fp8_gemm_bench.md"
+  [ $r = FAIL ] && tail -20 "$OUT/fp8_gemm_bench.log"
+  echo "$r fp8_gemm_bench" | tee -a "$OUT/tests.txt"
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   LOOM_BIN=.carry/bin/loom OUT=$OUT/bench bash benchmarks/compare.sh "$@" | tee "$OUT/table.md"

@@ -1,0 +1,438 @@
+// fp8_gemm_bench: cuBLASLt bf16 against FP8 GEMMs on the linear shapes of
+// llama-1b and llama2-7b, the FP8 cast kernels, and a probe of block-scaled
+// FP8 (DeepSeek-V3 style 1x128 / 128x128 scales) in cuBLASLt.
+//
+//   build/bin/fp8_gemm_bench [--model=llama-1b|llama2-7b|all] [--iters=N] [--warmup=N] [--probe-only]
+//
+// For every linear of a layer (qkv, o_proj, gate_up packed [2 ffn, hidden],
+// down) and each of its GEMMs (fprop y = x W^T, dgrad dx = dy W, wgrad
+// dW += dy^T x), the bf16 GEMM as the bf16 recipe runs it (plugins/precision/
+// common/cublaslt_linear.cpp: TN / NN / NT, dW fp32 accumulated) and the FP8
+// GEMM as kernels/cuda/fp8_gemm.hpp maps it (all TN on transposed FP8 copies,
+// E4M3 x/W, E5M2 dy, fast accumulation for fprop only, dW fp32 accumulated),
+// each timed with CUDA events around every call: `warmup` calls, then the
+// median of `iters` (>= 20). TFLOP/s counts 2 m n k. The casts (x, W, dy to
+// FP8 with their transposed copies and amax, fp8_cast) are timed the same way
+// and reported apart; the W cast runs once per optimizer step, so with
+// gradient accumulation its share per micro-batch shrinks. Output: markdown
+// tables, the per-layer totals and the FP8/bf16 ratio (goal >= 1.6x on the
+// 7B shapes), then the probe: for each pair of A/B scale modes, what
+// cublasLtMatmulDescSetAttribute and cublasLtMatmulAlgoGetHeuristic answer
+// (status, algorithms found) and, where an algorithm exists, whether a
+// matmul runs and how fast.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "hf/safetensors.hpp"
+#include "kernels/cuda/cuda_check.hpp"
+#include "kernels/cuda/fp8_gemm.hpp"
+#include "kernels/cuda/fp8_kernels.hpp"
+#include "loom/error.hpp"
+
+namespace {
+
+using loom::DType;
+using loom::Device;
+using loom::Tensor;
+
+#define LT_CHECK(call, ...)                                                                                    \
+  do {                                                                                                         \
+    const cublasStatus_t st_ = (call);                                                                         \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                                          \
+      throw ::loom::Error(::loom::cat(#call, " failed: ", cublasLtGetStatusName(st_), " [", __VA_ARGS__, "]")); \
+  } while (0)
+
+struct Model {
+  const char* name;
+  int64_t hidden, ffn, heads, kv_heads, head_dim, tokens;
+};
+const Model kModels[] = {
+    {"llama-1b", 2048, 5632, 32, 4, 64, 16384},
+    {"llama2-7b", 4096, 11008, 32, 32, 128, 2048},
+};
+
+struct Linear {
+  const char* name;
+  int64_t out, in;
+};
+std::vector<Linear> linears_of(const Model& m) {
+  return {{"qkv", (m.heads + 2 * m.kv_heads) * m.head_dim, m.hidden},
+          {"o_proj", m.hidden, m.heads * m.head_dim},
+          {"gate_up", 2 * m.ffn, m.hidden},
+          {"down", m.hidden, m.ffn}};
+}
+
+struct DevMem {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DevMem(size_t n) : bytes(n) { LOOM_CUDA_CHECK(cudaMalloc(&p, n), "bench buffer of ", n, " bytes"); }
+  ~DevMem() {
+    if (p) cudaFree(p);
+  }
+  DevMem(const DevMem&) = delete;
+  DevMem& operator=(const DevMem&) = delete;
+};
+
+// Fills `elems` bf16 values ~ N(0, sd) (a 4 Mi-value host pattern, repeated).
+void fill_bf16(void* dst, size_t elems, float sd, uint32_t seed) {
+  static std::vector<uint16_t> pattern;
+  constexpr size_t kPattern = size_t{1} << 22;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, sd);
+  pattern.resize(kPattern);
+  for (auto& h : pattern) h = loom::hf::f32_to_bf16(nd(rng));
+  for (size_t off = 0; off < elems; off += kPattern) {
+    const size_t n = std::min(kPattern, elems - off);
+    LOOM_CUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(dst) + off, pattern.data(), n * 2, cudaMemcpyHostToDevice),
+                    "fill ", n, " bf16 values");
+  }
+}
+
+// Median of `iters` event-timed calls after `warmup` untimed ones, in ms.
+template <typename F>
+double time_ms(cudaStream_t s, int warmup, int iters, F&& f) {
+  cudaEvent_t a, b;
+  LOOM_CUDA_CHECK(cudaEventCreate(&a), "event");
+  LOOM_CUDA_CHECK(cudaEventCreate(&b), "event");
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<float> t(static_cast<size_t>(iters));
+  for (int i = 0; i < iters; ++i) {
+    LOOM_CUDA_CHECK(cudaEventRecord(a, s), "record");
+    f();
+    LOOM_CUDA_CHECK(cudaEventRecord(b, s), "record");
+    LOOM_CUDA_CHECK(cudaEventSynchronize(b), "sync");
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&t[static_cast<size_t>(i)], a, b), "elapsed");
+  }
+  LOOM_CUDA_CHECK(cudaEventDestroy(a), "event");
+  LOOM_CUDA_CHECK(cudaEventDestroy(b), "event");
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// A column-major cuBLASLt problem D[M, N] = op(A) op(B) (+ beta D), built once.
+struct LtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  LtPlan() = default;
+  LtPlan(const LtPlan&) = delete;
+  LtPlan& operator=(const LtPlan&) = delete;
+  ~LtPlan() {
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+// The bf16 recipe's GEMM: bf16 A and B, fp32 compute, D of type td.
+void bf16_plan(LtPlan& p, cublasLtHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int64_t M, int64_t N,
+               int64_t K, int64_t lda, int64_t ldb, cudaDataType_t td, int64_t ldd, size_t ws) {
+  LT_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "bf16 ", M, "x", N, "x", K);
+  LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "transa");
+  LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "transb");
+  LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, ta == CUBLAS_OP_N ? M : K, ta == CUBLAS_OP_N ? K : M, lda),
+           "A");
+  LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, tb == CUBLAS_OP_N ? K : N, tb == CUBLAS_OP_N ? N : K, ldb),
+           "B");
+  LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, td, M, N, ldd), "D");
+  cublasLtMatmulPreference_t pref;
+  LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "pref");
+  const uint64_t w = ws;
+  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof(w)), "ws");
+  cublasLtMatmulHeuristicResult_t r{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, p.op, p.a, p.b, p.d, p.d, pref, 1, &r, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  LT_CHECK(st, "bf16 heuristic ", M, "x", N, "x", K);
+  if (found == 0) throw loom::Error(loom::cat("bf16 GEMM ", M, "x", N, "x", K, ": no cuBLASLt algorithm"));
+  p.algo = r.algo;
+}
+
+struct Row {
+  std::string model, linear, gemm;
+  int64_t m, n, k;
+  double bf16_ms, fp8_ms;
+};
+
+double tflops(int64_t m, int64_t n, int64_t k, double ms) { return 2.0 * m * n * k / (ms * 1e-3) / 1e12; }
+
+struct Args {
+  std::string model = "all";
+  int iters = 25, warmup = 5;
+  bool probe_only = false;
+};
+
+void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStream_t s,
+                 std::vector<Row>& rows, std::vector<std::pair<std::string, double>>& cast_ms) {
+  const int64_t T = md.tokens;
+  const std::vector<Linear> lins = linears_of(md);
+  int64_t max_in = 0, max_out = 0, max_w = 0;
+  for (const Linear& l : lins) {
+    max_in = std::max(max_in, l.in);
+    max_out = std::max(max_out, l.out);
+    max_w = std::max(max_w, l.in * l.out);
+  }
+  const auto tin = static_cast<size_t>(T * max_in), tout = static_cast<size_t>(T * max_out),
+             wsz = static_cast<size_t>(max_w);
+  DevMem x(tin * 2), dx(tin * 2), y(tout * 2), dy(tout * 2), w(wsz * 2), dw(wsz * 4);
+  DevMem xq(tin), xqt(tin), dyq(tout), dyqt(tout), wq(wsz), wqt(wsz), sc(64), am(64), inv(64);
+  fill_bf16(x.p, tin, 1.0f, 1);
+  fill_bf16(dy.p, tout, 1e-3f, 2);
+  fill_bf16(w.p, wsz, 0.02f, 3);
+  LOOM_CUDA_CHECK(cudaMemset(dw.p, 0, dw.bytes), "dW");
+  LOOM_CUDA_CHECK(cudaMemset(am.p, 0, am.bytes), "amax");
+  const std::vector<float> ones(16, 1.0f);
+  LOOM_CUDA_CHECK(cudaMemcpy(sc.p, ones.data(), 64, cudaMemcpyHostToDevice), "scales");
+  float* amax = static_cast<float*>(am.p);
+  float* scale = static_cast<float*>(sc.p);
+  float* scale_inv = static_cast<float*>(inv.p);
+  loom::gpu::Fp8Gemm fp8(lt, ws, ws_bytes);
+
+  for (const Linear& l : lins) {
+    Tensor tx(x.p, DType::bf16, Device::cuda, {T, l.in}), tw(w.p, DType::bf16, Device::cuda, {l.out, l.in}),
+        tdy(dy.p, DType::bf16, Device::cuda, {T, l.out});
+    Tensor txq(xq.p, DType::e4m3, Device::cuda, {T, l.in}), txqt(xqt.p, DType::e4m3, Device::cuda, {l.in, T});
+    Tensor twq(wq.p, DType::e4m3, Device::cuda, {l.out, l.in}), twqt(wqt.p, DType::e4m3, Device::cuda, {l.in, l.out});
+    Tensor tdyq(dyq.p, DType::e5m2, Device::cuda, {T, l.out}), tdyqt(dyqt.p, DType::e5m2, Device::cuda, {l.out, T});
+    Tensor ty(y.p, DType::bf16, Device::cuda, {T, l.out}), tdx(dx.p, DType::bf16, Device::cuda, {T, l.in}),
+        tdw(dw.p, DType::f32, Device::cuda, {l.out, l.in});
+    // Scales from the tensors' amaxes (slots x, w, dy; hybrid), as a recipe's first step would.
+    LOOM_CUDA_CHECK(cudaMemsetAsync(amax, 0, 12, s), "amax");
+    loom::gpu::fp8_amax(tx, amax + 0, s);
+    loom::gpu::fp8_amax(tw, amax + 1, s);
+    loom::gpu::fp8_amax(tdy, amax + 2, s);
+    loom::gpu::fp8_update_scales(amax, scale, scale_inv, 0, 3, loom::fp8::Formats::hybrid, 0, nullptr, s);
+    const std::string lname = l.name;
+    // The casts: each writes the row-major and the transposed copy and its amax.
+    const double cx = time_ms(s, args.warmup, args.iters, [&] { loom::gpu::fp8_cast(tx, &txq, &txqt, scale + 0, amax + 0, s); });
+    const double cw = time_ms(s, args.warmup, args.iters, [&] { loom::gpu::fp8_cast(tw, &twq, &twqt, scale + 1, amax + 1, s); });
+    const double cdy = time_ms(s, args.warmup, args.iters, [&] { loom::gpu::fp8_cast(tdy, &tdyq, &tdyqt, scale + 2, amax + 2, s); });
+    cast_ms.push_back({lname + " x [" + std::to_string(T) + "," + std::to_string(l.in) + "]", cx});
+    cast_ms.push_back({lname + " W [" + std::to_string(l.out) + "," + std::to_string(l.in) + "]", cw});
+    cast_ms.push_back({lname + " dy [" + std::to_string(T) + "," + std::to_string(l.out) + "]", cdy});
+
+    // bf16, as plugins/precision/common/cublaslt_linear.cpp maps the three GEMMs.
+    LtPlan pf, pd, pw;
+    bf16_plan(pf, lt, CUBLAS_OP_T, CUBLAS_OP_N, l.out, T, l.in, l.in, l.in, CUDA_R_16BF, l.out, ws_bytes);
+    bf16_plan(pd, lt, CUBLAS_OP_N, CUBLAS_OP_N, l.in, T, l.out, l.in, l.out, CUDA_R_16BF, l.in, ws_bytes);
+    bf16_plan(pw, lt, CUBLAS_OP_N, CUBLAS_OP_T, l.in, l.out, T, l.in, l.out, CUDA_R_32F, l.in, ws_bytes);
+    const float one = 1.0f, zero = 0.0f;
+    auto run_bf16 = [&](LtPlan& p, const void* a, const void* b, void* d, const float* beta) {
+      LT_CHECK(cublasLtMatmul(lt, p.op, &one, a, p.a, b, p.b, beta, d, p.d, d, p.d, &p.algo, ws, ws_bytes, s),
+               md.name, " ", lname, " bf16");
+    };
+    const double bf = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pf, w.p, x.p, y.p, &zero); });
+    const double bd = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pd, w.p, dy.p, dx.p, &zero); });
+    const double bw = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pw, x.p, dy.p, dw.p, &one); });
+
+    loom::gpu::Fp8GemmOptions of, od, ow;
+    of.fast_accum = true;
+    ow.c = &tdw;
+    const double ff = time_ms(s, args.warmup, args.iters,
+                              [&] { fp8.gemm(txq, scale_inv + 0, twq, scale_inv + 1, ty, of, s); });
+    const double fd = time_ms(s, args.warmup, args.iters,
+                              [&] { fp8.gemm(tdyq, scale_inv + 2, twqt, scale_inv + 1, tdx, od, s); });
+    const double fw = time_ms(s, args.warmup, args.iters,
+                              [&] { fp8.gemm(tdyqt, scale_inv + 2, txqt, scale_inv + 0, tdw, ow, s); });
+    rows.push_back({md.name, lname, "fprop", T, l.out, l.in, bf, ff});
+    rows.push_back({md.name, lname, "dgrad", T, l.in, l.out, bd, fd});
+    rows.push_back({md.name, lname, "wgrad", l.out, l.in, T, bw, fw});
+  }
+}
+
+const char* mode_name(int32_t m) {
+  switch (m) {
+    case CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F: return "SCALAR_32F";
+    case CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F: return "VEC128_32F (1x128)";
+    case CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F: return "BLK128x128_32F (128x128)";
+    default: return "?";
+  }
+}
+
+// Block-scaled FP8 in cuBLASLt: E4M3 x E4M3 -> bf16, TN, with per-block
+// scale modes on A and B. In the fprop mapping cuBLASLt's A is the weight
+// (DeepSeek-V3: 128x128 blocks) and its B the activation (1x128 tiles).
+void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStream_t s, const Args& args) {
+  std::printf("\n## Block-scaled FP8 probe (cuBLASLt %zu, E4M3 x E4M3 -> bf16, TN)\n\n", cublasLtGetVersion());
+  std::printf("| M' x N' x K' | A scale mode | B scale mode | set A/B mode | heuristic | algorithms | matmul | ms |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  const int64_t shapes[][3] = {{4096, 2048, 4096}, {11008, 2048, 4096}, {4096, 4096, 11008}};
+  const int32_t modes[][2] = {{CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F},
+                              {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F},
+                              {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F},
+                              {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F},
+                              {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F}};
+  for (const auto& sh : shapes) {
+    const int64_t M = sh[0], N = sh[1], K = sh[2];
+    DevMem a(static_cast<size_t>(M * K)), b(static_cast<size_t>(N * K)), d(static_cast<size_t>(M * N) * 2);
+    LOOM_CUDA_CHECK(cudaMemset(a.p, 0x38, a.bytes), "A = 1.0 (E4M3 0x38)");
+    LOOM_CUDA_CHECK(cudaMemset(b.p, 0x38, b.bytes), "B = 1.0");
+    // Scale buffers large enough for either layout (one float per row per 128 k).
+    const int64_t kb = (K + 127) / 128;
+    const std::vector<float> ones(static_cast<size_t>(std::max(M, N) * kb), 1.0f);
+    DevMem sa(ones.size() * 4), sb(ones.size() * 4);
+    LOOM_CUDA_CHECK(cudaMemcpy(sa.p, ones.data(), sa.bytes, cudaMemcpyHostToDevice), "A scales");
+    LOOM_CUDA_CHECK(cudaMemcpy(sb.p, ones.data(), sb.bytes, cudaMemcpyHostToDevice), "B scales");
+    for (const auto& md : modes) {
+      LtPlan p;
+      LT_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "probe");
+      const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)), "probe");
+      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)), "probe");
+      const cublasStatus_t sma = cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &md[0], 4);
+      const cublasStatus_t smb = cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &md[1], 4);
+      const void* pa = sa.p;
+      const void* pb = sb.p;
+      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa, sizeof(pa)), "probe");
+      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb, sizeof(pb)), "probe");
+      LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, K, M, K), "probe");
+      LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, K, N, K), "probe");
+      LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_16BF, M, N, M), "probe");
+      cublasLtMatmulPreference_t pref;
+      LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "probe");
+      const uint64_t w = ws_bytes;
+      LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof(w)),
+               "probe");
+      cublasLtMatmulHeuristicResult_t r[8]{};
+      int found = 0;
+      const cublasStatus_t sh_st = cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.d, p.d, pref, 8, r, &found);
+      cublasLtMatmulPreferenceDestroy(pref);
+      std::string run = "-", ms = "-";
+      if (sh_st == CUBLAS_STATUS_SUCCESS && found > 0) {
+        const float one = 1.0f, zero = 0.0f;
+        auto go = [&] {
+          return cublasLtMatmul(lt, p.op, &one, a.p, p.a, b.p, p.b, &zero, d.p, p.d, d.p, p.d, &r[0].algo, ws,
+                                ws_bytes, s);
+        };
+        const cublasStatus_t rs = go();
+        const cudaError_t ce = cudaStreamSynchronize(s);
+        run = std::string(cublasLtGetStatusName(rs)) + (ce == cudaSuccess ? "" : std::string(" / ") + cudaGetErrorName(ce));
+        if (rs == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess) {
+          // All ones with unit scales: every D element is K (exact in bf16 for these K).
+          uint16_t h = 0;
+          LOOM_CUDA_CHECK(cudaMemcpy(&h, d.p, 2, cudaMemcpyDeviceToHost), "probe D[0]");
+          run += " D[0]=" + std::to_string(loom::hf::bf16_to_f32(h));
+          char buf[32];
+          std::snprintf(buf, sizeof buf, "%.3f", time_ms(s, 2, std::max(args.iters, 20), [&] { go(); }));
+          ms = buf;
+        }
+      }
+      std::printf("| %lld x %lld x %lld | %s | %s | %s / %s | %s | %d | %s | %s |\n", static_cast<long long>(M),
+                  static_cast<long long>(N), static_cast<long long>(K), mode_name(md[0]), mode_name(md[1]),
+                  cublasLtGetStatusName(sma), cublasLtGetStatusName(smb), cublasLtGetStatusName(sh_st), found,
+                  run.c_str(), ms.c_str());
+    }
+  }
+}
+
+int run(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--model=", 0) == 0) args.model = a.substr(8);
+    else if (a.rfind("--iters=", 0) == 0) args.iters = std::atoi(a.c_str() + 8);
+    else if (a.rfind("--warmup=", 0) == 0) args.warmup = std::atoi(a.c_str() + 9);
+    else if (a == "--probe-only") args.probe_only = true;
+    else {
+      std::fprintf(stderr,
+                   "fp8_gemm_bench: unknown argument '%s'\nusage: fp8_gemm_bench [--model=llama-1b|llama2-7b|all] "
+                   "[--iters=N (>= 20)] [--warmup=N] [--probe-only]\n",
+                   a.c_str());
+      return 2;
+    }
+  }
+  if (args.iters < 20) {
+    std::fprintf(stderr, "fp8_gemm_bench: --iters=%d: the median needs at least 20 timed calls\n", args.iters);
+    return 2;
+  }
+  if (args.model != "all" && args.model != "llama-1b" && args.model != "llama2-7b") {
+    std::fprintf(stderr, "fp8_gemm_bench: --model=%s: choose llama-1b, llama2-7b or all\n", args.model.c_str());
+    return 2;
+  }
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::fprintf(stderr, "fp8_gemm_bench: no CUDA device here\n");
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0), "device 0");
+  int rt = 0;
+  LOOM_CUDA_CHECK(cudaRuntimeGetVersion(&rt), "runtime version");
+  std::printf("# FP8 GEMM benchmark\n\nGPU: %s (sm_%d%d), CUDA runtime %d, cuBLASLt %zu; median of %d calls after %d "
+              "warm-up\n",
+              prop.name, prop.major, prop.minor, rt, cublasLtGetVersion(), args.iters, args.warmup);
+  cudaStream_t s;
+  LOOM_CUDA_CHECK(cudaStreamCreate(&s), "stream");
+  cublasLtHandle_t lt;
+  LT_CHECK(cublasLtCreate(&lt), "handle");
+  const size_t ws_bytes = loom::gpu::Fp8Gemm::kWorkspaceBytes;
+  DevMem ws(ws_bytes);
+
+  if (!args.probe_only) {
+    for (const Model& md : kModels) {
+      if (args.model != "all" && args.model != md.name) continue;
+      std::vector<Row> rows;
+      std::vector<std::pair<std::string, double>> casts;
+      bench_model(md, args, lt, ws.p, ws_bytes, s, rows, casts);
+      std::printf("\n## %s (hidden %lld, ffn %lld, %lld heads / %lld kv heads, head dim %lld, %lld tokens)\n\n",
+                  md.name, static_cast<long long>(md.hidden), static_cast<long long>(md.ffn),
+                  static_cast<long long>(md.heads), static_cast<long long>(md.kv_heads),
+                  static_cast<long long>(md.head_dim), static_cast<long long>(md.tokens));
+      std::printf("| linear | GEMM | m x n x k | bf16 ms | bf16 TFLOP/s | FP8 ms | FP8 TFLOP/s | FP8 / bf16 |\n");
+      std::printf("|---|---|---|---|---|---|---|---|\n");
+      double tb = 0, tf = 0, flops = 0;
+      for (const Row& r : rows) {
+        std::printf("| %s | %s | %lld x %lld x %lld | %.3f | %.0f | %.3f | %.0f | %.2fx |\n", r.linear.c_str(),
+                    r.gemm.c_str(), static_cast<long long>(r.m), static_cast<long long>(r.n),
+                    static_cast<long long>(r.k), r.bf16_ms, tflops(r.m, r.n, r.k, r.bf16_ms), r.fp8_ms,
+                    tflops(r.m, r.n, r.k, r.fp8_ms), r.bf16_ms / r.fp8_ms);
+        tb += r.bf16_ms;
+        tf += r.fp8_ms;
+        flops += 2.0 * r.m * r.n * r.k;
+      }
+      std::printf("\n| cast (q + q_t + amax) | ms |\n|---|---|\n");
+      double tc = 0, tc_w = 0;
+      for (const auto& [name, ms] : casts) {
+        std::printf("| %s | %.3f |\n", name.c_str(), ms);
+        tc += ms;
+        if (name.find(" W [") != std::string::npos) tc_w += ms;
+      }
+      std::printf("\nPer layer (4 linears x fprop, dgrad, wgrad; %.2f TFLOP):\n\n", flops / 1e12);
+      std::printf("| | ms | FP8 speed-up over bf16 |\n|---|---|---|\n");
+      std::printf("| bf16 GEMMs | %.3f | 1.00x |\n", tb);
+      std::printf("| FP8 GEMMs | %.3f | %.2fx |\n", tf, tb / tf);
+      std::printf("| FP8 GEMMs + x, dy casts (W cast once per optimizer step) | %.3f | %.2fx |\n", tf + tc - tc_w,
+                  tb / (tf + tc - tc_w));
+      std::printf("| FP8 GEMMs + every cast (W cast every micro-batch) | %.3f | %.2fx |\n", tf + tc, tb / (tf + tc));
+      if (std::string(md.name) == "llama2-7b")
+        std::printf("\nGoal >= 1.6x bf16 on the 7B shapes: GEMMs alone %.2fx (%s), with the x and dy casts %.2fx (%s)\n",
+                    tb / tf, tb / tf >= 1.6 ? "met" : "missed", tb / (tf + tc - tc_w),
+                    tb / (tf + tc - tc_w) >= 1.6 ? "met" : "missed");
+    }
+  }
+  probe_block_scaling(lt, ws.p, ws_bytes, s, args);
+  LT_CHECK(cublasLtDestroy(lt), "destroy");
+  LOOM_CUDA_CHECK(cudaStreamDestroy(s), "stream");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fp8_gemm_bench: %s\n", e.what());
+    return 1;
+  }
+}
