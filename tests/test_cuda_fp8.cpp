@@ -708,12 +708,13 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
   for (const auto& [ta, tb] : pairs) {
     const Operand a = make_operand(m, k, ta, 100 + static_cast<uint32_t>(ta));
     const Operand b = make_operand(n, k, tb, 200 + static_cast<uint32_t>(tb));
-    DevBuf ab(a.codes.size()), bb(b.codes.size()), scales(8), amax(4);
+    DevBuf ab(a.codes.size()), bb(b.codes.size()), scales(12), amax(8);
     ASSERT_TRUE(ab.p && bb.p && scales.p && amax.p);
     upload(ab, a.codes);
     upload(bb, b.codes);
     put_float(scales, a.inv, 0);
     put_float(scales, b.inv, 1);
+    put_float(scales, 2.0f * a.inv, 2);  // another A inverse scale at another address
     Tensor ta_t(ab.p, ta, Device::cuda, {m, k}), tb_t(bb.p, tb, Device::cuda, {n, k});
     for (DType dt : {DType::bf16, DType::f32}) {
       // C: a bf16/fp32-representable matrix of A B^T's magnitude (about 0.08
@@ -761,11 +762,23 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
           EXPECT_NEAR(got_amax, ref_amax, bound) << "D amax (" << (g.amax_fused() ? "cuBLASLt" : "fp8_amax") << ")";
           std::printf("[fp8 gemm] %s: worst error / bound %.3f, D amax %s, workspace %zu bytes\n", what.c_str(),
                       worst, g.amax_fused() ? "fused (cuBLASLt)" : "fp8_amax pass", g.last_workspace_needed());
-          // A repeat reuses the plan.
+          // A repeat with other scale and amax pointers reuses the plan and
+          // honours the new pointers: A's inverse scale doubled doubles D
+          // exactly in the reference (and within the same bounds on the GPU).
           if (cmode == 0) {
-            g.gemm(ta_t, scales.as<float>(), tb_t, scales.as<float>() + 1, d, o, stream_);
+            loom::gpu::Fp8GemmOptions o2 = o;
+            o2.d_amax = amax.as<float>() + 1;
+            put_float(amax, -1.0f, 1);
+            CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));
+            g.gemm(ta_t, scales.as<float>() + 2, tb_t, scales.as<float>() + 1, d, o2, stream_);
             CUDA_OK(cudaStreamSynchronize(stream_));
             EXPECT_EQ(g.plans_built(), plans0 + 1);
+            Reference twice = ref;
+            for (double& v : twice.d) v *= 2;
+            for (double& v : twice.s) v *= 2;
+            check_gemm(download_matrix(db, dt, got.size()), twice, tol, what + ", repeat with A's scale doubled");
+            EXPECT_NEAR(get_float(amax, 1), 2 * ref_amax, 2 * bound) << "D amax of the repeat";
+            EXPECT_EQ(get_float(amax, 0), got_amax) << "the first call's amax slot is left alone";
           }
           ++runs;
         }
