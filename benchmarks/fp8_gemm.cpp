@@ -40,14 +40,14 @@
 
 namespace {
 
-using loom::DType;
 using loom::Device;
+using loom::DType;
 using loom::Tensor;
 
-#define LT_CHECK(call, ...)                                                                                    \
-  do {                                                                                                         \
-    const cublasStatus_t st_ = (call);                                                                         \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                                          \
+#define LT_CHECK(call, ...)                                                                                     \
+  do {                                                                                                          \
+    const cublasStatus_t st_ = (call);                                                                          \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                                           \
       throw ::loom::Error(::loom::cat(#call, " failed: ", cublasLtGetStatusName(st_), " [", __VA_ARGS__, "]")); \
   } while (0)
 
@@ -214,9 +214,12 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     loom::gpu::fp8_update_scales(amax, scale, scale_inv, 0, 3, loom::fp8::Formats::hybrid, 0, nullptr, s);
     const std::string lname = l.name;
     // The casts: each writes the row-major and the transposed copy and its amax.
-    const double cx = time_ms(s, args.warmup, args.iters, [&] { loom::gpu::fp8_cast(tx, &txq, &txqt, scale + 0, amax + 0, s); });
-    const double cw = time_ms(s, args.warmup, args.iters, [&] { loom::gpu::fp8_cast(tw, &twq, &twqt, scale + 1, amax + 1, s); });
-    const double cdy = time_ms(s, args.warmup, args.iters, [&] { loom::gpu::fp8_cast(tdy, &tdyq, &tdyqt, scale + 2, amax + 2, s); });
+    const double cx =
+        time_ms(s, args.warmup, args.iters, [&] { loom::gpu::fp8_cast(tx, &txq, &txqt, scale + 0, amax + 0, s); });
+    const double cw =
+        time_ms(s, args.warmup, args.iters, [&] { loom::gpu::fp8_cast(tw, &twq, &twqt, scale + 1, amax + 1, s); });
+    const double cdy =
+        time_ms(s, args.warmup, args.iters, [&] { loom::gpu::fp8_cast(tdy, &tdyq, &tdyqt, scale + 2, amax + 2, s); });
     cast_ms.push_back({lname + " x [" + std::to_string(T) + "," + std::to_string(l.in) + "]", cx});
     cast_ms.push_back({lname + " W [" + std::to_string(l.out) + "," + std::to_string(l.in) + "]", cw});
     cast_ms.push_back({lname + " dy [" + std::to_string(T) + "," + std::to_string(l.out) + "]", cdy});
@@ -228,8 +231,8 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     bf16_plan(pw, lt, CUBLAS_OP_N, CUBLAS_OP_T, l.in, l.out, T, l.in, l.out, CUDA_R_32F, l.in, ws_bytes);
     const float one = 1.0f, zero = 0.0f;
     auto run_bf16 = [&](LtPlan& p, const void* a, const void* b, void* d, const float* beta) {
-      LT_CHECK(cublasLtMatmul(lt, p.op, &one, a, p.a, b, p.b, beta, d, p.d, d, p.d, &p.algo, ws, ws_bytes, s),
-               md.name, " ", lname, " bf16");
+      LT_CHECK(cublasLtMatmul(lt, p.op, &one, a, p.a, b, p.b, beta, d, p.d, d, p.d, &p.algo, ws, ws_bytes, s), md.name,
+               " ", lname, " bf16");
     };
     const double bf = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pf, w.p, x.p, y.p, &zero); });
     const double bd = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pd, w.p, dy.p, dx.p, &zero); });
@@ -238,12 +241,12 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     loom::gpu::Fp8GemmOptions of, od, ow;
     of.fast_accum = true;
     ow.c = &tdw;
-    const double ff = time_ms(s, args.warmup, args.iters,
-                              [&] { fp8.gemm(txq, scale_inv + 0, twq, scale_inv + 1, ty, of, s); });
-    const double fd = time_ms(s, args.warmup, args.iters,
-                              [&] { fp8.gemm(tdyq, scale_inv + 2, twqt, scale_inv + 1, tdx, od, s); });
-    const double fw = time_ms(s, args.warmup, args.iters,
-                              [&] { fp8.gemm(tdyqt, scale_inv + 2, txqt, scale_inv + 0, tdw, ow, s); });
+    const double ff =
+        time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(txq, scale_inv + 0, twq, scale_inv + 1, ty, of, s); });
+    const double fd =
+        time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(tdyq, scale_inv + 2, twqt, scale_inv + 1, tdx, od, s); });
+    const double fw =
+        time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(tdyqt, scale_inv + 2, txqt, scale_inv + 0, tdw, ow, s); });
     rows.push_back({md.name, lname, "fprop", T, l.out, l.in, bf, ff});
     rows.push_back({md.name, lname, "dgrad", T, l.in, l.out, bd, fd});
     rows.push_back({md.name, lname, "wgrad", l.out, l.in, T, bw, fw});
@@ -267,11 +270,12 @@ void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStr
   std::printf("| M' x N' x K' | A scale mode | B scale mode | set A/B mode | heuristic | algorithms | matmul | ms |\n");
   std::printf("|---|---|---|---|---|---|---|---|\n");
   const int64_t shapes[][3] = {{4096, 2048, 4096}, {11008, 2048, 4096}, {4096, 4096, 11008}};
-  const int32_t modes[][2] = {{CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F},
-                              {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F},
-                              {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F},
-                              {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F},
-                              {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F}};
+  const int32_t modes[][2] = {
+      {CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F},
+      {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F},
+      {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F},
+      {CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F},
+      {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F}};
   for (const auto& sh : shapes) {
     const int64_t M = sh[0], N = sh[1], K = sh[2];
     DevMem a(static_cast<size_t>(M * K)), b(static_cast<size_t>(N * K)), d(static_cast<size_t>(M * N) * 2);
@@ -311,12 +315,13 @@ void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStr
       if (sh_st == CUBLAS_STATUS_SUCCESS && found > 0) {
         const float one = 1.0f, zero = 0.0f;
         auto go = [&] {
-          return cublasLtMatmul(lt, p.op, &one, a.p, p.a, b.p, p.b, &zero, d.p, p.d, d.p, p.d, &r[0].algo, ws,
-                                ws_bytes, s);
+          return cublasLtMatmul(lt, p.op, &one, a.p, p.a, b.p, p.b, &zero, d.p, p.d, d.p, p.d, &r[0].algo, ws, ws_bytes,
+                                s);
         };
         const cublasStatus_t rs = go();
         const cudaError_t ce = cudaStreamSynchronize(s);
-        run = std::string(cublasLtGetStatusName(rs)) + (ce == cudaSuccess ? "" : std::string(" / ") + cudaGetErrorName(ce));
+        run = std::string(cublasLtGetStatusName(rs)) +
+              (ce == cudaSuccess ? "" : std::string(" / ") + cudaGetErrorName(ce));
         if (rs == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess) {
           // All ones with unit scales: every D element is K (exact in bf16 for these K).
           uint16_t h = 0;
@@ -339,10 +344,14 @@ int run(int argc, char** argv) {
   Args args;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a.rfind("--model=", 0) == 0) args.model = a.substr(8);
-    else if (a.rfind("--iters=", 0) == 0) args.iters = std::atoi(a.c_str() + 8);
-    else if (a.rfind("--warmup=", 0) == 0) args.warmup = std::atoi(a.c_str() + 9);
-    else if (a == "--probe-only") args.probe_only = true;
+    if (a.rfind("--model=", 0) == 0)
+      args.model = a.substr(8);
+    else if (a.rfind("--iters=", 0) == 0)
+      args.iters = std::atoi(a.c_str() + 8);
+    else if (a.rfind("--warmup=", 0) == 0)
+      args.warmup = std::atoi(a.c_str() + 9);
+    else if (a == "--probe-only")
+      args.probe_only = true;
     else {
       std::fprintf(stderr,
                    "fp8_gemm_bench: unknown argument '%s'\nusage: fp8_gemm_bench [--model=llama-1b|llama2-7b|all] "
@@ -368,9 +377,10 @@ int run(int argc, char** argv) {
   LOOM_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0), "device 0");
   int rt = 0;
   LOOM_CUDA_CHECK(cudaRuntimeGetVersion(&rt), "runtime version");
-  std::printf("# FP8 GEMM benchmark\n\nGPU: %s (sm_%d%d), CUDA runtime %d, cuBLASLt %zu; median of %d calls after %d "
-              "warm-up\n",
-              prop.name, prop.major, prop.minor, rt, cublasLtGetVersion(), args.iters, args.warmup);
+  std::printf(
+      "# FP8 GEMM benchmark\n\nGPU: %s (sm_%d%d), CUDA runtime %d, cuBLASLt %zu; median of %d calls after %d "
+      "warm-up\n",
+      prop.name, prop.major, prop.minor, rt, cublasLtGetVersion(), args.iters, args.warmup);
   cudaStream_t s;
   LOOM_CUDA_CHECK(cudaStreamCreate(&s), "stream");
   cublasLtHandle_t lt;
@@ -415,9 +425,10 @@ int run(int argc, char** argv) {
                   tb / (tf + tc - tc_w));
       std::printf("| FP8 GEMMs + every cast (W cast every micro-batch) | %.3f | %.2fx |\n", tf + tc, tb / (tf + tc));
       if (std::string(md.name) == "llama2-7b")
-        std::printf("\nGoal >= 1.6x bf16 on the 7B shapes: GEMMs alone %.2fx (%s), with the x and dy casts %.2fx (%s)\n",
-                    tb / tf, tb / tf >= 1.6 ? "met" : "missed", tb / (tf + tc - tc_w),
-                    tb / (tf + tc - tc_w) >= 1.6 ? "met" : "missed");
+        std::printf(
+            "\nGoal >= 1.6x bf16 on the 7B shapes: GEMMs alone %.2fx (%s), with the x and dy casts %.2fx (%s)\n",
+            tb / tf, tb / tf >= 1.6 ? "met" : "missed", tb / (tf + tc - tc_w),
+            tb / (tf + tc - tc_w) >= 1.6 ? "met" : "missed");
     }
   }
   probe_block_scaling(lt, ws.p, ws_bytes, s, args);

@@ -39,14 +39,14 @@
 
 namespace {
 
-using loom::DType;
 using loom::Device;
+using loom::DType;
 using loom::Tensor;
 namespace fp8 = loom::fp8;
 
-#define CUDA_OK(call)                                                                                    \
-  do {                                                                                                   \
-    const cudaError_t e_ = (call);                                                                       \
+#define CUDA_OK(call)                                                                                     \
+  do {                                                                                                    \
+    const cudaError_t e_ = (call);                                                                        \
     ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorName(e_) << " " << cudaGetErrorString(e_); \
   } while (0)
 
@@ -83,7 +83,9 @@ struct DevBuf {
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   template <typename T>
-  T* as() const { return static_cast<T*>(p); }
+  T* as() const {
+    return static_cast<T*>(p);
+  }
 };
 
 template <typename T>
@@ -121,10 +123,11 @@ std::vector<float> cast_inputs(size_t n, uint32_t seed, bool specials, float sca
   // between codes, max, the saturation boundary, subnormals and half of the
   // smallest one, fp32 subnormals, zeros, infinities and NaN.
   const float s = scale;
-  const std::vector<float> sp = {0.f, -0.f, kInf, -kInf, kNaN, 448.f / s, 449.f / s, 464.f / s, 480.f / s,
-                                 -500.f / s, 57344.f / s, 61440.f / s, 1e30f, -1e30f, FLT_MAX, 0x1p-9f / s,
-                                 0x1p-10f / s, 0x3p-10f / s, 0x1p-16f / s, 0x1p-17f / s, 0x3p-17f / s, 1e-40f,
-                                 -1e-42f, 1.0625f / s, 1.1875f / s, 1.125f / s, 0x1p-6f / s, 0x1p-14f / s};
+  const std::vector<float> sp = {0.f,          -0.f,         kInf,         -kInf,       kNaN,         448.f / s,
+                                 449.f / s,    464.f / s,    480.f / s,    -500.f / s,  57344.f / s,  61440.f / s,
+                                 1e30f,        -1e30f,       FLT_MAX,      0x1p-9f / s, 0x1p-10f / s, 0x3p-10f / s,
+                                 0x1p-16f / s, 0x1p-17f / s, 0x3p-17f / s, 1e-40f,      -1e-42f,      1.0625f / s,
+                                 1.1875f / s,  1.125f / s,   0x1p-6f / s,  0x1p-14f / s};
   std::uniform_int_distribution<size_t> where(0, n - 1);
   for (int rep = 0; rep < 3; ++rep)
     for (float x : sp) v[where(rng)] = x;
@@ -168,15 +171,12 @@ TEST(CudaFp8Args, CastRefusesBadArguments) {
   EXPECT_TRUE(contains(e, "q is fp8_e4m3 but q_t is fp8_e5m2")) << e;
   e = error_of([&] { loom::gpu::fp8_cast(x, &q, &qt, nullptr, nullptr, nullptr); });
   EXPECT_TRUE(contains(e, "scale is null")) << e;
-  e = error_of([&] {
-    loom::gpu::fp8_cast(x, &q, &qt, scale, reinterpret_cast<float*>(fake_ptr(2)), nullptr);
-  });
+  e = error_of([&] { loom::gpu::fp8_cast(x, &q, &qt, scale, reinterpret_cast<float*>(fake_ptr(2)), nullptr); });
   EXPECT_TRUE(contains(e, "amax at") && contains(e, "is not 4-byte aligned")) << e;
   e = error_of([&] { loom::gpu::fp8_amax(x, nullptr, nullptr); });
   EXPECT_TRUE(contains(e, "fp8_amax: amax is null")) << e;
-  e = error_of([&] {
-    loom::gpu::fp8_update_scales(scale, scale, scale, 0, 3, fp8::Formats::hybrid, 127, nullptr, nullptr);
-  });
+  e = error_of(
+      [&] { loom::gpu::fp8_update_scales(scale, scale, scale, 0, 3, fp8::Formats::hybrid, 127, nullptr, nullptr); });
   EXPECT_TRUE(contains(e, "margin 127 is outside [0, 126]")) << e;
   e = error_of([&] {
     loom::gpu::fp8_delayed_update(scale, scale, 4, 4, 3, fp8::AmaxAlgo::max, fp8::Formats::hybrid, 0, scale, scale,
@@ -394,7 +394,8 @@ TEST_F(CudaFp8, CastOutputsAloneAmaxAccumulatesAndIsExact) {
     EXPECT_EQ(got, want);
     int bad_t = 0;
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < C; ++c) bad_t += got_t[static_cast<size_t>(c * R + r)] != want[static_cast<size_t>(r * C + c)];
+      for (int64_t c = 0; c < C; ++c)
+        bad_t += got_t[static_cast<size_t>(c * R + r)] != want[static_cast<size_t>(r * C + c)];
     EXPECT_EQ(bad_t, 0);
     EXPECT_EQ(bits(get_float(ab, 0)), bits(host_amax));
     EXPECT_EQ(bits(get_float(ab, 1)), bits(2.0f * host_amax));
@@ -518,7 +519,7 @@ TEST_F(CudaFp8, DelayedUpdateMatchesScalingStateOverSteps) {
         for (int r = 0; r < 3; ++r) {
           float a = std::exp2(e(rng));
           if ((l + s) % 5 == 0 && r == 1) a = 0.0f;  // a tensor that was all zeros
-          if (s == 3 && l == 2) a = kNaN;           // a bad step (recorded as +inf)
+          if (s == 3 && l == 2) a = kNaN;            // a bad step (recorded as +inf)
           if (s == 5 && l == 4 && r == 2) a = kInf;
           host.record_amax(l, static_cast<fp8::Role>(r), a);
         }
@@ -697,95 +698,104 @@ class CudaFp8Gemm : public CudaFp8 {
 
 TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
   loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes);
-  // m, n, k all different so that a swapped operand cannot pass; k = 1024 so
-  // that accumulation matters.
-  const int64_t m = 128, n = 192, k = 1024;
+  // The three GEMM shapes of a linear with 512 tokens, in = 384, out = 256
+  // (fp8_gemm.hpp): m, n, k all different within a shape, so that a swapped
+  // operand cannot pass; k up to 512 so that accumulation matters.
+  struct Shape {
+    const char* name;
+    int64_t m, n, k;
+  };
+  const Shape shapes[] = {{"fprop", 512, 256, 384}, {"dgrad", 512, 384, 256}, {"wgrad", 256, 384, 512}};
   const std::pair<DType, DType> pairs[] = {
       {DType::e4m3, DType::e4m3}, {DType::e5m2, DType::e4m3}, {DType::e4m3, DType::e5m2}};
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   int64_t runs = 0;
-  for (const auto& [ta, tb] : pairs) {
-    const Operand a = make_operand(m, k, ta, 100 + static_cast<uint32_t>(ta));
-    const Operand b = make_operand(n, k, tb, 200 + static_cast<uint32_t>(tb));
-    DevBuf ab(a.codes.size()), bb(b.codes.size()), scales(12), amax(8);
-    ASSERT_TRUE(ab.p && bb.p && scales.p && amax.p);
-    upload(ab, a.codes);
-    upload(bb, b.codes);
-    put_float(scales, a.inv, 0);
-    put_float(scales, b.inv, 1);
-    put_float(scales, 2.0f * a.inv, 2);  // another A inverse scale at another address
-    Tensor ta_t(ab.p, ta, Device::cuda, {m, k}), tb_t(bb.p, tb, Device::cuda, {n, k});
-    for (DType dt : {DType::bf16, DType::f32}) {
-      // C: a bf16/fp32-representable matrix of A B^T's magnitude (about 0.08
-      // here), so that neither term hides the other's errors.
-      std::vector<float> c(static_cast<size_t>(m * n));
-      for (float& x : c) x = dt == DType::bf16 ? round_bf16(0.1f * u(rng)) : 0.1f * u(rng);
-      const Reference ref_plain = reference(a, b, m, n, k, nullptr);
-      const Reference ref_c = reference(a, b, m, n, k, &c);
-      const size_t es = loom::dtype_size(dt);
-      DevBuf db(static_cast<size_t>(m * n) * es), cb(static_cast<size_t>(m * n) * es);
-      ASSERT_TRUE(db.p && cb.p);
-      Tensor d(db.p, dt, Device::cuda, {m, n}), ct(cb.p, dt, Device::cuda, {m, n});
-      for (bool fast : {false, true}) {
-        for (int cmode : {0, 1, 2}) {  // no C, C separate, C = D (in place)
-          const std::string what = cat_what(ta, tb, dt, fast, cmode);
-          SCOPED_TRACE(what);
-          loom::gpu::Fp8GemmOptions o;
-          o.fast_accum = fast;
-          o.d_amax = amax.as<float>();
-          if (cmode == 0) {
-            CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));  // NaN: an unwritten element fails
-          } else if (cmode == 1) {
-            CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));
-            upload_matrix(cb, dt, c);
-            o.c = &ct;
-          } else {
-            upload_matrix(db, dt, c);
-            o.c = &d;
-          }
-          put_float(amax, -1.0f);
-          const int64_t plans0 = g.plans_built();
-          g.gemm(ta_t, scales.as<float>(), tb_t, scales.as<float>() + 1, d, o, stream_);
-          CUDA_OK(cudaStreamSynchronize(stream_));
-          const Reference& ref = cmode == 0 ? ref_plain : ref_c;
-          const Tol tol = tolerance(fast, dt);
-          const std::vector<float> got = download_matrix(db, dt, static_cast<size_t>(m * n));
-          const double worst = check_gemm(got, ref, tol, what);
-          // D amax: | max|D| - max|ref| | <= max_i |D_i - ref_i| <= the largest bound.
-          double ref_amax = 0, bound = 0;
-          for (size_t i = 0; i < ref.d.size(); ++i) {
-            ref_amax = std::max(ref_amax, std::fabs(ref.d[i]));
-            bound = std::max(bound, tol.acc * ref.s[i] + tol.out * std::fabs(ref.d[i]));
-          }
-          const float got_amax = get_float(amax);
-          EXPECT_NEAR(got_amax, ref_amax, bound) << "D amax (" << (g.amax_fused() ? "cuBLASLt" : "fp8_amax") << ")";
-          std::printf("[fp8 gemm] %s: worst error / bound %.3f, D amax %s, workspace %zu bytes\n", what.c_str(),
-                      worst, g.amax_fused() ? "fused (cuBLASLt)" : "fp8_amax pass", g.last_workspace_needed());
-          // A repeat with other scale and amax pointers reuses the plan and
-          // honours the new pointers: A's inverse scale doubled doubles D
-          // exactly in the reference (and within the same bounds on the GPU).
-          if (cmode == 0) {
-            loom::gpu::Fp8GemmOptions o2 = o;
-            o2.d_amax = amax.as<float>() + 1;
-            put_float(amax, -1.0f, 1);
-            CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));
-            g.gemm(ta_t, scales.as<float>() + 2, tb_t, scales.as<float>() + 1, d, o2, stream_);
+  for (const Shape& sh : shapes) {
+    const int64_t m = sh.m, n = sh.n, k = sh.k;
+    for (const auto& [ta, tb] : pairs) {
+      const Operand a = make_operand(m, k, ta, 100 + static_cast<uint32_t>(ta));
+      const Operand b = make_operand(n, k, tb, 200 + static_cast<uint32_t>(tb));
+      DevBuf ab(a.codes.size()), bb(b.codes.size()), scales(12), amax(8);
+      ASSERT_TRUE(ab.p && bb.p && scales.p && amax.p);
+      upload(ab, a.codes);
+      upload(bb, b.codes);
+      put_float(scales, a.inv, 0);
+      put_float(scales, b.inv, 1);
+      put_float(scales, 2.0f * a.inv, 2);  // another A inverse scale at another address
+      Tensor ta_t(ab.p, ta, Device::cuda, {m, k}), tb_t(bb.p, tb, Device::cuda, {n, k});
+      for (DType dt : {DType::bf16, DType::f32}) {
+        // C: a bf16/fp32-representable matrix of A B^T's magnitude (0.05^2
+        // sqrt(k), about 0.05 here), so that neither term hides the other's errors.
+        std::vector<float> c(static_cast<size_t>(m * n));
+        for (float& x : c) x = dt == DType::bf16 ? round_bf16(0.1f * u(rng)) : 0.1f * u(rng);
+        const Reference ref_plain = reference(a, b, m, n, k, nullptr);
+        const Reference ref_c = reference(a, b, m, n, k, &c);
+        const size_t es = loom::dtype_size(dt);
+        DevBuf db(static_cast<size_t>(m * n) * es), cb(static_cast<size_t>(m * n) * es);
+        ASSERT_TRUE(db.p && cb.p);
+        Tensor d(db.p, dt, Device::cuda, {m, n}), ct(cb.p, dt, Device::cuda, {m, n});
+        for (bool fast : {false, true}) {
+          for (int cmode : {0, 1, 2}) {  // no C, C separate, C = D (in place)
+            const std::string what = std::string(sh.name) + "-shaped " + std::to_string(m) + "x" + std::to_string(n) +
+                                     "x" + std::to_string(k) + ": " + cat_what(ta, tb, dt, fast, cmode);
+            SCOPED_TRACE(what);
+            loom::gpu::Fp8GemmOptions o;
+            o.fast_accum = fast;
+            o.d_amax = amax.as<float>();
+            if (cmode == 0) {
+              CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));  // NaN: an unwritten element fails
+            } else if (cmode == 1) {
+              CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));
+              upload_matrix(cb, dt, c);
+              o.c = &ct;
+            } else {
+              upload_matrix(db, dt, c);
+              o.c = &d;
+            }
+            put_float(amax, -1.0f);
+            const int64_t plans0 = g.plans_built();
+            g.gemm(ta_t, scales.as<float>(), tb_t, scales.as<float>() + 1, d, o, stream_);
             CUDA_OK(cudaStreamSynchronize(stream_));
-            EXPECT_EQ(g.plans_built(), plans0 + 1);
-            Reference twice = ref;
-            for (double& v : twice.d) v *= 2;
-            for (double& v : twice.s) v *= 2;
-            check_gemm(download_matrix(db, dt, got.size()), twice, tol, what + ", repeat with A's scale doubled");
-            EXPECT_NEAR(get_float(amax, 1), 2 * ref_amax, 2 * bound) << "D amax of the repeat";
-            EXPECT_EQ(get_float(amax, 0), got_amax) << "the first call's amax slot is left alone";
+            const Reference& ref = cmode == 0 ? ref_plain : ref_c;
+            const Tol tol = tolerance(fast, dt);
+            const std::vector<float> got = download_matrix(db, dt, static_cast<size_t>(m * n));
+            const double worst = check_gemm(got, ref, tol, what);
+            // D amax: | max|D| - max|ref| | <= max_i |D_i - ref_i| <= the largest bound.
+            double ref_amax = 0, bound = 0;
+            for (size_t i = 0; i < ref.d.size(); ++i) {
+              ref_amax = std::max(ref_amax, std::fabs(ref.d[i]));
+              bound = std::max(bound, tol.acc * ref.s[i] + tol.out * std::fabs(ref.d[i]));
+            }
+            const float got_amax = get_float(amax);
+            EXPECT_NEAR(got_amax, ref_amax, bound) << "D amax (" << (g.amax_fused() ? "cuBLASLt" : "fp8_amax") << ")";
+            std::printf("[fp8 gemm] %s: worst error / bound %.3f, D amax %s, workspace %zu bytes\n", what.c_str(),
+                        worst, g.amax_fused() ? "fused (cuBLASLt)" : "fp8_amax pass", g.last_workspace_needed());
+            // A repeat with other scale and amax pointers reuses the plan and
+            // honours the new pointers: A's inverse scale doubled doubles D
+            // exactly in the reference (and within the same bounds on the GPU).
+            if (cmode == 0) {
+              loom::gpu::Fp8GemmOptions o2 = o;
+              o2.d_amax = amax.as<float>() + 1;
+              put_float(amax, -1.0f, 1);
+              CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));
+              g.gemm(ta_t, scales.as<float>() + 2, tb_t, scales.as<float>() + 1, d, o2, stream_);
+              CUDA_OK(cudaStreamSynchronize(stream_));
+              EXPECT_EQ(g.plans_built(), plans0 + 1);
+              Reference twice = ref;
+              for (double& v : twice.d) v *= 2;
+              for (double& v : twice.s) v *= 2;
+              check_gemm(download_matrix(db, dt, got.size()), twice, tol, what + ", repeat with A's scale doubled");
+              EXPECT_NEAR(get_float(amax, 1), 2 * ref_amax, 2 * bound) << "D amax of the repeat";
+              EXPECT_EQ(get_float(amax, 0), got_amax) << "the first call's amax slot is left alone";
+            }
+            ++runs;
           }
-          ++runs;
         }
       }
     }
   }
-  EXPECT_EQ(runs, 3 * 2 * 2 * 3);
+  EXPECT_EQ(runs, 3 * 3 * 2 * 2 * 3);
 }
 
 // The linear's three GEMMs as fp8_gemm.hpp maps them, from device casts with
@@ -825,8 +835,7 @@ TEST_F(CudaFp8Gemm, LinearFpropDgradWgradFromDeviceCasts) {
   // Slots 0, 1, 2 = x, w, dy of linear 0 (hybrid: dy in E5M2).
   Tensor txq(xq.p, DType::e4m3, Device::cuda, {tokens, in}), txqt(xqt.p, DType::e4m3, Device::cuda, {in, tokens});
   Tensor twq(wq.p, DType::e4m3, Device::cuda, {out, in}), twqt(wqt.p, DType::e4m3, Device::cuda, {in, out});
-  Tensor tdyq(dyq.p, DType::e5m2, Device::cuda, {tokens, out}),
-      tdyqt(dyqt.p, DType::e5m2, Device::cuda, {out, tokens});
+  Tensor tdyq(dyq.p, DType::e5m2, Device::cuda, {tokens, out}), tdyqt(dyqt.p, DType::e5m2, Device::cuda, {out, tokens});
   float* am = amax.as<float>();
   float* sc = scale.as<float>();
   float* iv = inv.as<float>();
@@ -848,9 +857,9 @@ TEST_F(CudaFp8Gemm, LinearFpropDgradWgradFromDeviceCasts) {
   loom::gpu::Fp8GemmOptions fprop, dgrad, wgrad;
   fprop.fast_accum = true;  // as TransformerEngine: fast accumulation for fprop only
   wgrad.c = &tdw;
-  g.gemm(txq, iv + 0, twq, iv + 1, ty, fprop, stream_);     // y  = x W^T
-  g.gemm(tdyq, iv + 2, twqt, iv + 1, tdx, dgrad, stream_);  // dx = dy W
-  g.gemm(tdyqt, iv + 2, txqt, iv + 0, tdw, wgrad, stream_); // dW += dy^T x
+  g.gemm(txq, iv + 0, twq, iv + 1, ty, fprop, stream_);      // y  = x W^T
+  g.gemm(tdyq, iv + 2, twqt, iv + 1, tdx, dgrad, stream_);   // dx = dy W
+  g.gemm(tdyqt, iv + 2, txqt, iv + 0, tdw, wgrad, stream_);  // dW += dy^T x
   CUDA_OK(cudaStreamSynchronize(stream_));
 
   // Host: the same scales (bitwise, from the host rule) and casts.
@@ -893,8 +902,7 @@ TEST_F(CudaFp8Gemm, LinearFpropDgradWgradFromDeviceCasts) {
   const Reference rdw = reference(dyt, xt, out, in, tokens, &dw0);
   check_gemm(download_matrix(yb, DType::bf16, ry.d.size()), ry, tolerance(true, DType::bf16), "fprop y = x W^T");
   check_gemm(download_matrix(dxb, DType::bf16, rdx.d.size()), rdx, tolerance(false, DType::bf16), "dgrad dx = dy W");
-  check_gemm(download_matrix(dwb, DType::f32, rdw.d.size()), rdw, tolerance(false, DType::f32),
-             "wgrad dW += dy^T x");
+  check_gemm(download_matrix(dwb, DType::f32, rdw.d.size()), rdw, tolerance(false, DType::f32), "wgrad dW += dy^T x");
 }
 
 }  // namespace

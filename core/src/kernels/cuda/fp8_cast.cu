@@ -19,9 +19,9 @@
 namespace loom::gpu {
 namespace {
 
-constexpr int kTile = 64;            // rows and columns of x per tile
-constexpr int kCastThreads = 256;    // 8 column groups of 8 x 32 rows, twice
-constexpr int kTileStride = 68;      // bytes per shared tile row (4-aligned, staggers banks)
+constexpr int kTile = 64;          // rows and columns of x per tile
+constexpr int kCastThreads = 256;  // 8 column groups of 8 x 32 rows, twice
+constexpr int kTileStride = 68;    // bytes per shared tile row (4-aligned, staggers banks)
 constexpr uint32_t kInfBits = 0x7F800000u;
 
 __device__ __forceinline__ float abs_or_inf(float v) {
@@ -134,8 +134,8 @@ void launch_cast(const T* x, int64_t rows, int64_t cols, int64_t ldx, uint8_t* q
   const bool vec_t = qt != nullptr && aligned_bytes(qt, 16) && rows % 16 == 0;
   cast_kernel<T, F, kRow, kTrans>
       <<<grid, kCastThreads, 0, stream>>>(x, rows, cols, ldx, q, qt, scale, amax, vec_in, vec_q, vec_t);
-  LOOM_CUDA_LAUNCH_CHECK(name, "rows=", rows, " cols=", cols, " ld=", ldx, " grid=", grid, " vec in/q/qt=", vec_in,
-                         "/", vec_q, "/", vec_t);
+  LOOM_CUDA_LAUNCH_CHECK(name, "rows=", rows, " cols=", cols, " ld=", ldx, " grid=", grid, " vec in/q/qt=", vec_in, "/",
+                         vec_q, "/", vec_t);
 }
 
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
@@ -149,8 +149,8 @@ void check_float_ptr(const void* p, const char* what, const char* fn, bool requi
 // x as a row matrix, checked: device, dtype fp32/bf16.
 RowMatrix input_matrix(const Tensor& x, const char* fn) {
   check_device(x, fn);
-  LOOM_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16, fn, ": x must be fp32 or bf16, got ",
-             dtype_name(x.dtype), " (shape ", x.shape_str(), ")");
+  LOOM_CHECK(x.dtype == DType::f32 || x.dtype == DType::bf16, fn, ": x must be fp32 or bf16, got ", dtype_name(x.dtype),
+             " (shape ", x.shape_str(), ")");
   return fold_rows(x, fn, ": x");
 }
 
@@ -235,8 +235,8 @@ void fp8_cast(const Tensor& x, Tensor* q, Tensor* q_t, const float* scale, float
     check_device(*q, "fp8_cast q");
     LOOM_CHECK(is_fp8(q->dtype), fn, ": q must be fp8_e4m3 or fp8_e5m2, got ", dtype_name(q->dtype));
     const RowMatrix m = fold_rows(*q, fn, ": q");
-    LOOM_CHECK(m.rows == mx.rows && m.cols == mx.cols && q->is_contiguous(), fn, ": q must be a contiguous [",
-               mx.rows, ", ", mx.cols, "] tensor like x ", x.shape_str(), ", got ", q->shape_str(),
+    LOOM_CHECK(m.rows == mx.rows && m.cols == mx.cols && q->is_contiguous(), fn, ": q must be a contiguous [", mx.rows,
+               ", ", mx.cols, "] tensor like x ", x.shape_str(), ", got ", q->shape_str(),
                q->is_contiguous() ? "" : " (not contiguous)");
     qt = q->dtype;
   }
@@ -311,16 +311,16 @@ void fp8_delayed_update(float* step_amax, float* history, int history_len, int h
   check_float_ptr(history, "history", fn, true);
   check_float_ptr(scale, "scale", fn, true);
   check_float_ptr(scale_inv, "scale_inv", fn, true);
-  LOOM_CHECK(history_len >= 1 && head >= 0 && head < history_len, fn, ": head ", head,
-             " is not a row of a history of ", history_len, " rows");
+  LOOM_CHECK(history_len >= 1 && head >= 0 && head < history_len, fn, ": head ", head, " is not a row of a history of ",
+             history_len, " rows");
   LOOM_CHECK(tensors >= 0, fn, ": tensors = ", tensors);
   LOOM_CHECK(margin >= 0 && margin <= 126, fn, ": margin ", margin, " is outside [0, 126]");
   LOOM_CHECK(aligned_bytes(kept, 4) && aligned_bytes(nonfinite, 4), fn, ": counters at ",
              static_cast<const void*>(kept), " / ", static_cast<const void*>(nonfinite), " are not 4-byte aligned");
   if (tensors == 0) return;
   const unsigned grid = grid_for(tensors, 256);
-  delayed_update_kernel<<<grid, 256, 0, stream>>>(step_amax, history, history_len, head, tensors, algo, formats,
-                                                  margin, scale, scale_inv, kept, nonfinite);
+  delayed_update_kernel<<<grid, 256, 0, stream>>>(step_amax, history, history_len, head, tensors, algo, formats, margin,
+                                                  scale, scale_inv, kept, nonfinite);
   LOOM_CUDA_LAUNCH_CHECK(fn, "tensors=", tensors, " history_len=", history_len, " head=", head, " grid=", grid);
 }
 

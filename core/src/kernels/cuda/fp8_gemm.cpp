@@ -49,10 +49,12 @@ Span span_of(const void* p, const RowMatrix& m, size_t elem) {
 }
 
 // Key layout (every entry an int64).
+// clang-format off
 enum Key : int {
   kM, kN, kK, kLda, kLdb, kLdc, kLdd, kTypeA, kTypeB, kTypeD, kHasC, kWantAmax, kFast,
   kAlA, kAlB, kAlC, kAlD, kKeySize
 };
+// clang-format on
 
 }  // namespace
 
@@ -118,8 +120,8 @@ RowMatrix operand(const Tensor& t, const char* what, const char* role) {
   LOOM_CHECK(alignment_of(t.data) >= 16, "fp8_gemm: ", what, " at ", t.data,
              " is not 16-byte aligned; cuBLASLt FP8 kernels need 16-byte aligned ", role,
              " (allocate it at a 16-byte boundary or copy it)");
-  LOOM_CHECK((m.ld * static_cast<int64_t>(dtype_size(t.dtype))) % 16 == 0, "fp8_gemm: ", what, " ", t.shape_str(),
-             " (", dtype_name(t.dtype), ") has a row stride of ", m.ld,
+  LOOM_CHECK((m.ld * static_cast<int64_t>(dtype_size(t.dtype))) % 16 == 0, "fp8_gemm: ", what, " ", t.shape_str(), " (",
+             dtype_name(t.dtype), ") has a row stride of ", m.ld,
              " elements, not a multiple of 16 bytes, which cuBLASLt FP8 kernels need");
   return m;
 }
@@ -148,8 +150,8 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
   const int64_t m = ma.rows, k = ma.cols, n = mb.rows;
   LOOM_CHECK(mb.cols == k, "fp8_gemm: A is [", m, ", ", k, "] but B is [", mb.rows, ", ", mb.cols,
              "]: D = A B^T contracts the last dim of both (k = ", k, ")");
-  LOOM_CHECK(md.rows == m && md.cols == n, "fp8_gemm: D is [", md.rows, ", ", md.cols, "] but A B^T is [", m, ", ",
-             n, "] (A ", a.shape_str(), ", B ", b.shape_str(), ")");
+  LOOM_CHECK(md.rows == m && md.cols == n, "fp8_gemm: D is [", md.rows, ", ", md.cols, "] but A B^T is [", m, ", ", n,
+             "] (A ", a.shape_str(), ", B ", b.shape_str(), ")");
   check_dim(m, "m (rows of A and D)", "pad the token count, or the output features, to a multiple of 16");
   check_dim(n, "n (rows of B, columns of D)", "the linear's output or input features");
   check_dim(k, "k (columns of A and B)", "the contracted features or tokens");
@@ -185,22 +187,27 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
 
   auto handle = static_cast<cublasLtHandle_t>(handle_);
   const bool want_amax = opt.d_amax != nullptr;
-  const std::array<int64_t, kKeySize> key{m, n, k, ma.ld, mb.ld, mc.ld, md.ld,
-                                          static_cast<int64_t>(a.dtype), static_cast<int64_t>(b.dtype),
-                                          static_cast<int64_t>(d.dtype), opt.c != nullptr, want_amax, opt.fast_accum,
-                                          alignment_of(a.data), alignment_of(b.data),
-                                          alignment_of(opt.c != nullptr ? opt.c->data : d.data), alignment_of(d.data)};
+  // clang-format off
+  const std::array<int64_t, kKeySize> key{
+      m, n, k, ma.ld, mb.ld, mc.ld, md.ld,
+      static_cast<int64_t>(a.dtype), static_cast<int64_t>(b.dtype), static_cast<int64_t>(d.dtype),
+      opt.c != nullptr, want_amax, opt.fast_accum,
+      alignment_of(a.data), alignment_of(b.data), alignment_of(opt.c != nullptr ? opt.c->data : d.data),
+      alignment_of(d.data)};
+  // clang-format on
   auto where = [&] {
     return cat("fp8_gemm D[", m, ",", n, "] (", dtype_name(d.dtype), ", ldd ", md.ld, ") = A[", m, ",", k, "] (",
                dtype_name(a.dtype), ", lda ", ma.ld, ") B[", n, ",", k, "]^T (", dtype_name(b.dtype), ", ldb ", mb.ld,
-               ")", opt.c != nullptr ? cat(" + C (ldc ", mc.ld, ")") : std::string(),
-               want_amax ? ", D amax" : "", opt.fast_accum ? ", fast accumulation" : "",
-               "; as cuBLASLt TN: M'=", n, " N'=", m, " K'=", k);
+               ")", opt.c != nullptr ? cat(" + C (ldc ", mc.ld, ")") : std::string(), want_amax ? ", D amax" : "",
+               opt.fast_accum ? ", fast accumulation" : "", "; as cuBLASLt TN: M'=", n, " N'=", m, " K'=", k);
   };
 
   Plan* plan = nullptr;
   for (auto& p : plans_)
-    if (p->key == key) { plan = p.get(); break; }
+    if (p->key == key) {
+      plan = p.get();
+      break;
+    }
 
   // (Re)creates the matmul descriptor and picks the algorithm; with_amax asks
   // cuBLASLt for D's amax. Returns false when with_amax finds no algorithm.
@@ -218,12 +225,12 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
     // cuBLASLt's A is our B and its B our A (fp8_gemm.hpp): the scales swap too.
     p.lt_a_scale = b_inv_scale;
     p.lt_b_scale = a_inv_scale;
-    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.lt_a_scale,
-                                                       sizeof(p.lt_a_scale)),
-                        where());
-    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p.lt_b_scale,
-                                                       sizeof(p.lt_b_scale)),
-                        where());
+    LOOM_CUBLASLT_CHECK(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p.lt_a_scale, sizeof(p.lt_a_scale)),
+        where());
+    LOOM_CUBLASLT_CHECK(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p.lt_b_scale, sizeof(p.lt_b_scale)),
+        where());
     p.amax = with_amax ? opt.d_amax : nullptr;
     p.amax_fused = with_amax;
     if (with_amax)
@@ -241,11 +248,11 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)), where());
     const uint32_t al_lt_a = static_cast<uint32_t>(key[kAlB]), al_lt_b = static_cast<uint32_t>(key[kAlA]),
                    al_c = static_cast<uint32_t>(key[kAlC]), al_d = static_cast<uint32_t>(key[kAlD]);
-    LOOM_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                             &al_lt_a, sizeof(al_lt_a)),
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_lt_a,
+                                                             sizeof(al_lt_a)),
                         where());
-    LOOM_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                             &al_lt_b, sizeof(al_lt_b)),
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_lt_b,
+                                                             sizeof(al_lt_b)),
                         where());
     LOOM_CUBLASLT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)),
