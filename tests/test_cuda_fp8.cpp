@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "alloc_counter.hpp"
 #include "gpu_test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "kernels/cuda/fp8_gemm.hpp"
@@ -912,6 +913,66 @@ TEST_F(CudaFp8Gemm, LinearFpropDgradWgradFromDeviceCasts) {
   check_gemm(download_matrix(yb, DType::bf16, ry.d.size()), ry, tolerance(true, DType::bf16), "fprop y = x W^T");
   check_gemm(download_matrix(dxb, DType::bf16, rdx.d.size()), rdx, tolerance(false, DType::bf16), "dgrad dx = dy W");
   check_gemm(download_matrix(dwb, DType::f32, rdw.d.size()), rdw, tolerance(false, DType::f32), "wgrad dW += dy^T x");
+}
+
+// The step's FP8 work after its first call: casts with their transposed
+// copies and amaxes, a scale update and the three GEMMs (fused or fallback D
+// amax included) allocate nothing on the host and build no plan.
+TEST_F(CudaFp8Gemm, HotPathAllocatesNothing) {
+  loom_test::AllocCounter counter;
+  loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes);
+  const int64_t tokens = 128, in = 256, out = 192;
+  DevBuf xb(tokens * in * 2), wb(out * in * 2), dyb(tokens * out * 2);
+  DevBuf xq(tokens * in), xqt(tokens * in), wq(out * in), wqt(out * in), dyq(tokens * out), dyqt(tokens * out);
+  DevBuf yb(tokens * out * 2), dxb(tokens * in * 2), dwb(out * in * 4), sc(16), am(16), iv(16);
+  ASSERT_TRUE(xb.p && wb.p && dyb.p && xq.p && xqt.p && wq.p && wqt.p && dyq.p && dyqt.p && yb.p && dxb.p &&
+              dwb.p && sc.p && am.p && iv.p);
+  for (const DevBuf* b : {&xb, &wb, &dyb, &dwb}) CUDA_OK(cudaMemset(b->p, 0x3C, b->bytes));  // finite bf16 / fp32
+  upload(sc, std::vector<float>(4, 1.0f));
+  upload(am, std::vector<float>(4, 0.0f));
+  Tensor tx(xb.p, DType::bf16, Device::cuda, {tokens, in}), tw(wb.p, DType::bf16, Device::cuda, {out, in}),
+      tdy(dyb.p, DType::bf16, Device::cuda, {tokens, out});
+  Tensor txq(xq.p, DType::e4m3, Device::cuda, {tokens, in}), txqt(xqt.p, DType::e4m3, Device::cuda, {in, tokens});
+  Tensor twq(wq.p, DType::e4m3, Device::cuda, {out, in}), twqt(wqt.p, DType::e4m3, Device::cuda, {in, out});
+  Tensor tdyq(dyq.p, DType::e5m2, Device::cuda, {tokens, out}),
+      tdyqt(dyqt.p, DType::e5m2, Device::cuda, {out, tokens});
+  Tensor ty(yb.p, DType::bf16, Device::cuda, {tokens, out}), tdx(dxb.p, DType::bf16, Device::cuda, {tokens, in}),
+      tdw(dwb.p, DType::f32, Device::cuda, {out, in});
+  float* a = am.as<float>();
+  float* s = sc.as<float>();
+  float* v = iv.as<float>();
+  loom::gpu::Fp8GemmOptions fprop, dgrad, wgrad;
+  fprop.fast_accum = true;
+  fprop.d_amax = a + 3;
+  wgrad.c = &tdw;
+  auto step = [&] {
+    loom::gpu::fp8_update_scales(a, s, v, 0, 3, fp8::Formats::hybrid, 0, nullptr, stream_);
+    loom::gpu::fp8_cast(tx, &txq, &txqt, s + 0, a + 0, stream_);
+    loom::gpu::fp8_cast(tw, &twq, &twqt, s + 1, a + 1, stream_);
+    loom::gpu::fp8_cast(tdy, &tdyq, &tdyqt, s + 2, a + 2, stream_);
+    g.gemm(txq, v + 0, twq, v + 1, ty, fprop, stream_);
+    g.gemm(tdyq, v + 2, twqt, v + 1, tdx, dgrad, stream_);
+    g.gemm(tdyqt, v + 2, txqt, v + 0, tdw, wgrad, stream_);
+  };
+  step();  // builds the plans
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  const int64_t plans = g.plans_built();
+  EXPECT_EQ(plans, 3);
+  counter.start();
+  for (int i = 0; i < 50; ++i) step();
+  const loom_test::AllocCounts c = counter.stop();
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  EXPECT_EQ(c.ours_new, 0) << "350 FP8 calls allocated; the first allocation came from:" << c.first_ours;
+  EXPECT_EQ(c.ours_delete, 0);
+  EXPECT_EQ(g.plans_built(), plans);
+  // The counter does see this code: a refused call formats its message.
+  counter.start();
+  try {
+    g.gemm(tdyq, v + 2, tdyqt, v + 2, ty, dgrad, stream_);  // E5M2 x E5M2
+  } catch (const loom::Error&) {
+  }
+  const loom_test::AllocCounts err = counter.stop();
+  EXPECT_GT(err.ours_new, 0) << "the counting operator new does not see libloom's allocations";
 }
 
 }  // namespace
