@@ -326,6 +326,12 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
     return cublasLtMatmul(handle, plan->op, &alpha, b.data, plan->a, a.data, plan->b, &beta, c_ptr, plan->c_layout(),
                           d.data, plan->d, &plan->algo, workspace_, workspace_bytes_, stream);
   };
+  // The amax slot starts at 0 either way: cuBLASLt's documentation says it
+  // sets the value, but a max-accumulating implementation must not keep an
+  // older, larger one, and the fp8_amax fallback max-accumulates.
+  if (want_amax)
+    LOOM_CUDA_CHECK(cudaMemsetAsync(opt.d_amax, 0, sizeof(float), stream), "fp8_gemm: zero the D amax slot at ",
+                    static_cast<const void*>(opt.d_amax));
   cublasStatus_t st = run();
   if (st != CUBLAS_STATUS_SUCCESS && plan->amax_fused && !plan->ran &&
       (st == CUBLAS_STATUS_INVALID_VALUE || st == CUBLAS_STATUS_NOT_SUPPORTED)) {
@@ -339,11 +345,7 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
   LOOM_CHECK(st == CUBLAS_STATUS_SUCCESS, where(), ": cublasLtMatmul failed: ", cublasLtGetStatusName(st), " (",
              cublasLtGetStatusString(st), ")");
   plan->ran = true;
-  if (want_amax && !plan->amax_fused) {
-    LOOM_CUDA_CHECK(cudaMemsetAsync(opt.d_amax, 0, sizeof(float), stream), "fp8_gemm: zero the D amax slot at ",
-                    static_cast<const void*>(opt.d_amax));
-    fp8_amax(d, opt.d_amax, stream);
-  }
+  if (want_amax && !plan->amax_fused) fp8_amax(d, opt.d_amax, stream);
   last_amax_fused_ = want_amax && plan->amax_fused;
   last_workspace_needed_ = plan->workspace_needed;
 }

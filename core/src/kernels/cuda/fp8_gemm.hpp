@@ -42,11 +42,12 @@
 // amax pointers device floats (4-byte aligned). cuBLASLt also needs compute
 // capability 8.9 or newer.
 //
-// D amax (optional): *d_amax is overwritten with max |D| of this call, by
-// cuBLASLt's CUBLASLT_MATMUL_DESC_AMAX_D_POINTER when it takes it for the
-// problem; where it refuses (no algorithm, or CUBLAS_STATUS_INVALID_VALUE for
-// a non-FP8 D), the plan falls back to zeroing the slot and an fp8_amax pass
-// over D after the GEMM (amax_fused() says which). NaN in D: see fp8_amax.
+// D amax (optional): *d_amax is overwritten with max |D| of this call (the
+// slot is zeroed first), by cuBLASLt's CUBLASLT_MATMUL_DESC_AMAX_D_POINTER
+// when it takes it for the problem; where it refuses (no algorithm, or
+// CUBLAS_STATUS_INVALID_VALUE for a non-FP8 D), the plan falls back to an
+// fp8_amax pass over D after the GEMM (amax_fused() says which). NaN in D:
+// see fp8_amax.
 //
 // Plans (matmul descriptor, layouts, the heuristic's algorithm) are cached
 // per problem key (shape, leading dims, dtypes, pointer alignments, C, amax,
