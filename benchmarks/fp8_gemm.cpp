@@ -288,49 +288,54 @@ void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStr
     LOOM_CUDA_CHECK(cudaMemcpy(sa.p, ones.data(), sa.bytes, cudaMemcpyHostToDevice), "A scales");
     LOOM_CUDA_CHECK(cudaMemcpy(sb.p, ones.data(), sb.bytes, cudaMemcpyHostToDevice), "B scales");
     for (const auto& md : modes) {
-      LtPlan p;
-      LT_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "probe");
-      const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
-      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)), "probe");
-      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)), "probe");
-      const cublasStatus_t sma = cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &md[0], 4);
-      const cublasStatus_t smb = cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &md[1], 4);
-      const void* pa = sa.p;
-      const void* pb = sb.p;
-      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa, sizeof(pa)), "probe");
-      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb, sizeof(pb)), "probe");
-      LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, K, M, K), "probe");
-      LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, K, N, K), "probe");
-      LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_16BF, M, N, M), "probe");
-      cublasLtMatmulPreference_t pref;
-      LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "probe");
-      const uint64_t w = ws_bytes;
-      LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof(w)),
-               "probe");
-      cublasLtMatmulHeuristicResult_t r[8]{};
+      cublasStatus_t sma = CUBLAS_STATUS_NOT_INITIALIZED, smb = sma, sh_st = sma;
       int found = 0;
-      const cublasStatus_t sh_st = cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.d, p.d, pref, 8, r, &found);
-      cublasLtMatmulPreferenceDestroy(pref);
       std::string run = "-", ms = "-";
-      if (sh_st == CUBLAS_STATUS_SUCCESS && found > 0) {
-        const float one = 1.0f, zero = 0.0f;
-        auto go = [&] {
-          return cublasLtMatmul(lt, p.op, &one, a.p, p.a, b.p, p.b, &zero, d.p, p.d, d.p, p.d, &r[0].algo, ws, ws_bytes,
-                                s);
-        };
-        const cublasStatus_t rs = go();
-        const cudaError_t ce = cudaStreamSynchronize(s);
-        run = std::string(cublasLtGetStatusName(rs)) +
-              (ce == cudaSuccess ? "" : std::string(" / ") + cudaGetErrorName(ce));
-        if (rs == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess) {
-          // All ones with unit scales: every D element is K (exact in bf16 for these K).
-          uint16_t h = 0;
-          LOOM_CUDA_CHECK(cudaMemcpy(&h, d.p, 2, cudaMemcpyDeviceToHost), "probe D[0]");
-          run += " D[0]=" + std::to_string(loom::hf::bf16_to_f32(h));
-          char buf[32];
-          std::snprintf(buf, sizeof buf, "%.3f", time_ms(s, 2, std::max(args.iters, 20), [&] { go(); }));
-          ms = buf;
+      try {
+        LtPlan p;
+        LT_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "probe");
+        const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+        LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)), "probe");
+        LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)), "probe");
+        sma = cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &md[0], 4);
+        smb = cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &md[1], 4);
+        const void* pa = sa.p;
+        const void* pb = sb.p;
+        LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa, sizeof(pa)), "probe");
+        LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb, sizeof(pb)), "probe");
+        LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, K, M, K), "probe");
+        LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, K, N, K), "probe");
+        LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_16BF, M, N, M), "probe");
+        cublasLtMatmulPreference_t pref;
+        LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "probe");
+        const uint64_t w = ws_bytes;
+        LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof(w)),
+                 "probe");
+        cublasLtMatmulHeuristicResult_t r[8]{};
+        sh_st = cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.d, p.d, pref, 8, r, &found);
+        cublasLtMatmulPreferenceDestroy(pref);
+        if (sh_st == CUBLAS_STATUS_SUCCESS && found > 0) {
+          const float one = 1.0f, zero = 0.0f;
+          auto go = [&] {
+            return cublasLtMatmul(lt, p.op, &one, a.p, p.a, b.p, p.b, &zero, d.p, p.d, d.p, p.d, &r[0].algo, ws,
+                                  ws_bytes, s);
+          };
+          const cublasStatus_t rs = go();
+          const cudaError_t ce = cudaStreamSynchronize(s);
+          run = std::string(cublasLtGetStatusName(rs)) +
+                (ce == cudaSuccess ? "" : std::string(" / ") + cudaGetErrorName(ce));
+          if (rs == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess) {
+            // All ones with unit scales: every D element is K (exact in bf16 for these K).
+            uint16_t h = 0;
+            LOOM_CUDA_CHECK(cudaMemcpy(&h, d.p, 2, cudaMemcpyDeviceToHost), "probe D[0]");
+            run += " D[0]=" + std::to_string(loom::hf::bf16_to_f32(h));
+            char buf[32];
+            std::snprintf(buf, sizeof buf, "%.3f", time_ms(s, 2, std::max(args.iters, 20), [&] { go(); }));
+            ms = buf;
+          }
         }
+      } catch (const std::exception& e) {
+        run = std::string("error: ") + e.what();  // a setup call failed: the row says which
       }
       std::printf("| %lld x %lld x %lld | %s | %s | %s / %s | %s | %d | %s | %s |\n", static_cast<long long>(M),
                   static_cast<long long>(N), static_cast<long long>(K), mode_name(md[0]), mode_name(md[1]),
