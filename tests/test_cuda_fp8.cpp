@@ -132,6 +132,7 @@ std::vector<float> cast_inputs(size_t n, uint32_t seed, bool specials, float sca
   std::uniform_int_distribution<size_t> where(0, n - 1);
   for (int rep = 0; rep < 3; ++rep)
     for (float x : sp) v[where(rng)] = x;
+  v[n / 2] = kNaN;  // at least one NaN whatever the placements overwrote
   return v;
 }
 
