@@ -25,10 +25,13 @@
 // - combine, scatter-add: the same fp32 operations in the same order (the
 //   kernels round each product and sum separately, like the reference's
 //   baseline x86-64 build), so the results are expected to be bitwise equal;
-//   the bound allows each of the k + 1 roundings one ulp of the magnitudes
-//   summed, (k + 1) 2^-23 sum |terms|, so a compiler that fuses a
-//   multiply-add on the host does not fail the test, while a missing,
-//   doubled or wrongly weighted slot (an error of order |term|) does.
+//   against the reference the bound allows each of the k + 1 roundings one
+//   ulp of the magnitudes summed, (k + 1) 2^-23 sum |terms|, so a host
+//   compiler that fuses a multiply-add does not fail the test, while a
+//   missing, doubled or wrongly weighted slot (an error of order |term|)
+//   does. The order itself is checked bitwise where no product can be fused:
+//   the scatter-add (additions only) and the combine with power-of-two
+//   weights (exact products), against the reference's loop written out.
 // - d_weights: a dot product of h exact double products, summed in double in
 //   another order (a block reduction), rounded once to fp32: one fp32 ulp of
 //   the result plus h 2^-52 sum |terms| for the double sums.
@@ -334,6 +337,43 @@ TEST_F(CudaMoe, SortMatchesReferenceAndIsStable) {
   }
 }
 
+// An expert index outside [0, E) (moe_route never makes one) is skipped: no
+// write outside the arrays, row_of -1, and the valid pairs sorted as if it
+// were absent (their rows then end before R, the rest of perm untouched).
+TEST_F(CudaMoe, SortSkipsInvalidExperts) {
+  const MoeDims d{300, 8, 1, 4, 2};
+  const int64_t R = d.rows();
+  std::mt19937 gen(5);
+  std::vector<int32_t> experts(R);
+  for (auto& e : experts) e = static_cast<int32_t>(gen() % 4);
+  experts[7] = 4;
+  experts[250] = -3;
+  experts[599] = 1000;
+  std::vector<int64_t> counts(4, 0), offsets(5, 0);
+  std::vector<int32_t> perm(R, -1), row_of(R, -1);
+  for (int32_t e : experts)
+    if (e >= 0 && e < 4) ++counts[e];
+  for (int e = 0; e < 4; ++e) offsets[e + 1] = offsets[e] + counts[e];
+  std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+  for (int64_t i = 0; i < R; ++i) {
+    const int32_t e = experts[i];
+    if (e < 0 || e >= 4) continue;
+    perm[fill[e]] = static_cast<int32_t>(i);
+    row_of[i] = static_cast<int32_t>(fill[e]++);
+  }
+  ASSERT_EQ(offsets[4], R - 3);
+  const int64_t ns = gpu::moe_sort_scratch_elems(d);
+  int64_t* dc = alloc<int64_t>(4);
+  int64_t* doff = alloc<int64_t>(5);
+  int32_t* dp = alloc<int32_t>(R);
+  int32_t* dr = alloc<int32_t>(R);
+  gpu::moe_sort(dc, doff, dp, dr, put(experts), alloc<int32_t>(ns), ns, d, stream_);
+  expect_equal(get(dc, 4), counts, "counts");
+  expect_equal(get(doff, 5), offsets, "offsets");
+  expect_equal(get(dp, R), perm, "perm (the last 3 rows untouched: -1)");
+  expect_equal(get(dr, R), row_of, "row_of");
+}
+
 // ---- the block around the experts -------------------------------------------------
 
 struct Layer {
@@ -525,8 +565,36 @@ TEST_F(CudaMoe, GatherCombineAndBackwardMatchReferenceFp32) {
       for (int32_t r : rows)
         for (int64_t c = 0; c < h; ++c) only_ref[t * h + c] += s.d_xs[r * h + c];
     }
-    expect_close(tget(dx_only), only_ref, [&](size_t i) { return (k + 1) * kUlp32 * smag[i] + kTiny; },
-                 what + " scatter (written)");
+    // Pure fp32 additions in ascending row order: no product a compiler could
+    // fuse, so the reference's order gives the same bits, and any other order
+    // shows (k >= 3, or k = 2 onto a non-zero dx) in the last bits.
+    expect_equal(tget(dx_only), only_ref, what + " scatter (written), bitwise");
+    std::vector<float> acc_ref = L->dx_router;
+    for (int64_t t = 0; t < N; ++t) {
+      std::vector<int32_t> rows(a.row_of + t * k, a.row_of + (t + 1) * k);
+      std::sort(rows.begin(), rows.end());
+      for (int32_t r : rows)
+        for (int64_t c = 0; c < h; ++c) acc_ref[t * h + c] += s.d_xs[r * h + c];
+    }
+    expect_equal(tget(dx), acc_ref, what + " scatter-add onto dx, bitwise");
+
+    // The combine's order, bitwise: weights that are powers of two make every
+    // product exact (fused or not), so only the order of the fp32 sums, from
+    // zero in ascending row order as in the reference, decides the bits.
+    std::vector<float> w2(R);
+    for (int64_t p = 0; p < R; ++p) w2[p] = std::ldexp(1.f, -static_cast<int>(1 + p % 3));
+    const float* dw2 = put(w2);
+    Tensor y2 = tensor(DType::f32, N, h);
+    gpu::moe_combine(y2, te, dw2, row_of, d, stream_);
+    std::vector<float> y2_ref(N * h, 0.f);
+    for (int64_t t = 0; t < N; ++t) {
+      std::vector<std::pair<int32_t, int64_t>> slots;
+      for (int64_t j = 0; j < k; ++j) slots.emplace_back(a.row_of[t * k + j], j);
+      std::sort(slots.begin(), slots.end());
+      for (auto [r, j] : slots)
+        for (int64_t c = 0; c < h; ++c) y2_ref[t * h + c] += eout[r * h + c] * w2[t * k + j];
+    }
+    expect_equal(tget(y2), y2_ref, what + " combine with exact products, bitwise");
   }
 }
 
