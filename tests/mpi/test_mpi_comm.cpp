@@ -242,6 +242,143 @@ TEST(MpiComm, ByteCountersFollowRingVolumes) {
   EXPECT_EQ(bytes_of(CollectiveKind::all_gather), (p - 1) * n * 4);
 }
 
+// ---- all_to_all -------------------------------------------------------------------
+// Elements rank `src` sends to rank `dst` in round `round`: 0..6, zero for
+// about a quarter of the pairs, and none at all from the round's silent rank
+// (it still takes part in both exchanges).
+int64_t a2a_count(int src, int dst, int round, int p) {
+  if (src == round % p) return 0;
+  const uint32_t hsh = (static_cast<uint32_t>(src) * 2654435761u) ^ (static_cast<uint32_t>(dst) * 40503u) ^
+                       (static_cast<uint32_t>(round) * 97u);
+  return (hsh >> 3) % 4 == 0 ? 0 : static_cast<int64_t>((hsh >> 7) % 7);
+}
+// Element i of what src sends to dst: unique over (src, dst, i).
+int32_t a2a_value(int src, int dst, int64_t i) { return src * 1000000 + dst * 1000 + static_cast<int32_t>(i); }
+
+// The counts exchange (an equal split of one int64 per peer, moved as 8-byte
+// f64 elements: all_to_all copies raw bytes), then the tokens, as the MoE
+// layer will issue them; the receive buffer is larger than the data, and its
+// tail must stay untouched.
+TEST(MpiComm, AllToAllVariableCountsWithSilentRanks) {
+  const int p = g_world->size(), r = g_world->rank();
+  for (int round = 0; round < 2 * p; ++round) {
+    std::vector<int64_t> send_counts(p), recv_counts(p, -1);
+    for (int q = 0; q < p; ++q) send_counts[q] = a2a_count(r, q, round, p);
+    Tensor sc = flat(send_counts.data(), DType::f64, p), rc = flat(recv_counts.data(), DType::f64, p);
+    const uint64_t before = bytes_of(CollectiveKind::all_to_all);
+    g_world->all_to_all(kCtx, sc, {}, rc, {});
+    EXPECT_EQ(bytes_of(CollectiveKind::all_to_all) - before, static_cast<uint64_t>(p - 1) * 8);
+    int64_t nsend = 0, nrecv = 0;
+    for (int q = 0; q < p; ++q) {
+      ASSERT_EQ(recv_counts[q], a2a_count(q, r, round, p)) << "round " << round << " count from rank " << q;
+      nsend += send_counts[q];
+      nrecv += recv_counts[q];
+    }
+    std::vector<int32_t> send(static_cast<size_t>(nsend + 3), -7), recv(static_cast<size_t>(nrecv + 5), -9);
+    int64_t off = 0;
+    for (int q = 0; q < p; ++q)
+      for (int64_t i = 0; i < send_counts[q]; ++i) send[off++] = a2a_value(r, q, i);
+    Tensor ts = flat(send.data(), DType::i32, nsend + 3), tr = flat(recv.data(), DType::i32, nrecv + 5);
+    const uint64_t mid = bytes_of(CollectiveKind::all_to_all);
+    g_world->all_to_all(kCtx, ts, send_counts, tr, recv_counts);
+    off = 0;
+    for (int q = 0; q < p; ++q)
+      for (int64_t i = 0; i < recv_counts[q]; ++i, ++off)
+        ASSERT_EQ(recv[off], a2a_value(q, r, i)) << "round " << round << ", element " << i << " from rank " << q;
+    for (int64_t i = nrecv; i < nrecv + 5; ++i) ASSERT_EQ(recv[i], -9) << "past the counts: untouched";
+    EXPECT_EQ(bytes_of(CollectiveKind::all_to_all) - mid,
+              static_cast<uint64_t>(nsend - send_counts[r]) * 4) << "bytes sent to the other ranks";
+  }
+}
+
+// A 2-byte dtype (raw bytes, counts in elements) and an equal split of data.
+TEST(MpiComm, AllToAllBf16AndEqualSplit) {
+  const int p = g_world->size(), r = g_world->rank();
+  std::vector<int64_t> sc(p), rc(p);
+  for (int q = 0; q < p; ++q) {
+    sc[q] = (r + q) % 3;  // 0, 1 or 2 elements
+    rc[q] = (q + r) % 3;
+  }
+  std::vector<uint16_t> send(6 * p), recv(6 * p, 0xFFFF);
+  int64_t off = 0;
+  for (int q = 0; q < p; ++q)
+    for (int64_t i = 0; i < sc[q]; ++i) send[off++] = static_cast<uint16_t>(r * 256 + q * 16 + i);
+  Tensor ts = flat(send.data(), DType::bf16, 6 * p), tr = flat(recv.data(), DType::bf16, 6 * p);
+  g_world->all_to_all(kCtx, ts, sc, tr, rc);
+  off = 0;
+  for (int q = 0; q < p; ++q)
+    for (int64_t i = 0; i < rc[q]; ++i, ++off) ASSERT_EQ(recv[off], static_cast<uint16_t>(q * 256 + r * 16 + i));
+
+  const int64_t n = 3;
+  std::vector<double> es(n * p), er(n * p, -1.0);
+  for (int q = 0; q < p; ++q)
+    for (int64_t i = 0; i < n; ++i) es[q * n + i] = r * 100.0 + q * 10.0 + i;
+  Tensor tes = flat(es.data(), DType::f64, n * p), ter = flat(er.data(), DType::f64, n * p);
+  g_world->all_to_all(kCtx, tes, {}, ter, {});
+  for (int q = 0; q < p; ++q)
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(er[q * n + i], q * 100.0 + r * 10.0 + i);
+}
+
+// Refused before anything is sent, on every rank alike.
+TEST(MpiComm, AllToAllRefusals) {
+  const int p = g_world->size();
+  std::vector<int32_t> a(64), b(64);
+  std::vector<int64_t> ones(p, 1), short_counts(p - 1, 1), neg(p, 1);
+  neg[p - 1] = -2;
+  Tensor ta = flat(a.data(), DType::i32, 64), tb = flat(b.data(), DType::i32, 64);
+  std::string msg = error_of([&] { g_world->all_to_all(kCtx, ta, short_counts, tb, ones); });
+  EXPECT_NE(msg.find("send_counts has " + std::to_string(p - 1) + " entries but the group has " + std::to_string(p)),
+            std::string::npos) << msg;
+  msg = error_of([&] { g_world->all_to_all(kCtx, ta, ones, tb, neg); });
+  EXPECT_NE(msg.find("recv_counts[" + std::to_string(p - 1) + "] = -2 is negative"), std::string::npos) << msg;
+  msg = error_of([&] { g_world->all_to_all(kCtx, ta, ones, tb, {}); });
+  EXPECT_NE(msg.find("recv_counts has 0 entries"), std::string::npos) << msg;
+  Tensor small = flat(b.data(), DType::i32, p - 1);
+  msg = error_of([&] { g_world->all_to_all(kCtx, ta, ones, small, ones); });
+  EXPECT_NE(msg.find("recv_counts sum to " + std::to_string(p) + " elements but the receive buffer"),
+            std::string::npos) << msg;
+  Tensor tf = flat(b.data(), DType::f32, 64);
+  msg = error_of([&] { g_world->all_to_all(kCtx, ta, ones, tf, ones); });
+  EXPECT_NE(msg.find("int32 but output is fp32"), std::string::npos) << msg;
+  Tensor overlap = flat(a.data() + 1, DType::i32, 32);
+  msg = error_of([&] { g_world->all_to_all(kCtx, ta, ones, overlap, ones); });
+  EXPECT_NE(msg.find("overlap"), std::string::npos) << msg;
+  Tensor odd = flat(a.data(), DType::i32, p + 1), odd_out = flat(b.data(), DType::i32, p + 1);
+  msg = error_of([&] { g_world->all_to_all(kCtx, odd, {}, odd_out, {}); });
+  EXPECT_NE(msg.find("equal split"), std::string::npos) << msg;
+  msg = error_of([&] {
+    Tensor dev(a.data(), DType::i32, Device::cuda, {64});
+    g_world->all_to_all(kCtx, dev, ones, tb, ones);
+  });
+  EXPECT_NE(msg.find("host memory only"), std::string::npos) << msg;
+  // Still usable.
+  std::vector<int32_t> s(p, 5), rr(p, 0);
+  for (int q = 0; q < p; ++q) s[q] = g_world->rank() * 10 + q;
+  Tensor ts = flat(s.data(), DType::i32, p), tr = flat(rr.data(), DType::i32, p);
+  g_world->all_to_all(kCtx, ts, ones, tr, ones);
+  for (int q = 0; q < p; ++q) EXPECT_EQ(rr[q], q * 10 + g_world->rank());
+}
+
+// The one-rank communicator: its own part is a copy; the same checks.
+TEST(MpiComm, SelfCommunicatorAllToAll) {
+  auto self = loom::make_self_communicator();
+  std::vector<int32_t> s{1, 2, 3, 4}, r(6, -1);
+  Tensor ts = flat(s.data(), DType::i32, 4), tr = flat(r.data(), DType::i32, 6);
+  const std::vector<int64_t> three{3};
+  self->all_to_all(kCtx, ts, three, tr, three);
+  EXPECT_EQ(r, (std::vector<int32_t>{1, 2, 3, -1, -1, -1}));
+  Tensor t4 = flat(r.data(), DType::i32, 4);
+  self->all_to_all(kCtx, ts, {}, t4, {});
+  EXPECT_EQ(r, (std::vector<int32_t>{1, 2, 3, 4, -1, -1}));
+  const std::vector<int64_t> two{2};
+  std::string msg = error_of([&] { self->all_to_all(kCtx, ts, three, tr, two); });
+  EXPECT_NE(msg.find("sends 3 elements to itself but expects 2"), std::string::npos) << msg;
+  const std::vector<int64_t> both{1, 1};
+  msg = error_of([&] { self->all_to_all(kCtx, ts, both, tr, both); });
+  EXPECT_NE(msg.find("the group has 1 ranks"), std::string::npos) << msg;
+  EXPECT_EQ(self->bytes_moved().total(), 0u) << "nothing leaves the rank";
+}
+
 // Checked before anything is sent, on every rank alike, so the communicator stays usable.
 TEST(MpiComm, SizeAndTypeMismatchesAreErrors) {
   const int p = g_world->size();

@@ -378,6 +378,148 @@ TEST(NcclComm, ByteCountersFollowRingVolumes) {
   EXPECT_EQ(bytes_of(CollectiveKind::all_gather), (p - 1) * n * 4);
 }
 
+// ---- all_to_all -------------------------------------------------------------------
+// The cases of test_mpi_comm.cpp on device buffers. Elements rank `src` sends
+// to rank `dst` in round `round`: 0..6, zero for about a quarter of the pairs,
+// none at all from the round's silent rank (which still issues both exchanges).
+int64_t a2a_count(int src, int dst, int round, int p) {
+  if (src == round % p) return 0;
+  const uint32_t hsh = (static_cast<uint32_t>(src) * 2654435761u) ^ (static_cast<uint32_t>(dst) * 40503u) ^
+                       (static_cast<uint32_t>(round) * 97u);
+  return (hsh >> 3) % 4 == 0 ? 0 : static_cast<int64_t>((hsh >> 7) % 7);
+}
+int32_t a2a_value(int src, int dst, int64_t i) { return src * 1000000 + dst * 1000 + static_cast<int32_t>(i); }
+
+// The counts exchange on the device (an equal split of one int64 per peer,
+// moved as 8-byte f64 elements), one read of the received counts, then the
+// tokens; both ordered after the compute stream's writes by the collective
+// itself and before its reads by wait(). The receive buffer is larger than the
+// data and its tail must stay untouched.
+TEST(NcclComm, AllToAllVariableCountsWithSilentRanks) {
+  SKIP_WITHOUT_GPUS();
+  const int p = g_size, r = g_rank;
+  for (int round = 0; round < 2 * p; ++round) {
+    std::vector<int64_t> send_counts(p);
+    for (int q = 0; q < p; ++q) send_counts[q] = a2a_count(r, q, round, p);
+    DeviceBuffer dsc(p * 8), drc(p * 8);
+    CUDA_OK(cudaMemsetAsync(drc.get(), 0xFF, p * 8, g_stream));
+    CUDA_OK(cudaMemcpyAsync(dsc.get(), send_counts.data(), p * 8, cudaMemcpyHostToDevice, g_stream));
+    Tensor sc = dev(dsc.get(), DType::f64, p), rc = dev(drc.get(), DType::f64, p);
+    const uint64_t before = bytes_of(CollectiveKind::all_to_all);
+    g_world->wait(g_ctx, g_world->all_to_all(g_ctx, sc, {}, rc, {}));
+    EXPECT_EQ(bytes_of(CollectiveKind::all_to_all) - before, static_cast<uint64_t>(p - 1) * 8);
+    const std::vector<int64_t> recv_counts = download<int64_t>(drc.get(), p);
+    int64_t nsend = 0, nrecv = 0;
+    for (int q = 0; q < p; ++q) {
+      ASSERT_EQ(recv_counts[q], a2a_count(q, r, round, p)) << "round " << round << " count from rank " << q;
+      nsend += send_counts[q];
+      nrecv += recv_counts[q];
+    }
+    std::vector<int32_t> send(static_cast<size_t>(nsend + 3), -7);
+    int64_t off = 0;
+    for (int q = 0; q < p; ++q)
+      for (int64_t i = 0; i < send_counts[q]; ++i) send[off++] = a2a_value(r, q, i);
+    DeviceBuffer ds((nsend + 3) * 4), dr((nrecv + 5) * 4);
+    CUDA_OK(cudaMemsetAsync(dr.get(), 0xEE, (nrecv + 5) * 4, g_stream));
+    CUDA_OK(cudaMemcpyAsync(ds.get(), send.data(), send.size() * 4, cudaMemcpyHostToDevice, g_stream));
+    Tensor ts = dev(ds.get(), DType::i32, nsend + 3), tr = dev(dr.get(), DType::i32, nrecv + 5);
+    const uint64_t mid = bytes_of(CollectiveKind::all_to_all);
+    g_world->wait(g_ctx, g_world->all_to_all(g_ctx, ts, send_counts, tr, recv_counts));
+    const std::vector<int32_t> recv = download<int32_t>(dr.get(), nrecv + 5);  // syncs g_stream first
+    off = 0;
+    for (int q = 0; q < p; ++q)
+      for (int64_t i = 0; i < recv_counts[q]; ++i, ++off)
+        ASSERT_EQ(recv[off], a2a_value(q, r, i)) << "round " << round << ", element " << i << " from rank " << q;
+    for (int64_t i = nrecv; i < nrecv + 5; ++i)
+      ASSERT_EQ(static_cast<uint32_t>(recv[i]), 0xEEEEEEEEu) << "past the counts: untouched";
+    EXPECT_EQ(bytes_of(CollectiveKind::all_to_all) - mid, static_cast<uint64_t>(nsend - send_counts[r]) * 4)
+        << "bytes sent to the other ranks";
+  }
+  g_world->synchronize();
+}
+
+// A 2-byte dtype (raw bytes, counts in elements) and an equal split of data.
+TEST(NcclComm, AllToAllBf16AndEqualSplit) {
+  SKIP_WITHOUT_GPUS();
+  const int p = g_size, r = g_rank;
+  std::vector<int64_t> sc(p), rc(p);
+  for (int q = 0; q < p; ++q) {
+    sc[q] = (r + q) % 3;
+    rc[q] = (q + r) % 3;
+  }
+  std::vector<uint16_t> send(6 * p);
+  int64_t off = 0;
+  for (int q = 0; q < p; ++q)
+    for (int64_t i = 0; i < sc[q]; ++i) send[off++] = static_cast<uint16_t>(r * 256 + q * 16 + i);
+  auto ds = upload(send);
+  DeviceBuffer dr(6 * p * 2);
+  CUDA_OK(cudaDeviceSynchronize());  // the uploads ran on the legacy stream, which g_stream does not wait for
+  Tensor ts = dev(ds->get(), DType::bf16, 6 * p), tr = dev(dr.get(), DType::bf16, 6 * p);
+  g_world->wait(g_ctx, g_world->all_to_all(g_ctx, ts, sc, tr, rc));
+  const auto recv = download<uint16_t>(dr.get(), 6 * p);
+  off = 0;
+  for (int q = 0; q < p; ++q)
+    for (int64_t i = 0; i < rc[q]; ++i, ++off) ASSERT_EQ(recv[off], static_cast<uint16_t>(q * 256 + r * 16 + i));
+
+  const int64_t n = 3;
+  std::vector<double> es(n * p);
+  for (int q = 0; q < p; ++q)
+    for (int64_t i = 0; i < n; ++i) es[q * n + i] = r * 100.0 + q * 10.0 + i;
+  auto des = upload(es);
+  DeviceBuffer der(n * p * 8);
+  CUDA_OK(cudaDeviceSynchronize());
+  Tensor tes = dev(des->get(), DType::f64, n * p), ter = dev(der.get(), DType::f64, n * p);
+  g_world->wait(g_ctx, g_world->all_to_all(g_ctx, tes, {}, ter, {}));
+  const auto er = download<double>(der.get(), n * p);
+  for (int q = 0; q < p; ++q)
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(er[q * n + i], q * 100.0 + r * 10.0 + i);
+}
+
+// Refused before anything is enqueued, on every rank alike.
+TEST(NcclComm, AllToAllRefusals) {
+  SKIP_WITHOUT_GPUS();
+  const int p = g_size, r = g_rank;
+  DeviceBuffer a(4096), b(4096);
+  std::vector<int64_t> ones(p, 1), short_counts(p - 1, 1), neg(p, 1);
+  neg[p - 1] = -2;
+  Tensor ta = dev(a.get(), DType::i32, 64), tb = dev(b.get(), DType::i32, 64);
+  std::string msg = error_of([&] { g_world->all_to_all(g_ctx, ta, short_counts, tb, ones); });
+  EXPECT_NE(msg.find("send_counts has " + std::to_string(p - 1) + " entries but the group has " + std::to_string(p)),
+            std::string::npos) << msg;
+  msg = error_of([&] { g_world->all_to_all(g_ctx, ta, ones, tb, neg); });
+  EXPECT_NE(msg.find("recv_counts[" + std::to_string(p - 1) + "] = -2 is negative"), std::string::npos) << msg;
+  Tensor small = dev(b.get(), DType::i32, p - 1);
+  msg = error_of([&] { g_world->all_to_all(g_ctx, ta, ones, small, ones); });
+  EXPECT_NE(msg.find("recv_counts sum to " + std::to_string(p) + " elements but the receive buffer"),
+            std::string::npos) << msg;
+  Tensor tf = dev(b.get(), DType::f32, 64);
+  msg = error_of([&] { g_world->all_to_all(g_ctx, ta, ones, tf, ones); });
+  EXPECT_NE(msg.find("int32 but output is fp32"), std::string::npos) << msg;
+  Tensor overlap = dev(static_cast<char*>(a.get()) + 4, DType::i32, 32);
+  msg = error_of([&] { g_world->all_to_all(g_ctx, ta, ones, overlap, ones); });
+  EXPECT_NE(msg.find("overlap"), std::string::npos) << msg;
+  Tensor odd = dev(a.get(), DType::i32, p + 1), odd_out = dev(b.get(), DType::i32, p + 1);
+  msg = error_of([&] { g_world->all_to_all(g_ctx, odd, {}, odd_out, {}); });
+  EXPECT_NE(msg.find("equal split"), std::string::npos) << msg;
+  std::vector<int32_t> host(64);
+  msg = error_of([&] {
+    Tensor t(host.data(), DType::i32, Device::cpu, {64});
+    g_world->all_to_all(g_ctx, t, ones, tb, ones);
+  });
+  EXPECT_NE(msg.find("device memory only"), std::string::npos) << msg;
+  msg = error_of([&] { g_world->all_to_all(loom::ExecContext{}, ta, ones, tb, ones); });
+  EXPECT_NE(msg.find("cpu context"), std::string::npos) << msg;
+  // Still usable.
+  std::vector<int32_t> s(p);
+  for (int q = 0; q < p; ++q) s[q] = r * 10 + q;
+  auto ds = upload(s);
+  CUDA_OK(cudaDeviceSynchronize());
+  Tensor ts = dev(ds->get(), DType::i32, p);
+  g_world->wait(g_ctx, g_world->all_to_all(g_ctx, ts, ones, tb, ones));
+  const auto got = download<int32_t>(b.get(), p);
+  for (int q = 0; q < p; ++q) EXPECT_EQ(got[q], q * 10 + r);
+}
+
 // Checked before anything is enqueued, on every rank alike, so the communicator stays usable.
 TEST(NcclComm, SizeTypeAndPlacementMismatchesAreErrors) {
   SKIP_WITHOUT_GPUS();

@@ -12,10 +12,20 @@
 // outputs nor write the inputs. Tickets grow by one per collective and a
 // communicator's collectives complete in order, so waiting on a ticket also
 // waits for every earlier one. No allocation happens per collective.
+//
+// all_to_all (expert parallelism) moves a different number of elements to
+// each peer, so its receivers must know their counts before the data moves:
+// every rank first exchanges its per-peer counts with an equal-split
+// all_to_all (one count per peer), reads the counts it receives, then issues
+// the variable all_to_all of the tokens. Every rank issues both, in that
+// order, even when it sends and receives nothing, so that the ranks' sequences
+// of collectives stay the same; a device communicator runs both on its one
+// stream, in issue order, and exchanges with the peers in rank order.
 #pragma once
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "loom/context.hpp"
 #include "loom/tensor.hpp"
@@ -23,7 +33,7 @@
 namespace loom {
 
 enum class ReduceOp { sum, avg, max };
-enum class CollectiveKind : uint8_t { all_reduce, reduce_scatter, all_gather, broadcast, kCount };
+enum class CollectiveKind : uint8_t { all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, kCount };
 
 struct CommBytes {
   std::array<uint64_t, static_cast<size_t>(CollectiveKind::kCount)> bytes{};
@@ -45,6 +55,20 @@ class Communicator {
   // in: n elements, out: size()*n elements (rank-major).
   virtual CommTicket all_gather(const ExecContext& ctx, const Tensor& in, Tensor& out) = 0;
   virtual CommTicket broadcast(const ExecContext& ctx, Tensor& t, int root) = 0;
+  // Personalised exchange: this rank sends send_counts[q] elements to rank q
+  // and receives recv_counts[q] elements from rank q. Both buffers are laid
+  // out by peer, in rank order, without gaps: the elements for (from) rank q
+  // start at the sum of the counts of the ranks before q. The buffers may be
+  // larger than the sum of their counts (capacity sized once; the rest is
+  // neither read nor written) but must not overlap. recv_counts[q] must equal
+  // what rank q sends here (send_counts[rank()] on q): exchange the counts
+  // first, see above. Both spans empty: an equal split, send.numel() / size()
+  // elements to every rank (recv of the same size), e.g. the counts exchange
+  // itself. Elements are moved as raw bytes, so any dtype works (same dtype on
+  // both sides). Counts the bytes this rank sends to the other ranks (what it
+  // sends itself is a local copy).
+  virtual CommTicket all_to_all(const ExecContext& ctx, const Tensor& send, std::span<const int64_t> send_counts,
+                                Tensor& recv, std::span<const int64_t> recv_counts) = 0;
   // ctx's later work waits for collective t (no-op on host communicators).
   virtual void wait(const ExecContext& /*ctx*/, CommTicket /*t*/) {}
   // Blocks the host until every collective issued so far has finished (device

@@ -3,6 +3,7 @@
 // their byte counters use.
 #pragma once
 #include <cstdint>
+#include <span>
 
 #include "loom/comm.hpp"
 #include "loom/error.hpp"
@@ -69,6 +70,52 @@ inline void check_reducible(const char* name, int rank, DType t, ReduceOp op, co
   }
   throw Error(cat("collective ", name, " (", op_name(op), ") on rank ", rank, ": dtype ", dtype_name(t),
                   " cannot be reduced; reduce fp32, fp64, int32, bf16 or fp16", how));
+}
+
+// all_to_all: the counts (one per rank, none negative; or both spans empty
+// for an equal split), the buffers against them, and no overlap. Returns the
+// per-peer element counts through send_count(q) / recv_count(q).
+struct AllToAllCounts {
+  std::span<const int64_t> send, recv;
+  int64_t chunk = 0;  // an equal split's count per peer
+  int64_t send_count(int q) const { return send.empty() ? chunk : send[static_cast<size_t>(q)]; }
+  int64_t recv_count(int q) const { return recv.empty() ? chunk : recv[static_cast<size_t>(q)]; }
+};
+
+inline AllToAllCounts check_all_to_all(const char* name, int rank, int size, const Tensor& send,
+                                       std::span<const int64_t> send_counts, const Tensor& recv,
+                                       std::span<const int64_t> recv_counts) {
+  check_same_dtype(name, rank, send, recv);
+  const auto where = [&] { return cat("collective ", name, " on rank ", rank, " of ", size, ": "); };
+  const auto pa = reinterpret_cast<uintptr_t>(send.data), pb = reinterpret_cast<uintptr_t>(recv.data);
+  if (send.bytes() > 0 && recv.bytes() > 0 && pa < pb + recv.bytes() && pb < pa + send.bytes())
+    throw Error(cat(where(), "the send and receive buffers overlap; all_to_all has no in-place form, pass ",
+                    "separate buffers"));
+  if (send_counts.empty() && recv_counts.empty()) {
+    if (send.numel() % size != 0 || recv.numel() != send.numel())
+      throw Error(cat(where(), "an equal split (no counts) needs a send buffer that divides by the ", size,
+                      " ranks and a receive buffer of the same size; got ", send.numel(), " and ", recv.numel(),
+                      " elements"));
+    return {send_counts, recv_counts, send.numel() / size};
+  }
+  const auto check_side = [&](std::span<const int64_t> counts, const char* which, const Tensor& buf,
+                              const char* buf_name) {
+    if (counts.size() != static_cast<size_t>(size))
+      throw Error(cat(where(), which, " has ", counts.size(), " entries but the group has ", size,
+                      " ranks; pass one count per rank for both sides, or none for an equal split"));
+    int64_t total = 0;
+    for (size_t q = 0; q < counts.size(); ++q) {
+      if (counts[q] < 0)
+        throw Error(cat(where(), which, "[", q, "] = ", counts[q], " is negative; counts are elements per rank"));
+      total += counts[q];
+    }
+    if (total > buf.numel())
+      throw Error(cat(where(), which, " sum to ", total, " elements but the ", buf_name, " buffer ", buf.shape_str(),
+                      " holds ", buf.numel(), "; size it for the largest exchange"));
+  };
+  check_side(send_counts, "send_counts", send, "send");
+  check_side(recv_counts, "recv_counts", recv, "receive");
+  return {send_counts, recv_counts, 0};
 }
 
 // Bytes one rank sends in a ring over `size` ranks for a buffer of `bytes`:

@@ -12,6 +12,7 @@
 #include <bit>
 #include <chrono>
 #include <climits>
+#include <span>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -66,6 +67,8 @@ class MpiCommunicator final : public Communicator {
     // Errors come back as return codes and become loom::Error with context,
     // instead of MPI's default of aborting the job without one.
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    // all_to_all's byte counts and displacements, made once (no allocation per collective).
+    a2a_.assign(4 * static_cast<size_t>(size_), 0);
   }
 
   ~MpiCommunicator() override {
@@ -201,6 +204,43 @@ class MpiCommunicator final : public Communicator {
     return next_ticket();
   }
 
+  CommTicket all_to_all(const ExecContext&, const Tensor& send, std::span<const int64_t> send_counts, Tensor& recv,
+                        std::span<const int64_t> recv_counts) override {
+    const char* name = "all_to_all";
+    usable(name);
+    trace::Scope traced(trace::Track::comm, name);  // host-timed: MPI runs on this thread
+    collective::check_buffer(name, rank_, "input", send, Device::cpu);
+    collective::check_buffer(name, rank_, "output", recv, Device::cpu);
+    const collective::AllToAllCounts c =
+        collective::check_all_to_all(name, rank_, size_, send, send_counts, recv, recv_counts);
+    // Raw bytes, like all_gather: any dtype. MPI's counts and displacements are int.
+    const int64_t elt = static_cast<int64_t>(dtype_size(send.dtype));
+    int* scounts = a2a_.data();
+    int* sdispls = scounts + size_;
+    int* rcounts = sdispls + size_;
+    int* rdispls = rcounts + size_;
+    int64_t soff = 0, roff = 0;
+    uint64_t total = 0, to_others = 0;
+    for (int q = 0; q < size_; ++q) {
+      const int64_t sb = c.send_count(q) * elt, rb = c.recv_count(q) * elt;
+      scounts[q] = count_of(name, sb);
+      rcounts[q] = count_of(name, rb);
+      sdispls[q] = count_of(name, soff);
+      rdispls[q] = count_of(name, roff);
+      soff += sb;
+      roff += rb;
+      total += static_cast<uint64_t>(sb + rb);
+      if (q != rank_) to_others += static_cast<uint64_t>(sb);
+    }
+    std::vector<char> stage;
+    MPI_Request req;
+    check(MPI_Ialltoallv(send.data, scounts, sdispls, MPI_BYTE, recv.data, rcounts, rdispls, MPI_BYTE, comm_, &req),
+          "MPI_Ialltoallv", name, total);
+    wait(req, name, total, stage);
+    count(CollectiveKind::all_to_all, to_others);
+    return next_ticket();
+  }
+
   void barrier() override {
     usable("barrier");
     std::vector<char> stage;
@@ -329,6 +369,7 @@ class MpiCommunicator final : public Communicator {
   double timeout_s_;
   std::string failure_;  // non-empty once a collective failed or timed out
   std::vector<Abandoned> abandoned_;
+  std::vector<int> a2a_;  // all_to_all: send counts, send displacements, receive counts, receive displacements
 };
 
 }  // namespace

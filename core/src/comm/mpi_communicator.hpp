@@ -13,6 +13,8 @@
 // paper's formulas: with p ranks, all_reduce of B bytes counts 2(p-1)/p*B,
 // reduce_scatter and all_gather (p-1)/p of the full (size*n) buffer, broadcast
 // (p-1)/p*B (integer bytes, rounded down).
+// all_to_all (MPI_Ialltoallv of raw bytes, any dtype) counts the bytes this
+// rank sends to the other ranks: each byte crosses once, there is no ring.
 //
 // After a timeout or an MPI error the communicator refuses further collectives
 // (the ranks no longer agree on the sequence) and the caller is expected to

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <span>
 #include <string>
 #include <thread>
 
@@ -270,6 +271,46 @@ class NcclCommunicator final : public Communicator {
       return ncclBroadcast(t.data, t.data, nb, ncclUint8, root, comm_, s);
     });
     count(CollectiveKind::broadcast, collective::ring_share(size_, bytes));
+    return tk;
+  }
+
+  // One NCCL group of a ncclSend and a ncclRecv per peer with a non-zero
+  // count, peers in rank order (this rank's own part included), on the comm
+  // stream. A rank that sends and receives nothing issues no NCCL call: no
+  // peer has a send or receive to match with it.
+  CommTicket all_to_all(const ExecContext& ctx, const Tensor& send, std::span<const int64_t> send_counts, Tensor& recv,
+                        std::span<const int64_t> recv_counts) override {
+    const char* name = "all_to_all";
+    usable(name);
+    cuda_context(name, ctx);
+    collective::check_buffer(name, rank_, "input", send, Device::cuda);
+    collective::check_buffer(name, rank_, "output", recv, Device::cuda);
+    const collective::AllToAllCounts c =
+        collective::check_all_to_all(name, rank_, size_, send, send_counts, recv, recv_counts);
+    const size_t elt = dtype_size(send.dtype);
+    uint64_t total = 0, to_others = 0;
+    for (int q = 0; q < size_; ++q) {
+      const uint64_t sb = static_cast<uint64_t>(c.send_count(q)) * elt;
+      total += sb + static_cast<uint64_t>(c.recv_count(q)) * elt;
+      if (q != rank_) to_others += sb;
+    }
+    const char* sbase = static_cast<const char*>(send.data);
+    char* rbase = static_cast<char*>(recv.data);
+    CommTicket tk = issue(name, "ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd", total, &ctx, [&](cudaStream_t s) {
+      ncclResult_t rc = ncclGroupStart();
+      if (rc != ncclSuccess) return rc;
+      size_t soff = 0, roff = 0;
+      for (int q = 0; q < size_ && (rc == ncclSuccess || rc == ncclInProgress); ++q) {
+        const size_t sb = static_cast<size_t>(c.send_count(q)) * elt, rb = static_cast<size_t>(c.recv_count(q)) * elt;
+        if (sb > 0) rc = ncclSend(sbase + soff, sb, ncclUint8, q, comm_, s);
+        if (rb > 0 && (rc == ncclSuccess || rc == ncclInProgress)) rc = ncclRecv(rbase + roff, rb, ncclUint8, q, comm_, s);
+        soff += sb;
+        roff += rb;
+      }
+      const ncclResult_t end = ncclGroupEnd();  // closes the group even after a failed call in it
+      return rc == ncclSuccess || rc == ncclInProgress ? end : rc;
+    });
+    count(CollectiveKind::all_to_all, to_others);
     return tk;
   }
 

@@ -47,7 +47,16 @@
 // Byte counters: the ring volume per rank in bytes of the tensor's dtype, as
 // for the MPI communicator: with p ranks, all_reduce of B bytes counts
 // 2(p-1)/p*B, reduce_scatter and all_gather (p-1)/p of the full (size*n)
-// buffer, broadcast (p-1)/p*B. barrier() counts nothing.
+// buffer, broadcast (p-1)/p*B; all_to_all the bytes this rank sends to the
+// other ranks (no ring: each byte crosses once). barrier() counts nothing.
+//
+// all_to_all is one NCCL group (ncclGroupStart, then per peer in rank order a
+// ncclSend and a ncclRecv of raw bytes where its count is non-zero, this
+// rank's own part included, ncclGroupEnd) on the comm stream, ordered after
+// ctx like every collective; a rank with nothing to send or receive enqueues
+// no NCCL call but still takes a ticket. The receive counts must match the
+// peers' send counts (exchange them first, see loom/comm.hpp): NCCL cannot
+// check it, and a mismatch ends in the timeout.
 //
 // Callers must know:
 //  - One process per GPU; `device` is the CUDA device of this rank (usually

@@ -1,6 +1,7 @@
 // The one-rank communicator: collectives are identities or copies.
 #include <cstring>
 
+#include "comm/collective_checks.hpp"
 #include "loom/comm.hpp"
 #include "loom/error.hpp"
 
@@ -18,6 +19,17 @@ class SelfCommunicator final : public Communicator {
   }
   CommTicket all_gather(const ExecContext& ctx, const Tensor& in, Tensor& out) override {
     copy(ctx, in, out);
+    return next_ticket();
+  }
+  CommTicket all_to_all(const ExecContext& ctx, const Tensor& send, std::span<const int64_t> send_counts, Tensor& recv,
+                        std::span<const int64_t> recv_counts) override {
+    const collective::AllToAllCounts c =
+        collective::check_all_to_all("all_to_all", 0, 1, send, send_counts, recv, recv_counts);
+    LOOM_CHECK(c.send_count(0) == c.recv_count(0), "collective all_to_all on a one-rank communicator: sends ",
+               c.send_count(0), " elements to itself but expects ", c.recv_count(0));
+    LOOM_CHECK(ctx.device == Device::cpu, "self communicator copies host memory only");
+    const size_t n = static_cast<size_t>(c.send_count(0)) * dtype_size(send.dtype);
+    if (n > 0) std::memcpy(recv.data, send.data, n);
     return next_ticket();
   }
   CommTicket broadcast(const ExecContext&, Tensor&, int root) override {

@@ -1,0 +1,549 @@
+// The MoE routing kernels (see moe_kernels.hpp for the contract and
+// kernels/cpu/moe.hpp for the computation they reproduce).
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/moe_kernels.hpp"
+
+namespace loom::gpu {
+namespace {
+
+// Per-token slot arrays in shared memory; moe_check bounds top_k by the
+// reference's own limit (64), which this matches.
+constexpr int kMaxTopK = 64;
+constexpr int kTokenThreads = 128;  // one thread per token (route, route backward)
+constexpr int kSortWarps = 4;       // warps (= chunks) per block of the sort
+constexpr int kRowThreads = 256;    // most threads of a one-block-per-row kernel
+
+// ---- argument checks -----------------------------------------------------------
+
+void check_ptr(const void* p, int64_t n, const char* what) {
+  LOOM_CHECK(p != nullptr || n == 0, what, ": null device pointer for ", n, " elements");
+}
+
+// A [rows, cols] contiguous fp32 or bf16 device tensor of dtype `dtype`.
+void check_rows(const Tensor& t, DType dtype, int64_t rows, int64_t cols, const char* what) {
+  check_device(t, what);
+  check_contiguous(t, what);
+  LOOM_CHECK(t.dtype == dtype, what, " is ", dtype_name(t.dtype), ", expected ", dtype_name(dtype));
+  LOOM_CHECK(t.numel() == rows * cols && (t.ndim < 1 || t.shape[t.ndim - 1] == cols), what, " is ", t.shape_str(),
+             ", expected [", rows, ", ", cols, "] (", rows * cols, " elements)");
+}
+
+// ---- router ------------------------------------------------------------------------
+
+template <typename TL>
+__global__ void __launch_bounds__(kTokenThreads)
+    route_kernel(float* probs, int32_t* experts, float* weights, const TL* logits, int64_t N, int E, int k) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; n < N; n += stride) {
+    const TL* l = logits + n * E;
+    float* p = probs + n * E;
+    double mx = to_f32(l[0]);
+    for (int e = 1; e < E; ++e) {
+      const double v = to_f32(l[e]);
+      mx = mx < v ? v : mx;  // std::max(mx, v)
+    }
+    double sum = 0.0;
+    for (int e = 0; e < E; ++e) sum = __dadd_rn(sum, exp(__dsub_rn(static_cast<double>(to_f32(l[e])), mx)));
+    for (int e = 0; e < E; ++e)
+      p[e] = __double2float_rn(__ddiv_rn(exp(__dsub_rn(static_cast<double>(to_f32(l[e])), mx)), sum));
+    // k passes of an argmax with a strict '>': ties go to the lower expert.
+    int32_t* sel = experts + n * k;
+    double s = 0.0;
+    for (int j = 0; j < k; ++j) {
+      int best = -1;
+      float pbest = 0.f;
+      for (int e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int i = 0; i < j; ++i) taken = taken || sel[i] == e;
+        const float pe = p[e];
+        if (!taken && (best < 0 || pe > pbest)) {
+          best = e;
+          pbest = pe;
+        }
+      }
+      sel[j] = best;
+      s = __dadd_rn(s, static_cast<double>(pbest));
+    }
+    for (int j = 0; j < k; ++j) weights[n * k + j] = __double2float_rn(__ddiv_rn(static_cast<double>(p[sel[j]]), s));
+  }
+}
+
+// Renormalisation and softmax backward; d_logits holds dp first, then is
+// overwritten element by element with the result.
+__global__ void __launch_bounds__(kTokenThreads)
+    route_backward_kernel(float* d_logits, const float* d_weights, const float* probs, const int32_t* experts,
+                          const float* weights, const float* aux, int64_t N, int E, int k) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < N; t += stride) {
+    const float* p = probs + t * E;
+    const int32_t* sel = experts + t * k;
+    const float* wt = weights + t * k;
+    const float* dw = d_weights + t * k;
+    float* dp = d_logits + t * E;
+    for (int e = 0; e < E; ++e) dp[e] = aux ? aux[e] : 0.f;
+    double S = 0.0, dot = 0.0;
+    for (int j = 0; j < k; ++j) {
+      S = __dadd_rn(S, static_cast<double>(p[sel[j]]));
+      dot = __dadd_rn(dot, __dmul_rn(static_cast<double>(dw[j]), static_cast<double>(wt[j])));
+    }
+    for (int j = 0; j < k; ++j) {
+      const int e = sel[j];
+      dp[e] = __fadd_rn(dp[e], __double2float_rn(__ddiv_rn(__dsub_rn(static_cast<double>(dw[j]), dot), S)));
+    }
+    double pd = 0.0;
+    for (int e = 0; e < E; ++e) pd = __dadd_rn(pd, __dmul_rn(static_cast<double>(p[e]), static_cast<double>(dp[e])));
+    for (int e = 0; e < E; ++e)
+      dp[e] = __double2float_rn(__dmul_rn(static_cast<double>(p[e]), __dsub_rn(static_cast<double>(dp[e]), pd)));
+  }
+}
+
+// ---- sort ------------------------------------------------------------------------------
+// scratch[e * nchunks + c]: first the number of pairs of chunk c routed to e,
+// then (after the scan) the first row of chunk c within expert e's rows, which
+// the placing pass advances as it goes.
+
+__device__ __forceinline__ int expert_key(const int32_t* experts, int64_t i, int E) {
+  const int e = experts[i];
+  return e >= 0 && e < E ? e : -1;
+}
+
+__global__ void sort_count_kernel(int32_t* scratch, const int32_t* experts, int64_t R, int E, int64_t nchunks) {
+  const int lane = threadIdx.x % 32;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kSortWarps + threadIdx.x / 32;
+  if (c >= nchunks) return;  // the whole warp
+  for (int e = lane; e < E; e += 32) scratch[e * nchunks + c] = 0;
+  __syncwarp();
+  const int64_t begin = c * kMoeSortChunk, end = begin + kMoeSortChunk < R ? begin + kMoeSortChunk : R;
+  for (int64_t i0 = begin; i0 < end; i0 += 32) {
+    const int64_t i = i0 + lane;
+    const unsigned active = __ballot_sync(0xffffffffu, i < end);
+    if (i < end) {
+      const int key = expert_key(experts, i, E);
+      const unsigned same = __match_any_sync(active, key);
+      if (key >= 0 && lane == __ffs(same) - 1) scratch[key * nchunks + c] += __popc(same);
+    }
+    __syncwarp();
+  }
+}
+
+// A warp per expert: exclusive prefix sum of its chunk counts, in chunk order.
+__global__ void sort_scan_kernel(int32_t* scratch, int64_t* counts, int E, int64_t nchunks) {
+  const int lane = threadIdx.x % 32;
+  const int e = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (e >= E) return;
+  int32_t* col = scratch + static_cast<int64_t>(e) * nchunks;
+  int64_t carry = 0;
+  for (int64_t c0 = 0; c0 < nchunks; c0 += 32) {
+    const int64_t c = c0 + lane;
+    const int v = c < nchunks ? col[c] : 0;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += up;
+    }
+    if (c < nchunks) col[c] = static_cast<int32_t>(carry + incl - v);
+    carry += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (lane == 0) counts[e] = carry;
+}
+
+__global__ void sort_offsets_kernel(int64_t* offsets, const int64_t* counts, int E) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  offsets[0] = 0;
+  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + counts[e];
+}
+
+__global__ void sort_place_kernel(int32_t* perm, int32_t* row_of, int32_t* scratch, const int32_t* experts,
+                                  const int64_t* offsets, int64_t R, int E, int64_t nchunks) {
+  const int lane = threadIdx.x % 32;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kSortWarps + threadIdx.x / 32;
+  if (c >= nchunks) return;
+  const unsigned below = (1u << lane) - 1u;
+  const int64_t begin = c * kMoeSortChunk, end = begin + kMoeSortChunk < R ? begin + kMoeSortChunk : R;
+  for (int64_t i0 = begin; i0 < end; i0 += 32) {
+    const int64_t i = i0 + lane;
+    const unsigned active = __ballot_sync(0xffffffffu, i < end);
+    if (i < end) {
+      const int key = expert_key(experts, i, E);
+      const unsigned same = __match_any_sync(active, key);
+      int32_t* cursor = key >= 0 ? scratch + static_cast<int64_t>(key) * nchunks + c : nullptr;
+      if (key >= 0) {
+        const int64_t row = offsets[key] + *cursor + __popc(same & below);
+        perm[row] = static_cast<int32_t>(i);
+        row_of[i] = static_cast<int32_t>(row);
+      } else {
+        row_of[i] = -1;
+      }
+      __syncwarp(active);  // every lane has read its cursor before the leaders advance them
+      if (key >= 0 && lane == __ffs(same) - 1) *cursor += __popc(same);
+    }
+    __syncwarp();
+  }
+}
+
+// ---- gather, combine, scatter-add ------------------------------------------------------
+
+// The k slots of token t in ascending sorted row order (insertion sort by
+// thread 0), with their weights when w is given.
+__device__ void sorted_slots(int32_t* s_row, float* s_w, const int32_t* row_of, const float* w, int64_t t, int k) {
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < k; ++j) {
+      const int32_t r = row_of[t * k + j];
+      const float wj = w ? w[t * k + j] : 0.f;
+      int i = j;
+      for (; i > 0 && s_row[i - 1] > r; --i) {
+        s_row[i] = s_row[i - 1];
+        s_w[i] = s_w[i - 1];
+      }
+      s_row[i] = r;
+      s_w[i] = wj;
+    }
+  }
+  __syncthreads();
+}
+
+template <int K, typename T>
+__global__ void __launch_bounds__(kRowThreads) gather_kernel(T* xs, const T* x, const int32_t* perm, int64_t R,
+                                                             int64_t h, int k) {
+  const int64_t nvec = h / K;
+  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+    const int32_t pair = perm[r];
+    if (pair < 0 || pair >= R) continue;  // not placed (an invalid expert): left as it is
+    const T* src = x + static_cast<int64_t>(pair / k) * h;
+    T* dst = xs + r * h;
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      float a[K];
+      load_vec<K>(src + v * K, a);
+      store_vec<K>(dst + v * K, a);
+    }
+    for (int64_t c = nvec * K + threadIdx.x; c < h; c += blockDim.x) dst[c] = src[c];
+  }
+}
+
+// Per token: out[t] = (accumulate ? out[t] : 0) + sum_j (w_j *) src[row_j], in
+// ascending row order, fp32, rounded once. weighted: multiply by the slot's
+// weight (the combine); otherwise plain adds (the scatter-add).
+template <int K, typename T>
+__device__ __forceinline__ void token_sum(T* out, const T* src, const int32_t* s_row, const float* s_w, int64_t col,
+                                          int k, int64_t h, bool weighted, bool accumulate) {
+  float acc[K];
+  if (accumulate) {
+    load_vec<K>(out + col, acc);
+  } else {
+#pragma unroll
+    for (int i = 0; i < K; ++i) acc[i] = 0.f;
+  }
+  for (int j = 0; j < k; ++j) {
+    if (s_row[j] < 0) continue;
+    float o[K];
+    load_vec<K>(src + static_cast<int64_t>(s_row[j]) * h + col, o);
+#pragma unroll
+    for (int i = 0; i < K; ++i) acc[i] = __fadd_rn(acc[i], weighted ? __fmul_rn(o[i], s_w[j]) : o[i]);
+  }
+  store_vec<K>(out + col, acc);
+}
+
+template <int K, typename T>
+__global__ void __launch_bounds__(kRowThreads)
+    token_sum_kernel(T* out, const T* src, const int32_t* row_of, const float* w, int64_t N, int64_t h, int k,
+                     bool accumulate) {
+  __shared__ int32_t s_row[kMaxTopK];
+  __shared__ float s_w[kMaxTopK];
+  const int64_t nvec = h / K;
+  for (int64_t t = blockIdx.x; t < N; t += gridDim.x) {
+    sorted_slots(s_row, s_w, row_of, w, t, k);
+    T* o = out + t * h;
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x)
+      token_sum<K>(o, src, s_row, s_w, v * K, k, h, w != nullptr, accumulate);
+    for (int64_t c = nvec * K + threadIdx.x; c < h; c += blockDim.x)
+      token_sum<1>(o, src, s_row, s_w, c, k, h, w != nullptr, accumulate);
+    __syncthreads();  // the slots are reloaded for the next token
+  }
+}
+
+template <int K, typename T>
+__global__ void __launch_bounds__(kRowThreads)
+    combine_backward_kernel(T* d_eout, float* d_weights, const T* dy, const T* eout, const float* weights,
+                            const int32_t* perm, int64_t R, int64_t h, int k) {
+  __shared__ double red[32];
+  const int64_t nvec = h / K;
+  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+    const int32_t pair = perm[r];
+    if (pair < 0 || pair >= R) continue;  // uniform over the block: no barrier is skipped by part of it
+    const float wt = weights[pair];
+    const T* g = dy + static_cast<int64_t>(pair / k) * h;
+    const T* o = eout + r * h;
+    T* de = d_eout + r * h;
+    double acc = 0.0;
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      float gv[K], ov[K], dv[K];
+      load_vec<K>(g + v * K, gv);
+      load_vec<K>(o + v * K, ov);
+#pragma unroll
+      for (int i = 0; i < K; ++i) {
+        acc = __dadd_rn(acc, __dmul_rn(static_cast<double>(gv[i]), static_cast<double>(ov[i])));
+        dv[i] = __fmul_rn(wt, gv[i]);
+      }
+      store_vec<K>(de + v * K, dv);
+    }
+    for (int64_t c = nvec * K + threadIdx.x; c < h; c += blockDim.x) {
+      const float gv = to_f32(g[c]), ov = to_f32(o[c]);
+      acc = __dadd_rn(acc, __dmul_rn(static_cast<double>(gv), static_cast<double>(ov)));
+      de[c] = from_f32<T>(__fmul_rn(wt, gv));
+    }
+    const double total = block_sum(acc, red);
+    if (threadIdx.x == 0) d_weights[pair] = __double2float_rn(total);
+  }
+}
+
+// ---- aux statistics ------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kRowThreads)
+    aux_accumulate_kernel(int64_t* aux_counts, double* aux_prob_sum, const int64_t* counts, const float* probs,
+                          int64_t N, int E) {
+  __shared__ double red[32];
+  for (int e = blockIdx.x; e < E; e += gridDim.x) {
+    double acc = 0.0;
+    for (int64_t n = threadIdx.x; n < N; n += blockDim.x) acc = __dadd_rn(acc, static_cast<double>(probs[n * E + e]));
+    const double total = block_sum(acc, red);
+    if (threadIdx.x == 0) {
+      aux_prob_sum[e] = __dadd_rn(aux_prob_sum[e], total);
+      aux_counts[e] += counts[e];
+    }
+  }
+}
+
+__global__ void aux_finish_kernel(double* loss, float* grad, const int64_t* counts, const double* prob_sum,
+                                  int64_t rows, double coef, int64_t E) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const double R = static_cast<double>(rows);
+  double acc = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (rows == 0) {
+      grad[e] = 0.f;
+      continue;
+    }
+    const double f = __ddiv_rn(static_cast<double>(counts[e]), R);
+    acc = __dadd_rn(acc, __dmul_rn(f, __ddiv_rn(prob_sum[e], R)));
+    grad[e] = __double2float_rn(__ddiv_rn(__dmul_rn(__dmul_rn(coef, static_cast<double>(E)), f), R));
+  }
+  if (loss) *loss = rows == 0 ? 0.0 : __dmul_rn(static_cast<double>(E), acc);
+}
+
+// ---- launch helpers -------------------------------------------------------------------
+
+// Grid of one block per row (grid-strided), never more than the H100 budget.
+unsigned row_grid(int64_t rows) { return grid_for(rows, 1); }
+
+// Packed K-wide accesses need every base aligned to K elements and h a
+// multiple of K (so each row stays aligned).
+template <typename T, int K>
+bool rows_packable(int64_t h, std::initializer_list<const void*> ptrs) {
+  if (h % K != 0) return false;
+  for (const void* p : ptrs)
+    if (!aligned_bytes(p, K * sizeof(T))) return false;
+  return true;
+}
+
+}  // namespace
+
+void moe_route(float* probs, int32_t* experts, float* weights, const Tensor& logits, const MoeDims& d,
+               cudaStream_t stream) {
+  cpu::moe_check(d);
+  check_ptr(probs, d.N * d.E, "moe_route probs");
+  check_ptr(experts, d.N * d.k, "moe_route experts");
+  check_ptr(weights, d.N * d.k, "moe_route weights");
+  check_device(logits, "moe_route logits");
+  check_rows(logits, logits.dtype, d.N, d.E, "moe_route logits");
+  if (d.N == 0) return;
+  dispatch_float(logits.dtype, "moe_route logits", [&](auto tag) {
+    using TL = decltype(tag);
+    const unsigned grid = grid_for(d.N, kTokenThreads);
+    route_kernel<TL><<<grid, kTokenThreads, 0, stream>>>(probs, experts, weights, static_cast<const TL*>(logits.data),
+                                                         d.N, static_cast<int>(d.E), static_cast<int>(d.k));
+    LOOM_CUDA_LAUNCH_CHECK("moe route_kernel", "N=", d.N, " E=", d.E, " k=", d.k, " logits ",
+                           dtype_name(logits.dtype), " grid=", grid);
+  });
+}
+
+int64_t moe_sort_scratch_elems(const MoeDims& d) {
+  const int64_t chunks = (d.rows() + kMoeSortChunk - 1) / kMoeSortChunk;
+  return d.E * (chunks < 1 ? 1 : chunks);
+}
+
+void moe_sort(int64_t* counts, int64_t* offsets, int32_t* perm, int32_t* row_of, const int32_t* experts,
+              int32_t* scratch, int64_t scratch_elems, const MoeDims& d, cudaStream_t stream) {
+  cpu::moe_check(d);
+  const int64_t R = d.rows(), E = d.E;
+  const int64_t need = moe_sort_scratch_elems(d);
+  LOOM_CHECK(scratch_elems >= need, "moe_sort: scratch of ", scratch_elems, " int32 elements, ", need,
+             " needed for ", R, " pairs and ", E, " experts (moe_sort_scratch_elems)");
+  check_ptr(counts, E, "moe_sort counts");
+  check_ptr(offsets, E + 1, "moe_sort offsets");
+  check_ptr(perm, R, "moe_sort perm");
+  check_ptr(row_of, R, "moe_sort row_of");
+  check_ptr(experts, R, "moe_sort experts");
+  check_ptr(scratch, need, "moe_sort scratch");
+  const int64_t nchunks = (R + kMoeSortChunk - 1) / kMoeSortChunk;
+  const int e32 = static_cast<int>(E);
+  if (nchunks > 0) {
+    const unsigned grid = static_cast<unsigned>((nchunks + kSortWarps - 1) / kSortWarps);
+    sort_count_kernel<<<grid, 32 * kSortWarps, 0, stream>>>(scratch, experts, R, e32, nchunks);
+    LOOM_CUDA_LAUNCH_CHECK("moe sort_count_kernel", "R=", R, " E=", E, " chunks=", nchunks, " grid=", grid);
+  }
+  {
+    const int warps = 8;
+    const unsigned grid = static_cast<unsigned>((E + warps - 1) / warps);
+    sort_scan_kernel<<<grid, 32 * warps, 0, stream>>>(scratch, counts, e32, nchunks);
+    LOOM_CUDA_LAUNCH_CHECK("moe sort_scan_kernel", "R=", R, " E=", E, " chunks=", nchunks, " grid=", grid);
+  }
+  sort_offsets_kernel<<<1, 1, 0, stream>>>(offsets, counts, e32);
+  LOOM_CUDA_LAUNCH_CHECK("moe sort_offsets_kernel", "E=", E);
+  if (nchunks > 0) {
+    const unsigned grid = static_cast<unsigned>((nchunks + kSortWarps - 1) / kSortWarps);
+    sort_place_kernel<<<grid, 32 * kSortWarps, 0, stream>>>(perm, row_of, scratch, experts, offsets, R, e32,
+                                                             nchunks);
+    LOOM_CUDA_LAUNCH_CHECK("moe sort_place_kernel", "R=", R, " E=", E, " chunks=", nchunks, " grid=", grid);
+  }
+}
+
+void moe_gather(Tensor& xs, const Tensor& x, const int32_t* perm, const MoeDims& d, cudaStream_t stream) {
+  cpu::moe_check(d);
+  const int64_t R = d.rows(), h = d.h;
+  check_rows(x, x.dtype, d.N, h, "moe_gather x");
+  check_rows(xs, x.dtype, R, h, "moe_gather xs");
+  check_ptr(perm, R, "moe_gather perm");
+  if (R == 0) return;
+  dispatch_float(x.dtype, "moe_gather", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int K = vec_width<T>();
+    const bool packed = rows_packable<T, K>(h, {xs.data, x.data});
+    const int threads = row_threads(packed ? h / K : h, kRowThreads);
+    const unsigned grid = row_grid(R);
+    T* out = static_cast<T*>(xs.data);
+    const T* in = static_cast<const T*>(x.data);
+    if (packed) gather_kernel<K, T><<<grid, threads, 0, stream>>>(out, in, perm, R, h, static_cast<int>(d.k));
+    else gather_kernel<1, T><<<grid, threads, 0, stream>>>(out, in, perm, R, h, static_cast<int>(d.k));
+    LOOM_CUDA_LAUNCH_CHECK("moe gather_kernel", "R=", R, " h=", h, " ", dtype_name(x.dtype),
+                           packed ? " packed" : " scalar", " grid=", grid, " threads=", threads);
+  });
+}
+
+namespace {
+
+// The combine and the scatter-add: per token, the sorted slots' rows of src
+// summed into out (weighted when w is given).
+void launch_token_sum(Tensor& out, const Tensor& src, const int32_t* row_of, const float* w, bool accumulate,
+                      const MoeDims& d, cudaStream_t stream, const char* name) {
+  const int64_t N = d.N, h = d.h;
+  if (N == 0) return;
+  dispatch_float(out.dtype, name, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int K = vec_width<T>();
+    const bool packed = rows_packable<T, K>(h, {out.data, src.data});
+    const int threads = row_threads(packed ? h / K : h, kRowThreads);
+    const unsigned grid = row_grid(N);
+    T* o = static_cast<T*>(out.data);
+    const T* s = static_cast<const T*>(src.data);
+    const int k = static_cast<int>(d.k);
+    if (packed) token_sum_kernel<K, T><<<grid, threads, 0, stream>>>(o, s, row_of, w, N, h, k, accumulate);
+    else token_sum_kernel<1, T><<<grid, threads, 0, stream>>>(o, s, row_of, w, N, h, k, accumulate);
+    LOOM_CUDA_LAUNCH_CHECK(name, "N=", N, " h=", h, " k=", d.k, " ", dtype_name(out.dtype),
+                           packed ? " packed" : " scalar", " grid=", grid, " threads=", threads);
+  });
+}
+
+}  // namespace
+
+void moe_combine(Tensor& y, const Tensor& eout, const float* weights, const int32_t* row_of, const MoeDims& d,
+                 cudaStream_t stream) {
+  cpu::moe_check(d);
+  check_rows(eout, eout.dtype, d.rows(), d.h, "moe_combine eout");
+  check_rows(y, eout.dtype, d.N, d.h, "moe_combine y");
+  check_ptr(weights, d.rows(), "moe_combine weights");
+  check_ptr(row_of, d.rows(), "moe_combine row_of");
+  launch_token_sum(y, eout, row_of, weights, false, d, stream, "moe combine (token_sum_kernel)");
+}
+
+void moe_scatter_add(Tensor& dx, const Tensor& d_xs, const int32_t* row_of, bool accumulate, const MoeDims& d,
+                     cudaStream_t stream) {
+  cpu::moe_check(d);
+  check_rows(d_xs, d_xs.dtype, d.rows(), d.h, "moe_scatter_add d_xs");
+  check_rows(dx, d_xs.dtype, d.N, d.h, "moe_scatter_add dx");
+  check_ptr(row_of, d.rows(), "moe_scatter_add row_of");
+  launch_token_sum(dx, d_xs, row_of, nullptr, accumulate, d, stream, "moe scatter_add (token_sum_kernel)");
+}
+
+void moe_combine_backward(Tensor& d_eout, float* d_weights, const Tensor& dy, const Tensor& eout,
+                          const float* weights, const int32_t* perm, const MoeDims& d, cudaStream_t stream) {
+  cpu::moe_check(d);
+  const int64_t R = d.rows(), h = d.h;
+  check_rows(eout, eout.dtype, R, h, "moe_combine_backward eout");
+  check_rows(d_eout, eout.dtype, R, h, "moe_combine_backward d_eout");
+  check_rows(dy, eout.dtype, d.N, h, "moe_combine_backward dy");
+  check_ptr(d_weights, R, "moe_combine_backward d_weights");
+  check_ptr(weights, R, "moe_combine_backward weights");
+  check_ptr(perm, R, "moe_combine_backward perm");
+  if (R == 0) return;
+  dispatch_float(eout.dtype, "moe_combine_backward", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int K = vec_width<T>();
+    const bool packed = rows_packable<T, K>(h, {d_eout.data, dy.data, eout.data});
+    const int threads = row_threads(packed ? h / K : h, kRowThreads);
+    const unsigned grid = row_grid(R);
+    const int k = static_cast<int>(d.k);
+    T* de = static_cast<T*>(d_eout.data);
+    const T* g = static_cast<const T*>(dy.data);
+    const T* o = static_cast<const T*>(eout.data);
+    if (packed) combine_backward_kernel<K, T><<<grid, threads, 0, stream>>>(de, d_weights, g, o, weights, perm, R, h, k);
+    else combine_backward_kernel<1, T><<<grid, threads, 0, stream>>>(de, d_weights, g, o, weights, perm, R, h, k);
+    LOOM_CUDA_LAUNCH_CHECK("moe combine_backward_kernel", "R=", R, " h=", h, " ", dtype_name(eout.dtype),
+                           packed ? " packed" : " scalar", " grid=", grid, " threads=", threads);
+  });
+}
+
+void moe_route_backward(float* d_logits, const float* d_weights, const float* probs, const int32_t* experts,
+                        const float* weights, const float* aux_dprobs, const MoeDims& d, cudaStream_t stream) {
+  cpu::moe_check(d);
+  const int64_t N = d.N, E = d.E, k = d.k;
+  check_ptr(d_logits, N * E, "moe_route_backward d_logits");
+  check_ptr(d_weights, N * k, "moe_route_backward d_weights");
+  check_ptr(probs, N * E, "moe_route_backward probs");
+  check_ptr(experts, N * k, "moe_route_backward experts");
+  check_ptr(weights, N * k, "moe_route_backward weights");
+  if (N == 0) return;
+  const unsigned grid = grid_for(N, kTokenThreads);
+  route_backward_kernel<<<grid, kTokenThreads, 0, stream>>>(d_logits, d_weights, probs, experts, weights, aux_dprobs,
+                                                            N, static_cast<int>(E), static_cast<int>(k));
+  LOOM_CUDA_LAUNCH_CHECK("moe route_backward_kernel", "N=", N, " E=", E, " k=", k,
+                         aux_dprobs ? " with aux" : " no aux", " grid=", grid);
+}
+
+void moe_aux_accumulate(int64_t* aux_counts, double* aux_prob_sum, const int64_t* counts, const float* probs,
+                        const MoeDims& d, cudaStream_t stream) {
+  cpu::moe_check(d);
+  check_ptr(aux_counts, d.E, "moe_aux_accumulate aux_counts");
+  check_ptr(aux_prob_sum, d.E, "moe_aux_accumulate aux_prob_sum");
+  check_ptr(counts, d.E, "moe_aux_accumulate counts");
+  check_ptr(probs, d.N * d.E, "moe_aux_accumulate probs");
+  // Threads depend on N alone: the reduction order is a function of the shape.
+  const int threads = row_threads(d.N, kRowThreads);
+  const unsigned grid = row_grid(d.E);
+  aux_accumulate_kernel<<<grid, threads, 0, stream>>>(aux_counts, aux_prob_sum, counts, probs, d.N,
+                                                      static_cast<int>(d.E));
+  LOOM_CUDA_LAUNCH_CHECK("moe aux_accumulate_kernel", "N=", d.N, " E=", d.E, " grid=", grid, " threads=", threads);
+}
+
+void moe_aux_finish(double* loss, float* grad, const int64_t* aux_counts, const double* aux_prob_sum,
+                    int64_t rows, double coef, int64_t num_experts, cudaStream_t stream) {
+  LOOM_CHECK(num_experts >= 1 && rows >= 0, "moe_aux_finish: num_experts = ", num_experts, ", rows = ", rows,
+             " (need at least one expert and a non-negative row count)");
+  check_ptr(grad, num_experts, "moe_aux_finish grad");
+  check_ptr(aux_counts, num_experts, "moe_aux_finish aux_counts");
+  check_ptr(aux_prob_sum, num_experts, "moe_aux_finish aux_prob_sum");
+  aux_finish_kernel<<<1, 1, 0, stream>>>(loss, grad, aux_counts, aux_prob_sum, rows, coef, num_experts);
+  LOOM_CUDA_LAUNCH_CHECK("moe aux_finish_kernel", "rows=", rows, " coef=", coef, " E=", num_experts);
+}
+
+}  // namespace loom::gpu
