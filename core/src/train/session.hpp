@@ -121,6 +121,9 @@ class Session {
   void backward();
   // Mean token loss of the last evaluation forward or training backward (synchronises).
   double batch_loss();
+  // Mixture of experts: the load-balancing loss (unweighted) of the last
+  // training forward, over its micro-batch's tokens of every layer (synchronises).
+  double batch_aux_loss();
   // Zeroes every gradient and the step's loss and norm accumulators (a new step).
   void zero_grads();
   // A whole optimizer step on the gradients in place (after zero_grads, forward
