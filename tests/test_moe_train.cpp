@@ -252,3 +252,38 @@ TEST(MoeTrain, RefusalsNameTheKey) {
   loom::test::expect_error([&] { parse(c, {"model.router_jitter_noise=1.0"}); }, {"router_jitter_noise"});
   loom::test::expect_error([&] { parse(c, {"model.ffn=\"experts\""}); }, {"model.ffn", "dense", "moe"});
 }
+
+// loom check prints active and total parameters and FLOPs, and plans the run
+// for a world it does not start (--world N --gpus-per-node G): zero3's
+// per-rank share is the total over N.
+TEST(MoeTrain, CheckPrintsActiveAndTotalAndPlansAWorld) {
+  fs::path d = temp_dir("moe_check");
+  {
+    std::ofstream f(d / "moe.toml");
+    f << moe_config(d / "run");
+  }
+  auto run = [&](const std::string& args, const std::string& out) {
+    const std::string cmd = std::string(LOOM_CLI) + " check " + (d / "moe.toml").string() + " " + args + " > " +
+                            (d / out).string() + " 2>&1";
+    const int rc = std::system(cmd.c_str());
+    std::ifstream in(d / out);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return std::make_pair(rc, ss.str());
+  };
+  const auto [rc, text] = run("--world 16 --gpus-per-node 8 --set sharding.plugin='\"zero3\"'", "check.txt");
+  EXPECT_EQ(rc, 0) << text;
+  const loom::ModelSpec spec = parse(moe_config(d / "run")).model.spec;
+  for (const std::string& want :
+       {std::string("experts: 4 per layer, top 2 per token"),
+        loom::cat(spec.active_params(), " / ", spec.total_params(), ")"), std::string("ranks 16"),
+        std::string("ZeRO formulas per rank for zero3"), std::string("if every expert ran")})
+    EXPECT_NE(text.find(want), std::string::npos) << "missing '" << want << "' in:\n" << text;
+  EXPECT_LT(spec.active_params(), spec.total_params());
+  const auto bad = run("--world 12 --gpus-per-node 8", "bad.txt");
+  EXPECT_NE(bad.first, 0);
+  EXPECT_NE(bad.second.find("--world 12 is not a multiple of --gpus-per-node 8"), std::string::npos) << bad.second;
+  const auto junk = run("--world many", "junk.txt");
+  EXPECT_NE(junk.first, 0);
+  EXPECT_NE(junk.second.find("--world many is not a number of ranks"), std::string::npos) << junk.second;
+}

@@ -45,7 +45,7 @@ Config with_log_level(Config cfg) {
 }  // namespace
 
 Session::Session(Config cfg, SessionOptions opts)
-    : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, spec_for(cfg_), opts.single_process)) {
+    : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, spec_for(cfg_), opts.single_process, opts.plan_world, opts.plan_local_world)) {
   model_ = std::make_unique<Model>(spec_for(cfg_), cfg_.model.layers);
   state_ = std::make_unique<TrainState>(cfg_, rt_, *model_);
 }

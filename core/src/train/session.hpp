@@ -52,6 +52,9 @@ struct SessionOptions {
   // Train alone even when started by a launcher (the single-process reference
   // that tests compare the strategies with).
   bool single_process = false;
+  // loom check --world N [--gpus-per-node G]: plan the run as rank 0 of N
+  // ranks (G per node) without starting them; nothing may be exchanged.
+  int plan_world = 0, plan_local_world = 0;
 };
 
 // What the tests' synchronous optimizer step reads back.
