@@ -344,3 +344,33 @@ TEST(MoeTrain, GradientWithJitterAndAuxMatchesFiniteDifferences) {
   std::printf("[moe fd] directional derivative: analytic %.6f, central difference %.6f (rel %.2e)\n", gnorm, fd,
               std::abs(fd - gnorm) / gnorm);
 }
+
+// Resume checks the architecture: another top_k or number of experts is
+// another model and is refused; the aux weight and the jitter are training
+// settings a resume may change.
+TEST(MoeTrain, ResumeRefusesAnotherMixtureButTakesNewRouterSettings) {
+  fs::path d = temp_dir("moe_resume_model");
+  const std::vector<std::string> ov = {"checkpoint.every=2", "checkpoint.resume=\"auto\"", "train.steps=2"};
+  {
+    Session s(parse(moe_config(d / "run"), ov));
+    s.train();
+  }
+  auto with = [&](const std::string& extra) {
+    std::vector<std::string> o = ov;
+    o.push_back("train.steps=3");
+    o.push_back(extra);
+    return o;
+  };
+  for (const std::string& other : {std::string("model.top_k=1"), std::string("model.num_experts=3")})
+    loom::test::expect_error(
+        [&] {
+          Session s(parse(moe_config(d / "run"), with(other)));
+          s.initialise();
+        },
+        {"step_00000002", "was written for another model"});
+  Session s(parse(moe_config(d / "run"), with("model.router_aux_loss_coef=0.1")));
+  const RunSummary r = s.train();
+  EXPECT_EQ(r.first_step, 2);
+  ASSERT_EQ(r.steps.size(), 1u);
+  EXPECT_TRUE(std::isfinite(r.steps[0].loss));
+}
