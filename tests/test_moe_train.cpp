@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 
@@ -16,6 +17,8 @@
 
 #include "config/run_config.hpp"
 #include "hf/hf_llama.hpp"
+#include "loom/error.hpp"
+#include "model/backend.hpp"
 #include "test_util.hpp"
 #include "train/progress.hpp"
 #include "train/session.hpp"
@@ -373,4 +376,80 @@ TEST(MoeTrain, ResumeRefusesAnotherMixtureButTakesNewRouterSettings) {
   EXPECT_EQ(r.first_step, 2);
   ASSERT_EQ(r.steps.size(), 1u);
   EXPECT_TRUE(std::isfinite(r.steps[0].loss));
+}
+
+namespace {
+
+// A backend with no MoE kernels of its own, as this build's CUDA backend: only
+// the Backend base class's moe_* entry points, which the test calls. Its other
+// ops are never reached.
+class NoMoeBackend final : public loom::Backend {
+ public:
+  using Tensor = loom::Tensor;
+  loom::Device device() const override { return loom::Device::cuda; }
+  const loom::ExecContext& ctx() const override { return ctx_; }
+  void upload(Tensor&, const void*, size_t) override {}
+  void download(void*, const Tensor&, size_t) override {}
+  void* host_alloc(size_t) override { return nullptr; }
+  void host_free(void*) override {}
+  void upload_async(Tensor&, const void*, size_t) override {}
+  void zero(Tensor&) override {}
+  void copy(Tensor&, const Tensor&) override {}
+  void synchronize() override {}
+  void embedding_forward(Tensor&, const Tensor&, const Tensor&) override {}
+  void embedding_backward(Tensor&, const Tensor&, const Tensor&) override {}
+  void rmsnorm_forward(Tensor&, Tensor&, const Tensor&, const Tensor&, float) override {}
+  void rmsnorm_backward(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) override {}
+  void rope_forward(Tensor&, double) override {}
+  void rope_backward(Tensor&, double) override {}
+  void swiglu_forward(Tensor&, const Tensor&, const Tensor&) override {}
+  void swiglu_backward(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&) override {}
+  void add(Tensor&, const Tensor&, const Tensor&) override {}
+  void accumulate(Tensor&, const Tensor&) override {}
+  void cross_entropy(Tensor&, const Tensor&, Tensor&, float) override {}
+  double sum(const Tensor&) override { return 0; }
+  double sq_norm(const Tensor&, int64_t, int64_t) override { return 0; }
+  void sum_into(Tensor&, const Tensor&, int64_t, int64_t, bool) override {}
+  void clip_scale(Tensor&, float, float) override {}
+  void scale(Tensor&, float) override {}
+  void adamw(Tensor&, Tensor*, const Tensor&, Tensor&, Tensor&, const AdamWArgs&) override {}
+  void convert(Tensor&, const Tensor&) override {}
+  void timer_start() override {}
+  double timer_stop_ms() override { return 0; }
+  void timer_reserve(int) override {}
+  void timer_mark(int) override {}
+  double timer_elapsed_ms(int, int) override { return 0; }
+  void timestamp(Tensor&) override {}
+
+ private:
+  loom::ExecContext ctx_{};
+};
+
+}  // namespace
+
+TEST(MoeTrain, BackendWithoutMoeKernelsRefusesEveryEntryPoint) {
+  NoMoeBackend b;
+  loom::Tensor t;
+  loom::MoeRouting r;
+  const std::vector<std::string> parts = {"cuda backend has no mixture-of-experts kernels in this build",
+                                          "run.device = \"cpu\"", "CUDA MoE path is not in this build yet"};
+  auto refuses = [&](const char* op, const std::function<void()>& f) {
+    try {
+      f();
+      ADD_FAILURE() << op << " did not refuse";
+    } catch (const loom::Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(op), std::string::npos) << m;
+      for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
+    }
+  };
+  refuses("moe_jitter", [&] { b.moe_jitter(t, t, t, 0.1, 1); });
+  refuses("moe_route", [&] { b.moe_route(r, t, t); });
+  refuses("moe_gather", [&] { b.moe_gather(t, t, r); });
+  refuses("moe_combine", [&] { b.moe_combine(t, t, r); });
+  refuses("moe_combine_backward", [&] { b.moe_combine_backward(t, t, t, t, r); });
+  refuses("moe_route_backward", [&] { b.moe_route_backward(t, t, t, t, t, t, t, r, nullptr); });
+  refuses("moe_scatter_add", [&] { b.moe_scatter_add(t, t, r, nullptr); });
+  refuses("moe_aux_accumulate", [&] { b.moe_aux_accumulate(t, r); });
+  refuses("moe_aux_finish", [&] { b.moe_aux_finish(t, t, t, 0.02, 1.0); });
 }
