@@ -605,3 +605,111 @@ TEST_P(Golden, ExportRoundTripIsExact) {
     for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], bf16_to_f32(f32_to_bf16(ref[i]))) << n;
   }
 }
+
+// ---------------------------------------------------------------------------
+// Mixtral (tests/golden/mixtral, made by make_mixtral_model_golden.py)
+// ---------------------------------------------------------------------------
+
+TEST(MixtralHf, ConfigReadsTheMixtureOfExperts) {
+  const std::string dir = kGolden + "/mixtral/hf";
+  const ModelSpec spec = read_hf_llama_config(dir);
+  EXPECT_TRUE(spec.moe());
+  EXPECT_EQ(spec.num_experts, 4);
+  EXPECT_EQ(spec.top_k, 2);
+  EXPECT_EQ(spec.router_aux_loss_coef, 0.02);
+  EXPECT_EQ(spec.router_jitter_noise, 0.0);
+  EXPECT_EQ(spec.hidden, 64);
+  EXPECT_EQ(spec.num_kv_heads, 2);
+  EXPECT_EQ(spec.ffn_hidden, 48);
+  EXPECT_EQ(spec.rope_theta, 1e6);
+  // The layout: HF Mixtral's checkpoint names, router then per-expert w1, w2, w3.
+  const auto units = model_units(spec);
+  ASSERT_EQ(units.size(), 4u);
+  const auto& l0 = units[1].params;
+  ASSERT_EQ(l0.size(), 5u + 2u + 12u);
+  EXPECT_EQ(l0[5].name, "model.layers.0.post_attention_layernorm.weight");
+  EXPECT_EQ(l0[6].name, "model.layers.0.block_sparse_moe.gate.weight");
+  EXPECT_EQ(l0[6].shape, (std::vector<int64_t>{4, 64}));
+  EXPECT_EQ(l0[7].name, "model.layers.0.block_sparse_moe.experts.0.w1.weight");
+  EXPECT_EQ(l0[7].shape, (std::vector<int64_t>{48, 64}));
+  EXPECT_EQ(l0[8].name, "model.layers.0.block_sparse_moe.experts.0.w2.weight");
+  EXPECT_EQ(l0[8].shape, (std::vector<int64_t>{64, 48}));
+  EXPECT_EQ(l0[8].role, ParamRole::output_projection);
+  EXPECT_EQ(l0[18].name, "model.layers.0.block_sparse_moe.experts.3.w3.weight");
+  // Accounting: every expert in the total, top_k of them active.
+  const int64_t attn = 2 * 64 + 64 * 64 + 2 * 64 * 32 + 64 * 64, expert = 3 * 64 * 48;
+  EXPECT_EQ(spec.total_params(), 2 * 257 * 64 + 2 * (attn + 4 * 64 + 4 * expert) + 64);
+  EXPECT_EQ(spec.active_params(), 2 * 257 * 64 + 2 * (attn + 4 * 64 + 2 * expert) + 64);
+  int64_t declared = 0;
+  for (const auto& u : units) declared += u.numel;
+  EXPECT_EQ(declared, spec.total_params());
+}
+
+TEST(MixtralHf, RefusesWhatLoomDoesNotImplement) {
+  const std::string base = R"("model_type":"mixtral","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,)"
+                           R"("intermediate_size":100,"vocab_size":77)";
+  auto parse = [&](const std::string& extra) {
+    return [=] { parse_hf_llama_config("{" + base + "," + extra + "}", "cfg.json"); };
+  };
+  expect_error(parse(R"("sliding_window":4096)"), {"cfg.json", "sliding_window", "4096", "full causal"});
+  expect_error(parse(R"("num_local_experts":2,"num_experts_per_tok":3)"),
+               {"cfg.json", "num_experts_per_tok 3", "num_local_experts 2"});
+  expect_error(parse(R"("num_local_experts":0)"), {"cfg.json", "num_local_experts", "positive integer"});
+  expect_error(parse(R"("router_jitter_noise":1.5)"), {"cfg.json", "router_jitter_noise", "[0, 1)"});
+  expect_error(parse(R"("router_aux_loss_coef":-0.1)"), {"cfg.json", "router_aux_loss_coef", ">= 0"});
+  expect_error([] { parse_hf_llama_config(R"({"model_type":"qwen2_moe"})", "cfg.json"); },
+               {"cfg.json", "\"qwen2_moe\"", "\"mixtral\""});
+  // MixtralConfig's defaults for what a config.json omits.
+  const ModelSpec d = parse_hf_llama_config("{" + base + "}", "cfg.json");
+  EXPECT_EQ(d.num_experts, 8);
+  EXPECT_EQ(d.top_k, 2);
+  EXPECT_EQ(d.router_aux_loss_coef, 0.001);
+  EXPECT_EQ(d.router_jitter_noise, 0.0);
+  EXPECT_NO_THROW(parse_hf_llama_config("{" + base + R"(,"sliding_window":null,"router_aux_loss_coef":0})", "ok"));
+}
+
+// transformers' folder -> Loom (import) -> Loom's folder (export): every
+// tensor byte-equal in fp32, the config keys that define the model equal; and
+// the export is a fixed point (importing and exporting it again writes the
+// same bytes). The export stays under the build tree for check_export.py.
+TEST(MixtralHf, ImportExportRoundTripIsByteEqual) {
+  const std::string src = kGolden + "/mixtral/hf";
+  const ModelSpec spec = read_hf_llama_config(src);
+  auto load = [&](const std::string& dir, std::map<std::string, std::vector<float>>& w) {
+    load_hf_llama_weights(dir, spec, [&](const std::string& n, int64_t numel) {
+      w[n].resize(static_cast<size_t>(numel));
+      return w[n].data();
+    });
+  };
+  std::map<std::string, std::vector<float>> w;
+  load(src, w);
+  const std::string out = std::string(LOOM_BINARY_DIR) + "/golden_export/mixtral";
+  save_hf_llama(out, spec, [&](const std::string& n) { return w.at(n).data(); }, DType::f32, HfExportOptions{1, 2});
+  SafeTensorsFile a(src + "/model.safetensors"), b(out + "/model.safetensors");
+  EXPECT_EQ(b.names().size(), a.names().size());
+  for (const auto& n : a.names()) {
+    ASSERT_TRUE(b.has(n)) << n;
+    EXPECT_EQ(b.info(n).shape, a.info(n).shape) << n;
+    EXPECT_EQ(b.info(n).dtype, "F32") << n;
+    auto ra = a.raw(n), rb = b.raw(n);
+    ASSERT_EQ(ra.size(), rb.size()) << n;
+    EXPECT_EQ(std::memcmp(ra.data(), rb.data(), ra.size()), 0) << n;
+  }
+  const auto ca = nlohmann::json::parse(ckpt::read_file(src + "/config.json", "config"));
+  const auto cb = nlohmann::json::parse(ckpt::read_file(out + "/config.json", "config"));
+  for (const char* k : {"model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+                        "num_attention_heads", "num_key_value_heads", "vocab_size", "max_position_embeddings",
+                        "rms_norm_eps", "rope_theta", "tie_word_embeddings", "hidden_act", "num_local_experts",
+                        "num_experts_per_tok", "router_aux_loss_coef", "router_jitter_noise", "sliding_window"}) {
+    ASSERT_TRUE(cb.contains(k)) << k;
+    EXPECT_EQ(cb[k], ca[k]) << k;
+  }
+  EXPECT_EQ(read_hf_llama_config(out).num_experts, spec.num_experts);
+  // Export -> import -> export: the same bytes, file for file.
+  std::map<std::string, std::vector<float>> w2;
+  load(out, w2);
+  const std::string again = out + "_again";
+  save_hf_llama(again, spec, [&](const std::string& n) { return w2.at(n).data(); }, DType::f32, HfExportOptions{1, 2});
+  for (const char* f : {"model.safetensors", "config.json"})
+    EXPECT_EQ(ckpt::read_file(out + "/" + f, "export"), ckpt::read_file(again + "/" + f, "export")) << f;
+}

@@ -55,6 +55,17 @@ TEST(StepAllocations, CpuStepAllocatesNothing) {
   }
 }
 
+// The moe FFN block too: expert GEMMs on row counts that change every step,
+// router jitter, the aux loss.
+TEST(StepAllocations, CpuMoeStepAllocatesNothing) {
+  const fs::path out = fs::path(LOOM_BINARY_DIR) / "test_tmp" / "step_alloc" / "moe";
+  expect_steps_allocate_nothing(
+      loom::parse_config_string(tiny("native", out), "alloc.toml",
+                                {"model.ffn=\"moe\"", "model.num_experts=4", "model.top_k=2",
+                                 "model.router_jitter_noise=0.01"}),
+      "moe");
+}
+
 TEST(StepAllocations, CudaStepAllocatesNothing) {
   LOOM_REQUIRE_GPU();
   for (const char* layers : {"native", "fused"}) {

@@ -480,9 +480,14 @@ TEST(TrainE2E, ConvertFusedCheckpointToHF) {
 // tests/test_gpu_train.cpp runs the same on CUDA.
 TEST(TrainE2E, StepMakesNoHostSynchronisation) {
   fs::path d = temp_dir("host_syncs");
-  for (const char* layers : {"native", "fused"}) {
-    Session s(parse(small_config(d / layers), {"train.steps=9", "train.log_every=3", "train.validation_every=0",
-                                                std::string("model.layers=\"") + layers + "\""}));
+  for (const char* layers : {"native", "fused", "moe"}) {
+    // "moe": native attention with the moe FFN block (its expert row counts are read in place on the CPU).
+    const bool moe = std::string(layers) == "moe";
+    std::vector<std::string> ov = {"train.steps=9", "train.log_every=3", "train.validation_every=0",
+                                   std::string("model.layers=\"") + (moe ? "native" : layers) + "\""};
+    if (moe)
+      for (const char* o : {"model.ffn=\"moe\"", "model.num_experts=4", "model.top_k=2"}) ov.push_back(o);
+    Session s(parse(small_config(d / layers), ov));
     s.initialise();
     for (int64_t step = 1; step <= 9; ++step) {
       const int64_t before = s.host_syncs();

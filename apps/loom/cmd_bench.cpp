@@ -102,6 +102,7 @@ int cmd_bench(const Args& args) {
                       {"seq_len", t.seq_len},
                       {"grad_accum", t.grad_accum},
                       {"params", s.spec().total_params()},
+                      {"active_params", s.spec().active_params()},  // MoE: what MFU counts; = params if dense
                       {"warmup_steps", warmup},
                       {"steps", steps},
                       {"median_step_ms", med},

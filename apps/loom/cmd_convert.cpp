@@ -85,7 +85,7 @@ int cmd_convert(const Args& args) {
   }, dtype == "bf16" ? DType::bf16 : DType::f32);
   const std::string line =
       cat("wrote ", out_dir, " (step ", m.step, ", ", m.world_size, " rank(s), ", dtype_name(m.params_dtype),
-          " params", m.has_master ? " + fp32 master" : "", ", ", m.layers, " layers) as a Hugging Face Llama folder (",
+          " params", m.has_master ? " + fp32 master" : "", ", ", m.layers, " layers) as a Hugging Face ", spec.moe() ? "Mixtral" : "Llama", " folder (",
           dtype, ")\n");
   std::fputs(line.c_str(), stdout);
   return 0;

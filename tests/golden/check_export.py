@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks that a directory written by loom::hf::save_hf_llama loads in HF transformers.
 
-Loads <export_dir> with LlamaForCausalLM.from_pretrained (fp32, eager attention,
+Loads <export_dir> with AutoModelForCausalLM.from_pretrained (LlamaForCausalLM, or
+MixtralForCausalLM for a mixture of experts) (fp32, eager attention,
 CPU), runs the golden batch (input_ids from <golden_dir>/reference.safetensors)
 and prints the relative logits error against the golden logits:
     rel = ||logits - ref||_2 / ||ref||_2     and     max|logits - ref| / max|ref|
@@ -9,14 +10,16 @@ Exit status 1 if the relative error exceeds --tol (default 1e-5, the fp32
 tolerance; use about 1e-2 for a bf16 export).
 
     python3 tests/golden/check_export.py build/golden_export/mha tests/golden/mha
-(build/golden_export/<model> is written by test_hf's Golden.ExportRoundTripIsExact.)
+    python3 tests/golden/check_export.py build/golden_export/mixtral tests/golden/mixtral
+(build/golden_export/<model> is written by test_hf's Golden.ExportRoundTripIsExact and
+MixtralHf.ImportExportRoundTripIsByteEqual.)
 """
 import argparse
 import sys
 
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 
 def main():
@@ -28,7 +31,7 @@ def main():
 
     torch.set_num_threads(1)
     ref = load_file(f"{args.golden_dir}/reference.safetensors")
-    model = LlamaForCausalLM.from_pretrained(args.export_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(args.export_dir, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ref["input_ids"].long()).logits.float()

@@ -58,6 +58,7 @@ loom::Config make_config(const std::string& strategy, std::vector<std::string> o
 
 struct Run {
   std::vector<double> losses;
+  std::vector<double> aux;     // MoE: the load-balancing losses (empty for dense models)
   loom::CommBytes step_bytes;  // bytes moved by the first step
 };
 
@@ -69,7 +70,9 @@ Run train(loom::Session& s, int eval_at = 0) {
     if (eval_at > 0 && i == eval_at) EXPECT_TRUE(std::isfinite(s.evaluate()));
     const loom::CommBytes before = s.comm().bytes_moved();
     s.train_step();
-    r.losses.push_back(s.read_step_logs().at(0).loss);
+    const loom::StepLog log = s.read_step_logs().at(0);
+    r.losses.push_back(log.loss);
+    if (log.has_aux) r.aux.push_back(log.aux_loss);
     if (i == 0)
       for (size_t k = 0; k < before.bytes.size(); ++k)
         r.step_bytes.bytes[k] = s.comm().bytes_moved().bytes[k] - before.bytes[k];
@@ -79,15 +82,18 @@ Run train(loom::Session& s, int eval_at = 0) {
 
 // The single-process run with the same global batch: the data sources hand
 // rank r of p micro-batch m the samples one process sees as micro-batch m*p + r.
-const std::vector<double>& reference(bool tied = false) {
-  static std::map<bool, std::vector<double>> refs;
-  auto it = refs.find(tied);
+// `model` holds the case's model.* overrides (tied embeddings, experts). With
+// experts the aux loss of a micro-batch is over its local tokens and scaled by
+// 1 / (grad_accum x world), so the sharded run matches this reference too.
+const Run& reference(const std::vector<std::string>& model) {
+  static std::map<std::vector<std::string>, Run> refs;
+  auto it = refs.find(model);
   if (it != refs.end()) return it->second;
   const int p = g_world->size();
-  loom::Session s(make_config("none", {"train.grad_accum=" + std::to_string(kAccum * p),
-                                       std::string("model.tied_embeddings=") + (tied ? "true" : "false")}),
-                  loom::SessionOptions{true});
-  return refs[tied] = train(s).losses;
+  std::vector<std::string> ov = model;
+  ov.push_back("train.grad_accum=" + std::to_string(kAccum * p));
+  loom::Session s(make_config("none", ov), loom::SessionOptions{true});
+  return refs[model] = train(s);
 }
 
 double ring(int p) { return p > 1 ? static_cast<double>(p - 1) / p : 0.0; }
@@ -155,7 +161,11 @@ void check_strategy(const Case& c) {
   if (c.cuda_only && test_device() != "cuda") GTEST_SKIP() << "runs with LOOM_SHARDING_TEST_DEVICE=cuda only";
   std::vector<std::string> ov = c.overrides;
   const bool tied = std::find(ov.begin(), ov.end(), "model.tied_embeddings=true") != ov.end();
-  const std::vector<double>& ref = reference(tied);
+  std::vector<std::string> model_ov;
+  for (const auto& o : ov)
+    if (o.rfind("model.", 0) == 0) model_ov.push_back(o);
+  const Run& ref_run = reference(model_ov);
+  const std::vector<double>& ref = ref_run.losses;
   loom::Session s(make_config(c.strategy, ov));
   // Every run evaluates after step 7: a forward-only pass in the middle of
   // training (zero3 regathers for it) must leave the next steps unchanged.
@@ -166,6 +176,12 @@ void check_strategy(const Case& c) {
     const double rel = std::fabs(r.losses[i] - ref[i]) / std::fabs(ref[i]);
     worst = std::max(worst, rel);
     EXPECT_LE(rel, c.tolerance) << c.strategy << " step " << i + 1 << ": " << r.losses[i] << " vs " << ref[i];
+  }
+  ASSERT_EQ(r.aux.size(), ref_run.aux.size());
+  for (size_t i = 0; i < ref_run.aux.size(); ++i) {
+    const double rel = std::fabs(r.aux[i] - ref_run.aux[i]) / std::fabs(ref_run.aux[i]);
+    worst = std::max(worst, rel);
+    EXPECT_LE(rel, c.tolerance) << c.strategy << " step " << i + 1 << " aux: " << r.aux[i] << " vs " << ref_run.aux[i];
   }
   const bool hybrid_replicated = c.strategy == "hybrid_shard" &&
                                  std::find(ov.begin(), ov.end(), "sharding.reshard_after_forward=false") != ov.end();
@@ -220,6 +236,17 @@ void check_strategy(const Case& c) {
 }
 
 TEST(Sharding, Ddp) { check_strategy({"ddp", {}}); }
+// A mixture of experts (model.ffn = "moe") under every kind of strategy: LM and aux losses as one process.
+const std::vector<std::string> kMoe = {"model.ffn=\"moe\"", "model.num_experts=4", "model.top_k=2"};
+TEST(Sharding, MoeDdp) { check_strategy({"ddp", kMoe}); }
+TEST(Sharding, MoeZero1) { check_strategy({"zero1", kMoe}); }
+TEST(Sharding, MoeZero2) { check_strategy({"zero2", kMoe}); }
+TEST(Sharding, MoeZero3) { check_strategy({"zero3", kMoe}); }
+TEST(Sharding, MoeHybridTwoGroupsOfTwo) { check_strategy({"hybrid_shard", [] {
+  auto v = kMoe;
+  v.push_back("sharding.shard_group_size=2");
+  return v;
+}(), 4}); }
 TEST(Sharding, Zero1) { check_strategy({"zero1", {}}); }
 TEST(Sharding, Zero2) { check_strategy({"zero2", {}}); }
 TEST(Sharding, Zero3) { check_strategy({"zero3", {}}); }

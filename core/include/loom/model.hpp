@@ -17,25 +17,56 @@ struct ModelSpec {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   bool tied_embeddings = false;
+  // Mixture of experts (model.ffn = "moe", HF Mixtral's sparse MoE block):
+  // num_experts > 0 replaces every layer's feed-forward block with a router
+  // and num_experts SwiGLU experts of ffn_hidden each, top_k of them per token.
+  int64_t num_experts = 0;             // 0: dense feed-forward (Llama)
+  int64_t top_k = 2;
+  double router_aux_loss_coef = 0.02;  // weight of the load-balancing loss in the objective
+  double router_jitter_noise = 0.0;    // multiplicative input jitter in training (0: off)
 
+  bool moe() const { return num_experts > 0; }
   int64_t head_dim() const { return hidden / num_heads; }
   int64_t q_dim() const { return num_heads * head_dim(); }
   int64_t kv_dim() const { return num_kv_heads * head_dim(); }
-  // Parameters of one decoder layer (two norms, q/k/v/o, gate/up/down).
-  int64_t layer_params() const {
-    return 2 * hidden + hidden * q_dim() + 2 * hidden * kv_dim() + q_dim() * hidden + 3 * hidden * ffn_hidden;
+  // Feed-forward parameters of one layer, all of them or those one token uses
+  // (MoE: the router and top_k experts).
+  int64_t ffn_params() const {
+    return moe() ? num_experts * hidden + num_experts * 3 * hidden * ffn_hidden : 3 * hidden * ffn_hidden;
   }
+  int64_t active_ffn_params() const {
+    return moe() ? num_experts * hidden + top_k * 3 * hidden * ffn_hidden : 3 * hidden * ffn_hidden;
+  }
+  // Parameters of one decoder layer (two norms, q/k/v/o, the feed-forward block).
+  int64_t layer_params() const { return attention_layer_params() + ffn_params(); }
   int64_t total_params() const {
     return vocab_size * hidden * (tied_embeddings ? 1 : 2) + num_layers * layer_params() + hidden;
   }
-  // N of DESIGN.md's MFU formula: matmul weights, all but the input embedding
-  // (the lm head counts even when tied, since it is a GEMM).
+  // The parameters one token's forward uses (total_params() for dense models).
+  int64_t active_params() const {
+    return vocab_size * hidden * (tied_embeddings ? 1 : 2) +
+           num_layers * (attention_layer_params() + active_ffn_params()) + hidden;
+  }
+  // N of DESIGN.md's MFU formula: the matmul weights one token's forward uses,
+  // all but the input embedding (the lm head counts even when tied, since it
+  // is a GEMM). MoE: the router and top_k experts per layer (active).
   int64_t matmul_params() const {
+    return num_layers * (attention_layer_params() - 2 * hidden + active_ffn_params()) + vocab_size * hidden;
+  }
+  // The same with every expert (what a dense model of the same weights would compute).
+  int64_t total_matmul_params() const {
     return num_layers * (layer_params() - 2 * hidden) + vocab_size * hidden;
   }
-  // flops per token = 6 N + 12 L h S
+  // flops per token = 6 N + 12 L h S (N = matmul_params(): active)
   double flops_per_token(int64_t seq) const {
     return 6.0 * static_cast<double>(matmul_params()) + 12.0 * num_layers * hidden * static_cast<double>(seq);
+  }
+  double total_flops_per_token(int64_t seq) const {
+    return 6.0 * static_cast<double>(total_matmul_params()) + 12.0 * num_layers * hidden * static_cast<double>(seq);
+  }
+  // The attention half of a layer with both norms.
+  int64_t attention_layer_params() const {
+    return 2 * hidden + hidden * q_dim() + 2 * hidden * kv_dim() + q_dim() * hidden;
   }
 };
 

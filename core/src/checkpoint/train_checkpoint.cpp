@@ -49,6 +49,12 @@ std::string model_json(const ModelSpec& s) {
   json j = {{"hidden", s.hidden},         {"num_layers", s.num_layers},   {"num_heads", s.num_heads},
             {"num_kv_heads", s.num_kv_heads}, {"ffn_hidden", s.ffn_hidden}, {"vocab_size", s.vocab_size},
             {"rope_theta", s.rope_theta}, {"norm_eps", s.norm_eps}, {"tied_embeddings", s.tied_embeddings}};
+  if (s.moe()) {  // only then: a dense model's record is what it always was
+    j["num_experts"] = s.num_experts;
+    j["top_k"] = s.top_k;
+    j["router_aux_loss_coef"] = s.router_aux_loss_coef;
+    j["router_jitter_noise"] = s.router_jitter_noise;
+  }
   return j.dump();
 }
 
@@ -117,6 +123,12 @@ CheckpointSet::CheckpointSet(std::string dir) : dir_(std::move(dir)) {
     m.spec.rope_theta = mj.at("rope_theta");
     m.spec.norm_eps = mj.at("norm_eps");
     m.spec.tied_embeddings = mj.at("tied_embeddings");
+    m.spec.num_experts = mj.value("num_experts", int64_t{0});
+    if (m.spec.moe()) {
+      m.spec.top_k = mj.at("top_k");
+      m.spec.router_aux_loss_coef = mj.at("router_aux_loss_coef");
+      m.spec.router_jitter_noise = mj.at("router_jitter_noise");
+    }
     for (const json& u : j.at("units")) {
       SavedUnit su;
       su.name = u.at("name").get<std::string>();

@@ -93,6 +93,21 @@ ModelSection read_model(const ConfigTable& t) {
   s.rope_theta = t.get_float("rope_theta", s.rope_theta, 1.0);
   s.norm_eps = get_positive_fp32(t, "norm_eps", s.norm_eps, 1.0);
   s.tied_embeddings = t.get_bool("tied_embeddings", s.tied_embeddings);
+  m.ffn = t.get_choice("ffn", m.ffn, {"dense", "moe"});
+  if (m.ffn == "moe") {
+    s.num_experts = t.get_int("num_experts", 8, 1, 4096);
+    s.top_k = t.get_int("top_k", s.top_k, 1, 64);
+    if (s.top_k > s.num_experts)
+      t.fail("top_k", cat("model.top_k = ", s.top_k, " exceeds model.num_experts = ", s.num_experts,
+                          ": each token picks top_k distinct experts; lower top_k or add experts"));
+    s.router_aux_loss_coef = t.get_float("router_aux_loss_coef", s.router_aux_loss_coef, 0.0, 1e6);
+    s.router_jitter_noise = t.get_float("router_jitter_noise", s.router_jitter_noise, 0.0, 0.999);
+  } else {
+    for (const char* k : {"num_experts", "top_k", "router_aux_loss_coef", "router_jitter_noise"})
+      if (t.has(k))
+        t.fail(k, cat("model.", k, " applies to a mixture of experts only: set model.ffn = \"moe\" (model.ffn is \"",
+                      m.ffn, "\")"));
+  }
   m.init_std = t.get_float("init_std", m.init_std, 0.0, 1.0);
   m.recompute = t.get_choice("recompute", m.recompute, {"none", "attention", "full"});
   m.head_chunk = t.get_int("head_chunk", m.head_chunk, 0, int64_t{1} << 40);
@@ -179,6 +194,9 @@ void check_cross_fields(const Config& c, const ConfigTable& model, const ConfigT
   if (s.head_dim() % 2 != 0)
     model.fail("hidden", cat("the head dimension model.hidden / model.num_heads = ", s.hidden, " / ", s.num_heads,
                              " = ", s.head_dim(), " must be even: RoPE rotates pairs of dimensions"));
+  if (s.moe() && c.run.device == "cuda")
+    model.fail("ffn", "model.ffn = \"moe\" runs on the CPU only in this build: the CUDA MoE path (routing kernels, "
+                      "expert GEMMs) is not in this build yet; set run.device = \"cpu\"");
   if (c.train.seq_len > s.max_seq_len)
     train.fail("seq_len", cat("train.seq_len = ", c.train.seq_len, " exceeds model.max_seq_len = ", s.max_seq_len,
                               ": raise model.max_seq_len or shorten train.seq_len"));

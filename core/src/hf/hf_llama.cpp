@@ -43,6 +43,14 @@ double get_double(const json& j, const std::string& origin, const char* key, std
   return v.get<double>();
 }
 
+double get_non_negative(const json& j, const std::string& origin, const char* key, double def) {
+  if (!j.contains(key) || j[key].is_null()) return def;
+  const auto& v = j[key];
+  if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>()))
+    throw Error(cat(origin, ": \"", key, "\" must be a finite number >= 0, found ", v.dump()));
+  return v.get<double>();
+}
+
 // A RoPE block that means "no scaling": null, or a rope_type/type of "default".
 bool rope_is_default(const json& r) {
   if (r.is_null()) return true;
@@ -77,9 +85,10 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
   }
   if (!j.is_object()) throw Error(cat(origin, ": expected a JSON object"));
   std::string mt = j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>() : "";
-  if (mt != "llama")
+  if (mt != "llama" && mt != "mixtral")
     throw Error(cat(origin, ": model_type is ", j.contains("model_type") ? j["model_type"].dump() : "missing",
-                    ", expected \"llama\"; Loom imports Llama-architecture models only"));
+                    ", expected \"llama\" or \"mixtral\"; Loom imports Llama-architecture models and their "
+                    "Mixtral mixture of experts only"));
   std::string act = j.contains("hidden_act") && j["hidden_act"].is_string() ? j["hidden_act"].get<std::string>()
                                                                               : std::string("silu");
   if (j.contains("hidden_act") && !j["hidden_act"].is_string())
@@ -135,6 +144,23 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
   if (s.num_heads % s.num_kv_heads != 0)
     throw Error(cat(origin, ": num_attention_heads ", s.num_heads, " is not divisible by num_key_value_heads ",
                     s.num_kv_heads));
+  if (mt == "mixtral") {
+    // MixtralConfig's defaults for omitted keys, as for Llama's above.
+    s.num_experts = get_int(j, origin, "num_local_experts", 8);
+    s.top_k = get_int(j, origin, "num_experts_per_tok", 2);
+    if (s.top_k > s.num_experts)
+      throw Error(cat(origin, ": num_experts_per_tok ", s.top_k, " exceeds num_local_experts ", s.num_experts,
+                      "; each token picks that many distinct experts"));
+    s.router_aux_loss_coef = get_non_negative(j, origin, "router_aux_loss_coef", 0.001);
+    s.router_jitter_noise = get_non_negative(j, origin, "router_jitter_noise", 0.0);
+    if (s.router_jitter_noise >= 1.0)
+      throw Error(cat(origin, ": router_jitter_noise is ", j["router_jitter_noise"].dump(),
+                      ", outside what Loom accepts: [0, 1) (the jitter factor is uniform in [1 - eps, 1 + eps))"));
+    if (j.contains("sliding_window") && !j["sliding_window"].is_null())
+      throw Error(cat(origin, ": sliding_window is ", j["sliding_window"].dump(),
+                      ", but Loom's attention is full causal attention; this model cannot be imported "
+                      "(Mixtral's published configs have sliding_window = null)"));
+  }
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
     int64_t hd = get_int(j, origin, "head_dim", std::nullopt);
     if (hd != s.hidden / s.num_heads)
@@ -239,7 +265,7 @@ void load_hf_llama_weights(const std::string& dir, const ModelSpec& spec,
   for (const auto& [name, f] : where)
     if (!expected.count(name) && !ignorable(name, spec))
       throw Error(cat(f->path(), ": unexpected tensor '", name, "' (", f->info(name).shape_str(),
-                      "), not part of a Llama model with this config.json; the weights belong to another architecture "
+                      "), not part of a ", spec.moe() ? "Mixtral" : "Llama", " model with this config.json; the weights belong to another architecture "
                       "or config"));
 }
 
@@ -266,8 +292,8 @@ void save_hf_llama(const std::string& dir, const ModelSpec& spec,
   write_safetensors((fs::path(dir) / "model.safetensors").string(), entries, {{"format", "pt"}});
 
   nlohmann::ordered_json c;
-  c["architectures"] = {"LlamaForCausalLM"};
-  c["model_type"] = "llama";
+  c["architectures"] = {spec.moe() ? "MixtralForCausalLM" : "LlamaForCausalLM"};
+  c["model_type"] = spec.moe() ? "mixtral" : "llama";
   c["hidden_size"] = spec.hidden;
   c["num_hidden_layers"] = spec.num_layers;
   c["num_attention_heads"] = spec.num_heads;
@@ -283,10 +309,19 @@ void save_hf_llama(const std::string& dir, const ModelSpec& spec,
   c["rms_norm_eps"] = spec.norm_eps;
   c["tie_word_embeddings"] = spec.tied_embeddings;
   c["hidden_act"] = "silu";
-  c["attention_bias"] = false;
   c["attention_dropout"] = 0.0;
-  c["mlp_bias"] = false;
-  c["pretraining_tp"] = 1;
+  if (spec.moe()) {
+    c["num_local_experts"] = spec.num_experts;
+    c["num_experts_per_tok"] = spec.top_k;
+    c["router_aux_loss_coef"] = spec.router_aux_loss_coef;
+    c["router_jitter_noise"] = spec.router_jitter_noise;
+    c["output_router_logits"] = false;
+    c["sliding_window"] = nullptr;
+  } else {
+    c["attention_bias"] = false;
+    c["mlp_bias"] = false;
+    c["pretraining_tp"] = 1;
+  }
   c["initializer_range"] = 0.02;
   c["use_cache"] = true;
   c["torch_dtype"] = torch_dtype;  // transformers < 5

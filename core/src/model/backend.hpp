@@ -19,6 +19,18 @@
 
 namespace loom {
 
+// One layer's routing in the `moe` feed-forward block (HF Mixtral's sparse MoE
+// block; kernels/cpu/moe.hpp defines every step): N tokens, E experts, top_k = k.
+struct MoeRouting {
+  int64_t N = 0, E = 0, k = 0;
+  Tensor logits, probs;         // fp32 [N, E]: the router's, in fp32 whatever the recipe
+  Tensor weights;               // fp32 [N, k]: the k selected probabilities renormalised to 1
+  Tensor experts;               // int32 [N, k]: selected experts, descending probability (ties: lower index)
+  Tensor perm, row_of;          // int32 [N k]: sorted row -> token * k + slot, and its inverse
+  int64_t* counts = nullptr;    // [E] rows per expert, in backend memory
+  int64_t* offsets = nullptr;   // [E + 1] first sorted row of each expert
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -128,6 +140,35 @@ class Backend {
   // dst = src converted (fp32 <-> bf16, or a copy when equal); same element count.
   virtual void convert(Tensor& dst, const Tensor& src) = 0;
 
+  // Mixture of experts: the routing steps of the `moe` feed-forward block
+  // (model/blocks/ffn_moe.cpp), which runs the expert GEMMs itself through the
+  // precision plugin. The defaults refuse with one message: a backend without
+  // MoE kernels (CUDA in this build) stops at the first call.
+  //   moe_jitter: noise = uniform [1 - eps, 1 + eps) from (seed, index); xin = x * noise
+  //   moe_route: router GEMM (fp32), softmax, top-k, renormalised weights, the sort by expert
+  //   moe_gather: xs [N k, h] = the token rows of each sorted row
+  //   moe_combine: y [N, h] = each token's weighted expert rows, in ascending expert order
+  //   moe_combine_backward: d_eout [N k, h], d_weights [N, k] (fp32) written
+  //   moe_route_backward: through the renormalisation, softmax (+ aux_dprobs [E] on every
+  //     row when not null) and router: dxin written, d_router accumulated; d_probs,
+  //     d_logits fp32 [N, E] scratch
+  //   moe_scatter_add: dx += each token's expert-row gradients; then dx *= noise (when not null)
+  //   moe_aux_accumulate: stats (f64 [2E + 1]: selections per expert, probability sums, rows) += this layer's
+  //   moe_aux_finish: aux[0] (fp32) = E sum_e f_e P_e over the accumulated rows (HF's
+  //     load_balancing_loss_func); dprobs [E] (fp32) = grad_scale * coef * d aux / d probs
+  virtual void moe_jitter(Tensor& xin, Tensor& noise, const Tensor& x, double eps, uint64_t seed);
+  virtual void moe_route(MoeRouting& r, const Tensor& xin, const Tensor& router);
+  virtual void moe_gather(Tensor& xs, const Tensor& xin, const MoeRouting& r);
+  virtual void moe_combine(Tensor& y, const Tensor& eout, const MoeRouting& r);
+  virtual void moe_combine_backward(Tensor& d_eout, Tensor& d_weights, const Tensor& dy, const Tensor& eout,
+                                    const MoeRouting& r);
+  virtual void moe_route_backward(Tensor& dxin, Tensor& d_router, Tensor& d_probs, Tensor& d_logits,
+                                  const Tensor& d_weights, const Tensor& xin, const Tensor& router,
+                                  const MoeRouting& r, const Tensor* aux_dprobs);
+  virtual void moe_scatter_add(Tensor& dx, const Tensor& d_xs, const MoeRouting& r, const Tensor* noise);
+  virtual void moe_aux_accumulate(Tensor& stats, const MoeRouting& r);
+  virtual void moe_aux_finish(Tensor& aux, Tensor& dprobs, const Tensor& stats, double coef, double grad_scale);
+
   // Step timing: CUDA events on the backend's stream (host clock on CPU).
   virtual void timer_start() = 0;
   virtual double timer_stop_ms() = 0;  // synchronises
@@ -161,7 +202,10 @@ class Backend {
 // The per-step device scalars (a f64 tensor of kStepScalars elements in the
 // arena): the norm accumulator, the loss sum, and what clip_scale derives.
 // kTimeBegin / kTimeEnd: timestamp() at the step's first and last operation.
-enum StepScalar : int { kNormSq = 0, kLossSum, kGradNorm, kSkip, kUpdateScale, kTimeBegin, kTimeEnd, kStepScalars };
+// kAuxSum: the MoE load-balancing losses of the step's micro-batches, summed.
+enum StepScalar : int {
+  kNormSq = 0, kLossSum, kGradNorm, kSkip, kUpdateScale, kTimeBegin, kTimeEnd, kAuxSum, kStepScalars
+};
 
 // Sends the backend's optimizer-class ops to the queue of `ctx` (compute or
 // side) for the scope's lifetime.

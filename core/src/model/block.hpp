@@ -33,6 +33,20 @@ namespace loom {
 enum class Recompute { none, attention, full };
 Recompute parse_recompute(const std::string& s);
 
+// What the `moe` feed-forward blocks of a model share (the model owns it):
+// the load-balancing loss is over every layer's tokens together, so each layer
+// adds its routing statistics in forward, the model turns them into the loss
+// and its per-expert gradient after the last layer, and each layer's backward
+// reads that gradient.
+struct MoeShared {
+  bool training = false;  // this forward trains: jitter applies and statistics are kept
+  bool replay = false;    // a recompute forward inside backward: statistics are already taken
+  uint64_t seed = 0;      // jitter seed of this micro-batch (the layer is mixed in)
+  int stats = -1;         // f64 [2E + 1] (Backend::moe_aux_accumulate)
+  int dprobs = -1;        // fp32 [E]: coef-weighted, scaled d aux / d probs
+  int aux = -1;           // fp32 [1]: this micro-batch's aux loss
+};
+
 // What every block computes with, fixed at start-up.
 struct BlockEnv {
   const ModelSpec* spec = nullptr;
@@ -43,6 +57,7 @@ struct BlockEnv {
   Attention* attention = nullptr;
   Backend* backend = nullptr;
   int64_t head_chunk = 0;       // tokens per LM-head chunk (the head block's)
+  MoeShared* moe = nullptr;     // the model's, for `moe` feed-forward blocks
   AttentionShape attention_shape() const;
 };
 
@@ -140,7 +155,9 @@ class FfnBlock : public Block {
   int64_t layer_;
 };
 
-// Block variants by name (block_factory.cpp): "native", "fused".
+// Block variants by name (block_factory.cpp): "native", "fused"; the
+// feed-forward block also "moe" (a mixture of experts, spec.num_experts > 0,
+// with either attention variant).
 std::unique_ptr<AttentionBlock> make_attention_block(const std::string& variant, const ModelSpec& spec, int64_t layer);
 std::unique_ptr<FfnBlock> make_ffn_block(const std::string& variant, const ModelSpec& spec, int64_t layer);
 // The variants make_*_block knows, for messages ("native, fused").

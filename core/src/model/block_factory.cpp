@@ -22,6 +22,7 @@ constexpr AttentionVariant kAttention[] = {
 constexpr FfnVariant kFfn[] = {
     {"native", make_native_ffn},
     {"fused", make_fused_ffn},
+    {"moe", make_moe_ffn},  // model.ffn = "moe": with either attention variant
 };
 
 }  // namespace

@@ -15,7 +15,8 @@ Model::Model(const ModelSpec& spec, std::string layers) : spec_(spec), layers_(s
   embedding_.declare(units_.back());
   for (int64_t l = 0; l < spec_.num_layers; ++l) {
     attention_.push_back(make_attention_block(layers_, spec_, l));
-    ffn_.push_back(make_ffn_block(layers_, spec_, l));
+    // A mixture of experts replaces the feed-forward block of either variant.
+    ffn_.push_back(make_ffn_block(spec_.moe() ? "moe" : layers_, spec_, l));
     units_.push_back(UnitInfo{"layer." + std::to_string(l), {}, 0});
     // Profiler range names with the layer's index, made once (a range takes a lasting const char*).
     range_names_.push_back("forward.layer." + std::to_string(l));
@@ -40,6 +41,13 @@ void Model::plan(const BlockEnv& env, ArenaPlan& plan) {
   for (int64_t l = 0; l < spec_.num_layers; ++l) mid_.push_back(acts_.kept("res_mid", l, stream_bytes, full));
   d_res_ = acts_.shared("grad.res", stream_bytes);
   tokens_ = acts_.own("tokens", 2 * n * 4);
+  if (spec_.moe()) {
+    const size_t E = static_cast<size_t>(spec_.num_experts);
+    moe_.stats = acts_.own("moe.aux_stats", (2 * E + 1) * 8);
+    moe_.dprobs = acts_.own("moe.aux_dprobs", E * 4);
+    moe_.aux = acts_.own("moe.aux_loss", 4);
+    env_.moe = &moe_;
+  }
   embedding_.plan(env_, acts_);
   for (size_t l = 0; l < attention_.size(); ++l) {
     attention_[l]->plan(env_, acts_);
@@ -68,12 +76,22 @@ Tensor Model::inputs() const {
   return Tensor(acts_.ptr(tokens_), DType::i32, env_.backend->device(), {env_.B, env_.S});
 }
 Tensor Model::targets() const { return view(tokens(), env_.N, {env_.N}); }
+Tensor Model::aux_loss() const {
+  LOOM_CHECK(spec_.moe(), "aux_loss() of a model without experts");
+  return Tensor(acts_.ptr(moe_.aux), DType::f32, env_.backend->device(), {1});
+}
 
 void Model::forward_unit(int unit, std::vector<UnitState>& units, bool training, float dloss_scale) {
   Backend& be = *env_.backend;
   const int64_t L = spec_.num_layers;
   UnitState& u = units[static_cast<size_t>(unit)];
+  moe_.training = training;
+  moe_.replay = false;
   if (unit == 0) {
+    if (spec_.moe() && training) {  // a new micro-batch: the aux loss's statistics start from zero
+      Tensor stats(acts_.ptr(moe_.stats), DType::f64, be.device(), {2 * spec_.num_experts + 1});
+      be.zero(stats);
+    }
     Range r(be, "forward.embedding");
     Tensor x0 = stream(res_[0]);
     embedding_.forward(u, inputs(), x0);
@@ -86,6 +104,18 @@ void Model::forward_unit(int unit, std::vector<UnitState>& units, bool training,
     attention_[l]->forward(u, x, mid);
     ffn_[l]->forward(u, mid, out);
     return;
+  }
+  if (spec_.moe() && training) {
+    // Every layer has added its routing statistics: the load-balancing loss
+    // and its per-expert gradient, scaled like the LM loss's mean (1 / (grad
+    // accumulation x world): dloss_scale is 1 / (tokens x those)).
+    Range r(be, "moe.aux_loss");
+    const int64_t E = spec_.num_experts;
+    Tensor stats(acts_.ptr(moe_.stats), DType::f64, be.device(), {2 * E + 1});
+    Tensor dprobs(acts_.ptr(moe_.dprobs), DType::f32, be.device(), {E});
+    Tensor aux = aux_loss();
+    be.moe_aux_finish(aux, dprobs, stats, spec_.router_aux_loss_coef,
+                      static_cast<double>(dloss_scale) * static_cast<double>(env_.N));
   }
   Range r(be, "forward.head");
   dloss_scale_ = dloss_scale;
@@ -110,6 +140,8 @@ void Model::backward_unit(int unit, std::vector<UnitState>& units) {
       // Only the residual stream was kept: rebuild this layer's activations
       // (its output, rewritten into res[l + 1], comes out the same).
       Tensor out = stream(res_[l + 1]);
+      moe_.training = true;
+      moe_.replay = true;  // the routing statistics were taken in the first forward
       attention_[l]->forward(u, x, mid);
       ffn_[l]->forward(u, mid, out);
     }

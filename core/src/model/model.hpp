@@ -47,6 +47,12 @@ class Model {
   void backward_unit(int unit, std::vector<UnitState>& units);
   // Per-token losses ([N] fp32) of the last evaluation forward or training backward.
   Tensor losses() const { return head_->losses(); }
+  // Mixture of experts (spec.moe()): the load-balancing loss of the last
+  // training forward ([1] fp32, unweighted: the objective adds
+  // router_aux_loss_coef times it), computed once the last layer has run.
+  Tensor aux_loss() const;
+  // The jitter seed of the next training micro-batch (router_jitter_noise > 0).
+  void set_moe_seed(uint64_t seed) { moe_.seed = seed; }
   HeadBlock& head() { return *head_; }
 
  private:
@@ -64,6 +70,7 @@ class Model {
   BlockEnv env_;
   ActivationPlan acts_;
   std::vector<int> res_, mid_;
+  MoeShared moe_;
   int d_res_ = -1, tokens_ = -1;
   float dloss_scale_ = 0.f;
 };

@@ -286,7 +286,17 @@ std::optional<int64_t> resume_checkpoint(const Config& cfg, Runtime& rt, TrainSt
   ckpt::CheckpointSet set(info->dir);
   const ckpt::TrainMeta& m = set.meta();
   const std::string want = ckpt::model_json(model.spec());
-  if (nlohmann::json::parse(m.model_json) != nlohmann::json::parse(want))
+  // The MoE router's loss weight and jitter are training settings, not the
+  // architecture: a resume may change them (and says so).
+  nlohmann::json had = nlohmann::json::parse(m.model_json), has = nlohmann::json::parse(want);
+  for (const char* k : {"router_aux_loss_coef", "router_jitter_noise"}) {
+    if (had.contains(k) && has.contains(k) && had[k] != has[k])
+      log_info(cat("checkpoint ", info->dir, " was trained with model.", k, " = ", had[k].dump(), ", this run uses ",
+                   has[k].dump()));
+    had.erase(k);
+    has.erase(k);
+  }
+  if (had != has)
     throw Error(cat("checkpoint ", info->dir, " was written for another model: it has ", m.model_json,
                     ", this config builds ", want, ". Point checkpoint.dir elsewhere or set checkpoint.resume = \"none\""));
   check_layout(set, state.infos());

@@ -29,8 +29,9 @@ std::string duration(double s) {
 
 std::string log_line(const StepLog& s, int64_t total_steps) {
   std::ostringstream line;
-  line << "step " << s.step << "/" << total_steps << " | loss " << std::fixed << std::setprecision(4) << s.loss
-       << " | lr " << std::scientific << std::setprecision(2) << s.lr << " | grad norm " << std::fixed
+  line << "step " << s.step << "/" << total_steps << " | loss " << std::fixed << std::setprecision(4) << s.loss;
+  if (s.has_aux) line << " | aux loss " << std::setprecision(4) << s.aux_loss;
+  line << " | lr " << std::scientific << std::setprecision(2) << s.lr << " | grad norm " << std::fixed
        << std::setprecision(3) << s.grad_norm << " | " << std::setprecision(1) << s.samples_per_s << " samples/s | "
        << std::setprecision(0) << s.tokens_per_s << " tok/s | " << std::setprecision(1) << s.step_ms << " ms";
   if (s.mfu > 0) line << " | MFU " << std::setprecision(1) << 100.0 * s.mfu << "%";
@@ -69,6 +70,7 @@ void MetricsFile::write(const StepLog& s) {
   nlohmann::json j = {{"step", s.step},       {"loss", s.loss},       {"lr", s.lr},
                       {"grad_norm", s.grad_norm}, {"step_ms", s.step_ms}, {"tokens_per_s", s.tokens_per_s},
                       {"samples_per_s", s.samples_per_s}};
+  if (s.has_aux) j["aux_loss"] = s.aux_loss;
   if (s.has_val) j["val_loss"] = s.val_loss;
   if (s.skipped) j["skipped"] = true;
   if (s.mfu > 0) j["mfu"] = s.mfu;

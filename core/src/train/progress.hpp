@@ -17,6 +17,10 @@ struct StepLog {
   size_t peak_mem_bytes = 0;   // memory in use: the device's (cudaMemGetInfo) on GPU, the process's peak resident set on CPU
   bool has_val = false;
   double val_loss = 0;
+  // Mixture of experts: the load-balancing loss (unweighted; the objective is
+  // loss + router_aux_loss_coef x aux_loss), mean over micro-batches and ranks.
+  bool has_aux = false;
+  double aux_loss = 0;
   // Per-recipe scalars (an FP8 scale, a MoE aux loss): metrics.jsonl and TensorBoard (extra/<name>).
   std::vector<std::pair<std::string, double>> extras;
 };

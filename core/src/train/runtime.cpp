@@ -1,5 +1,7 @@
 #include "train/runtime.hpp"
 
+#include "comm/plan_communicator.hpp"
+
 #include <sys/stat.h>
 
 #include <cerrno>
@@ -137,7 +139,8 @@ void check_plugin_path(const Config& cfg) {
   }
 }
 
-Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_process) {
+Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_process, int plan_world,
+                     int plan_local_world) {
   // Before anything is started: a search folder that is not there would
   // otherwise be passed over without a word.
   check_plugin_path(cfg);
@@ -145,7 +148,13 @@ Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_proce
   Runtime rt;
   // Rank, world and node-local rank: from MPI when started by mpirun / srun,
   // otherwise this is the only rank and MPI is never touched.
-  rt.launch = single_process ? LaunchInfo{} : launch_from_env();
+  rt.launch = single_process || plan_world > 0 ? LaunchInfo{} : launch_from_env();
+  if (plan_world > 0) {
+    rt.launch.world = plan_world;
+    rt.launch.local_world = plan_local_world > 0 ? plan_local_world : plan_world;
+    LOOM_CHECK(plan_world % rt.launch.local_world == 0, "loom check --world ", plan_world,
+               " is not a multiple of --gpus-per-node ", rt.launch.local_world, ": nodes hold equal numbers of ranks");
+  }
   const bool several = rt.launch.under_launcher && rt.launch.world != 1;
   if (several && !mpi_available())
     throw Error(cat("this process is one of ",
@@ -166,6 +175,12 @@ Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_proce
                                    cfg.run.deterministic);
   } else {
     rt.backend = make_cpu_backend(cfg.run.threads, cfg.run.deterministic);
+  }
+  if (plan_world > 0) {
+    rt.comm = make_plan_communicator(plan_world);
+    rt.host = rt.comm.get();
+    load_plugins(rt, cfg, spec);
+    return rt;  // no ranks to agree with
   }
   start_communicators(rt, cfg);
   load_plugins(rt, cfg, spec);

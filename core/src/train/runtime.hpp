@@ -39,7 +39,11 @@ struct Runtime {
 // problem a user can fix (no GPU, no MPI, a plugin missing or refusing its
 // table, an attention shape its kernel cannot do, data that does not fit the
 // model), naming the key.
-Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_process);
+// `plan_world` > 0 (loom check --world): lay out the run as rank 0 of that
+// many ranks, `plan_local_world` per node (0: all on one node), starting
+// none of them; collectives refuse (comm/plan_communicator.hpp).
+Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_process, int plan_world = 0,
+                     int plan_local_world = 0);
 
 // Every run.plugin_path entry is an existing folder (an entry that is missing,
 // empty, a file or a device is refused, naming it); make_runtime checks it

@@ -29,6 +29,10 @@ ModelSpec spec_for(const Config& cfg) {
   const std::string& init = cfg.model.init;
   if (init.rfind("hf:", 0) != 0) return cfg.model.spec;
   ModelSpec hf = hf::read_hf_llama_config(init.substr(3));
+  if (hf.moe() && cfg.run.device == "cuda")
+    throw Error(cat("model.init = \"", init, "\" is a Mixtral mixture of experts (", hf.num_experts,
+                    " experts): it runs on the CPU only in this build, the CUDA MoE path is not in this build yet; "
+                    "set run.device = \"cpu\""));
   hf.max_seq_len = std::max(hf.max_seq_len, cfg.train.seq_len);
   return hf;
 }
@@ -41,7 +45,7 @@ Config with_log_level(Config cfg) {
 }  // namespace
 
 Session::Session(Config cfg, SessionOptions opts)
-    : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, spec_for(cfg_), opts.single_process)) {
+    : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, spec_for(cfg_), opts.single_process, opts.plan_world, opts.plan_local_world)) {
   model_ = std::make_unique<Model>(spec_for(cfg_), cfg_.model.layers);
   state_ = std::make_unique<TrainState>(cfg_, rt_, *model_);
 }
@@ -112,6 +116,8 @@ void Session::train_step() {
       trace::Scope phase(trace::Track::host, "data");
       next_batch(Split::train);   // tokens -> pinned slot -> device, queued
     }
+    if (model_->spec().moe())  // router jitter: a pure function of (seed, micro-batch), so a resume draws the same
+      model_->set_moe_seed(cfg_.run.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step_ * t.grad_accum + micro));
     {
       trace::Scope phase(trace::Track::host, "forward");
       forward(true, dloss_scale); // every unit, sharding hooks around each
@@ -121,6 +127,10 @@ void Session::train_step() {
       backward();                 // the head computes the loss chunk by chunk, then every unit in reverse
     }
     be.sum_into(loss_sum, model_->losses(), 0, model_->env().N, false);
+    if (model_->spec().moe()) {
+      Tensor aux_sum = view(scalars, kAuxSum, {1});
+      be.sum_into(aux_sum, model_->aux_loss(), 0, 1, false);
+    }
   }
   {
     trace::Scope phase(trace::Track::host, "optimizer");
@@ -199,13 +209,18 @@ std::vector<StepLog> Session::read_ring(bool keep_newest) {
   be.download(rows.data(), state_->scalar_log(), rows.size() * sizeof(double));  // the one wait
   stager_->device_caught_up();
   // Losses averaged over ranks in one collective (every rank reads the same steps).
-  std::vector<double> losses(static_cast<size_t>(n));
+  // With experts, the aux losses ride in the same collective (the second half).
+  const bool moe = model_->spec().moe();
+  std::vector<double> losses(static_cast<size_t>(moe ? 2 * n : n));
   const double tokens_per_rank = static_cast<double>(model_->env().N * t.grad_accum);
   const int64_t first = step_ - pending_ + 1;  // the step number of the oldest unread row
   auto row_of = [&](int64_t step) { return rows.data() + ring_row(step) * kStepScalars; };
-  for (int64_t i = 0; i < n; ++i) losses[static_cast<size_t>(i)] = row_of(first + i)[kLossSum] / tokens_per_rank;
+  for (int64_t i = 0; i < n; ++i) {
+    losses[static_cast<size_t>(i)] = row_of(first + i)[kLossSum] / tokens_per_rank;
+    if (moe) losses[static_cast<size_t>(n + i)] = row_of(first + i)[kAuxSum] / static_cast<double>(t.grad_accum);
+  }
   if (rt_.host->size() > 1) {
-    Tensor lt(losses.data(), DType::f64, Device::cpu, {n});
+    Tensor lt(losses.data(), DType::f64, Device::cpu, {static_cast<int64_t>(losses.size())});
     rt_.host->all_reduce(ExecContext{}, lt, ReduceOp::avg);
   }
   const double tokens_per_step = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum * world());
@@ -217,6 +232,10 @@ std::vector<StepLog> Session::read_ring(bool keep_newest) {
     StepLog s;
     s.step = first + i;
     s.loss = losses[static_cast<size_t>(i)];
+    if (moe) {
+      s.has_aux = true;
+      s.aux_loss = losses[static_cast<size_t>(n + i)];
+    }
     s.lr = lr_at(s.step - 1, t.steps, t.warmup_steps, t.lr, t.min_lr, t.schedule);
     s.grad_norm = r[kGradNorm];
     s.skipped = r[kSkip] != 0.0;
@@ -274,6 +293,13 @@ double Session::batch_loss() {
   const double sum = rt_.backend->sum(model_->losses());
   stager_->device_caught_up();
   return sum / static_cast<double>(model_->env().N);
+}
+
+double Session::batch_aux_loss() {
+  float aux = 0.f;
+  rt_.backend->download(&aux, model_->aux_loss(), sizeof aux);
+  stager_->device_caught_up();
+  return aux;
 }
 
 void Session::zero_grads() {

@@ -52,6 +52,9 @@ struct SessionOptions {
   // Train alone even when started by a launcher (the single-process reference
   // that tests compare the strategies with).
   bool single_process = false;
+  // loom check --world N [--gpus-per-node G]: plan the run as rank 0 of N
+  // ranks (G per node) without starting them; nothing may be exchanged.
+  int plan_world = 0, plan_local_world = 0;
 };
 
 // What the tests' synchronous optimizer step reads back.
@@ -121,6 +124,9 @@ class Session {
   void backward();
   // Mean token loss of the last evaluation forward or training backward (synchronises).
   double batch_loss();
+  // Mixture of experts: the load-balancing loss (unweighted) of the last
+  // training forward, over its micro-batch's tokens of every layer (synchronises).
+  double batch_aux_loss();
   // Zeroes every gradient and the step's loss and norm accumulators (a new step).
   void zero_grads();
   // A whole optimizer step on the gradients in place (after zero_grads, forward

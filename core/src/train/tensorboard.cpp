@@ -135,6 +135,7 @@ void TensorBoardWriter::step(const StepLog& s) {
       {"perf/tokens_per_s", s.tokens_per_s}, {"perf/samples_per_s", s.samples_per_s}, {"perf/step_ms", s.step_ms}};
   if (s.peak_mem_bytes > 0) v.emplace_back("perf/memory_gib", static_cast<double>(s.peak_mem_bytes) / (1024.0 * 1024.0 * 1024.0));
   if (s.mfu > 0) v.emplace_back("perf/mfu", s.mfu);
+  if (s.has_aux) v.emplace_back("train/aux_loss", s.aux_loss);
   if (s.has_val) v.emplace_back("val/loss", s.val_loss);
   for (const auto& [name, x] : s.extras) v.emplace_back("extra/" + name, x);
   scalars(s.step, v);

@@ -219,8 +219,20 @@ std::string TrainState::describe() const {
      << ", layers " << spec.num_layers << " (" << model_.layers() << "), heads " << spec.num_heads << "/"
      << spec.num_kv_heads << " kv, ffn " << spec.ffn_hidden << ", vocab " << spec.vocab_size
      << (spec.tied_embeddings ? ", tied embeddings" : "") << "\n";
-  os << "flops per token: " << human_count(spec.flops_per_token(cfg_.train.seq_len)) << " (6N + 12LhS, N = "
-     << human_count(static_cast<double>(spec.matmul_params())) << " matmul weights)\n";
+  if (spec.moe()) {
+    os << "experts: " << spec.num_experts << " per layer, top " << spec.top_k << " per token (router_aux_loss_coef "
+       << spec.router_aux_loss_coef << ", router_jitter_noise " << spec.router_jitter_noise << "); parameters "
+       << human_count(static_cast<double>(spec.active_params())) << " active of " << human_count(N) << " total ("
+       << spec.active_params() << " / " << spec.total_params() << ")\n";
+    os << "flops per token: " << human_count(spec.flops_per_token(cfg_.train.seq_len))
+       << " active (6N + 12LhS, N = " << human_count(static_cast<double>(spec.matmul_params()))
+       << " matmul weights a token uses: the router and top " << spec.top_k << " experts; MFU counts these), "
+       << human_count(spec.total_flops_per_token(cfg_.train.seq_len)) << " if every expert ran (N = "
+       << human_count(static_cast<double>(spec.total_matmul_params())) << ")\n";
+  } else {
+    os << "flops per token: " << human_count(spec.flops_per_token(cfg_.train.seq_len)) << " (6N + 12LhS, N = "
+       << human_count(static_cast<double>(spec.matmul_params())) << " matmul weights)\n";
+  }
   os << "plugins: precision " << cfg_.precision.plugin << ", attention " << cfg_.attention.plugin << ", sharding "
      << cfg_.sharding.plugin << ", data " << cfg_.data.plugin << "; device " << cfg_.run.device << ", ranks "
      << rt_.world() << "\n";

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/moe.hpp"
 #include "loom/error.hpp"
 #include "model/backend.hpp"
 
@@ -29,6 +30,24 @@ struct Rows {
 Rows rows_of(const Tensor& t, const char* what) {
   float* p = f32(t, what);
   return {p, fold_rows(t, what)};
+}
+
+const int32_t* i32(const Tensor& t, const char* what) {
+  LOOM_CHECK(t.device == Device::cpu && t.dtype == DType::i32, what, ": expected an int32 host tensor, got ",
+             dtype_name(t.dtype), " on ", device_name(t.device));
+  return static_cast<const int32_t*>(t.data);
+}
+
+// The routing's dims, checked against a tensor of h columns.
+cpu::MoeDims moe_dims(const MoeRouting& r, int64_t h, int64_t f = 1) {
+  cpu::MoeDims d;
+  d.N = r.N;
+  d.h = h;
+  d.f = f;
+  d.E = r.E;
+  d.k = r.k;
+  cpu::moe_check(d);
+  return d;
 }
 
 class CpuBackend final : public Backend {
@@ -126,6 +145,71 @@ class CpuBackend final : public Backend {
     for (int64_t n = 0; n < N; ++n)
       out[n] = static_cast<float>(cpu::cross_entropy(lg + n * V, tg + n, 1, V, dlogits_scale));
   }
+  // Mixture of experts: the steps of the reference (kernels/cpu/moe.hpp).
+  void moe_jitter(Tensor& xin, Tensor& noise, const Tensor& x, double eps, uint64_t seed) override {
+    LOOM_CHECK(xin.numel() == x.numel() && noise.numel() == x.numel(), "moe_jitter: ", xin.shape_str(), ", ",
+               noise.shape_str(), " for x ", x.shape_str());
+    float* nz = f32(noise, "moe noise");
+    cpu::moe_jitter_noise(nz, x.numel(), eps, seed);
+    cpu::moe_jitter_apply(f32(xin, "moe xin"), f32(x, "moe x"), nz, x.numel());
+  }
+  void moe_route(MoeRouting& r, const Tensor& xin, const Tensor& router) override {
+    const cpu::MoeDims d = moe_dims(r, router.size(1));
+    LOOM_CHECK(xin.numel() == d.N * d.h && router.size(0) == d.E, "moe_route: x ", xin.shape_str(), ", router ",
+               router.shape_str(), " for ", d.N, " tokens and ", d.E, " experts");
+    int32_t* experts = const_cast<int32_t*>(i32(r.experts, "moe experts"));
+    cpu::moe_route(f32(r.logits, "moe logits"), f32(r.probs, "moe probs"), experts, f32(r.weights, "moe weights"),
+                   f32(xin, "moe x"), f32(router, "moe router"), d);
+    cpu::moe_sort(r.counts, r.offsets, const_cast<int32_t*>(i32(r.perm, "moe perm")),
+                  const_cast<int32_t*>(i32(r.row_of, "moe row_of")), experts, d);
+  }
+  void moe_gather(Tensor& xs, const Tensor& xin, const MoeRouting& r) override {
+    const cpu::MoeDims d = moe_dims(r, xin.size(-1));
+    LOOM_CHECK(xs.numel() == d.rows() * d.h, "moe_gather: xs ", xs.shape_str(), " for ", d.rows(), " rows");
+    cpu::moe_gather(f32(xs, "moe xs"), f32(xin, "moe x"), i32(r.perm, "moe perm"), d);
+  }
+  void moe_combine(Tensor& y, const Tensor& eout, const MoeRouting& r) override {
+    const cpu::MoeDims d = moe_dims(r, y.size(-1));
+    LOOM_CHECK(eout.numel() == d.rows() * d.h, "moe_combine: eout ", eout.shape_str(), " for ", d.rows(), " rows");
+    cpu::moe_combine(f32(y, "moe y"), f32(eout, "moe eout"), f32(r.weights, "moe weights"),
+                     i32(r.row_of, "moe row_of"), d);
+  }
+  void moe_combine_backward(Tensor& d_eout, Tensor& d_weights, const Tensor& dy, const Tensor& eout,
+                            const MoeRouting& r) override {
+    const cpu::MoeDims d = moe_dims(r, dy.size(-1));
+    cpu::moe_combine_backward(f32(d_eout, "moe d_eout"), f32(d_weights, "moe d_weights"), f32(dy, "moe dy"),
+                              f32(eout, "moe eout"), f32(r.weights, "moe weights"), i32(r.perm, "moe perm"), d);
+  }
+  void moe_route_backward(Tensor& dxin, Tensor& d_router, Tensor& d_probs, Tensor& d_logits, const Tensor& d_weights,
+                          const Tensor& xin, const Tensor& router, const MoeRouting& r,
+                          const Tensor* aux_dprobs) override {
+    const cpu::MoeDims d = moe_dims(r, router.size(1));
+    cpu::moe_route_backward(f32(dxin, "moe dx"), f32(d_router, "moe d_router"), f32(d_probs, "moe d_probs"),
+                            f32(d_logits, "moe d_logits"), f32(d_weights, "moe d_weights"), f32(xin, "moe x"),
+                            f32(router, "moe router"), f32(r.probs, "moe probs"), i32(r.experts, "moe experts"),
+                            f32(r.weights, "moe weights"), aux_dprobs ? f32(*aux_dprobs, "moe aux dprobs") : nullptr,
+                            d);
+  }
+  void moe_scatter_add(Tensor& dx, const Tensor& d_xs, const MoeRouting& r, const Tensor* noise) override {
+    const cpu::MoeDims d = moe_dims(r, dx.size(-1));
+    cpu::moe_scatter_add(f32(dx, "moe dx"), f32(d_xs, "moe d_xs"), i32(r.row_of, "moe row_of"),
+                         noise ? f32(*noise, "moe noise") : nullptr, d);
+  }
+  void moe_aux_accumulate(Tensor& stats, const MoeRouting& r) override {
+    LOOM_CHECK(stats.dtype == DType::f64 && stats.numel() == 2 * r.E + 1, "moe aux statistics: expected fp64 [",
+               2 * r.E + 1, "], got ", dtype_name(stats.dtype), " ", stats.shape_str());
+    cpu::moe_aux_accumulate_flat(static_cast<double*>(stats.data), f32(r.probs, "moe probs"),
+                                 i32(r.experts, "moe experts"), moe_dims(r, 1));
+  }
+  void moe_aux_finish(Tensor& aux, Tensor& dprobs, const Tensor& stats, double coef, double grad_scale) override {
+    const int64_t E = dprobs.numel();
+    LOOM_CHECK(stats.dtype == DType::f64 && stats.numel() == 2 * E + 1, "moe aux statistics: expected fp64 [",
+               2 * E + 1, "], got ", dtype_name(stats.dtype), " ", stats.shape_str());
+    const double* st = static_cast<const double*>(stats.data);
+    f32(aux, "moe aux")[0] = static_cast<float>(cpu::moe_aux_loss_flat(st, E));
+    cpu::moe_aux_grad_flat(f32(dprobs, "moe aux dprobs"), st, E, coef * grad_scale);
+  }
+
   double sum(const Tensor& x) override {
     ++host_syncs_;
     const float* p = f32(x, "sum");

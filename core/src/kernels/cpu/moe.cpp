@@ -190,22 +190,57 @@ void moe_jitter_noise(T* noise, int64_t n, double eps, uint64_t seed) {
 }
 
 template <typename T>
+void moe_jitter_apply(T* xin, const T* x, const T* noise, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) xin[i] = x[i] * noise[i];
+}
+
+template <typename T>
+void moe_gather(T* xs, const T* xin, const int32_t* perm, const MoeDims& d) {
+  const int64_t R = d.rows(), h = d.h, k = d.k;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) std::copy_n(xin + (perm[r] / k) * h, h, xs + r * h);
+}
+
+template <typename T>
+void moe_combine(T* y, const T* eout, const T* weights, const int32_t* row_of, const MoeDims& d) {
+  const int64_t N = d.N, h = d.h, k = d.k;
+  // Per token, its slots' rows in ascending row order, which is ascending
+  // expert order (the sort is by expert and a token's k experts differ) — the
+  // order of HF's index_add_ loop over experts, from zero, in T.
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    int32_t slots[kMaxTopK];
+    int64_t order[kMaxTopK];
+    const int64_t kk = std::min<int64_t>(k, kMaxTopK);  // == k (moe_check)
+    for (int64_t j = 0; j < kk; ++j) {
+      slots[j] = row_of[t * k + j];
+      order[j] = j;
+    }
+    std::sort(order, order + kk, [&](int64_t p, int64_t q) { return slots[p] < slots[q]; });
+    T* yr = y + t * h;
+    std::fill(yr, yr + h, T(0));
+    for (int64_t jj = 0; jj < kk; ++jj) {
+      const int64_t j = order[jj];
+      const T wt = weights[t * k + j];
+      const T* o = eout + static_cast<int64_t>(slots[j]) * h;
+      for (int64_t c = 0; c < h; ++c) yr[c] += o[c] * wt;
+    }
+  }
+}
+
+template <typename T>
 void moe_forward(T* y, const T* x, const T* noise, const MoeWeights<T>& w, const MoeActs<T>& a, const MoeDims& d) {
   moe_check(d);
-  const int64_t N = d.N, h = d.h, f = d.f, E = d.E, k = d.k;
+  const int64_t N = d.N, h = d.h, f = d.f, E = d.E;
   LOOM_CHECK(static_cast<int64_t>(w.w1.size()) == E && static_cast<int64_t>(w.w2.size()) == E &&
                  static_cast<int64_t>(w.w3.size()) == E,
              "moe: ", w.w1.size(), "/", w.w2.size(), "/", w.w3.size(), " w1/w2/w3 pointers for ", E, " experts");
-  if (noise) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N * h; ++i) a.xin[i] = x[i] * noise[i];
-  }
+  if (noise) moe_jitter_apply(a.xin, x, noise, N * h);
   const T* xin = expert_input(x, noise, a);
   moe_route(a.logits, a.probs, a.experts, a.weights, xin, w.router, d);
   moe_sort(a.counts, a.offsets, a.perm, a.row_of, a.experts, d);
-  const int64_t R = d.rows();
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < R; ++r) std::copy_n(xin + (a.perm[r] / k) * h, h, a.xs + r * h);
+  moe_gather(a.xs, xin, a.perm, d);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = a.offsets[e], m = a.counts[e];
     if (m == 0) continue;  // an expert no token chose: nothing to compute
@@ -214,27 +249,79 @@ void moe_forward(T* y, const T* x, const T* noise, const MoeWeights<T>& w, const
     swiglu_forward(a.act + r0 * f, a.gate + r0 * f, a.up + r0 * f, m * f);
     lin_fwd(a.eout + r0 * h, a.act + r0 * f, w.w2[e], m, f, h);
   }
-  // The combine: per token, its slots' rows in ascending row order, which is
-  // ascending expert order (the sort is by expert and a token's k experts
-  // differ) — the order of HF's index_add_ loop over experts, from zero, in T.
+  moe_combine(y, a.eout, a.weights, a.row_of, d);
+}
+
+template <typename T>
+void moe_combine_backward(T* d_eout, T* d_weights, const T* dy, const T* eout, const T* weights, const int32_t* perm,
+                          const MoeDims& d) {
+  const int64_t h = d.h, k = d.k, R = d.rows();
+  // The combine y[t] = sum_j w[t, j] eout[row(t, j)]:
+  //   d_weights[t, j] = <dy[t], eout[row]>, d_eout[row] = w[t, j] dy[t].
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t pair = perm[r], t = pair / k;
+    const T* dyr = dy + t * h;
+    const T* o = eout + r * h;
+    const T wt = weights[pair];
+    double acc = 0.0;
+    T* de = d_eout + r * h;
+    for (int64_t c = 0; c < h; ++c) {
+      acc += static_cast<double>(dyr[c]) * o[c];
+      de[c] = wt * dyr[c];
+    }
+    d_weights[pair] = static_cast<T>(acc);
+  }
+}
+
+template <typename T>
+void moe_route_backward(T* dxin, T* d_router, T* d_probs, T* d_logits, const T* d_weights, const T* xin,
+                        const T* router, const T* probs, const int32_t* experts, const T* weights,
+                        const T* aux_dprobs, const MoeDims& d) {
+  const int64_t N = d.N, h = d.h, E = d.E, k = d.k;
+  // Renormalisation w_j = p_j / S and softmax, per token.
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < N; ++t) {
-    int32_t slots[kMaxTopK];
-    int64_t order[kMaxTopK];
+    const T* p = probs + t * E;
+    const int32_t* sel = experts + t * k;
+    const T* wt = weights + t * k;
+    const T* dw = d_weights + t * k;
+    T* dp = d_probs + t * E;
+    for (int64_t e = 0; e < E; ++e) dp[e] = aux_dprobs ? aux_dprobs[e] : T(0);
+    double S = 0.0, dot = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      S += p[sel[j]];
+      dot += static_cast<double>(dw[j]) * wt[j];
+    }
+    for (int64_t j = 0; j < k; ++j) dp[sel[j]] += static_cast<T>((dw[j] - dot) / S);
+    double pd = 0.0;
+    for (int64_t e = 0; e < E; ++e) pd += static_cast<double>(p[e]) * dp[e];
+    T* dl = d_logits + t * E;
+    for (int64_t e = 0; e < E; ++e) dl[e] = static_cast<T>(p[e] * (dp[e] - pd));
+  }
+  // Router: dWr += d_logits^T xin; dxin = d_logits Wr.
+  lin_dw(d_router, d_logits, xin, N, h, E);
+  lin_dx(dxin, d_logits, router, N, h, E, false);
+}
+
+template <typename T>
+void moe_scatter_add(T* dx, const T* d_xs, const int32_t* row_of, const T* noise, const MoeDims& d) {
+  const int64_t N = d.N, h = d.h, k = d.k;
+  // The expert rows' gradients, added per token in ascending row (= expert) order.
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    int32_t rows[kMaxTopK];
     const int64_t kk = std::min<int64_t>(k, kMaxTopK);  // == k (moe_check)
+    for (int64_t j = 0; j < kk; ++j) rows[j] = row_of[t * k + j];
+    std::sort(rows, rows + kk);
+    T* dr = dx + t * h;
     for (int64_t j = 0; j < kk; ++j) {
-      slots[j] = a.row_of[t * k + j];
-      order[j] = j;
+      const T* src = d_xs + static_cast<int64_t>(rows[j]) * h;
+      for (int64_t c = 0; c < h; ++c) dr[c] += src[c];
     }
-    std::sort(order, order + kk, [&](int64_t p, int64_t q) { return slots[p] < slots[q]; });
-    T* yr = y + t * h;
-    std::fill(yr, yr + h, T(0));
-    for (int64_t jj = 0; jj < kk; ++jj) {
-      const int64_t j = order[jj];
-      const T wt = a.weights[t * k + j];
-      const T* o = a.eout + static_cast<int64_t>(slots[j]) * h;
-      for (int64_t c = 0; c < h; ++c) yr[c] += o[c] * wt;
-    }
+    // Jitter: xin = x * noise, so dx = dxin * noise.
+    if (noise)
+      for (int64_t c = 0; c < h; ++c) dr[c] *= noise[t * h + c];
   }
 }
 
@@ -242,23 +329,8 @@ template <typename T>
 void moe_backward(T* dx, MoeGrads<T>& g, const T* dy, const T* x, const T* noise, const MoeWeights<T>& w,
                   const MoeActs<T>& a, const MoeScratch<T>& s, const T* aux_dprobs, const MoeDims& d) {
   moe_check(d);
-  const int64_t N = d.N, h = d.h, f = d.f, E = d.E, k = d.k, R = d.rows();
-  // The combine y[t] = sum_j w[t, j] eout[row(t, j)]:
-  //   d_weights[t, j] = <dy[t], eout[row]>, d_eout[row] = w[t, j] dy[t].
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t pair = a.perm[r], t = pair / k;
-    const T* dyr = dy + t * h;
-    const T* o = a.eout + r * h;
-    const T wt = a.weights[pair];
-    double acc = 0.0;
-    T* de = s.d_eout + r * h;
-    for (int64_t c = 0; c < h; ++c) {
-      acc += static_cast<double>(dyr[c]) * o[c];
-      de[c] = wt * dyr[c];
-    }
-    s.d_weights[pair] = static_cast<T>(acc);
-  }
+  const int64_t h = d.h, f = d.f, E = d.E;
+  moe_combine_backward(s.d_eout, s.d_weights, dy, a.eout, a.weights, a.perm, d);
   // Each expert's SwiGLU over its rows.
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = a.offsets[e], m = a.counts[e];
@@ -271,46 +343,9 @@ void moe_backward(T* dx, MoeGrads<T>& g, const T* dy, const T* x, const T* noise
     lin_dx(s.d_xs + r0 * h, s.d_gate + r0 * f, w.w1[e], m, h, f, false);
     lin_dx(s.d_xs + r0 * h, s.d_up + r0 * f, w.w3[e], m, h, f, true);
   }
-  // Renormalisation w_j = p_j / S and softmax, per token.
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    const T* p = a.probs + t * E;
-    const int32_t* sel = a.experts + t * k;
-    const T* wt = a.weights + t * k;
-    const T* dw = s.d_weights + t * k;
-    T* dp = s.d_probs + t * E;
-    for (int64_t e = 0; e < E; ++e) dp[e] = aux_dprobs ? aux_dprobs[e] : T(0);
-    double S = 0.0, dot = 0.0;
-    for (int64_t j = 0; j < k; ++j) {
-      S += p[sel[j]];
-      dot += static_cast<double>(dw[j]) * wt[j];
-    }
-    for (int64_t j = 0; j < k; ++j) dp[sel[j]] += static_cast<T>((dw[j] - dot) / S);
-    double pd = 0.0;
-    for (int64_t e = 0; e < E; ++e) pd += static_cast<double>(p[e]) * dp[e];
-    T* dl = s.d_logits + t * E;
-    for (int64_t e = 0; e < E; ++e) dl[e] = static_cast<T>(p[e] * (dp[e] - pd));
-  }
-  // Router: dWr += d_logits^T xin; dxin = d_logits Wr + the expert rows'
-  // gradients, added per token in ascending row (= expert) order.
-  const T* xin = expert_input(x, noise, a);
-  lin_dw(g.router, s.d_logits, xin, N, h, E);
-  lin_dx(dx, s.d_logits, w.router, N, h, E, false);
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < N; ++t) {
-    int32_t rows[kMaxTopK];
-    const int64_t kk = std::min<int64_t>(k, kMaxTopK);  // == k (moe_check)
-    for (int64_t j = 0; j < kk; ++j) rows[j] = a.row_of[t * k + j];
-    std::sort(rows, rows + kk);
-    T* dr = dx + t * h;
-    for (int64_t j = 0; j < kk; ++j) {
-      const T* src = s.d_xs + static_cast<int64_t>(rows[j]) * h;
-      for (int64_t c = 0; c < h; ++c) dr[c] += src[c];
-    }
-    // Jitter: xin = x * noise, so dx = dxin * noise.
-    if (noise)
-      for (int64_t c = 0; c < h; ++c) dr[c] *= noise[t * h + c];
-  }
+  moe_route_backward(dx, g.router, s.d_probs, s.d_logits, s.d_weights, expert_input(x, noise, a), w.router, a.probs,
+                     a.experts, a.weights, aux_dprobs, d);
+  moe_scatter_add(dx, s.d_xs, a.row_of, noise, d);
 }
 
 template <typename T>
@@ -340,15 +375,52 @@ void moe_aux_grad(T* g, const MoeAuxStats& s, double coef) {
   for (int64_t e = 0; e < E; ++e) g[e] = s.rows ? static_cast<T>(coef * E * (s.counts[e] / R) / R) : T(0);
 }
 
+template <typename T>
+void moe_aux_accumulate_flat(double* stats, const T* probs, const int32_t* experts, const MoeDims& d) {
+  moe_check(d);
+  const int64_t E = d.E;
+  for (int64_t i = 0; i < d.rows(); ++i) {
+    const int32_t e = experts[i];
+    LOOM_CHECK(e >= 0 && e < E, "moe: routed expert ", e, " of pair ", i, " is outside [0, ", E, ")");
+    stats[e] += 1.0;
+  }
+  for (int64_t n = 0; n < d.N; ++n)
+    for (int64_t e = 0; e < E; ++e) stats[E + e] += probs[n * E + e];
+  stats[2 * E] += static_cast<double>(d.N);
+}
+
+double moe_aux_loss_flat(const double* stats, int64_t E) {
+  const double R = stats[2 * E];
+  if (R == 0.0) return 0.0;
+  double acc = 0.0;
+  for (int64_t e = 0; e < E; ++e) acc += (stats[e] / R) * (stats[E + e] / R);
+  return static_cast<double>(E) * acc;
+}
+
+template <typename T>
+void moe_aux_grad_flat(T* g, const double* stats, int64_t E, double coef) {
+  const double R = stats[2 * E];
+  for (int64_t e = 0; e < E; ++e) g[e] = R != 0.0 ? static_cast<T>(coef * E * (stats[e] / R) / R) : T(0);
+}
+
 #define LOOM_MOE_INSTANTIATE(T)                                                                                  \
   template class MoeBuffers<T>;                                                                                  \
   template void moe_route<T>(T*, T*, int32_t*, T*, const T*, const T*, const MoeDims&);                         \
   template void moe_jitter_noise<T>(T*, int64_t, double, uint64_t);                                             \
+  template void moe_jitter_apply<T>(T*, const T*, const T*, int64_t);                                           \
+  template void moe_gather<T>(T*, const T*, const int32_t*, const MoeDims&);                                    \
+  template void moe_combine<T>(T*, const T*, const T*, const int32_t*, const MoeDims&);                         \
+  template void moe_combine_backward<T>(T*, T*, const T*, const T*, const T*, const int32_t*, const MoeDims&);  \
+  template void moe_route_backward<T>(T*, T*, T*, T*, const T*, const T*, const T*, const T*, const int32_t*,   \
+                                      const T*, const T*, const MoeDims&);                                      \
+  template void moe_scatter_add<T>(T*, const T*, const int32_t*, const T*, const MoeDims&);                     \
   template void moe_forward<T>(T*, const T*, const T*, const MoeWeights<T>&, const MoeActs<T>&, const MoeDims&); \
   template void moe_backward<T>(T*, MoeGrads<T>&, const T*, const T*, const T*, const MoeWeights<T>&,           \
                                 const MoeActs<T>&, const MoeScratch<T>&, const T*, const MoeDims&);             \
   template void moe_aux_accumulate<T>(MoeAuxStats&, const T*, const int32_t*, const MoeDims&);                  \
-  template void moe_aux_grad<T>(T*, const MoeAuxStats&, double);
+  template void moe_aux_grad<T>(T*, const MoeAuxStats&, double);                                               \
+  template void moe_aux_accumulate_flat<T>(double*, const T*, const int32_t*, const MoeDims&);                  \
+  template void moe_aux_grad_flat<T>(T*, const double*, int64_t, double);
 LOOM_MOE_INSTANTIATE(float)
 LOOM_MOE_INSTANTIATE(double)
 #undef LOOM_MOE_INSTANTIATE

@@ -151,6 +151,36 @@ template <typename T>
 void moe_backward(T* dx, MoeGrads<T>& g, const T* dy, const T* x, const T* noise, const MoeWeights<T>& w,
                   const MoeActs<T>& a, const MoeScratch<T>& s, const T* aux_dprobs, const MoeDims& d);
 
+// The steps of moe_forward and moe_backward, for a caller that runs the
+// expert GEMMs itself (the `moe` FFN block runs them through the precision
+// plugin, between these steps; model/blocks/ffn_moe.cpp):
+//   forward:  [moe_jitter_apply] moe_route moe_sort moe_gather | experts | moe_combine
+//   backward: moe_combine_backward | experts | moe_route_backward moe_scatter_add
+// xin = x * noise (n elements).
+template <typename T>
+void moe_jitter_apply(T* xin, const T* x, const T* noise, int64_t n);
+// xs[r] = xin[token of sorted row r]   [N k, h]
+template <typename T>
+void moe_gather(T* xs, const T* xin, const int32_t* perm, const MoeDims& d);
+// y[t] = sum of t's weighted expert rows, in ascending expert order   [N, h] written
+template <typename T>
+void moe_combine(T* y, const T* eout, const T* weights, const int32_t* row_of, const MoeDims& d);
+// d_eout [N k, h] and d_weights [N k] written from dy [N, h].
+template <typename T>
+void moe_combine_backward(T* d_eout, T* d_weights, const T* dy, const T* eout, const T* weights, const int32_t* perm,
+                          const MoeDims& d);
+// Through the renormalisation, the softmax (plus aux_dprobs [E] on every row,
+// or null) and the router: d_probs, d_logits [N E] (scratch) and dxin [N h]
+// written, d_router [E h] accumulated.
+template <typename T>
+void moe_route_backward(T* dxin, T* d_router, T* d_probs, T* d_logits, const T* d_weights, const T* xin,
+                        const T* router, const T* probs, const int32_t* experts, const T* weights,
+                        const T* aux_dprobs, const MoeDims& d);
+// dx[t] += the gradients of t's expert rows (ascending row order), then, with
+// jitter (noise not null), dx[t] *= noise[t].
+template <typename T>
+void moe_scatter_add(T* dx, const T* d_xs, const int32_t* row_of, const T* noise, const MoeDims& d);
+
 // HF's load_balancing_loss_func. It concatenates the router logits of all
 // layers and computes, over those R rows (tokens x layers),
 //   aux = E * sum_e f_e * P_e,  f_e = (top-k selections of e) / R,  P_e = mean prob of e
@@ -180,5 +210,15 @@ double moe_aux_loss(const MoeAuxStats& s);
 // g[e] = coef * d aux / d probs[n, e] = coef * E * counts[e] / R^2.
 template <typename T>
 void moe_aux_grad(T* g, const MoeAuxStats& s, double coef);
+
+// The same statistics as one flat array (a backend buffer, f64 [2E + 1]):
+// selections per expert (exact integers in double), probability sums per
+// expert, rows. moe_aux_loss_flat and moe_aux_grad_flat are moe_aux_loss and
+// moe_aux_grad on it, with the same arithmetic.
+template <typename T>
+void moe_aux_accumulate_flat(double* stats, const T* probs, const int32_t* experts, const MoeDims& d);
+double moe_aux_loss_flat(const double* stats, int64_t E);
+template <typename T>
+void moe_aux_grad_flat(T* g, const double* stats, int64_t E, double coef);
 
 }  // namespace loom::cpu

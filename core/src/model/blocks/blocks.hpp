@@ -11,6 +11,7 @@ std::unique_ptr<AttentionBlock> make_native_attention(const ModelSpec& spec, int
 std::unique_ptr<AttentionBlock> make_fused_attention(const ModelSpec& spec, int64_t layer);
 std::unique_ptr<FfnBlock> make_native_ffn(const ModelSpec& spec, int64_t layer);
 std::unique_ptr<FfnBlock> make_fused_ffn(const ModelSpec& spec, int64_t layer);
+std::unique_ptr<FfnBlock> make_moe_ffn(const ModelSpec& spec, int64_t layer);
 
 // x0 = wte[tokens] (embedding_block.cpp).
 class EmbeddingBlock final : public Block {

@@ -1,0 +1,264 @@
+// The mixture-of-experts feed-forward block (model.ffn = "moe"; HF Mixtral's
+// MixtralSparseMoeBlock after the post-attention norm):
+//
+//   h = rmsnorm(x)                 xin = h, or h * noise (router jitter, training only)
+//   logits = xin Wr^T (fp32) ; probs = softmax ; top-k experts, weights renormalised to 1
+//   sort the (token, slot) pairs by expert ; xs = the gathered rows of xin
+//   per expert e over its rows:  act = silu(xs W1e^T) * (xs W3e^T) ; eout = act W2e^T
+//   out = x + per token, the weighted sum of its k expert rows
+//
+// The routing steps are Backend entry points (on the CPU the reference in
+// kernels/cpu/moe.cpp); the expert GEMMs run through the precision plugin, one
+// registered linear per expert matrix, on as many rows as the router sent that
+// expert this micro-batch (the per-expert row counts are read on the host).
+// The load-balancing loss's statistics go into the model's MoeShared buffers in
+// forward; the model turns them into the per-expert gradient that backward
+// adds to the softmax's.
+//
+// Parameters, HF Mixtral's names and order: post_attention_layernorm, the
+// router block_sparse_moe.gate [E, h], then per expert experts.E.w1 [f, h]
+// (gate), w2 [h, f] (down), w3 [f, h] (up).
+#include <string>
+#include <vector>
+
+#include "loom/error.hpp"
+#include "model/blocks/blocks.hpp"
+
+namespace loom {
+namespace {
+
+class MoeFfn final : public FfnBlock {
+ public:
+  MoeFfn(const ModelSpec& spec, int64_t layer) : FfnBlock(spec, layer) {
+    LOOM_CHECK(spec.num_experts >= 1 && spec.top_k >= 1 && spec.top_k <= spec.num_experts,
+               "model.ffn = \"moe\": top_k = ", spec.top_k, " and num_experts = ", spec.num_experts,
+               " need 1 <= top_k <= num_experts");
+  }
+  const char* kind() const override { return "ffn.moe"; }
+
+  enum MoeParam { kLn = 0, kRouter = 1, kFirstExpert = 2 };
+  static int w1(int64_t e) { return kFirstExpert + 3 * static_cast<int>(e); }
+  static int w2(int64_t e) { return w1(e) + 1; }
+  static int w3(int64_t e) { return w1(e) + 2; }
+
+  void declare(UnitInfo& u) override {
+    const std::string p = "model.layers." + std::to_string(layer_) + ".";
+    const int64_t h = spec_.hidden, f = spec_.ffn_hidden;
+    add_param(u, p + "post_attention_layernorm.weight", {h}, ParamRole::norm_gain);
+    add_param(u, p + "block_sparse_moe.gate.weight", {spec_.num_experts, h}, ParamRole::matrix);
+    for (int64_t e = 0; e < spec_.num_experts; ++e) {
+      const std::string q = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
+      add_param(u, q + "w1.weight", {f, h}, ParamRole::matrix);
+      add_param(u, q + "w2.weight", {h, f}, ParamRole::output_projection);
+      add_param(u, q + "w3.weight", {f, h}, ParamRole::matrix);
+    }
+  }
+
+  void plan(const BlockEnv& env, ActivationPlan& a) override {
+    env_ = env;
+    LOOM_CHECK(env.moe != nullptr, "ffn.moe: the model planned no MoE state");
+    const int64_t h = spec_.hidden, f = spec_.ffn_hidden, l = layer_, E = spec_.num_experts, k = spec_.top_k;
+    const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act), R = n * static_cast<size_t>(k);
+    const size_t H = static_cast<size_t>(h), F = static_cast<size_t>(f), EE = static_cast<size_t>(E),
+                 K = static_cast<size_t>(k);
+    const bool full = env.recompute == Recompute::full;
+    ln2_ = a.kept("ln2", l, n * H * e, full);
+    rstd2_ = a.kept("rstd2", l, n * 4, full);
+    if (spec_.router_jitter_noise > 0) {
+      noise_ = a.kept("moe.noise", l, n * H * e, full);
+      xin_ = a.kept("moe.xin", l, n * H * e, full);
+    }
+    logits_ = a.kept("moe.logits", l, n * EE * 4, full);
+    probs_ = a.kept("moe.probs", l, n * EE * 4, full);
+    weights_ = a.kept("moe.weights", l, n * K * 4, full);
+    experts_ = a.kept("moe.experts", l, n * K * 4, full);
+    perm_ = a.kept("moe.perm", l, R * 4, full);
+    row_of_ = a.kept("moe.row_of", l, R * 4, full);
+    counts_ = a.kept("moe.counts", l, (2 * EE + 1) * 8, full);
+    xs_ = a.kept("moe.xs", l, R * H * e, full);
+    gate_ = a.kept("moe.gate", l, R * F * e, full);
+    up_ = a.kept("moe.up", l, R * F * e, full);
+    act_ = a.kept("moe.act", l, R * F * e, full);
+    eout_ = a.kept("moe.eout", l, R * H * e, full);
+    tmp_ = a.shared("scratch.h", n * H * e);  // the combine's output before the residual add
+    d_ln_ = a.shared("grad.ln", n * H * e);
+    d_eout_ = a.shared("grad.moe.eout", R * H * e);  // also each expert's second dgrad
+    d_act_ = a.shared("grad.moe.act", R * F * e);
+    d_gate_ = a.shared("grad.moe.gate", R * F * e);
+    d_up_ = a.shared("grad.moe.up", R * F * e);
+    d_xs_ = a.shared("grad.moe.xs", R * H * e);
+    d_weights_ = a.shared("grad.moe.weights", n * K * 4);
+    d_probs_ = a.shared("grad.moe.probs", n * EE * 4);
+    d_logits_ = a.shared("grad.moe.logits", n * EE * 4);
+    // An expert gets at most one row per token (a token's k experts differ).
+    const std::string s = "layer." + std::to_string(l) + ".expert.";
+    w1_.clear();
+    w2_.clear();
+    w3_.clear();
+    for (int64_t x = 0; x < E; ++x) {
+      const std::string q = s + std::to_string(x) + ".";
+      w1_.push_back(env.precision->register_linear({q + "w1", h, f, env.N}));
+      w2_.push_back(env.precision->register_linear({q + "w2", f, h, env.N}));
+      w3_.push_back(env.precision->register_linear({q + "w3", h, f, env.N}));
+    }
+    host_counts_.assign(2 * EE + 1, 0);
+  }
+
+  void forward(const UnitState& u, const Tensor& x, Tensor& out) override {
+    Backend& be = *env_.backend;
+    const ExecContext& ctx = be.ctx();
+    MoeShared& ms = *env_.moe;
+    const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
+    Tensor ln2 = act(ln2_, {N, h}), rstd2 = f32(rstd2_, {N});
+    {
+      Range r(be, "rmsnorm");
+      be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn), static_cast<float>(spec_.norm_eps));
+    }
+    jittered_ = ms.training && spec_.router_jitter_noise > 0;
+    Tensor xin = ln2;
+    if (jittered_) {
+      Range r(be, "router_jitter");
+      xin = act(xin_, {N, h});
+      Tensor noise = act(noise_, {N, h});
+      // The seed mixes the micro-batch's with the layer, so layers draw independent noise.
+      be.moe_jitter(xin, noise, ln2, spec_.router_jitter_noise,
+                    ms.seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(layer_ + 1)));
+    }
+    MoeRouting rt = routing();
+    {
+      Range r(be, "router");
+      be.moe_route(rt, xin, param(u, kRouter));
+      if (ms.training && !ms.replay) {
+        Tensor stats(buf(ms.stats), DType::f64, dev(), {2 * spec_.num_experts + 1});
+        be.moe_aux_accumulate(stats, rt);
+      }
+    }
+    Tensor xs = act(xs_, {rt.N * rt.k, h});
+    {
+      Range r(be, "gather");
+      be.moe_gather(xs, xin, rt);
+    }
+    const int64_t* rows = expert_rows(rt);
+    {
+      Range r(be, "experts");
+      Tensor gate = act(gate_, {rt.N * rt.k, f}), up = act(up_, {rt.N * rt.k, f}), a = act(act_, {rt.N * rt.k, f});
+      Tensor eout = act(eout_, {rt.N * rt.k, h});
+      for (int64_t e = 0; e < spec_.num_experts; ++e) {
+        const int64_t r0 = rows[spec_.num_experts + e], m = rows[e];
+        if (m == 0) continue;  // no token chose this expert
+        Tensor xs_e = rows_of(xs, r0, m), gate_e = rows_of(gate, r0, m), up_e = rows_of(up, r0, m);
+        Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout, r0, m);
+        env_.precision->linear_forward(ctx, w1_[static_cast<size_t>(e)], xs_e, param(u, w1(e)), gate_e, nullptr);
+        env_.precision->linear_forward(ctx, w3_[static_cast<size_t>(e)], xs_e, param(u, w3(e)), up_e, nullptr);
+        be.swiglu_forward(act_e, gate_e, up_e);
+        env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, param(u, w2(e)), eout_e, nullptr);
+      }
+    }
+    {
+      Range r(be, "combine+residual");
+      Tensor tmp = act(tmp_, {N, h});
+      be.moe_combine(tmp, act(eout_, {rt.N * rt.k, h}), rt);
+      be.add(out, x, tmp);
+    }
+  }
+
+  void backward(UnitState& u, const Tensor& x, Tensor& d) override {
+    Backend& be = *env_.backend;
+    const ExecContext& ctx = be.ctx();
+    MoeShared& ms = *env_.moe;
+    const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden, R = N * spec_.top_k;
+    MoeRouting rt = routing();
+    Tensor d_eout = act(d_eout_, {R, h}), d_weights = f32(d_weights_, {N, spec_.top_k});
+    {
+      Range r(be, "combine.grad");
+      be.moe_combine_backward(d_eout, d_weights, d, act(eout_, {R, h}), rt);
+    }
+    const int64_t* rows = expert_rows(rt);
+    {
+      Range r(be, "experts.grad");
+      Tensor xs = act(xs_, {R, h}), gate = act(gate_, {R, f}), up = act(up_, {R, f}), a = act(act_, {R, f});
+      Tensor d_act = act(d_act_, {R, f}), d_gate = act(d_gate_, {R, f}), d_up = act(d_up_, {R, f});
+      Tensor d_xs = act(d_xs_, {R, h});
+      for (int64_t e = 0; e < spec_.num_experts; ++e) {
+        const int64_t r0 = rows[spec_.num_experts + e], m = rows[e];
+        if (m == 0) continue;  // no rows: its weight gradients stay as they are
+        Tensor d_eout_e = rows_of(d_eout, r0, m), d_act_e = rows_of(d_act, r0, m);
+        Tensor d_gate_e = rows_of(d_gate, r0, m), d_up_e = rows_of(d_up, r0, m), d_xs_e = rows_of(d_xs, r0, m);
+        Tensor xs_e = rows_of(xs, r0, m);
+        Tensor dW2 = param(u, w2(e), true), dW1 = param(u, w1(e), true), dW3 = param(u, w3(e), true);
+        env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), param(u, w2(e)),
+                                        d_eout_e, &d_act_e, dW2, true);
+        be.swiglu_backward(d_gate_e, d_up_e, d_act_e, rows_of(gate, r0, m), rows_of(up, r0, m));
+        env_.precision->linear_backward(ctx, w1_[static_cast<size_t>(e)], xs_e, param(u, w1(e)), d_gate_e, &d_xs_e,
+                                        dW1, true);
+        // d_eout's rows of this expert are consumed: they take the second dgrad.
+        env_.precision->linear_backward(ctx, w3_[static_cast<size_t>(e)], xs_e, param(u, w3(e)), d_up_e, &d_eout_e,
+                                        dW3, true);
+        be.accumulate(d_xs_e, d_eout_e);
+      }
+    }
+    Tensor d_ln = act(d_ln_, {N, h});
+    {
+      Range r(be, "router.grad");
+      Tensor dWr = param(u, kRouter, true);
+      Tensor d_probs = f32(d_probs_, {N, spec_.num_experts}), d_logits = f32(d_logits_, {N, spec_.num_experts});
+      const Tensor aux_dprobs = f32(ms.dprobs, {spec_.num_experts});
+      const Tensor xin = jittered_ ? act(xin_, {N, h}) : act(ln2_, {N, h});
+      be.moe_route_backward(d_ln, dWr, d_probs, d_logits, d_weights, xin, param(u, kRouter), rt, &aux_dprobs);
+      const Tensor noise = jittered_ ? act(noise_, {N, h}) : Tensor();
+      be.moe_scatter_add(d_ln, act(d_xs_, {R, h}), rt, jittered_ ? &noise : nullptr);
+    }
+    {
+      Range r(be, "rmsnorm.grad");
+      Tensor dln2 = param(u, kLn, true);
+      be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn), f32(rstd2_, {N}));
+    }
+  }
+
+ private:
+  MoeRouting routing() const {
+    MoeRouting r;
+    r.N = env_.N;
+    r.E = spec_.num_experts;
+    r.k = spec_.top_k;
+    r.logits = f32(logits_, {r.N, r.E});
+    r.probs = f32(probs_, {r.N, r.E});
+    r.weights = f32(weights_, {r.N, r.k});
+    r.experts = Tensor(buf(experts_), DType::i32, dev(), {r.N, r.k});
+    r.perm = Tensor(buf(perm_), DType::i32, dev(), {r.N * r.k});
+    r.row_of = Tensor(buf(row_of_), DType::i32, dev(), {r.N * r.k});
+    r.counts = static_cast<int64_t*>(buf(counts_));
+    r.offsets = r.counts + r.E;
+    return r;
+  }
+
+  // The per-expert row counts then offsets ([2E + 1]) on the host: read in
+  // place on the CPU; a device backend copies them (one wait per layer).
+  const int64_t* expert_rows(const MoeRouting& r) {
+    if (dev() == Device::cpu) return r.counts;
+    Tensor t(r.counts, DType::f64, dev(), {2 * r.E + 1});  // 8-byte elements
+    env_.backend->download(host_counts_.data(), t, host_counts_.size() * sizeof(int64_t));
+    return host_counts_.data();
+  }
+
+  // Rows [r0, r0 + m) of a packed [rows, cols] matrix.
+  static Tensor rows_of(const Tensor& t, int64_t r0, int64_t m) {
+    return view(t, r0 * t.size(1), {m, t.size(1)});
+  }
+
+  int ln2_ = -1, rstd2_ = -1, noise_ = -1, xin_ = -1, logits_ = -1, probs_ = -1, weights_ = -1, experts_ = -1;
+  int perm_ = -1, row_of_ = -1, counts_ = -1, xs_ = -1, gate_ = -1, up_ = -1, act_ = -1, eout_ = -1, tmp_ = -1;
+  int d_ln_ = -1, d_eout_ = -1, d_act_ = -1, d_gate_ = -1, d_up_ = -1, d_xs_ = -1, d_weights_ = -1, d_probs_ = -1;
+  int d_logits_ = -1;
+  std::vector<int> w1_, w2_, w3_;
+  std::vector<int64_t> host_counts_;
+  bool jittered_ = false;  // the last forward applied jitter (what backward inverts)
+};
+
+}  // namespace
+
+std::unique_ptr<FfnBlock> make_moe_ffn(const ModelSpec& spec, int64_t layer) {
+  return std::make_unique<MoeFfn>(spec, layer);
+}
+
+}  // namespace loom
