@@ -12,12 +12,16 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_WITH_CUDA=ON "$@"
 cmake --build "$B" -j "$(nproc)"
 rm -rf .carry && mkdir -p .carry/bin .carry/lib
-cp -a "$B"/bin/. .carry/bin/
-# Every GPU suite and benchmark that scripts/gpu_check.sh runs must be there.
-for t in test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention fp8_gemm_bench; do
-  [ -x ".carry/bin/$t" ] || { echo "gpu_build: $B/bin/$t was not built" >&2; exit 1; }
+# What scripts/gpu_check.sh runs, and nothing else (the device takes 64 MiB
+# with the tree): loom, the suites with GPU cases, the benchmarks. Stripped:
+# the symbols are for debuggers, and the tree travels without them.
+for t in loom test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_golden \
+         test_gpu_train test_step_alloc test_nccl_comm test_sharding fp8_gemm_bench; do
+  [ -x "$B/bin/$t" ] || { echo "gpu_build: $B/bin/$t was not built" >&2; exit 1; }
+  cp -a "$B/bin/$t" .carry/bin/
 done
 cp -a "$B"/lib/. .carry/lib/
+strip --strip-unneeded .carry/bin/* .carry/lib/libloom.so.*.*.* .carry/lib/loom/plugins/*.so
 for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do
   # awk reads all of ldconfig's output (no early exit: with pipefail a SIGPIPE would stop the script).
   src=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ && !found {print $NF; found = 1}')

@@ -43,7 +43,7 @@ status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   : > "$OUT/tests.txt"
   # The suites with GPU cases (the CPU suites run in CI).
-  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_golden test_gpu_train test_step_alloc}; do
+  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_moe test_cuda_attention test_golden test_gpu_train test_step_alloc}; do
     t=.carry/bin/$n
     if "$t" --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')

@@ -490,7 +490,7 @@ TEST_F(CudaFp8, UpdateScalesMatchesHostComputeScaleBitwise) {
           EXPECT_EQ(bits(got_inv[i]), bits(want_inv[i])) << "slot " << t << " scale " << want_s[i];
         }
         EXPECT_EQ(download<uint32_t>(kb, 1)[0], want_skipped);
-        EXPECT_GE(want_skipped, first == 0 ? 8u : 6u);  // the edge cases in range did skip
+        EXPECT_GE(want_skipped, first == 0 ? 8u : 5u);  // the edge cases in range did skip (from slot 4: three fewer of 0, inf, NaN)
       }
     }
   }

@@ -107,7 +107,15 @@ void Fp8Gemm::set_workspace(void* workspace, size_t bytes) {
   LOOM_CHECK(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, "fp8_gemm: the cuBLASLt workspace must be 256-byte ",
              "aligned, got address ", workspace);
   workspace_ = workspace;
-  workspace_bytes_ = bytes;
+  // The last kScaleSlotBytes hold the aligned scale copies (fp8_gemm.hpp);
+  // cuBLASLt gets the rest.
+  if (bytes > kScaleSlotBytes) {
+    scale_slots_ = reinterpret_cast<float*>(static_cast<char*>(workspace) + bytes - kScaleSlotBytes);
+    workspace_bytes_ = bytes - kScaleSlotBytes;
+  } else {
+    scale_slots_ = nullptr;
+    workspace_bytes_ = 0;
+  }
 }
 
 namespace {
@@ -185,6 +193,20 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
   LOOM_CHECK(workspace_bytes_ > 0, "fp8_gemm: no workspace; call set_workspace() with ", kWorkspaceBytes,
              " bytes of device memory (Hopper's FP8 kernels need one)");
 
+  // cuBLASLt reads the scales 16-byte aligned: copy a scale that is not into
+  // its slot, in stream order before the GEMM (one object per stream).
+  if (alignment_of(a_inv_scale) < 16) {
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_slots_, a_inv_scale, sizeof(float), cudaMemcpyDeviceToDevice, stream),
+                    "fp8_gemm: copy of the A inverse scale at ", static_cast<const void*>(a_inv_scale),
+                    " to its 16-byte aligned slot");
+    a_inv_scale = scale_slots_;
+  }
+  if (alignment_of(b_inv_scale) < 16) {
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_slots_ + 4, b_inv_scale, sizeof(float), cudaMemcpyDeviceToDevice, stream),
+                    "fp8_gemm: copy of the B inverse scale at ", static_cast<const void*>(b_inv_scale),
+                    " to its 16-byte aligned slot");
+    b_inv_scale = scale_slots_ + 4;
+  }
   auto handle = static_cast<cublasLtHandle_t>(handle_);
   const bool want_amax = opt.d_amax != nullptr;
   // clang-format off

@@ -77,6 +77,14 @@ struct Fp8GemmOptions {
 class Fp8Gemm {
  public:
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+  // cuBLASLt's FP8 kernels read the A/B scale pointers as 16-byte aligned
+  // (measured on an H100 with cuBLASLt 13.1: a scale 4 or 8 bytes past a
+  // 16-byte boundary makes cublasLtMatmul return CUBLAS_STATUS_NOT_SUPPORTED
+  // although the heuristic offered the algorithm). A recipe's scales are one
+  // contiguous float per tensor, so a scale that is not 16-byte aligned is
+  // first copied (4 bytes, on the GEMM's stream) into one of two aligned
+  // slots carved from the end of the workspace.
+  static constexpr size_t kScaleSlotBytes = 256;
 
   // handle: a cublasLtHandle_t (void* so that this header needs no cuBLASLt).
   // workspace: device memory, 256-byte aligned, used by every GEMM of this object.
@@ -105,7 +113,8 @@ class Fp8Gemm {
  private:
   void* handle_;
   void* workspace_;
-  size_t workspace_bytes_;
+  size_t workspace_bytes_;       // cuBLASLt's part of the workspace
+  float* scale_slots_ = nullptr;  // the workspace's last kScaleSlotBytes: 16-byte aligned copies of the scales
   std::vector<std::unique_ptr<Plan>> plans_;
   int64_t plans_built_ = 0;
   bool last_amax_fused_ = false;
