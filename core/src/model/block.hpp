@@ -43,7 +43,11 @@ struct BlockEnv {
   Attention* attention = nullptr;
   Backend* backend = nullptr;
   int64_t head_chunk = 0;       // tokens per LM-head chunk (the head block's)
+  std::vector<int>* linear_ids = nullptr;  // every id the recipe returned, in order (Model::plan sets it)
   AttentionShape attention_shape() const;
+  // precision->register_linear, recording the id (the memory plan asks the
+  // recipe for each linear's saved activations).
+  int register_linear(const LinearDesc& desc) const;
 };
 
 // Activation buffers of every block, planned once. A buffer is either a
