@@ -177,12 +177,12 @@ void Fp8Recipe::set_saved_activations(void* ptr, size_t bytes) {
   saved_ = static_cast<float*>(ptr);
 }
 
-const Fp8Recipe::Linear& Fp8Recipe::lookup(const ExecContext& ctx, int id) const {
+Fp8Recipe::Linear& Fp8Recipe::lookup(const ExecContext& ctx, int id) {
   LOOM_CHECK(ctx.device == Device::cpu, "precision ", plugin_, ": called with a ", device_name(ctx.device),
              " context; this recipe runs on the CPU");
   LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", plugin_, ": linear id ", id,
              " was never registered (", linears_.size(), " linears registered)");
-  const Linear& l = linears_[static_cast<size_t>(id)];
+  Linear& l = linears_[static_cast<size_t>(id)];
   LOOM_CHECK(!l.fp8 || (set_up_ && (workspace_ != nullptr || workspace_bytes() == 0) && saved_ != nullptr),
              "precision ", plugin_, ": ", l.desc.name, " called before setup() and the planned memory were given");
   return l;
@@ -272,8 +272,7 @@ const float* Fp8Recipe::cast_weight(Linear& l, const Tensor& w) {
 
 void Fp8Recipe::linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
                                const Tensor* residual) {
-  Linear& l = linears_[static_cast<size_t>(id)];
-  lookup(ctx, id);
+  Linear& l = lookup(ctx, id);
   if (!l.fp8) return full_forward(l, x, w, y, residual);
   const LinearDesc& d = l.desc;
   const RowMatrix mx = matrix(x, plugin_, d, "x"), my = matrix(y, plugin_, d, "y");
@@ -298,8 +297,7 @@ void Fp8Recipe::linear_forward(const ExecContext& ctx, int id, const Tensor& x, 
 
 void Fp8Recipe::linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,
                                 Tensor* dx, Tensor& dw, bool accumulate) {
-  Linear& l = linears_[static_cast<size_t>(id)];
-  lookup(ctx, id);
+  Linear& l = lookup(ctx, id);
   if (!l.fp8) return full_backward(l, x, w, dy, dx, dw, accumulate);
   const LinearDesc& d = l.desc;
   const RowMatrix mx = matrix(x, plugin_, d, "x"), mdy = matrix(dy, plugin_, d, "dy");

@@ -64,7 +64,8 @@ class Fp8Recipe : public Precision {
 
  private:
   struct Linear;
-  const Linear& lookup(const ExecContext& ctx, int id) const;
+  // Checks the context, the id and that the memory was given; the linear.
+  Linear& lookup(const ExecContext& ctx, int id);
   void full_forward(const Linear& l, const Tensor& x, const Tensor& w, Tensor& y, const Tensor* residual);
   void full_backward(const Linear& l, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx, Tensor& dw,
                      bool accumulate);
