@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -677,4 +678,21 @@ TEST(Fp8Recipes, Bf16CheckpointResumesUnderFp8Delayed) {
   loom::RunSummary run = s.train(4);
   ASSERT_EQ(run.steps.size(), 2u);
   for (const auto& st : run.steps) EXPECT_TRUE(std::isfinite(st.loss));
+}
+
+// Resuming the same recipe with a setting that sizes its state changed (here
+// the amax history length) is refused, naming the state tensor and what to do.
+TEST(Fp8Recipes, StateOfAnotherLayoutIsRefused) {
+  fs::path d = temp_dir("layout");
+  const std::vector<std::string> ov = {"checkpoint.every=2", "checkpoint.resume=auto", "train.validation_every=0"};
+  {
+    loom::Session s(parse(small_config(d / "run", "plugin = \"fp8_delayed\"\namax_history_len = 4"), ov));
+    s.train(2);
+  }
+  loom::test::expect_error(
+      [&] {
+        loom::Session s(parse(small_config(d / "run", "plugin = \"fp8_delayed\"\namax_history_len = 8"), ov));
+        s.initialise();
+      },
+      {"step_00000002", "fp8.amax_history", "[4,", "[8,", "checkpoint.resume = \"none\""});
 }

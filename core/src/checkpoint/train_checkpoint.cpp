@@ -275,8 +275,9 @@ void CheckpointSet::read_precision_state(int rank, const SavedState& s, Tensor& 
   if (rec.dtype != dst.dtype || rec.shape != std::vector<int64_t>(dst.shape.begin(), dst.shape.begin() + dst.ndim))
     throw Error(cat("checkpoint ", dir_, ": precision state '", s.name, "' is ", dtype_name(rec.dtype), " ",
                     rec.shape_str(), " there and ", dtype_name(dst.dtype), " ", dst.shape_str(),
-                    " in this run's recipe: the recipe's state changed layout. Start fresh (checkpoint.resume = "
-                    "\"none\") or resume with the loom that wrote it"));
+                    " in this run's recipe: its state has another layout there (a [precision] setting that sizes it, "
+                    "such as an FP8 amax history length, or the model's linears, such as model.layers, changed). Resume "
+                    "with the settings that wrote it, or start fresh (checkpoint.resume = \"none\")"));
   rd->read(tensor, dst);
 }
 
