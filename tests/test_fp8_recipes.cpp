@@ -525,7 +525,8 @@ TEST(Fp8Recipes, MemoryPlanCountsSavedActivations) {
 // fp32's. Both runs see the same data and initial weights. For CI on two
 // cores the batch is cut to 8 sequences of 128 (the quickstart's own is 16):
 // the same model, sequence length, optimiser and schedule, ~4 minutes for the
-// three runs instead of ~10 (~25 on a busy machine). Measured (docs/
+// three runs alone (~20 beside the rest of the suite at ctest -j2, hence the
+// suite's timeout in tests/CMakeLists.txt) instead of ~25 on a busy machine. Measured (docs/
 // PERFORMANCE.md): batch 16 -0.60% (delayed) and +1.19% (current), batch 8
 // +1.37% and +0.41%, batch 4 +1.78% and +1.47% (too close to the bound for
 // CI). LOOM_FP8_CONVERGENCE_MICRO_BATCH=16 runs the quickstart's batch;
