@@ -2,7 +2,7 @@
 //
 // Times training steps of CONFIG's model, batch and recipe on synthetic data:
 // warm-up steps excluded, the median step time over N steps (CUDA events on
-// the GPU), tokens/s, MFU (DESIGN.md's formula, 989 TFLOP/s peak), device
+// the GPU), tokens/s, MFU (DESIGN.md's formula against kMfuPeakFlops, loom/precision.hpp), device
 // memory in use (cudaMemGetInfo) and the arena's size. One table row on
 // stdout, the same as JSON with --json. --breakdown adds per-part times of one
 // extra step (units timed one at a time, so the parts add up to a bit more
@@ -87,7 +87,7 @@ int cmd_bench(const Args& args) {
   const double tokens_per_step = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum);
   const double med = median(ms);
   const double tok_s = tokens_per_step / (med * 1e-3);
-  const double mfu = s.spec().flops_per_token(t.seq_len) * tok_s / kPeakFlops;
+  const double mfu_now = mfu(s.spec().flops_per_token(t.seq_len), tok_s);
   const double gib = 1024.0 * 1024.0 * 1024.0;
   const double mem = static_cast<double>(be.device_memory_used()) / gib;
   const double arena = static_cast<double>(s.arena_bytes()) / gib;
@@ -109,7 +109,7 @@ int cmd_bench(const Args& args) {
                       {"min_step_ms", *std::min_element(ms.begin(), ms.end())},
                       {"max_step_ms", *std::max_element(ms.begin(), ms.end())},
                       {"tokens_per_s", tok_s},
-                      {"mfu", mfu},
+                      {"mfu", mfu_now},
                       {"device_mem_gib", mem},
                       {"arena_gib", arena},
                       {"final_loss", last.loss}};
@@ -139,7 +139,7 @@ int cmd_bench(const Args& args) {
               "step ms", "tokens/s", "MFU", "mem GiB", "arena GiB");
   std::printf("%-28s %-14s %-10s %6lld %6lld %10.2f %12.0f %6.1f%% %9.2f %9.2f\n", a.file.c_str(),
               cfg.precision.plugin.c_str(), cfg.attention.plugin.c_str(), static_cast<long long>(t.micro_batch),
-              static_cast<long long>(t.seq_len), med, tok_s, 100.0 * mfu, mem, arena);
+              static_cast<long long>(t.seq_len), med, tok_s, 100.0 * mfu_now, mem, arena);
   if (breakdown)
     for (auto& [k, v] : j["breakdown_ms"].items()) std::printf("  %-22s %9.2f ms\n", k.c_str(), v.get<double>());
   std::printf("BENCH_JSON %s\n", j.dump().c_str());

@@ -14,7 +14,8 @@
 //
 // q(a) = decode(encode(a * scale)) / scale in the operand's format (under the
 // "hybrid" formats dy is E5M2, x and w E4M3). Each call returns the amaxes of
-// its two unscaled inputs, which the scaling state records.
+// its two unscaled inputs, which the scaling state records (0 for an operand
+// passed already cast).
 //
 // The quantised copies go to a caller's workspace of
 // emulated_workspace_floats(m, k, n) floats, so a step allocates nothing.
@@ -31,6 +32,10 @@ struct Operand {
   int64_t ld;   // row stride in elements
   float scale;  // the FP8 value is data * scale
   Format format;
+  // data already holds q(a) (a cast made earlier with this scale and format,
+  // e.g. a weight cast once per optimizer step, or x saved by the forward):
+  // the GEMM reads it as it is, and the amax returned for it is 0.
+  bool cast = false;
 };
 
 struct OperandAmax {

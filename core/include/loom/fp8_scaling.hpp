@@ -104,6 +104,22 @@ class ScalingState {
   // steps not taken yet); empty under current scaling.
   std::vector<float> history(int linear, Role r) const;
 
+  // Checkpointing (a recipe's state tensors): the scales, [tensors()], and the
+  // history ring, [amax_history_len][tensors()] (empty under current
+  // scaling), as raw arrays, and the counters that go with them. After the
+  // arrays were overwritten from a checkpoint, restore() sets the counters and
+  // recomputes the inverse scales; it throws loom::Error (naming the tensor)
+  // for a scale that is not positive and finite or a history entry that is
+  // negative or not finite. This step's amaxes are not part of it.
+  struct Counters {
+    int64_t head = 0, steps = 0, skipped = 0, nonfinite = 0;
+  };
+  float* scale_data() { return scale_.data(); }
+  float* history_data() { return history_.data(); }
+  int64_t history_floats() const { return static_cast<int64_t>(history_.size()); }
+  Counters counters() const { return {head_, steps_, skipped_, nonfinite_}; }
+  void restore(const Counters& c);
+
   int64_t steps() const { return steps_; }
   // Scales kept since the start (amax 0 or not finite, or a scale that would be 0).
   int64_t skipped_updates() const { return skipped_; }

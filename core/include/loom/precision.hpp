@@ -4,15 +4,31 @@
 // The core registers every linear once at start-up (register_linear) and then
 // calls forward/backward with the returned id, so a recipe can keep per-GEMM
 // state (cached descriptors, fp8 scales and amax history).
+//
+// Life of a recipe object (plugin ABI 4):
+//   constructor(PluginInit)        reads and checks its [precision] table
+//   register_linear(desc) ...      every linear, before anything is planned
+//   setup(PrecisionSetup)          communicator, determinism, device
+//   saved_activation_bytes(id), workspace_bytes()   planned by the core (memory plan, `loom check`)
+//   set_workspace / set_saved_activations           the planned memory
+//   state_tensors()                what a checkpoint saves and restores by name
+//   linear_forward / linear_backward ... end_step()   every step
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "loom/comm.hpp"
 #include "loom/context.hpp"
 #include "loom/plugin.hpp"
 #include "loom/tensor.hpp"
 
 namespace loom {
+
+// Model flops utilisation is measured against one peak for every recipe: the
+// dense bf16 rate of an H100/H200 (DESIGN.md "MFU"), 989 TFLOP/s. An FP8
+// recipe is not measured against the FP8 peak, so MFU compares across recipes.
+constexpr double kMfuPeakFlops = 989e12;
 
 struct PrecisionDTypes {
   DType param;        // parameters as the GEMMs read them
@@ -24,11 +40,44 @@ struct PrecisionDTypes {
   bool stochastic_rounding = false;  // round updated params stochastically (recipes without a master)
 };
 
+// What a linear is in the model, so that a recipe can treat some differently
+// (the FP8 recipes keep the LM head in full precision by default).
+enum class LinearRole : uint8_t {
+  hidden = 0,   // a projection inside a decoder layer (attention, feed-forward)
+  lm_head = 1,  // the output projection to the vocabulary (the tied embedding when tied)
+};
+const char* linear_role_name(LinearRole r);
+
 struct LinearDesc {
   std::string name;   // "layer.3.q_proj"
   int64_t in = 0;     // k
   int64_t out = 0;    // n
   int64_t max_rows = 0;  // m: tokens per micro-batch (rows of x)
+  LinearRole role = LinearRole::hidden;
+};
+
+// Handed to the recipe once, after every linear is registered and before the
+// memory is planned.
+struct PrecisionSetup {
+  // The data-parallel group: every rank of it computes the same linears on
+  // other data, so a recipe's per-tensor statistics (FP8 amaxes) are reduced
+  // over it. Never null (a one-rank communicator when training alone). Host
+  // tensors when device_tensors() is false (self, MPI), device tensors for NCCL.
+  Communicator* data_parallel = nullptr;
+  bool deterministic = false;  // run.deterministic
+  Device device = Device::cpu;
+};
+
+// One tensor of recipe state (scales, amax history, counters) that a
+// checkpoint saves as a tensor and gives back, matched by name, on resume.
+// The recipe owns the memory (host or device, as `tensor` says) for its
+// lifetime. Replicated state is equal on every rank and written once (by rank
+// 0); sharded state differs per rank and is written by each rank, resumed only
+// with the same world size.
+struct StateTensor {
+  std::string name;  // unique within the recipe, e.g. "fp8.scale"
+  Tensor tensor;     // any dtype, contiguous
+  bool replicated = true;
 };
 
 class Precision : public Plugin {
@@ -36,9 +85,19 @@ class Precision : public Plugin {
   virtual PrecisionDTypes dtypes() const = 0;
   // Called once per linear before the first step; returns its id.
   virtual int register_linear(const LinearDesc& desc) = 0;
+  // Bytes the recipe keeps per call of linear_forward for linear `id` until
+  // the matching backward (e.g. FP8 copies of x): the core plans them as
+  // activations, once per linear (the sum over linears is what
+  // set_saved_activations hands over). Known after register_linear.
+  virtual size_t saved_activation_bytes(int /*id*/) const { return 0; }
   // Workspace the recipe needs on the device (bytes), known after all linears are registered.
   virtual size_t workspace_bytes() const { return 0; }
+  // Once, after every register_linear and before the memory is planned.
+  virtual void setup(const PrecisionSetup& /*setup*/) {}
   virtual void set_workspace(void* /*ptr*/, size_t /*bytes*/) {}
+  // The memory for the saved activations: the sum of saved_activation_bytes
+  // over every registered id, laid out by the recipe (not called when 0).
+  virtual void set_saved_activations(void* /*ptr*/, size_t /*bytes*/) {}
   // y[m, out] = x[m, in] * W[out, in]^T (+ residual[m, out] when residual is not null).
   // The residual is the GEMM's C input with beta = 1 (cuBLASLt epilogue), so a
   // fused layer adds the residual stream in the same pass that writes y; it has
@@ -49,11 +108,21 @@ class Precision : public Plugin {
   // dW[out, in] = dy^T x, added to dW when accumulate is true (micro-batches), else written.
   virtual void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,
                                Tensor* dx, Tensor& dw, bool accumulate) = 0;
-  // Once per optimizer step, after the update (scale/amax bookkeeping).
+  // Once per optimizer step, after the update (scale/amax bookkeeping). The
+  // parameters have their new values: a recipe that caches cast weights
+  // drops them here.
   virtual void end_step(const ExecContext& /*ctx*/) {}
-  // Recipe state to checkpoint (scales, amax history); opaque bytes.
-  virtual std::string save_state() const { return {}; }
-  virtual void load_state(const std::string& /*state*/) {}
+  // The recipe state a checkpoint saves (after setup; the same names, shapes
+  // and dtypes for the object's lifetime). On resume the core fills these
+  // tensors from a checkpoint written by a recipe of the same name, then calls
+  // state_loaded(); a checkpoint of another recipe leaves them as they are
+  // (the state starts fresh, and the log says so).
+  virtual std::vector<StateTensor> state_tensors() { return {}; }
+  virtual void state_loaded() {}
+  // A short description of the recipe's state for log steps (e.g. FP8 scales
+  // and skipped updates), "" for nothing; the core prints it after the step's
+  // log line as "precision: <text>".
+  virtual std::string log_summary() const { return {}; }
 };
 
 template <> struct PluginInterface<PluginKind::precision> { using type = Precision; };

@@ -13,8 +13,8 @@
 // Plugin ABI: the major changes when an interface breaks (a plugin built
 // against another major is refused); the minor grows when the host adds
 // something a plugin may use (a host accepts plugins with minor <= its own).
-#define LOOM_ABI_MAJOR 3
-#define LOOM_ABI_MINOR 1  // 3.1: ConfigTable::get_float with a FloatRange (open bounds)
+#define LOOM_ABI_MAJOR 4
+#define LOOM_ABI_MINOR 0  // 4.0: Precision setup, named state tensors, saved activations, LinearDesc::role
 
 #define LOOM_STR2_(x) #x
 #define LOOM_STR_(x) LOOM_STR2_(x)

@@ -16,6 +16,13 @@ namespace {
 
 using json = nlohmann::json;
 
+DType any_dtype_named(const std::string& where, const std::string& s) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16, DType::e4m3, DType::e5m2, DType::i32, DType::u16, DType::u32,
+                  DType::f64})
+    if (dtype_name(t) == s) return t;
+  throw Error(cat(where, ": dtype \"", s, "\" is not one Loom knows"));
+}
+
 DType dtype_named(const std::string& dir, const std::string& s) {
   for (DType t : {DType::f32, DType::bf16, DType::f16})
     if (dtype_name(t) == s) return t;
@@ -89,9 +96,9 @@ CheckpointSet::CheckpointSet(std::string dir) : dir_(std::move(dir)) {
   try {
     TrainMeta& m = meta_;
     m.version = j.value("version", 0);
-    if (m.version < 2 || m.version > 4)
+    if (m.version < 2 || m.version > 5)
       throw Error(cat("checkpoint ", dir_, " has format version ", m.version,
-                      "; this loom reads versions 2 to 4. Point checkpoint.dir elsewhere or set checkpoint.resume = "
+                      "; this loom reads versions 2 to 5. Point checkpoint.dir elsewhere or set checkpoint.resume = "
                       "\"none\""));
     m.step = j.at("step").get<int64_t>();
     if (m.step != certified_step)
@@ -158,7 +165,26 @@ CheckpointSet::CheckpointSet(std::string dir) : dir_(std::move(dir)) {
     }
     m.data_plugin = j.value("data_plugin", "");
     m.data_state = j.value("data_state", "");
-    m.precision_state = j.value("precision_state", "");
+    if (m.version >= 5) {
+      for (const json& t : j.at("precision_tensors")) {
+        SavedState st;
+        st.name = t.at("name").get<std::string>();
+        st.dtype = any_dtype_named(where, t.at("dtype").get<std::string>());
+        st.shape = t.at("shape").get<std::vector<int64_t>>();
+        st.replicated = t.at("replicated").get<bool>();
+        for (const SavedState& o : m.precision_tensors)
+          if (o.name == st.name) throw bad(cat("precision state tensor '", st.name, "' is listed twice"));
+        m.precision_tensors.push_back(std::move(st));
+      }
+    } else if (const std::string old = j.value("precision_state", std::string()); !old.empty()) {
+      // Versions 2 to 4 kept a recipe's state as opaque bytes; no recipe of
+      // those looms wrote any, and the bytes cannot be mapped to named tensors.
+      throw Error(cat("checkpoint ", dir_, " (format version ", m.version, ", precision \"", m.precision,
+                      "\") holds precision state in the opaque form older looms wrote (", old.size() / 2,
+                      " bytes in meta.json's \"precision_state\"); this loom keeps recipe state as named tensors and "
+                      "cannot read it. Resume it with the loom that wrote it, or start fresh (checkpoint.resume = "
+                      "\"none\")"));
+    }
     m.samples_seen = j.value("samples_seen", int64_t{0});
   } catch (const json::exception& e) {
     throw bad(cat("a required field is missing or has the wrong type (", e.what(), ")"));
@@ -242,6 +268,29 @@ std::vector<float> CheckpointSet::weights_f32(const SavedParam& p) {
   std::vector<float> out(static_cast<size_t>(p.numel));
   read(meta_.has_master ? "master" : "params", p, 0, p.numel, DType::f32, out.data());
   return out;
+}
+
+void CheckpointSet::read_precision_state(int rank, const SavedState& s, Tensor& dst) {
+  const std::string tensor = "precision." + s.name;
+  auto& rd = readers_[rank];
+  if (!rd) {
+    if (rank < 0 || rank >= meta_.world_size)
+      throw Error(cat("checkpoint ", dir_, ": precision state '", s.name, "' of rank ", rank, ", but it was written by ",
+                      meta_.world_size, " rank(s)"));
+    rd = std::make_unique<CheckpointReader>(dir_, rank);
+    check_rank_file(rank, rd->header_crc());
+  }
+  if (!rd->has(tensor))
+    throw Error(cat("checkpoint ", dir_, ": meta.json lists precision state '", s.name, "' but ", rank_file_name(rank),
+                    " has no tensor ", tensor, ": the checkpoint is damaged"));
+  const TensorRecord& rec = rd->info(tensor);
+  if (rec.dtype != dst.dtype || rec.shape != std::vector<int64_t>(dst.shape.begin(), dst.shape.begin() + dst.ndim))
+    throw Error(cat("checkpoint ", dir_, ": precision state '", s.name, "' is ", dtype_name(rec.dtype), " ",
+                    rec.shape_str(), " there and ", dtype_name(dst.dtype), " ", dst.shape_str(),
+                    " in this run's recipe: its state has another layout there (a [precision] setting that sizes it, "
+                    "such as an FP8 amax history length, or the model's linears, such as model.layers, changed). Resume "
+                    "with the settings that wrote it, or start fresh (checkpoint.resume = \"none\")"));
+  rd->read(tensor, dst);
 }
 
 }  // namespace loom::ckpt

@@ -3,20 +3,27 @@
 // by parameter name, whatever world size, strategy, precision or layer
 // variant wrote it.
 //
-// meta.json (format version 4; versions 2 and 3 are still read: 2 lacks
-// "layers" and the parameter roles, both lack "shard_header_crc32"):
+// meta.json (format version 5; versions 2 to 4 are still read: 2 lacks
+// "layers" and the parameter roles, 2 and 3 lack "shard_header_crc32", and 2
+// to 4 recorded the precision recipe's state as an opaque hex string,
+// "precision_state", which no recipe filled: an empty one reads as no state,
+// any other is refused):
 //   step, world_size, strategy, precision (the plugin's name, for people),
 //   dtypes {params, grads, optim_state, activation, master},
 //   layers ("native" | "fused": what computed; the layout is the same),
 //   model {hidden, num_layers, ...},
 //   units [{name, numel, params [{name, shape, offset, role}], shards [[rank, lo, hi], ...]}],
-//   data_plugin, data_state, samples_seen, precision_state, seed, config,
+//   data_plugin, data_state, samples_seen, seed, config,
+//   precision_tensors [{name, dtype, shape, replicated}] (the recipe's state,
+//     loom/precision.hpp StateTensor: tensors "precision.<name>" in rank 0's
+//     file when replicated, in every rank's file when not),
 //   shard_header_crc32 [the header CRC32 of rank 0's file, rank 1's, ...].
 // COMPLETE certifies meta.json (checkpoint.hpp); meta.json in turn certifies
 // every rank file, so the whole checkpoint is one consistent set.
 // Rank r's file holds, per unit, params.<unit>, master.<unit> (when the
 // recipe has a master copy), adam_m.<unit> and adam_v.<unit> for its shard
 // [lo, hi) of the unit's flat vector: every element is written exactly once.
+// The recipe's state tensors are beside them (precision.<name>).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -45,6 +52,13 @@ struct SavedUnit {
   std::vector<Shard> shards;
 };
 
+struct SavedState {
+  std::string name;  // the recipe's name for it; the tensor is "precision.<name>"
+  DType dtype = DType::f32;
+  std::vector<int64_t> shape;
+  bool replicated = true;
+};
+
 struct TrainMeta {
   int version = 0;
   int64_t step = 0;
@@ -57,7 +71,8 @@ struct TrainMeta {
   std::vector<SavedUnit> units;
   std::vector<SavedParam> params;
   std::map<std::string, size_t> by_name;  // parameter name -> index into params
-  std::string data_plugin, data_state, precision_state;
+  std::string data_plugin, data_state;
+  std::vector<SavedState> precision_tensors;  // version 5; empty before
   int64_t samples_seen = 0;
   std::vector<uint32_t> shard_header_crc;  // per rank (version 4); empty before
 };
@@ -81,6 +96,9 @@ class CheckpointSet {
   // The parameter's weights in fp32: the master copy when there is one (the
   // exact values), else the stored params.
   std::vector<float> weights_f32(const SavedParam& p);
+  // A recipe state tensor (precision.<name>) from `rank`'s file into dst, a
+  // contiguous host tensor of the saved dtype and shape (checked, naming both).
+  void read_precision_state(int rank, const SavedState& s, Tensor& dst);
 
  private:
   const std::vector<std::byte>& piece(int rank, const std::string& tensor);

@@ -51,6 +51,7 @@ namespace {
 struct Cast {
   const float* a;
   const float* b;
+  int64_t lda, ldb;  // row strides of a and b as the GEMM reads them
   OperandAmax amax;
 };
 Cast cast_pair(const Operand& a, int64_t a_rows, int64_t a_cols, const char* a_name, const Operand& b, int64_t b_rows,
@@ -60,31 +61,41 @@ Cast cast_pair(const Operand& a, int64_t a_rows, int64_t a_cols, const char* a_n
   check_workspace(workspace, m, k, n);
   float* qa = workspace;
   float* qb = workspace + a_rows * a_cols;
-  return {qa, qb, {quantize_rows(a, a_rows, a_cols, qa), quantize_rows(b, b_rows, b_cols, qb)}};
+  Cast c{qa, qb, std::max<int64_t>(a_cols, 1), std::max<int64_t>(b_cols, 1), {0.0f, 0.0f}};
+  if (a.cast) c.a = a.data, c.lda = a.ld;
+  else c.amax.first = quantize_rows(a, a_rows, a_cols, qa);
+  if (b.cast) c.b = b.data, c.ldb = b.ld;
+  else c.amax.second = quantize_rows(b, b_rows, b_cols, qb);
+  return c;
 }
 
 }  // namespace
 
 // The products are the fp32 recipe's (loom/cpu_gemm.hpp) on the cast copies,
-// which are contiguous: their row strides are their row lengths.
+// which are contiguous (their row strides are their row lengths), or on an
+// operand passed already cast, with its own row stride (w must be contiguous).
 OperandAmax emulated_linear_forward(float* y, int64_t ldy, const Operand& x, const Operand& w, int64_t m, int64_t k,
                                     int64_t n, bool accumulate, float* workspace) {
   const Cast c = cast_pair(x, m, k, "x", w, n, k, "w", m, k, n, workspace);
-  cpu::linear_forward(y, ldy, c.a, std::max<int64_t>(k, 1), c.b, m, k, n, accumulate);
+  LOOM_CHECK(c.ldb == std::max<int64_t>(k, 1), "fp8 emulated gemm: a cast w must be contiguous [n, k] (row stride ",
+             c.ldb, ", k = ", k, ")");
+  cpu::linear_forward(y, ldy, c.a, c.lda, c.b, m, k, n, accumulate);
   return c.amax;
 }
 
 OperandAmax emulated_linear_backward_input(float* dx, int64_t lddx, const Operand& dy, const Operand& w, int64_t m,
                                            int64_t k, int64_t n, float* workspace) {
   const Cast c = cast_pair(dy, m, n, "dy", w, n, k, "w", m, k, n, workspace);
-  cpu::linear_backward_input(dx, lddx, c.a, std::max<int64_t>(n, 1), c.b, m, k, n);
+  LOOM_CHECK(c.ldb == std::max<int64_t>(k, 1), "fp8 emulated gemm: a cast w must be contiguous [n, k] (row stride ",
+             c.ldb, ", k = ", k, ")");
+  cpu::linear_backward_input(dx, lddx, c.a, c.lda, c.b, m, k, n);
   return c.amax;
 }
 
 OperandAmax emulated_linear_backward_weight(float* dw, const Operand& dy, const Operand& x, int64_t m, int64_t k,
                                             int64_t n, bool accumulate, float* workspace) {
   const Cast c = cast_pair(dy, m, n, "dy", x, m, k, "x", m, k, n, workspace);
-  cpu::linear_backward_weight(dw, c.a, std::max<int64_t>(n, 1), c.b, std::max<int64_t>(k, 1), m, k, n, accumulate);
+  cpu::linear_backward_weight(dw, c.a, c.lda, c.b, c.ldb, m, k, n, accumulate);
   return c.amax;
 }
 

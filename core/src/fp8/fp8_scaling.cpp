@@ -129,6 +129,29 @@ int64_t ScalingState::update_scales() {
   return kept;
 }
 
+void ScalingState::restore(const Counters& c) {
+  LOOM_CHECK(c.steps >= 0 && c.skipped >= 0 && c.nonfinite >= 0 && c.head >= 0 &&
+                 (cfg_.scaling != Scaling::delayed || c.head < cfg_.amax_history_len),
+             "fp8 scaling: restored counters are impossible (history head ", c.head, " of ", cfg_.amax_history_len,
+             ", steps ", c.steps, ", skipped ", c.skipped, ", non-finite ", c.nonfinite, ")");
+  for (int64_t t = 0; t < tensors(); ++t) {
+    const float s = scale_[static_cast<size_t>(t)];
+    LOOM_CHECK(s > 0.0f && is_finite(s), "fp8 scaling: restored scale of ", names_[static_cast<size_t>(t / kRolesPerLinear)],
+               " (role ", t % kRolesPerLinear, ") is ", s, "; a scale must be positive and finite");
+    set_scale(t, s);
+  }
+  for (size_t i = 0; i < history_.size(); ++i) {
+    const float a = history_[i];
+    LOOM_CHECK(a >= 0.0f && is_finite(a), "fp8 scaling: restored amax history entry ", i, " is ", a,
+               "; entries are finite and >= 0");
+  }
+  head_ = c.head;
+  steps_ = c.steps;
+  skipped_ = c.skipped;
+  nonfinite_ = c.nonfinite;
+  for (auto& a : step_amax_) a = 0.0f;
+}
+
 std::vector<float> ScalingState::history(int linear, Role r) const {
   check_slot(linear, r, "history");
   std::vector<float> h;

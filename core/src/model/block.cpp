@@ -14,6 +14,12 @@ Recompute parse_recompute(const std::string& s) {
   throw Error(cat("model.recompute = \"", s, "\" is not one of: none, attention, full"));
 }
 
+int BlockEnv::register_linear(const LinearDesc& desc) const {
+  const int id = precision->register_linear(desc);
+  if (linear_ids) linear_ids->push_back(id);
+  return id;
+}
+
 AttentionShape BlockEnv::attention_shape() const {
   AttentionShape a;
   a.batch = B;

@@ -58,7 +58,11 @@ struct BlockEnv {
   Backend* backend = nullptr;
   int64_t head_chunk = 0;       // tokens per LM-head chunk (the head block's)
   MoeShared* moe = nullptr;     // the model's, for `moe` feed-forward blocks
+  std::vector<int>* linear_ids = nullptr;  // every id the recipe returned, in order (Model::plan sets it)
   AttentionShape attention_shape() const;
+  // precision->register_linear, recording the id (the memory plan asks the
+  // recipe for each linear's saved activations).
+  int register_linear(const LinearDesc& desc) const;
 };
 
 // Activation buffers of every block, planned once. A buffer is either a

@@ -32,6 +32,8 @@ Model::Model(const ModelSpec& spec, std::string layers) : spec_(spec), layers_(s
 void Model::plan(const BlockEnv& env, ArenaPlan& plan) {
   env_ = env;
   env_.spec = &spec_;
+  linear_ids_.clear();
+  env_.linear_ids = &linear_ids_;
   const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
   const size_t stream_bytes = n * static_cast<size_t>(spec_.hidden) * e;
   const bool full = env.recompute == Recompute::full;

@@ -35,6 +35,8 @@ class Model {
   void plan(const BlockEnv& env, ArenaPlan& plan);
   void bind(const Arena& arena);
   const BlockEnv& env() const { return env_; }
+  // The ids the precision recipe returned for every linear (after plan).
+  const std::vector<int>& linear_ids() const { return linear_ids_; }
 
   // The micro-batch's tokens on the backend: [2 * N] int32, inputs then targets.
   Tensor tokens() const;
@@ -68,6 +70,7 @@ class Model {
   std::vector<std::string> range_names_;  // "forward.layer.N", "backward.layer.N" per layer
 
   BlockEnv env_;
+  std::vector<int> linear_ids_;
   ActivationPlan acts_;
   std::vector<int> res_, mid_;
   MoeShared moe_;

@@ -16,24 +16,6 @@ namespace fs = std::filesystem;
 namespace loom {
 namespace {
 
-std::string hex(const std::string& bytes) {
-  static const char* d = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : bytes) { out += d[c >> 4]; out += d[c & 15]; }
-  return out;
-}
-std::string unhex(const std::string& h) {
-  LOOM_CHECK(h.size() % 2 == 0, "odd-length hex string in checkpoint metadata");
-  auto v = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    throw Error("non-hex character in checkpoint metadata");
-  };
-  std::string out;
-  for (size_t i = 0; i < h.size(); i += 2) out += static_cast<char>(v(h[i]) * 16 + v(h[i + 1]));
-  return out;
-}
-
 // The part of a unit this rank writes: its owned range (what its optimizer
 // state covers), split between the ranks that own the same range (ddp: every
 // rank; hybrid_shard: one per group), so every element is written once and
@@ -73,6 +55,7 @@ void save_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Mo
   be.synchronize();
   rt.comm->synchronize();  // collectives still writing params (zero1/zero2's gathers) have finished
   std::vector<UnitState>& units = state.units();
+  const std::vector<StateTensor> recipe_state = rt.precision->state_tensors();
   // Per unit this rank's [lo, hi), then the CRC of its shard's header: gathered for meta.json.
   std::vector<int64_t> pieces(units.size() * 2 + 1);
   Communicator& host = *rt.host;
@@ -109,6 +92,19 @@ void save_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Mo
       if (u.master.data) add("master." + n, view(u.master, o, {hi - lo}), u, lo);
       add("adam_m." + n, view(u.adam_m, o, {hi - lo}), u, lo);
       add("adam_v." + n, view(u.adam_v, o, {hi - lo}), u, lo);
+    }
+    // The recipe's state (FP8 scales, amax history): replicated tensors once,
+    // from rank 0; per-rank tensors from every rank.
+    for (const StateTensor& st : recipe_state) {
+      if (st.replicated && rank != 0) continue;
+      Tensor host_t = st.tensor;
+      if (host_t.device != Device::cpu) {
+        staging.emplace_back(host_t.bytes());
+        be.download(staging.back().data(), host_t, host_t.bytes());
+        host_t.data = staging.back().data();
+        host_t.device = Device::cpu;
+      }
+      w.add("precision." + st.name, host_t);
     }
     // Every rank learns whether any rank found a problem, so all refuse together.
     std::vector<double> flags(static_cast<size_t>(host.size()));
@@ -159,9 +155,15 @@ void save_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Mo
     std::vector<uint32_t> header_crcs;
     for (int r = 0; r < host.size(); ++r)
       header_crcs.push_back(static_cast<uint32_t>(all[static_cast<size_t>(r) * pieces.size() + pieces.size() - 1]));
+    nlohmann::json jstate = nlohmann::json::array();
+    for (const StateTensor& st : recipe_state)
+      jstate.push_back({{"name", st.name},
+                        {"dtype", std::string(dtype_name(st.tensor.dtype))},
+                        {"shape", std::vector<int64_t>(st.tensor.shape.begin(), st.tensor.shape.begin() + st.tensor.ndim)},
+                        {"replicated", st.replicated}});
     nlohmann::json meta = {
         {"format", "loom-checkpoint"},
-        {"version", 4},
+        {"version", 5},
         {"step", step},
         {"world_size", world},
         {"strategy", cfg.sharding.plugin},
@@ -177,7 +179,7 @@ void save_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Mo
         {"data_plugin", cfg.data.plugin},
         {"data_state", rt.data->state()},
         {"samples_seen", step * cfg.train.micro_batch * cfg.train.grad_accum * world},
-        {"precision_state", hex(rt.precision->save_state())},
+        {"precision_tensors", jstate},
         {"seed", cfg.run.seed},
         {"config", cfg.effective_toml},
         {"shard_header_crc32", header_crcs},
@@ -278,6 +280,60 @@ void load_unit_range(ckpt::CheckpointSet& set, const std::string& kind, const Pa
   be.upload(dst, staging.data(), staging.size());
 }
 
+// The recipe's state tensors, by name, from a checkpoint of the same recipe;
+// any other recipe's checkpoint leaves them fresh, and the log says so.
+void restore_precision_state(ckpt::CheckpointSet& set, const Config& cfg, Runtime& rt) {
+  const ckpt::TrainMeta& m = set.meta();
+  std::vector<StateTensor> mine = rt.precision->state_tensors();
+  if (m.precision != cfg.precision.plugin) {
+    if (!mine.empty() || !m.precision_tensors.empty())
+      log_info(cat("checkpoint ", set.dir(), " was written with precision \"", m.precision, "\" (",
+                   m.precision_tensors.size(), " state tensor(s)); this run's precision \"", cfg.precision.plugin,
+                   "\" does not take them over: its scales start fresh"));
+    return;
+  }
+  if (m.version < 5) {  // no recipe state was checkpointed (the reader refused any opaque bytes)
+    if (!mine.empty())
+      log_info(cat("checkpoint ", set.dir(), " (format version ", m.version, ") holds no state of precision \"",
+                   cfg.precision.plugin, "\": its scales start fresh"));
+    return;
+  }
+  Backend& be = *rt.backend;
+  std::vector<std::byte> staging;
+  for (StateTensor& st : mine) {
+    const auto it = std::find_if(m.precision_tensors.begin(), m.precision_tensors.end(),
+                                 [&](const ckpt::SavedState& s) { return s.name == st.name; });
+    if (it == m.precision_tensors.end())
+      throw Error(cat("checkpoint ", set.dir(), " has no precision state '", st.name, "', which precision \"",
+                      cfg.precision.plugin, "\" keeps: it was written by another version of the recipe. Resume "
+                      "with that version, or start fresh (checkpoint.resume = \"none\")"));
+    if (it->replicated != st.replicated)
+      throw Error(cat("checkpoint ", set.dir(), ": precision state '", st.name, "' was saved ",
+                      it->replicated ? "replicated" : "per rank", " but the recipe keeps it ",
+                      st.replicated ? "replicated" : "per rank", ": written by another version of the recipe"));
+    if (!st.replicated && m.world_size != rt.world())
+      throw Error(cat("checkpoint ", set.dir(), ": precision state '", st.name, "' is kept per rank and was written by ",
+                      m.world_size, " rank(s); this run has ", rt.world(), ". Resume with ", m.world_size,
+                      " rank(s), or start fresh (checkpoint.resume = \"none\")"));
+    Tensor host_t = st.tensor;
+    if (host_t.device != Device::cpu) {
+      staging.resize(host_t.bytes());
+      host_t.data = staging.data();
+      host_t.device = Device::cpu;
+    }
+    set.read_precision_state(st.replicated ? 0 : rt.rank(), *it, host_t);
+    if (st.tensor.device != Device::cpu) be.upload(st.tensor, staging.data(), staging.size());
+  }
+  for (const ckpt::SavedState& s : m.precision_tensors)
+    if (std::none_of(mine.begin(), mine.end(), [&](const StateTensor& st) { return st.name == s.name; }))
+      log_warn(cat("checkpoint ", set.dir(), ": precision state '", s.name, "' is not kept by precision \"",
+                   cfg.precision.plugin, "\" any more; it is ignored"));
+  rt.precision->state_loaded();
+  if (!mine.empty())
+    log_info(cat("checkpoint ", set.dir(), ": precision \"", cfg.precision.plugin, "\" resumes its state (",
+                 mine.size(), " tensor(s))"));
+}
+
 }  // namespace
 
 std::optional<int64_t> resume_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Model& model) {
@@ -335,10 +391,7 @@ std::optional<int64_t> resume_checkpoint(const Config& cfg, Runtime& rt, TrainSt
     }
   }
   rt.data->restore(m.data_state);
-  if (m.precision == cfg.precision.plugin) rt.precision->load_state(unhex(m.precision_state));
-  else if (!m.precision_state.empty())
-    log_info(cat("checkpoint ", info->dir, ": the state of precision \"", m.precision,
-                 "\" does not carry over to \"", cfg.precision.plugin, "\"; its scales start fresh"));
+  restore_precision_state(set, cfg, rt);
   log_info(cat("resumed from ", info->dir, " at step ", m.step));
   return m.step;
 }

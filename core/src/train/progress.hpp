@@ -13,7 +13,7 @@ struct StepLog {
   int64_t step = 0;  // 1-based: the number of optimizer steps done after this one
   double loss = 0, lr = 0, grad_norm = 0, step_ms = 0, tokens_per_s = 0, samples_per_s = 0;
   bool skipped = false;
-  double mfu = 0;              // GPU only: model flops utilisation against kPeakFlops
+  double mfu = 0;              // GPU only: model flops utilisation against kMfuPeakFlops (loom/precision.hpp)
   size_t peak_mem_bytes = 0;   // memory in use: the device's (cudaMemGetInfo) on GPU, the process's peak resident set on CPU
   bool has_val = false;
   double val_loss = 0;

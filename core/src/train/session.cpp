@@ -248,7 +248,7 @@ std::vector<StepLog> Session::read_ring(bool keep_newest) {
     s.samples_per_s = samples_per_step / secs;
     if (gpu) {
       // MFU (DESIGN.md): flops per token x tokens/s per GPU over the one peak.
-      s.mfu = model_->spec().flops_per_token(t.seq_len) * s.tokens_per_s / static_cast<double>(world()) / kPeakFlops;
+      s.mfu = mfu(model_->spec().flops_per_token(t.seq_len), s.tokens_per_s / static_cast<double>(world()));
     }
     s.peak_mem_bytes = mem;
     out.push_back(s);
@@ -436,7 +436,11 @@ RunSummary Session::train(int64_t stop_at) {
     }
     health.observe(logs);  // too many skipped steps in a row: stops with an error
     const StepLog& s = logs.back();
-    if (s.step % t.log_every == 0 || s.step == t.steps || s.has_val) log_info(log_line(s, t.steps));
+    if (s.step % t.log_every == 0 || s.step == t.steps || s.has_val) {
+      log_info(log_line(s, t.steps));
+      // The recipe's own state (FP8: scales, amax, skipped updates), as of the newest step queued.
+      if (const std::string p = rt_.precision->log_summary(); !p.empty()) log_info(cat("precision: ", p));
+    }
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     const double per_step = elapsed / static_cast<double>(step_ - sum.first_step);
     bar.draw(s.step, s.loss, per_step * static_cast<double>(t.steps - step_));

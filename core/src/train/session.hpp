@@ -33,9 +33,12 @@
 
 namespace loom {
 
-// The dense bf16 peak of an H100/H200 (DESIGN.md "MFU"): every recipe's MFU is
-// against this one number, so MFU compares across recipes.
-constexpr double kPeakFlops = 989e12;
+// Model flops utilisation (DESIGN.md "MFU"): flops per token times tokens/s
+// per GPU over the one peak of loom/precision.hpp (kMfuPeakFlops, dense bf16),
+// whatever the recipe. The step log and `loom bench` both use this.
+inline double mfu(double flops_per_token, double tokens_per_s_per_gpu) {
+  return flops_per_token * tokens_per_s_per_gpu / kMfuPeakFlops;
+}
 
 struct RunSummary {
   std::vector<StepLog> steps;                          // the steps this process ran
@@ -111,6 +114,7 @@ class Session {
   int world() const { return rt_.world(); }
   Communicator& comm() { return *rt_.comm; }       // the data communicator (MPI on CPU, NCCL on CUDA)
   Communicator& host_comm() { return *rt_.host; }  // host scalars and barriers
+  Precision& precision() { return *rt_.precision; }  // the recipe (tests read its state tensors)
   // Times the backend made the host wait for the device (model/backend.hpp).
   int64_t host_syncs() const { return rt_.backend->host_syncs(); }
 

@@ -106,6 +106,18 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   be.backend = rt_.backend.get();
   be.head_chunk = head_chunk_tokens(model_.layers(), cfg_.model.head_chunk, be.N, model_.spec().vocab_size, be.act);
   model_.plan(be, plan_);
+  // Every linear is registered: the recipe learns its data-parallel group
+  // (FP8 amaxes are reduced over it), then says what memory it needs.
+  PrecisionSetup setup;
+  setup.data_parallel = rt_.comm.get();
+  setup.deterministic = cfg_.run.deterministic;
+  setup.device = rt_.backend->device();
+  rt_.precision->setup(setup);
+  // What the recipe keeps from each linear's forward for its backward counts
+  // as activations (one copy per linear, whatever model.recompute says).
+  precision_saved_bytes_ = 0;
+  for (int id : model_.linear_ids()) precision_saved_bytes_ += rt_.precision->saved_activation_bytes(id);
+  precision_saved_ = plan_.add("precision.saved_activations", MemCategory::activations, precision_saved_bytes_);
   precision_ws_bytes_ = rt_.precision->workspace_bytes();
   precision_ws_ = plan_.add("precision.workspace", MemCategory::workspace, precision_ws_bytes_);
   // One row per step between two reads of the step log: log_every in
@@ -124,6 +136,8 @@ void TrainState::allocate() {
   arena_.allocate(plan_, be.device());
   model_.bind(arena_);
   rt_.precision->set_workspace(arena_.ptr(precision_ws_), precision_ws_bytes_);
+  if (precision_saved_bytes_ > 0)
+    rt_.precision->set_saved_activations(arena_.ptr(precision_saved_), precision_saved_bytes_);
   const Tensor both = arena_.tensor(scalars_blk_, DType::f64, {2 * kStepScalars});
   scalars_[0] = view(both, 0, {kStepScalars});
   scalars_[1] = view(both, kStepScalars, {kStepScalars});

@@ -86,6 +86,7 @@ class TrainState {
   std::vector<Tensor> scratch_;
   std::vector<Tensor> own_grads_;  // the per-unit grads the core allocated (zeroed each step)
   size_t precision_ws_ = 0, precision_ws_bytes_ = 0;
+  size_t precision_saved_ = 0, precision_saved_bytes_ = 0;  // the recipe's saved activations (e.g. FP8 copies of x)
   size_t scalars_blk_ = 0, scalar_log_blk_ = 0, eval_sum_blk_ = 0;
   int64_t scalar_log_rows_ = 0;
   Tensor scalars_[2], scalar_log_, eval_sum_;

@@ -45,8 +45,8 @@ class FusedAttention final : public AttentionBlock {
     ws_ = a.shared("attention.workspace",
                    env.attention->workspace_bytes(env.attention_shape(), env.act, env.backend->device()));
     const std::string s = "layer." + std::to_string(l) + ".";
-    wqkv_ = env.precision->register_linear({s + "qkv_proj", h, width(), env.N});
-    wo_ = env.precision->register_linear({s + "o_proj", qd, h, env.N});
+    wqkv_ = env.register_linear({s + "qkv_proj", h, width(), env.N});
+    wo_ = env.register_linear({s + "o_proj", qd, h, env.N});
   }
 
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {

@@ -44,10 +44,10 @@ class NativeAttention final : public AttentionBlock {
                    env.attention->workspace_bytes(env.attention_shape(), env.act, env.backend->device()));
     const std::string s = "layer." + std::to_string(l) + ".";
     const int64_t N = env.N;
-    wq_ = env.precision->register_linear({s + "q_proj", h, qd, N});
-    wk_ = env.precision->register_linear({s + "k_proj", h, kvd, N});
-    wv_ = env.precision->register_linear({s + "v_proj", h, kvd, N});
-    wo_ = env.precision->register_linear({s + "o_proj", qd, h, N});
+    wq_ = env.register_linear({s + "q_proj", h, qd, N});
+    wk_ = env.register_linear({s + "k_proj", h, kvd, N});
+    wv_ = env.register_linear({s + "v_proj", h, kvd, N});
+    wo_ = env.register_linear({s + "o_proj", qd, h, N});
   }
 
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {

@@ -33,8 +33,8 @@ class FusedFfn final : public FfnBlock {
     d_gu_ = a.shared("grad.gate_up", n * 2 * f * e);
     d_swi_ = a.shared("grad.swi", n * f * e);
     const std::string s = "layer." + std::to_string(l) + ".";
-    wgu_ = env.precision->register_linear({s + "gate_up_proj", h, 2 * f, env.N});
-    wd_ = env.precision->register_linear({s + "down_proj", f, h, env.N});
+    wgu_ = env.register_linear({s + "gate_up_proj", h, 2 * f, env.N});
+    wd_ = env.register_linear({s + "down_proj", f, h, env.N});
   }
 
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {

@@ -97,9 +97,9 @@ class MoeFfn final : public FfnBlock {
     w3_.clear();
     for (int64_t x = 0; x < E; ++x) {
       const std::string q = s + std::to_string(x) + ".";
-      w1_.push_back(env.precision->register_linear({q + "w1", h, f, env.N}));
-      w2_.push_back(env.precision->register_linear({q + "w2", f, h, env.N}));
-      w3_.push_back(env.precision->register_linear({q + "w3", h, f, env.N}));
+      w1_.push_back(env.register_linear({q + "w1", h, f, env.N}));
+      w2_.push_back(env.register_linear({q + "w2", f, h, env.N}));
+      w3_.push_back(env.register_linear({q + "w3", h, f, env.N}));
     }
     host_counts_.assign(2 * EE + 1, 0);
   }

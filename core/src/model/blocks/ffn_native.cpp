@@ -29,9 +29,9 @@ class NativeFfn final : public FfnBlock {
     d_up_ = a.shared("grad.up", n * f * e);
     d_swi_ = a.shared("grad.swi", n * f * e);
     const std::string s = "layer." + std::to_string(l) + ".";
-    wg_ = env.precision->register_linear({s + "gate_proj", h, f, env.N});
-    wu_ = env.precision->register_linear({s + "up_proj", h, f, env.N});
-    wd_ = env.precision->register_linear({s + "down_proj", f, h, env.N});
+    wg_ = env.register_linear({s + "gate_proj", h, f, env.N});
+    wu_ = env.register_linear({s + "up_proj", h, f, env.N});
+    wd_ = env.register_linear({s + "down_proj", f, h, env.N});
   }
 
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {

@@ -35,7 +35,7 @@ void HeadBlock::plan(const BlockEnv& env, ActivationPlan& a) {
   logits_ = a.own("logits", static_cast<size_t>(env.head_chunk * V) * e);
   losses_ = a.own("losses", n * 4);
   d_ln_ = a.shared("grad.ln", n * h * e);
-  lm_head_ = env.precision->register_linear({"lm_head", h, V, env.head_chunk});
+  lm_head_ = env.register_linear({"lm_head", h, V, env.head_chunk, LinearRole::lm_head});
 }
 
 Tensor HeadBlock::weight(std::vector<UnitState>& units, int self, bool grad) const {

@@ -1,0 +1,415 @@
+// The FP8 recipes on the CPU (fp8_recipe.hpp).
+#include "precision/common/fp8_recipe.hpp"
+
+#include <algorithm>
+#include <cfloat>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+
+#include "loom/cpu_gemm.hpp"
+#include "loom/error.hpp"
+#include "loom/fp8.hpp"
+#include "loom/fp8_emulated.hpp"
+#include "loom/log.hpp"
+#include "precision/common/residual.hpp"
+
+namespace loom::fp8_recipe {
+
+using fp8::Role;
+
+struct Fp8Recipe::Linear {
+  LinearDesc desc;
+  bool fp8 = false;
+  int slot = -1;                // the linear's index in the scaling state (FP8 linears)
+  int64_t weight_offset = 0;    // floats into the workspace: the cast weight, [out, in]
+  int64_t saved_offset = 0;     // floats into the saved activations: the cast x, [max_rows, in]
+  bool weight_cast = false;     // this step's cast weight is in the workspace
+  float w_scale = 1.0f, x_scale = 1.0f;
+  float w_amax = 0.0f, x_amax = 0.0f;  // delayed: the forward's amaxes, recorded by the backward
+  int64_t saved_rows = -1;      // rows of x the last forward cast (-1: none since the last backward)
+};
+
+namespace {
+
+// max |x| over a [rows, cols] view with row stride ld; NaN when one is NaN.
+float rows_amax(const float* p, int64_t rows, int64_t cols, int64_t ld) {
+  if (ld == cols) return fp8::amax(p, rows * cols);
+  float m = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float a = fp8::amax(p + r * ld, cols);
+    if (fp8::is_nan(a)) return a;
+    m = std::max(m, a);
+  }
+  return m;
+}
+
+// q(x) of a [rows, cols] view into a contiguous copy; returns amax(x).
+float cast_rows(const float* p, int64_t rows, int64_t cols, int64_t ld, float scale, fp8::Format f, float* out) {
+  if (ld == cols) return fp8::quantize_dequantize(p, rows * cols, scale, f, out);
+  float m = 0.0f;
+  bool nan = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float a = fp8::quantize_dequantize(p + r * ld, cols, scale, f, out + r * cols);
+    if (fp8::is_nan(a)) nan = true;
+    else m = std::max(m, a);
+  }
+  return nan ? fp8::bits_float(0x7FC00000u) : m;
+}
+
+}  // namespace
+
+Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const PluginInit& init)
+    : plugin_(plugin), scaling_(scaling) {
+  const ConfigTable& c = init.config;
+  fp8::ScalingConfig sc;
+  sc.scaling = scaling;
+  sc.formats = fp8::parse_formats(c.get_choice("format", "hybrid", {"hybrid", "e4m3"}));
+  if (scaling == fp8::Scaling::delayed) {
+    sc.amax_history_len = static_cast<int>(c.get_int("amax_history_len", 1024, 1, 1 << 20));
+    sc.amax_compute_algo =
+        fp8::parse_amax_algo(c.get_choice("amax_compute_algo", "max", {"max", "most_recent"}));
+    sc.margin = static_cast<int>(c.get_int("margin", 0, 0, 126));
+  } else {
+    for (const char* key : {"amax_history_len", "amax_compute_algo", "margin"})
+      if (c.has(key))
+        c.fail(key, cat("precision.plugin = \"", plugin, "\" takes every scale from its tensor's own amax just "
+                        "before the cast and keeps no amax history, so '", key, "' has no meaning here: remove it, "
+                        "or use precision.plugin = \"fp8_delayed\", whose key it is"));
+  }
+  gemm_.fast_accum_fprop = c.get_bool("fast_accum_fprop", true);
+  gemm_.fast_accum_dgrad = c.get_bool("fast_accum_dgrad", false);
+  gemm_.fast_accum_wgrad = c.get_bool("fast_accum_wgrad", false);
+  const std::string master = c.get_choice("master", "fp32", {"fp32", "bf16"});
+  const bool stochastic = c.get_bool("stochastic_rounding", false);
+  fp8_head_ = c.get_bool("fp8_head", false);
+  c.finish();
+  if (stochastic && master != "bf16")
+    c.fail("stochastic_rounding",
+           "stochastic_rounding = true rounds updates into bf16 parameters that have no fp32 master copy; with "
+           "master = \"fp32\" the master copy keeps every update exactly. Set master = \"bf16\" or remove "
+           "stochastic_rounding");
+  if (init.device == Device::cuda)
+    throw Error(cat("precision.plugin = \"", plugin, "\" cannot run with run.device = \"cuda\" in this build: the "
+                    "GPU FP8 GEMMs (cast kernels and cuBLASLt FP8) are not wired into the recipe yet. Run it with "
+                    "run.device = \"cpu\" (FP8 emulated on the CPU), or use precision.plugin = \"bf16\" on the GPU"));
+  if (master == "bf16")
+    c.fail("master", "master = \"bf16\" keeps the parameters in bf16 without an fp32 copy, but the CPU backend "
+                     "stores and updates parameters in fp32 only: on the CPU use master = \"fp32\" (the default)");
+  state_ = std::make_unique<fp8::ScalingState>(sc);
+}
+
+Fp8Recipe::~Fp8Recipe() = default;
+
+PrecisionDTypes Fp8Recipe::dtypes() const {
+  // CPU: fp32 parameters are the master copy; the FP8 casts happen inside the GEMMs.
+  return {DType::f32, DType::f32, DType::f32, DType::f32, DType::f32, /*has_master=*/false};
+}
+
+int Fp8Recipe::register_linear(const LinearDesc& desc) {
+  LOOM_CHECK(!set_up_, "precision ", plugin_, ": linear '", desc.name, "' registered after setup()");
+  LOOM_CHECK(desc.in > 0 && desc.out > 0 && desc.max_rows > 0, "precision ", plugin_, ": linear '", desc.name,
+             "' has invalid shape in=", desc.in, " out=", desc.out, " max_rows=", desc.max_rows,
+             " (an FP8 recipe plans its cast copies from max_rows, which must be positive)");
+  Linear l;
+  l.desc = desc;
+  l.fp8 = desc.role != LinearRole::lm_head || fp8_head_;
+  if (l.fp8) {
+    l.slot = state_->add_linear(desc.name);
+    l.weight_offset = weight_floats_;
+    weight_floats_ += desc.out * desc.in;
+    l.saved_offset = saved_floats_;
+    saved_floats_ += desc.max_rows * desc.in;
+    gemm_floats_ = std::max(gemm_floats_, desc.max_rows * desc.out);  // the cast dy
+  }
+  linears_.push_back(l);
+  return static_cast<int>(linears_.size()) - 1;
+}
+
+size_t Fp8Recipe::saved_activation_bytes(int id) const {
+  LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", plugin_, ": linear id ", id,
+             " was never registered");
+  const Linear& l = linears_[static_cast<size_t>(id)];
+  // The emulated cast of x is kept in fp32 (4 bytes per element; the GPU keeps 1).
+  return l.fp8 ? static_cast<size_t>(l.desc.max_rows * l.desc.in) * sizeof(float) : 0;
+}
+
+size_t Fp8Recipe::workspace_bytes() const {
+  return static_cast<size_t>(weight_floats_ + gemm_floats_) * sizeof(float);
+}
+
+void Fp8Recipe::setup(const PrecisionSetup& setup) {
+  LOOM_CHECK(setup.data_parallel != nullptr, "precision ", plugin_, ": setup without a data-parallel communicator");
+  LOOM_CHECK(!setup.data_parallel->device_tensors(), "precision ", plugin_,
+             ": the data-parallel communicator carries device tensors, but this recipe keeps its amaxes on the host");
+  dp_ = setup.data_parallel;
+  set_up_ = true;
+  int fp8_linears = 0;
+  std::string full;
+  for (const Linear& l : linears_) {
+    if (l.fp8) ++fp8_linears;
+    else full += cat(full.empty() ? "" : ", ", l.desc.name);
+  }
+  const fp8::ScalingConfig& sc = state_->config();
+  std::string how = scaling_ == fp8::Scaling::delayed
+                        ? cat("delayed scaling (amax_history_len ", sc.amax_history_len, ", amax_compute_algo ",
+                              fp8::name(sc.amax_compute_algo), ", margin ", sc.margin, ")")
+                        : std::string("current scaling");
+  log_info(cat("precision ", plugin_, ": ", fp8_linears, " linears in FP8 emulated on the CPU, format ",
+               fp8::name(sc.formats),
+               sc.formats == fp8::Formats::hybrid ? " (E4M3 x and w, E5M2 dy)" : " (E4M3 x, w and dy)", ", ", how,
+               full.empty() ? std::string() : cat("; in fp32: ", full),
+               "; GPU GEMM options recorded: fast accumulation fprop ", gemm_.fast_accum_fprop ? "on" : "off",
+               ", dgrad ", gemm_.fast_accum_dgrad ? "on" : "off", ", wgrad ", gemm_.fast_accum_wgrad ? "on" : "off"));
+}
+
+void Fp8Recipe::set_workspace(void* ptr, size_t bytes) {
+  LOOM_CHECK(bytes >= workspace_bytes() && (ptr != nullptr || workspace_bytes() == 0), "precision ", plugin_,
+             ": workspace of ", bytes, " bytes, ", workspace_bytes(), " needed");
+  workspace_ = static_cast<float*>(ptr);
+  workspace_bytes_ = bytes;
+  for (Linear& l : linears_) l.weight_cast = false;
+}
+
+void Fp8Recipe::set_saved_activations(void* ptr, size_t bytes) {
+  LOOM_CHECK(bytes >= static_cast<size_t>(saved_floats_) * sizeof(float) && ptr != nullptr, "precision ", plugin_,
+             ": saved activations of ", bytes, " bytes, ", saved_floats_ * 4, " needed");
+  saved_ = static_cast<float*>(ptr);
+}
+
+Fp8Recipe::Linear& Fp8Recipe::lookup(const ExecContext& ctx, int id) {
+  LOOM_CHECK(ctx.device == Device::cpu, "precision ", plugin_, ": called with a ", device_name(ctx.device),
+             " context; this recipe runs on the CPU");
+  LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", plugin_, ": linear id ", id,
+             " was never registered (", linears_.size(), " linears registered)");
+  Linear& l = linears_[static_cast<size_t>(id)];
+  LOOM_CHECK(!l.fp8 || (set_up_ && (workspace_ != nullptr || workspace_bytes() == 0) && saved_ != nullptr),
+             "precision ", plugin_, ": ", l.desc.name, " called before setup() and the planned memory were given");
+  return l;
+}
+
+namespace {
+
+RowMatrix matrix(const Tensor& t, const std::string& plugin, const LinearDesc& d, const char* what) {
+  LOOM_CHECK(t.data != nullptr, "precision ", plugin, ": ", d.name, ": ", what, " has no data");
+  LOOM_CHECK(t.dtype == DType::f32 && t.device == Device::cpu, "precision ", plugin, ": ", d.name, ": ", what,
+             " must be an fp32 host tensor, got ", dtype_name(t.dtype), " on ", device_name(t.device));
+  return fold_rows(t, "precision ", plugin, ": ", d.name, ": ", what);
+}
+
+void check_weight(const Tensor& t, const std::string& plugin, const LinearDesc& d, const char* what) {
+  matrix(t, plugin, d, what);
+  LOOM_CHECK(t.ndim == 2 && t.shape[0] == d.out && t.shape[1] == d.in && t.is_contiguous(), "precision ", plugin,
+             ": ", d.name, ": ", what, " must be a contiguous [out, in] = [", d.out, ",", d.in, "] matrix, got ",
+             t.shape_str());
+}
+
+void check_shape(const RowMatrix& m, const std::string& plugin, const LinearDesc& d, int64_t cols, int64_t rows,
+                 const char* what) {
+  LOOM_CHECK(m.cols == cols && m.rows == rows && m.rows <= d.max_rows, "precision ", plugin, ": ", d.name, ": ",
+             what, " is [", m.rows, ", ", m.cols, "], expected [", rows, ", ", cols, "] with at most max_rows=",
+             d.max_rows, " rows");
+}
+
+// y = residual first (unless it is y): the GEMM then adds onto y.
+void place_residual(const Tensor* residual, Tensor& y, const RowMatrix& my, const std::string& plugin,
+                    const LinearDesc& d) {
+  if (residual == nullptr) return;
+  const RowMatrix mr = matrix(*residual, plugin, d, "residual");
+  LOOM_CHECK(mr.rows == my.rows && mr.cols == my.cols, "precision ", plugin, ": ", d.name, ": residual is [", mr.rows,
+             ", ", mr.cols, "] but y is [", my.rows, ", ", my.cols, "]");
+  LOOM_CHECK(precision_common::residual_layout_ok(residual->data, mr.ld, y.data, my.ld, my.rows, my.cols,
+                                                  sizeof(float)),
+             "precision ", plugin, ": ", d.name, ": residual overlaps y without being y");
+  if (residual->data == y.data) return;
+  const float* src = residual->ptr<const float>();
+  float* dst = y.ptr<float>();
+  for (int64_t r = 0; r < my.rows; ++r) std::copy(src + r * mr.ld, src + r * mr.ld + my.cols, dst + r * my.ld);
+}
+
+}  // namespace
+
+void Fp8Recipe::full_forward(const Linear& l, const Tensor& x, const Tensor& w, Tensor& y, const Tensor* residual) {
+  const LinearDesc& d = l.desc;
+  const RowMatrix mx = matrix(x, plugin_, d, "x"), my = matrix(y, plugin_, d, "y");
+  check_weight(w, plugin_, d, "w");
+  check_shape(mx, plugin_, d, d.in, mx.rows, "x");
+  check_shape(my, plugin_, d, d.out, mx.rows, "y");
+  place_residual(residual, y, my, plugin_, d);
+  cpu::linear_forward(y.ptr<float>(), my.ld, x.ptr<const float>(), mx.ld, w.ptr<const float>(), mx.rows, d.in, d.out,
+                      residual != nullptr);
+}
+
+void Fp8Recipe::full_backward(const Linear& l, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                              Tensor& dw, bool accumulate) {
+  const LinearDesc& d = l.desc;
+  const RowMatrix mx = matrix(x, plugin_, d, "x"), mdy = matrix(dy, plugin_, d, "dy");
+  check_weight(w, plugin_, d, "w");
+  check_weight(dw, plugin_, d, "dw");
+  check_shape(mx, plugin_, d, d.in, mx.rows, "x");
+  check_shape(mdy, plugin_, d, d.out, mx.rows, "dy");
+  if (dx != nullptr) {
+    const RowMatrix mdx = matrix(*dx, plugin_, d, "dx");
+    check_shape(mdx, plugin_, d, d.in, mx.rows, "dx");
+    cpu::linear_backward_input(dx->ptr<float>(), mdx.ld, dy.ptr<const float>(), mdy.ld, w.ptr<const float>(), mx.rows,
+                               d.in, d.out);
+  }
+  cpu::linear_backward_weight(dw.ptr<float>(), dy.ptr<const float>(), mdy.ld, x.ptr<const float>(), mx.ld, mx.rows,
+                              d.in, d.out, accumulate);
+}
+
+const float* Fp8Recipe::cast_weight(Linear& l, const Tensor& w) {
+  float* qw = workspace_ + l.weight_offset;
+  if (l.weight_cast) return qw;
+  const int64_t n = l.desc.out * l.desc.in;
+  const float* src = w.ptr<const float>();
+  l.w_scale = scaling_ == fp8::Scaling::current ? state_->current_scale(l.slot, Role::w, fp8::amax(src, n))
+                                                : state_->scale(l.slot, Role::w);
+  l.w_amax = fp8::quantize_dequantize(src, n, l.w_scale, state_->format(Role::w), qw);
+  l.weight_cast = true;
+  return qw;
+}
+
+void Fp8Recipe::linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
+                               const Tensor* residual) {
+  Linear& l = lookup(ctx, id);
+  if (!l.fp8) return full_forward(l, x, w, y, residual);
+  const LinearDesc& d = l.desc;
+  const RowMatrix mx = matrix(x, plugin_, d, "x"), my = matrix(y, plugin_, d, "y");
+  check_weight(w, plugin_, d, "w");
+  check_shape(mx, plugin_, d, d.in, mx.rows, "x");
+  check_shape(my, plugin_, d, d.out, mx.rows, "y");
+  const float* qw = cast_weight(l, w);
+  // x, cast into its saved slot: the backward's wgrad reads this copy.
+  float* qx = saved_ + l.saved_offset;
+  const float* xs = x.ptr<const float>();
+  const fp8::Format fx = state_->format(Role::x);
+  l.x_scale = scaling_ == fp8::Scaling::current
+                  ? state_->current_scale(l.slot, Role::x, rows_amax(xs, mx.rows, d.in, mx.ld))
+                  : state_->scale(l.slot, Role::x);
+  l.x_amax = cast_rows(xs, mx.rows, d.in, mx.ld, l.x_scale, fx, qx);
+  l.saved_rows = mx.rows;
+  place_residual(residual, y, my, plugin_, d);
+  fp8::emulated_linear_forward(y.ptr<float>(), my.ld, {qx, d.in, l.x_scale, fx, true},
+                               {qw, d.in, l.w_scale, state_->format(Role::w), true}, mx.rows, d.in, d.out,
+                               residual != nullptr, workspace_ + weight_floats_);
+}
+
+void Fp8Recipe::linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,
+                                Tensor* dx, Tensor& dw, bool accumulate) {
+  Linear& l = lookup(ctx, id);
+  if (!l.fp8) return full_backward(l, x, w, dy, dx, dw, accumulate);
+  const LinearDesc& d = l.desc;
+  const RowMatrix mx = matrix(x, plugin_, d, "x"), mdy = matrix(dy, plugin_, d, "dy");
+  check_weight(w, plugin_, d, "w");
+  check_weight(dw, plugin_, d, "dw");
+  check_shape(mdy, plugin_, d, d.out, mx.rows, "dy");
+  LOOM_CHECK(l.saved_rows == mx.rows, "precision ", plugin_, ": ", d.name, ": backward of ", mx.rows,
+             " rows, but the forward before it cast ",
+             l.saved_rows < 0 ? std::string("none") : std::to_string(l.saved_rows),
+             " (every backward follows its own forward)");
+  const float* qw = cast_weight(l, w);
+  // dy, cast once for both GEMMs into the GEMM scratch.
+  float* qdy = workspace_ + weight_floats_;
+  const float* dys = dy.ptr<const float>();
+  const fp8::Format fdy = state_->format(Role::dy);
+  const float sdy = scaling_ == fp8::Scaling::current
+                        ? state_->current_scale(l.slot, Role::dy, rows_amax(dys, mx.rows, d.out, mdy.ld))
+                        : state_->scale(l.slot, Role::dy);
+  const float dy_amax = cast_rows(dys, mx.rows, d.out, mdy.ld, sdy, fdy, qdy);
+  if (scaling_ == fp8::Scaling::delayed) {
+    // The forward's amaxes count now that it is part of a training step.
+    state_->record_amax(l.slot, Role::x, l.x_amax);
+    state_->record_amax(l.slot, Role::w, l.w_amax);
+    state_->record_amax(l.slot, Role::dy, dy_amax);
+  }
+  const fp8::Operand oq_dy{qdy, d.out, sdy, fdy, true};
+  const fp8::Operand oq_w{qw, d.in, l.w_scale, state_->format(Role::w), true};
+  const fp8::Operand oq_x{saved_ + l.saved_offset, d.in, l.x_scale, state_->format(Role::x), true};
+  if (dx != nullptr) {
+    const RowMatrix mdx = matrix(*dx, plugin_, d, "dx");
+    check_shape(mdx, plugin_, d, d.in, mx.rows, "dx");
+    fp8::emulated_linear_backward_input(dx->ptr<float>(), mdx.ld, oq_dy, oq_w, mx.rows, d.in, d.out, qdy);
+  }
+  fp8::emulated_linear_backward_weight(dw.ptr<float>(), oq_dy, oq_x, mx.rows, d.in, d.out, accumulate, qdy);
+  l.saved_rows = -1;
+}
+
+void Fp8Recipe::end_step(const ExecContext& /*ctx*/) {
+  LOOM_CHECK(set_up_, "precision ", plugin_, ": end_step before setup()");
+  const int64_t T = state_->tensors();
+  // The one all-reduce of the step: every rank's amaxes, max-reduced, so that
+  // delayed scaling gives every rank the same scales (and the log line the
+  // global amax under current scaling).
+  if (T > 0 && dp_->size() > 1) {
+    Tensor amaxes(state_->step_amax(), DType::f32, Device::cpu, {T});
+    dp_->all_reduce(ExecContext{}, amaxes, ReduceOp::max);
+  }
+  float m = 0.0f;
+  for (int64_t t = 0; t < T; ++t) m = std::max(m, state_->step_amax()[t]);
+  last_max_amax_ = m;
+  state_->update_scales();
+  // Since the last end_step: current scaling counts its skips as it casts.
+  last_kept_ = state_->skipped_updates() - skipped_mark_;
+  skipped_mark_ = state_->skipped_updates();
+  if (last_kept_ > 0 && !warned_skip_) {
+    warned_skip_ = true;
+    log_warn(cat("precision ", plugin_, ": ", last_kept_, " FP8 scale update(s) skipped at step ", state_->steps(),
+                 " because an amax was 0, inf or NaN; those tensors keep their previous scale. Later skips are "
+                 "counted in the \"precision:\" part of the log line, not warned again"));
+  }
+  for (Linear& l : linears_) l.weight_cast = false;  // the optimizer changed the weights
+}
+
+std::vector<StateTensor> Fp8Recipe::state_tensors() {
+  const int64_t T = state_->tensors();
+  if (T == 0) return {};
+  const fp8::ScalingState::Counters c = state_->counters();
+  counters_[0] = static_cast<double>(c.head);
+  counters_[1] = static_cast<double>(c.steps);
+  counters_[2] = static_cast<double>(c.skipped);
+  counters_[3] = static_cast<double>(c.nonfinite);
+  // Delayed scaling: equal on every rank after each step's all-reduce. Current
+  // scaling: every rank's scales come from its own tensors.
+  const bool replicated = scaling_ == fp8::Scaling::delayed;
+  std::vector<StateTensor> out;
+  out.push_back({"fp8.scale", Tensor(state_->scale_data(), DType::f32, Device::cpu, {T}), replicated});
+  if (scaling_ == fp8::Scaling::delayed)
+    out.push_back({"fp8.amax_history",
+                   Tensor(state_->history_data(), DType::f32, Device::cpu,
+                          {static_cast<int64_t>(state_->config().amax_history_len), T}),
+                   true});
+  out.push_back({"fp8.counters", Tensor(counters_, DType::f64, Device::cpu, {4}), replicated});
+  return out;
+}
+
+void Fp8Recipe::state_loaded() {
+  fp8::ScalingState::Counters c;
+  c.head = static_cast<int64_t>(counters_[0]);
+  c.steps = static_cast<int64_t>(counters_[1]);
+  c.skipped = static_cast<int64_t>(counters_[2]);
+  c.nonfinite = static_cast<int64_t>(counters_[3]);
+  state_->restore(c);
+  skipped_mark_ = state_->skipped_updates();
+  for (Linear& l : linears_) {
+    l.weight_cast = false;
+    l.saved_rows = -1;
+  }
+}
+
+std::string Fp8Recipe::log_summary() const {
+  const int64_t T = state_->tensors();
+  if (T == 0) return {};
+  float lo = FLT_MAX, hi = 0.0f;
+  for (int64_t t = 0; t < T; ++t) {
+    lo = std::min(lo, state_->scales()[t]);
+    hi = std::max(hi, state_->scales()[t]);
+  }
+  std::ostringstream os;
+  os << plugin_ << " scales " << std::setprecision(4) << lo << ".." << hi << " over " << T << " tensors, max amax "
+     << last_max_amax_ << ", skipped updates " << state_->skipped_updates() << " (" << last_kept_
+     << " this step, non-finite amaxes " << state_->nonfinite_amaxes() << ")";
+  return os.str();
+}
+
+}  // namespace loom::fp8_recipe

@@ -1,0 +1,97 @@
+// The FP8 recipes (fp8_delayed, fp8_current): one class, the scaling told
+// apart by the plugin that builds it. Free of CUDA: on the CPU every FP8 GEMM
+// is emulated (loom/fp8_emulated.hpp) and the state is loom/fp8_scaling.hpp's
+// ScalingState on the host.
+//
+// Per step, for every linear that runs in FP8 (all but the LM head unless
+// fp8_head = true):
+//   - the weight is cast once (the first forward after end_step) into the
+//     workspace and that copy is read by every micro-batch's forward and
+//     dgrad;
+//   - x is cast in the forward into the linear's saved-activation slot, which
+//     the wgrad of the matching backward reads (no second cast);
+//   - dy is cast in the backward, once for dgrad and wgrad.
+// Delayed scaling casts with the scales of the steps before; the forward's
+// amaxes count once the backward runs (a validation forward, which has none,
+// leaves the scales alone); end_step all-reduces the one amax buffer (max)
+// over the data-parallel group and updates every scale. Current scaling takes
+// each cast's scale from its own amax.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "loom/fp8_scaling.hpp"
+#include "loom/precision.hpp"
+
+namespace loom::fp8_recipe {
+
+// The cuBLASLt options the GPU GEMMs will take (recorded; the CPU emulation
+// accumulates in fp32 whatever they say). TE's defaults: fast accumulation for
+// the forward GEMM only.
+struct GemmOptions {
+  bool fast_accum_fprop = true;
+  bool fast_accum_dgrad = false;
+  bool fast_accum_wgrad = false;
+};
+
+class Fp8Recipe : public Precision {
+ public:
+  // `plugin` is "fp8_delayed" or "fp8_current"; reads and checks the table,
+  // then refuses device cuda (the GPU FP8 GEMMs are not wired in yet).
+  Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const PluginInit& init);
+  ~Fp8Recipe() override;
+
+  PrecisionDTypes dtypes() const override;
+  int register_linear(const LinearDesc& desc) override;
+  size_t saved_activation_bytes(int id) const override;
+  size_t workspace_bytes() const override;
+  void setup(const PrecisionSetup& setup) override;
+  void set_workspace(void* ptr, size_t bytes) override;
+  void set_saved_activations(void* ptr, size_t bytes) override;
+  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
+                      const Tensor* residual) override;
+  void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                       Tensor& dw, bool accumulate) override;
+  void end_step(const ExecContext& ctx) override;
+  std::vector<StateTensor> state_tensors() override;
+  void state_loaded() override;
+  std::string log_summary() const override;
+
+  // For tests and the log line.
+  const fp8::ScalingState& scaling() const { return *state_; }
+  const GemmOptions& gemm_options() const { return gemm_; }
+
+ private:
+  struct Linear;
+  // Checks the context, the id and that the memory was given; the linear.
+  Linear& lookup(const ExecContext& ctx, int id);
+  void full_forward(const Linear& l, const Tensor& x, const Tensor& w, Tensor& y, const Tensor* residual);
+  void full_backward(const Linear& l, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx, Tensor& dw,
+                     bool accumulate);
+  // Casts the weight of FP8 linear `l` unless this step already did.
+  const float* cast_weight(Linear& l, const Tensor& w);
+
+  std::string plugin_;
+  fp8::Scaling scaling_;
+  bool fp8_head_ = false;
+  GemmOptions gemm_;
+  std::unique_ptr<fp8::ScalingState> state_;
+  std::vector<Linear> linears_;
+  Communicator* dp_ = nullptr;
+  bool set_up_ = false;
+  // Memory planned by the core: cast weights then the GEMM scratch (workspace),
+  // cast x per FP8 linear (saved activations).
+  float* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  float* saved_ = nullptr;
+  int64_t weight_floats_ = 0, gemm_floats_ = 0, saved_floats_ = 0;
+  // Checkpointed beside the scaling state: head, steps, skipped, non-finite (f64).
+  double counters_[4] = {0, 0, 0, 0};
+  // The log line: this step's largest amax (after the all-reduce), updates kept.
+  float last_max_amax_ = 0.0f;
+  int64_t last_kept_ = 0, skipped_mark_ = 0;
+  bool warned_skip_ = false;
+};
+
+}  // namespace loom::fp8_recipe

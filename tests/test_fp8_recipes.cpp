@@ -1,0 +1,699 @@
+// The FP8 recipes (fp8_delayed, fp8_current) as plugins, on the CPU:
+//   - delayed scaling through the plugin over a short run against scales
+//     computed here from the amaxes of the data (history window, margin, "max"
+//     and "most_recent"), and the GEMM outputs against a float64 reference on
+//     operands cast with those scales;
+//   - the weight cast once per optimizer step, a validation forward that
+//     leaves the scales alone, the LM head in fp32 (or in FP8 with fp8_head);
+//   - amax 0 / inf / NaN: no zero or infinite scale, the update skipped and counted;
+//   - config errors, one message each naming the key;
+//   - sessions: bitwise resume of the recipe state, resume across recipes,
+//     the memory plan, the log line, and training on the quickstart model
+//     within 2% of fp32.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/checkpoint.hpp"
+#include "config/run_config.hpp"
+#include "hf/safetensors.hpp"
+#include "loom/comm.hpp"
+#include "loom/config.hpp"
+#include "loom/cpu_gemm.hpp"
+#include "loom/fp8.hpp"
+#include "loom/precision.hpp"
+#include "loom/registry.hpp"
+#include "test_util.hpp"
+#include "train/session.hpp"
+
+namespace fs = std::filesystem;
+using loom::DType;
+using loom::Device;
+using loom::Tensor;
+
+namespace {
+
+loom::PluginRegistry& registry() {
+  static auto* reg = new loom::PluginRegistry({fs::path(LOOM_TEST_PLUGIN_DIR)});  // plugins are never unloaded
+  return *reg;
+}
+
+loom::ConfigTable precision_table(const std::string& body) {
+  loom::ConfigTable t = loom::parse_config_table("[precision]\n" + body, "fp8.toml").table("precision");
+  t.mark_used("plugin");  // the core's key, not the recipe's
+  return t;
+}
+
+std::unique_ptr<loom::Precision> make(const std::string& name, const std::string& body = "",
+                                      Device device = Device::cpu) {
+  loom::PluginInit init;
+  init.config = precision_table(body);
+  init.device = device;
+  return registry().create_as<loom::PluginKind::precision>(name, init);
+}
+
+// A recipe with its linears registered, set up alone and given its memory.
+struct Rig {
+  std::unique_ptr<loom::Precision> p;
+  std::unique_ptr<loom::Communicator> self = loom::make_self_communicator();
+  std::vector<float> ws, saved;
+  std::vector<int> ids;
+  Rig(const std::string& name, const std::string& body, const std::vector<loom::LinearDesc>& linears)
+      : p(make(name, body)) {
+    for (const auto& d : linears) ids.push_back(p->register_linear(d));
+    loom::PrecisionSetup s;
+    s.data_parallel = self.get();
+    p->setup(s);
+    size_t saved_bytes = 0;
+    for (int id : ids) saved_bytes += p->saved_activation_bytes(id);
+    ws.resize(p->workspace_bytes() / 4 + 1);
+    saved.resize(saved_bytes / 4 + 1);
+    p->set_workspace(ws.data(), p->workspace_bytes());
+    p->set_saved_activations(saved.data(), saved_bytes);
+  }
+  // The recipe's scales ("fp8.scale"), [3 * linears], slot 3 * linear + role (x, w, dy).
+  std::vector<float> scales() {
+    for (const loom::StateTensor& s : p->state_tensors())
+      if (s.name == "fp8.scale") return {s.tensor.ptr<float>(), s.tensor.ptr<float>() + s.tensor.numel()};
+    ADD_FAILURE() << "no fp8.scale state tensor";
+    return {};
+  }
+  std::vector<double> counters() {
+    for (const loom::StateTensor& s : p->state_tensors())
+      if (s.name == "fp8.counters") return {s.tensor.ptr<double>(), s.tensor.ptr<double>() + 4};
+    ADD_FAILURE() << "no fp8.counters state tensor";
+    return {};
+  }
+};
+
+std::vector<float> randn(size_t n, float scale, std::mt19937& g) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(g) * scale;
+  return v;
+}
+
+Tensor t2(std::vector<float>& v, int64_t r, int64_t c) { return Tensor(v.data(), DType::f32, Device::cpu, {r, c}); }
+
+float amax_of(const std::vector<float>& v) {
+  float m = 0;
+  for (float x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// The value an FP8 GEMM sees: decode(encode(v * s)) / s, element by element.
+std::vector<double> qdq(const std::vector<float>& v, float s, loom::fp8::Format f) {
+  std::vector<double> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i)
+    out[i] = static_cast<double>(loom::fp8::decode(loom::fp8::encode(v[i] * s, f), f) / s);
+  return out;
+}
+
+// max |got - want| / max |want| for y = a b^T (a [m, k], b [n, k]) in float64.
+double rel_err_abt(const std::vector<float>& got, const std::vector<double>& a, const std::vector<double>& b, int64_t m,
+                   int64_t k, int64_t n) {
+  double err = 0, ref = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (int64_t p = 0; p < k; ++p) s += a[static_cast<size_t>(i * k + p)] * b[static_cast<size_t>(j * k + p)];
+      err = std::max(err, std::fabs(got[static_cast<size_t>(i * n + j)] - s));
+      ref = std::max(ref, std::fabs(s));
+    }
+  return err / ref;
+}
+
+constexpr float kE4 = loom::fp8::kE4M3Max, kE5 = loom::fp8::kE5M2Max;
+
+// TE's rule, as the recipe must apply it: (fp8_max / amax) / 2^margin.
+float te_scale(float fp8_max, float amax, int margin) { return (fp8_max / amax) / std::ldexp(1.0f, margin); }
+
+// One step of one linear (m x k input, n outputs): forward, backward, end_step.
+// Magnitudes per step make the amaxes, and so the history window, move.
+struct StepData {
+  std::vector<float> x, w, dy, y, dx, dw;
+};
+StepData run_step(Rig& r, int64_t m, int64_t k, int64_t n, float xmag, float wmag, float dymag, std::mt19937& g) {
+  StepData s{randn(m * k, xmag, g), randn(n * k, wmag, g), randn(m * n, dymag, g), std::vector<float>(m * n),
+             std::vector<float>(m * k), std::vector<float>(n * k)};
+  loom::ExecContext ctx;
+  Tensor x = t2(s.x, m, k), w = t2(s.w, n, k), dy = t2(s.dy, m, n), y = t2(s.y, m, n), dx = t2(s.dx, m, k),
+         dw = t2(s.dw, n, k);
+  r.p->linear_forward(ctx, r.ids[0], x, w, y, nullptr);
+  r.p->linear_backward(ctx, r.ids[0], x, w, dy, &dx, dw, false);
+  r.p->end_step(ctx);
+  return s;
+}
+
+// Delayed scaling over 6 steps of one linear against scales computed here: the
+// window of the last `len` amaxes (max or most recent), the margin, the hybrid
+// formats (E4M3 x and w, E5M2 dy); each step casts with the scales of the
+// steps before. Tolerances: scales EXPECT_FLOAT_EQ (one fp32 division, then an
+// exact power of two: the same rounding here and in the recipe); GEMMs 1e-5
+// relative to a float64 product of the same cast operands (fp32 accumulation
+// over k = 24 terms: ~24 * 6e-8).
+void check_delayed(const std::string& algo, int len, int margin) {
+  const int64_t m = 6, k = 24, n = 10;
+  Rig r("fp8_delayed",
+        loom::cat("amax_history_len = ", len, "\namax_compute_algo = \"", algo, "\"\nmargin = ", margin, "\n"),
+        {{"layer.0.q_proj", k, n, m}});
+  std::mt19937 g(42);
+  const float mags[6][3] = {{1, 0.1f, 1e-3f}, {4, 0.05f, 2e-3f}, {0.5f, 0.2f, 1e-4f},
+                            {2, 0.02f, 5e-3f}, {0.25f, 0.3f, 1e-3f}, {3, 0.1f, 3e-4f}};
+  std::vector<std::vector<float>> hist(3);  // amaxes per role, oldest first
+  std::vector<float> scale = {1, 1, 1};     // TE starts at 1
+  const float maxes[3] = {kE4, kE4, kE5};
+  for (int step = 0; step < 6; ++step) {
+    StepData s = run_step(r, m, k, n, mags[step][0], mags[step][1], mags[step][2], g);
+    // This step's GEMMs used the scales from before it.
+    const auto qx = qdq(s.x, scale[0], loom::fp8::Format::e4m3), qw = qdq(s.w, scale[1], loom::fp8::Format::e4m3);
+    const auto qdy = qdq(s.dy, scale[2], loom::fp8::Format::e5m2);
+    EXPECT_LT(rel_err_abt(s.y, qx, qw, m, k, n), 1e-5) << "forward, step " << step + 1;
+    // dx = q(dy) q(w): as a b^T with b = q(w)^T ([k, n]).
+    std::vector<double> qwt(static_cast<size_t>(n * k));
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < k; ++j) qwt[static_cast<size_t>(j * n + i)] = qw[static_cast<size_t>(i * k + j)];
+    EXPECT_LT(rel_err_abt(s.dx, qdy, qwt, m, n, k), 1e-5) << "dgrad, step " << step + 1;
+    std::vector<double> qdyt(static_cast<size_t>(m * n)), qxt(static_cast<size_t>(m * k));
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) qdyt[static_cast<size_t>(j * m + i)] = qdy[static_cast<size_t>(i * n + j)];
+      for (int64_t j = 0; j < k; ++j) qxt[static_cast<size_t>(j * m + i)] = qx[static_cast<size_t>(i * k + j)];
+    }
+    EXPECT_LT(rel_err_abt(s.dw, qdyt, qxt, n, m, k), 1e-5) << "wgrad, step " << step + 1;
+    // The new scales.
+    const float a[3] = {amax_of(s.x), amax_of(s.w), amax_of(s.dy)};
+    for (int role = 0; role < 3; ++role) {
+      hist[role].push_back(a[role]);
+      float window = 0;
+      if (algo == "most_recent") window = a[role];
+      else
+        for (int i = std::max(0, static_cast<int>(hist[role].size()) - len); i < static_cast<int>(hist[role].size()); ++i)
+          window = std::max(window, hist[role][static_cast<size_t>(i)]);
+      scale[role] = te_scale(maxes[role], window, margin);
+    }
+    const std::vector<float> got = r.scales();
+    ASSERT_EQ(got.size(), 3u);
+    for (int role = 0; role < 3; ++role) EXPECT_FLOAT_EQ(got[role], scale[role]) << "role " << role << ", step " << step + 1;
+  }
+  EXPECT_EQ(r.counters()[2], 0.0) << "no update was skipped";
+}
+
+}  // namespace
+
+TEST(Fp8Recipes, DelayedMaxOverHistoryWithMargin) { check_delayed("max", 3, 1); }
+TEST(Fp8Recipes, DelayedMostRecent) { check_delayed("most_recent", 3, 0); }
+TEST(Fp8Recipes, DelayedHistoryOfOne) { check_delayed("max", 1, 2); }
+
+// Current scaling: every cast takes its scale from its own amax at once, so the
+// first step already casts with fp8_max / amax (no step of scale 1).
+TEST(Fp8Recipes, CurrentScalingUsesTheTensorsOwnAmax) {
+  const int64_t m = 5, k = 16, n = 8;
+  Rig r("fp8_current", "format = \"e4m3\"\n", {{"layer.0.up_proj", k, n, m}});
+  std::mt19937 g(3);
+  StepData s = run_step(r, m, k, n, 7.0f, 0.01f, 1e-6f, g);
+  const std::vector<float> sc = r.scales();
+  EXPECT_FLOAT_EQ(sc[0], kE4 / amax_of(s.x));
+  EXPECT_FLOAT_EQ(sc[1], kE4 / amax_of(s.w));
+  EXPECT_FLOAT_EQ(sc[2], kE4 / amax_of(s.dy));  // format "e4m3": dy in E4M3 too
+  const auto qx = qdq(s.x, sc[0], loom::fp8::Format::e4m3), qw = qdq(s.w, sc[1], loom::fp8::Format::e4m3);
+  EXPECT_LT(rel_err_abt(s.y, qx, qw, m, k, n), 1e-5);
+}
+
+// The weight is cast once per optimizer step: a second micro-batch reads the
+// first cast even though the tensor changed, and end_step drops the cast.
+TEST(Fp8Recipes, WeightCastOncePerOptimizerStep) {
+  const int64_t m = 4, k = 8, n = 4;
+  Rig r("fp8_delayed", "", {{"layer.0.o_proj", k, n, m}});
+  std::mt19937 g(5);
+  std::vector<float> x = randn(m * k, 1, g), w = randn(n * k, 0.1f, g), y1(m * n), y2(m * n), y3(m * n);
+  loom::ExecContext ctx;
+  Tensor tx = t2(x, m, k), tw = t2(w, n, k), ty1 = t2(y1, m, n), ty2 = t2(y2, m, n), ty3 = t2(y3, m, n);
+  r.p->linear_forward(ctx, 0, tx, tw, ty1, nullptr);
+  std::vector<float> w_old = w;
+  for (float& v : w) v *= -3.0f;  // what the optimizer would do only after end_step
+  r.p->linear_forward(ctx, 0, tx, tw, ty2, nullptr);
+  EXPECT_EQ(y1, y2) << "the second micro-batch must reuse the step's cast weight";
+  r.p->end_step(ctx);
+  r.p->linear_forward(ctx, 0, tx, tw, ty3, nullptr);
+  EXPECT_NE(y1, y3) << "after end_step the new weights must be cast";
+}
+
+// A forward without a backward (validation) does not move delayed scales: its
+// amaxes never enter the step's buffer, so the update keeps every scale and
+// counts it (amax 0), warning once.
+TEST(Fp8Recipes, ValidationForwardLeavesScales) {
+  const int64_t m = 4, k = 8, n = 4;
+  Rig r("fp8_delayed", "amax_history_len = 2\n", {{"layer.0.k_proj", k, n, m}});
+  std::mt19937 g(6);
+  run_step(r, m, k, n, 1, 0.1f, 1e-3f, g);
+  const std::vector<float> before = r.scales();
+  std::vector<float> x = randn(m * k, 1000, g), w = randn(n * k, 0.1f, g), y(m * n);
+  loom::ExecContext ctx;
+  Tensor tx = t2(x, m, k), tw = t2(w, n, k), ty = t2(y, m, n);
+  r.p->linear_forward(ctx, 0, tx, tw, ty, nullptr);
+  run_step(r, m, k, n, 1, 0.1f, 1e-3f, g);  // a training step: the large x above must not count
+  const std::vector<float> after = r.scales();
+  EXPECT_GT(after[0], before[0] / 10) << "a validation x of amax ~3000 leaked into the x scale";
+}
+
+// The LM head stays in fp32 (bitwise the fp32 GEMM) unless fp8_head = true.
+TEST(Fp8Recipes, HeadInFullPrecisionUnlessAsked) {
+  const int64_t m = 4, k = 16, n = 32;
+  std::mt19937 g(9);
+  std::vector<float> x = randn(m * k, 1, g), w = randn(n * k, 0.1f, g), want(m * n);
+  loom::cpu::linear_forward(want.data(), n, x.data(), k, w.data(), m, k, n);
+  for (bool fp8_head : {false, true}) {
+    Rig r("fp8_delayed", fp8_head ? "fp8_head = true\n" : "",
+          {{"layer.0.down_proj", k, k, m}, {"lm_head", k, n, m, loom::LinearRole::lm_head}});
+    EXPECT_EQ(r.p->saved_activation_bytes(r.ids[1]), fp8_head ? static_cast<size_t>(m * k * 4) : 0u);
+    EXPECT_EQ(r.scales().size(), fp8_head ? 6u : 3u);
+    std::vector<float> y(m * n);
+    loom::ExecContext ctx;
+    Tensor tx = t2(x, m, k), tw = t2(w, n, k), ty = t2(y, m, n);
+    r.p->linear_forward(ctx, r.ids[1], tx, tw, ty, nullptr);
+    if (!fp8_head) {
+      EXPECT_EQ(y, want);
+    } else {
+      EXPECT_NE(y, want);  // cast with scale 1: E4M3 keeps 3 mantissa bits
+      EXPECT_LT(rel_err_abt(y, qdq(x, 1, loom::fp8::Format::e4m3), qdq(w, 1, loom::fp8::Format::e4m3), m, k, n), 1e-5);
+    }
+  }
+}
+
+// amax 0, inf or NaN: the scale stays positive and finite (the previous one),
+// the update is counted as skipped, a non-finite amax as non-finite.
+TEST(Fp8Recipes, AmaxEdgeCasesKeepTheScale) {
+  const int64_t m = 4, k = 8, n = 4;
+  for (const std::string plugin : {"fp8_delayed", "fp8_current"}) {
+    SCOPED_TRACE(plugin);
+    // A history of one step, so that an amax of 0 is the whole window (a
+    // longer history would rightly keep scaling from the earlier amaxes).
+    Rig r(plugin, plugin == "fp8_delayed" ? "amax_history_len = 1\n" : "", {{"layer.0.gate_proj", k, n, m}});
+    std::mt19937 g(11);
+    run_step(r, m, k, n, 2, 0.1f, 1e-3f, g);
+    const std::vector<float> good = r.scales();
+    const double skipped0 = r.counters()[2];
+    for (float bad : {0.0f, INFINITY, NAN}) {
+      std::vector<float> x = bad == 0.0f ? std::vector<float>(m * k, 0.0f) : randn(m * k, 1, g);
+      if (bad != 0.0f) x[3] = bad;
+      std::vector<float> w = randn(n * k, 0.1f, g), dy = randn(m * n, 1e-3f, g), y(m * n), dx(m * k), dw(n * k);
+      loom::ExecContext ctx;
+      Tensor tx = t2(x, m, k), tw = t2(w, n, k), tdy = t2(dy, m, n), ty = t2(y, m, n), tdx = t2(dx, m, k),
+             tdw = t2(dw, n, k);
+      r.p->linear_forward(ctx, 0, tx, tw, ty, nullptr);
+      r.p->linear_backward(ctx, 0, tx, tw, tdy, &tdx, tdw, false);
+      r.p->end_step(ctx);
+      const std::vector<float> sc = r.scales();
+      for (float s : sc) {
+        EXPECT_TRUE(std::isfinite(s)) << "amax " << bad;
+        EXPECT_GT(s, 0.0f) << "amax " << bad;
+      }
+      EXPECT_EQ(sc[0], good[0]) << "the x scale must be kept for amax " << bad;
+      if (bad == 0.0f) {
+        for (float v : y) EXPECT_EQ(v, 0.0f);
+      }
+    }
+    const std::vector<double> c = r.counters();
+    EXPECT_GE(c[2] - skipped0, 3.0) << "three x updates skipped";
+    EXPECT_GE(c[3], 2.0) << "inf and NaN counted as non-finite";
+    EXPECT_NE(r.p->log_summary().find("skipped updates"), std::string::npos) << r.p->log_summary();
+  }
+}
+
+// Every bad value: one loom::Error naming the file, the key and what to do.
+TEST(Fp8Recipes, ConfigErrors) {
+  using loom::test::expect_error;
+  expect_error([] { make("fp8_delayed", "format = \"e5m2\"\n"); }, {"fp8.toml", "format", "hybrid", "e4m3"});
+  expect_error([] { make("fp8_delayed", "format = 3\n"); }, {"fp8.toml", "format"});
+  expect_error([] { make("fp8_delayed", "amax_history_len = 0\n"); }, {"fp8.toml", "amax_history_len"});
+  expect_error([] { make("fp8_delayed", "amax_compute_algo = \"mean\"\n"); },
+               {"amax_compute_algo", "max", "most_recent"});
+  expect_error([] { make("fp8_delayed", "margin = 127\n"); }, {"margin", "126"});
+  expect_error([] { make("fp8_delayed", "margin = -1\n"); }, {"margin"});
+  expect_error([] { make("fp8_delayed", "fast_accum_fprop = \"yes\"\n"); }, {"fast_accum_fprop"});
+  expect_error([] { make("fp8_delayed", "fast_acum_fprop = true\n"); }, {"fast_acum_fprop", "fast_accum_fprop"});
+  expect_error([] { make("fp8_delayed", "master = \"fp16\"\n"); }, {"master", "fp32", "bf16"});
+  expect_error([] { make("fp8_delayed", "stochastic_rounding = true\n"); },
+               {"stochastic_rounding", "master = \"bf16\"", "fp8.toml"});
+  expect_error([] { make("fp8_current", "master = \"bf16\"\n"); }, {"master", "CPU", "fp32"});
+  for (const char* key : {"amax_history_len = 16", "amax_compute_algo = \"max\"", "margin = 1"})
+    expect_error([&] { make("fp8_current", std::string(key) + "\n"); }, {"fp8_current", "fp8_delayed", "fp8.toml"});
+  // The GPU path is built separately: refused at construction, one message.
+  for (const char* plugin : {"fp8_delayed", "fp8_current"})
+    expect_error([&] { make(plugin, "", Device::cuda); }, {plugin, "cuda", "not wired", "run.device = \"cpu\""});
+}
+
+// ---- Sessions ----
+
+namespace {
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::path(LOOM_BINARY_DIR) / "test_tmp" / ("fp8_" + name);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+std::string small_config(const fs::path& out, const std::string& precision) {
+  std::ostringstream s;
+  s << "[run]\nname = \"fp8\"\nout_dir = \"" << out.string() << "\"\ndevice = \"cpu\"\nseed = 5\nthreads = 2\n"
+    << "log_level = \"warn\"\nplugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
+    << "[model]\nhidden = 64\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nffn_hidden = 160\n"
+    << "vocab_size = 96\nmax_seq_len = 64\n"
+    << "[train]\nsteps = 10\nmicro_batch = 4\nseq_len = 31\ngrad_accum = 2\nlr = 3e-3\nmin_lr = 3e-4\n"
+    << "warmup_steps = 2\nvalidation_every = 3\nvalidation_batches = 2\nlog_every = 5\n"
+    << "[checkpoint]\nevery = 0\nresume = \"none\"\n"
+    << "[precision]\n" << precision << "\n[attention]\nplugin = \"naive\"\n[sharding]\nplugin = \"none\"\n"
+    << "[data]\nplugin = \"synthetic\"\npattern = \"ramp\"\n";
+  return s.str();
+}
+
+loom::Config parse(const std::string& text, const std::vector<std::string>& ov = {}) {
+  return loom::parse_config_string(text, "fp8_e2e.toml", ov);
+}
+
+// Every state tensor's bytes, by name.
+std::map<std::string, std::vector<char>> state_bytes(loom::Session& s) {
+  std::map<std::string, std::vector<char>> out;
+  for (const loom::StateTensor& t : s.precision().state_tensors()) {
+    const char* p = static_cast<const char*>(t.tensor.data);
+    out[t.name] = std::vector<char>(p, p + t.tensor.bytes());
+  }
+  return out;
+}
+
+std::string slurp(const fs::path& p) {
+  std::stringstream ss;
+  ss << std::ifstream(p).rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+// Save at step 6, resume in a new session: the same losses and, at the end,
+// the same scales, amax history and counters, bitwise, as one run of 10 steps
+// (history length 4, so the ring wraps; validation every 3 steps and two
+// micro-batches per step, so the forward-only passes and the weight reuse are
+// part of what must match).
+TEST(Fp8Recipes, StateResumesBitwise) {
+  for (const std::string plugin : {"fp8_delayed", "fp8_current"}) {
+    SCOPED_TRACE(plugin);
+    const std::string prec =
+        "plugin = \"" + plugin + "\"" + (plugin == "fp8_delayed" ? "\namax_history_len = 4\nmargin = 1" : "");
+    fs::path d = temp_dir("resume_" + plugin);
+    loom::RunSummary full, first, second;
+    std::map<std::string, std::vector<char>> full_state, resumed_state;
+    {
+      loom::Session s(parse(small_config(d / "full", prec)));
+      full = s.train();
+      full_state = state_bytes(s);
+    }
+    const std::vector<std::string> ov = {"checkpoint.every=3", "checkpoint.resume=auto"};
+    {
+      loom::Session s(parse(small_config(d / "split", prec), ov));
+      first = s.train(6);
+    }
+    {
+      loom::Session s(parse(small_config(d / "split", prec), ov));
+      second = s.train();
+      resumed_state = state_bytes(s);
+    }
+    ASSERT_EQ(full.steps.size(), 10u);
+    ASSERT_EQ(second.first_step, 6);
+    ASSERT_EQ(second.steps.size(), 4u);
+    for (size_t i = 0; i < 6; ++i) EXPECT_EQ(first.steps[i].loss, full.steps[i].loss) << "step " << i + 1;
+    for (size_t i = 0; i < 4; ++i) EXPECT_EQ(second.steps[i].loss, full.steps[6 + i].loss) << "step " << 7 + i;
+    ASSERT_FALSE(full_state.empty());
+    EXPECT_EQ(resumed_state, full_state) << "scales, history and counters must resume bitwise";
+    // And the state did move: the scales are not all TE's starting 1.
+    const auto& sc = full_state.at("fp8.scale");
+    bool moved = false;
+    for (size_t i = 0; i < sc.size() / 4; ++i) moved = moved || reinterpret_cast<const float*>(sc.data())[i] != 1.0f;
+    EXPECT_TRUE(moved);
+    // The checkpoint holds the state as tensors, listed in meta.json.
+    const std::string meta = slurp(d / "split" / "checkpoints" / "step_00000009" / "meta.json");
+    EXPECT_NE(meta.find("\"precision_tensors\""), std::string::npos);
+    EXPECT_NE(meta.find("\"fp8.scale\""), std::string::npos);
+    EXPECT_EQ(meta.find("\"precision_state\""), std::string::npos);
+  }
+}
+
+// A checkpoint of another recipe resumes (the weights by name, the scales
+// fresh), both ways: fp32 -> fp8_delayed -> fp32. On the CPU the non-FP8
+// recipe is fp32 (bf16 runs on CUDA only; its checkpoints differ in dtypes,
+// which the resume converts as for any recipe change).
+TEST(Fp8Recipes, ResumeAcrossRecipes) {
+  fs::path d = temp_dir("across");
+  const std::vector<std::string> ov = {"checkpoint.every=3", "checkpoint.resume=auto", "train.validation_every=0"};
+  const std::string cfg = small_config(d / "run", "plugin = \"fp32\"");
+  {
+    loom::Session s(parse(cfg, ov));
+    s.train(3);
+  }
+  std::vector<std::string> to_fp8 = ov;
+  to_fp8.push_back("precision.plugin=fp8_delayed");
+  {
+    loom::Session s(parse(cfg, to_fp8));
+    s.initialise();
+    // Fresh scales: every scale TE's starting 1, no step counted.
+    for (const loom::StateTensor& t : s.precision().state_tensors()) {
+      if (t.name == "fp8.scale")
+        for (int64_t i = 0; i < t.tensor.numel(); ++i) ASSERT_EQ(t.tensor.ptr<float>()[i], 1.0f);
+      if (t.name == "fp8.counters") ASSERT_EQ(t.tensor.ptr<double>()[1], 0.0);
+    }
+    loom::RunSummary r = s.train(6);
+    ASSERT_EQ(r.first_step, 3);
+    for (const auto& st : r.steps) EXPECT_TRUE(std::isfinite(st.loss));
+  }
+  {
+    loom::Session s(parse(cfg, ov));  // back to fp32 from the fp8_delayed checkpoint of step 6
+    loom::RunSummary r = s.train(9);
+    ASSERT_EQ(r.first_step, 6);
+    for (const auto& st : r.steps) EXPECT_TRUE(std::isfinite(st.loss));
+  }
+  // Through the command line, for the log: the scales start fresh, said once.
+  fs::path d2 = temp_dir("across_cli");
+  std::ofstream(d2 / "c.toml") << small_config(d2 / "run", "plugin = \"fp32\"");
+  const std::string base = std::string(LOOM_CLI) + " train " + (d2 / "c.toml").string() +
+                           " --set run.log_level=info --set checkpoint.every=2 --set checkpoint.resume=auto";
+  ASSERT_EQ(std::system((base + " --set train.steps=2 > " + (d2 / "a.txt").string() + " 2>&1").c_str()), 0);
+  ASSERT_EQ(std::system((base + " --set train.steps=5 --set precision.plugin=fp8_delayed > " + (d2 / "b.txt").string() +
+                         " 2>&1").c_str()),
+            0)
+      << slurp(d2 / "b.txt");
+  const std::string log = slurp(d2 / "b.txt");
+  EXPECT_NE(log.find("written with precision \"fp32\""), std::string::npos) << log;
+  EXPECT_NE(log.find("scales start fresh"), std::string::npos) << log;
+  // The log line on log steps (log_every = 5).
+  EXPECT_NE(log.find("precision: fp8_delayed scales"), std::string::npos) << log;
+  EXPECT_NE(log.find("skipped updates"), std::string::npos) << log;
+}
+
+// The memory plan (what `loom check` prints) counts the recipe's saved
+// activations: the activations of fp8_delayed are fp32's plus the cast x of
+// every FP8 linear (2 layers x q, k, v, o, gate, up, down, x [N, in] in fp32;
+// the head stays in fp32 and saves nothing).
+TEST(Fp8Recipes, MemoryPlanCountsSavedActivations) {
+  fs::path d = temp_dir("plan");
+  loom::Session fp8(parse(small_config(d / "a", "plugin = \"fp8_delayed\"")));
+  loom::Session fp32(parse(small_config(d / "b", "plugin = \"fp32\"")));
+  const int64_t N = 4 * 31, h = 64, f = 160;
+  const size_t per_layer = static_cast<size_t>((4 * N * h + 2 * N * h + N * f) * 4);
+  size_t saved = 0;
+  for (const loom::ArenaBlock& b : fp8.memory_plan().blocks())
+    if (b.name == "precision.saved_activations") saved = b.bytes;
+  EXPECT_EQ(saved, 2 * per_layer);
+  const size_t a8 = fp8.memory_plan().category_bytes(loom::MemCategory::activations);
+  const size_t a32 = fp32.memory_plan().category_bytes(loom::MemCategory::activations);
+  EXPECT_GE(a8, a32 + saved);
+  EXPECT_LE(a8, a32 + saved + loom::ArenaPlan::kAlign);  // alignment of the one extra block
+}
+
+// Emulated FP8 on the quickstart model trains like fp32: after 300 steps on
+// the fortune corpus the validation loss of each FP8 recipe is within 2% of
+// fp32's. Both runs see the same data and initial weights. For CI on two
+// cores the batch is cut to 8 sequences of 128 (the quickstart's own is 16):
+// the same model, sequence length, optimiser and schedule, ~4 minutes for the
+// three runs alone (~20 beside the rest of the suite at ctest -j2, hence the
+// suite's timeout in tests/CMakeLists.txt) instead of ~25 on a busy machine. Measured (docs/
+// PERFORMANCE.md): batch 16 -0.60% (delayed) and +1.19% (current), batch 8
+// +1.37% and +0.41%, batch 4 +1.78% and +1.47% (too close to the bound for
+// CI). LOOM_FP8_CONVERGENCE_MICRO_BATCH=16 runs the quickstart's batch;
+// LOOM_FP8_CONVERGENCE_STEPS changes the step count.
+TEST(Fp8Recipes, QuickstartWithinTwoPercentOfFp32) {
+  const fs::path corpus = "/usr/share/games/fortunes";
+  if (!fs::exists(corpus)) GTEST_SKIP() << "fortunes package not installed (scripts/setup.sh installs it)";
+  auto env_int = [](const char* name, int def) { return std::getenv(name) ? std::atoi(std::getenv(name)) : def; };
+  const int steps = env_int("LOOM_FP8_CONVERGENCE_STEPS", 300);
+  const int micro_batch = env_int("LOOM_FP8_CONVERGENCE_MICRO_BATCH", 8);
+  fs::path d = temp_dir("quickstart_mb" + std::to_string(micro_batch));
+  const std::string cmd = std::string(LOOM_CLI) + " prepare text " + (d / "data").string() + " " + corpus.string() +
+                          " > " + (d / "prepare.log").string() + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "loom prepare text failed; see " << (d / "prepare.log");
+  auto run = [&](const std::string& plugin) {
+    std::vector<std::string> ov = {
+        "run.out_dir=\"" + (d / plugin).string() + "\"",
+        "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]", "run.log_level=\"warn\"",
+        "data.train=\"" + (d / "data" / "train_*.bin").string() + "\"",
+        "data.val=\"" + (d / "data" / "val.bin").string() + "\"", "train.steps=" + std::to_string(steps),
+        "train.validation_every=" + std::to_string(steps), "train.validation_batches=8", "checkpoint.every=0",
+        "checkpoint.resume=none", "run.threads=2", "precision.plugin=" + plugin,
+        "train.micro_batch=" + std::to_string(micro_batch)};
+    loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "quickstart.toml", ov));
+    loom::RunSummary r = s.train();
+    EXPECT_EQ(r.val_losses.size(), 2u);
+    return r.val_losses.back().second;
+  };
+  const double ref = run("fp32");
+  EXPECT_LT(ref, 5.55 - 1.5) << "fp32 must have learned for the comparison to mean anything";
+  for (const std::string plugin : {"fp8_delayed", "fp8_current"}) {
+    const double v = run(plugin);
+    EXPECT_LT(std::fabs(v - ref) / ref, 0.02) << plugin << ": validation loss " << v << ", fp32 " << ref;
+    std::printf("quickstart model, micro_batch %d, %d steps: validation loss fp32 %.4f, %s %.4f (%+.2f%%)\n",
+                micro_batch, steps, ref, plugin.c_str(), v, 100.0 * (v - ref) / ref);
+  }
+}
+
+// Checkpoints of format 2 to 4 recorded the recipe state as an opaque hex
+// string, "precision_state", which no recipe filled: an empty one resumes,
+// one holding bytes is refused, naming the field and what to do. (The
+// COMPLETE marker is rewritten in its legacy form, which does not certify
+// meta.json, as those looms wrote it.)
+TEST(Fp8Recipes, OldOpaquePrecisionStateIsReadOnlyWhenEmpty) {
+  fs::path d = temp_dir("old_state");
+  const std::vector<std::string> ov = {"checkpoint.every=2", "checkpoint.resume=auto", "train.validation_every=0"};
+  const std::string cfg = small_config(d / "run", "plugin = \"fp8_delayed\"");
+  {
+    loom::Session s(parse(cfg, ov));
+    s.train(2);
+  }
+  const fs::path step = d / "run" / "checkpoints" / "step_00000002";
+  const std::string fresh = slurp(step / "meta.json");
+  auto rewrite = [&](const std::string& state) {
+    nlohmann::json meta = nlohmann::json::parse(fresh);
+    meta["version"] = 4;
+    meta.erase("precision_tensors");
+    meta["precision_state"] = state;
+    std::ofstream(step / "meta.json", std::ios::trunc) << meta.dump(2);
+    std::ofstream(step / "COMPLETE", std::ios::trunc) << "{\"step\": 2}\n";
+  };
+  rewrite("");
+  {
+    loom::Session s(parse(cfg, ov));
+    s.initialise();
+    EXPECT_EQ(s.step(), 2);
+  }
+  rewrite("0a0b0c");
+  loom::test::expect_error(
+      [&] {
+        loom::Session s(parse(cfg, ov));
+        s.initialise();
+      },
+      {"step_00000002", "format version 4", "\"precision_state\"", "3 bytes", "checkpoint.resume = \"none\""});
+}
+
+// A checkpoint of the bf16 recipe (bf16 params, fp32 master) resumes under
+// fp8_delayed: the fp32 params come from the master copy exactly, the scales
+// start fresh. The bf16 recipe runs on CUDA only, so its checkpoint is made
+// here from an fp32 one, as the bf16 recipe writes it (params rounded to
+// bf16, the fp32 values as the master copy, meta.json saying bf16). The other
+// way, fp8_delayed -> bf16, needs a GPU; fp8_delayed -> fp32 is
+// ResumeAcrossRecipes.
+TEST(Fp8Recipes, Bf16CheckpointResumesUnderFp8Delayed) {
+  fs::path d = temp_dir("from_bf16");
+  const std::vector<std::string> ov = {"checkpoint.every=2", "checkpoint.resume=auto", "train.validation_every=0"};
+  {
+    loom::Session s(parse(small_config(d / "fp32", "plugin = \"fp32\""), ov));
+    s.train(2);
+  }
+  const fs::path src = d / "fp32" / "checkpoints" / "step_00000002";
+  const fs::path root = d / "bf16" / "checkpoints";
+  fs::create_directories(root);
+  loom::ckpt::CheckpointReader r(src.string(), 0);
+  std::vector<std::vector<char>> keep;  // tensor memory until write_shard
+  loom::ckpt::CheckpointWriter w(root.string(), 2, 0);
+  std::map<std::string, std::vector<float>> masters;
+  for (const std::string& name : r.names()) {
+    const loom::ckpt::TensorRecord& rec = r.info(name);
+    ASSERT_EQ(rec.dtype, DType::f32) << name;
+    int64_t n = 1;
+    for (int64_t x : rec.shape) n *= x;
+    std::vector<float> v(static_cast<size_t>(n));
+    Tensor t(v.data(), DType::f32, Device::cpu, {n});
+    r.read(name, t);
+    if (name.rfind("params.", 0) == 0) {
+      const std::string unit = name.substr(7);
+      std::vector<char> b(static_cast<size_t>(n) * 2);
+      auto* h = reinterpret_cast<uint16_t*>(b.data());
+      for (int64_t i = 0; i < n; ++i) h[i] = loom::hf::f32_to_bf16(v[static_cast<size_t>(i)]);
+      keep.push_back(std::move(b));
+      w.add(name, Tensor(keep.back().data(), DType::bf16, Device::cpu, {n}));
+      masters[unit] = v;
+      std::vector<char> m(reinterpret_cast<char*>(v.data()), reinterpret_cast<char*>(v.data() + n));
+      keep.push_back(std::move(m));
+      w.add("master." + unit, Tensor(keep.back().data(), DType::f32, Device::cpu, {n}));
+    } else {
+      keep.emplace_back(reinterpret_cast<char*>(v.data()), reinterpret_cast<char*>(v.data() + n));
+      w.add(name, Tensor(keep.back().data(), DType::f32, Device::cpu, {n}));
+    }
+  }
+  const uint32_t crc = w.write_shard();
+  nlohmann::json meta = nlohmann::json::parse(slurp(src / "meta.json"));
+  meta["precision"] = "bf16";
+  meta["dtypes"]["params"] = "bf16";
+  meta["dtypes"]["activation"] = "bf16";
+  meta["dtypes"]["master"] = true;
+  meta["precision_tensors"] = nlohmann::json::array();
+  meta["shard_header_crc32"] = {crc};
+  loom::ckpt::CheckpointWriter::write_meta(root.string(), 2, meta.dump(2));
+  loom::ckpt::CheckpointWriter::mark_complete(root.string(), 2);
+
+  std::vector<std::string> ov8 = ov;
+  ov8.push_back("checkpoint.dir=\"" + root.string() + "\"");
+  loom::Session s(parse(small_config(d / "fp8", "plugin = \"fp8_delayed\""), ov8));
+  s.initialise();
+  ASSERT_EQ(s.step(), 2);
+  for (const loom::StateTensor& t : s.precision().state_tensors()) {
+    if (t.name == "fp8.scale")
+      for (int64_t i = 0; i < t.tensor.numel(); ++i) ASSERT_EQ(t.tensor.ptr<float>()[i], 1.0f) << "fresh scales";
+    if (t.name == "fp8.counters") EXPECT_EQ(t.tensor.ptr<double>()[1], 0.0);
+  }
+  // The fp32 params are the master copy, bit for bit (not the bf16 rounding).
+  for (const auto& u : s.units()) {
+    const auto it = masters.find(u.info->name);
+    ASSERT_NE(it, masters.end()) << u.info->name;
+    const float* p = u.params.ptr<const float>();
+    for (size_t i = 0; i < it->second.size(); ++i) ASSERT_EQ(p[i], it->second[i]) << u.info->name << " " << i;
+  }
+  loom::RunSummary run = s.train(4);
+  ASSERT_EQ(run.steps.size(), 2u);
+  for (const auto& st : run.steps) EXPECT_TRUE(std::isfinite(st.loss));
+}
+
+// Resuming the same recipe with a setting that sizes its state changed (here
+// the amax history length) is refused, naming the state tensor and what to do.
+TEST(Fp8Recipes, StateOfAnotherLayoutIsRefused) {
+  fs::path d = temp_dir("layout");
+  const std::vector<std::string> ov = {"checkpoint.every=2", "checkpoint.resume=auto", "train.validation_every=0"};
+  {
+    loom::Session s(parse(small_config(d / "run", "plugin = \"fp8_delayed\"\namax_history_len = 4"), ov));
+    s.train(2);
+  }
+  loom::test::expect_error(
+      [&] {
+        loom::Session s(parse(small_config(d / "run", "plugin = \"fp8_delayed\"\namax_history_len = 8"), ov));
+        s.initialise();
+      },
+      {"step_00000002", "fp8.amax_history", "[4,", "[8,", "checkpoint.resume = \"none\""});
+}
