@@ -14,7 +14,7 @@
 // against another major is refused); the minor grows when the host adds
 // something a plugin may use (a host accepts plugins with minor <= its own).
 #define LOOM_ABI_MAJOR 4
-#define LOOM_ABI_MINOR 0  // 4.0: Precision setup, named state tensors, saved activations, LinearDesc::role
+#define LOOM_ABI_MINOR 0  // 4.0: Precision setup, named state tensors, saved activations, LinearDesc::role; Communicator::all_to_all
 
 #define LOOM_STR2_(x) #x
 #define LOOM_STR_(x) LOOM_STR2_(x)
