@@ -14,7 +14,7 @@ cmake --build "$B" -j "$(nproc)"
 rm -rf .carry && mkdir -p .carry/bin .carry/lib
 cp -a "$B"/bin/. .carry/bin/
 # Every GPU suite and benchmark that scripts/gpu_check.sh runs must be there.
-for t in test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention fp8_gemm_bench; do
+for t in test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_gpu_moe fp8_gemm_bench; do
   [ -x ".carry/bin/$t" ] || { echo "gpu_build: $B/bin/$t was not built" >&2; exit 1; }
 done
 cp -a "$B"/lib/. .carry/lib/
