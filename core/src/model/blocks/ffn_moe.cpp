@@ -98,9 +98,10 @@ class MoeFfn final : public FfnBlock {
     w3_.clear();
     for (int64_t x = 0; x < E; ++x) {
       const std::string q = s + std::to_string(x) + ".";
-      w1_.push_back(env.precision->register_linear({q + "w1", h, f, env.N}));
-      w2_.push_back(env.precision->register_linear({q + "w2", f, h, env.N}));
-      w3_.push_back(env.precision->register_linear({q + "w3", h, f, env.N}));
+      // variable_rows: the row count changes per call (one GEMM plan per matrix, not per count).
+      w1_.push_back(env.precision->register_linear({q + "w1", h, f, env.N, true}));
+      w2_.push_back(env.precision->register_linear({q + "w2", f, h, env.N, true}));
+      w3_.push_back(env.precision->register_linear({q + "w3", h, f, env.N, true}));
     }
     host_counts_.assign(2 * EE + 1, 0);
   }
