@@ -26,7 +26,9 @@
 // MoE experts) gets one plan per GEMM for m = max_rows (its key holds max_rows
 // in m's place: N' for fprop and dgrad, K' for wgrad). A call with another m
 // sets m in the plan's layouts (m is always a column count there, so leading
-// dimensions stay valid) and asks cublasLtMatmulAlgoCheck whether the
+// dimensions stay valid; the plan assumes pointer alignments of at most 16
+// bytes, since row views start at any expert's offset) and asks
+// cublasLtMatmulAlgoCheck whether the
 // algorithm runs that problem with the workspace there is; only when it does
 // not is an exact plan for that m built, as for any other linear. So the row
 // counts of a run build no plans after the first call, and the algorithm for
@@ -363,6 +365,10 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
   if (desc.variable_rows && desc.max_rows > 0 && m <= desc.max_rows) {
     std::array<int64_t, 11> vkey = key;
     vkey[static_cast<size_t>(mi)] = desc.max_rows;
+    // Row views start wherever the previous expert's rows end, so their
+    // alignment changes from call to call: the plan assumes at most 16 bytes
+    // (what the vectorised kernels need), one plan for every such offset.
+    for (size_t i : {size_t{6}, size_t{7}, size_t{8}, size_t{10}}) vkey[i] = std::min<int64_t>(vkey[i], 16);
     Plan* v = nullptr;
     for (auto& p : plans)
       if (p->key == vkey) { v = p.get(); break; }
