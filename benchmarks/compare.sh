@@ -9,7 +9,8 @@
 # "native fused": one row each), BREAKDOWN=1 (adds --breakdown to every Loom
 # row), MODES (peer modes, default all four; the 7B workload runs MODES_7B,
 # default "pure,pure+compile": the autocast modes' fp32 state does not fit 80
-# GB), PEERS=0 (Loom's rows only), OUT (a folder for the raw JSON lines;
+# GB; MoE configs run MODES_MOE, default "pure,pure+compile", beside
+# benchmarks/hf_mixtral.py), PEERS=0 (Loom's rows only), OUT (a folder for the raw JSON lines;
 # default a temp dir).
 set -uo pipefail
 LOOM_BIN=${LOOM_BIN:-build/bin/loom}
@@ -35,8 +36,15 @@ for cfg in "${configs[@]}"; do
   [ "${PEERS:-1}" = 0 ] && continue
   modes=${MODES:-pure,autocast,pure+compile,autocast+compile}
   case "$name" in *7b*) modes=${MODES_7B:-pure,pure+compile} ;; esac
-  echo "== $name: PyTorch peer ($modes)" >&2
-  python3 benchmarks/hf_llama.py "$cfg" --modes "$modes" --steps "$STEPS" --warmup "$WARMUP" 2>"$OUT/$name.peer.log" |
+  # Mixture-of-experts configs (model.ffn = "moe") run beside MixtralForCausalLM (pure bf16 modes: the
+  # autocast modes' fp32 state is not what Loom's bf16_pure bench runs), the others beside LlamaForCausalLM.
+  peer=benchmarks/hf_llama.py
+  if python3 -c "import sys,tomllib; sys.exit(0 if tomllib.load(open(sys.argv[1],'rb'))['model'].get('ffn','dense')=='moe' else 1)" "$cfg"; then
+    peer=benchmarks/hf_mixtral.py
+    modes=${MODES_MOE:-pure,pure+compile}
+  fi
+  echo "== $name: PyTorch peer $peer ($modes)" >&2
+  python3 "$peer" "$cfg" --modes "$modes" --steps "$STEPS" --warmup "$WARMUP" 2>"$OUT/$name.peer.log" |
     sed -n 's/^PEER_JSON //p' | python3 -c "import sys,json; [print(json.dumps(dict(json.loads(l), name='$name', who='peer'))) for l in sys.stdin]" >> "$OUT/results.jsonl" ||
     echo "peer failed for $cfg: see $OUT/$name.peer.log" >&2
 done

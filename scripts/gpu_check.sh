@@ -43,7 +43,7 @@ status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   : > "$OUT/tests.txt"
   # The suites with GPU cases (the CPU suites run in CI).
-  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_moe test_cuda_attention test_golden test_gpu_train test_step_alloc}; do
+  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_golden test_gpu_train test_gpu_moe test_step_alloc}; do
     t=.carry/bin/$n
     if "$t" --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
@@ -53,7 +53,7 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
     if [ "$real_skips" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi
     echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
     [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -20
-    grep -hE '^\[(golden|gpu curve|deterministic|timestamp|step allocations|fp8 gemm)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+    grep -hE '^\[(golden|gpu curve|gpu moe|deterministic|timestamp|step allocations|fp8 gemm)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
   done
 fi
 if [ "$WHAT" = fp8 ]; then

@@ -14,23 +14,13 @@ TEST(ShippedConfigs, AllParse) {
   for (const auto& e : fs::recursive_directory_iterator(fs::path(LOOM_SOURCE_DIR) / "configs")) {
     if (e.path().extension() != ".toml") continue;
     SCOPED_TRACE(e.path().string());
-    // A mixture-of-experts GPU config (mixtral-8x7b) is refused by this build
-    // for that reason alone: every other key is validated on the CPU device.
-    std::vector<std::string> ov;
-    try {
-      loom::load_config(e.path(), {});
-    } catch (const loom::Error& err) {
-      const std::string m = err.what();
-      ASSERT_NE(m.find("the CUDA MoE path (routing kernels, expert GEMMs) is not in this build yet"), std::string::npos)
-          << m;
-      ov.push_back("run.device=\"cpu\"");
-    }
-    loom::Config c = loom::load_config(e.path(), ov);
+    // Mixture-of-experts GPU configs (mixtral-8x7b, bench/mixtral-small) parse as they are.
+    loom::Config c = loom::load_config(e.path(), {});
     EXPECT_FALSE(c.precision.plugin.empty());
     EXPECT_GE(c.train.steps, 1);
     ++n;
   }
-  EXPECT_GE(n, 5);  // quickstart, the three bench workloads, mixtral-8x7b
+  EXPECT_GE(n, 6);  // quickstart, the bench workloads (mixtral-small among them), mixtral-8x7b
 }
 
 // Mixtral 8x7B's published sizes: 46.7B parameters, 12.9B active per token.

@@ -720,6 +720,198 @@ TEST_F(CudaMoe, AuxStatisticsMatchReferenceOverTwoLayers) {
   }
 }
 
+// ---- the CUDA backend's other MoE steps: router GEMM, jitter, flat aux statistics ----------
+//
+// Router forward and backward against double-precision sums of the same
+// (for bf16: bf16-rounded) inputs. An fp32 sum of n products with fused
+// multiply-adds is within n 2^-23 sum |terms| of the exact sum (the standard
+// gamma_n bound); bf16 outputs add one bf16 rounding, 2^-8 |a|. The router's
+// weight gradient is accumulated into a non-zero start (it is +=): n = N + the
+// chunks' sum + the start. Jitter and scale are one double->float rounding and
+// one fp32 product on both sides: bitwise. Flat aux statistics as the
+// two-layer test above (counts and rows exact, sums N 2^-52, gradient bitwise).
+
+std::vector<double> router_ref(const std::vector<float>& x, const std::vector<float>& w, const MoeDims& d,
+                               std::vector<double>* abs_sum) {
+  std::vector<double> l(static_cast<size_t>(d.N * d.E));
+  abs_sum->assign(l.size(), 0.0);
+  for (int64_t n = 0; n < d.N; ++n)
+    for (int64_t e = 0; e < d.E; ++e) {
+      double acc = 0, a = 0;
+      for (int64_t j = 0; j < d.h; ++j) {
+        const double t = static_cast<double>(x[n * d.h + j]) * w[e * d.h + j];
+        acc += t;
+        a += std::fabs(t);
+      }
+      l[n * d.E + e] = acc;
+      (*abs_sum)[n * d.E + e] = a;
+    }
+  return l;
+}
+
+TEST_F(CudaMoe, RouterGemmForwardAndBackwardMatchDoubleSums) {
+  struct Case {
+    int64_t N, h, E;
+  };
+  for (const Case c : {Case{37, 48, 4}, Case{300, 96, 8}, Case{4096, 512, 8}, Case{129, 200, 5}}) {
+    for (DType t : {DType::f32, DType::bf16}) {
+      MoeDims d;
+      d.N = c.N;
+      d.h = c.h;
+      d.E = c.E;
+      d.k = 2;
+      d.f = 1;
+      const std::string what = dims_str(d) + " " + std::string(dtype_name(t));
+      const bool bf = t == DType::bf16;
+      std::vector<float> x = rnd(static_cast<size_t>(d.N * d.h), 101, -1.f, 1.f);
+      std::vector<float> w = rnd(static_cast<size_t>(d.E * d.h), 202, -0.5f, 0.5f);
+      std::vector<float> dl = rnd(static_cast<size_t>(d.N * d.E), 303, -1.f, 1.f);
+      std::vector<float> dw0 = rnd(static_cast<size_t>(d.E * d.h), 404, -0.1f, 0.1f);
+      if (bf) {
+        x = rounded_bf16(x);
+        w = rounded_bf16(w);
+        dw0 = rounded_bf16(dw0);
+      }
+      const Tensor xt = tput(x, t, d.N, d.h), wt = tput(w, t, d.E, d.h);
+      float* logits = alloc<float>(static_cast<size_t>(d.N * d.E));
+      gpu::moe_router_forward(logits, xt, wt, d, stream_);
+      std::vector<double> abs_l;
+      const std::vector<double> ref_l = router_ref(x, w, d, &abs_l);
+      const std::vector<float> got_l = get(logits, static_cast<size_t>(d.N * d.E));
+      std::vector<float> want_l(ref_l.begin(), ref_l.end());
+      expect_close(got_l, want_l, [&](size_t i) { return (d.h + 1) * kUlp32 * abs_l[i] + kTiny; },
+                   what + " logits");
+
+      // Backward: dx = dl W (written), dW += dl^T x.
+      const float* dlp = put(dl);
+      Tensor dx = tensor(t, d.N, d.h);
+      Tensor dW = tput(dw0, t, d.E, d.h);
+      const size_t scratch_bytes = size_t{16} << 20;
+      void* scratch = alloc<uint8_t>(scratch_bytes);
+      gpu::moe_router_backward(dx, dW, dlp, xt, wt, scratch, scratch_bytes, d, stream_);
+      std::vector<float> want_dx(static_cast<size_t>(d.N * d.h)), want_dw(static_cast<size_t>(d.E * d.h));
+      std::vector<double> abs_dx(want_dx.size()), abs_dw(want_dw.size());
+      for (int64_t n = 0; n < d.N; ++n)
+        for (int64_t j = 0; j < d.h; ++j) {
+          double acc = 0, a = 0;
+          for (int64_t e = 0; e < d.E; ++e) {
+            const double tm = static_cast<double>(dl[n * d.E + e]) * w[e * d.h + j];
+            acc += tm;
+            a += std::fabs(tm);
+          }
+          want_dx[n * d.h + j] = static_cast<float>(acc);
+          abs_dx[n * d.h + j] = a;
+        }
+      for (int64_t e = 0; e < d.E; ++e)
+        for (int64_t j = 0; j < d.h; ++j) {
+          double acc = dw0[e * d.h + j], a = std::fabs(acc);
+          for (int64_t n = 0; n < d.N; ++n) {
+            const double tm = static_cast<double>(dl[n * d.E + e]) * x[n * d.h + j];
+            acc += tm;
+            a += std::fabs(tm);
+          }
+          want_dw[e * d.h + j] = static_cast<float>(acc);
+          abs_dw[e * d.h + j] = a;
+        }
+      const double extra = bf ? kUlpBf16 : 0.0;
+      expect_close(tget(dx), want_dx,
+                   [&](size_t i) { return (d.E + 1) * kUlp32 * abs_dx[i] + extra * std::fabs(want_dx[i]) + kTiny; },
+                   what + " router dx");
+      const std::vector<float> got_dw = tget(dW);
+      expect_close(got_dw, want_dw,
+                   [&](size_t i) {
+                     return (d.N + 1100) * kUlp32 * abs_dw[i] + extra * std::fabs(want_dw[i]) + kTiny;
+                   },
+                   what + " router dW");
+      // Same inputs again: the same bits (no atomics; the chunking is a function of the shape).
+      Tensor dW2 = tput(dw0, t, d.E, d.h);
+      gpu::moe_router_backward(dx, dW2, dlp, xt, wt, scratch, scratch_bytes, d, stream_);
+      EXPECT_EQ(tget(dW2), got_dw) << what << " router dW is not reproducible";
+    }
+  }
+}
+
+TEST_F(CudaMoe, JitterScaleAndFlatAuxMatchReference) {
+  // Jitter: the CPU's noise bitwise (the same counter hash), xin = x * noise bitwise.
+  for (const double eps : {0.0, 0.01, 0.3}) {
+    const int64_t n = 10007;
+    const uint64_t seed = 0x1234567890ABCDEFull ^ static_cast<uint64_t>(eps * 1000);
+    std::vector<float> x = rnd(static_cast<size_t>(n), 77);
+    std::vector<float> noise(static_cast<size_t>(n)), xin(static_cast<size_t>(n));
+    cpu::moe_jitter_noise(noise.data(), n, eps, seed);
+    cpu::moe_jitter_apply(xin.data(), x.data(), noise.data(), n);
+    Tensor xt = tput(x, DType::f32, 1, n), nt = tensor(DType::f32, 1, n), it = tensor(DType::f32, 1, n);
+    gpu::moe_jitter(it, nt, xt, eps, seed, stream_);
+    expect_equal(tget(nt), noise, "jitter noise eps=" + std::to_string(eps));
+    expect_equal(tget(it), xin, "jitter xin eps=" + std::to_string(eps));
+    // Its backward: dx *= noise.
+    std::vector<float> dx = rnd(static_cast<size_t>(n), 78), want(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) want[i] = dx[i] * noise[i];
+    Tensor dxt = tput(dx, DType::f32, 1, n);
+    gpu::moe_scale_by(dxt, nt, stream_);
+    expect_equal(tget(dxt), want, "scale by noise eps=" + std::to_string(eps));
+  }
+  // bf16: the noise is the fp32 noise rounded to bf16; xin the fp32 product of the bf16 values, rounded.
+  {
+    const int64_t n = 4099;
+    std::vector<float> x = rounded_bf16(rnd(static_cast<size_t>(n), 79));
+    std::vector<float> noise(static_cast<size_t>(n));
+    cpu::moe_jitter_noise(noise.data(), n, 0.05, 99);
+    std::vector<float> want_n(static_cast<size_t>(n)), want_x(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      want_n[i] = round_bf16(noise[i]);
+      want_x[i] = round_bf16(x[i] * want_n[i]);
+    }
+    Tensor xt = tput(x, DType::bf16, 1, n), nt = tensor(DType::bf16, 1, n), it = tensor(DType::bf16, 1, n);
+    gpu::moe_jitter(it, nt, xt, 0.05, 99, stream_);
+    expect_equal(tget(nt), want_n, "bf16 jitter noise");
+    expect_equal(tget(it), want_x, "bf16 jitter xin");
+  }
+  // Flat aux statistics over two layers of random routing.
+  for (const int64_t E : {4, 8}) {
+    MoeDims d;
+    d.N = 777;
+    d.E = E;
+    d.k = 2;
+    d.h = 1;
+    d.f = 1;
+    const std::string what = dims_str(d);
+    std::vector<double> ref(static_cast<size_t>(2 * E + 1), 0.0);
+    double* stats = put(ref);
+    std::mt19937 gen(static_cast<uint32_t>(E));
+    for (int layer = 0; layer < 2; ++layer) {
+      std::vector<float> probs = rnd(static_cast<size_t>(d.N * E), 500 + static_cast<uint32_t>(layer), 0.f, 1.f);
+      std::vector<int32_t> experts(static_cast<size_t>(d.N * d.k));
+      std::vector<int64_t> counts(static_cast<size_t>(E), 0);
+      for (int64_t t = 0; t < d.N; ++t) {
+        const int32_t a = static_cast<int32_t>(gen() % E);
+        const int32_t b = static_cast<int32_t>((a + 1 + gen() % (E - 1)) % E);
+        experts[t * 2] = a;
+        experts[t * 2 + 1] = b;
+        ++counts[a];
+        ++counts[b];
+      }
+      cpu::moe_aux_accumulate_flat(ref.data(), probs.data(), experts.data(), d);
+      gpu::moe_aux_accumulate_flat(stats, put(counts), put(probs), d, stream_);
+    }
+    const std::vector<double> got = get(stats, ref.size());
+    for (int64_t e = 0; e < E; ++e) {
+      EXPECT_EQ(got[e], ref[e]) << what << " selections of expert " << e;
+      EXPECT_NEAR(got[E + e], ref[E + e], 2.0 * d.N * 0x1p-52 * ref[E + e]) << what << " prob sum " << e;
+    }
+    EXPECT_EQ(got[2 * E], ref[2 * E]) << what << " rows";
+    float* aux = alloc<float>(1);
+    float* grad = alloc<float>(static_cast<size_t>(E));
+    const double coef = 0.02 * 0.125;
+    gpu::moe_aux_finish_flat(aux, grad, stats, coef, E, stream_);
+    std::vector<float> grad_ref(static_cast<size_t>(E));
+    cpu::moe_aux_grad_flat(grad_ref.data(), ref.data(), E, coef);
+    expect_equal(get(grad, static_cast<size_t>(E)), grad_ref, what + " flat aux grad");
+    const double l = get(aux, 1)[0], l_ref = static_cast<float>(cpu::moe_aux_loss_flat(ref.data(), E));
+    EXPECT_NEAR(l, l_ref, 2 * kUlp32 * std::fabs(l_ref)) << what << " flat aux loss";
+  }
+}
+
 // ---- determinism ------------------------------------------------------------------------
 
 TEST_F(CudaMoe, EveryKernelIsBitwiseReproducible) {

@@ -156,10 +156,32 @@ INSTANTIATE_TEST_SUITE_P(HF, Golden,
 // the routing itself is identical (the closest top-k choice is 8e-5 away from
 // a tie, far above the 1e-7 differences of the probabilities), so nothing
 // larger can appear unless the computation differs.
-class MixtralGolden : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+//
+// On CUDA: fp32 + naive with the same 1e-5 on logits and losses (cuBLASLt fp32
+// without TF32 and the router GEMM in fp32 are fp32 arithmetic; the routing is
+// then the same) and 1e-4 on gradients, the dense CUDA fp32 path's bound. bf16
+// + cuDNN: every GEMM input and the router's input and weights are rounded to
+// bf16 (2^-9 relative), which moves the router logits by ~1e-2 and the
+// probabilities by ~1e-3 — above the golden's smallest top-k margin (8e-5), so
+// a few of the 68 (token, layer) choices may go to the other expert. Bounds:
+// logits 5e-2 and losses 2e-2 (the dense bf16 golden's 1e-2 plus the flipped
+// tokens: each moves one of 34 tokens' expert mix), aux loss 3e-2 (a flip moves
+// one of 68 selections: E (P_a − P_b) / R ≈ 3e-3 relative each), gradients
+// outside the experts 5e-2; an expert's gradient 0.5 (one flipped row of the
+// ~10 an expert gets per layer changes its gradient by up to ~sqrt(2/10));
+// a wrong expert, layout or transpose gives errors near or above 1.
+struct MoePath {
+  const char* device;
+  const char* precision;
+  const char* attention;
+  double tol_logits, tol_loss, tol_aux, tol_grad, tol_expert_grad;
+};
+
+class MixtralGolden : public ::testing::TestWithParam<std::tuple<std::string, std::string, MoePath>> {};
 
 TEST_P(MixtralGolden, MatchesHFTransformers) {
-  const auto& [layers, recompute] = GetParam();
+  const auto& [layers, recompute, path] = GetParam();
+  if (std::string(path.device) == "cuda") LOOM_REQUIRE_GPU();
   const fs::path dir = fs::path(LOOM_SOURCE_DIR) / "tests" / "golden" / "mixtral";
   loom::hf::SafeTensorsFile ref((dir / "reference.safetensors").string());
   const auto input_ids = ref.read_i64("input_ids");
@@ -168,12 +190,13 @@ TEST_P(MixtralGolden, MatchesHFTransformers) {
   ASSERT_EQ(shape.size(), 2u);
   const int64_t B = shape[0], S = shape[1], N = B * S;
   std::ostringstream cfg;
-  cfg << "[run]\ndevice = \"cpu\"\nseed = 1\nthreads = 2\nout_dir = \"" << LOOM_BINARY_DIR
+  cfg << "[run]\ndevice = \"" << path.device << "\"\nseed = 1\nthreads = 2\nout_dir = \"" << LOOM_BINARY_DIR
       << "/test_tmp/golden_mixtral\"\nplugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
       << "[model]\ninit = \"hf:" << (dir / "hf").string() << "\"\nlayers = \"" << layers << "\"\nrecompute = \""
       << recompute << "\"\n" << (layers == "fused" ? "head_chunk = 7\n" : "")
       << "[train]\nsteps = 1\nmicro_batch = " << B << "\nseq_len = " << S << "\n"
-      << "[checkpoint]\nresume = \"none\"\n[precision]\nplugin = \"fp32\"\n[attention]\nplugin = \"naive\"\n"
+      << "[checkpoint]\nresume = \"none\"\n[precision]\nplugin = \"" << path.precision
+      << "\"\n[attention]\nplugin = \"" << path.attention << "\"\n"
       << "[sharding]\nplugin = \"none\"\n[data]\nplugin = \"synthetic\"\n";
   loom::Session s(loom::parse_config_string(cfg.str(), "golden_mixtral.toml", {}));
   s.initialise();
@@ -189,7 +212,7 @@ TEST_P(MixtralGolden, MatchesHFTransformers) {
   const std::vector<float> logits = s.logits();
   ASSERT_EQ(logits.size(), ref_logits.size());
   const double e_logits = rel_err(logits, ref_logits);
-  EXPECT_LT(e_logits, 1e-5);
+  EXPECT_LT(e_logits, path.tol_logits);
 
   s.zero_grads();
   s.forward(true, 1.0f / static_cast<float>(N));
@@ -199,9 +222,9 @@ TEST_P(MixtralGolden, MatchesHFTransformers) {
                ref_loss = ref.read_f32("loss")[0];
   const double e_lm = std::abs(lm - ref_lm) / ref_lm, e_aux = std::abs(aux - ref_aux) / ref_aux;
   const double e_loss = std::abs(lm + 0.02 * aux - ref_loss) / ref_loss;
-  EXPECT_LT(e_lm, 1e-5);
-  EXPECT_LT(e_aux, 1e-5);
-  EXPECT_LT(e_loss, 1e-5);
+  EXPECT_LT(e_lm, path.tol_loss);
+  EXPECT_LT(e_aux, path.tol_aux);
+  EXPECT_LT(e_loss, path.tol_loss);
 
   double worst = 0;
   std::string worst_name;
@@ -210,20 +233,29 @@ TEST_P(MixtralGolden, MatchesHFTransformers) {
     if (name.rfind("grad.", 0) != 0) continue;
     const std::string p = name.substr(5);
     const double e = rel_err(s.read_param(p, true), ref.read_f32(name));
-    EXPECT_LT(e, 1e-5) << p;
+    const bool expert = p.find(".experts.") != std::string::npos;
+    EXPECT_LT(e, expert ? path.tol_expert_grad : path.tol_grad) << p;
     if (e > worst) { worst = e; worst_name = p; }
     ++checked;
   }
   // embedding, final norm, head; per layer 2 norms, q/k/v/o, the router and 4 x 3 expert matrices.
   EXPECT_EQ(checked, 3 + 2 * (2 + 4 + 1 + 12));
-  std::printf("[golden mixtral %s recompute=%s] logits %.2e  lm loss %.2e  aux %.2e  loss %.2e  worst grad %.2e (%s)\n",
-              layers.c_str(), recompute.c_str(), e_logits, e_lm, e_aux, e_loss, worst, worst_name.c_str());
+  std::printf("[golden mixtral %s %s+%s %s recompute=%s] logits %.2e  lm loss %.2e  aux %.2e  loss %.2e  worst grad "
+              "%.2e (%s)\n",
+              path.device, path.precision, path.attention, layers.c_str(), recompute.c_str(), e_logits, e_lm, e_aux,
+              e_loss, worst, worst_name.c_str());
 }
 
-INSTANTIATE_TEST_SUITE_P(HF, MixtralGolden,
-                         ::testing::Combine(::testing::Values("native", "fused"), ::testing::Values("none", "full")),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + "_recompute_" + std::get<1>(info.param);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    HF, MixtralGolden,
+    ::testing::Combine(::testing::Values("native", "fused"), ::testing::Values("none", "full"),
+                       ::testing::Values(MoePath{"cpu", "fp32", "naive", 1e-5, 1e-5, 1e-5, 1e-5, 1e-5},
+                                         MoePath{"cuda", "fp32", "naive", 1e-5, 1e-5, 1e-5, 1e-4, 1e-4},
+                                         MoePath{"cuda", "bf16", "cudnn", 5e-2, 2e-2, 3e-2, 5e-2, 0.5})),
+    [](const auto& info) {
+      const MoePath& p = std::get<2>(info.param);
+      return std::string(p.device) + "_" + p.precision + "_" + std::get<0>(info.param) + "_recompute_" +
+             std::get<1>(info.param);
+    });
 
 }  // namespace

@@ -66,6 +66,22 @@ TEST(StepAllocations, CpuMoeStepAllocatesNothing) {
       "moe");
 }
 
+// The moe block on CUDA: expert GEMMs on row counts that change every step
+// run through one cuBLASLt plan per expert matrix (LinearDesc::variable_rows),
+// so after the warm-up no count builds a plan; jitter, aux loss, bf16 + cuDNN.
+TEST(StepAllocations, CudaMoeStepAllocatesNothing) {
+  LOOM_REQUIRE_GPU();
+  for (const char* layers : {"native", "fused"}) {
+    const fs::path out = fs::path(LOOM_BINARY_DIR) / "test_tmp" / "step_alloc_cuda_moe" / layers;
+    expect_steps_allocate_nothing(
+        loom::parse_config_string(tiny(layers, out), "alloc.toml",
+                                  {"run.device=\"cuda\"", "precision.plugin=\"bf16\"", "attention.plugin=\"cudnn\"",
+                                   "model.ffn=\"moe\"", "model.num_experts=4", "model.top_k=2",
+                                   "model.router_jitter_noise=0.01"}),
+        layers);
+  }
+}
+
 TEST(StepAllocations, CudaStepAllocatesNothing) {
   LOOM_REQUIRE_GPU();
   for (const char* layers : {"native", "fused"}) {

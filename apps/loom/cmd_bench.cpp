@@ -6,11 +6,19 @@
 // memory in use (cudaMemGetInfo) and the arena's size. One table row on
 // stdout, the same as JSON with --json. --breakdown adds per-part times of one
 // extra step (units timed one at a time, so the parts add up to a bit more
-// than a step).
+// than a step); for a mixture of experts (model.ffn = "moe") also the MoE
+// block's ranges, from one more forward and backward with each range timed
+// on its own: moe.routing (jitter, router GEMM + softmax + top-k + sort,
+// gather, combine, and their backward) and moe.experts (the expert GEMMs and
+// SwiGLU, forward and backward), each range also as moe.<range>.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <map>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -18,6 +26,7 @@
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
 #include "train/session.hpp"
+#include "util/trace.hpp"
 
 namespace loom::app {
 namespace {
@@ -32,6 +41,44 @@ int64_t int_flag(const std::string& arg, const std::string& name) {
   }
   throw Error(cat("loom bench: ", name, " needs a positive integer, got '", v, "'"));
 }
+
+// The MoE block's ranges (model/blocks/ffn_moe.cpp): the routing steps and the experts.
+constexpr const char* kMoeRouting[] = {"router_jitter", "router", "gather", "combine+residual", "combine.grad",
+                                       "router.grad"};
+constexpr const char* kMoeExperts[] = {"experts", "experts.grad"};
+
+// A trace sink that times named compute ranges, each on its own: it waits for
+// the queue at a range's start and end (breakdown only, never in training).
+class RangeTimer final : public trace::Sink {
+ public:
+  explicit RangeTimer(Backend& be) : be_(be) {}
+  void begin(trace::Track track, const char* name, void*) override {
+    if (track != trace::Track::compute) return;
+    be_.synchronize();
+    open_.push_back({name, std::chrono::steady_clock::now()});
+  }
+  void end(trace::Track track, void*) override {
+    if (track != trace::Track::compute || open_.empty()) return;
+    be_.synchronize();
+    const auto t = std::chrono::steady_clock::now();
+    const Open o = open_.back();
+    open_.pop_back();
+    ms_[o.name] += std::chrono::duration<double, std::milli>(t - o.t0).count();
+  }
+  double ms(const char* name) const {
+    const auto it = ms_.find(name);
+    return it == ms_.end() ? 0.0 : it->second;
+  }
+
+ private:
+  struct Open {
+    std::string name;
+    std::chrono::steady_clock::time_point t0;
+  };
+  Backend& be_;
+  std::vector<Open> open_;
+  std::map<std::string, double> ms_;
+};
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -132,6 +179,24 @@ int cmd_bench(const Args& args) {
     for (int u = units - 2; u >= 1; --u) timed("backward.layers", [&] { s.backward_unit(u); });
     timed("backward.embedding", [&] { s.backward_unit(0); });
     timed("optimizer", [&] { s.optimizer_step(s.step()); });
+    if (s.spec().moe()) {
+      // One more forward and backward (no update) with the MoE block's ranges timed one by one.
+      RangeTimer rt(be);
+      s.zero_grads();
+      be.synchronize();
+      trace::Sink* prev = trace::g_sink.exchange(&rt);
+      for (int u = 0; u < units; ++u) s.forward_unit(u, true, scale);
+      for (int u = units - 1; u >= 0; --u) s.backward_unit(u);
+      be.synchronize();
+      trace::g_sink.store(prev);
+      double routing = 0, experts = 0;
+      for (const char* n : kMoeRouting) routing += rt.ms(n);
+      for (const char* n : kMoeExperts) experts += rt.ms(n);
+      parts["moe.routing"] = routing;
+      parts["moe.experts"] = experts;
+      for (const char* n : kMoeRouting) parts[std::string("moe.") + n] = rt.ms(n);
+      for (const char* n : kMoeExperts) parts[std::string("moe.") + n] = rt.ms(n);
+    }
     j["breakdown_ms"] = parts;
   }
 

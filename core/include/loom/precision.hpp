@@ -54,6 +54,11 @@ struct LinearDesc {
   int64_t out = 0;    // n
   int64_t max_rows = 0;  // m: tokens per micro-batch (rows of x)
   LinearRole role = LinearRole::hidden;
+  // The row count changes from call to call, up to max_rows (a MoE expert gets
+  // the rows its router sends it): a recipe should not build a GEMM plan per
+  // row count (the cuBLASLt recipes plan once, for max_rows, and check that
+  // plan's algorithm for each new count).
+  bool variable_rows = false;
 };
 
 // Handed to the recipe once, after every linear is registered and before the

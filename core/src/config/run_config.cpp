@@ -194,9 +194,6 @@ void check_cross_fields(const Config& c, const ConfigTable& model, const ConfigT
   if (s.head_dim() % 2 != 0)
     model.fail("hidden", cat("the head dimension model.hidden / model.num_heads = ", s.hidden, " / ", s.num_heads,
                              " = ", s.head_dim(), " must be even: RoPE rotates pairs of dimensions"));
-  if (s.moe() && c.run.device == "cuda")
-    model.fail("ffn", "model.ffn = \"moe\" runs on the CPU only in this build: the CUDA MoE path (routing kernels, "
-                      "expert GEMMs) is not in this build yet; set run.device = \"cpu\"");
   if (c.train.seq_len > s.max_seq_len)
     train.fail("seq_len", cat("train.seq_len = ", c.train.seq_len, " exceeds model.max_seq_len = ", s.max_seq_len,
                               ": raise model.max_seq_len or shorten train.seq_len"));

@@ -1,6 +1,6 @@
 // The Backend's default MoE entry points: a backend without MoE kernels
-// refuses at the first call, with one message. Config validation refuses
-// model.ffn = "moe" where no backend has them, so this is a second guard.
+// refuses at the first call, with one message (the CPU and CUDA backends
+// override them).
 #include "model/backend.hpp"
 
 #include "loom/error.hpp"
@@ -10,7 +10,7 @@ namespace {
 
 [[noreturn]] void no_moe(const Backend& b, const char* op) {
   throw Error(cat("the ", device_name(b.device()), " backend has no mixture-of-experts kernels in this build (", op,
-                  "): model.ffn = \"moe\" runs with run.device = \"cpu\"; the CUDA MoE path is not in this build yet"));
+                  "): model.ffn = \"moe\" runs on the CPU and CUDA backends"));
 }
 
 }  // namespace
@@ -31,5 +31,11 @@ void Backend::moe_scatter_add(Tensor&, const Tensor&, const MoeRouting&, const T
 }
 void Backend::moe_aux_accumulate(Tensor&, const MoeRouting&) { no_moe(*this, "moe_aux_accumulate"); }
 void Backend::moe_aux_finish(Tensor&, Tensor&, const Tensor&, double, double) { no_moe(*this, "moe_aux_finish"); }
+void Backend::moe_read_counts(int64_t* host, const MoeRouting& r) {
+  LOOM_CHECK(r.counts != nullptr && r.offsets == r.counts + r.E, "moe_read_counts: the routing's counts and offsets "
+             "must be one [2E + 1] buffer (E = ", r.E, ")");
+  const Tensor t(r.counts, DType::f64, device(), {2 * r.E + 1});  // 8-byte elements
+  download(host, t, static_cast<size_t>(2 * r.E + 1) * sizeof(int64_t));
+}
 
 }  // namespace loom

@@ -143,7 +143,7 @@ class Backend {
   // Mixture of experts: the routing steps of the `moe` feed-forward block
   // (model/blocks/ffn_moe.cpp), which runs the expert GEMMs itself through the
   // precision plugin. The defaults refuse with one message: a backend without
-  // MoE kernels (CUDA in this build) stops at the first call.
+  // MoE kernels stops at the first call (the CPU and CUDA backends have them).
   //   moe_jitter: noise = uniform [1 - eps, 1 + eps) from (seed, index); xin = x * noise
   //   moe_route: router GEMM (fp32), softmax, top-k, renormalised weights, the sort by expert
   //   moe_gather: xs [N k, h] = the token rows of each sorted row
@@ -168,6 +168,12 @@ class Backend {
   virtual void moe_scatter_add(Tensor& dx, const Tensor& d_xs, const MoeRouting& r, const Tensor* noise);
   virtual void moe_aux_accumulate(Tensor& stats, const MoeRouting& r);
   virtual void moe_aux_finish(Tensor& aux, Tensor& dprobs, const Tensor& stats, double coef, double grad_scale);
+  // The per-expert row counts then offsets (r.counts, r.offsets: [2E + 1]
+  // int64) copied to `host` — the one read the MoE layer makes the host wait
+  // for (its expert GEMMs' row counts), so it counts as a host synchronisation.
+  // The default downloads them; the CUDA backend copies through a pinned
+  // buffer made at creation (one stream sync).
+  virtual void moe_read_counts(int64_t* host, const MoeRouting& r);
 
   // Step timing: CUDA events on the backend's stream (host clock on CPU).
   virtual void timer_start() = 0;

@@ -29,10 +29,6 @@ ModelSpec spec_for(const Config& cfg) {
   const std::string& init = cfg.model.init;
   if (init.rfind("hf:", 0) != 0) return cfg.model.spec;
   ModelSpec hf = hf::read_hf_llama_config(init.substr(3));
-  if (hf.moe() && cfg.run.device == "cuda")
-    throw Error(cat("model.init = \"", init, "\" is a Mixtral mixture of experts (", hf.num_experts,
-                    " experts): it runs on the CPU only in this build, the CUDA MoE path is not in this build yet; "
-                    "set run.device = \"cpu\""));
   hf.max_seq_len = std::max(hf.max_seq_len, cfg.train.seq_len);
   return hf;
 }

@@ -21,6 +21,19 @@
 // the plan key is a fixed-size array, messages are built only when a check
 // fails, and the plans of a (linear, GEMM) slot are a short vector searched in
 // place. One thread per object: plans are built without a lock.
+//
+// A linear whose row count m changes per call (LinearDesc::variable_rows: the
+// MoE experts) gets one plan per GEMM for m = max_rows (its key holds max_rows
+// in m's place: N' for fprop and dgrad, K' for wgrad). A call with another m
+// sets m in the plan's layouts (m is always a column count there, so leading
+// dimensions stay valid; the plan assumes pointer alignments of at most 16
+// bytes, since row views start at any expert's offset) and asks
+// cublasLtMatmulAlgoCheck whether the
+// algorithm runs that problem with the workspace there is; only when it does
+// not is an exact plan for that m built, as for any other linear. So the row
+// counts of a run build no plans after the first call, and the algorithm for
+// a given m is a function of (max_rows, m) alone — a resumed run computes the
+// same bits.
 #include "precision/common/cublaslt_linear.hpp"
 
 #include <cublasLt.h>
@@ -74,6 +87,10 @@ struct CublasLtLinears::Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;  // c null: C uses d's layout
   cublasLtMatmulAlgo_t algo{};
   size_t workspace_needed = 0;
+  // Variable-row linears (LinearDesc::variable_rows): the plan is built for
+  // max_rows; `rows_now` is the row count its layouts hold and the algorithm
+  // passed cublasLtMatmulAlgoCheck for (-1: none yet, or the last check failed).
+  int64_t rows_now = -1;
   cublasLtMatrixLayout_t c_layout() const { return c ? c : d; }
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -244,33 +261,17 @@ void CublasLtLinears::backward(const ExecContext& ctx, int id, const Tensor& x, 
                cublasLtGetStatusString(st_), ")");                                                              \
   } while (0)
 
-void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t rows, int64_t cols, int64_t inner,
-                             const void* a, int64_t lda, const void* b, int64_t ldb, const void* c, int64_t ldc,
-                             void* d, int64_t ldd, float beta) {
-  auto handle = static_cast<cublasLtHandle_t>(ctx.blas_handle);
-  const LinearDesc& desc = linears_[static_cast<size_t>(id)];
-  // See the file comment for why these are the ops of each GEMM.
-  const cublasOperation_t op_a = g == kFprop ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_b = g == kWgrad ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const DType ta = g == kWgrad ? dtypes_.activation : dtypes_.param;
-  const DType tb = dtypes_.activation;
-  const DType td = g == kWgrad ? dtypes_.grad : dtypes_.activation;
-  const std::array<int64_t, 11> key{rows, cols, inner, lda, ldb, ldd, alignment_of(a), alignment_of(b),
-                                    alignment_of(d), ldc, alignment_of(c)};
-  // Every message names the linear, the GEMM and the cuBLASLt problem.
-  auto where = [&] {
-    return cat("precision ", recipe_, ": ", desc.name, ": ", gemm_name(g), " (", op_a == CUBLAS_OP_T ? "T" : "N",
-               op_b == CUBLAS_OP_T ? "T" : "N", " column-major D[", rows, ",", cols, "] = op(A) op(B), K=", inner,
-               ", lda=", lda, " ldb=", ldb, " ldc=", ldc, " ldd=", ldd, ", A ", dtype_name(ta), " B ",
-               dtype_name(tb), " C/D ", dtype_name(td), ", alignments A/B/D/C ", key[6], "/", key[7], "/", key[8],
-               "/", key[10], " bytes)");
-  };
-
-  auto& plans = slots_[static_cast<size_t>(id)]->plans[g];
+// Builds the plan for `key` (M', N', K', leading dimensions, alignments: see
+// matmul) and appends it to `plans`: layouts, the heuristic's algorithm.
+template <typename Where>
+CublasLtLinears::Plan* build_plan(cublasLtHandle_t handle, std::vector<std::unique_ptr<CublasLtLinears::Plan>>& plans,
+                                  const std::array<int64_t, 11>& key, cublasOperation_t op_a, cublasOperation_t op_b,
+                                  DType ta, DType tb, DType td, size_t workspace_bytes, const Where& where) {
+  using Plan = CublasLtLinears::Plan;
+  const int64_t rows = key[0], cols = key[1], inner = key[2], lda = key[3], ldb = key[4], ldd = key[5],
+                ldc = key[9];
   Plan* plan = nullptr;
-  for (auto& p : plans)
-    if (p->key == key) { plan = p.get(); break; }
-  if (plan == nullptr) {
+  {
     auto p = std::make_unique<Plan>();
     p->key = key;
     // fp32 accumulation and scaling for every recipe; CUBLAS_COMPUTE_32F never
@@ -297,7 +298,7 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
       cublasLtMatmulPreference_t p;
       ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
     } guard{pref};
-    const uint64_t ws = workspace_bytes_;
+    const uint64_t ws = workspace_bytes;
     LOOM_CUBLASLT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
         where());
@@ -324,13 +325,92 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
         cublasLtMatmulAlgoGetHeuristic(handle, p->op, p->a, p->b, p->c_layout(), p->d, pref, 1, &result, &found),
         where());
     LOOM_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS, where(),
-               ": cuBLASLt has no algorithm for this problem with a ", workspace_bytes_, "-byte workspace");
+               ": cuBLASLt has no algorithm for this problem with a ", workspace_bytes, "-byte workspace");
     p->algo = result.algo;
     p->workspace_needed = result.workspaceSize;
     plan = p.get();
     plans.push_back(std::move(p));
-    ++plans_built_;
     ++g_plans_built;
+  }
+  return plan;
+}
+
+void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t rows, int64_t cols, int64_t inner,
+                             const void* a, int64_t lda, const void* b, int64_t ldb, const void* c, int64_t ldc,
+                             void* d, int64_t ldd, float beta) {
+  auto handle = static_cast<cublasLtHandle_t>(ctx.blas_handle);
+  const LinearDesc& desc = linears_[static_cast<size_t>(id)];
+  // See the file comment for why these are the ops of each GEMM.
+  const cublasOperation_t op_a = g == kFprop ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = g == kWgrad ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const DType ta = g == kWgrad ? dtypes_.activation : dtypes_.param;
+  const DType tb = dtypes_.activation;
+  const DType td = g == kWgrad ? dtypes_.grad : dtypes_.activation;
+  const std::array<int64_t, 11> key{rows, cols, inner, lda, ldb, ldd, alignment_of(a), alignment_of(b),
+                                    alignment_of(d), ldc, alignment_of(c)};
+  // Every message names the linear, the GEMM and the cuBLASLt problem.
+  auto where = [&] {
+    return cat("precision ", recipe_, ": ", desc.name, ": ", gemm_name(g), " (", op_a == CUBLAS_OP_T ? "T" : "N",
+               op_b == CUBLAS_OP_T ? "T" : "N", " column-major D[", rows, ",", cols, "] = op(A) op(B), K=", inner,
+               ", lda=", lda, " ldb=", ldb, " ldc=", ldc, " ldd=", ldd, ", A ", dtype_name(ta), " B ",
+               dtype_name(tb), " C/D ", dtype_name(td), ", alignments A/B/D/C ", key[6], "/", key[7], "/", key[8],
+               "/", key[10], " bytes)");
+  };
+
+  auto& plans = slots_[static_cast<size_t>(id)]->plans[g];
+  Plan* plan = nullptr;
+  // The row count m and where it sits (fprop, dgrad: N' = cols; wgrad: K' = inner).
+  const int mi = g == kWgrad ? 2 : 1;
+  const int64_t m = g == kWgrad ? inner : cols;
+  if (desc.variable_rows && desc.max_rows > 0 && m <= desc.max_rows) {
+    std::array<int64_t, 11> vkey = key;
+    vkey[static_cast<size_t>(mi)] = desc.max_rows;
+    // Row views start wherever the previous expert's rows end, so their
+    // alignment changes from call to call: the plan assumes at most 16 bytes
+    // (what the vectorised kernels need), one plan for every such offset.
+    for (size_t i : {size_t{6}, size_t{7}, size_t{8}, size_t{10}}) vkey[i] = std::min<int64_t>(vkey[i], 16);
+    Plan* v = nullptr;
+    for (auto& p : plans)
+      if (p->key == vkey) { v = p.get(); break; }
+    if (v == nullptr) {
+      v = build_plan(handle, plans, vkey, op_a, op_b, ta, tb, td, workspace_bytes_, where);
+      ++plans_built_;
+    }
+    if (v->rows_now != m) {
+      // m is the column count of B and D (and C) for fprop and dgrad, of A and B for wgrad.
+      const uint64_t mm = static_cast<uint64_t>(m);
+      auto set_cols = [&](cublasLtMatrixLayout_t l) {
+        if (l != nullptr)
+          LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &mm, sizeof(mm)),
+                              where());
+      };
+      v->rows_now = -1;
+      if (g == kWgrad) {
+        set_cols(v->a);
+        set_cols(v->b);
+      } else {
+        set_cols(v->b);
+        set_cols(v->d);
+        set_cols(v->c);
+      }
+      cublasLtMatmulHeuristicResult_t chk{};
+      const cublasStatus_t st =
+          cublasLtMatmulAlgoCheck(handle, v->op, v->a, v->b, v->c_layout(), v->d, &v->algo, &chk);
+      if (st == CUBLAS_STATUS_SUCCESS && chk.state == CUBLAS_STATUS_SUCCESS &&
+          chk.workspaceSize <= workspace_bytes_) {
+        v->rows_now = m;
+        v->workspace_needed = chk.workspaceSize;
+      }
+    }
+    if (v->rows_now == m) plan = v;  // else: an exact plan for this m, below
+  }
+  for (auto& p : plans) {
+    if (plan != nullptr) break;
+    if (p->key == key && p->rows_now < 0) plan = p.get();
+  }
+  if (plan == nullptr) {
+    plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where);
+    ++plans_built_;
   }
   LOOM_CHECK(plan->workspace_needed <= workspace_bytes_, where(), ": the plan needs ", plan->workspace_needed,
              " workspace bytes but set_workspace() now gives ", workspace_bytes_);
@@ -342,5 +422,6 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
                                      static_cast<cudaStream_t>(ctx.stream)),
                       where());
 }
+
 
 }  // namespace loom::precision_common

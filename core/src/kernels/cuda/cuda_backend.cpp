@@ -11,7 +11,7 @@
 //
 // Host synchronisations: every call that makes the host wait for the device
 // (synchronize, upload, download, sum, sq_norm, timer_stop_ms,
-// timer_elapsed_ms, a RoPE table upload) counts one in host_syncs_; the
+// timer_elapsed_ms, a RoPE table upload, moe_read_counts) counts one in host_syncs_; the
 // asynchronous step's ops (upload_async, sum_into, clip_scale, adamw with
 // device scalars, timer_mark) only queue work and never wait.
 #include <cublasLt.h>
@@ -29,6 +29,7 @@
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cuda/cuda_check.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/moe_kernels.hpp"
 #include "loom/error.hpp"
 #include "model/backend.hpp"
 
@@ -74,6 +75,8 @@ class CudaBackend final : public Backend {
         LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&markers_[i], cudaEventDisableTiming), "marker event ", i);
       LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_result_), sizeof(double)),
                       "pinned reduction result");
+      LOOM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_counts_), kMoeCountSlots * sizeof(int64_t)),
+                      "pinned MoE expert counts (", kMoeCountSlots, " int64)");
     } catch (...) {
       release();
       throw;
@@ -272,6 +275,83 @@ class CudaBackend final : public Backend {
   }
   void convert(Tensor& dst, const Tensor& src) override { gpu::convert(dst, src, cur_); }
 
+  // Mixture of experts: the routing kernels of moe.cu around the block's
+  // expert GEMMs (kernels/cuda/moe_kernels.hpp). Router GEMM and softmax in
+  // fp32 whatever the recipe; the sort's and the router gradient's scratch is
+  // the backend scratch (the model's queue, like rmsnorm's partials).
+  void moe_jitter(Tensor& xin, Tensor& noise, const Tensor& x, double eps, uint64_t seed) override {
+    gpu::moe_jitter(xin, noise, x, eps, seed, stream_);
+  }
+  void moe_route(MoeRouting& r, const Tensor& xin, const Tensor& router) override {
+    const cpu::MoeDims d = moe_dims(r, router.size(1));
+    check_routing(r, "moe_route");
+    gpu::moe_router_forward(f32_ptr(r.logits, "moe logits"), xin, router, d, stream_);
+    gpu::moe_route(f32_ptr(r.probs, "moe probs"), i32_ptr(r.experts, "moe experts"), f32_ptr(r.weights, "moe weights"),
+                   r.logits, d, stream_);
+    const int64_t need = gpu::moe_sort_scratch_elems(d);
+    const int64_t have = static_cast<int64_t>(scratch_.bytes / sizeof(int32_t));
+    LOOM_CHECK(need <= have, "moe_route: the sort needs ", need, " int32 of scratch for N=", d.N, " E=", d.E,
+               " k=", d.k, ", the backend scratch holds ", have);
+    gpu::moe_sort(r.counts, r.offsets, i32_ptr(r.perm, "moe perm"), i32_ptr(r.row_of, "moe row_of"),
+                  i32_ptr(r.experts, "moe experts"), static_cast<int32_t*>(scratch_.ptr), have, d, stream_);
+  }
+  void moe_gather(Tensor& xs, const Tensor& xin, const MoeRouting& r) override {
+    gpu::moe_gather(xs, xin, i32_ptr(r.perm, "moe perm"), moe_dims(r, xin.size(-1)), stream_);
+  }
+  void moe_combine(Tensor& y, const Tensor& eout, const MoeRouting& r) override {
+    gpu::moe_combine(y, eout, f32_ptr(r.weights, "moe weights"), i32_ptr(r.row_of, "moe row_of"),
+                     moe_dims(r, y.size(-1)), stream_);
+  }
+  void moe_combine_backward(Tensor& d_eout, Tensor& d_weights, const Tensor& dy, const Tensor& eout,
+                            const MoeRouting& r) override {
+    gpu::moe_combine_backward(d_eout, f32_ptr(d_weights, "moe d_weights"), dy, eout, f32_ptr(r.weights, "moe weights"),
+                              i32_ptr(r.perm, "moe perm"), moe_dims(r, dy.size(-1)), stream_);
+  }
+  void moe_route_backward(Tensor& dxin, Tensor& d_router, Tensor& /*d_probs*/, Tensor& d_logits,
+                          const Tensor& d_weights, const Tensor& xin, const Tensor& router, const MoeRouting& r,
+                          const Tensor* aux_dprobs) override {
+    const cpu::MoeDims d = moe_dims(r, router.size(1));
+    float* dl = f32_ptr(d_logits, "moe d_logits");
+    LOOM_CHECK(d_logits.numel() == d.N * d.E, "moe_route_backward: d_logits ", d_logits.shape_str(), " for N=", d.N,
+               " E=", d.E);
+    LOOM_CHECK(aux_dprobs == nullptr || aux_dprobs->numel() == d.E, "moe_route_backward: aux_dprobs ",
+               aux_dprobs ? aux_dprobs->shape_str() : std::string(), " for E=", d.E);
+    gpu::moe_route_backward(dl, f32_ptr(d_weights, "moe d_weights"), f32_ptr(r.probs, "moe probs"),
+                            i32_ptr(r.experts, "moe experts"), f32_ptr(r.weights, "moe weights"),
+                            aux_dprobs ? f32_ptr(*aux_dprobs, "moe aux dprobs") : nullptr, d, stream_);
+    gpu::moe_router_backward(dxin, d_router, dl, xin, router, scratch_.ptr, scratch_.bytes, d, stream_);
+  }
+  void moe_scatter_add(Tensor& dx, const Tensor& d_xs, const MoeRouting& r, const Tensor* noise) override {
+    gpu::moe_scatter_add(dx, d_xs, i32_ptr(r.row_of, "moe row_of"), true, moe_dims(r, dx.size(-1)), stream_);
+    if (noise) gpu::moe_scale_by(dx, *noise, stream_);
+  }
+  void moe_aux_accumulate(Tensor& stats, const MoeRouting& r) override {
+    check_stats(stats, r.E);
+    check_routing(r, "moe_aux_accumulate");
+    gpu::moe_aux_accumulate_flat(static_cast<double*>(stats.data), r.counts, f32_ptr(r.probs, "moe probs"),
+                                 moe_dims(r, 1), stream_);
+  }
+  void moe_aux_finish(Tensor& aux, Tensor& dprobs, const Tensor& stats, double coef, double grad_scale) override {
+    const int64_t E = dprobs.numel();
+    check_stats(stats, E);
+    LOOM_CHECK(aux.numel() >= 1, "moe_aux_finish: aux ", aux.shape_str(), " holds no value");
+    gpu::moe_aux_finish_flat(f32_ptr(aux, "moe aux"), f32_ptr(dprobs, "moe aux dprobs"),
+                             static_cast<const double*>(stats.data), coef * grad_scale, E, stream_);
+  }
+  // The one host wait of a MoE layer: its expert GEMMs' row counts, copied
+  // through the pinned buffer made at creation (no allocation per call).
+  void moe_read_counts(int64_t* host, const MoeRouting& r) override {
+    check_routing(r, "moe_read_counts");
+    const size_t n = static_cast<size_t>(2 * r.E + 1);
+    LOOM_CHECK(n <= kMoeCountSlots, "moe_read_counts: ", r.E, " experts need ", n,
+               " counts, the pinned buffer holds ", kMoeCountSlots);
+    ++host_syncs_;
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(host_counts_, r.counts, n * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_),
+                    "moe_read_counts: ", n, " int64 expert counts and offsets (E=", r.E, ")");
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "moe_read_counts: waiting for the expert counts (E=", r.E, ")");
+    std::memcpy(host, host_counts_, n * sizeof(int64_t));
+  }
+
   void timer_start() override {
     LOOM_CUDA_CHECK(cudaEventRecord(ev_start_, stream_), "timer start");
     timer_running_ = true;
@@ -306,6 +386,36 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  static cpu::MoeDims moe_dims(const MoeRouting& r, int64_t h) {
+    cpu::MoeDims d;
+    d.N = r.N;
+    d.E = r.E;
+    d.k = r.k;
+    d.h = h;
+    d.f = 1;
+    cpu::moe_check(d);
+    return d;
+  }
+  static float* f32_ptr(const Tensor& t, const char* what) {
+    check_dev(t, what);
+    LOOM_CHECK(t.dtype == DType::f32, what, " must be fp32, got ", dtype_name(t.dtype), " ", t.shape_str());
+    return static_cast<float*>(t.data);
+  }
+  static int32_t* i32_ptr(const Tensor& t, const char* what) {
+    check_dev(t, what);
+    LOOM_CHECK(t.dtype == DType::i32, what, " must be int32, got ", dtype_name(t.dtype), " ", t.shape_str());
+    return static_cast<int32_t*>(t.data);
+  }
+  static void check_routing(const MoeRouting& r, const char* what) {
+    LOOM_CHECK(r.counts != nullptr && r.offsets == r.counts + r.E, what, ": the routing's counts and offsets must be "
+               "one [2E + 1] int64 device buffer (E = ", r.E, ")");
+  }
+  static void check_stats(const Tensor& stats, int64_t E) {
+    check_dev(stats, "moe aux statistics");
+    LOOM_CHECK(stats.dtype == DType::f64 && stats.numel() == 2 * E + 1, "moe aux statistics: expected fp64 [",
+               2 * E + 1, "], got ", dtype_name(stats.dtype), " ", stats.shape_str());
+  }
+
   struct RopeTable {
     float* cos = nullptr;  // [S, D/2], then sin in the same allocation
     float* sin = nullptr;
@@ -392,6 +502,8 @@ class CudaBackend final : public Backend {
     for (auto& kv : pinned_) cudaFreeHost(reinterpret_cast<void*>(kv.first));
     pinned_.clear();
     if (host_result_) cudaFreeHost(host_result_);
+    if (host_counts_) cudaFreeHost(host_counts_);
+    host_counts_ = nullptr;
     if (scratch_.ptr) cudaFree(scratch_.ptr);
     if (ev_start_) cudaEventDestroy(ev_start_);
     if (ev_stop_) cudaEventDestroy(ev_stop_);
@@ -423,6 +535,9 @@ class CudaBackend final : public Backend {
   bool timer_running_ = false;
   gpu::Scratch scratch_;
   double* host_result_ = nullptr;
+  // moe_read_counts' pinned landing buffer: counts and offsets of up to 2047 experts.
+  static constexpr size_t kMoeCountSlots = 4095;
+  int64_t* host_counts_ = nullptr;
   std::map<std::tuple<int64_t, int64_t, double>, RopeTable> rope_tables_;
   std::vector<cudaEvent_t> marks_;  // the timer ring (timer_reserve)
   std::vector<bool> marked_;        // slot recorded since timer_reserve

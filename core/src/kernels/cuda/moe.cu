@@ -1,5 +1,7 @@
 // The MoE routing kernels (see moe_kernels.hpp for the contract and
 // kernels/cpu/moe.hpp for the computation they reproduce).
+#include <algorithm>
+
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/moe_kernels.hpp"
 
@@ -544,6 +546,285 @@ void moe_aux_finish(double* loss, float* grad, const int64_t* aux_counts, const 
   check_ptr(aux_prob_sum, num_experts, "moe_aux_finish aux_prob_sum");
   aux_finish_kernel<<<1, 1, 0, stream>>>(loss, grad, aux_counts, aux_prob_sum, rows, coef, num_experts);
   LOOM_CUDA_LAUNCH_CHECK("moe aux_finish_kernel", "rows=", rows, " coef=", coef, " E=", num_experts);
+}
+
+// ---- router GEMM, jitter, aux statistics (the CUDA backend's moe_* steps) ---------------
+
+namespace {
+
+constexpr int kRouterWarps = 8;       // tokens per block of the router forward
+constexpr int kRouterDwThreads = 256;  // hidden columns per block of the router's weight gradient
+constexpr int kRouterDwGroup = 8;      // experts per pass (registers per thread)
+constexpr int64_t kRouterDwMinChunk = 64;
+
+template <typename T>
+__global__ void __launch_bounds__(kRouterWarps * 32)
+    router_forward_kernel(float* logits, const T* x, const T* w, int64_t N, int64_t h, int E) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRouterWarps;
+  for (int64_t n = static_cast<int64_t>(blockIdx.x) * kRouterWarps + threadIdx.x / 32; n < N; n += warps) {
+    const T* xr = x + n * h;
+    for (int e = 0; e < E; ++e) {
+      const T* wr = w + static_cast<int64_t>(e) * h;
+      float acc = 0.f;
+      for (int64_t j = lane; j < h; j += 32) acc = fmaf(to_f32(xr[j]), to_f32(wr[j]), acc);
+      acc = warp_sum(acc);
+      if (lane == 0) logits[n * E + e] = acc;
+    }
+  }
+}
+
+template <typename T>
+__global__ void router_dx_kernel(T* dx, const float* dl, const T* w, int64_t N, int64_t h, int E) {
+  const int64_t total = N * h, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const int64_t n = i / h, j = i % h;
+    float acc = 0.f;
+    for (int e = 0; e < E; ++e) acc = fmaf(dl[n * E + e], to_f32(w[static_cast<int64_t>(e) * h + j]), acc);
+    dx[i] = from_f32<T>(acc);
+  }
+}
+
+// partial[c, e, j] = sum over the tokens of chunk c of dl[n, e] x[n, j].
+template <typename T>
+__global__ void __launch_bounds__(kRouterDwThreads)
+    router_dw_partial_kernel(float* partial, const float* dl, const T* x, int64_t N, int64_t h, int E, int64_t chunk) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t c = blockIdx.y;
+  if (j >= h) return;
+  const int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+  for (int e0 = 0; e0 < E; e0 += kRouterDwGroup) {
+    float acc[kRouterDwGroup];
+#pragma unroll
+    for (int i = 0; i < kRouterDwGroup; ++i) acc[i] = 0.f;
+    for (int64_t n = n0; n < n1; ++n) {
+      const float xv = to_f32(x[n * h + j]);
+#pragma unroll
+      for (int i = 0; i < kRouterDwGroup; ++i)
+        if (e0 + i < E) acc[i] = fmaf(dl[n * E + e0 + i], xv, acc[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kRouterDwGroup; ++i)
+      if (e0 + i < E) partial[(c * E + e0 + i) * h + j] = acc[i];
+  }
+}
+
+template <typename G>
+__global__ void router_dw_reduce_kernel(G* dw, const float* partial, int64_t chunks, int64_t Eh) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < Eh; i += stride) {
+    float acc = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) acc += partial[c * Eh + i];
+    dw[i] = from_f32<G>(to_f32(dw[i]) + acc);
+  }
+}
+
+__device__ __forceinline__ uint64_t splitmix64_dev(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+uint64_t splitmix64_host(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f64(double v);
+template <>
+__device__ __forceinline__ float from_f64<float>(double v) { return __double2float_rn(v); }
+template <>
+__device__ __forceinline__ bf16 from_f64<bf16>(double v) { return __float2bfloat16_rn(__double2float_rn(v)); }
+
+template <typename T>
+__global__ void jitter_kernel(T* xin, T* noise, const T* x, int64_t n, double eps, uint64_t base) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const double u = static_cast<double>(splitmix64_dev(base + static_cast<uint64_t>(i)) >> 11) * 0x1.0p-53;
+    const T nz = from_f64<T>(__dadd_rn(__dsub_rn(1.0, eps), __dmul_rn(__dmul_rn(2.0, eps), u)));
+    noise[i] = nz;
+    xin[i] = from_f32<T>(__fmul_rn(to_f32(x[i]), to_f32(nz)));
+  }
+}
+
+template <typename T>
+__global__ void scale_by_kernel(T* dx, const T* noise, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    dx[i] = from_f32<T>(__fmul_rn(to_f32(dx[i]), to_f32(noise[i])));
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    aux_accumulate_flat_kernel(double* stats, const int64_t* counts, const float* probs, int64_t N, int E) {
+  __shared__ double red[32];
+  for (int e = blockIdx.x; e < E; e += gridDim.x) {
+    double acc = 0.0;
+    for (int64_t n = threadIdx.x; n < N; n += blockDim.x) acc = __dadd_rn(acc, static_cast<double>(probs[n * E + e]));
+    const double total = block_sum(acc, red);
+    if (threadIdx.x == 0) {
+      stats[E + e] = __dadd_rn(stats[E + e], total);
+      stats[e] = __dadd_rn(stats[e], static_cast<double>(counts[e]));
+      if (e == 0) stats[2 * E] = __dadd_rn(stats[2 * E], static_cast<double>(N));
+    }
+  }
+}
+
+__global__ void aux_finish_flat_kernel(float* aux, float* grad, const double* st, double coef, int64_t E) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const double R = st[2 * E];
+  double acc = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (R == 0.0) {
+      grad[e] = 0.f;
+      continue;
+    }
+    acc = __dadd_rn(acc, __dmul_rn(__ddiv_rn(st[e], R), __ddiv_rn(st[E + e], R)));
+    // CPU: coef * E * (stats[e] / R) / R, left to right.
+    grad[e] = __double2float_rn(__ddiv_rn(__dmul_rn(__dmul_rn(coef, static_cast<double>(E)), __ddiv_rn(st[e], R)), R));
+  }
+  aux[0] = R == 0.0 ? 0.f : __double2float_rn(__dmul_rn(static_cast<double>(E), acc));
+}
+
+void check_same(const Tensor& a, const Tensor& b, const char* what) {
+  LOOM_CHECK(a.dtype == b.dtype && a.numel() == b.numel(), what, ": ", a.shape_str(), " ", dtype_name(a.dtype),
+             " and ", b.shape_str(), " ", dtype_name(b.dtype), " must have one dtype and size");
+}
+
+// Chunks of the router's weight gradient: as many as the scratch holds (at
+// most 1024), each at least kRouterDwMinChunk tokens; a function of the shape.
+int64_t router_dw_chunk(const MoeDims& d, size_t scratch_bytes, int64_t* chunks) {
+  const int64_t per = d.E * d.h * static_cast<int64_t>(sizeof(float));
+  const int64_t cap = std::min<int64_t>(1024, static_cast<int64_t>(scratch_bytes) / per);
+  LOOM_CHECK(cap >= 1, "moe router backward: the [E h] = [", d.E, ", ", d.h, "] fp32 partial (", per,
+             " bytes) does not fit the backend scratch of ", scratch_bytes, " bytes");
+  int64_t chunk = std::max<int64_t>(kRouterDwMinChunk, (d.N + cap - 1) / cap);
+  *chunks = d.N == 0 ? 0 : (d.N + chunk - 1) / chunk;
+  return chunk;
+}
+
+}  // namespace
+
+void moe_router_forward(float* logits, const Tensor& x, const Tensor& router, const MoeDims& d, cudaStream_t stream) {
+  cpu::moe_check(d);
+  check_rows(x, x.dtype, d.N, d.h, "moe_router_forward x");
+  check_rows(router, x.dtype, d.E, d.h, "moe_router_forward router");
+  check_ptr(logits, d.N * d.E, "moe_router_forward logits");
+  if (d.N == 0) return;
+  dispatch_float(x.dtype, "moe_router_forward", [&](auto tag) {
+    using T = decltype(tag);
+    const unsigned grid = grid_for(d.N, kRouterWarps);
+    router_forward_kernel<T><<<grid, kRouterWarps * 32, 0, stream>>>(
+        logits, static_cast<const T*>(x.data), static_cast<const T*>(router.data), d.N, d.h, static_cast<int>(d.E));
+    LOOM_CUDA_LAUNCH_CHECK("moe router_forward_kernel", "N=", d.N, " h=", d.h, " E=", d.E, " ",
+                           dtype_name(x.dtype), " grid=", grid);
+  });
+}
+
+void moe_router_backward(Tensor& dx, Tensor& d_router, const float* d_logits, const Tensor& x, const Tensor& router,
+                         void* scratch, size_t scratch_bytes, const MoeDims& d, cudaStream_t stream) {
+  cpu::moe_check(d);
+  check_rows(x, x.dtype, d.N, d.h, "moe_router_backward x");
+  check_rows(dx, x.dtype, d.N, d.h, "moe_router_backward dx");
+  check_rows(router, x.dtype, d.E, d.h, "moe_router_backward router");
+  check_device(d_router, "moe_router_backward d_router");
+  check_contiguous(d_router, "moe_router_backward d_router");
+  LOOM_CHECK(d_router.numel() == d.E * d.h, "moe_router_backward d_router is ", d_router.shape_str(),
+             ", expected [", d.E, ", ", d.h, "]");
+  check_ptr(d_logits, d.N * d.E, "moe_router_backward d_logits");
+  check_ptr(scratch, 1, "moe_router_backward scratch");
+  if (d.N == 0) return;
+  int64_t chunks = 0;
+  const int64_t chunk = router_dw_chunk(d, scratch_bytes, &chunks);
+  float* partial = static_cast<float*>(scratch);
+  dispatch_float(x.dtype, "moe_router_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const unsigned grid = grid_for(d.N * d.h, kRowThreads);
+    router_dx_kernel<T><<<grid, kRowThreads, 0, stream>>>(static_cast<T*>(dx.data), d_logits,
+                                                           static_cast<const T*>(router.data), d.N, d.h,
+                                                           static_cast<int>(d.E));
+    LOOM_CUDA_LAUNCH_CHECK("moe router_dx_kernel", "N=", d.N, " h=", d.h, " E=", d.E, " ", dtype_name(x.dtype),
+                           " grid=", grid);
+    const dim3 pgrid(static_cast<unsigned>((d.h + kRouterDwThreads - 1) / kRouterDwThreads),
+                     static_cast<unsigned>(chunks));
+    router_dw_partial_kernel<T><<<pgrid, kRouterDwThreads, 0, stream>>>(
+        partial, d_logits, static_cast<const T*>(x.data), d.N, d.h, static_cast<int>(d.E), chunk);
+    LOOM_CUDA_LAUNCH_CHECK("moe router_dw_partial_kernel", "N=", d.N, " h=", d.h, " E=", d.E, " chunk=", chunk,
+                           " chunks=", chunks);
+  });
+  dispatch_float(d_router.dtype, "moe_router_backward d_router", [&](auto tag) {
+    using G = decltype(tag);
+    const unsigned grid = grid_for(d.E * d.h, kRowThreads);
+    router_dw_reduce_kernel<G><<<grid, kRowThreads, 0, stream>>>(static_cast<G*>(d_router.data), partial, chunks,
+                                                                  d.E * d.h);
+    LOOM_CUDA_LAUNCH_CHECK("moe router_dw_reduce_kernel", "E=", d.E, " h=", d.h, " chunks=", chunks, " ",
+                           dtype_name(d_router.dtype), " grid=", grid);
+  });
+}
+
+void moe_jitter(Tensor& xin, Tensor& noise, const Tensor& x, double eps, uint64_t seed, cudaStream_t stream) {
+  LOOM_CHECK(eps >= 0.0 && eps < 1.0, "moe: router_jitter_noise = ", eps, " must be in [0, 1)");
+  check_device(x, "moe_jitter x");
+  check_device(xin, "moe_jitter xin");
+  check_device(noise, "moe_jitter noise");
+  check_contiguous(x, "moe_jitter x");
+  check_contiguous(xin, "moe_jitter xin");
+  check_contiguous(noise, "moe_jitter noise");
+  check_same(xin, x, "moe_jitter xin, x");
+  check_same(noise, x, "moe_jitter noise, x");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const uint64_t base = splitmix64_host(seed);
+  dispatch_float(x.dtype, "moe_jitter", [&](auto tag) {
+    using T = decltype(tag);
+    const unsigned grid = grid_for(n, kRowThreads);
+    jitter_kernel<T><<<grid, kRowThreads, 0, stream>>>(static_cast<T*>(xin.data), static_cast<T*>(noise.data),
+                                                        static_cast<const T*>(x.data), n, eps, base);
+    LOOM_CUDA_LAUNCH_CHECK("moe jitter_kernel", "n=", n, " eps=", eps, " seed=", seed, " ", dtype_name(x.dtype),
+                           " grid=", grid);
+  });
+}
+
+void moe_scale_by(Tensor& dx, const Tensor& noise, cudaStream_t stream) {
+  check_device(dx, "moe_scale_by dx");
+  check_device(noise, "moe_scale_by noise");
+  check_contiguous(dx, "moe_scale_by dx");
+  check_contiguous(noise, "moe_scale_by noise");
+  check_same(dx, noise, "moe_scale_by dx, noise");
+  const int64_t n = dx.numel();
+  if (n == 0) return;
+  dispatch_float(dx.dtype, "moe_scale_by", [&](auto tag) {
+    using T = decltype(tag);
+    const unsigned grid = grid_for(n, kRowThreads);
+    scale_by_kernel<T><<<grid, kRowThreads, 0, stream>>>(static_cast<T*>(dx.data), static_cast<const T*>(noise.data),
+                                                          n);
+    LOOM_CUDA_LAUNCH_CHECK("moe scale_by_kernel", "n=", n, " ", dtype_name(dx.dtype), " grid=", grid);
+  });
+}
+
+void moe_aux_accumulate_flat(double* stats, const int64_t* counts, const float* probs, const MoeDims& d,
+                             cudaStream_t stream) {
+  cpu::moe_check(d);
+  check_ptr(stats, 2 * d.E + 1, "moe_aux_accumulate_flat stats");
+  check_ptr(counts, d.E, "moe_aux_accumulate_flat counts");
+  check_ptr(probs, d.N * d.E, "moe_aux_accumulate_flat probs");
+  const int threads = row_threads(d.N, kRowThreads);  // a function of N: a fixed reduction order
+  const unsigned grid = row_grid(d.E);
+  aux_accumulate_flat_kernel<<<grid, threads, 0, stream>>>(stats, counts, probs, d.N, static_cast<int>(d.E));
+  LOOM_CUDA_LAUNCH_CHECK("moe aux_accumulate_flat_kernel", "N=", d.N, " E=", d.E, " grid=", grid,
+                         " threads=", threads);
+}
+
+void moe_aux_finish_flat(float* aux, float* dprobs, const double* stats, double coef, int64_t E,
+                         cudaStream_t stream) {
+  LOOM_CHECK(E >= 1, "moe_aux_finish_flat: num_experts = ", E, " must be at least 1");
+  check_ptr(aux, 1, "moe_aux_finish_flat aux");
+  check_ptr(dprobs, E, "moe_aux_finish_flat dprobs");
+  check_ptr(stats, 2 * E + 1, "moe_aux_finish_flat stats");
+  aux_finish_flat_kernel<<<1, 1, 0, stream>>>(aux, dprobs, stats, coef, E);
+  LOOM_CUDA_LAUNCH_CHECK("moe aux_finish_flat_kernel", "coef=", coef, " E=", E);
 }
 
 }  // namespace loom::gpu

@@ -103,4 +103,38 @@ void moe_aux_accumulate(int64_t* aux_counts, double* aux_prob_sum, const int64_t
 void moe_aux_finish(double* loss, float* grad, const int64_t* aux_counts, const double* aux_prob_sum,
                     int64_t rows, double coef, int64_t num_experts, cudaStream_t stream);
 
+// ---- the rest of the block's steps on the device (the CUDA backend's moe_*) ----
+
+// The router GEMM in fp32: logits [N E] fp32 = x [N h] router^T ([E h]), x
+// and router of one dtype (fp32 or bf16), products and sums in fp32, one warp
+// per token, each dot a fixed-order warp reduction (deterministic).
+void moe_router_forward(float* logits, const Tensor& x, const Tensor& router, const MoeDims& d, cudaStream_t stream);
+
+// The router's backward: dx [N h] = d_logits [N E] router (written, x's dtype;
+// serial over E in fp32) and d_router [E h] += d_logits^T x (fp32 or bf16
+// gradient): per chunk of tokens a partial [E h] in fp32 into `scratch`, then
+// the chunks summed in chunk order — no atomics, the order fixed by the shape.
+// scratch must hold moe_router_scratch_bytes(d, scratch bytes) bytes (checked).
+void moe_router_backward(Tensor& dx, Tensor& d_router, const float* d_logits, const Tensor& x, const Tensor& router,
+                         void* scratch, size_t scratch_bytes, const MoeDims& d, cudaStream_t stream);
+
+// Router jitter: noise[i] = 1 - eps + 2 eps u_i, u_i = the top 53 bits of
+// splitmix64(splitmix64(seed) + i) / 2^53 — the CPU reference's
+// moe_jitter_noise, so both devices draw the same noise (rounded from double to
+// the tensor's dtype; bf16 through fp32) — and xin = x * noise (fp32 product,
+// rounded once). xin, noise, x: one dtype, n elements each.
+void moe_jitter(Tensor& xin, Tensor& noise, const Tensor& x, double eps, uint64_t seed, cudaStream_t stream);
+
+// dx *= noise, element-wise (the jitter's backward), fp32 product rounded once.
+void moe_scale_by(Tensor& dx, const Tensor& noise, cudaStream_t stream);
+
+// The aux statistics as the CPU backend keeps them, one flat f64 buffer [2E +
+// 1]: selections per expert (as doubles), probability sums, rows. Adds this
+// layer's counts (moe_sort's), its probability sums (block reductions in
+// double of fixed order) and N.
+void moe_aux_accumulate_flat(double* stats, const int64_t* counts, const float* probs, const MoeDims& d,
+                             cudaStream_t stream);
+// aux[0] (fp32) = moe_aux_loss_flat(stats), dprobs [E] (fp32) = moe_aux_grad_flat(stats, coef), one thread.
+void moe_aux_finish_flat(float* aux, float* dprobs, const double* stats, double coef, int64_t E, cudaStream_t stream);
+
 }  // namespace loom::gpu

@@ -10,7 +10,8 @@
 // The routing steps are Backend entry points (on the CPU the reference in
 // kernels/cpu/moe.cpp); the expert GEMMs run through the precision plugin, one
 // registered linear per expert matrix, on as many rows as the router sent that
-// expert this micro-batch (the per-expert row counts are read on the host).
+// expert this micro-batch (the per-expert row counts are read on the host:
+// on a device, one copy per layer in forward, the layer's one host wait).
 // The load-balancing loss's statistics go into the model's MoeShared buffers in
 // forward; the model turns them into the per-expert gradient that backward
 // adds to the softmax's.
@@ -97,9 +98,10 @@ class MoeFfn final : public FfnBlock {
     w3_.clear();
     for (int64_t x = 0; x < E; ++x) {
       const std::string q = s + std::to_string(x) + ".";
-      w1_.push_back(env.register_linear({q + "w1", h, f, env.N}));
-      w2_.push_back(env.register_linear({q + "w2", f, h, env.N}));
-      w3_.push_back(env.register_linear({q + "w3", h, f, env.N}));
+      // variable_rows: the row count changes per call (one GEMM plan per matrix, not per count).
+      w1_.push_back(env.register_linear({q + "w1", h, f, env.N, LinearRole::hidden, true}));
+      w2_.push_back(env.register_linear({q + "w2", f, h, env.N, LinearRole::hidden, true}));
+      w3_.push_back(env.register_linear({q + "w3", h, f, env.N, LinearRole::hidden, true}));
     }
     host_counts_.assign(2 * EE + 1, 0);
   }
@@ -138,7 +140,7 @@ class MoeFfn final : public FfnBlock {
       Range r(be, "gather");
       be.moe_gather(xs, xin, rt);
     }
-    const int64_t* rows = expert_rows(rt);
+    const int64_t* rows = expert_rows(rt, true);
     {
       Range r(be, "experts");
       Tensor gate = act(gate_, {rt.N * rt.k, f}), up = act(up_, {rt.N * rt.k, f}), a = act(act_, {rt.N * rt.k, f});
@@ -173,7 +175,7 @@ class MoeFfn final : public FfnBlock {
       Range r(be, "combine.grad");
       be.moe_combine_backward(d_eout, d_weights, d, act(eout_, {R, h}), rt);
     }
-    const int64_t* rows = expert_rows(rt);
+    const int64_t* rows = expert_rows(rt, false);
     {
       Range r(be, "experts.grad");
       Tensor xs = act(xs_, {R, h}), gate = act(gate_, {R, f}), up = act(up_, {R, f}), a = act(act_, {R, f});
@@ -233,11 +235,13 @@ class MoeFfn final : public FfnBlock {
   }
 
   // The per-expert row counts then offsets ([2E + 1]) on the host: read in
-  // place on the CPU; a device backend copies them (one wait per layer).
-  const int64_t* expert_rows(const MoeRouting& r) {
+  // place on the CPU; a device backend copies them once per layer, in forward
+  // (Backend::moe_read_counts: the one host wait the layer adds), and backward
+  // reuses that copy — the routing it inverts is the one its forward (or the
+  // replayed forward under recompute = "full") read.
+  const int64_t* expert_rows(const MoeRouting& r, bool read) {
     if (dev() == Device::cpu) return r.counts;
-    Tensor t(r.counts, DType::f64, dev(), {2 * r.E + 1});  // 8-byte elements
-    env_.backend->download(host_counts_.data(), t, host_counts_.size() * sizeof(int64_t));
+    if (read) env_.backend->moe_read_counts(host_counts_.data(), r);
     return host_counts_.data();
   }
 
