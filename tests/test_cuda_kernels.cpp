@@ -786,7 +786,9 @@ TEST_F(CudaKernels, ClipScaleMatchesTheCpuBackend) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     // The derived entries start at values clip_scale must overwrite.
-    const std::vector<double> init = {c.norm_sq, 12.5, -7.0, 0.25, -3.0, 1.5, 2.5};
+    // Every literal step-scalar vector in this file lists all the slots: a new slot must be added to each.
+    static_assert(kStepScalars == 8, "the step-scalar vectors in this file have 8 entries");
+    const std::vector<double> init = {c.norm_sq, 12.5, -7.0, 0.25, -3.0, 1.5, 2.5, 0.75};
     ASSERT_EQ(init.size(), static_cast<size_t>(kStepScalars));
     std::vector<double> want = init;
     Tensor host(want.data(), DType::f64, Device::cpu, {kStepScalars});
@@ -874,14 +876,14 @@ TEST_F(CudaKernels, AdamWDeviceScalarsScaleOrSkip) {
         b.after = {get_bytes(dp), get_bytes(dmaster), get_bytes(dm), get_bytes(dv)};
         return b;
       };
-      Tensor go = put_f64({1.0, 2.0, 3.0, 0.0, static_cast<double>(s), 0.0, 0.0});
+      Tensor go = put_f64({1.0, 2.0, 3.0, 0.0, static_cast<double>(s), 0.0, 0.0, 0.0});
       const Bytes with = run(go.ptr<const double>(), gs);
       const Bytes plain = run(nullptr, gs * s);
       EXPECT_EQ(with.before, plain.before);
       EXPECT_EQ(with.after, plain.after) << "scalars[kUpdateScale] is not applied as grad_scale * s";
       EXPECT_NE(with.after, with.before) << "the update wrote nothing";
       // A skipped step: nothing written at all, whatever the scale says.
-      Tensor skip = put_f64({inf, 2.0, inf, 1.0, static_cast<double>(s), 0.0, 0.0});
+      Tensor skip = put_f64({inf, 2.0, inf, 1.0, static_cast<double>(s), 0.0, 0.0, 0.0});
       const Bytes skipped = run(skip.ptr<const double>(), gs);
       EXPECT_EQ(skipped.after, skipped.before) << "a skipped step changed the state";
 
@@ -1072,7 +1074,7 @@ TEST_F(CudaKernels, HostSyncsCountOnlyBlockingCalls) {
   Tensor x = put(rnd(n, 1500), DType::f32, {n}), y = make(DType::f32, {n});
   Tensor p = put(rnd(n, 1501, -0.05f, 0.05f), DType::f32, {n}), m = put(rnd(n, 1502), DType::f32, {n}),
          v = put(rnd(n, 1503, 0.f, 0.01f), DType::f32, {n});
-  Tensor s = put_f64({4.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0});
+  Tensor s = put_f64({4.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0});
   Tensor acc = view(s, kNormSq, {1});
   Tensor r = put(rnd(2 * 17 * 8, 1504), DType::f32, {1, 17, 2, 8});
   void* h = be_->host_alloc(static_cast<size_t>(n) * 4);
@@ -1133,7 +1135,7 @@ TEST_F(CudaKernels, AdamWConsumesGradientsOnEitherQueue) {
       auto run = [&](bool consume) {
         Tensor dp = put(p, DType::bf16, {n}), dmaster = put(p, DType::f32, {n}), dg = put(g, DType::f32, {n});
         Tensor dm = put(m, DType::f32, {n}), dv = put(v, DType::f32, {n});
-        Tensor sc = put_f64({1.0, 2.0, 3.0, skip ? 1.0 : 0.0, 0.5, 0.0, 0.0});
+        Tensor sc = put_f64({1.0, 2.0, 3.0, skip ? 1.0 : 0.0, 0.5, 0.0, 0.0, 0.0});
         Backend::AdamWArgs a = adam_args();
         a.scalars = sc.ptr<const double>();
         a.consume_grad = consume;
