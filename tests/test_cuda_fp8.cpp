@@ -281,11 +281,11 @@ TEST_F(CudaFp8, CastMatchesHostEncodeBitwise) {
   // Full tiles; tile edges in both dims with packed paths; odd shapes and an
   // odd row stride (scalar paths everywhere); a wide row view. Then the 128 x
   // 64 whole-tile path with what it leaves: a right and a bottom strip
-  // ([200, 136]; a row view [130, 72] with 2 rows below), several tiles each
-  // way, a 16-row bottom strip, and shapes it must refuse (rows not a multiple
-  // of 16, cols not a multiple of 8).
+  // ([208, 136]: 8 columns, 80 rows; a row view [144, 72]: 8 columns, 16
+  // rows), several tiles each way, a 16-row bottom strip alone, and shapes it
+  // must refuse (rows not a multiple of 16, cols not a multiple of 8).
   const CastCase cases[] = {{128, 64, 0},  {80, 200, 0}, {37, 45, 0},  {33, 70, 3},  {256, 1024, 64},
-                            {200, 136, 0}, {130, 72, 8}, {384, 192, 0}, {272, 64, 0}, {131, 64, 0},
+                            {208, 136, 0}, {144, 72, 8}, {384, 192, 0}, {272, 64, 0}, {131, 64, 0},
                             {144, 100, 0}};
   constexpr int kCases = static_cast<int>(sizeof cases / sizeof cases[0]);
   const float scales[] = {1.0f, 3.7f, 0x1p-10f, 448.f / 3.f, 1e6f};
