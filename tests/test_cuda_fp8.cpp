@@ -401,6 +401,16 @@ TEST_F(CudaFp8, WholeTileCastLoopsOverMoreTilesThanBlocks) {
     EXPECT_EQ(bad_t, 0);
   }
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(bits(get_float(ab, i)), bits(device_amax(host_amax))) << "amax slot " << i;
+  // q alone needs no rows % 16: the first 2170 rows take 16 x 64 whole tiles
+  // and leave a 122-row bottom strip.
+  const int64_t R2 = 2170;
+  const size_t n2 = static_cast<size_t>(R2 * C);
+  CUDA_OK(cudaMemset(q1b.p, 0xAA, n));
+  Tensor x2(xb.p, DType::bf16, Device::cuda, {R2, C}), q2(q1b.p, DType::e4m3, Device::cuda, {R2, C});
+  loom::gpu::fp8_cast(x2, &q2, nullptr, sb.as<float>(), nullptr, stream_);
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  const std::vector<uint8_t> got2 = download<uint8_t>(q1b, n2);
+  EXPECT_TRUE(std::equal(got2.begin(), got2.end(), want.begin())) << "q alone, " << R2 << " rows";
 }
 
 TEST_F(CudaFp8, CastOutputsAloneAmaxAccumulatesAndIsExact) {
