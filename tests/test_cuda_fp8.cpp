@@ -279,8 +279,15 @@ struct CastCase {
 
 TEST_F(CudaFp8, CastMatchesHostEncodeBitwise) {
   // Full tiles; tile edges in both dims with packed paths; odd shapes and an
-  // odd row stride (scalar paths everywhere); a wide row view.
-  const CastCase cases[] = {{128, 64, 0}, {80, 200, 0}, {37, 45, 0}, {33, 70, 3}, {256, 1024, 64}};
+  // odd row stride (scalar paths everywhere); a wide row view. Then the 128 x
+  // 64 whole-tile path with what it leaves: a right and a bottom strip
+  // ([208, 136]: 8 columns, 80 rows; a row view [144, 72]: 8 columns, 16
+  // rows), several tiles each way, a 16-row bottom strip alone, and shapes it
+  // must refuse (rows not a multiple of 16, cols not a multiple of 8).
+  const CastCase cases[] = {{128, 64, 0},  {80, 200, 0}, {37, 45, 0},  {33, 70, 3},  {256, 1024, 64},
+                            {208, 136, 0}, {144, 72, 8}, {384, 192, 0}, {272, 64, 0}, {131, 64, 0},
+                            {144, 100, 0}};
+  constexpr int kCases = static_cast<int>(sizeof cases / sizeof cases[0]);
   const float scales[] = {1.0f, 3.7f, 0x1p-10f, 448.f / 3.f, 1e6f};
   int checked = 0;
   for (DType xt : {DType::f32, DType::bf16}) {
@@ -349,7 +356,61 @@ TEST_F(CudaFp8, CastMatchesHostEncodeBitwise) {
       }
     }
   }
-  EXPECT_EQ(checked, 2 * 2 * 5 * 5);
+  EXPECT_EQ(checked, 2 * 2 * kCases * 5);
+}
+
+TEST_F(CudaFp8, WholeTileCastLoopsOverMoreTilesThanBlocks) {
+  // [2176, 4096] is 17 x 64 = 1088 whole 128 x 64 tiles, more than the fast
+  // kernel's grid (the blocks resident at once: 132 SMs x 6 on an H100):
+  // blocks cast a second tile, whose shared transpose must not mix with the
+  // first. q and q_t together, then each alone, and the amax; bf16 as the
+  // trainer casts it.
+  const int64_t R = 2176, C = 4096;
+  const size_t n = static_cast<size_t>(R * C);
+  const float s = 3.7f;
+  std::vector<float> v = cast_inputs(n, 29, true, s);
+  for (float& x : v) x = round_bf16(x);
+  std::vector<uint8_t> want(n);
+  const float host_amax = fp8::quantize(v.data(), static_cast<int64_t>(n), s, fp8::Format::e4m3, want.data());
+  std::vector<uint16_t> hx(n);
+  for (size_t i = 0; i < n; ++i) hx[i] = loom::hf::f32_to_bf16(v[i]);
+  DevBuf xb(n * 2), qb(n), qtb(n), q1b(n), qt1b(n), sb(4), ab(12);
+  ASSERT_TRUE(xb.p && qb.p && qtb.p && q1b.p && qt1b.p && sb.p && ab.p);
+  upload(xb, hx);
+  put_float(sb, s);
+  for (size_t i = 0; i < 3; ++i) put_float(ab, 0.0f, i);
+  for (const DevBuf* b : {&qb, &qtb, &q1b, &qt1b}) CUDA_OK(cudaMemset(b->p, 0xAA, n));
+  Tensor x(xb.p, DType::bf16, Device::cuda, {R, C});
+  Tensor q(qb.p, DType::e4m3, Device::cuda, {R, C}), qt(qtb.p, DType::e4m3, Device::cuda, {C, R});
+  Tensor q1(q1b.p, DType::e4m3, Device::cuda, {R, C}), qt1(qt1b.p, DType::e4m3, Device::cuda, {C, R});
+  loom::gpu::fp8_cast(x, &q, &qt, sb.as<float>(), ab.as<float>(), stream_);
+  loom::gpu::fp8_cast(x, &q1, nullptr, sb.as<float>(), ab.as<float>() + 1, stream_);
+  loom::gpu::fp8_cast(x, nullptr, &qt1, sb.as<float>(), ab.as<float>() + 1, stream_);
+  loom::gpu::fp8_amax(x, ab.as<float>() + 2, stream_);
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  EXPECT_TRUE(download<uint8_t>(qb, n) == want) << "q";
+  EXPECT_TRUE(download<uint8_t>(q1b, n) == want) << "q alone";
+  for (const DevBuf* b : {&qtb, &qt1b}) {
+    const std::vector<uint8_t> got_t = download<uint8_t>(*b, n);
+    int64_t bad_t = 0;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c)
+        if (got_t[static_cast<size_t>(c * R + r)] != want[static_cast<size_t>(r * C + c)] && bad_t++ < 5)
+          ADD_FAILURE() << (b == &qtb ? "q_t" : "q_t alone") << "[" << c << "," << r << "] != q[" << r << "," << c
+                        << "]";
+    EXPECT_EQ(bad_t, 0);
+  }
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(bits(get_float(ab, i)), bits(device_amax(host_amax))) << "amax slot " << i;
+  // q alone needs no rows % 16: the first 2170 rows take 16 x 64 whole tiles
+  // and leave a 122-row bottom strip.
+  const int64_t R2 = 2170;
+  const size_t n2 = static_cast<size_t>(R2 * C);
+  CUDA_OK(cudaMemset(q1b.p, 0xAA, n));
+  Tensor x2(xb.p, DType::bf16, Device::cuda, {R2, C}), q2(q1b.p, DType::e4m3, Device::cuda, {R2, C});
+  loom::gpu::fp8_cast(x2, &q2, nullptr, sb.as<float>(), nullptr, stream_);
+  CUDA_OK(cudaStreamSynchronize(stream_));
+  const std::vector<uint8_t> got2 = download<uint8_t>(q1b, n2);
+  EXPECT_TRUE(std::equal(got2.begin(), got2.end(), want.begin())) << "q alone, " << R2 << " rows";
 }
 
 TEST_F(CudaFp8, CastOutputsAloneAmaxAccumulatesAndIsExact) {

@@ -215,6 +215,31 @@ TEST(Fp8Format, MidpointsBetweenNeighboursRoundToEven) {
   }
 }
 
+TEST(Fp8Format, FastEncodeIsEncodeAtEveryExponentMantissaEdgeAndTie) {
+  // encode_fast (the device casts' encoder) against encode: every sign,
+  // exponent and top 11 mantissa bits, with the low 12 bits at the values
+  // that decide rounding (zero: exact ties and exact values; one either side
+  // of half of 2^12; all ones). Rounding happens at bit 20 or above, so the
+  // tie and near-tie patterns of every FP8 code are among them, as are
+  // zeros, fp32 subnormals, infinities and NaNs. (Every one of the 2^32
+  // inputs was checked once as well; it takes minutes.)
+  const uint32_t lows[] = {0x000, 0x001, 0x7FF, 0x800, 0x801, 0xFFF};
+  for (Format f : kFormats) {
+    int64_t bad = 0;
+    for (uint32_t hi = 0; hi < (1u << 20); ++hi)
+      for (uint32_t lo : lows) {
+        const uint32_t u = (hi << 12) | lo;
+        float x;
+        std::memcpy(&x, &u, sizeof x);
+        const uint8_t want = loom::fp8::encode(x, f), got = loom::fp8::encode_fast(x, f);
+        if (want != got && bad++ < 5)
+          ADD_FAILURE() << fmt_name(f) << " bits 0x" << std::hex << u << ": encode_fast 0x" << int{got}
+                        << ", encode 0x" << int{want};
+      }
+    EXPECT_EQ(bad, 0) << fmt_name(f);
+  }
+}
+
 TEST(Fp8Format, SaturationAndOverflow) {
   // Beyond max: saturating gives ±max; to_special gives E5M2 ±inf and E4M3 NaN
   // from the midpoint to the next power of two on (E4M3: 464 ties to the even

@@ -1,15 +1,32 @@
 // FP8 casts, amaxes and scale updates on the GPU (see fp8_kernels.hpp).
 //
-// The cast works on 64 x 64 tiles of x, one tile per block of 256 threads at a
-// time (grid-stride over tiles). Each thread reads 8 consecutive elements of
-// two rows (one 16-byte load for bf16, two for fp32), encodes them with
-// loom::fp8::encode (the host's function, so bitwise the host cast) and
-// stores 8 bytes of the row-major copy; for the transposed copy the codes go
-// through shared memory and each thread stores 16 consecutive bytes of a row
-// of q_t (16 rows of x). Where a tile runs past the edge, or a pointer or row
-// stride is not aligned for the packed accesses, the same code runs element
-// by element. The amax is a per-thread max, a block max, and one atomicMax per
-// block on the float's bits.
+// Codes come from loom::fp8::encode_fast, bitwise the host's encode (checked
+// over every input in test_fp8): with encode itself the cast is bound by
+// integer throughput, not by memory.
+//
+// Fast path (cast_tiles_kernel): 128 x 64 tiles of x, grid-stride, 256
+// threads. Each thread reads 8 consecutive elements (16 bytes of bf16) of 4
+// consecutive rows; a warp's loads cover 4 rows x 128 bytes. It stores 8
+// bytes per row of q, and builds q_t's words (4 rows of one column) with 4 x 4
+// byte transposes in registers (__byte_perm), so the shared tile is written and
+// read in whole words: 32-bit writes, then 16-byte reads that store 128
+// contiguous bytes of a q_t row per 8 threads. The shared tile is swizzled
+// (16-byte group g of q_t row c at g ^ (c / 8 % 8)) so that neither side has
+// bank conflicts. It takes the whole tiles of x when x, q and q_t allow the
+// packed accesses; the rest (a right and a bottom strip, or everything) goes
+// through cast_kernel.
+//
+// General path (cast_kernel): 64 x 64 tiles of a region of x, one tile per
+// block of 256 threads at a time (grid-stride over tiles). Each thread reads 8
+// consecutive elements of two rows (one 16-byte load for bf16, two for fp32),
+// and stores 8 bytes of the row-major copy; for the transposed copy the codes
+// go through shared memory and each thread stores 16 consecutive bytes of a
+// row of q_t (16 rows of x). Where a tile runs past the edge, or a pointer or
+// row stride is not aligned for the packed accesses, the same code runs
+// element by element.
+//
+// The amax is a per-thread max, a block max, and one atomicMax per block on
+// the float's bits.
 #include <cfloat>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -45,24 +62,25 @@ __device__ void block_amax_to(float m, float* amax) {
 
 template <typename T, fp8::Format F, bool kRow, bool kTrans>
 __global__ void __launch_bounds__(kCastThreads)
-    cast_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx, uint8_t* __restrict__ q,
-                uint8_t* __restrict__ qt, const float* __restrict__ scale_ptr, float* amax, bool vec_in, bool vec_q,
-                bool vec_t) {
+    cast_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx, int64_t r_lo, int64_t r_hi,
+                int64_t c_lo, uint8_t* __restrict__ q, uint8_t* __restrict__ qt, const float* __restrict__ scale_ptr,
+                float* amax, bool vec_in, bool vec_q, bool vec_t) {
+  // The region is rows [r_lo, r_hi) x columns [c_lo, cols); rows is still q_t's row length.
   __shared__ uint32_t tile_words[kTile * kTileStride / 4];
   uint8_t* tile = reinterpret_cast<uint8_t*>(tile_words);
   const float s = (kRow || kTrans) ? *scale_ptr : 1.0f;
-  const int64_t tiles_c = (cols + kTile - 1) / kTile, tiles_r = (rows + kTile - 1) / kTile;
+  const int64_t tiles_c = (cols - c_lo + kTile - 1) / kTile, tiles_r = (r_hi - r_lo + kTile - 1) / kTile;
   const int cg_local = (threadIdx.x % 8) * 8;  // this thread's 8 columns in the tile
   const int r_local0 = threadIdx.x / 8;        // its rows: r_local0 and r_local0 + 32
   float m = 0.0f;
   for (int64_t t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_c) * kTile, c0 = (t % tiles_c) * kTile;
+    const int64_t r0 = r_lo + (t / tiles_c) * kTile, c0 = c_lo + (t % tiles_c) * kTile;
     const int64_t cg = c0 + cg_local;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int rl = r_local0 + 32 * half;
       const int64_t r = r0 + rl;
-      if (r >= rows) continue;
+      if (r >= r_hi) continue;
       float v[8];
       const bool full = cg + 8 <= cols;
       if (full && vec_in) {
@@ -75,7 +93,7 @@ __global__ void __launch_bounds__(kCastThreads)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         m = fmaxf(m, abs_or_inf(v[j]));  // out-of-range lanes hold 0
-        if constexpr (kRow || kTrans) code[j] = fp8::encode(v[j] * s, F);
+        if constexpr (kRow || kTrans) code[j] = fp8::encode_fast(v[j] * s, F);
       }
       if constexpr (kRow) {
         uint8_t* dst = q + r * cols + cg;
@@ -102,9 +120,9 @@ __global__ void __launch_bounds__(kCastThreads)
       // Row c of q_t holds column c of x: this thread writes its bytes for x rows [rs, rs + 16).
       const int cl = threadIdx.x / 4, rl0 = (threadIdx.x % 4) * 16;
       const int64_t c = c0 + cl, rs = r0 + rl0;
-      if (c < cols && rs < rows) {
+      if (c < cols && rs < r_hi) {
         uint8_t* dst = qt + c * rows + rs;
-        if (vec_t && rs + 16 <= rows) {
+        if (vec_t && rs + 16 <= r_hi) {
           uint8_t b[16];
 #pragma unroll
           for (int j = 0; j < 16; ++j) b[j] = tile[(rl0 + j) * kTileStride + cl];
@@ -112,7 +130,7 @@ __global__ void __launch_bounds__(kCastThreads)
           memcpy(&w, b, 16);
           *reinterpret_cast<uint4*>(dst) = w;
         } else {
-          for (int j = 0; j < 16 && rs + j < rows; ++j) dst[j] = tile[(rl0 + j) * kTileStride + cl];
+          for (int j = 0; j < 16 && rs + j < r_hi; ++j) dst[j] = tile[(rl0 + j) * kTileStride + cl];
         }
       }
       __syncthreads();  // the next tile overwrites the shared tile
@@ -121,21 +139,180 @@ __global__ void __launch_bounds__(kCastThreads)
   if (amax != nullptr) block_amax_to(m, amax);
 }
 
+constexpr int kFastRows = 128;     // rows of x per fast tile: a q_t row segment of 128 bytes
+constexpr int kFastCols = 64;      // columns of x per fast tile: a bf16 row segment of 128 bytes
+constexpr int kFastThreads = 256;  // 8 warps x 16 rows; a thread: 4 rows x 8 columns
+
+// 8 elements of x at p (16-byte aligned) as floats, their |x| bits
+// max-accumulated into m. bf16: the floats are the bits moved up (exact, as
+// __bfloat162float), and m holds two 16-bit maxima, one per half-word, two
+// elements per unsigned 16x2 max; fp32: one 32-bit max per element. Unsigned
+// order of |x| bits is the order of |x|, with NaNs above inf.
+__device__ __forceinline__ void load8_amax(const bf16* p, float (&v)[8], uint32_t& m) {
+  const uint4 r = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    v[2 * k] = __uint_as_float(w[k] << 16);
+    v[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+    m = __vmaxu2(m, w[k] & 0x7FFF7FFFu);
+  }
+}
+__device__ __forceinline__ void load8_amax(const float* p, float (&v)[8], uint32_t& m) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint4 r = reinterpret_cast<const uint4*>(p)[h];
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      v[4 * h + k] = __uint_as_float(w[k]);
+      const uint32_t a = w[k] & 0x7FFFFFFFu;
+      m = a > m ? a : m;
+    }
+  }
+}
+// load8_amax's accumulator as fp32 |x| bits.
+__device__ __forceinline__ uint32_t amax_bits(const bf16*, uint32_t m) {
+  const uint32_t lo = m & 0xFFFFu, hi = m >> 16;
+  return (lo > hi ? lo : hi) << 16;
+}
+__device__ __forceinline__ uint32_t amax_bits(const float*, uint32_t m) { return m; }
+
+// Whole 128 x 64 tiles of x; the caller guarantees x rows 16-byte aligned at
+// every 8th column, q rows 8-byte aligned (cols % 8 == 0), q_t rows 16-byte
+// aligned at every 16th x row (rows % 16 == 0).
 template <typename T, fp8::Format F, bool kRow, bool kTrans>
-void launch_cast(const T* x, int64_t rows, int64_t cols, int64_t ldx, uint8_t* q, uint8_t* qt, const float* scale,
-                 float* amax, cudaStream_t stream, const char* name) {
-  const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+__global__ void __launch_bounds__(kFastThreads)
+    cast_tiles_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx, int64_t tiles_r,
+                      int64_t tiles_c, uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                      const float* __restrict__ scale_ptr, float* amax) {
+  // q_t's bytes of one tile: 64 rows (x's columns) of 128 bytes (x's rows) = 8
+  // groups of 4 words; group g of row c sits at group g ^ (c / 8 % 8).
+  __shared__ uint4 tile_t[kFastCols * kFastRows / 16];
+  uint32_t* tile_w = reinterpret_cast<uint32_t*>(tile_t);
+  const float s = (kRow || kTrans) ? *scale_ptr : 1.0f;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int cg = lane % 8;                    // this thread's columns: 8 cg .. 8 cg + 7
+  const int rq = lane / 8;                    // and rows 16 warp + 4 rq .. + 3, i.e. word rq of group warp
+  const int rl0 = warp * 16 + rq * 4;
+  const int slot = ((warp ^ cg) * 4 + rq);    // that word's swizzled place in each of its 8 q_t rows
+  uint32_t m = 0;  // see load8_amax
+  for (int64_t t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
+    const int64_t r0 = (t / tiles_c) * kFastRows, c0 = (t % tiles_c) * kFastCols;
+    float v[4][8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) load8_amax(x + (r0 + rl0 + i) * ldx + c0 + cg * 8, v[i], m);
+    // Codes of row i, columns 4h .. 4h + 3, lowest byte first; packed with
+    // multiply-adds (the bytes do not overlap), which run beside the encode's
+    // shifts and logic instead of on the same pipe.
+    uint32_t w[4][2] = {};
+    if constexpr (kRow || kTrans) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          w[i][j / 4] += static_cast<uint32_t>(fp8::encode_fast(v[i][j] * s, F)) * (1u << (8 * (j % 4)));
+    }
+    if constexpr (kRow) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<uint2*>(q + (r0 + rl0 + i) * cols + c0 + cg * 8) = make_uint2(w[i][0], w[i][1]);
+    }
+    if constexpr (kTrans) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // 4 x 4 byte transpose: word k gets byte k of rows 0..3 (column 4h + k).
+        const uint32_t lo01 = __byte_perm(w[0][h], w[1][h], 0x5140), hi01 = __byte_perm(w[0][h], w[1][h], 0x7362);
+        const uint32_t lo23 = __byte_perm(w[2][h], w[3][h], 0x5140), hi23 = __byte_perm(w[2][h], w[3][h], 0x7362);
+        const int c = cg * 8 + 4 * h;
+        tile_w[(c + 0) * 32 + slot] = __byte_perm(lo01, lo23, 0x5410);
+        tile_w[(c + 1) * 32 + slot] = __byte_perm(lo01, lo23, 0x7632);
+        tile_w[(c + 2) * 32 + slot] = __byte_perm(hi01, hi23, 0x5410);
+        tile_w[(c + 3) * 32 + slot] = __byte_perm(hi01, hi23, 0x7632);
+      }
+      __syncthreads();
+      // 8 threads per q_t row: 16 bytes each, 128 contiguous bytes in all.
+#pragma unroll
+      for (int k = 0; k < kFastCols * kFastRows / 16 / kFastThreads; ++k) {
+        const int idx = threadIdx.x + k * kFastThreads, c = idx / 8, g = idx % 8;
+        const uint4 val = tile_t[c * 8 + (g ^ (c / 8 % 8))];
+        *reinterpret_cast<uint4*>(qt + (c0 + c) * rows + r0 + g * 16) = val;
+      }
+      __syncthreads();  // the next tile overwrites the shared tile
+    }
+  }
+  m = amax_bits(x, m);
+  if (amax != nullptr) block_amax_to(__uint_as_float(m > kInfBits ? kInfBits : m), amax);  // NaN counts as +inf
+}
+
+template <typename T, fp8::Format F, bool kRow, bool kTrans>
+void launch_general(const T* x, int64_t rows, int64_t cols, int64_t ldx, int64_t r_lo, int64_t r_hi, int64_t c_lo,
+                    uint8_t* q, uint8_t* qt, const float* scale, float* amax, bool vec_in, cudaStream_t stream,
+                    const char* name) {
+  const int64_t tiles = ((r_hi - r_lo + kTile - 1) / kTile) * ((cols - c_lo + kTile - 1) / kTile);
   const unsigned grid = static_cast<unsigned>(tiles < kMaxGridBlocks ? tiles : kMaxGridBlocks);
   // Packed paths: 8 elements of x (16 or 32 bytes) at 16-byte aligned
   // addresses; 8 bytes of q at 8-byte aligned ones; 16 bytes of q_t at
-  // 16-byte aligned ones.
-  const bool vec_in = aligned_bytes(x, 16) && (ldx * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+  // 16-byte aligned ones (r_lo is 0 or a multiple of kFastRows).
   const bool vec_q = q != nullptr && aligned_bytes(q, 8) && cols % 8 == 0;
   const bool vec_t = qt != nullptr && aligned_bytes(qt, 16) && rows % 16 == 0;
-  cast_kernel<T, F, kRow, kTrans>
-      <<<grid, kCastThreads, 0, stream>>>(x, rows, cols, ldx, q, qt, scale, amax, vec_in, vec_q, vec_t);
-  LOOM_CUDA_LAUNCH_CHECK(name, "rows=", rows, " cols=", cols, " ld=", ldx, " grid=", grid, " vec in/q/qt=", vec_in, "/",
-                         vec_q, "/", vec_t);
+  cast_kernel<T, F, kRow, kTrans><<<grid, kCastThreads, 0, stream>>>(x, rows, cols, ldx, r_lo, r_hi, c_lo, q, qt, scale,
+                                                                     amax, vec_in, vec_q, vec_t);
+  LOOM_CUDA_LAUNCH_CHECK(name, " (general) rows=", rows, " cols=", cols, " ld=", ldx, " region rows [", r_lo, ", ",
+                         r_hi, ") cols [", c_lo, ", ", cols, ") grid=", grid, " vec in/q/qt=", vec_in, "/", vec_q, "/",
+                         vec_t);
+}
+
+// Blocks of cast_tiles_kernel<T, F, kRow, kTrans> resident at once on the
+// current device: SMs times blocks per SM. The per-SM count depends on the
+// kernel alone (one static per instantiation; their registers differ), so it
+// is computed once; the SM count is read per call (cheap, and right for
+// whichever device is current).
+template <typename T, fp8::Format F, bool kRow, bool kTrans>
+int64_t fast_slots(const char* name) {
+  static const int per_sm = [&] {
+    int n = 0;
+    LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cast_tiles_kernel<T, F, kRow, kTrans>,
+                                                                  kFastThreads, 0),
+                    name, ": occupancy of the whole-tile cast kernel, ", kFastThreads, " threads");
+    return n < 1 ? 1 : n;
+  }();
+  int dev = 0, sms = 0;
+  LOOM_CUDA_CHECK(cudaGetDevice(&dev), name);
+  LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), name, ": device ", dev);
+  return static_cast<int64_t>(per_sm) * (sms < 1 ? 1 : sms);
+}
+
+template <typename T, fp8::Format F, bool kRow, bool kTrans>
+void launch_cast(const T* x, int64_t rows, int64_t cols, int64_t ldx, uint8_t* q, uint8_t* qt, const float* scale,
+                 float* amax, cudaStream_t stream, const char* name) {
+  const bool vec_in = aligned_bytes(x, 16) && (ldx * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+  const int64_t rows_f = rows / kFastRows * kFastRows, cols_f = cols / kFastCols * kFastCols;
+  const bool fast = rows_f > 0 && cols_f > 0 && vec_in &&
+                    (q == nullptr || (aligned_bytes(q, 8) && cols % 8 == 0)) &&
+                    (qt == nullptr || (aligned_bytes(qt, 16) && rows % 16 == 0));
+  if (!fast) {
+    launch_general<T, F, kRow, kTrans>(x, rows, cols, ldx, 0, rows, 0, q, qt, scale, amax, vec_in, stream, name);
+    return;
+  }
+  const int64_t tiles_r = rows_f / kFastRows, tiles_c = cols_f / kFastCols, tiles = tiles_r * tiles_c;
+  // At most the blocks that are resident at once, so no block of a second wave
+  // runs its whole share of tiles alone at the end; and the tiles spread evenly
+  // over waves of them (4096 tiles on 792 slots: 683 blocks of 6, not 792
+  // blocks of which 136 cast a sixth tile while the rest wait).
+  const int64_t slots = fast_slots<T, F, kRow, kTrans>(name);
+  const int64_t waves = (tiles + slots - 1) / slots;
+  const unsigned grid = static_cast<unsigned>((tiles + waves - 1) / waves);
+  cast_tiles_kernel<T, F, kRow, kTrans>
+      <<<grid, kFastThreads, 0, stream>>>(x, rows, cols, ldx, tiles_r, tiles_c, q, qt, scale, amax);
+  LOOM_CUDA_LAUNCH_CHECK(name, " (tiles) rows=", rows, " cols=", cols, " ld=", ldx, " whole tiles ", tiles_r, " x ",
+                         tiles_c, " grid=", grid, " resident blocks=", slots);
+  // The edges the whole tiles leave: columns [cols_f, cols) of rows [0, rows_f), then rows [rows_f, rows).
+  if (cols_f < cols)
+    launch_general<T, F, kRow, kTrans>(x, rows, cols, ldx, 0, rows_f, cols_f, q, qt, scale, amax, vec_in, stream,
+                                       name);
+  if (rows_f < rows)
+    launch_general<T, F, kRow, kTrans>(x, rows, cols, ldx, rows_f, rows, 0, q, qt, scale, amax, vec_in, stream, name);
 }
 
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
