@@ -129,7 +129,33 @@ class Fp8Gpu final : public Precision {
     dp_ = s.data_parallel;
     set_up_ = true;
     T_ = host_.tensors();
-    if (T_ > 0) {
+    int fp8_linears = 0;
+    std::string full;
+    for (const Linear& l : linears_) {
+      if (l.fp8) ++fp8_linears;
+      else full += cat(full.empty() ? "" : ", ", l.desc.name);
+    }
+    const fp8::ScalingConfig& sc = o_.scaling;
+    const std::string how =
+        sc.scaling == fp8::Scaling::delayed
+            ? cat("delayed scaling (amax_history_len ", sc.amax_history_len, ", amax_compute_algo ",
+                  fp8::name(sc.amax_compute_algo), ", margin ", sc.margin, ")")
+            : std::string("current scaling");
+    log_info(cat("precision ", o_.plugin, ": ", fp8_linears, " linears in FP8 on CUDA (cuBLASLt), format ",
+                 fp8::name(sc.formats),
+                 sc.formats == fp8::Formats::hybrid ? " (E4M3 x and w, E5M2 dy)" : " (E4M3 x, w and dy)", ", ", how,
+                 full.empty() ? std::string() : cat("; in bf16: ", full), "; fast accumulation fprop ",
+                 o_.gemm.fast_accum_fprop ? "on" : "off", ", dgrad ", o_.gemm.fast_accum_dgrad ? "on" : "off",
+                 ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off", "; master ",
+                 o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32"));
+  }
+
+  // The device state, allocated and set to the host state's fresh values with
+  // the first memory the core gives (setup() leaves the GPU alone: `loom
+  // check` plans without one).
+  void allocate_state() {
+    if (dev_ != nullptr || T_ == 0) return;
+    {
       const auto T = static_cast<size_t>(T_);
       const size_t per = round_up(T * sizeof(float));
       const size_t hist = o_.scaling.scaling == fp8::Scaling::delayed
@@ -154,28 +180,11 @@ class Fp8Gpu final : public Precision {
                       o_.plugin, ": initial scales (", T_, " floats)");
       LOOM_CUDA_CHECK(cudaMemcpy(scale_inv_, host_.scale_invs(), T * sizeof(float), cudaMemcpyHostToDevice),
                       "precision ", o_.plugin, ": initial inverse scales (", T_, " floats)");
+      // Complete before any stream of the core (which may not sync with the legacy stream) reads it.
+      LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision ", o_.plugin, ": initialising the FP8 state");
       h_scale_.assign(T, 0.0f);
       h_amax_.assign(T, 0.0f);
     }
-    int fp8_linears = 0;
-    std::string full;
-    for (const Linear& l : linears_) {
-      if (l.fp8) ++fp8_linears;
-      else full += cat(full.empty() ? "" : ", ", l.desc.name);
-    }
-    const fp8::ScalingConfig& sc = o_.scaling;
-    const std::string how =
-        sc.scaling == fp8::Scaling::delayed
-            ? cat("delayed scaling (amax_history_len ", sc.amax_history_len, ", amax_compute_algo ",
-                  fp8::name(sc.amax_compute_algo), ", margin ", sc.margin, ")")
-            : std::string("current scaling");
-    log_info(cat("precision ", o_.plugin, ": ", fp8_linears, " linears in FP8 on CUDA (cuBLASLt), format ",
-                 fp8::name(sc.formats),
-                 sc.formats == fp8::Formats::hybrid ? " (E4M3 x and w, E5M2 dy)" : " (E4M3 x, w and dy)", ", ", how,
-                 full.empty() ? std::string() : cat("; in bf16: ", full), "; fast accumulation fprop ",
-                 o_.gemm.fast_accum_fprop ? "on" : "off", ", dgrad ", o_.gemm.fast_accum_dgrad ? "on" : "off",
-                 ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off", "; master ",
-                 o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32"));
   }
 
   void set_workspace(void* ptr, size_t bytes) override {
@@ -183,6 +192,8 @@ class Fp8Gpu final : public Precision {
                " bytes at ", ptr, ", ", workspace_bytes(), " needed");
     LOOM_CHECK(reinterpret_cast<uintptr_t>(ptr) % kAlign == 0, "precision ", o_.plugin,
                ": the workspace must be 256-byte aligned, got address ", ptr);
+    LOOM_CHECK(set_up_, "precision ", o_.plugin, ": set_workspace before setup()");
+    allocate_state();
     ws_ = static_cast<char*>(ptr);
     lt_.set_workspace(ws_, precision_common::CublasLtLinears::kWorkspaceBytes);
     if (fp8gemm_) fp8gemm_->set_workspace(ws_, gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes);
@@ -314,6 +325,8 @@ class Fp8Gpu final : public Precision {
 
   std::vector<StateTensor> state_tensors() override {
     if (T_ == 0) return {};
+    LOOM_CHECK(dev_ != nullptr, "precision ", o_.plugin,
+               ": state_tensors() before the memory was given (the state lives on the device)");
     read_counts();
     counters_[0] = static_cast<double>(head_);
     counters_[1] = static_cast<double>(steps_);
@@ -336,7 +349,7 @@ class Fp8Gpu final : public Precision {
       l.weight_cast = false;
       l.saved_rows = -1;
     }
-    if (T_ == 0) return;
+    if (T_ == 0 || dev_ == nullptr) return;
     // The core uploaded the device tensors; check them on the host (ScalingState's
     // rules) and derive the inverse scales there, bitwise the host's.
     LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision ", o_.plugin, ": waiting for the restored FP8 state");
@@ -365,10 +378,11 @@ class Fp8Gpu final : public Precision {
                     o_.plugin, ": writing the restored counters");
     LOOM_CUDA_CHECK(cudaMemset(step_amax_, 0, tb), "precision ", o_.plugin, ": clearing ", T_, " step amaxes");
     LOOM_CUDA_CHECK(cudaMemset(pend_, 0, tb), "precision ", o_.plugin, ": clearing ", T_, " pending amaxes");
+    LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision ", o_.plugin, ": writing the restored FP8 state");
   }
 
   std::string log_summary() const override {
-    if (T_ == 0) return {};
+    if (T_ == 0 || dev_ == nullptr) return {};
     // A log step: reading the device state here is the one host sync.
     const size_t tb = static_cast<size_t>(T_) * sizeof(float);
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "precision ", o_.plugin, ": waiting for the step to log");
