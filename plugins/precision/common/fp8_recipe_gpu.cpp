@@ -440,6 +440,7 @@ class Fp8Gpu final : public Precision {
     Linear& l = linears_[static_cast<size_t>(id)];
     LOOM_CHECK(set_up_ && ws_ != nullptr && (!l.fp8 || saved_ != nullptr), "precision ", o_.plugin, ": ",
                l.desc.name, " called before setup() and the planned memory were given");
+    stream_ = static_cast<cudaStream_t>(ctx.stream);  // what the host waits for before reading the state
     return l;
   }
 
@@ -546,7 +547,7 @@ class Fp8Gpu final : public Precision {
   float *step_amax_ = nullptr, *pend_ = nullptr, *cur_ = nullptr, *last_amax_ = nullptr;
   float *scale_ = nullptr, *scale_inv_ = nullptr, *history_ = nullptr;
   uint32_t* counts_ = nullptr;  // skipped updates, non-finite amaxes
-  cudaStream_t stream_ = nullptr;  // the stream of the last end_step
+  cudaStream_t stream_ = nullptr;  // the stream of the last call (the core's compute stream)
   // Host side.
   int64_t head_ = 0, steps_ = 0;
   double counters_[4] = {0, 0, 0, 0};  // checkpointed: head, steps, skipped, non-finite
