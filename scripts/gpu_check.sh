@@ -31,8 +31,10 @@ export NCCL_NVLS_ENABLE=0
 # The test binaries name the tree and their build folder by absolute path
 # (/work/main, and /work/main/build-gpu or /work/main/build, whichever
 # scripts/gpu_build.sh built): make them resolve here.
-if [ "$ROOT" != /work/main ]; then mkdir -p /work && ln -sfn "$ROOT" /work/main; fi
-for b in build-gpu build; do [ -e /work/main/$b ] || ln -sfn "$ROOT/.carry" /work/main/$b; done
+# A tree built elsewhere (a worktree) names its own path: LOOM_TREE=/work/wt-x.
+TREE=${LOOM_TREE:-/work/main}
+if [ "$ROOT" != "$TREE" ]; then mkdir -p "$(dirname "$TREE")" && ln -sfn "$ROOT" "$TREE"; fi
+for b in build-gpu build; do [ -e "$TREE/$b" ] || ln -sfn "$ROOT/.carry" "$TREE/$b"; done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 # The fortune corpus, staged by scripts/gpu_build.sh (the GPU image has no fortunes package).
 if [ ! -f data/fortunes/val.bin ] && [ -f .carry/data/fortunes/val.bin ]; then
