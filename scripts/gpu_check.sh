@@ -15,7 +15,7 @@
 #       sharding tests, single-GPU bench, PyTorch FSDP2 peer, `loom compare` of every
 #       strategy, and the throughput targets; env NP, STEPS, WARMUP, STRATEGIES)
 #   bash scripts/gpu_check.sh sharding-tests      (the test part of `sharding` only)
-#   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8, then benchmarks/fp8_gemm.cpp:
+#   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8 and test_gpu_fp8_recipes, then benchmarks/fp8_gemm.cpp:
 #       bf16 vs FP8 cuBLASLt GEMMs on the llama-1b and llama2-7b linears, the cast
 #       kernels and the block-scaled FP8 probe; $OUT/fp8_gemm_bench.md; env FP8_BENCH_ARGS)
 set -uo pipefail
@@ -31,8 +31,10 @@ export NCCL_NVLS_ENABLE=0
 # The test binaries name the tree and their build folder by absolute path
 # (/work/main, and /work/main/build-gpu or /work/main/build, whichever
 # scripts/gpu_build.sh built): make them resolve here.
-if [ "$ROOT" != /work/main ]; then mkdir -p /work && ln -sfn "$ROOT" /work/main; fi
-for b in build-gpu build; do [ -e /work/main/$b ] || ln -sfn "$ROOT/.carry" /work/main/$b; done
+# A tree built elsewhere (a worktree) names its own path: LOOM_TREE=/work/wt-x.
+TREE=${LOOM_TREE:-/work/main}
+if [ "$ROOT" != "$TREE" ]; then mkdir -p "$(dirname "$TREE")" && ln -sfn "$ROOT" "$TREE"; fi
+for b in build-gpu build; do [ -e "$TREE/$b" ] || ln -sfn "$ROOT/.carry" "$TREE/$b"; done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 # The fortune corpus, staged by scripts/gpu_build.sh (the GPU image has no fortunes package).
 if [ ! -f data/fortunes/val.bin ] && [ -f .carry/data/fortunes/val.bin ]; then
@@ -43,7 +45,7 @@ status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   : > "$OUT/tests.txt"
   # The suites with GPU cases (the CPU suites run in CI).
-  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_golden test_gpu_train test_gpu_moe test_step_alloc}; do
+  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_golden test_gpu_train test_gpu_moe test_gpu_fp8_recipes test_step_alloc}; do
     t=.carry/bin/$n
     if "$t" --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
@@ -53,19 +55,20 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
     if [ "$real_skips" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi
     echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
     [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -20
-    grep -hE '^\[(golden|gpu curve|gpu moe|deterministic|timestamp|step allocations|fp8 gemm)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+    grep -hE '^\[(golden|gpu curve|gpu moe|deterministic|timestamp|step allocations|fp8 gemm|fp8 gpu)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
   done
 fi
 if [ "$WHAT" = fp8 ]; then
   # The FP8 building blocks: the suite (nothing may skip on a GPU), then the GEMM benchmark.
   : > "$OUT/tests.txt"
-  n=test_cuda_fp8
+  for n in test_cuda_fp8 test_gpu_fp8_recipes; do
   if .carry/bin/$n --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
   s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
   if [ "$s" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi
   echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
   [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -40
-  grep -hE '^\[fp8 gemm\]' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+  grep -hE '^\[fp8 (gemm|gpu)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+  done
   # shellcheck disable=SC2086
   if .carry/bin/fp8_gemm_bench ${FP8_BENCH_ARGS:-} > "$OUT/fp8_gemm_bench.md" 2> "$OUT/fp8_gemm_bench.log"; then
     r=PASS; else r=FAIL; status=1; fi

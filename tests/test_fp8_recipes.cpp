@@ -349,9 +349,17 @@ TEST(Fp8Recipes, ConfigErrors) {
   expect_error([] { make("fp8_current", "master = \"bf16\"\n"); }, {"master", "CPU", "fp32"});
   for (const char* key : {"amax_history_len = 16", "amax_compute_algo = \"max\"", "margin = 1"})
     expect_error([&] { make("fp8_current", std::string(key) + "\n"); }, {"fp8_current", "fp8_delayed", "fp8.toml"});
-  // The GPU path is built separately: refused at construction, one message.
-  for (const char* plugin : {"fp8_delayed", "fp8_current"})
-    expect_error([&] { make(plugin, "", Device::cuda); }, {plugin, "cuda", "not wired", "run.device = \"cpu\""});
+  // Device cuda: built with the CUDA backend, the GPU path is constructed
+  // (master = "bf16" included; nothing touches the GPU before setup);
+  // without it, refused at construction with one message.
+  for (const char* plugin : {"fp8_delayed", "fp8_current"}) {
+#ifdef LOOM_HAVE_CUDA
+    EXPECT_NO_THROW(make(plugin, "", Device::cuda));
+    EXPECT_NO_THROW(make(plugin, "master = \"bf16\"\nstochastic_rounding = true\n", Device::cuda));
+#else
+    expect_error([&] { make(plugin, "", Device::cuda); }, {plugin, "cuda", "no CUDA backend", "run.device = \"cpu\""});
+#endif
+  }
 }
 
 // ---- Sessions ----

@@ -89,24 +89,41 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
            "stochastic_rounding = true rounds updates into bf16 parameters that have no fp32 master copy; with "
            "master = \"fp32\" the master copy keeps every update exactly. Set master = \"bf16\" or remove "
            "stochastic_rounding");
-  if (init.device == Device::cuda)
-    throw Error(cat("precision.plugin = \"", plugin, "\" cannot run with run.device = \"cuda\" in this build: the "
-                    "GPU FP8 GEMMs (cast kernels and cuBLASLt FP8) are not wired into the recipe yet. Run it with "
-                    "run.device = \"cpu\" (FP8 emulated on the CPU), or use precision.plugin = \"bf16\" on the GPU"));
+  state_ = std::make_unique<fp8::ScalingState>(sc);
+  if (init.device == Device::cuda) {
+    GpuOptions o;
+    o.plugin = plugin;
+    o.scaling = sc;
+    o.fp8_head = fp8_head_;
+    o.gemm = gemm_;
+    o.master_bf16 = master == "bf16";
+    o.stochastic_rounding = stochastic;
+    gpu_ = make_gpu_recipe(o);
+    return;
+  }
   if (master == "bf16")
     c.fail("master", "master = \"bf16\" keeps the parameters in bf16 without an fp32 copy, but the CPU backend "
                      "stores and updates parameters in fp32 only: on the CPU use master = \"fp32\" (the default)");
-  state_ = std::make_unique<fp8::ScalingState>(sc);
 }
 
 Fp8Recipe::~Fp8Recipe() = default;
 
+#ifndef LOOM_FP8_RECIPE_GPU
+std::unique_ptr<Precision> make_gpu_recipe(const GpuOptions& o) {
+  throw Error(cat("precision.plugin = \"", o.plugin, "\" cannot run with run.device = \"cuda\": this build of Loom "
+                  "has no CUDA backend. Run it with run.device = \"cpu\" (FP8 emulated on the CPU), or rebuild "
+                  "with CUDA"));
+}
+#endif
+
 PrecisionDTypes Fp8Recipe::dtypes() const {
+  if (gpu_) return gpu_->dtypes();
   // CPU: fp32 parameters are the master copy; the FP8 casts happen inside the GEMMs.
   return {DType::f32, DType::f32, DType::f32, DType::f32, DType::f32, /*has_master=*/false};
 }
 
 int Fp8Recipe::register_linear(const LinearDesc& desc) {
+  if (gpu_) return gpu_->register_linear(desc);
   LOOM_CHECK(!set_up_, "precision ", plugin_, ": linear '", desc.name, "' registered after setup()");
   LOOM_CHECK(desc.in > 0 && desc.out > 0 && desc.max_rows > 0, "precision ", plugin_, ": linear '", desc.name,
              "' has invalid shape in=", desc.in, " out=", desc.out, " max_rows=", desc.max_rows,
@@ -127,6 +144,7 @@ int Fp8Recipe::register_linear(const LinearDesc& desc) {
 }
 
 size_t Fp8Recipe::saved_activation_bytes(int id) const {
+  if (gpu_) return gpu_->saved_activation_bytes(id);
   LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", plugin_, ": linear id ", id,
              " was never registered");
   const Linear& l = linears_[static_cast<size_t>(id)];
@@ -135,10 +153,12 @@ size_t Fp8Recipe::saved_activation_bytes(int id) const {
 }
 
 size_t Fp8Recipe::workspace_bytes() const {
+  if (gpu_) return gpu_->workspace_bytes();
   return static_cast<size_t>(weight_floats_ + gemm_floats_) * sizeof(float);
 }
 
 void Fp8Recipe::setup(const PrecisionSetup& setup) {
+  if (gpu_) return gpu_->setup(setup);
   LOOM_CHECK(setup.data_parallel != nullptr, "precision ", plugin_, ": setup without a data-parallel communicator");
   LOOM_CHECK(!setup.data_parallel->device_tensors(), "precision ", plugin_,
              ": the data-parallel communicator carries device tensors, but this recipe keeps its amaxes on the host");
@@ -164,6 +184,7 @@ void Fp8Recipe::setup(const PrecisionSetup& setup) {
 }
 
 void Fp8Recipe::set_workspace(void* ptr, size_t bytes) {
+  if (gpu_) return gpu_->set_workspace(ptr, bytes);
   LOOM_CHECK(bytes >= workspace_bytes() && (ptr != nullptr || workspace_bytes() == 0), "precision ", plugin_,
              ": workspace of ", bytes, " bytes, ", workspace_bytes(), " needed");
   workspace_ = static_cast<float*>(ptr);
@@ -172,6 +193,7 @@ void Fp8Recipe::set_workspace(void* ptr, size_t bytes) {
 }
 
 void Fp8Recipe::set_saved_activations(void* ptr, size_t bytes) {
+  if (gpu_) return gpu_->set_saved_activations(ptr, bytes);
   LOOM_CHECK(bytes >= static_cast<size_t>(saved_floats_) * sizeof(float) && ptr != nullptr, "precision ", plugin_,
              ": saved activations of ", bytes, " bytes, ", saved_floats_ * 4, " needed");
   saved_ = static_cast<float*>(ptr);
@@ -272,6 +294,7 @@ const float* Fp8Recipe::cast_weight(Linear& l, const Tensor& w) {
 
 void Fp8Recipe::linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
                                const Tensor* residual) {
+  if (gpu_) return gpu_->linear_forward(ctx, id, x, w, y, residual);
   Linear& l = lookup(ctx, id);
   if (!l.fp8) return full_forward(l, x, w, y, residual);
   const LinearDesc& d = l.desc;
@@ -297,6 +320,7 @@ void Fp8Recipe::linear_forward(const ExecContext& ctx, int id, const Tensor& x, 
 
 void Fp8Recipe::linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,
                                 Tensor* dx, Tensor& dw, bool accumulate) {
+  if (gpu_) return gpu_->linear_backward(ctx, id, x, w, dy, dx, dw, accumulate);
   Linear& l = lookup(ctx, id);
   if (!l.fp8) return full_backward(l, x, w, dy, dx, dw, accumulate);
   const LinearDesc& d = l.desc;
@@ -335,7 +359,8 @@ void Fp8Recipe::linear_backward(const ExecContext& ctx, int id, const Tensor& x,
   l.saved_rows = -1;
 }
 
-void Fp8Recipe::end_step(const ExecContext& /*ctx*/) {
+void Fp8Recipe::end_step(const ExecContext& ctx) {
+  if (gpu_) return gpu_->end_step(ctx);
   LOOM_CHECK(set_up_, "precision ", plugin_, ": end_step before setup()");
   const int64_t T = state_->tensors();
   // The one all-reduce of the step: every rank's amaxes, max-reduced, so that
@@ -362,6 +387,7 @@ void Fp8Recipe::end_step(const ExecContext& /*ctx*/) {
 }
 
 std::vector<StateTensor> Fp8Recipe::state_tensors() {
+  if (gpu_) return gpu_->state_tensors();
   const int64_t T = state_->tensors();
   if (T == 0) return {};
   const fp8::ScalingState::Counters c = state_->counters();
@@ -384,6 +410,7 @@ std::vector<StateTensor> Fp8Recipe::state_tensors() {
 }
 
 void Fp8Recipe::state_loaded() {
+  if (gpu_) return gpu_->state_loaded();
   fp8::ScalingState::Counters c;
   c.head = static_cast<int64_t>(counters_[0]);
   c.steps = static_cast<int64_t>(counters_[1]);
@@ -398,6 +425,7 @@ void Fp8Recipe::state_loaded() {
 }
 
 std::string Fp8Recipe::log_summary() const {
+  if (gpu_) return gpu_->log_summary();
   const int64_t T = state_->tensors();
   if (T == 0) return {};
   float lo = FLT_MAX, hi = 0.0f;

@@ -1,7 +1,9 @@
 // The FP8 recipes (fp8_delayed, fp8_current): one class, the scaling told
-// apart by the plugin that builds it. Free of CUDA: on the CPU every FP8 GEMM
-// is emulated (loom/fp8_emulated.hpp) and the state is loom/fp8_scaling.hpp's
-// ScalingState on the host.
+// apart by the plugin that builds it. This file and fp8_recipe.cpp are free of
+// CUDA: on the CPU every FP8 GEMM is emulated (loom/fp8_emulated.hpp) and the
+// state is loom/fp8_scaling.hpp's ScalingState on the host. With run.device =
+// "cuda" the object hands every call to the GPU path (fp8_recipe_gpu.cpp, built
+// only with CUDA: device casts, cuBLASLt FP8 GEMMs, the state on the device).
 //
 // Per step, for every linear that runs in FP8 (all but the LM head unless
 // fp8_head = true):
@@ -35,10 +37,23 @@ struct GemmOptions {
   bool fast_accum_wgrad = false;
 };
 
+// What the GPU path is built from (the checked [precision] table).
+struct GpuOptions {
+  std::string plugin;
+  fp8::ScalingConfig scaling;
+  bool fp8_head = false;
+  GemmOptions gemm;
+  bool master_bf16 = false;  // master = "bf16": bf16 parameters, gradients and AdamW state, no fp32 copy
+  bool stochastic_rounding = false;
+};
+// The recipe on CUDA (fp8_recipe_gpu.cpp); in a build without CUDA it throws
+// a loom::Error saying so.
+std::unique_ptr<Precision> make_gpu_recipe(const GpuOptions& options);
+
 class Fp8Recipe : public Precision {
  public:
-  // `plugin` is "fp8_delayed" or "fp8_current"; reads and checks the table,
-  // then refuses device cuda (the GPU FP8 GEMMs are not wired in yet).
+  // `plugin` is "fp8_delayed" or "fp8_current"; reads and checks the table;
+  // on device cuda builds the GPU path and hands every call to it.
   Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const PluginInit& init);
   ~Fp8Recipe() override;
 
@@ -58,8 +73,10 @@ class Fp8Recipe : public Precision {
   void state_loaded() override;
   std::string log_summary() const override;
 
-  // For tests and the log line.
+  // For tests and the log line (the CPU path's state; the GPU path keeps its
+  // own on the device, read through state_tensors()).
   const fp8::ScalingState& scaling() const { return *state_; }
+  bool on_gpu() const { return gpu_ != nullptr; }
   const GemmOptions& gemm_options() const { return gemm_; }
 
  private:
@@ -77,6 +94,7 @@ class Fp8Recipe : public Precision {
   bool fp8_head_ = false;
   GemmOptions gemm_;
   std::unique_ptr<fp8::ScalingState> state_;
+  std::unique_ptr<Precision> gpu_;  // device cuda: the GPU path, which every call goes to
   std::vector<Linear> linears_;
   Communicator* dp_ = nullptr;
   bool set_up_ = false;

@@ -16,4 +16,4 @@ class Fp8CurrentPrecision final : public fp8_recipe::Fp8Recipe {
 
 using loom::fp8_current::Fp8CurrentPrecision;
 LOOM_PLUGIN(precision, Fp8CurrentPrecision, "fp8_current", "1.0.0",
-            "FP8 with per-tensor current scaling (each scale from its tensor's own amax), E4M3/E5M2 GEMMs emulated on the CPU; LM head in fp32")
+            "FP8 with per-tensor current scaling (each scale from its tensor's own amax), E4M3/E5M2 GEMMs (cuBLASLt on CUDA, emulated on the CPU); LM head in bf16 on CUDA, fp32 on the CPU")

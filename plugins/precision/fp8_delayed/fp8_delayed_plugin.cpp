@@ -16,4 +16,4 @@ class Fp8DelayedPrecision final : public fp8_recipe::Fp8Recipe {
 
 using loom::fp8_delayed::Fp8DelayedPrecision;
 LOOM_PLUGIN(precision, Fp8DelayedPrecision, "fp8_delayed", "1.0.0",
-            "FP8 with delayed scaling (TransformerEngine DelayedScaling: amax history, margin), E4M3/E5M2 GEMMs emulated on the CPU; LM head in fp32")
+            "FP8 with delayed scaling (TransformerEngine DelayedScaling: amax history, margin), E4M3/E5M2 GEMMs (cuBLASLt on CUDA, emulated on the CPU); LM head in bf16 on CUDA, fp32 on the CPU")

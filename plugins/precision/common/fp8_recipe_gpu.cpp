@@ -1,0 +1,565 @@
+// The FP8 recipes on CUDA (fp8_recipe.hpp's make_gpu_recipe): the casts and
+// scale updates of kernels/cuda/fp8_kernels.hpp, the GEMMs of
+// kernels/cuda/fp8_gemm.hpp, the scaling state on the device in
+// ScalingState's layout (slot 3·linear + role). Built only with CUDA.
+//
+// Per step and FP8 linear (all but the LM head unless fp8_head = true; the
+// head goes through the bf16 cuBLASLt GEMMs of cublaslt_linear.hpp):
+//   forward   W cast once per optimizer step into W and Wᵀ (workspace), read
+//             by every micro-batch; x cast into x (workspace scratch, for
+//             fprop) and xᵀ (the linear's saved activation, for wgrad);
+//             fprop y = x Wᵀ (+ residual as C) with Fp8Gemm;
+//   backward  dy cast into dy and dyᵀ (workspace scratch); dgrad dx = dy W
+//             (A = dy, B = Wᵀ), wgrad dW = dyᵀ x (A = dyᵀ, B = xᵀ, C = dW
+//             when accumulating).
+// Delayed scaling casts with the scales of the steps before. The forward's
+// amaxes go to a pending buffer and enter the step's amax buffer when the
+// backward runs (a validation forward leaves the scales alone, as on the
+// CPU); end_step all-reduces the one step amax buffer (max) over the
+// data-parallel group, then fp8_delayed_update rolls the history and
+// recomputes every scale on the device. Current scaling measures each tensor
+// just before its cast (fp8_amax, then fp8_update_scales on its slot), all on
+// the stream: no host sync in a step. The host reads the state only for the
+// log line, a checkpoint and a resume.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+
+#include "kernels/cuda/cuda_check.hpp"
+#include "kernels/cuda/fp8_gemm.hpp"
+#include "kernels/cuda/fp8_kernels.hpp"
+#include "loom/error.hpp"
+#include "loom/log.hpp"
+#include "precision/common/cublaslt_linear.hpp"
+#include "precision/common/fp8_recipe.hpp"
+
+namespace loom::fp8_recipe {
+namespace {
+
+using fp8::Role;
+
+constexpr size_t kAlign = 256;
+size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+DType fp8_dtype(fp8::Format f) { return f == fp8::Format::e4m3 ? DType::e4m3 : DType::e5m2; }
+
+class Fp8Gpu final : public Precision {
+ public:
+  explicit Fp8Gpu(const GpuOptions& o)
+      : o_(o),
+        host_(o.scaling),
+        lt_(o.plugin, precision_common::GemmDTypes{DType::bf16, DType::bf16, o.master_bf16 ? DType::bf16 : DType::f32}) {}
+
+  ~Fp8Gpu() override {
+    // Teardown: nothing worth reporting if the context is already gone.
+    if (dev_ != nullptr) cudaFree(dev_);
+  }
+
+  PrecisionDTypes dtypes() const override {
+    if (o_.master_bf16) {
+      // bf16_pure's layout: no master copy, the optimizer rounds into the bf16
+      // parameters (stochastically when asked).
+      PrecisionDTypes t{DType::bf16, DType::bf16, DType::bf16, DType::bf16, DType::bf16, /*has_master=*/false};
+      t.stochastic_rounding = o_.stochastic_rounding;
+      return t;
+    }
+    // The bf16 recipe's: bf16 parameters and activations, fp32 master, gradients and AdamW state.
+    return {DType::bf16, DType::f32, DType::f32, DType::f32, DType::bf16, /*has_master=*/true};
+  }
+
+  int register_linear(const LinearDesc& d) override {
+    LOOM_CHECK(!set_up_, "precision ", o_.plugin, ": linear '", d.name, "' registered after setup()");
+    LOOM_CHECK(d.in > 0 && d.out > 0 && d.max_rows > 0, "precision ", o_.plugin, ": linear '", d.name,
+               "' has invalid shape in=", d.in, " out=", d.out, " max_rows=", d.max_rows,
+               " (an FP8 recipe plans its cast copies from max_rows, which must be positive)");
+    Linear l;
+    l.desc = d;
+    l.fp8 = d.role != LinearRole::lm_head || o_.fp8_head;
+    if (l.fp8) {
+      // cuBLASLt's FP8 kernels take m, n and k in multiples of 16 (every GEMM
+      // of the linear uses each of in, out and the rows as one of them).
+      LOOM_CHECK(d.in % 16 == 0 && d.out % 16 == 0 && d.max_rows % 16 == 0, "precision ", o_.plugin, ": linear '",
+                 d.name, "' is [out, in] = [", d.out, ", ", d.in, "] with up to ", d.max_rows,
+                 " rows (tokens per micro-batch); cuBLASLt's FP8 GEMMs need in, out and the rows to be multiples "
+                 "of 16. Change the model dims or the micro-batch (batch_size x seq_len) to multiples of 16, or "
+                 "use precision.plugin = \"bf16\"",
+                 d.role == LinearRole::lm_head ? " (or leave fp8_head = false to keep the LM head in bf16)" : "");
+      l.slot = host_.add_linear(d.name);
+      l.w_off = weight_bytes_;
+      weight_bytes_ += round_up(static_cast<size_t>(d.out * d.in));
+      l.wt_off = weight_bytes_;
+      weight_bytes_ += round_up(static_cast<size_t>(d.out * d.in));
+      l.saved_bytes = round_up(static_cast<size_t>(d.max_rows * d.in));
+      l.saved_off = saved_total_;
+      saved_total_ += l.saved_bytes;
+      x_scratch_ = std::max(x_scratch_, round_up(static_cast<size_t>(d.max_rows * d.in)));
+      dy_scratch_ = std::max(dy_scratch_, round_up(static_cast<size_t>(d.max_rows * d.out)));
+    }
+    l.lt_id = lt_.register_linear(d);
+    linears_.push_back(l);
+    return static_cast<int>(linears_.size()) - 1;
+  }
+
+  size_t saved_activation_bytes(int id) const override {
+    LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", o_.plugin, ": linear id ", id,
+               " was never registered");
+    // xᵀ in FP8 (one byte an element), rounded up so that every slot starts 256-byte aligned.
+    return linears_[static_cast<size_t>(id)].saved_bytes;
+  }
+
+  // [0, gemm): the cuBLASLt workspace (shared by the bf16 head's GEMMs and
+  // Fp8Gemm, whose aligned scale slots follow it); then every FP8 linear's W
+  // and Wᵀ; then the x, dy and dyᵀ scratch.
+  size_t gemm_bytes() const { return round_up(gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes); }
+  size_t workspace_bytes() const override { return gemm_bytes() + weight_bytes_ + x_scratch_ + 2 * dy_scratch_; }
+
+  void setup(const PrecisionSetup& s) override {
+    LOOM_CHECK(s.data_parallel != nullptr, "precision ", o_.plugin, ": setup without a data-parallel communicator");
+    LOOM_CHECK(s.device == Device::cuda, "precision ", o_.plugin, ": the GPU path was set up for device ",
+               device_name(s.device));
+    LOOM_CHECK(s.data_parallel->size() == 1 || s.data_parallel->device_tensors(), "precision ", o_.plugin,
+               ": the data-parallel communicator (", s.data_parallel->size(),
+               " ranks) carries host tensors, but on CUDA this recipe keeps its amaxes on the device and reduces "
+               "them with one device all-reduce per step: run data-parallel CUDA training with the NCCL "
+               "communicator");
+    dp_ = s.data_parallel;
+    set_up_ = true;
+    T_ = host_.tensors();
+    int fp8_linears = 0;
+    std::string full;
+    for (const Linear& l : linears_) {
+      if (l.fp8) ++fp8_linears;
+      else full += cat(full.empty() ? "" : ", ", l.desc.name);
+    }
+    const fp8::ScalingConfig& sc = o_.scaling;
+    const std::string how =
+        sc.scaling == fp8::Scaling::delayed
+            ? cat("delayed scaling (amax_history_len ", sc.amax_history_len, ", amax_compute_algo ",
+                  fp8::name(sc.amax_compute_algo), ", margin ", sc.margin, ")")
+            : std::string("current scaling");
+    log_info(cat("precision ", o_.plugin, ": ", fp8_linears, " linears in FP8 on CUDA (cuBLASLt), format ",
+                 fp8::name(sc.formats),
+                 sc.formats == fp8::Formats::hybrid ? " (E4M3 x and w, E5M2 dy)" : " (E4M3 x, w and dy)", ", ", how,
+                 full.empty() ? std::string() : cat("; in bf16: ", full), "; fast accumulation fprop ",
+                 o_.gemm.fast_accum_fprop ? "on" : "off", ", dgrad ", o_.gemm.fast_accum_dgrad ? "on" : "off",
+                 ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off", "; master ",
+                 o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32"));
+  }
+
+  // The device state, allocated and set to the host state's fresh values with
+  // the first memory the core gives (setup() leaves the GPU alone: `loom
+  // check` plans without one).
+  void allocate_state() {
+    if (dev_ != nullptr || T_ == 0) return;
+    {
+      const auto T = static_cast<size_t>(T_);
+      const size_t per = round_up(T * sizeof(float));
+      const size_t hist = o_.scaling.scaling == fp8::Scaling::delayed
+                              ? round_up(static_cast<size_t>(o_.scaling.amax_history_len) * T * sizeof(float))
+                              : 0;
+      const size_t bytes = 6 * per + hist + kAlign;
+      LOOM_CUDA_CHECK(cudaMalloc(&dev_, bytes), "precision ", o_.plugin, ": FP8 scaling state of ", bytes,
+                      " bytes for ", T_, " tensors");
+      char* p = static_cast<char*>(dev_);
+      step_amax_ = reinterpret_cast<float*>(p);
+      pend_ = reinterpret_cast<float*>(p + per);
+      cur_ = reinterpret_cast<float*>(p + 2 * per);
+      last_amax_ = reinterpret_cast<float*>(p + 3 * per);
+      scale_ = reinterpret_cast<float*>(p + 4 * per);
+      scale_inv_ = reinterpret_cast<float*>(p + 5 * per);
+      history_ = hist > 0 ? reinterpret_cast<float*>(p + 6 * per) : nullptr;
+      counts_ = reinterpret_cast<uint32_t*>(p + 6 * per + hist);  // skipped, non-finite
+      LOOM_CUDA_CHECK(cudaMemset(dev_, 0, bytes), "precision ", o_.plugin, ": clearing ", bytes,
+                      " bytes of FP8 state");
+      // The host state's fresh scales (1) and inverse scales.
+      LOOM_CUDA_CHECK(cudaMemcpy(scale_, host_.scales(), T * sizeof(float), cudaMemcpyHostToDevice), "precision ",
+                      o_.plugin, ": initial scales (", T_, " floats)");
+      LOOM_CUDA_CHECK(cudaMemcpy(scale_inv_, host_.scale_invs(), T * sizeof(float), cudaMemcpyHostToDevice),
+                      "precision ", o_.plugin, ": initial inverse scales (", T_, " floats)");
+      // Complete before any stream of the core (which may not sync with the legacy stream) reads it.
+      LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision ", o_.plugin, ": initialising the FP8 state");
+      h_scale_.assign(T, 0.0f);
+      h_amax_.assign(T, 0.0f);
+    }
+  }
+
+  void set_workspace(void* ptr, size_t bytes) override {
+    LOOM_CHECK(bytes >= workspace_bytes() && ptr != nullptr, "precision ", o_.plugin, ": workspace of ", bytes,
+               " bytes at ", ptr, ", ", workspace_bytes(), " needed");
+    LOOM_CHECK(reinterpret_cast<uintptr_t>(ptr) % kAlign == 0, "precision ", o_.plugin,
+               ": the workspace must be 256-byte aligned, got address ", ptr);
+    LOOM_CHECK(set_up_, "precision ", o_.plugin, ": set_workspace before setup()");
+    allocate_state();
+    ws_ = static_cast<char*>(ptr);
+    lt_.set_workspace(ws_, precision_common::CublasLtLinears::kWorkspaceBytes);
+    if (fp8gemm_) fp8gemm_->set_workspace(ws_, gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes);
+    for (Linear& l : linears_) l.weight_cast = false;
+  }
+
+  void set_saved_activations(void* ptr, size_t bytes) override {
+    LOOM_CHECK(bytes >= saved_total_ && ptr != nullptr, "precision ", o_.plugin, ": saved activations of ", bytes,
+               " bytes at ", ptr, ", ", saved_total_, " needed");
+    LOOM_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "precision ", o_.plugin,
+               ": the saved activations must be 16-byte aligned (FP8 GEMM operands), got address ", ptr);
+    saved_ = static_cast<char*>(ptr);
+  }
+
+  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
+                      const Tensor* residual) override {
+    Linear& l = lookup(ctx, id);
+    if (!l.fp8) return lt_.forward(ctx, l.lt_id, x, w, y, residual);
+    const LinearDesc& d = l.desc;
+    auto stream = static_cast<cudaStream_t>(ctx.stream);
+    const RowMatrix mx = matrix(x, d, "x", DType::bf16);
+    matrix(y, d, "y", DType::bf16);
+    check_weight(w, d, "w", param_dtype());
+    const int64_t rows = check_rows(d, mx, "x");
+    if (rows % 16 != 0) {
+      unaligned_rows(l, rows);
+      return lt_.forward(ctx, l.lt_id, x, w, y, residual);
+    }
+    if (rows == 0) {
+      l.saved_rows = 0;
+      return;
+    }
+    cast_weight(l, w, stream);
+    const int64_t xs = fp8::ScalingState::slot(l.slot, Role::x), ws = fp8::ScalingState::slot(l.slot, Role::w);
+    const DType tx = fp8_dtype(host_.format(Role::x));
+    Tensor qx(ws_ + x_off(), tx, Device::cuda, {rows, d.in});
+    Tensor qxt(saved_ + l.saved_off, tx, Device::cuda, {d.in, rows});
+    cast(x, &qx, &qxt, xs, /*pending=*/true, stream);
+    Tensor qw(ws_ + gemm_bytes() + l.w_off, fp8_dtype(host_.format(Role::w)), Device::cuda, {d.out, d.in});
+    gpu::Fp8GemmOptions opt;
+    opt.c = residual;
+    opt.fast_accum = o_.gemm.fast_accum_fprop;
+    gemm(ctx).gemm(qx, scale_inv_ + xs, qw, scale_inv_ + ws, y, opt, stream);
+    l.saved_rows = rows;
+  }
+
+  void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                       Tensor& dw, bool accumulate) override {
+    Linear& l = lookup(ctx, id);
+    if (!l.fp8) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
+    const LinearDesc& d = l.desc;
+    auto stream = static_cast<cudaStream_t>(ctx.stream);
+    const RowMatrix mx = matrix(x, d, "x", DType::bf16), mdy = matrix(dy, d, "dy", DType::bf16);
+    check_weight(w, d, "w", param_dtype());
+    check_weight(dw, d, "dw", grad_dtype());
+    const int64_t rows = check_rows(d, mx, "x");
+    if (rows % 16 != 0) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
+    LOOM_CHECK(mdy.rows == rows && mdy.cols == d.out, "precision ", o_.plugin, ": ", d.name, ": dy is [", mdy.rows,
+               ", ", mdy.cols, "], expected [", rows, ", ", d.out, "]");
+    LOOM_CHECK(l.saved_rows == rows, "precision ", o_.plugin, ": ", d.name, ": backward of ", rows,
+               " rows, but the forward before it cast ",
+               l.saved_rows < 0 ? std::string("none") : std::to_string(l.saved_rows),
+               " (every backward follows its own forward)");
+    if (dx != nullptr) {
+      const RowMatrix mdx = matrix(*dx, d, "dx", DType::bf16);
+      LOOM_CHECK(mdx.rows == rows && mdx.cols == d.in, "precision ", o_.plugin, ": ", d.name, ": dx is [", mdx.rows,
+                 ", ", mdx.cols, "], expected [", rows, ", ", d.in, "]");
+    }
+    l.saved_rows = -1;
+    if (rows == 0) {
+      // No rows: dW = 0 (written) or unchanged (accumulated).
+      if (!accumulate)
+        LOOM_CUDA_CHECK(cudaMemsetAsync(dw.data, 0, dw.bytes(), stream), "precision ", o_.plugin, ": ", d.name,
+                        ": clearing dW (", dw.bytes(), " bytes)");
+      return;
+    }
+    cast_weight(l, w, stream);
+    const int64_t xs = fp8::ScalingState::slot(l.slot, Role::x), ws = fp8::ScalingState::slot(l.slot, Role::w),
+                  ds = fp8::ScalingState::slot(l.slot, Role::dy);
+    const DType tdy = fp8_dtype(host_.format(Role::dy));
+    Tensor qdy(ws_ + dy_off(), tdy, Device::cuda, {rows, d.out});
+    Tensor qdyt(ws_ + dy_off() + dy_scratch_, tdy, Device::cuda, {d.out, rows});
+    cast(dy, &qdy, &qdyt, ds, /*pending=*/false, stream);
+    if (o_.scaling.scaling == fp8::Scaling::delayed) {
+      // The forward's amaxes count now that it is part of a training step.
+      merge_pending(xs, stream);
+      merge_pending(ws, stream);
+    }
+    if (dx != nullptr) {
+      Tensor qwt(ws_ + gemm_bytes() + l.wt_off, fp8_dtype(host_.format(Role::w)), Device::cuda, {d.in, d.out});
+      gpu::Fp8GemmOptions opt;
+      opt.fast_accum = o_.gemm.fast_accum_dgrad;
+      gemm(ctx).gemm(qdy, scale_inv_ + ds, qwt, scale_inv_ + ws, *dx, opt, stream);
+    }
+    const Tensor qxt(saved_ + l.saved_off, fp8_dtype(host_.format(Role::x)), Device::cuda, {d.in, rows});
+    gpu::Fp8GemmOptions opt;
+    opt.c = accumulate ? &dw : nullptr;
+    opt.fast_accum = o_.gemm.fast_accum_wgrad;
+    gemm(ctx).gemm(qdyt, scale_inv_ + ds, qxt, scale_inv_ + xs, dw, opt, stream);
+  }
+
+  void end_step(const ExecContext& ctx) override {
+    LOOM_CHECK(set_up_, "precision ", o_.plugin, ": end_step before setup()");
+    stream_ = static_cast<cudaStream_t>(ctx.stream);
+    for (Linear& l : linears_) l.weight_cast = false;  // the optimizer changed the weights
+    ++steps_;
+    if (T_ == 0) return;
+    const size_t tb = static_cast<size_t>(T_) * sizeof(float);
+    // The one all-reduce of the step: every rank's amaxes, max-reduced, so that
+    // delayed scaling gives every rank the same scales (and the log line the
+    // global amax under current scaling).
+    if (dp_->size() > 1) {
+      Tensor amaxes(step_amax_, DType::f32, Device::cuda, {T_});
+      const CommTicket t = dp_->all_reduce(ctx, amaxes, ReduceOp::max);
+      dp_->wait(ctx, t);
+    }
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(last_amax_, step_amax_, tb, cudaMemcpyDeviceToDevice, stream_), "precision ",
+                    o_.plugin, ": keeping this step's ", T_, " amaxes for the log line");
+    if (o_.scaling.scaling == fp8::Scaling::delayed) {
+      head_ = (head_ + 1) % o_.scaling.amax_history_len;
+      gpu::fp8_delayed_update(step_amax_, history_, o_.scaling.amax_history_len, static_cast<int>(head_), T_,
+                              o_.scaling.amax_compute_algo, o_.scaling.formats, o_.scaling.margin, scale_, scale_inv_,
+                              counts_, counts_ + 1, stream_);
+    } else {
+      LOOM_CUDA_CHECK(cudaMemsetAsync(step_amax_, 0, tb, stream_), "precision ", o_.plugin, ": clearing ", T_,
+                      " step amaxes");
+    }
+  }
+
+  std::vector<StateTensor> state_tensors() override {
+    if (T_ == 0) return {};
+    LOOM_CHECK(dev_ != nullptr, "precision ", o_.plugin,
+               ": state_tensors() before the memory was given (the state lives on the device)");
+    read_counts();
+    counters_[0] = static_cast<double>(head_);
+    counters_[1] = static_cast<double>(steps_);
+    counters_[2] = static_cast<double>(h_counts_[0]);
+    counters_[3] = static_cast<double>(h_counts_[1]);
+    const bool replicated = o_.scaling.scaling == fp8::Scaling::delayed;
+    std::vector<StateTensor> out;
+    out.push_back({"fp8.scale", Tensor(scale_, DType::f32, Device::cuda, {T_}), replicated});
+    if (history_ != nullptr)
+      out.push_back({"fp8.amax_history",
+                     Tensor(history_, DType::f32, Device::cuda,
+                            {static_cast<int64_t>(o_.scaling.amax_history_len), T_}),
+                     true});
+    out.push_back({"fp8.counters", Tensor(counters_, DType::f64, Device::cpu, {4}), replicated});
+    return out;
+  }
+
+  void state_loaded() override {
+    for (Linear& l : linears_) {
+      l.weight_cast = false;
+      l.saved_rows = -1;
+    }
+    if (T_ == 0 || dev_ == nullptr) return;
+    // The core uploaded the device tensors; check them on the host (ScalingState's
+    // rules) and derive the inverse scales there, bitwise the host's.
+    LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision ", o_.plugin, ": waiting for the restored FP8 state");
+    const size_t tb = static_cast<size_t>(T_) * sizeof(float);
+    LOOM_CUDA_CHECK(cudaMemcpy(host_.scale_data(), scale_, tb, cudaMemcpyDeviceToHost), "precision ", o_.plugin,
+                    ": reading ", T_, " restored scales");
+    if (history_ != nullptr)
+      LOOM_CUDA_CHECK(cudaMemcpy(host_.history_data(), history_,
+                                 static_cast<size_t>(host_.history_floats()) * sizeof(float), cudaMemcpyDeviceToHost),
+                      "precision ", o_.plugin, ": reading the restored amax history (", host_.history_floats(),
+                      " floats)");
+    fp8::ScalingState::Counters c;
+    c.head = static_cast<int64_t>(counters_[0]);
+    c.steps = static_cast<int64_t>(counters_[1]);
+    c.skipped = static_cast<int64_t>(counters_[2]);
+    c.nonfinite = static_cast<int64_t>(counters_[3]);
+    host_.restore(c);  // throws naming a bad scale or history entry
+    head_ = c.head;
+    steps_ = c.steps;
+    h_counts_[0] = static_cast<uint32_t>(c.skipped);
+    h_counts_[1] = static_cast<uint32_t>(c.nonfinite);
+    skipped_mark_ = c.skipped;
+    LOOM_CUDA_CHECK(cudaMemcpy(scale_inv_, host_.scale_invs(), tb, cudaMemcpyHostToDevice), "precision ", o_.plugin,
+                    ": writing ", T_, " restored inverse scales");
+    LOOM_CUDA_CHECK(cudaMemcpy(counts_, h_counts_, sizeof(h_counts_), cudaMemcpyHostToDevice), "precision ",
+                    o_.plugin, ": writing the restored counters");
+    LOOM_CUDA_CHECK(cudaMemset(step_amax_, 0, tb), "precision ", o_.plugin, ": clearing ", T_, " step amaxes");
+    LOOM_CUDA_CHECK(cudaMemset(pend_, 0, tb), "precision ", o_.plugin, ": clearing ", T_, " pending amaxes");
+    LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision ", o_.plugin, ": writing the restored FP8 state");
+  }
+
+  std::string log_summary() const override {
+    if (T_ == 0 || dev_ == nullptr) return {};
+    // A log step: reading the device state here is the one host sync.
+    const size_t tb = static_cast<size_t>(T_) * sizeof(float);
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "precision ", o_.plugin, ": waiting for the step to log");
+    LOOM_CUDA_CHECK(cudaMemcpy(h_scale_.data(), scale_, tb, cudaMemcpyDeviceToHost), "precision ", o_.plugin,
+                    ": reading ", T_, " scales for the log line");
+    LOOM_CUDA_CHECK(cudaMemcpy(h_amax_.data(), last_amax_, tb, cudaMemcpyDeviceToHost), "precision ", o_.plugin,
+                    ": reading ", T_, " amaxes for the log line");
+    const_cast<Fp8Gpu*>(this)->read_counts();
+    float lo = FLT_MAX, hi = 0.0f, m = 0.0f;
+    for (int64_t t = 0; t < T_; ++t) {
+      lo = std::min(lo, h_scale_[static_cast<size_t>(t)]);
+      hi = std::max(hi, h_scale_[static_cast<size_t>(t)]);
+      m = std::max(m, h_amax_[static_cast<size_t>(t)]);
+    }
+    const int64_t skipped = h_counts_[0];
+    const int64_t since = skipped - skipped_mark_;
+    skipped_mark_ = skipped;
+    if (since > 0 && !warned_skip_) {
+      warned_skip_ = true;
+      log_warn(cat("precision ", o_.plugin, ": ", since, " FP8 scale update(s) skipped by step ", steps_,
+                   " because an amax was 0, inf or NaN; those tensors keep their previous scale. Later skips are "
+                   "counted in the \"precision:\" part of the log line, not warned again"));
+    }
+    std::ostringstream os;
+    os << o_.plugin << " scales " << std::setprecision(4) << lo << ".." << hi << " over " << T_
+       << " tensors, max amax " << m << ", skipped updates " << skipped << " (" << since
+       << " since the last log line, non-finite amaxes " << h_counts_[1] << ")";
+    return os.str();
+  }
+
+ private:
+  struct Linear {
+    LinearDesc desc;
+    bool fp8 = false;
+    int slot = -1;   // index in the scaling state (FP8 linears)
+    int lt_id = -1;  // id in the bf16 GEMMs (linears kept in bf16)
+    size_t w_off = 0, wt_off = 0;            // bytes after the GEMM workspace: W and Wᵀ in FP8
+    size_t saved_off = 0, saved_bytes = 0;   // xᵀ in FP8 in the saved activations
+    bool weight_cast = false;                // this step's W and Wᵀ are in the workspace
+    int64_t saved_rows = -1;                 // rows the last forward cast (-1: none since the last backward)
+  };
+
+  DType param_dtype() const { return DType::bf16; }
+  DType grad_dtype() const { return o_.master_bf16 ? DType::bf16 : DType::f32; }
+  size_t x_off() const { return gemm_bytes() + weight_bytes_; }
+  size_t dy_off() const { return x_off() + x_scratch_; }
+
+  Linear& lookup(const ExecContext& ctx, int id) {
+    LOOM_CHECK(ctx.device == Device::cuda, "precision ", o_.plugin, ": called with a ", device_name(ctx.device),
+               " context; this plugin object was created for device cuda");
+    LOOM_CHECK(ctx.blas_handle != nullptr, "precision ", o_.plugin,
+               ": ExecContext::blas_handle is null (the CUDA backend must hand in its cublasLtHandle_t)");
+    LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", o_.plugin, ": linear id ", id,
+               " was never registered (", linears_.size(), " linears registered)");
+    Linear& l = linears_[static_cast<size_t>(id)];
+    LOOM_CHECK(set_up_ && ws_ != nullptr && (!l.fp8 || saved_ != nullptr), "precision ", o_.plugin, ": ",
+               l.desc.name, " called before setup() and the planned memory were given");
+    stream_ = static_cast<cudaStream_t>(ctx.stream);  // what the host waits for before reading the state
+    return l;
+  }
+
+  gpu::Fp8Gemm& gemm(const ExecContext& ctx) {
+    // Built at the first FP8 GEMM (the handle comes with the context); one per recipe.
+    if (!fp8gemm_)
+      fp8gemm_ = std::make_unique<gpu::Fp8Gemm>(ctx.blas_handle, ws_,
+                                                gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes);
+    return *fp8gemm_;
+  }
+
+  RowMatrix matrix(const Tensor& t, const LinearDesc& d, const char* what, DType want) const {
+    LOOM_CHECK(t.data != nullptr, "precision ", o_.plugin, ": ", d.name, ": ", what, " has no data");
+    LOOM_CHECK(t.dtype == want && t.device == Device::cuda, "precision ", o_.plugin, ": ", d.name, ": ", what,
+               " must be a ", dtype_name(want), " cuda tensor, got ", dtype_name(t.dtype), " on ",
+               device_name(t.device));
+    return fold_rows(t, "precision ", o_.plugin, ": ", d.name, ": ", what);
+  }
+
+  void check_weight(const Tensor& t, const LinearDesc& d, const char* what, DType want) const {
+    matrix(t, d, what, want);
+    LOOM_CHECK(t.ndim == 2 && t.shape[0] == d.out && t.shape[1] == d.in && t.is_contiguous(), "precision ",
+               o_.plugin, ": ", d.name, ": ", what, " must be a contiguous [out, in] = [", d.out, ",", d.in,
+               "] matrix, got ", t.shape_str());
+  }
+
+  int64_t check_rows(const LinearDesc& d, const RowMatrix& m, const char* what) const {
+    LOOM_CHECK(m.cols == d.in, "precision ", o_.plugin, ": ", d.name, ": ", what, " has ", m.cols,
+               " columns, expected in=", d.in);
+    LOOM_CHECK(m.rows <= d.max_rows, "precision ", o_.plugin, ": ", d.name, ": ", what, " has ", m.rows,
+               " rows, more than the max_rows=", d.max_rows, " it was registered with");
+    return m.rows;
+  }
+
+  // cuBLASLt's FP8 GEMMs take a multiple of 16 rows; a call with another
+  // count (an MoE expert's share of the tokens) runs in bf16, forward and
+  // backward alike, and its tensors do not enter the amaxes. Said once.
+  void unaligned_rows(Linear& l, int64_t rows) {
+    l.saved_rows = -1;
+    if (warned_rows_) return;
+    warned_rows_ = true;
+    log_warn(cat("precision ", o_.plugin, ": ", l.desc.name, " was called with ", rows,
+                 " rows, not a multiple of 16, which cuBLASLt's FP8 GEMMs need: such calls run in bf16 (this "
+                 "linear's and any other's; said once)"));
+  }
+
+  // Casts `src` into q and q_t with slot t's scale. Current scaling first
+  // measures the tensor and sets the slot's scale from it (on the device);
+  // the cast's amax goes to the step's buffer, or under delayed scaling to
+  // the pending buffer when `pending` (a forward's tensors).
+  void cast(const Tensor& src, Tensor* q, Tensor* qt, int64_t t, bool pending, cudaStream_t stream) {
+    if (o_.scaling.scaling == fp8::Scaling::current) {
+      LOOM_CUDA_CHECK(cudaMemsetAsync(cur_ + t, 0, sizeof(float), stream), "precision ", o_.plugin,
+                      ": clearing the amax of slot ", t);
+      gpu::fp8_amax(src, cur_ + t, stream);
+      gpu::fp8_update_scales(cur_, scale_, scale_inv_, t, 1, o_.scaling.formats, o_.scaling.margin, counts_, stream);
+      gpu::fp8_cast(src, q, qt, scale_ + t, step_amax_ + t, stream);
+      return;
+    }
+    float* amax = step_amax_ + t;
+    if (pending) {
+      amax = pend_ + t;
+      LOOM_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream), "precision ", o_.plugin,
+                      ": clearing the pending amax of slot ", t);
+    }
+    gpu::fp8_cast(src, q, qt, scale_ + t, amax, stream);
+  }
+
+  // step_amax[t] = max(step_amax[t], pend[t]) (a one-element amax pass).
+  void merge_pending(int64_t t, cudaStream_t stream) {
+    const Tensor p(pend_ + t, DType::f32, Device::cuda, {1, 1});
+    gpu::fp8_amax(p, step_amax_ + t, stream);
+  }
+
+  void cast_weight(Linear& l, const Tensor& w, cudaStream_t stream) {
+    if (l.weight_cast) return;
+    const DType tw = fp8_dtype(host_.format(Role::w));
+    Tensor qw(ws_ + gemm_bytes() + l.w_off, tw, Device::cuda, {l.desc.out, l.desc.in});
+    Tensor qwt(ws_ + gemm_bytes() + l.wt_off, tw, Device::cuda, {l.desc.in, l.desc.out});
+    cast(w, &qw, &qwt, fp8::ScalingState::slot(l.slot, Role::w), /*pending=*/true, stream);
+    l.weight_cast = true;
+  }
+
+  void read_counts() {
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "precision ", o_.plugin, ": waiting for the FP8 counters");
+    LOOM_CUDA_CHECK(cudaMemcpy(h_counts_, counts_, sizeof(h_counts_), cudaMemcpyDeviceToHost), "precision ",
+                    o_.plugin, ": reading the FP8 counters");
+  }
+
+  GpuOptions o_;
+  fp8::ScalingState host_;  // names, formats; checks and inverse scales on resume
+  precision_common::CublasLtLinears lt_;
+  std::unique_ptr<gpu::Fp8Gemm> fp8gemm_;
+  std::vector<Linear> linears_;
+  Communicator* dp_ = nullptr;
+  bool set_up_ = false;
+  int64_t T_ = 0;
+  // Planned memory.
+  char* ws_ = nullptr;
+  char* saved_ = nullptr;
+  size_t weight_bytes_ = 0, x_scratch_ = 0, dy_scratch_ = 0, saved_total_ = 0;
+  // Device state (one allocation, made at setup).
+  void* dev_ = nullptr;
+  float *step_amax_ = nullptr, *pend_ = nullptr, *cur_ = nullptr, *last_amax_ = nullptr;
+  float *scale_ = nullptr, *scale_inv_ = nullptr, *history_ = nullptr;
+  uint32_t* counts_ = nullptr;  // skipped updates, non-finite amaxes
+  cudaStream_t stream_ = nullptr;  // the stream of the last call (the core's compute stream)
+  // Host side.
+  int64_t head_ = 0, steps_ = 0;
+  double counters_[4] = {0, 0, 0, 0};  // checkpointed: head, steps, skipped, non-finite
+  uint32_t h_counts_[2] = {0, 0};
+  mutable std::vector<float> h_scale_, h_amax_;
+  mutable int64_t skipped_mark_ = 0;
+  mutable bool warned_skip_ = false;
+  bool warned_rows_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Precision> make_gpu_recipe(const GpuOptions& options) { return std::make_unique<Fp8Gpu>(options); }
+
+}  // namespace loom::fp8_recipe
