@@ -16,6 +16,10 @@ class PlanCommunicator final : public Communicator {
   }
   CommTicket all_gather(const ExecContext&, const Tensor&, Tensor&) override { refuse("all_gather"); }
   CommTicket broadcast(const ExecContext&, Tensor&, int) override { refuse("broadcast"); }
+  CommTicket all_to_all(const ExecContext&, const Tensor&, std::span<const int64_t>, Tensor&,
+                        std::span<const int64_t>) override {
+    refuse("all_to_all");
+  }
   void barrier() override { refuse("barrier"); }
   std::unique_ptr<Communicator> split(int, int) override {
     return adopt(std::make_unique<PlanCommunicator>(world_));
