@@ -58,6 +58,9 @@ struct BlockEnv {
   Backend* backend = nullptr;
   int64_t head_chunk = 0;       // tokens per LM-head chunk (the head block's)
   MoeShared* moe = nullptr;     // the model's, for `moe` feed-forward blocks
+  // sharding.expert_parallel > 1: the ranks that split each MoE layer's
+  // experts between them (blocks/expert_parallel.hpp); null otherwise.
+  Communicator* expert_group = nullptr;
   AttentionShape attention_shape() const;
 };
 

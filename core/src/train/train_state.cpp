@@ -67,6 +67,17 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   env_.param_dtype = dt.param;
   env_.grad_dtype = dt.grad;
   env_.grad_accum = cfg_.train.grad_accum;
+  // Expert parallelism: groups of expert_parallel consecutive ranks
+  // (blocks/expert_parallel.hpp), checked before any buffer exists.
+  const int64_t ep = cfg_.expert_parallel;
+  if (ep > 1) {
+    const int world = rt_.world();
+    if (world % ep != 0)
+      throw Error(cat("sharding.expert_parallel = ", ep, " does not divide the ", world, " ranks of this run: the ",
+                      "experts are split over groups of expert_parallel consecutive ranks; start a multiple of ", ep,
+                      " ranks or set sharding.expert_parallel to a divisor of ", world));
+    expert_group_ = rt_.comm->split(rt_.rank() / static_cast<int>(ep), rt_.rank());
+  }
   const std::vector<UnitInfo>& infos = model_.units();
   layouts_ = rt_.sharding->plan(env_, infos);
   LOOM_CHECK(layouts_.size() == infos.size(), "sharding plugin returned ", layouts_.size(), " layouts for ",
@@ -104,6 +115,7 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   be.precision = rt_.precision.get();
   be.attention = rt_.attention.get();
   be.backend = rt_.backend.get();
+  be.expert_group = expert_group_.get();
   be.head_chunk = head_chunk_tokens(model_.layers(), cfg_.model.head_chunk, be.N, model_.spec().vocab_size, be.act);
   model_.plan(be, plan_);
   precision_ws_bytes_ = rt_.precision->workspace_bytes();

@@ -18,11 +18,13 @@
 // Parameters, HF Mixtral's names and order: post_attention_layernorm, the
 // router block_sparse_moe.gate [E, h], then per expert experts.E.w1 [f, h]
 // (gate), w2 [h, f] (down), w3 [f, h] (up).
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "loom/error.hpp"
 #include "model/blocks/blocks.hpp"
+#include "model/blocks/expert_parallel.hpp"
 
 namespace loom {
 namespace {
@@ -62,6 +64,12 @@ class MoeFfn final : public FfnBlock {
     const size_t H = static_cast<size_t>(h), F = static_cast<size_t>(f), EE = static_cast<size_t>(E),
                  K = static_cast<size_t>(k);
     const bool full = env.recompute == Recompute::full;
+    // Expert parallelism (expert_parallel.hpp): the experts' rows are the
+    // ones this rank's experts receive, up to Rx of them.
+    ep_.reset();
+    if (env.expert_group != nullptr && env.expert_group->size() > 1)
+      ep_ = std::make_unique<ExpertExchange>(env.expert_group, E, env.N, k, h);
+    const size_t Rx = ep_ ? static_cast<size_t>(ep_->max_recv_rows()) : R;
     ln2_ = a.kept("ln2", l, n * H * e, full);
     rstd2_ = a.kept("rstd2", l, n * 4, full);
     if (spec_.router_jitter_noise > 0) {
@@ -76,30 +84,38 @@ class MoeFfn final : public FfnBlock {
     row_of_ = a.kept("moe.row_of", l, R * 4, full);
     counts_ = a.kept("moe.counts", l, (2 * EE + 1) * 8, full);
     xs_ = a.kept("moe.xs", l, R * H * e, full);
-    gate_ = a.kept("moe.gate", l, R * F * e, full);
-    up_ = a.kept("moe.up", l, R * F * e, full);
-    act_ = a.kept("moe.act", l, R * F * e, full);
+    gate_ = a.kept("moe.gate", l, Rx * F * e, full);
+    up_ = a.kept("moe.up", l, Rx * F * e, full);
+    act_ = a.kept("moe.act", l, Rx * F * e, full);
+    if (ep_) {
+      xr_ = a.kept("moe.ep.xr", l, Rx * H * e, full);
+      eout_r_ = a.kept("moe.ep.eout", l, Rx * H * e, full);
+      d_xr_ = a.shared("grad.moe.ep.xr", Rx * H * e);
+      d_eout_r_ = a.shared("grad.moe.ep.eout", Rx * H * e);
+    }
     eout_ = a.kept("moe.eout", l, R * H * e, full);
     tmp_ = a.shared("scratch.h", n * H * e);  // the combine's output before the residual add
     d_ln_ = a.shared("grad.ln", n * H * e);
     d_eout_ = a.shared("grad.moe.eout", R * H * e);  // also each expert's second dgrad
-    d_act_ = a.shared("grad.moe.act", R * F * e);
-    d_gate_ = a.shared("grad.moe.gate", R * F * e);
-    d_up_ = a.shared("grad.moe.up", R * F * e);
+    d_act_ = a.shared("grad.moe.act", Rx * F * e);
+    d_gate_ = a.shared("grad.moe.gate", Rx * F * e);
+    d_up_ = a.shared("grad.moe.up", Rx * F * e);
     d_xs_ = a.shared("grad.moe.xs", R * H * e);
     d_weights_ = a.shared("grad.moe.weights", n * K * 4);
     d_probs_ = a.shared("grad.moe.probs", n * EE * 4);
     d_logits_ = a.shared("grad.moe.logits", n * EE * 4);
-    // An expert gets at most one row per token (a token's k experts differ).
+    // An expert gets at most one row per token (a token's k experts differ)
+    // from each rank that sends it rows.
+    const int64_t max_rows = ep_ ? env.N * ep_->group_size() : env.N;
     const std::string s = "layer." + std::to_string(l) + ".expert.";
     w1_.clear();
     w2_.clear();
     w3_.clear();
     for (int64_t x = 0; x < E; ++x) {
       const std::string q = s + std::to_string(x) + ".";
-      w1_.push_back(env.precision->register_linear({q + "w1", h, f, env.N}));
-      w2_.push_back(env.precision->register_linear({q + "w2", f, h, env.N}));
-      w3_.push_back(env.precision->register_linear({q + "w3", h, f, env.N}));
+      w1_.push_back(env.precision->register_linear({q + "w1", h, f, max_rows}));
+      w2_.push_back(env.precision->register_linear({q + "w2", f, h, max_rows}));
+      w3_.push_back(env.precision->register_linear({q + "w3", h, f, max_rows}));
     }
     host_counts_.assign(2 * EE + 1, 0);
   }
@@ -141,17 +157,28 @@ class MoeFfn final : public FfnBlock {
     const int64_t* rows = expert_rows(rt);
     {
       Range r(be, "experts");
-      Tensor gate = act(gate_, {rt.N * rt.k, f}), up = act(up_, {rt.N * rt.k, f}), a = act(act_, {rt.N * rt.k, f});
+      const int64_t Rx = expert_side_rows();
+      Tensor gate = act(gate_, {Rx, f}), up = act(up_, {Rx, f}), a = act(act_, {Rx, f});
       Tensor eout = act(eout_, {rt.N * rt.k, h});
-      for (int64_t e = 0; e < spec_.num_experts; ++e) {
-        const int64_t r0 = rows[spec_.num_experts + e], m = rows[e];
-        if (m == 0) continue;  // no token chose this expert
-        Tensor xs_e = rows_of(xs, r0, m), gate_e = rows_of(gate, r0, m), up_e = rows_of(up, r0, m);
-        Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout, r0, m);
+      Tensor xin_rows = xs, eout_rows = eout;  // the rows the experts run on: local, or received
+      if (ep_) {
+        Range x(be, "ep.dispatch");
+        xin_rows = act(xr_, {Rx, h});
+        eout_rows = act(eout_r_, {Rx, h});
+        ep_->dispatch(rows, xs, xin_rows);
+      }
+      for (const ExpertExchange::Segment& sg : segments(rows)) {
+        const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
+        Tensor xs_e = rows_of(xin_rows, r0, m), gate_e = rows_of(gate, r0, m), up_e = rows_of(up, r0, m);
+        Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout_rows, r0, m);
         env_.precision->linear_forward(ctx, w1_[static_cast<size_t>(e)], xs_e, param(u, w1(e)), gate_e, nullptr);
         env_.precision->linear_forward(ctx, w3_[static_cast<size_t>(e)], xs_e, param(u, w3(e)), up_e, nullptr);
         be.swiglu_forward(act_e, gate_e, up_e);
         env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, param(u, w2(e)), eout_e, nullptr);
+      }
+      if (ep_) {
+        Range x(be, "ep.return");
+        ep_->give_back(eout_rows, eout);
       }
     }
     {
@@ -176,12 +203,21 @@ class MoeFfn final : public FfnBlock {
     const int64_t* rows = expert_rows(rt);
     {
       Range r(be, "experts.grad");
-      Tensor xs = act(xs_, {R, h}), gate = act(gate_, {R, f}), up = act(up_, {R, f}), a = act(act_, {R, f});
-      Tensor d_act = act(d_act_, {R, f}), d_gate = act(d_gate_, {R, f}), d_up = act(d_up_, {R, f});
+      const int64_t Rx = expert_side_rows();
+      Tensor xs = act(xs_, {R, h}), gate = act(gate_, {Rx, f}), up = act(up_, {Rx, f}), a = act(act_, {Rx, f});
+      Tensor d_act = act(d_act_, {Rx, f}), d_gate = act(d_gate_, {Rx, f}), d_up = act(d_up_, {Rx, f});
       Tensor d_xs = act(d_xs_, {R, h});
-      for (int64_t e = 0; e < spec_.num_experts; ++e) {
-        const int64_t r0 = rows[spec_.num_experts + e], m = rows[e];
-        if (m == 0) continue;  // no rows: its weight gradients stay as they are
+      Tensor d_xs_sorted = d_xs, d_eout_sorted = d_eout;
+      if (ep_) {  // the experts' rows are the received ones; their gradients travel the same way
+        Range x(be, "ep.dispatch.grad");
+        xs = act(xr_, {Rx, h});
+        d_xs = act(d_xr_, {Rx, h});
+        d_eout = act(d_eout_r_, {Rx, h});
+        ep_->dispatch_grad(d_eout_sorted, d_eout);
+      }
+      // No rows: an expert's weight gradients stay as they are.
+      for (const ExpertExchange::Segment& sg : segments(rows)) {
+        const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
         Tensor d_eout_e = rows_of(d_eout, r0, m), d_act_e = rows_of(d_act, r0, m);
         Tensor d_gate_e = rows_of(d_gate, r0, m), d_up_e = rows_of(d_up, r0, m), d_xs_e = rows_of(d_xs, r0, m);
         Tensor xs_e = rows_of(xs, r0, m);
@@ -195,6 +231,10 @@ class MoeFfn final : public FfnBlock {
         env_.precision->linear_backward(ctx, w3_[static_cast<size_t>(e)], xs_e, param(u, w3(e)), d_up_e, &d_eout_e,
                                         dW3, true);
         be.accumulate(d_xs_e, d_eout_e);
+      }
+      if (ep_) {
+        Range x(be, "ep.return.grad");
+        ep_->give_back_grad(d_xs, d_xs_sorted);
       }
     }
     Tensor d_ln = act(d_ln_, {N, h});
@@ -241,6 +281,19 @@ class MoeFfn final : public FfnBlock {
     return host_counts_.data();
   }
 
+  // Rows the experts run on: the sorted local ones, or those received.
+  int64_t expert_side_rows() const { return ep_ ? ep_->max_recv_rows() : env_.N * spec_.top_k; }
+
+  // The experts' runs of rows: every expert with rows, over the sorted rows
+  // (rows: counts then offsets); under expert parallelism, the received ones.
+  std::vector<ExpertExchange::Segment> segments(const int64_t* rows) const {
+    if (ep_) return ep_->segments();
+    std::vector<ExpertExchange::Segment> s;
+    for (int64_t e = 0; e < spec_.num_experts; ++e)
+      if (rows[e] > 0) s.push_back({e, rows[spec_.num_experts + e], rows[e]});
+    return s;
+  }
+
   // Rows [r0, r0 + m) of a packed [rows, cols] matrix.
   static Tensor rows_of(const Tensor& t, int64_t r0, int64_t m) {
     return view(t, r0 * t.size(1), {m, t.size(1)});
@@ -249,7 +302,8 @@ class MoeFfn final : public FfnBlock {
   int ln2_ = -1, rstd2_ = -1, noise_ = -1, xin_ = -1, logits_ = -1, probs_ = -1, weights_ = -1, experts_ = -1;
   int perm_ = -1, row_of_ = -1, counts_ = -1, xs_ = -1, gate_ = -1, up_ = -1, act_ = -1, eout_ = -1, tmp_ = -1;
   int d_ln_ = -1, d_eout_ = -1, d_act_ = -1, d_gate_ = -1, d_up_ = -1, d_xs_ = -1, d_weights_ = -1, d_probs_ = -1;
-  int d_logits_ = -1;
+  int d_logits_ = -1, xr_ = -1, eout_r_ = -1, d_xr_ = -1, d_eout_r_ = -1;
+  std::unique_ptr<ExpertExchange> ep_;  // expert parallelism (null: this rank runs every expert)
   std::vector<int> w1_, w2_, w3_;
   std::vector<int64_t> host_counts_;
   bool jittered_ = false;  // the last forward applied jitter (what backward inverts)
