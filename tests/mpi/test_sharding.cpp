@@ -116,9 +116,14 @@ struct Volume {
 // forward, Ψ for backward, Ψ reduce-scattered; hybrid_shard the zero3 volume
 // inside its group plus an all-reduce of the shard across groups.
 Volume expected_volume(loom::Session& s, const std::string& strategy) {
-  double psi_padded = 0, psi = 0, chunk = 0;
-  int group = 1;
+  double psi_padded = 0, psi = 0, chunk = 0, experts = 0;
+  int group = 1, ep = 1;
   for (const auto& u : s.units()) {
+    if (u.info->expert_group > 1) {  // expert parallelism: the rank's experts, added up over their replicas
+      experts += 4.0 * static_cast<double>(u.layout.optim_numel);
+      ep = u.info->expert_group;
+      continue;
+    }
     psi_padded += 4.0 * static_cast<double>(u.layout.padded_numel);
     psi += 4.0 * static_cast<double>(u.info->numel);
     chunk += 4.0 * static_cast<double>(u.layout.optim_numel);
@@ -140,6 +145,9 @@ Volume expected_volume(loom::Session& s, const std::string& strategy) {
     v.reduce_scatter = kAccum * f * psi_padded;
     v.all_reduce = 2 * ring(replicas) * chunk;
   }
+  // Expert parallelism: each rank's experts gradient is all-reduced over the
+  // world / ep ranks holding the same experts; nothing else moves for them.
+  v.all_reduce += 2 * ring(world / ep) * experts;
   // The mean loss (and, for sharded optimizer state, the gradient norm) are
   // all-reduced as 8-byte scalars: a few bytes beside the units.
   return v;
@@ -229,6 +237,22 @@ void check_strategy(const Case& c) {
                   c.strategy + " all_gather");
   }
 
+  if (ep > 1) {
+    // Expert parallelism: every layer's experts in a unit of their own, of
+    // which this rank holds exactly its 1/ep (params, grads, optimizer state).
+    int experts_units = 0;
+    for (const auto& u : s.units())
+      if (u.info->expert_group > 1) {
+        ++experts_units;
+        EXPECT_EQ(u.info->expert_group, ep);
+        EXPECT_EQ(u.layout.param_numel * ep, u.info->numel) << u.info->name;
+        EXPECT_EQ(u.layout.grad_numel * ep, u.info->numel) << u.info->name;
+        EXPECT_EQ(u.layout.optim_numel * ep, u.info->numel) << u.info->name;
+        EXPECT_EQ(u.layout.optim_begin, (s.rank() % ep) * u.layout.optim_numel) << u.info->name;
+      }
+    EXPECT_EQ(experts_units, s.spec().num_layers);
+    return;  // the ZeRO formulas below are for the strategy's units alone
+  }
   // Memory: the plan per rank against the ZeRO formulas; the difference is
   // only padding (each unit rounded up to a multiple of the group) and the
   // arena's 256-byte alignment of each block.

@@ -149,6 +149,12 @@ class FfnBlock : public Block {
   // down (gate and up consecutive: the fused block's [gate; up] weight).
   enum Param { kLn2 = 0, kWgate, kWup, kWdown };
   FfnBlock(const ModelSpec& spec, int64_t layer) : spec_(spec), layer_(layer) {}
+  // Expert parallelism: declares the block's experts into a unit of their own
+  // (before declare(), which then leaves them out); false when the block has
+  // no experts.
+  virtual bool declare_experts(UnitInfo& /*unit*/) { return false; }
+  // That unit's state, set before each forward and backward.
+  virtual void set_experts(const UnitState* /*experts*/) {}
   void declare(UnitInfo& unit) override;
   virtual void forward(const UnitState& u, const Tensor& in, Tensor& out) = 0;
   virtual void backward(UnitState& u, const Tensor& in, Tensor& d) = 0;

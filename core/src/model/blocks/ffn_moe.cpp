@@ -39,15 +39,13 @@ class MoeFfn final : public FfnBlock {
   const char* kind() const override { return "ffn.moe"; }
 
   enum MoeParam { kLn = 0, kRouter = 1, kFirstExpert = 2 };
-  static int w1(int64_t e) { return kFirstExpert + 3 * static_cast<int>(e); }
-  static int w2(int64_t e) { return w1(e) + 1; }
-  static int w3(int64_t e) { return w1(e) + 2; }
 
   void declare(UnitInfo& u) override {
     const std::string p = "model.layers." + std::to_string(layer_) + ".";
     const int64_t h = spec_.hidden, f = spec_.ffn_hidden;
     add_param(u, p + "post_attention_layernorm.weight", {h}, ParamRole::norm_gain);
     add_param(u, p + "block_sparse_moe.gate.weight", {spec_.num_experts, h}, ParamRole::matrix);
+    if (experts_apart_) return;  // in their own unit (declare_experts)
     for (int64_t e = 0; e < spec_.num_experts; ++e) {
       const std::string q = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
       add_param(u, q + "w1.weight", {f, h}, ParamRole::matrix);
@@ -55,6 +53,32 @@ class MoeFfn final : public FfnBlock {
       add_param(u, q + "w3.weight", {f, h}, ParamRole::matrix);
     }
   }
+
+  // Expert parallelism: every expert, global names and HF order, in the
+  // experts unit (expert e's w1, w2, w3 are its parameters 3e, 3e + 1, 3e + 2).
+  bool declare_experts(UnitInfo& u) override {
+    experts_apart_ = true;
+    const std::string p = "model.layers." + std::to_string(layer_) + ".block_sparse_moe.experts.";
+    const int64_t h = spec_.hidden, f = spec_.ffn_hidden;
+    auto add = [&](std::string name, std::vector<int64_t> shape, ParamRole role) {
+      ParamInfo q;
+      q.name = std::move(name);
+      q.numel = shape[0] * shape[1];
+      q.shape = std::move(shape);
+      q.offset = u.numel;
+      q.role = role;
+      u.numel += q.numel;
+      u.params.push_back(std::move(q));
+    };
+    for (int64_t e = 0; e < spec_.num_experts; ++e) {
+      const std::string q = p + std::to_string(e) + ".";
+      add(q + "w1.weight", {f, h}, ParamRole::matrix);
+      add(q + "w2.weight", {h, f}, ParamRole::output_projection);
+      add(q + "w3.weight", {f, h}, ParamRole::matrix);
+    }
+    return true;
+  }
+  void set_experts(const UnitState* experts) override { experts_unit_ = experts; }
 
   void plan(const BlockEnv& env, ActivationPlan& a) override {
     env_ = env;
@@ -171,10 +195,10 @@ class MoeFfn final : public FfnBlock {
         const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
         Tensor xs_e = rows_of(xin_rows, r0, m), gate_e = rows_of(gate, r0, m), up_e = rows_of(up, r0, m);
         Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout_rows, r0, m);
-        env_.precision->linear_forward(ctx, w1_[static_cast<size_t>(e)], xs_e, param(u, w1(e)), gate_e, nullptr);
-        env_.precision->linear_forward(ctx, w3_[static_cast<size_t>(e)], xs_e, param(u, w3(e)), up_e, nullptr);
+        env_.precision->linear_forward(ctx, w1_[static_cast<size_t>(e)], xs_e, expert(u, e, 0), gate_e, nullptr);
+        env_.precision->linear_forward(ctx, w3_[static_cast<size_t>(e)], xs_e, expert(u, e, 2), up_e, nullptr);
         be.swiglu_forward(act_e, gate_e, up_e);
-        env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, param(u, w2(e)), eout_e, nullptr);
+        env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, expert(u, e, 1), eout_e, nullptr);
       }
       if (ep_) {
         Range x(be, "ep.return");
@@ -221,14 +245,14 @@ class MoeFfn final : public FfnBlock {
         Tensor d_eout_e = rows_of(d_eout, r0, m), d_act_e = rows_of(d_act, r0, m);
         Tensor d_gate_e = rows_of(d_gate, r0, m), d_up_e = rows_of(d_up, r0, m), d_xs_e = rows_of(d_xs, r0, m);
         Tensor xs_e = rows_of(xs, r0, m);
-        Tensor dW2 = param(u, w2(e), true), dW1 = param(u, w1(e), true), dW3 = param(u, w3(e), true);
-        env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), param(u, w2(e)),
+        Tensor dW2 = expert(u, e, 1, true), dW1 = expert(u, e, 0, true), dW3 = expert(u, e, 2, true);
+        env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), expert(u, e, 1),
                                         d_eout_e, &d_act_e, dW2, true);
         be.swiglu_backward(d_gate_e, d_up_e, d_act_e, rows_of(gate, r0, m), rows_of(up, r0, m));
-        env_.precision->linear_backward(ctx, w1_[static_cast<size_t>(e)], xs_e, param(u, w1(e)), d_gate_e, &d_xs_e,
+        env_.precision->linear_backward(ctx, w1_[static_cast<size_t>(e)], xs_e, expert(u, e, 0), d_gate_e, &d_xs_e,
                                         dW1, true);
         // d_eout's rows of this expert are consumed: they take the second dgrad.
-        env_.precision->linear_backward(ctx, w3_[static_cast<size_t>(e)], xs_e, param(u, w3(e)), d_up_e, &d_eout_e,
+        env_.precision->linear_backward(ctx, w3_[static_cast<size_t>(e)], xs_e, expert(u, e, 2), d_up_e, &d_eout_e,
                                         dW3, true);
         be.accumulate(d_xs_e, d_eout_e);
       }
@@ -281,6 +305,20 @@ class MoeFfn final : public FfnBlock {
     return host_counts_.data();
   }
 
+  // Expert e's matrix j (0: w1, 1: w2, 2: w3), or its gradient: in the
+  // layer's unit, or (expert parallelism) in the experts unit, of which this
+  // rank holds its experts' range [optim_begin, optim_begin + optim_numel).
+  Tensor expert(const UnitState& u, int64_t e, int j, bool grad = false) const {
+    if (!experts_apart_) return param(u, kFirstExpert + 3 * static_cast<int>(e) + j, grad);
+    const UnitState* x = experts_unit_;
+    LOOM_CHECK(x != nullptr, "ffn.moe layer ", layer_, ": the model set no experts unit");
+    const ParamInfo& p = x->info->params[static_cast<size_t>(3 * e + j)];
+    const int64_t lo = p.offset - x->layout.optim_begin;
+    LOOM_CHECK(lo >= 0 && lo + p.numel <= x->layout.optim_numel, "ffn.moe layer ", layer_, ": expert ", e,
+               " is not held on this rank (", p.name, ")");
+    return view(grad ? x->grads : x->params, lo, {p.shape[0], p.shape[1]});
+  }
+
   // Rows the experts run on: the sorted local ones, or those received.
   int64_t expert_side_rows() const { return ep_ ? ep_->max_recv_rows() : env_.N * spec_.top_k; }
 
@@ -304,6 +342,8 @@ class MoeFfn final : public FfnBlock {
   int d_ln_ = -1, d_eout_ = -1, d_act_ = -1, d_gate_ = -1, d_up_ = -1, d_xs_ = -1, d_weights_ = -1, d_probs_ = -1;
   int d_logits_ = -1, xr_ = -1, eout_r_ = -1, d_xr_ = -1, d_eout_r_ = -1;
   std::unique_ptr<ExpertExchange> ep_;  // expert parallelism (null: this rank runs every expert)
+  bool experts_apart_ = false;           // the experts are in their own unit (expert parallelism)
+  const UnitState* experts_unit_ = nullptr;  // that unit's state
   std::vector<int> w1_, w2_, w3_;
   std::vector<int64_t> host_counts_;
   bool jittered_ = false;  // the last forward applied jitter (what backward inverts)
