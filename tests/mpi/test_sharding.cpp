@@ -251,9 +251,10 @@ void check_strategy(const Case& c) {
         EXPECT_EQ(u.layout.optim_begin, (s.rank() % ep) * u.layout.optim_numel) << u.info->name;
       }
     EXPECT_EQ(experts_units, s.spec().num_layers);
-    return;  // the ZeRO formulas below are for the strategy's units alone
   }
-  // Memory: the plan per rank against the ZeRO formulas; the difference is
+  // Memory: the plan per rank against the ZeRO formulas (with expert
+  // parallelism: for the strategy's units, plus 1/ep of the experts' params,
+  // grads and optimizer state); the difference is
   // only padding (each unit rounded up to a multiple of the group) and the
   // arena's 256-byte alignment of each block.
   const loom::TrainState::MemoryFormula f = s.memory_formula();

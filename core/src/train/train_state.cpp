@@ -91,6 +91,15 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
                    l.optim_begin + l.optim_numel <= l.padded_numel && l.replicas >= 1 && l.replica >= 0 &&
                    l.replica < l.replicas && l.param_numel == (l.params_sharded ? l.optim_numel : l.padded_numel),
                "sharding.plugin = \"", cfg_.sharding.plugin, "\" planned an inconsistent layout for unit ", n);
+    if (infos[i].expert_group > 1) {
+      // Expert parallelism: this rank's experts, whole (ffn_moe.cpp reads them in place).
+      const int64_t P = infos[i].expert_group, chunk = infos[i].numel / P;
+      if (!(l.params_sharded && l.param_numel == chunk && l.optim_numel == chunk && l.grad_numel == chunk &&
+            l.optim_begin == (rt_.rank() % P) * chunk))
+        throw Error(cat("sharding.plugin = \"", cfg_.sharding.plugin, "\" does not support sharding.expert_parallel = ",
+                        P, ": it did not give rank ", rt_.rank(), " the whole range of its experts in unit ", n,
+                        "; use ddp, zero1, zero2, zero3 (full_shard) or hybrid_shard, or sharding.expert_parallel = 1"));
+    }
     UnitBlocks b{};
     b.params = plan_.add("params." + n, MemCategory::params, static_cast<size_t>(l.param_numel) * pb);
     b.grads = plan_.add("grads." + n, MemCategory::grads, static_cast<size_t>(l.grad_numel) * gb);
@@ -197,7 +206,16 @@ TrainState::MemoryFormula TrainState::memory_formula() const {
   // for its largest unit (a plugin of any name), not off the plugin's name.
   const PrecisionDTypes& dt = rt_.dtypes;
   const std::vector<UnitInfo>& infos = model_.units();
-  const double psi = static_cast<double>(model_.spec().total_params());
+  // Expert parallelism: the experts units are held 1/P per rank (params,
+  // grads and optimizer state alike), whatever the strategy; the formulas
+  // below are for the other parameters.
+  double psi_e = 0, ep = 1;
+  for (const UnitInfo& u : infos)
+    if (u.expert_group > 1) {
+      psi_e += static_cast<double>(u.numel);
+      ep = static_cast<double>(u.expert_group);
+    }
+  const double psi = static_cast<double>(model_.spec().total_params()) - psi_e;
   const double P = static_cast<double>(dtype_size(dt.param));
   const double G = static_cast<double>(dtype_size(dt.grad));
   const double K = (dt.has_master ? 4.0 : 0.0) + 2.0 * static_cast<double>(dtype_size(dt.optim_state));
@@ -209,16 +227,17 @@ TrainState::MemoryFormula TrainState::memory_formula() const {
     const bool read_by_another = std::any_of(infos.begin(), infos.end(), [&](const UnitInfo& u) {
       return u.uses_params_of == static_cast<int>(i);
     });
-    if (!read_by_another && (!big || layouts_[i].padded_numel > big->padded_numel)) big = &layouts_[i];
+    if (!read_by_another && infos[i].expert_group == 1 && (!big || layouts_[i].padded_numel > big->padded_numel))
+      big = &layouts_[i];
   }
   if (!big) big = &layouts_[0];
   const double p = big->optim_numel > 0 ? static_cast<double>(big->padded_numel) / static_cast<double>(big->optim_numel) : 1.0;
   const bool z1 = big->optim_numel < big->padded_numel;
   const bool z2 = z1 && big->grad_numel == 0;
   const bool z3 = big->params_sharded;
-  f.params = P * psi / (z3 ? p : 1.0);
-  f.grads = z2 ? 4.0 * psi / p : G * psi + (z1 ? 4.0 * psi / p : 0.0);
-  f.optimizer = K * psi / (z1 ? p : 1.0);
+  f.params = P * psi / (z3 ? p : 1.0) + P * psi_e / ep;
+  f.grads = (z2 ? 4.0 * psi / p : G * psi + (z1 ? 4.0 * psi / p : 0.0)) + G * psi_e / ep;
+  f.optimizer = K * psi / (z1 ? p : 1.0) + K * psi_e / ep;
   return f;
 }
 
