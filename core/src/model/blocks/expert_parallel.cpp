@@ -16,6 +16,7 @@ ExpertExchange::ExpertExchange(Communicator* group, int64_t num_experts, int64_t
   counts_in_.assign(static_cast<size_t>(E_), 0);
   send_.assign(static_cast<size_t>(P_), 0);
   recv_.assign(static_cast<size_t>(P_), 0);
+  segments_.reserve(static_cast<size_t>(P_ * El_));  // at most one run per (peer, expert): no allocation per step
 }
 
 void ExpertExchange::exchange(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv,

@@ -142,6 +142,8 @@ class MoeFfn final : public FfnBlock {
       w3_.push_back(env.precision->register_linear({q + "w3", h, f, max_rows}));
     }
     host_counts_.assign(2 * EE + 1, 0);
+    local_segments_.clear();
+    local_segments_.reserve(EE);
   }
 
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {
@@ -324,12 +326,13 @@ class MoeFfn final : public FfnBlock {
 
   // The experts' runs of rows: every expert with rows, over the sorted rows
   // (rows: counts then offsets); under expert parallelism, the received ones.
-  std::vector<ExpertExchange::Segment> segments(const int64_t* rows) const {
+  // (No allocation in the step: the list's capacity is set in plan().)
+  const std::vector<ExpertExchange::Segment>& segments(const int64_t* rows) {
     if (ep_) return ep_->segments();
-    std::vector<ExpertExchange::Segment> s;
+    local_segments_.clear();
     for (int64_t e = 0; e < spec_.num_experts; ++e)
-      if (rows[e] > 0) s.push_back({e, rows[spec_.num_experts + e], rows[e]});
-    return s;
+      if (rows[e] > 0) local_segments_.push_back({e, rows[spec_.num_experts + e], rows[e]});
+    return local_segments_;
   }
 
   // Rows [r0, r0 + m) of a packed [rows, cols] matrix.
@@ -344,6 +347,7 @@ class MoeFfn final : public FfnBlock {
   std::unique_ptr<ExpertExchange> ep_;  // expert parallelism (null: this rank runs every expert)
   bool experts_apart_ = false;           // the experts are in their own unit (expert parallelism)
   const UnitState* experts_unit_ = nullptr;  // that unit's state
+  std::vector<ExpertExchange::Segment> local_segments_;  // segments() without expert parallelism
   std::vector<int> w1_, w2_, w3_;
   std::vector<int64_t> host_counts_;
   bool jittered_ = false;  // the last forward applied jitter (what backward inverts)
