@@ -300,8 +300,8 @@ TEST(Sharding, MoeHybridTwoGroupsOfTwo) { check_strategy({"hybrid_shard", [] {
   return v;
 }(), 4}); }
 // Expert parallelism: the experts of each MoE layer split over groups of 2 or
-// 4 ranks, beside ddp and zero3 (every rank holds the parameters the strategy
-// gives it; a rank runs only its group's share of the experts).
+// 4 ranks, each rank holding and running only its share of them; the rest of
+// the model under each strategy.
 const std::vector<std::string> kMoeEp2 = [] {
   auto v = kMoe;
   v.push_back("sharding.expert_parallel=2");
@@ -314,6 +314,7 @@ const std::vector<std::string> kMoeEp4 = [] {
 }();
 TEST(Sharding, MoeExpertParallel2Ddp) { check_strategy({"ddp", kMoeEp2}); }
 TEST(Sharding, MoeExpertParallel2Zero3) { check_strategy({"zero3", kMoeEp2}); }
+TEST(Sharding, MoeExpertParallel2Zero1) { check_strategy({"zero1", kMoeEp2}); }
 TEST(Sharding, MoeExpertParallel2Zero2) { check_strategy({"zero2", kMoeEp2}); }
 TEST(Sharding, MoeExpertParallel2HybridTwoGroupsOfTwo) { check_strategy({"hybrid_shard", [] {
   auto v = kMoeEp2;
