@@ -61,6 +61,7 @@ loom::Config make_config(const std::string& strategy, std::vector<std::string> o
 struct Run {
   std::vector<double> losses;
   std::vector<double> aux;     // MoE: the load-balancing losses (empty for dense models)
+  std::vector<double> norms;   // the global gradient norm before clipping
   loom::CommBytes step_bytes;  // bytes moved by the first step
 };
 
@@ -76,6 +77,7 @@ Run train(loom::Session& s, int eval_at = 0, const std::function<void(loom::Sess
     s.train_step();
     const loom::StepLog log = s.read_step_logs().at(0);
     r.losses.push_back(log.loss);
+    r.norms.push_back(log.grad_norm);
     if (log.has_aux) r.aux.push_back(log.aux_loss);
     if (i == 0)
       for (size_t k = 0; k < before.bytes.size(); ++k)
@@ -218,6 +220,14 @@ void check_strategy(const Case& c) {
     worst = std::max(worst, rel);
     EXPECT_LE(rel, c.tolerance) << c.strategy << " step " << i + 1 << " aux: " << r.aux[i] << " vs " << ref_run.aux[i];
   }
+  if (ep > 1) {
+    // The gradient's scale: AdamW is nearly blind to a constant factor on the
+    // experts' gradients (and clipping may not act), the global norm is not.
+    ASSERT_EQ(r.norms.size(), ref_run.norms.size());
+    for (size_t i = 0; i < r.norms.size(); ++i)
+      EXPECT_LE(std::fabs(r.norms[i] - ref_run.norms[i]) / ref_run.norms[i], c.tolerance)
+          << c.strategy << " step " << i + 1 << " grad norm: " << r.norms[i] << " vs " << ref_run.norms[i];
+  }
   const bool hybrid_replicated = c.strategy == "hybrid_shard" &&
                                  std::find(ov.begin(), ov.end(), "sharding.reshard_after_forward=false") != ov.end();
   const bool bf16_wire = std::find(ov.begin(), ov.end(), "sharding.reduce_dtype=\"bf16\"") != ov.end();
@@ -356,6 +366,7 @@ void check_zero_router(const std::string& strategy, int64_t ep) {
   for (size_t i = 0; i < ref.losses.size(); ++i) {
     EXPECT_LE(std::fabs(r.losses[i] - ref.losses[i]) / std::fabs(ref.losses[i]), 1e-5) << "step " << i + 1;
     EXPECT_LE(std::fabs(r.aux[i] - ref.aux[i]) / std::fabs(ref.aux[i]), 1e-5) << "step " << i + 1 << " aux";
+    EXPECT_LE(std::fabs(r.norms[i] - ref.norms[i]) / ref.norms[i], 1e-5) << "step " << i + 1 << " grad norm";
   }
   const loom::ModelSpec& m = s.spec();
   const int64_t P = ep, El = m.num_experts / P, N = 2 * 32, k = m.top_k, L = m.num_layers;
