@@ -18,6 +18,11 @@
 // Parameters, HF Mixtral's names and order: post_attention_layernorm, the
 // router block_sparse_moe.gate [E, h], then per expert experts.E.w1 [f, h]
 // (gate), w2 [h, f] (down), w3 [f, h] (up).
+//
+// Expert parallelism (sharding.expert_parallel > 1, expert_parallel.hpp): the
+// experts are in a unit of their own (declare_experts), of which this rank
+// holds its experts only; the sorted rows go to the experts' owners and the
+// outputs come back by all_to_all, and the same for the gradients.
 #include <memory>
 #include <string>
 #include <vector>
