@@ -420,6 +420,25 @@ TEST(Config, CrossFieldErrors) {
   EXPECT_NO_THROW(parse("[run]\ndevice = \"cuda\"\n[precision]\nplugin = \"bf16\"\n"));
 }
 
+// sharding.expert_parallel: a core key in the plugin's section, checked against the model.
+TEST(Config, ExpertParallel) {
+  EXPECT_EQ(parse("").expert_parallel, 1);
+  const std::string moe = "[model]\nffn = \"moe\"\nnum_experts = 8\ntop_k = 2\n";
+  EXPECT_EQ(parse(moe + "[sharding]\nplugin = \"ddp\"\nexpert_parallel = 4\n").expert_parallel, 4);
+  EXPECT_EQ(parse(moe, {"sharding.expert_parallel=8"}).expert_parallel, 8);
+  EXPECT_EQ(parse_error("[sharding]\nexpert_parallel = 2\n"),
+            "q.toml:2:19: sharding.expert_parallel = 2 splits the experts of a mixture of experts, but the model is "
+            "dense (model.ffn = \"dense\"): set model.ffn = \"moe\" or sharding.expert_parallel = 1");
+  EXPECT_EQ(parse_error(moe + "[sharding]\nexpert_parallel = 3\n"),
+            "q.toml:6:19: sharding.expert_parallel = 3 does not divide model.num_experts = 8: every rank of an "
+            "expert-parallel group holds num_experts / expert_parallel experts; pick a divisor of 8");
+  const std::string cuda = parse_error("[run]\ndevice = \"cuda\"\n" + moe + "[sharding]\nexpert_parallel = 2\n");
+  EXPECT_NE(cuda.find("runs on CPU ranks only in this build"), std::string::npos) << cuda;
+  EXPECT_NE(cuda.find("sharding.expert_parallel = 1"), std::string::npos) << cuda;
+  const std::string zero = parse_error(moe + "[sharding]\nexpert_parallel = 0\n");
+  EXPECT_NE(zero.find("expert_parallel"), std::string::npos) << zero;
+}
+
 TEST(Config, TypoReportedBeforeCrossFieldError) {
   // max_seq_lne is misspelt, so max_seq_len keeps its default 2048 and
   // seq_len 4096 exceeds it: the typo is the real problem and comes first.

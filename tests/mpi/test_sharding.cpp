@@ -16,6 +16,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <filesystem>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -59,12 +61,15 @@ loom::Config make_config(const std::string& strategy, std::vector<std::string> o
 struct Run {
   std::vector<double> losses;
   std::vector<double> aux;     // MoE: the load-balancing losses (empty for dense models)
+  std::vector<double> norms;   // the global gradient norm before clipping
   loom::CommBytes step_bytes;  // bytes moved by the first step
 };
 
 // eval_at > 0: an evaluation pass after that many steps (it must not disturb training).
-Run train(loom::Session& s, int eval_at = 0) {
+// prepare: run after the weights are initialised (a test's own weights).
+Run train(loom::Session& s, int eval_at = 0, const std::function<void(loom::Session&)>& prepare = {}) {
   s.initialise();
+  if (prepare) prepare(s);
   Run r;
   for (int i = 0; i < kSteps; ++i) {
     if (eval_at > 0 && i == eval_at) EXPECT_TRUE(std::isfinite(s.evaluate()));
@@ -72,6 +77,7 @@ Run train(loom::Session& s, int eval_at = 0) {
     s.train_step();
     const loom::StepLog log = s.read_step_logs().at(0);
     r.losses.push_back(log.loss);
+    r.norms.push_back(log.grad_norm);
     if (log.has_aux) r.aux.push_back(log.aux_loss);
     if (i == 0)
       for (size_t k = 0; k < before.bytes.size(); ++k)
@@ -85,15 +91,19 @@ Run train(loom::Session& s, int eval_at = 0) {
 // `model` holds the case's model.* overrides (tied embeddings, experts). With
 // experts the aux loss of a micro-batch is over its local tokens and scaled by
 // 1 / (grad_accum x world), so the sharded run matches this reference too.
-const Run& reference(const std::vector<std::string>& model) {
+// prepare (named by prepare_key in the cache) changes the initial weights.
+const Run& reference(const std::vector<std::string>& model, const std::function<void(loom::Session&)>& prepare = {},
+                     const std::string& prepare_key = "") {
   static std::map<std::vector<std::string>, Run> refs;
-  auto it = refs.find(model);
+  std::vector<std::string> key = model;
+  key.push_back(prepare_key);
+  auto it = refs.find(key);
   if (it != refs.end()) return it->second;
   const int p = g_world->size();
   std::vector<std::string> ov = model;
   ov.push_back("train.grad_accum=" + std::to_string(kAccum * p));
   loom::Session s(make_config("none", ov), loom::SessionOptions{true});
-  return refs[model] = train(s);
+  return refs[key] = train(s, 0, prepare);
 }
 
 double ring(int p) { return p > 1 ? static_cast<double>(p - 1) / p : 0.0; }
@@ -108,9 +118,14 @@ struct Volume {
 // forward, Ψ for backward, Ψ reduce-scattered; hybrid_shard the zero3 volume
 // inside its group plus an all-reduce of the shard across groups.
 Volume expected_volume(loom::Session& s, const std::string& strategy) {
-  double psi_padded = 0, psi = 0, chunk = 0;
-  int group = 1;
+  double psi_padded = 0, psi = 0, chunk = 0, experts = 0;
+  int group = 1, ep = 1;
   for (const auto& u : s.units()) {
+    if (u.info->expert_group > 1) {  // expert parallelism: the rank's experts, added up over their replicas
+      experts += 4.0 * static_cast<double>(u.layout.optim_numel);
+      ep = u.info->expert_group;
+      continue;
+    }
     psi_padded += 4.0 * static_cast<double>(u.layout.padded_numel);
     psi += 4.0 * static_cast<double>(u.info->numel);
     chunk += 4.0 * static_cast<double>(u.layout.optim_numel);
@@ -132,6 +147,9 @@ Volume expected_volume(loom::Session& s, const std::string& strategy) {
     v.reduce_scatter = kAccum * f * psi_padded;
     v.all_reduce = 2 * ring(replicas) * chunk;
   }
+  // Expert parallelism: each rank's experts gradient is all-reduced over the
+  // world / ep ranks holding the same experts; nothing else moves for them.
+  v.all_reduce += 2 * ring(world / ep) * experts;
   // The mean loss (and, for sharded optimizer state, the gradient norm) are
   // all-reduced as 8-byte scalars: a few bytes beside the units.
   return v;
@@ -171,6 +189,25 @@ void check_strategy(const Case& c) {
   // training (zero3 regathers for it) must leave the next steps unchanged.
   const Run r = train(s, 7);
   ASSERT_EQ(r.losses.size(), ref.size());
+  const uint64_t a2a = r.step_bytes.bytes[static_cast<size_t>(CollectiveKind::all_to_all)];
+  int64_t ep = 1;
+  for (const auto& o : ov)
+    if (o.rfind("sharding.expert_parallel=", 0) == 0) ep = std::stoll(o.substr(25));
+  if (ep == 1) {
+    EXPECT_EQ(a2a, 0u) << "all_to_all without expert parallelism";
+  } else {
+    // Expert parallelism (blocks/expert_parallel.hpp): per layer and
+    // micro-batch, 8·El·(P−1) bytes of counts, then at most N·k rows sent
+    // twice (the rows, their gradients) and at most (P−1)·N·min(k, El) rows
+    // received and sent back twice.
+    const loom::ModelSpec& m = s.spec();
+    const int64_t P = ep, El = m.num_experts / P, N = 2 * 32, k = m.top_k, L = m.num_layers;
+    const uint64_t counts = static_cast<uint64_t>(L * kAccum * 8 * El * (P - 1));
+    const uint64_t most = counts + static_cast<uint64_t>(L * kAccum * 2 * m.hidden * 4 *
+                                                          (N * k + (P - 1) * N * std::min(k, El)));
+    EXPECT_GT(a2a, counts) << "rows must travel between the experts' owners";
+    EXPECT_LE(a2a, most);
+  }
   double worst = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
     const double rel = std::fabs(r.losses[i] - ref[i]) / std::fabs(ref[i]);
@@ -182,6 +219,14 @@ void check_strategy(const Case& c) {
     const double rel = std::fabs(r.aux[i] - ref_run.aux[i]) / std::fabs(ref_run.aux[i]);
     worst = std::max(worst, rel);
     EXPECT_LE(rel, c.tolerance) << c.strategy << " step " << i + 1 << " aux: " << r.aux[i] << " vs " << ref_run.aux[i];
+  }
+  if (ep > 1) {
+    // The gradient's scale: AdamW is nearly blind to a constant factor on the
+    // experts' gradients (and clipping may not act), the global norm is not.
+    ASSERT_EQ(r.norms.size(), ref_run.norms.size());
+    for (size_t i = 0; i < r.norms.size(); ++i)
+      EXPECT_LE(std::fabs(r.norms[i] - ref_run.norms[i]) / ref_run.norms[i], c.tolerance)
+          << c.strategy << " step " << i + 1 << " grad norm: " << r.norms[i] << " vs " << ref_run.norms[i];
   }
   const bool hybrid_replicated = c.strategy == "hybrid_shard" &&
                                  std::find(ov.begin(), ov.end(), "sharding.reshard_after_forward=false") != ov.end();
@@ -202,7 +247,24 @@ void check_strategy(const Case& c) {
                   c.strategy + " all_gather");
   }
 
-  // Memory: the plan per rank against the ZeRO formulas; the difference is
+  if (ep > 1) {
+    // Expert parallelism: every layer's experts in a unit of their own, of
+    // which this rank holds exactly its 1/ep (params, grads, optimizer state).
+    int experts_units = 0;
+    for (const auto& u : s.units())
+      if (u.info->expert_group > 1) {
+        ++experts_units;
+        EXPECT_EQ(u.info->expert_group, ep);
+        EXPECT_EQ(u.layout.param_numel * ep, u.info->numel) << u.info->name;
+        EXPECT_EQ(u.layout.grad_numel * ep, u.info->numel) << u.info->name;
+        EXPECT_EQ(u.layout.optim_numel * ep, u.info->numel) << u.info->name;
+        EXPECT_EQ(u.layout.optim_begin, (s.rank() % ep) * u.layout.optim_numel) << u.info->name;
+      }
+    EXPECT_EQ(experts_units, s.spec().num_layers);
+  }
+  // Memory: the plan per rank against the ZeRO formulas (with expert
+  // parallelism: for the strategy's units, plus 1/ep of the experts' params,
+  // grads and optimizer state); the difference is
   // only padding (each unit rounded up to a multiple of the group) and the
   // arena's 256-byte alignment of each block.
   const loom::TrainState::MemoryFormula f = s.memory_formula();
@@ -247,6 +309,132 @@ TEST(Sharding, MoeHybridTwoGroupsOfTwo) { check_strategy({"hybrid_shard", [] {
   v.push_back("sharding.shard_group_size=2");
   return v;
 }(), 4}); }
+// Expert parallelism: the experts of each MoE layer split over groups of 2 or
+// 4 ranks, each rank holding and running only its share of them; the rest of
+// the model under each strategy.
+const std::vector<std::string> kMoeEp2 = [] {
+  auto v = kMoe;
+  v.push_back("sharding.expert_parallel=2");
+  return v;
+}();
+const std::vector<std::string> kMoeEp4 = [] {
+  auto v = kMoe;
+  v.push_back("sharding.expert_parallel=4");
+  return v;
+}();
+TEST(Sharding, MoeExpertParallel2Ddp) { check_strategy({"ddp", kMoeEp2}); }
+TEST(Sharding, MoeExpertParallel2Zero3) { check_strategy({"zero3", kMoeEp2}); }
+TEST(Sharding, MoeExpertParallel2Zero1) { check_strategy({"zero1", kMoeEp2}); }
+TEST(Sharding, MoeExpertParallel2Zero2) { check_strategy({"zero2", kMoeEp2}); }
+TEST(Sharding, MoeExpertParallel2HybridTwoGroupsOfTwo) { check_strategy({"hybrid_shard", [] {
+  auto v = kMoeEp2;
+  v.push_back("sharding.shard_group_size=2");
+  return v;
+}(), 4}); }
+TEST(Sharding, MoeExpertParallel4Ddp) { check_strategy({"ddp", kMoeEp4, 4}); }
+TEST(Sharding, MoeExpertParallel4Zero3) { check_strategy({"zero3", kMoeEp4, 4}); }
+TEST(Sharding, MoeExpertParallel2FullRecompute) { check_strategy({"zero3", [] {
+  auto v = kMoeEp2;
+  v.push_back("model.recompute=\"full\"");
+  return v;
+}()}); }
+
+// Every router weight zero: every token's probabilities tie, so it picks
+// experts 0..k−1 (ties go to the lower index) at step 1. Those live on the
+// first rank(s) of each group; the other ranks' experts get no rows at all,
+// and the all_to_all bytes of step 1 are exact: per layer and micro-batch a
+// rank g of a group of P sends 8·El·(P−1) bytes of counts, then h·b bytes per
+// row twice (rows and their gradients) for the N rows of each chosen expert
+// another rank owns, and twice for the rows it receives: N·(P−1) for each
+// chosen expert it owns. The run must still match one process.
+void check_zero_router(const std::string& strategy, int64_t ep) {
+  if (skip_device()) GTEST_SKIP() << "no CUDA device";
+  if (g_world->size() < ep) GTEST_SKIP() << "needs " << ep << " ranks";
+  auto zero_router = [](loom::Session& s) {
+    for (int64_t l = 0; l < s.spec().num_layers; ++l) {
+      const std::string name = "model.layers." + std::to_string(l) + ".block_sparse_moe.gate.weight";
+      std::vector<float> z(static_cast<size_t>(s.spec().num_experts * s.spec().hidden), 0.f);
+      s.write_param(name, z.data());
+    }
+  };
+  const Run& ref = reference(kMoe, zero_router, "zero_router");
+  std::vector<std::string> ov = kMoe;
+  ov.push_back("sharding.expert_parallel=" + std::to_string(ep));
+  loom::Session s(make_config(strategy, ov));
+  const Run r = train(s, 0, zero_router);
+  ASSERT_EQ(r.losses.size(), ref.losses.size());
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_LE(std::fabs(r.losses[i] - ref.losses[i]) / std::fabs(ref.losses[i]), 1e-5) << "step " << i + 1;
+    EXPECT_LE(std::fabs(r.aux[i] - ref.aux[i]) / std::fabs(ref.aux[i]), 1e-5) << "step " << i + 1 << " aux";
+    EXPECT_LE(std::fabs(r.norms[i] - ref.norms[i]) / ref.norms[i], 1e-5) << "step " << i + 1 << " grad norm";
+  }
+  const loom::ModelSpec& m = s.spec();
+  const int64_t P = ep, El = m.num_experts / P, N = 2 * 32, k = m.top_k, L = m.num_layers;
+  const int64_t g = s.rank() % P;
+  int64_t rows = 0;
+  for (int64_t e = 0; e < k; ++e) rows += e / El == g ? N * (P - 1) : N;
+  const uint64_t want = static_cast<uint64_t>(L * kAccum * (8 * El * (P - 1) + 2 * m.hidden * 4 * rows));
+  EXPECT_EQ(r.step_bytes.bytes[static_cast<size_t>(CollectiveKind::all_to_all)], want) << "rank " << s.rank();
+}
+TEST(Sharding, MoeExpertParallel2IdleExpertsDdp) { check_zero_router("ddp", 2); }
+TEST(Sharding, MoeExpertParallel2IdleExpertsZero3) { check_zero_router("zero3", 2); }
+TEST(Sharding, MoeExpertParallel4IdleExpertsDdp) { check_zero_router("ddp", 4); }
+
+// Checkpoints keep every expert under its global name whatever
+// expert_parallel is: a run saved at step 10 under one N resumes under
+// another and its steps 11..20 are those of one process (1e-5, as above).
+void check_resume(int64_t save_ep, int64_t resume_ep) {
+  if (skip_device()) GTEST_SKIP() << "no CUDA device";
+  const int w = g_world->size();
+  if (w % std::max(save_ep, resume_ep) != 0) GTEST_SKIP() << "needs a multiple of " << std::max(save_ep, resume_ep)
+                                                          << " ranks";
+  const Run& ref = reference(kMoe);
+  const std::string dir = std::string(LOOM_BINARY_DIR) + "/tests/mpi_runs/ep_resume_" + std::to_string(save_ep) +
+                          "_" + std::to_string(resume_ep) + "_np" + std::to_string(w);
+  if (g_world->rank() == 0) std::filesystem::remove_all(dir);
+  g_world->barrier();
+  auto overrides = [&](int64_t ep) {
+    std::vector<std::string> v = kMoe;
+    for (std::string o : {"sharding.expert_parallel=" + std::to_string(ep), "run.out_dir=\"" + dir + "\"",
+                          std::string("checkpoint.every=10"), std::string("checkpoint.resume=\"auto\""),
+                          std::string("train.log_every=1")})
+      v.push_back(o);
+    return v;
+  };
+  loom::RunSummary first, second;
+  {
+    loom::Session s(make_config("ddp", overrides(save_ep)));
+    first = s.train(10);
+  }
+  {
+    loom::Session s(make_config("zero3", overrides(resume_ep)));
+    second = s.train();
+  }
+  ASSERT_EQ(first.steps.size(), 10u);
+  ASSERT_EQ(second.steps.size(), 10u);
+  for (size_t i = 0; i < 20; ++i) {
+    const loom::StepLog& got = i < 10 ? first.steps[i] : second.steps[i - 10];
+    EXPECT_LE(std::fabs(got.loss - ref.losses[i]) / ref.losses[i], 1e-5) << "step " << i + 1;
+    EXPECT_LE(std::fabs(got.aux_loss - ref.aux[i]) / ref.aux[i], 1e-5) << "step " << i + 1 << " aux";
+  }
+}
+TEST(Sharding, MoeResumeExpertParallel2As1) { check_resume(2, 1); }
+TEST(Sharding, MoeResumeExpertParallel1As2) { check_resume(1, 2); }
+TEST(Sharding, MoeResumeExpertParallel2As4) { check_resume(2, 4); }
+TEST(Sharding, MoeResumeExpertParallel4As2) { check_resume(4, 2); }
+
+// A group size that does not divide the world is refused before any work.
+TEST(Sharding, ExpertParallelMustDivideWorld) {
+  if (skip_device()) GTEST_SKIP() << "no CUDA device";
+  try {
+    loom::Session s(make_config("ddp", {"model.ffn=\"moe\"", "model.num_experts=6", "model.top_k=2",
+                                        "sharding.expert_parallel=3"}));
+    FAIL() << "accepted expert_parallel = 3 on " << g_world->size() << " ranks";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sharding.expert_parallel = 3 does not divide the"), std::string::npos)
+        << e.what();
+  }
+}
 TEST(Sharding, Zero1) { check_strategy({"zero1", {}}); }
 TEST(Sharding, Zero2) { check_strategy({"zero2", {}}); }
 TEST(Sharding, Zero3) { check_strategy({"zero3", {}}); }

@@ -102,6 +102,53 @@ std::map<int64_t, double> losses(const fs::path& metrics) {
   return out;
 }
 
+// `loom convert` reads any checkpoint through the reader resume uses: a
+// checkpoint written by `ranks` ranks converts to the HF folder one process
+// converts to. Same tensors, names, shapes and config.json; the values agree
+// to 1e-5 (the runs' fp32 gradient sums differ in order, nothing else).
+void convert_equals_one_process(const fs::path& root, const std::vector<std::string>& one_sets, int ranks,
+                                const std::vector<std::string>& many_sets, const std::string& label) {
+  static int k = 0;
+  const std::string tag = std::to_string(k++);
+  const std::vector<std::string> common = {"train.steps=10", "checkpoint.every=10"};
+  std::vector<std::string> one = common, many = common;
+  one.insert(one.end(), one_sets.begin(), one_sets.end());
+  one.push_back("run.out_dir=" + (root / ("one" + tag)).string());
+  many.insert(many.end(), many_sets.begin(), many_sets.end());
+  many.push_back("run.out_dir=" + (root / ("many" + tag)).string());
+  many.push_back("train.grad_accum=" + std::to_string(4 / ranks));
+  Result a = run(root, 0, one);
+  ASSERT_EQ(a.code, 0) << a.output;
+  Result b = run(root, ranks, many);
+  ASSERT_EQ(b.code, 0) << b.output;
+  for (const std::string who : {"one" + tag, "many" + tag}) {
+    const fs::path ck = root / who / "checkpoints" / "step_00000010";
+    const std::string cmd = std::string(LOOM_CLI) + " convert " + ck.string() + " --to-hf " +
+                            (root / (who + "_hf")).string() + " --dtype fp32 > " +
+                            (root / (who + "_convert.txt")).string() + " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << who;
+  }
+  std::ifstream c1(root / ("one" + tag + "_hf") / "config.json"), c4(root / ("many" + tag + "_hf") / "config.json");
+  EXPECT_EQ(nlohmann::json::parse(c1), nlohmann::json::parse(c4));
+  loom::hf::SafeTensorsFile f1((root / ("one" + tag + "_hf") / "model.safetensors").string());
+  loom::hf::SafeTensorsFile f4((root / ("many" + tag + "_hf") / "model.safetensors").string());
+  ASSERT_EQ(f1.names(), f4.names());
+  double worst = 0;
+  for (const std::string& n : f1.names()) {
+    ASSERT_EQ(f1.info(n).shape, f4.info(n).shape) << n;
+    const std::vector<float> x = f1.read_f32(n), y = f4.read_f32(n);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      num += (static_cast<double>(x[i]) - y[i]) * (static_cast<double>(x[i]) - y[i]);
+      den += static_cast<double>(x[i]) * x[i];
+    }
+    const double rel = std::sqrt(num / den);
+    worst = std::max(worst, rel);
+    EXPECT_LT(rel, 1e-5) << label << ": " << n;
+  }
+  std::printf("[convert %s] %zu tensors, worst relative difference %.2e\n", label.c_str(), f1.names().size(), worst);
+}
+
 class ShardingCli : public ::testing::Test {
  protected:
   loom::test::TmpDir tmp;
@@ -162,48 +209,24 @@ TEST_F(ShardingCli, SingleProcessResumesAsHybridShard) { reshard(0, "none", {{4,
 
 // Rank 1 stops answering before step 3; rank 0 must stop with the collective
 // and the limit named within a few seconds of run.collective_timeout.
-// `loom convert` reads any checkpoint through the reader resume uses: a zero3
-// checkpoint written by 4 ranks (each its shard of every unit) with fused
-// layers converts to the HF folder one process with native layers converts
-// to. Same tensors, names, shapes and config.json; the values agree to 1e-5
-// (the runs' fp32 gradient sums differ in order, nothing else).
+// A zero3 checkpoint written by 4 ranks (each its shard of every unit) with
+// fused layers converts to the HF folder of one process with native layers.
 TEST_F(ShardingCli, ConvertOfAFourRankZero3CheckpointEqualsOneProcess) {
-  const std::vector<std::string> common = {"train.steps=10", "checkpoint.every=10"};
-  std::vector<std::string> one = common, four = common;
-  one.insert(one.end(), {"run.out_dir=" + (tmp.path / "one").string(), "model.layers=native"});
-  four.insert(four.end(), {"run.out_dir=" + (tmp.path / "four").string(), "model.layers=fused", "sharding.plugin=zero3",
-                           "train.grad_accum=1"});
-  Result a = run(tmp.path, 0, one);
-  ASSERT_EQ(a.code, 0) << a.output;
-  Result b = run(tmp.path, 4, four);
-  ASSERT_EQ(b.code, 0) << b.output;
-  for (const char* who : {"one", "four"}) {
-    const fs::path ck = tmp.path / who / "checkpoints" / "step_00000010";
-    const std::string cmd = std::string(LOOM_CLI) + " convert " + ck.string() + " --to-hf " +
-                            (tmp.path / (std::string(who) + "_hf")).string() + " --dtype fp32 > " +
-                            (tmp.path / (std::string(who) + "_convert.txt")).string() + " 2>&1";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << who;
-  }
-  std::ifstream c1(tmp.path / "one_hf" / "config.json"), c4(tmp.path / "four_hf" / "config.json");
-  EXPECT_EQ(nlohmann::json::parse(c1), nlohmann::json::parse(c4));
-  loom::hf::SafeTensorsFile f1((tmp.path / "one_hf" / "model.safetensors").string());
-  loom::hf::SafeTensorsFile f4((tmp.path / "four_hf" / "model.safetensors").string());
-  ASSERT_EQ(f1.names(), f4.names());
-  double worst = 0;
-  for (const std::string& n : f1.names()) {
-    ASSERT_EQ(f1.info(n).shape, f4.info(n).shape) << n;
-    const std::vector<float> x = f1.read_f32(n), y = f4.read_f32(n);
-    double num = 0, den = 0;
-    for (size_t i = 0; i < x.size(); ++i) {
-      num += (static_cast<double>(x[i]) - y[i]) * (static_cast<double>(x[i]) - y[i]);
-      den += static_cast<double>(x[i]) * x[i];
-    }
-    const double rel = std::sqrt(num / den);
-    worst = std::max(worst, rel);
-    EXPECT_LT(rel, 1e-5) << n;
-  }
-  std::printf("[convert zero3 x4 fused vs one process native] %zu tensors, worst relative difference %.2e\n",
-              f1.names().size(), worst);
+  convert_equals_one_process(tmp.path, {"model.layers=native"}, 4, {"model.layers=fused", "sharding.plugin=zero3"},
+                             "zero3 x4 fused vs one process native");
+}
+
+// The same for a mixture of experts trained with expert parallelism: the
+// experts units (each rank holding its experts only) are written under the
+// experts' global names, so the HF folder is the one of one process.
+TEST_F(ShardingCli, ConvertOfAnExpertParallelCheckpointEqualsOneProcess) {
+  const std::vector<std::string> moe = {"model.ffn=\"moe\"", "model.num_experts=4", "model.top_k=2"};
+  std::vector<std::string> many = moe;
+  many.insert(many.end(), {"sharding.plugin=zero3", "sharding.expert_parallel=2"});
+  convert_equals_one_process(tmp.path, moe, 4, many, "moe zero3 x4, expert_parallel 2, vs one process");
+  std::vector<std::string> ep4 = moe;
+  ep4.insert(ep4.end(), {"sharding.plugin=ddp", "sharding.expert_parallel=4"});
+  convert_equals_one_process(tmp.path, moe, 4, ep4, "moe ddp x4, expert_parallel 4, vs one process");
 }
 
 TEST_F(ShardingCli, StalledRankTimesOutNamingTheCollective) {

@@ -99,6 +99,12 @@ struct UnitInfo {
   // Another unit whose params this unit's forward reads and whose grads its
   // backward accumulates into (the head of a tied-embedding model: unit 0), or -1.
   int uses_params_of = -1;
+  // Expert parallelism (sharding.expert_parallel = P > 1): a layer's experts
+  // unit ("layer.N.experts", every expert under its global name) has P here.
+  // Rank r holds only its experts' part, [(r mod P)·numel/P, …), whole, never
+  // gathered; the ranks holding the same part (world / P of them) add their
+  // gradients. 1 for every other unit.
+  int expert_group = 1;
 };
 
 // The units and their parameter layout for a spec (HF names, HF shapes [out, in]),

@@ -205,6 +205,29 @@ void check_cross_fields(const Config& c, const ConfigTable& model, const ConfigT
                                    c.train.steps));
 }
 
+// sharding.expert_parallel against the model; the world size is checked
+// when the ranks exist (TrainState).
+void check_expert_parallel(const Config& c) {
+  const int64_t n = c.expert_parallel;
+  if (n == 1) return;
+  const ModelSpec& s = c.model.spec;
+  if (!s.moe())
+    c.sharding.table.fail("expert_parallel",
+                          cat("sharding.expert_parallel = ", n, " splits the experts of a mixture of experts, but the "
+                              "model is dense (model.ffn = \"", c.model.ffn, "\"): set model.ffn = \"moe\" or "
+                              "sharding.expert_parallel = 1"));
+  if (c.run.device == "cuda")
+    c.sharding.table.fail("expert_parallel",
+                          cat("sharding.expert_parallel = ", n, " runs on CPU ranks only in this build (the token "
+                              "exchange between expert ranks is host-side); with run.device = \"cuda\" set "
+                              "sharding.expert_parallel = 1 (every rank holds every expert)"));
+  if (s.num_experts % n != 0)
+    c.sharding.table.fail("expert_parallel",
+                          cat("sharding.expert_parallel = ", n, " does not divide model.num_experts = ",
+                              s.num_experts, ": every rank of an expert-parallel group holds num_experts / "
+                              "expert_parallel experts; pick a divisor of ", s.num_experts));
+}
+
 }  // namespace
 
 Config parse_config_string(std::string_view toml_text, const std::string& source_name,
@@ -225,6 +248,7 @@ Config parse_config_string(std::string_view toml_text, const std::string& source
   c.precision = read_plugin_section(root, "precision", "fp32");
   c.attention = read_plugin_section(root, "attention", "naive");
   c.sharding = read_plugin_section(root, "sharding", "none");
+  c.expert_parallel = c.sharding.table.get_int("expert_parallel", 1, 1, 1 << 20);
   c.data = read_plugin_section(root, "data", "synthetic");
   ConfigTable profile = root.table("profile");
   c.profile = read_profile(profile, c.train);
@@ -238,6 +262,7 @@ Config parse_config_string(std::string_view toml_text, const std::string& source
   checkpoint.finish();
   profile.finish();
   check_cross_fields(c, model, train);
+  check_expert_parallel(c);
   return c;
 }
 

@@ -102,6 +102,10 @@ struct Config {
   CheckpointSection checkpoint;
   ProfileSection profile;
   PluginSection precision, attention, sharding, data;
+  // sharding.expert_parallel: each MoE layer's experts split over groups of
+  // this many consecutive ranks (1: every rank runs every expert). A core key
+  // in the sharding section: it holds for every strategy.
+  int64_t expert_parallel = 1;
 };
 
 // Reads and validates `file` with `overrides` ("section.key=value") applied.

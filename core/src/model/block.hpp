@@ -59,6 +59,9 @@ struct BlockEnv {
   int64_t head_chunk = 0;       // tokens per LM-head chunk (the head block's)
   MoeShared* moe = nullptr;     // the model's, for `moe` feed-forward blocks
   std::vector<int>* linear_ids = nullptr;  // every id the recipe returned, in order (Model::plan sets it)
+  // sharding.expert_parallel > 1: the ranks that split each MoE layer's
+  // experts between them (blocks/expert_parallel.hpp); null otherwise.
+  Communicator* expert_group = nullptr;
   AttentionShape attention_shape() const;
   // precision->register_linear, recording the id (the memory plan asks the
   // recipe for each linear's saved activations).
@@ -150,6 +153,12 @@ class FfnBlock : public Block {
   // down (gate and up consecutive: the fused block's [gate; up] weight).
   enum Param { kLn2 = 0, kWgate, kWup, kWdown };
   FfnBlock(const ModelSpec& spec, int64_t layer) : spec_(spec), layer_(layer) {}
+  // Expert parallelism: declares the block's experts into a unit of their own
+  // (before declare(), which then leaves them out); false when the block has
+  // no experts.
+  virtual bool declare_experts(UnitInfo& /*unit*/) { return false; }
+  // That unit's state, set before each forward and backward.
+  virtual void set_experts(const UnitState* /*experts*/) {}
   void declare(UnitInfo& unit) override;
   virtual void forward(const UnitState& u, const Tensor& in, Tensor& out) = 0;
   virtual void backward(UnitState& u, const Tensor& in, Tensor& d) = 0;

@@ -6,18 +6,33 @@
 
 namespace loom {
 
-Model::Model(const ModelSpec& spec, std::string layers) : spec_(spec), layers_(std::move(layers)), embedding_(spec_) {
+Model::Model(const ModelSpec& spec, std::string layers, int64_t expert_parallel)
+    : spec_(spec), layers_(std::move(layers)), embedding_(spec_) {
   LOOM_CHECK(spec_.hidden % spec_.num_heads == 0, "hidden ", spec_.hidden, " not divisible by num_heads ",
              spec_.num_heads);
   LOOM_CHECK(spec_.num_heads % spec_.num_kv_heads == 0, "num_heads ", spec_.num_heads,
              " not divisible by num_kv_heads ", spec_.num_kv_heads);
   units_.push_back(UnitInfo{"embedding", {}, 0});
   embedding_.declare(units_.back());
+  layer_of_.push_back(-1);
   for (int64_t l = 0; l < spec_.num_layers; ++l) {
     attention_.push_back(make_attention_block(layers_, spec_, l));
     // A mixture of experts replaces the feed-forward block of either variant.
     ffn_.push_back(make_ffn_block(spec_.moe() ? "moe" : layers_, spec_, l));
+    experts_of_.push_back(-1);
+    if (expert_parallel > 1) {
+      // Before the layer: its backward (which fills the experts' gradients)
+      // then runs before the experts unit's backward hooks.
+      UnitInfo e{"layer." + std::to_string(l) + ".experts", {}, 0};
+      e.expert_group = static_cast<int>(expert_parallel);
+      if (ffn_.back()->declare_experts(e)) {
+        experts_of_.back() = static_cast<int>(units_.size());
+        units_.push_back(std::move(e));
+        layer_of_.push_back(-1);
+      }
+    }
     units_.push_back(UnitInfo{"layer." + std::to_string(l), {}, 0});
+    layer_of_.push_back(static_cast<int>(l));
     // Profiler range names with the layer's index, made once (a range takes a lasting const char*).
     range_names_.push_back("forward.layer." + std::to_string(l));
     range_names_.push_back("backward.layer." + std::to_string(l));
@@ -27,6 +42,7 @@ Model::Model(const ModelSpec& spec, std::string layers) : spec_(spec), layers_(s
   head_ = std::make_unique<HeadBlock>(spec_);
   units_.push_back(UnitInfo{"head", {}, 0});
   head_->declare(units_.back());
+  layer_of_.push_back(-1);
 }
 
 void Model::plan(const BlockEnv& env, ArenaPlan& plan) {
@@ -99,10 +115,12 @@ void Model::forward_unit(int unit, std::vector<UnitState>& units, bool training,
     embedding_.forward(u, inputs(), x0);
     return;
   }
-  if (unit <= L) {
-    const size_t l = static_cast<size_t>(unit - 1);
+  if (unit + 1 < num_units()) {
+    if (layer_of_[static_cast<size_t>(unit)] < 0) return;  // an experts unit: its layer reads it
+    const size_t l = static_cast<size_t>(layer_of_[static_cast<size_t>(unit)]);
     Range r(be, range_names_[2 * l].c_str());
     Tensor x = stream(res_[l]), mid = stream(mid_[l]), out = stream(res_[l + 1]);
+    ffn_[l]->set_experts(experts_of_[l] >= 0 ? &units[static_cast<size_t>(experts_of_[l])] : nullptr);
     attention_[l]->forward(u, x, mid);
     ffn_[l]->forward(u, mid, out);
     return;
@@ -134,10 +152,12 @@ void Model::backward_unit(int unit, std::vector<UnitState>& units) {
     embedding_.backward(u, inputs(), d);
     return;
   }
-  if (unit <= L) {
-    const size_t l = static_cast<size_t>(unit - 1);
+  if (unit + 1 < num_units()) {
+    if (layer_of_[static_cast<size_t>(unit)] < 0) return;  // an experts unit: its layer's backward filled it
+    const size_t l = static_cast<size_t>(layer_of_[static_cast<size_t>(unit)]);
     Range r(be, range_names_[2 * l + 1].c_str());
     Tensor x = stream(res_[l]), mid = stream(mid_[l]);
+    ffn_[l]->set_experts(experts_of_[l] >= 0 ? &units[static_cast<size_t>(experts_of_[l])] : nullptr);
     if (env_.recompute == Recompute::full) {
       // Only the residual stream was kept: rebuild this layer's activations
       // (its output, rewritten into res[l + 1], comes out the same).

@@ -21,7 +21,9 @@ namespace loom {
 
 class Model {
  public:
-  Model(const ModelSpec& spec, std::string layers);
+  // expert_parallel > 1 (a MoE spec): every layer's experts go into a unit of
+  // their own, just before the layer's unit (UnitInfo::expert_group).
+  Model(const ModelSpec& spec, std::string layers, int64_t expert_parallel = 1);
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
@@ -67,7 +69,9 @@ class Model {
   std::vector<std::unique_ptr<FfnBlock>> ffn_;
   std::unique_ptr<HeadBlock> head_;
   std::vector<UnitInfo> units_;
-  std::vector<std::string> range_names_;  // "forward.layer.N", "backward.layer.N" per layer
+  std::vector<std::string> range_names_;
+  std::vector<int> layer_of_;    // per unit: the layer it computes, or -1 (embedding, experts, head)
+  std::vector<int> experts_of_;  // per layer: its experts unit, or -1  // "forward.layer.N", "backward.layer.N" per layer
 
   BlockEnv env_;
   std::vector<int> linear_ids_;

@@ -42,7 +42,7 @@ Config with_log_level(Config cfg) {
 
 Session::Session(Config cfg, SessionOptions opts)
     : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, spec_for(cfg_), opts.single_process, opts.plan_world, opts.plan_local_world)) {
-  model_ = std::make_unique<Model>(spec_for(cfg_), cfg_.model.layers);
+  model_ = std::make_unique<Model>(spec_for(cfg_), cfg_.model.layers, cfg_.expert_parallel);
   state_ = std::make_unique<TrainState>(cfg_, rt_, *model_);
 }
 

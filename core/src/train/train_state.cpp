@@ -67,6 +67,17 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   env_.param_dtype = dt.param;
   env_.grad_dtype = dt.grad;
   env_.grad_accum = cfg_.train.grad_accum;
+  // Expert parallelism: groups of expert_parallel consecutive ranks
+  // (blocks/expert_parallel.hpp), checked before any buffer exists.
+  const int64_t ep = cfg_.expert_parallel;
+  if (ep > 1) {
+    const int world = rt_.world();
+    if (world % ep != 0)
+      throw Error(cat("sharding.expert_parallel = ", ep, " does not divide the ", world, " ranks of this run: the ",
+                      "experts are split over groups of expert_parallel consecutive ranks; start a multiple of ", ep,
+                      " ranks or set sharding.expert_parallel to a divisor of ", world));
+    expert_group_ = rt_.comm->split(rt_.rank() / static_cast<int>(ep), rt_.rank());
+  }
   const std::vector<UnitInfo>& infos = model_.units();
   layouts_ = rt_.sharding->plan(env_, infos);
   LOOM_CHECK(layouts_.size() == infos.size(), "sharding plugin returned ", layouts_.size(), " layouts for ",
@@ -80,6 +91,15 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
                    l.optim_begin + l.optim_numel <= l.padded_numel && l.replicas >= 1 && l.replica >= 0 &&
                    l.replica < l.replicas && l.param_numel == (l.params_sharded ? l.optim_numel : l.padded_numel),
                "sharding.plugin = \"", cfg_.sharding.plugin, "\" planned an inconsistent layout for unit ", n);
+    if (infos[i].expert_group > 1) {
+      // Expert parallelism: this rank's experts, whole (ffn_moe.cpp reads them in place).
+      const int64_t P = infos[i].expert_group, chunk = infos[i].numel / P;
+      if (!(l.params_sharded && l.param_numel == chunk && l.optim_numel == chunk && l.grad_numel == chunk &&
+            l.optim_begin == (rt_.rank() % P) * chunk))
+        throw Error(cat("sharding.plugin = \"", cfg_.sharding.plugin, "\" does not support sharding.expert_parallel = ",
+                        P, ": it did not give rank ", rt_.rank(), " the whole range of its experts in unit ", n,
+                        "; use ddp, zero1, zero2, zero3 (full_shard) or hybrid_shard, or sharding.expert_parallel = 1"));
+    }
     UnitBlocks b{};
     b.params = plan_.add("params." + n, MemCategory::params, static_cast<size_t>(l.param_numel) * pb);
     b.grads = plan_.add("grads." + n, MemCategory::grads, static_cast<size_t>(l.grad_numel) * gb);
@@ -104,6 +124,7 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   be.precision = rt_.precision.get();
   be.attention = rt_.attention.get();
   be.backend = rt_.backend.get();
+  be.expert_group = expert_group_.get();
   be.head_chunk = head_chunk_tokens(model_.layers(), cfg_.model.head_chunk, be.N, model_.spec().vocab_size, be.act);
   model_.plan(be, plan_);
   // Every linear is registered: the recipe learns its data-parallel group
@@ -199,7 +220,16 @@ TrainState::MemoryFormula TrainState::memory_formula() const {
   // for its largest unit (a plugin of any name), not off the plugin's name.
   const PrecisionDTypes& dt = rt_.dtypes;
   const std::vector<UnitInfo>& infos = model_.units();
-  const double psi = static_cast<double>(model_.spec().total_params());
+  // Expert parallelism: the experts units are held 1/P per rank (params,
+  // grads and optimizer state alike), whatever the strategy; the formulas
+  // below are for the other parameters.
+  double psi_e = 0, ep = 1;
+  for (const UnitInfo& u : infos)
+    if (u.expert_group > 1) {
+      psi_e += static_cast<double>(u.numel);
+      ep = static_cast<double>(u.expert_group);
+    }
+  const double psi = static_cast<double>(model_.spec().total_params()) - psi_e;
   const double P = static_cast<double>(dtype_size(dt.param));
   const double G = static_cast<double>(dtype_size(dt.grad));
   const double K = (dt.has_master ? 4.0 : 0.0) + 2.0 * static_cast<double>(dtype_size(dt.optim_state));
@@ -211,16 +241,17 @@ TrainState::MemoryFormula TrainState::memory_formula() const {
     const bool read_by_another = std::any_of(infos.begin(), infos.end(), [&](const UnitInfo& u) {
       return u.uses_params_of == static_cast<int>(i);
     });
-    if (!read_by_another && (!big || layouts_[i].padded_numel > big->padded_numel)) big = &layouts_[i];
+    if (!read_by_another && infos[i].expert_group == 1 && (!big || layouts_[i].padded_numel > big->padded_numel))
+      big = &layouts_[i];
   }
   if (!big) big = &layouts_[0];
   const double p = big->optim_numel > 0 ? static_cast<double>(big->padded_numel) / static_cast<double>(big->optim_numel) : 1.0;
   const bool z1 = big->optim_numel < big->padded_numel;
   const bool z2 = z1 && big->grad_numel == 0;
   const bool z3 = big->params_sharded;
-  f.params = P * psi / (z3 ? p : 1.0);
-  f.grads = z2 ? 4.0 * psi / p : G * psi + (z1 ? 4.0 * psi / p : 0.0);
-  f.optimizer = K * psi / (z1 ? p : 1.0);
+  f.params = P * psi / (z3 ? p : 1.0) + P * psi_e / ep;
+  f.grads = (z2 ? 4.0 * psi / p : G * psi + (z1 ? 4.0 * psi / p : 0.0)) + G * psi_e / ep;
+  f.optimizer = K * psi / (z1 ? p : 1.0) + K * psi_e / ep;
   return f;
 }
 

@@ -76,6 +76,7 @@ class TrainState {
   Runtime& rt_;
   Model& model_;
   std::unique_ptr<BackendOptimizerOps> ops_;
+  std::unique_ptr<Communicator> expert_group_;  // sharding.expert_parallel > 1: this rank's group
   ShardingEnv env_;
   std::vector<UnitLayout> layouts_;
   std::vector<UnitState> units_;

@@ -1,6 +1,7 @@
 #include "train/weights.hpp"
 
 #include <cmath>
+#include <unordered_map>
 #include <vector>
 
 #include "hf/hf_llama.hpp"
@@ -38,12 +39,19 @@ void fill_normal(float* out, int64_t n, uint64_t seed, uint64_t stream, double s
 
 void init_random(TrainState& state, const ModelSpec& spec, uint64_t seed, double init_std) {
   const double std_out = init_std / std::sqrt(2.0 * static_cast<double>(spec.num_layers));
-  uint64_t stream = 0;
+  // Each parameter draws from its own stream, numbered in the canonical
+  // (HF) order, so a layout that groups parameters otherwise (the experts
+  // units of expert parallelism) starts from the same weights.
+  std::unordered_map<std::string, uint64_t> stream_of;
+  for (const UnitInfo& u : model_units(spec))
+    for (const ParamInfo& p : u.params) stream_of.emplace(p.name, stream_of.size() + 1);
   std::vector<float> buf;
   for (const UnitInfo& u : state.infos())
     for (const ParamInfo& p : u.params) {
       buf.assign(static_cast<size_t>(p.numel), 0.f);
-      ++stream;
+      const auto it = stream_of.find(p.name);
+      LOOM_CHECK(it != stream_of.end(), "init_random: parameter ", p.name, " is not in the model's layout");
+      const uint64_t stream = it->second;
       switch (p.role) {
         case ParamRole::norm_gain: std::fill(buf.begin(), buf.end(), 1.0f); break;
         case ParamRole::output_projection: fill_normal(buf.data(), p.numel, seed, stream, std_out); break;

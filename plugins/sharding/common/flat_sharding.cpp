@@ -62,6 +62,7 @@ struct FlatSharding::Impl {
   struct Unit {
     int64_t numel = 0, padded = 0, chunk = 0, begin = 0;
     bool tied_target = false;  // another unit reads its params (the embedding of a tied model)
+    bool experts = false;      // a layer's experts under expert parallelism (UnitInfo::expert_group)
     CommTicket gather_ticket = 0;  // zero1/zero2: the post-step all-gather of its params
   };
   std::vector<Unit> units;
@@ -80,6 +81,15 @@ struct FlatSharding::Impl {
   int grad_slot = 0, stage_slot = 0, rtmp_slot = 0;
 
   std::vector<UnitState>* state = nullptr;
+
+  // Expert parallelism: experts units are split over groups of `ep`
+  // consecutive ranks, each rank holding its experts' range whole (never
+  // gathered); expert_replica: the world / ep ranks holding the same range,
+  // whose gradients are added on the last micro-batch.
+  int ep = 1;
+  std::unique_ptr<Communicator> expert_replica_own;
+  Communicator* expert_replica = nullptr;
+  CommTicket last_expert = 0;
 
   // zero3/hybrid gather schedule of one micro-batch: unit per event, in the
   // order forward then (reshard_after_forward) backward uses them.
@@ -266,10 +276,42 @@ std::vector<UnitLayout> FlatSharding::plan(const ShardingEnv& env, const std::ve
   I.units.assign(infos.size(), {});
   for (const UnitInfo& u : infos)
     if (u.uses_params_of >= 0) I.units.at(static_cast<size_t>(u.uses_params_of)).tied_target = true;
+  for (const UnitInfo& u : infos)
+    if (u.expert_group > 1) {
+      LOOM_CHECK(I.ep == 1 || I.ep == u.expert_group, "sharding.plugin = \"", I.name,
+                 "\": experts units split over groups of ", I.ep, " and ", u.expert_group, " ranks");
+      I.ep = u.expert_group;
+    }
+  if (I.ep > 1) {
+    LOOM_CHECK(I.world % I.ep == 0, "sharding.expert_parallel = ", I.ep, " does not divide the ", I.world, " ranks");
+    I.expert_replica_own = env.world->split(I.rank % I.ep, I.rank / I.ep);
+    I.expert_replica = I.expert_replica_own.get();
+  }
   std::vector<UnitLayout> out;
   for (size_t i = 0; i < infos.size(); ++i) {
     Impl::Unit& m = I.units[i];
     m.numel = infos[i].numel;
+    if (infos[i].expert_group > 1) {
+      // This rank's experts: a range of whole experts, held with its gradient
+      // and optimizer state; replicas: the ranks of the other groups.
+      LOOM_CHECK(m.numel % I.ep == 0, "sharding.plugin = \"", I.name, "\": unit ", infos[i].name, " of ", m.numel,
+                 " elements does not split over ", I.ep, " ranks");
+      m.experts = true;
+      m.chunk = m.numel / I.ep;
+      m.padded = m.numel;
+      m.begin = static_cast<int64_t>(I.rank % I.ep) * m.chunk;
+      UnitLayout l;
+      l.padded_numel = m.padded;
+      l.params_sharded = true;
+      l.param_numel = m.chunk;
+      l.grad_numel = m.chunk;
+      l.optim_numel = m.chunk;
+      l.optim_begin = m.begin;
+      l.replicas = I.world / I.ep;
+      l.replica = I.rank / I.ep;
+      out.push_back(l);
+      continue;
+    }
     m.chunk = ceil_div(m.numel, I.group);
     m.padded = m.chunk * I.group;
     m.begin = static_cast<int64_t>(gr) * m.chunk;
@@ -315,7 +357,7 @@ std::vector<ShardingBuffer> FlatSharding::scratch(const ShardingEnv&) {
         b.push_back({cat("gather.", i), I.param_dtype, I.max_padded, MemCategory::comm});
     }
     for (size_t u = 0; u < I.units.size(); ++u)
-      if (!I.reshard_after_forward || I.units[u].tied_target)
+      if ((!I.reshard_after_forward && !I.units[u].experts) || I.units[u].tied_target)
         b.push_back({cat("gathered.", u), I.param_dtype, I.units[u].padded, MemCategory::params});
   }
   return b;
@@ -344,24 +386,30 @@ void FlatSharding::setup(ShardingEnv& env, std::vector<UnitState>& units, std::v
     }
     I.gather_own.assign(units.size(), Tensor());
     for (size_t u = 0; u < I.units.size(); ++u)
-      if (!I.reshard_after_forward || I.units[u].tied_target) I.gather_own[u] = next();
+      if ((!I.reshard_after_forward && !I.units[u].experts) || I.units[u].tied_target) I.gather_own[u] = next();
     // The gather schedule of one micro-batch. A tied target is gathered once
     // (first) and kept; the rest in forward order and, when resharding after
     // forward, again in backward order.
     const int n = static_cast<int>(units.size());
+    auto gathered = [&](int u) { return !I.units[static_cast<size_t>(u)].experts; };  // experts units never are
     for (int u = 0; u < n; ++u)
       if (I.units[static_cast<size_t>(u)].tied_target) I.events.push_back(u);
     for (int u = 0; u < n; ++u)
-      if (!I.units[static_cast<size_t>(u)].tied_target) I.events.push_back(u);
+      if (!I.units[static_cast<size_t>(u)].tied_target && gathered(u)) I.events.push_back(u);
     if (I.reshard_after_forward)
       for (int u = n - 1; u >= 0; --u)
-        if (!I.units[static_cast<size_t>(u)].tied_target) I.events.push_back(u);
+        if (!I.units[static_cast<size_t>(u)].tied_target && gathered(u)) I.events.push_back(u);
     I.event_ticket.assign(I.events.size(), 0);
     I.event_slot.assign(I.events.size(), -1);
     LOOM_CHECK(I.events.empty() || I.events.front() == 0 || !I.units[0].tied_target, "sharding: tied target must be unit 0");
   }
-  for (UnitState& u : units)
+  for (UnitState& u : units) {
+    if (I.units[static_cast<size_t>(u.index)].experts) {
+      u.params = u.param_shard;  // the rank's experts, read in place (ffn_moe.cpp offsets them)
+      continue;
+    }
     LOOM_CHECK(u.layout.params_sharded == I.shard_params(), I.where(u), ": core allocated an unexpected layout");
+  }
   (void)env;
 }
 
@@ -371,6 +419,7 @@ void FlatSharding::begin_step(ShardingEnv&, std::vector<UnitState>&) {
 
 void FlatSharding::before_forward(ShardingEnv& env, UnitState& u) {
   Impl& I = *impl_;
+  if (I.units[static_cast<size_t>(u.index)].experts) return;  // held whole, never gathered
   if (!I.shard_params()) {
     // zero1/zero2: the params were all-gathered after the last step.
     const auto& m = I.units[static_cast<size_t>(u.index)];
@@ -390,6 +439,7 @@ void FlatSharding::before_forward(ShardingEnv& env, UnitState& u) {
 void FlatSharding::before_backward(ShardingEnv& env, UnitState& u) {
   Impl& I = *impl_;
   const auto& m = I.units[static_cast<size_t>(u.index)];
+  if (m.experts) return;  // its gradient buffer is its own (the core's), accumulating over micro-batches
   if (I.shard_grads()) {
     if (u.index == static_cast<int>(I.units.size()) - 1) {
       // The backward starts: a tied target's grads receive the head's
@@ -416,6 +466,13 @@ void FlatSharding::after_backward(ShardingEnv& env, UnitState& u, bool last_micr
   const auto& m = I.units[static_cast<size_t>(u.index)];
   const bool first = I.micro == 0;
   if (u.index == 0) ++I.micro;
+  if (m.experts) {
+    // The owner's gradient covers its group's tokens, already scaled by
+    // 1 / world: the replicas' sum is the global batch's gradient.
+    if (last_micro && I.expert_replica->size() > 1)
+      I.last_expert = std::max(I.last_expert, I.expert_replica->all_reduce(env.ctx, u.grads, ReduceOp::sum));
+    return;
+  }
   switch (I.strategy) {
     case Strategy::ddp: {
       if (!last_micro) return;  // accumulate locally until the step's last micro-batch
@@ -455,11 +512,27 @@ void FlatSharding::step(ShardingEnv& env, std::vector<UnitState>& units, const A
   if (I.last_shard) I.shard->wait(env.ctx, I.last_shard);
   if (I.last_replica) I.replica->wait(env.ctx, I.last_replica);
   if (I.last_world) I.world_comm->wait(env.ctx, I.last_world);
+  if (I.last_expert) I.expert_replica->wait(env.ctx, I.last_expert);
 
-  // Global norm: each rank sums its owned range (padding excluded), the shard
-  // group adds them up; replicas hold the same values and are not added
-  // again. All of it on the device: clipping and skipping happen there.
+  if (I.ep > 1) {
+    // Expert parallelism: the ranks hold different experts, so the norm is
+    // added up over the world, each rank summing its share of what it owns
+    // (a range held by R replicas: the replica's 1/R of it), so that every
+    // element counts once.
+    auto share = [&](const Tensor& g, int64_t n, int replicas, int replica) {
+      const int64_t lo = n * replica / replicas, hi = n * (replica + 1) / replicas;
+      if (hi > lo) env.ops->norm_add(env.ctx, g, lo, hi);
+    };
+    for (UnitState& u : units) {
+      const auto& m = I.units[static_cast<size_t>(u.index)];
+      if (m.experts) share(u.grads, m.chunk, u.layout.replicas, u.layout.replica);
+      else if (I.strategy == Strategy::ddp) share(u.grads, m.numel, I.world, I.rank);
+      else share(u.grad_shard, std::clamp<int64_t>(m.numel - m.begin, 0, m.chunk), I.replicas, I.rank / I.group);
+    }
+    env.ops->norm_finish(env.ctx, I.world_comm);
+  }
   for (UnitState& u : units) {
+    if (I.ep > 1) break;  // added up above
     const auto& m = I.units[static_cast<size_t>(u.index)];
     if (I.strategy == Strategy::ddp) {
       env.ops->norm_add(env.ctx, u.grads, 0, m.numel);
@@ -468,9 +541,13 @@ void FlatSharding::step(ShardingEnv& env, std::vector<UnitState>& units, const A
       if (valid > 0) env.ops->norm_add(env.ctx, u.grad_shard, 0, valid);
     }
   }
-  env.ops->norm_finish(env.ctx, I.strategy == Strategy::ddp ? nullptr : I.shard);
+  if (I.ep == 1) env.ops->norm_finish(env.ctx, I.strategy == Strategy::ddp ? nullptr : I.shard);
   for (UnitState& u : units) {
     auto& m = I.units[static_cast<size_t>(u.index)];
+    if (m.experts) {
+      env.ops->adamw(env.ctx, u, u.grads, h, u.param_shard, m.begin);
+      continue;
+    }
     switch (I.strategy) {
       case Strategy::ddp:
         env.ops->adamw(env.ctx, u, u.grads, h, u.params, 0);

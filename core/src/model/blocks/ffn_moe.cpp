@@ -19,11 +19,18 @@
 // Parameters, HF Mixtral's names and order: post_attention_layernorm, the
 // router block_sparse_moe.gate [E, h], then per expert experts.E.w1 [f, h]
 // (gate), w2 [h, f] (down), w3 [f, h] (up).
+//
+// Expert parallelism (sharding.expert_parallel > 1, expert_parallel.hpp): the
+// experts are in a unit of their own (declare_experts), of which this rank
+// holds its experts only; the sorted rows go to the experts' owners and the
+// outputs come back by all_to_all, and the same for the gradients.
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "loom/error.hpp"
 #include "model/blocks/blocks.hpp"
+#include "model/blocks/expert_parallel.hpp"
 
 namespace loom {
 namespace {
@@ -38,15 +45,13 @@ class MoeFfn final : public FfnBlock {
   const char* kind() const override { return "ffn.moe"; }
 
   enum MoeParam { kLn = 0, kRouter = 1, kFirstExpert = 2 };
-  static int w1(int64_t e) { return kFirstExpert + 3 * static_cast<int>(e); }
-  static int w2(int64_t e) { return w1(e) + 1; }
-  static int w3(int64_t e) { return w1(e) + 2; }
 
   void declare(UnitInfo& u) override {
     const std::string p = "model.layers." + std::to_string(layer_) + ".";
     const int64_t h = spec_.hidden, f = spec_.ffn_hidden;
     add_param(u, p + "post_attention_layernorm.weight", {h}, ParamRole::norm_gain);
     add_param(u, p + "block_sparse_moe.gate.weight", {spec_.num_experts, h}, ParamRole::matrix);
+    if (experts_apart_) return;  // in their own unit (declare_experts)
     for (int64_t e = 0; e < spec_.num_experts; ++e) {
       const std::string q = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
       add_param(u, q + "w1.weight", {f, h}, ParamRole::matrix);
@@ -54,6 +59,32 @@ class MoeFfn final : public FfnBlock {
       add_param(u, q + "w3.weight", {f, h}, ParamRole::matrix);
     }
   }
+
+  // Expert parallelism: every expert, global names and HF order, in the
+  // experts unit (expert e's w1, w2, w3 are its parameters 3e, 3e + 1, 3e + 2).
+  bool declare_experts(UnitInfo& u) override {
+    experts_apart_ = true;
+    const std::string p = "model.layers." + std::to_string(layer_) + ".block_sparse_moe.experts.";
+    const int64_t h = spec_.hidden, f = spec_.ffn_hidden;
+    auto add = [&](std::string name, std::vector<int64_t> shape, ParamRole role) {
+      ParamInfo q;
+      q.name = std::move(name);
+      q.numel = shape[0] * shape[1];
+      q.shape = std::move(shape);
+      q.offset = u.numel;
+      q.role = role;
+      u.numel += q.numel;
+      u.params.push_back(std::move(q));
+    };
+    for (int64_t e = 0; e < spec_.num_experts; ++e) {
+      const std::string q = p + std::to_string(e) + ".";
+      add(q + "w1.weight", {f, h}, ParamRole::matrix);
+      add(q + "w2.weight", {h, f}, ParamRole::output_projection);
+      add(q + "w3.weight", {f, h}, ParamRole::matrix);
+    }
+    return true;
+  }
+  void set_experts(const UnitState* experts) override { experts_unit_ = experts; }
 
   void plan(const BlockEnv& env, ActivationPlan& a) override {
     env_ = env;
@@ -63,6 +94,12 @@ class MoeFfn final : public FfnBlock {
     const size_t H = static_cast<size_t>(h), F = static_cast<size_t>(f), EE = static_cast<size_t>(E),
                  K = static_cast<size_t>(k);
     const bool full = env.recompute == Recompute::full;
+    // Expert parallelism (expert_parallel.hpp): the experts' rows are the
+    // ones this rank's experts receive, up to Rx of them.
+    ep_.reset();
+    if (env.expert_group != nullptr && env.expert_group->size() > 1)
+      ep_ = std::make_unique<ExpertExchange>(env.expert_group, E, env.N, k, h);
+    const size_t Rx = ep_ ? static_cast<size_t>(ep_->max_recv_rows()) : R;
     ln2_ = a.kept("ln2", l, n * H * e, full);
     rstd2_ = a.kept("rstd2", l, n * 4, full);
     if (spec_.router_jitter_noise > 0) {
@@ -77,21 +114,29 @@ class MoeFfn final : public FfnBlock {
     row_of_ = a.kept("moe.row_of", l, R * 4, full);
     counts_ = a.kept("moe.counts", l, (2 * EE + 1) * 8, full);
     xs_ = a.kept("moe.xs", l, R * H * e, full);
-    gate_ = a.kept("moe.gate", l, R * F * e, full);
-    up_ = a.kept("moe.up", l, R * F * e, full);
-    act_ = a.kept("moe.act", l, R * F * e, full);
+    gate_ = a.kept("moe.gate", l, Rx * F * e, full);
+    up_ = a.kept("moe.up", l, Rx * F * e, full);
+    act_ = a.kept("moe.act", l, Rx * F * e, full);
+    if (ep_) {
+      xr_ = a.kept("moe.ep.xr", l, Rx * H * e, full);
+      eout_r_ = a.kept("moe.ep.eout", l, Rx * H * e, full);
+      d_xr_ = a.shared("grad.moe.ep.xr", Rx * H * e);
+      d_eout_r_ = a.shared("grad.moe.ep.eout", Rx * H * e);
+    }
     eout_ = a.kept("moe.eout", l, R * H * e, full);
     tmp_ = a.shared("scratch.h", n * H * e);  // the combine's output before the residual add
     d_ln_ = a.shared("grad.ln", n * H * e);
     d_eout_ = a.shared("grad.moe.eout", R * H * e);  // also each expert's second dgrad
-    d_act_ = a.shared("grad.moe.act", R * F * e);
-    d_gate_ = a.shared("grad.moe.gate", R * F * e);
-    d_up_ = a.shared("grad.moe.up", R * F * e);
+    d_act_ = a.shared("grad.moe.act", Rx * F * e);
+    d_gate_ = a.shared("grad.moe.gate", Rx * F * e);
+    d_up_ = a.shared("grad.moe.up", Rx * F * e);
     d_xs_ = a.shared("grad.moe.xs", R * H * e);
     d_weights_ = a.shared("grad.moe.weights", n * K * 4);
     d_probs_ = a.shared("grad.moe.probs", n * EE * 4);
     d_logits_ = a.shared("grad.moe.logits", n * EE * 4);
-    // An expert gets at most one row per token (a token's k experts differ).
+    // An expert gets at most one row per token (a token's k experts differ)
+    // from each rank that sends it rows.
+    const int64_t max_rows = ep_ ? env.N * ep_->group_size() : env.N;
     const std::string s = "layer." + std::to_string(l) + ".expert.";
     w1_.clear();
     w2_.clear();
@@ -99,11 +144,13 @@ class MoeFfn final : public FfnBlock {
     for (int64_t x = 0; x < E; ++x) {
       const std::string q = s + std::to_string(x) + ".";
       // variable_rows: the row count changes per call (one GEMM plan per matrix, not per count).
-      w1_.push_back(env.register_linear({q + "w1", h, f, env.N, LinearRole::hidden, true}));
-      w2_.push_back(env.register_linear({q + "w2", f, h, env.N, LinearRole::hidden, true}));
-      w3_.push_back(env.register_linear({q + "w3", h, f, env.N, LinearRole::hidden, true}));
+      w1_.push_back(env.register_linear({q + "w1", h, f, max_rows, LinearRole::hidden, true}));
+      w2_.push_back(env.register_linear({q + "w2", f, h, max_rows, LinearRole::hidden, true}));
+      w3_.push_back(env.register_linear({q + "w3", h, f, max_rows, LinearRole::hidden, true}));
     }
     host_counts_.assign(2 * EE + 1, 0);
+    local_segments_.clear();
+    local_segments_.reserve(EE);
   }
 
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {
@@ -143,17 +190,28 @@ class MoeFfn final : public FfnBlock {
     const int64_t* rows = expert_rows(rt, true);
     {
       Range r(be, "experts");
-      Tensor gate = act(gate_, {rt.N * rt.k, f}), up = act(up_, {rt.N * rt.k, f}), a = act(act_, {rt.N * rt.k, f});
+      const int64_t Rx = expert_side_rows();
+      Tensor gate = act(gate_, {Rx, f}), up = act(up_, {Rx, f}), a = act(act_, {Rx, f});
       Tensor eout = act(eout_, {rt.N * rt.k, h});
-      for (int64_t e = 0; e < spec_.num_experts; ++e) {
-        const int64_t r0 = rows[spec_.num_experts + e], m = rows[e];
-        if (m == 0) continue;  // no token chose this expert
-        Tensor xs_e = rows_of(xs, r0, m), gate_e = rows_of(gate, r0, m), up_e = rows_of(up, r0, m);
-        Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout, r0, m);
-        env_.precision->linear_forward(ctx, w1_[static_cast<size_t>(e)], xs_e, param(u, w1(e)), gate_e, nullptr);
-        env_.precision->linear_forward(ctx, w3_[static_cast<size_t>(e)], xs_e, param(u, w3(e)), up_e, nullptr);
+      Tensor xin_rows = xs, eout_rows = eout;  // the rows the experts run on: local, or received
+      if (ep_) {
+        Range x(be, "ep.dispatch");
+        xin_rows = act(xr_, {Rx, h});
+        eout_rows = act(eout_r_, {Rx, h});
+        ep_->dispatch(rows, xs, xin_rows);
+      }
+      for (const ExpertExchange::Segment& sg : segments(rows)) {
+        const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
+        Tensor xs_e = rows_of(xin_rows, r0, m), gate_e = rows_of(gate, r0, m), up_e = rows_of(up, r0, m);
+        Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout_rows, r0, m);
+        env_.precision->linear_forward(ctx, w1_[static_cast<size_t>(e)], xs_e, expert(u, e, 0), gate_e, nullptr);
+        env_.precision->linear_forward(ctx, w3_[static_cast<size_t>(e)], xs_e, expert(u, e, 2), up_e, nullptr);
         be.swiglu_forward(act_e, gate_e, up_e);
-        env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, param(u, w2(e)), eout_e, nullptr);
+        env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, expert(u, e, 1), eout_e, nullptr);
+      }
+      if (ep_) {
+        Range x(be, "ep.return");
+        ep_->give_back(eout_rows, eout);
       }
     }
     {
@@ -178,25 +236,38 @@ class MoeFfn final : public FfnBlock {
     const int64_t* rows = expert_rows(rt, false);
     {
       Range r(be, "experts.grad");
-      Tensor xs = act(xs_, {R, h}), gate = act(gate_, {R, f}), up = act(up_, {R, f}), a = act(act_, {R, f});
-      Tensor d_act = act(d_act_, {R, f}), d_gate = act(d_gate_, {R, f}), d_up = act(d_up_, {R, f});
+      const int64_t Rx = expert_side_rows();
+      Tensor xs = act(xs_, {R, h}), gate = act(gate_, {Rx, f}), up = act(up_, {Rx, f}), a = act(act_, {Rx, f});
+      Tensor d_act = act(d_act_, {Rx, f}), d_gate = act(d_gate_, {Rx, f}), d_up = act(d_up_, {Rx, f});
       Tensor d_xs = act(d_xs_, {R, h});
-      for (int64_t e = 0; e < spec_.num_experts; ++e) {
-        const int64_t r0 = rows[spec_.num_experts + e], m = rows[e];
-        if (m == 0) continue;  // no rows: its weight gradients stay as they are
+      Tensor d_xs_sorted = d_xs, d_eout_sorted = d_eout;
+      if (ep_) {  // the experts' rows are the received ones; their gradients travel the same way
+        Range x(be, "ep.dispatch.grad");
+        xs = act(xr_, {Rx, h});
+        d_xs = act(d_xr_, {Rx, h});
+        d_eout = act(d_eout_r_, {Rx, h});
+        ep_->dispatch_grad(d_eout_sorted, d_eout);
+      }
+      // No rows: an expert's weight gradients stay as they are.
+      for (const ExpertExchange::Segment& sg : segments(rows)) {
+        const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
         Tensor d_eout_e = rows_of(d_eout, r0, m), d_act_e = rows_of(d_act, r0, m);
         Tensor d_gate_e = rows_of(d_gate, r0, m), d_up_e = rows_of(d_up, r0, m), d_xs_e = rows_of(d_xs, r0, m);
         Tensor xs_e = rows_of(xs, r0, m);
-        Tensor dW2 = param(u, w2(e), true), dW1 = param(u, w1(e), true), dW3 = param(u, w3(e), true);
-        env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), param(u, w2(e)),
+        Tensor dW2 = expert(u, e, 1, true), dW1 = expert(u, e, 0, true), dW3 = expert(u, e, 2, true);
+        env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), expert(u, e, 1),
                                         d_eout_e, &d_act_e, dW2, true);
         be.swiglu_backward(d_gate_e, d_up_e, d_act_e, rows_of(gate, r0, m), rows_of(up, r0, m));
-        env_.precision->linear_backward(ctx, w1_[static_cast<size_t>(e)], xs_e, param(u, w1(e)), d_gate_e, &d_xs_e,
+        env_.precision->linear_backward(ctx, w1_[static_cast<size_t>(e)], xs_e, expert(u, e, 0), d_gate_e, &d_xs_e,
                                         dW1, true);
         // d_eout's rows of this expert are consumed: they take the second dgrad.
-        env_.precision->linear_backward(ctx, w3_[static_cast<size_t>(e)], xs_e, param(u, w3(e)), d_up_e, &d_eout_e,
+        env_.precision->linear_backward(ctx, w3_[static_cast<size_t>(e)], xs_e, expert(u, e, 2), d_up_e, &d_eout_e,
                                         dW3, true);
         be.accumulate(d_xs_e, d_eout_e);
+      }
+      if (ep_) {
+        Range x(be, "ep.return.grad");
+        ep_->give_back_grad(d_xs, d_xs_sorted);
       }
     }
     Tensor d_ln = act(d_ln_, {N, h});
@@ -245,6 +316,34 @@ class MoeFfn final : public FfnBlock {
     return host_counts_.data();
   }
 
+  // Expert e's matrix j (0: w1, 1: w2, 2: w3), or its gradient: in the
+  // layer's unit, or (expert parallelism) in the experts unit, of which this
+  // rank holds its experts' range [optim_begin, optim_begin + optim_numel).
+  Tensor expert(const UnitState& u, int64_t e, int j, bool grad = false) const {
+    if (!experts_apart_) return param(u, kFirstExpert + 3 * static_cast<int>(e) + j, grad);
+    const UnitState* x = experts_unit_;
+    LOOM_CHECK(x != nullptr, "ffn.moe layer ", layer_, ": the model set no experts unit");
+    const ParamInfo& p = x->info->params[static_cast<size_t>(3 * e + j)];
+    const int64_t lo = p.offset - x->layout.optim_begin;
+    LOOM_CHECK(lo >= 0 && lo + p.numel <= x->layout.optim_numel, "ffn.moe layer ", layer_, ": expert ", e,
+               " is not held on this rank (", p.name, ")");
+    return view(grad ? x->grads : x->params, lo, {p.shape[0], p.shape[1]});
+  }
+
+  // Rows the experts run on: the sorted local ones, or those received.
+  int64_t expert_side_rows() const { return ep_ ? ep_->max_recv_rows() : env_.N * spec_.top_k; }
+
+  // The experts' runs of rows: every expert with rows, over the sorted rows
+  // (rows: counts then offsets); under expert parallelism, the received ones.
+  // (No allocation in the step: the list's capacity is set in plan().)
+  const std::vector<ExpertExchange::Segment>& segments(const int64_t* rows) {
+    if (ep_) return ep_->segments();
+    local_segments_.clear();
+    for (int64_t e = 0; e < spec_.num_experts; ++e)
+      if (rows[e] > 0) local_segments_.push_back({e, rows[spec_.num_experts + e], rows[e]});
+    return local_segments_;
+  }
+
   // Rows [r0, r0 + m) of a packed [rows, cols] matrix.
   static Tensor rows_of(const Tensor& t, int64_t r0, int64_t m) {
     return view(t, r0 * t.size(1), {m, t.size(1)});
@@ -253,7 +352,11 @@ class MoeFfn final : public FfnBlock {
   int ln2_ = -1, rstd2_ = -1, noise_ = -1, xin_ = -1, logits_ = -1, probs_ = -1, weights_ = -1, experts_ = -1;
   int perm_ = -1, row_of_ = -1, counts_ = -1, xs_ = -1, gate_ = -1, up_ = -1, act_ = -1, eout_ = -1, tmp_ = -1;
   int d_ln_ = -1, d_eout_ = -1, d_act_ = -1, d_gate_ = -1, d_up_ = -1, d_xs_ = -1, d_weights_ = -1, d_probs_ = -1;
-  int d_logits_ = -1;
+  int d_logits_ = -1, xr_ = -1, eout_r_ = -1, d_xr_ = -1, d_eout_r_ = -1;
+  std::unique_ptr<ExpertExchange> ep_;  // expert parallelism (null: this rank runs every expert)
+  bool experts_apart_ = false;           // the experts are in their own unit (expert parallelism)
+  const UnitState* experts_unit_ = nullptr;  // that unit's state
+  std::vector<ExpertExchange::Segment> local_segments_;  // segments() without expert parallelism
   std::vector<int> w1_, w2_, w3_;
   std::vector<int64_t> host_counts_;
   bool jittered_ = false;  // the last forward applied jitter (what backward inverts)

@@ -1,0 +1,59 @@
+#include "model/blocks/expert_parallel.hpp"
+
+#include <algorithm>
+
+#include "loom/error.hpp"
+
+namespace loom {
+
+ExpertExchange::ExpertExchange(Communicator* group, int64_t num_experts, int64_t tokens, int64_t top_k,
+                               int64_t hidden)
+    : group_(group), P_(group->size()), E_(num_experts), El_(0), N_(tokens), k_(top_k), h_(hidden), first_(0) {
+  LOOM_CHECK(P_ >= 1 && E_ % P_ == 0, "sharding.expert_parallel = ", P_, " does not divide model.num_experts = ", E_);
+  El_ = E_ / P_;
+  first_ = group->rank() * El_;
+  counts_out_.assign(static_cast<size_t>(E_), 0);
+  counts_in_.assign(static_cast<size_t>(E_), 0);
+  send_.assign(static_cast<size_t>(P_), 0);
+  recv_.assign(static_cast<size_t>(P_), 0);
+  segments_.reserve(static_cast<size_t>(P_ * El_));  // at most one run per (peer, expert): no allocation per step
+}
+
+void ExpertExchange::exchange(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv,
+                              const std::vector<int64_t>& rc) {
+  ExecContext ctx;
+  group_->wait(ctx, group_->all_to_all(ctx, send, sc, recv, rc));
+}
+
+void ExpertExchange::dispatch(const int64_t* counts, const Tensor& xs, Tensor& xr) {
+  // 1. The per-expert counts: peer q gets the counts of its El experts.
+  std::copy(counts, counts + E_, counts_out_.begin());
+  Tensor co(counts_out_.data(), DType::f64, Device::cpu, {E_});  // 8-byte elements, moved as raw bytes
+  Tensor ci(counts_in_.data(), DType::f64, Device::cpu, {E_});
+  {
+    ExecContext ctx;
+    group_->wait(ctx, group_->all_to_all(ctx, co, {}, ci, {}));
+  }
+  segments_.clear();
+  int64_t row = 0;
+  for (int64_t q = 0; q < P_; ++q) {
+    int64_t out = 0, in = 0;
+    for (int64_t j = 0; j < El_; ++j) {
+      out += counts_out_[static_cast<size_t>(q * El_ + j)];
+      const int64_t m = counts_in_[static_cast<size_t>(q * El_ + j)];
+      if (m > 0) segments_.push_back({first_ + j, row, m});
+      row += m;
+      in += m;
+    }
+    send_[static_cast<size_t>(q)] = out * h_;
+    recv_[static_cast<size_t>(q)] = in * h_;
+  }
+  LOOM_CHECK(row <= max_recv_rows(), "expert parallelism: ", row, " rows received, more than the ", max_recv_rows(),
+             " a micro-batch can send (a peer sent inconsistent counts)");
+  // 2. The rows.
+  exchange(xs, send_, xr, recv_);
+}
+
+void ExpertExchange::give_back(const Tensor& yr, Tensor& y) { exchange(yr, recv_, y, send_); }
+
+}  // namespace loom

@@ -1,0 +1,79 @@
+// Expert parallelism for the `moe` FFN block (sharding.expert_parallel = P):
+// each layer's E experts are split over groups of P consecutive ranks, rank r
+// of a group running experts [(r mod P)·E/P, (r mod P + 1)·E/P). Every rank
+// routes its own tokens; the rows it sorted by expert are sent to the ranks
+// that run those experts and the expert outputs come back, by all_to_all
+// within the group.
+//
+// Layouts. After the sort, a rank's rows are grouped by expert in ascending
+// order, so the rows for peer q (experts [q·El, (q+1)·El), El = E/P) are one
+// contiguous block starting at offsets[q·El]: the sorted buffer is already the
+// all_to_all's send layout. The receiver gets, from each peer in rank order,
+// that peer's rows for its El experts, expert by expert — segments()
+// describes them.
+//
+// Exchanges, all on the group communicator, in this order on every rank,
+// also when a rank sends or receives no rows:
+//   forward   1. counts: the E per-expert row counts, an equal-split
+//                all_to_all (El int64 per peer), so that each rank learns
+//                how many rows of each of its experts every peer sends;
+//             2. dispatch: the rows (h elements each) to the experts' owners;
+//             3. return: the expert outputs back (the reverse counts).
+//   backward  4. dispatch: the output gradients of the same rows (the counts
+//                of 1 are kept, so they are not exchanged again);
+//             5. return: the input gradients back.
+// Bytes a rank sends per layer and micro-batch: 8·El·(P−1) for 1, then
+// h·b·(rows it sends to other ranks) for 2 and 4, and h·b·(rows it receives
+// from other ranks) for 3 and 5 (b the activation's bytes per element).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "loom/comm.hpp"
+#include "model/block.hpp"
+
+namespace loom {
+
+class ExpertExchange {
+ public:
+  // group: the P ranks of this rank's expert-parallel group.
+  ExpertExchange(Communicator* group, int64_t num_experts, int64_t tokens, int64_t top_k, int64_t hidden);
+
+  int64_t group_size() const { return P_; }
+  int64_t first_expert() const { return first_; }
+  int64_t local_experts() const { return El_; }
+  // Most rows this rank's experts can receive in a micro-batch: from each
+  // peer, at most one row per token for each of min(k, El) experts.
+  int64_t max_recv_rows() const { return P_ * N_ * std::min(k_, El_); }
+
+  // A run of received rows: this rank's expert `expert` (global index), rows
+  // [row, row + rows) of the receive buffer.
+  struct Segment {
+    int64_t expert = 0, row = 0, rows = 0;
+  };
+
+  // Forward exchanges 1 and 2. counts: the sorted rows per expert [E] and
+  // their offsets [E] on the host (Backend::moe_route's); xs: the sorted rows
+  // [N·k, h]; xr: the receive buffer [max_recv_rows, h].
+  void dispatch(const int64_t* counts, const Tensor& xs, Tensor& xr);
+  // Exchange 3: yr [max_recv_rows, h] (outputs of the received rows) back into y [N·k, h] (sorted order).
+  void give_back(const Tensor& yr, Tensor& y);
+  // Exchange 4: like dispatch's rows, with the counts of the last dispatch.
+  void dispatch_grad(const Tensor& dy, Tensor& dyr) { exchange(dy, send_, dyr, recv_); }
+  // Exchange 5: like give_back.
+  void give_back_grad(const Tensor& dxr, Tensor& dx) { exchange(dxr, recv_, dx, send_); }
+
+  const std::vector<Segment>& segments() const { return segments_; }
+
+ private:
+  void exchange(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv, const std::vector<int64_t>& rc);
+
+  Communicator* group_;
+  int64_t P_, E_, El_, N_, k_, h_, first_;
+  std::vector<int64_t> counts_out_, counts_in_;  // exchange 1's buffers [E]
+  std::vector<int64_t> send_, recv_;             // elements per peer of the last dispatch
+  std::vector<Segment> segments_;
+};
+
+}  // namespace loom
