@@ -10,7 +10,8 @@
 # row), MODES (peer modes, default all four; the 7B workload runs MODES_7B,
 # default "pure,pure+compile": the autocast modes' fp32 state does not fit 80
 # GB; MoE configs run MODES_MOE, default "pure,pure+compile", beside
-# benchmarks/hf_mixtral.py), PEERS=0 (Loom's rows only), OUT (a folder for the raw JSON lines;
+# benchmarks/hf_mixtral.py; FP8 configs (precision.plugin fp8_*) run MODES_FP8, default
+# "pure+compile,float8+compile": HF bf16 and torchao float8 tensorwise, both compiled), PEERS=0 (Loom's rows only), OUT (a folder for the raw JSON lines;
 # default a temp dir).
 set -uo pipefail
 LOOM_BIN=${LOOM_BIN:-build/bin/loom}
@@ -39,6 +40,9 @@ for cfg in "${configs[@]}"; do
   # Mixture-of-experts configs (model.ffn = "moe") run beside MixtralForCausalLM (pure bf16 modes: the
   # autocast modes' fp32 state is not what Loom's bf16_pure bench runs), the others beside LlamaForCausalLM.
   peer=benchmarks/hf_llama.py
+  if python3 -c "import sys,tomllib; sys.exit(0 if tomllib.load(open(sys.argv[1],'rb'))['precision']['plugin'].startswith('fp8') else 1)" "$cfg"; then
+    modes=${MODES_FP8:-pure+compile,float8+compile}
+  fi
   if python3 -c "import sys,tomllib; sys.exit(0 if tomllib.load(open(sys.argv[1],'rb'))['model'].get('ffn','dense')=='moe' else 1)" "$cfg"; then
     peer=benchmarks/hf_mixtral.py
     modes=${MODES_MOE:-pure,pure+compile}

@@ -6,6 +6,11 @@ Modes (--modes, comma-separated):
   pure        params, grads and AdamW state in bf16 (the seeds' single-GPU recipe)
   autocast    fp32 params and AdamW state, bf16 autocast for compute
   pure+compile, autocast+compile   the same under torch.compile
+  float8+compile   pure bf16 with every linear but the LM head converted by
+              torchao's convert_to_float8_training, tensorwise scaling (the
+              float8 path torchtitan uses), under torch.compile; "float8"
+              without compile. torchao must be importable (the GPU check
+              installs it from a carried wheel, scripts/gpu_check.sh).
 All use SDPA attention and fused AdamW. Prints one JSON line per mode
 (prefixed PEER_JSON) with the median step time over --steps after --warmup,
 tokens/s, MFU (DESIGN.md: 6N + 12LhS flops per token over 989 TFLOP/s) and peak
@@ -58,18 +63,43 @@ def adamw_param_groups(model, c):
     return [{"params": decay, "weight_decay": c["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def float8_convert(model):
+    """torchao float8 training, tensorwise scaling, on every decoder linear; the
+    LM head stays in bf16 (as torchtitan and Loom's FP8 recipes keep it)."""
+    import torchao
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    converted = []
+
+    def keep(mod, fqn):
+        ok = fqn != "lm_head" and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=keep)
+    if not converted:
+        raise RuntimeError("torchao converted no linear to float8")
+    return dict(torchao=torchao.__version__, float8_recipe="tensorwise", float8_linears=len(converted))
+
+
 def run_mode(c, mode, steps, warmup, seed):
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     torch.cuda.reset_peak_memory_stats()
-    pure = mode.startswith("pure")
+    float8 = mode.startswith("float8")
+    pure = mode.startswith("pure") or float8
     compiled = mode.endswith("+compile")
     conf = llama_config(c)
     dtype = torch.bfloat16 if pure else torch.float32
     model = LlamaForCausalLM(conf).to(device="cuda", dtype=dtype)
     model.train()
+    extra = {}
+    if float8:
+        extra = float8_convert(model)
     opt = torch.optim.AdamW(adamw_param_groups(model, c), lr=c["lr"], betas=(c["beta1"], c["beta2"]),
                             eps=1e-8, fused=True)
     step_fn_model = torch.compile(model) if compiled else model
@@ -105,7 +135,7 @@ def run_mode(c, mode, steps, warmup, seed):
                max_step_ms=max(times), tokens_per_s=tok_s, mfu=flops_per_token(c) * tok_s / 989e12,
                peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
                peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, final_loss=float(loss),
-               torch=torch.__version__, device=torch.cuda.get_device_name())
+               torch=torch.__version__, device=torch.cuda.get_device_name(), **extra)
     del model, opt, step_fn_model
     torch.cuda.empty_cache()
     return out
@@ -122,7 +152,7 @@ def main():
     c = model_from_config(a.config)
     import transformers
     for mode in a.modes.split(","):
-        if mode not in ("pure", "autocast", "pure+compile", "autocast+compile"):
+        if mode not in ("pure", "autocast", "pure+compile", "autocast+compile", "float8", "float8+compile"):
             sys.exit(f"hf_llama.py: unknown mode {mode!r}")
         try:
             r = run_mode(c, mode, a.steps, a.warmup, a.seed)

@@ -23,6 +23,8 @@ def main(path):
                 mem = r["device_mem_gib"]
             else:
                 label = f"HF {r['mode']}"
+                if "torchao" in r:
+                    label += f" (torchao {r['torchao']} {r['float8_recipe']})"
                 mem = r["peak_reserved_gib"]
             ratio = f"{loom['median_step_ms'] / r['median_step_ms']:.2f}x" if loom and r["who"] == "peer" else ""
             print(f"| {name} | {label} | {r['median_step_ms']:.1f} | {r['tokens_per_s']:.0f} | "

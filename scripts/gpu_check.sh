@@ -15,6 +15,9 @@
 #       sharding tests, single-GPU bench, PyTorch FSDP2 peer, `loom compare` of every
 #       strategy, and the throughput targets; env NP, STEPS, WARMUP, STRATEGIES)
 #   bash scripts/gpu_check.sh sharding-tests      (the test part of `sharding` only)
+#   bash scripts/gpu_check.sh fp8-convergence     (bf16 against fp8_delayed and fp8_current: `loom compare`
+#       on the fortune corpus, fused layers, same initial weights, 1000 steps; the final validation
+#       loss of each FP8 run within 1% of bf16's; env CONV_STEPS)
 #   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8 and test_gpu_fp8_recipes, then benchmarks/fp8_gemm.cpp:
 #       bf16 vs FP8 cuBLASLt GEMMs on the llama-1b and llama2-7b linears, the cast
 #       kernels and the block-scaled FP8 probe; $OUT/fp8_gemm_bench.md; env FP8_BENCH_ARGS)
@@ -39,6 +42,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # The fortune corpus, staged by scripts/gpu_build.sh (the GPU image has no fortunes package).
 if [ ! -f data/fortunes/val.bin ] && [ -f .carry/data/fortunes/val.bin ]; then
   mkdir -p data && ln -sfn "$ROOT/.carry/data/fortunes" data/fortunes
+fi
+
+# Python packages the GPU image lacks (torchao for the float8 peer of compare.sh)
+# travel as wheels in .whl/ (see benchmarks/README or docs/PERFORMANCE.md).
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/loom-site .whl/*.whl &&
+    export PYTHONPATH=/tmp/loom-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 status=0
@@ -123,6 +133,30 @@ print(f"fused ({len(fused)} runs): worst {100 * min(fused):.3f}% .. {100 * max(f
 # but on this workload native misses it against itself).
 ok = max(fused) <= max(floor) if floor else det <= 0.005
 print(f"fused layers {'within' if ok else 'OUTSIDE'} the noise floor; 0.5% target {'met' if det <= 0.005 else 'missed'}")
+sys.exit(0 if ok else 1)
+PY
+fi
+if [ "$WHAT" = fp8-convergence ] || [ "$WHAT" = all ]; then
+  # bf16 (the reference) against the FP8 recipes: same seed and so the same
+  # initial weights, fused layers, cuDNN's deterministic backward.
+  C=configs/convergence
+  .carry/bin/loom compare $C/fortunes-fused.toml --configs="$C/fortunes-fp8-delayed.toml,$C/fortunes-fp8-current.toml" \
+    --set run.overwrite=true --steps="${CONV_STEPS:-1000}" --warmup=0 --validate=100 --out="$OUT/fp8-convergence" \
+    > "$OUT/fp8-convergence.out" 2> "$OUT/fp8-convergence.log" || status=1
+  grep -v '^COMPARE_JSON' "$OUT/fp8-convergence.out"
+  grep -E '^.*precision: ' "$OUT/fp8-convergence.log" | tail -4
+  python3 - "$OUT/fp8-convergence/compare_val_losses.csv" <<'PY' || status=1
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+ref, *others = [k for k in rows[0] if k != "step"]
+ok = True
+print(f"fp8 convergence: {len(rows)} evaluations against {ref} (worst relative difference / final validation loss / final difference)")
+for name in others:
+    d = [abs(float(r[name]) - float(r[ref])) / float(r[ref]) for r in rows]
+    final = (float(rows[-1][name]) - float(rows[-1][ref])) / float(rows[-1][ref])
+    ok &= abs(final) <= 0.01
+    print(f"  {name:24s} worst {100 * max(d):6.3f}%  final {float(rows[-1][name]):.4f} vs {float(rows[-1][ref]):.4f}  "
+          f"{100 * final:+.3f}% ({'within' if abs(final) <= 0.01 else 'OUTSIDE'} 1%)")
 sys.exit(0 if ok else 1)
 PY
 fi
