@@ -230,11 +230,13 @@ TEST(Fp8Recipes, CurrentScalingUsesTheTensorsOwnAmax) {
   EXPECT_LT(rel_err_abt(s.y, qx, qw, m, k, n), 1e-5);
 }
 
-// The weight is cast once per optimizer step: a second micro-batch reads the
-// first cast even though the tensor changed, and end_step drops the cast.
+// weight_cache = "step": the weight is cast once per optimizer step: a second
+// micro-batch reads the first cast even though the tensor changed, and
+// end_step drops the cast. ("layer" casts at every call, so it would read the
+// changed tensor; the optimizer changes it only after end_step.)
 TEST(Fp8Recipes, WeightCastOncePerOptimizerStep) {
   const int64_t m = 4, k = 8, n = 4;
-  Rig r("fp8_delayed", "", {{"layer.0.o_proj", k, n, m}});
+  Rig r("fp8_delayed", "weight_cache = \"step\"\n", {{"layer.0.o_proj", k, n, m}});
   std::mt19937 g(5);
   std::vector<float> x = randn(m * k, 1, g), w = randn(n * k, 0.1f, g), y1(m * n), y2(m * n), y3(m * n);
   loom::ExecContext ctx;
@@ -352,6 +354,9 @@ TEST(Fp8Recipes, ConfigErrors) {
   // Device cuda: built with the CUDA backend, the GPU path is constructed
   // (master = "bf16" included; nothing touches the GPU before setup);
   // without it, refused at construction with one message.
+  expect_error([] { make("fp8_delayed", "weight_cache = \"micro_batch\"\n"); },
+               {"fp8.toml", "weight_cache", "auto", "step", "layer"});
+  expect_error([] { make("fp8_current", "weight_cache = 1\n"); }, {"fp8.toml", "weight_cache"});
   for (const char* plugin : {"fp8_delayed", "fp8_current"}) {
 #ifdef LOOM_HAVE_CUDA
     EXPECT_NO_THROW(make(plugin, "", Device::cuda));
@@ -359,6 +364,52 @@ TEST(Fp8Recipes, ConfigErrors) {
 #else
     expect_error([&] { make(plugin, "", Device::cuda); }, {plugin, "cuda", "no CUDA backend", "run.device = \"cpu\""});
 #endif
+  }
+}
+
+// The workspace each weight_cache plans, on the CPU and (built with CUDA) on
+// the GPU path, whose planning needs no GPU (what `loom check` prints as
+// precision.workspace): "layer" holds the largest cast weight instead of
+// every one; "auto" follows grad_accum. And keeps_wgrad_input: true for the
+// FP8 linears of fixed rows, false for the full-precision head and for
+// variable_rows linears.
+TEST(Fp8Recipes, WeightCachePlansTheWorkspace) {
+  const std::vector<loom::LinearDesc> linears = {{"layer.0.qkv_proj", 256, 768, 64},
+                                                 {"layer.0.gate_up_proj", 256, 1024, 64},
+                                                 {"layer.0.down_proj", 512, 256, 64},
+                                                 {"layer.0.expert", 256, 512, 64, loom::LinearRole::hidden, true},
+                                                 {"lm_head", 256, 320, 64, loom::LinearRole::lm_head}};
+  std::vector<Device> devices = {Device::cpu};
+#ifdef LOOM_HAVE_CUDA
+  devices.push_back(Device::cuda);
+#endif
+  for (Device dev : devices) {
+    SCOPED_TRACE(loom::device_name(dev));
+    auto plan = [&](const std::string& mode, int accum, std::vector<bool>* keeps = nullptr) {
+      auto p = make("fp8_delayed", "weight_cache = \"" + mode + "\"\n", dev);
+      std::vector<int> ids;
+      for (const auto& d : linears) ids.push_back(p->register_linear(d));
+      if (keeps)
+        for (int id : ids) keeps->push_back(p->keeps_wgrad_input(id));
+      auto self = loom::make_self_communicator();
+      loom::PrecisionSetup s;
+      s.data_parallel = self.get();
+      s.device = dev;
+      s.grad_accum = accum;
+      p->setup(s);
+      return p->workspace_bytes();
+    };
+    std::vector<bool> keeps;
+    const size_t step = plan("step", 1, &keeps), layer = plan("layer", 4);
+    EXPECT_EQ(keeps, (std::vector<bool>{true, true, true, false, false}));
+    const size_t elem = dev == Device::cpu ? 4 : 1;  // emulated casts in fp32; FP8 bytes on the GPU (256-aligned here)
+    const size_t all = (768 * 256 + 1024 * 256 + 256 * 512 + 512 * 256) * elem, largest = 1024 * 256 * elem;
+    // The GPU keeps W and Wᵀ per linear in "step" and one scratch in "layer".
+    const size_t copies = dev == Device::cpu ? 1 : 2;
+    EXPECT_EQ(step - layer, copies * all - largest);
+    EXPECT_EQ(plan("auto", 1), layer);
+    EXPECT_EQ(plan("auto", 2), step);
+    EXPECT_EQ(plan("step", 3), step);
   }
 }
 
@@ -509,23 +560,117 @@ TEST(Fp8Recipes, ResumeAcrossRecipes) {
 }
 
 // The memory plan (what `loom check` prints) counts the recipe's saved
-// activations: the activations of fp8_delayed are fp32's plus the cast x of
-// every FP8 linear (2 layers x q, k, v, o, gate, up, down, x [N, in] in fp32;
-// the head stays in fp32 and saves nothing).
+// activations: the cast x of every FP8 linear (2 layers x q, k, v, o, gate,
+// up, down, x [N, in] in fp32; the head stays in fp32 and saves nothing). And
+// since the recipe keeps x itself (keeps_wgrad_input), the blocks do not keep
+// the fp32 inputs read only by those linears' wgrad: per layer ln1 [N, h],
+// ln2 [N, h] and the SwiGLU output [N, f], replaced by one shared scratch
+// [N, max(h, f)] ("scratch.linear_input"). So the activations of fp8_delayed
+// are fp32's plus the saved x minus L * N * (2h + f) * 4 plus N * f * 4, for
+// both layer variants.
 TEST(Fp8Recipes, MemoryPlanCountsSavedActivations) {
-  fs::path d = temp_dir("plan");
-  loom::Session fp8(parse(small_config(d / "a", "plugin = \"fp8_delayed\"")));
-  loom::Session fp32(parse(small_config(d / "b", "plugin = \"fp32\"")));
-  const int64_t N = 4 * 31, h = 64, f = 160;
-  const size_t per_layer = static_cast<size_t>((4 * N * h + 2 * N * h + N * f) * 4);
-  size_t saved = 0;
-  for (const loom::ArenaBlock& b : fp8.memory_plan().blocks())
-    if (b.name == "precision.saved_activations") saved = b.bytes;
-  EXPECT_EQ(saved, 2 * per_layer);
-  const size_t a8 = fp8.memory_plan().category_bytes(loom::MemCategory::activations);
-  const size_t a32 = fp32.memory_plan().category_bytes(loom::MemCategory::activations);
-  EXPECT_GE(a8, a32 + saved);
-  EXPECT_LE(a8, a32 + saved + loom::ArenaPlan::kAlign);  // alignment of the one extra block
+  for (const std::string layers : {"native", "fused"}) {
+    SCOPED_TRACE(layers);
+    fs::path d = temp_dir("plan_" + layers);
+    const std::vector<std::string> ov = {"model.layers=" + layers};
+    loom::Session fp8(parse(small_config(d / "a", "plugin = \"fp8_delayed\""), ov));
+    loom::Session fp32(parse(small_config(d / "b", "plugin = \"fp32\""), ov));
+    // The test-only recipe answering keeps_wgrad_input = false: the blocks keep every input, as before.
+    std::string keep = "plugin = \"fp8_delayed_bf16_x\"";
+    loom::Session kept(parse(small_config(d / "c", keep),
+                             {"model.layers=" + layers, "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) +
+                                                            "\", \"" + std::string(LOOM_TEST_FP8_PLUGIN_DIR) + "\"]"}));
+    const int64_t N = 4 * 31, h = 64, f = 160, L = 2;
+    // native: q, k, v, o and gate, up read [N, h], down [N, f]; fused: qkv, o, gate_up [N, h], down [N, f].
+    const int64_t hs = layers == "native" ? 6 : 3;
+    const size_t per_layer = static_cast<size_t>((hs * N * h + N * f) * 4);
+    size_t saved = 0;
+    bool scratch = false;
+    for (const loom::ArenaBlock& b : fp8.memory_plan().blocks()) {
+      if (b.name == "precision.saved_activations") saved = b.bytes;
+      if (b.name == "scratch.linear_input") {
+        scratch = true;
+        EXPECT_EQ(b.bytes, static_cast<size_t>(N * std::max(h, f) * 4));
+      }
+      EXPECT_NE(b.name, "ln1.0");
+      EXPECT_NE(b.name, "ln2.1");
+      EXPECT_NE(b.name, "swi.0");
+    }
+    EXPECT_TRUE(scratch);
+    EXPECT_EQ(saved, 2 * per_layer);
+    const size_t a8 = fp8.memory_plan().category_bytes(loom::MemCategory::activations);
+    const size_t a8_kept = kept.memory_plan().category_bytes(loom::MemCategory::activations);
+    const size_t a32 = fp32.memory_plan().category_bytes(loom::MemCategory::activations);
+    // Every block size here is a multiple of the arena alignment but the saved activations' total.
+    EXPECT_GE(a8_kept, a32 + saved);
+    EXPECT_LE(a8_kept, a32 + saved + loom::ArenaPlan::kAlign);
+    const size_t dropped = static_cast<size_t>(L * N * (2 * h + f) * 4), added = static_cast<size_t>(N * f * 4);
+    EXPECT_EQ(a8, a8_kept - dropped + added) << "fp8 " << a8 << ", keeping x " << a8_kept;
+  }
+}
+
+// Training losses are bitwise those of the recipe that lets the blocks keep
+// every linear input (the FP8 wgrad never read it), native and fused layers,
+// with and without recompute = "full".
+TEST(Fp8Recipes, DroppingTheBlocksLinearInputsKeepsTheLossesBitwise) {
+  const std::string dirs =
+      "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\", \"" + LOOM_TEST_FP8_PLUGIN_DIR + "\"]";
+  for (const std::string layers : {"native", "fused"})
+    for (const std::string recompute : {"none", "full"}) {
+      SCOPED_TRACE(layers + " recompute " + recompute);
+      fs::path d = temp_dir("keeps_x_" + layers + recompute);
+      const std::vector<std::string> ov = {"model.layers=" + layers, "model.recompute=" + recompute, dirs,
+                                           "train.steps=4", "train.validation_every=2"};
+      loom::Session a(parse(small_config(d / "a", "plugin = \"fp8_delayed\""), ov));
+      loom::Session b(parse(small_config(d / "b", "plugin = \"fp8_delayed_bf16_x\""), ov));
+      const loom::RunSummary ra = a.train(), rb = b.train();
+      ASSERT_EQ(ra.steps.size(), 4u);
+      ASSERT_EQ(rb.steps.size(), 4u);
+      for (size_t i = 0; i < 4; ++i) EXPECT_EQ(ra.steps[i].loss, rb.steps[i].loss) << "step " << i + 1;
+      ASSERT_EQ(ra.val_losses.size(), rb.val_losses.size());
+      for (size_t i = 0; i < ra.val_losses.size(); ++i) EXPECT_EQ(ra.val_losses[i].second, rb.val_losses[i].second);
+      EXPECT_EQ(state_bytes(a), state_bytes(b));
+    }
+}
+
+// weight_cache = "layer" casts every weight again per call into one scratch,
+// "step" once per step into a copy per linear: the same scales, the same
+// bits, so the losses, validation losses and the FP8 state (scales, history,
+// counters) are bitwise equal, under both scalings, with two micro-batches
+// per step (the small config's grad_accum = 2) and with one ("auto"). And the
+// planned workspace holds one weight (the largest) instead of all.
+TEST(Fp8Recipes, WeightCacheLayerMatchesStepBitwise) {
+  for (const std::string plugin : {"fp8_delayed", "fp8_current"})
+    for (const std::string accum : {"1", "2"}) {
+      SCOPED_TRACE(plugin + " grad_accum " + accum);
+      fs::path d = temp_dir("wcache_" + plugin + accum);
+      const std::vector<std::string> ov = {"train.grad_accum=" + accum, "train.steps=5", "train.validation_every=2"};
+      std::map<std::string, loom::RunSummary> runs;
+      std::map<std::string, std::map<std::string, std::vector<char>>> states;
+      std::map<std::string, size_t> ws;
+      for (const std::string mode : {"step", "layer", "auto"}) {
+        loom::Session s(parse(small_config(d / mode, "plugin = \"" + plugin + "\"\nweight_cache = \"" + mode + "\""),
+                              ov));
+        runs[mode] = s.train();
+        states[mode] = state_bytes(s);
+        for (const loom::ArenaBlock& b : s.memory_plan().blocks())
+          if (b.name == "precision.workspace") ws[mode] = b.bytes;
+      }
+      for (const std::string mode : {"layer", "auto"}) {
+        SCOPED_TRACE(mode);
+        ASSERT_EQ(runs[mode].steps.size(), 5u);
+        for (size_t i = 0; i < 5; ++i)
+          EXPECT_EQ(runs[mode].steps[i].loss, runs["step"].steps[i].loss) << "step " << i + 1;
+        ASSERT_EQ(runs[mode].val_losses.size(), runs["step"].val_losses.size());
+        for (size_t i = 0; i < runs[mode].val_losses.size(); ++i)
+          EXPECT_EQ(runs[mode].val_losses[i].second, runs["step"].val_losses[i].second);
+        EXPECT_EQ(states[mode], states["step"]) << "scales, history and counters";
+      }
+      // Native layers: per layer q, o [64, 64], k, v [32, 64], gate, up [160, 64], down [64, 160].
+      const size_t all = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 160 * 64) * 4, largest = 160 * 64 * 4;
+      EXPECT_EQ(ws["step"] - ws["layer"], all - largest);
+      EXPECT_EQ(ws["auto"], accum == "1" ? ws["layer"] : ws["step"]);
+    }
 }
 
 // Emulated FP8 on the quickstart model trains like fp32: after 300 steps on

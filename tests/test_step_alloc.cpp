@@ -95,4 +95,20 @@ TEST(StepAllocations, CudaStepAllocatesNothing) {
   }
 }
 
+// The FP8 recipes on CUDA with weight_cache = "layer" (the default at
+// grad_accum = 1): the weight casts into the shared scratch before every fprop
+// and dgrad, and the blocks' transient linear inputs, allocate nothing either.
+TEST(StepAllocations, CudaFp8StepAllocatesNothing) {
+  LOOM_REQUIRE_GPU();
+  for (const char* plugin : {"fp8_delayed", "fp8_current"}) {
+    const fs::path out = fs::path(LOOM_BINARY_DIR) / "test_tmp" / "step_alloc_cuda_fp8" / plugin;
+    const std::vector<std::string> ov = {"run.out_dir=\"" + out.string() + "\"",
+                                         "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
+                                         "precision.plugin=" + std::string(plugin), "precision.weight_cache=layer",
+                                         "train.log_every=10", "checkpoint.resume=none"};
+    expect_steps_allocate_nothing(
+        loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov), plugin);
+  }
+}
+
 }  // namespace

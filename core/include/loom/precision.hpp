@@ -5,9 +5,10 @@
 // calls forward/backward with the returned id, so a recipe can keep per-GEMM
 // state (cached descriptors, fp8 scales and amax history).
 //
-// Life of a recipe object (plugin ABI 4):
+// Life of a recipe object (plugin ABI 5):
 //   constructor(PluginInit)        reads and checks its [precision] table
 //   register_linear(desc) ...      every linear, before anything is planned
+//                                  (keeps_wgrad_input(id) is known from here on)
 //   setup(PrecisionSetup)          communicator, determinism, device
 //   saved_activation_bytes(id), workspace_bytes()   planned by the core (memory plan, `loom check`)
 //   set_workspace / set_saved_activations           the planned memory
@@ -71,6 +72,10 @@ struct PrecisionSetup {
   Communicator* data_parallel = nullptr;
   bool deterministic = false;  // run.deterministic
   Device device = Device::cpu;
+  // train.grad_accum: micro-batches per optimizer step (ABI 5.0). A recipe
+  // that caches cast weights decides from it whether a per-step cache saves
+  // work (the FP8 recipes' weight_cache = "auto").
+  int grad_accum = 1;
 };
 
 // One tensor of recipe state (scales, amax history, counters) that a
@@ -95,6 +100,15 @@ class Precision : public Plugin {
   // activations, once per linear (the sum over linears is what
   // set_saved_activations hands over). Known after register_linear.
   virtual size_t saved_activation_bytes(int /*id*/) const { return 0; }
+  // True when the recipe keeps its own copy of x from linear `id`'s forward
+  // (in its saved activations) for the wgrad and so never reads the `x`
+  // handed to linear_backward for that linear: the block then need not keep
+  // x until the backward (it may plan x as a transient scratch shared by every
+  // layer, and pass an empty Tensor as x to linear_backward). Must hold for
+  // every call of the linear (a recipe that sometimes falls back to a GEMM
+  // reading x, e.g. for variable_rows linears, answers false). Known after
+  // register_linear(id); ABI 5.0.
+  virtual bool keeps_wgrad_input(int /*id*/) const { return false; }
   // Workspace the recipe needs on the device (bytes), known after all linears are registered.
   virtual size_t workspace_bytes() const { return 0; }
   // Once, after every register_linear and before the memory is planned.
@@ -111,6 +125,8 @@ class Precision : public Plugin {
                               const Tensor* residual) = 0;
   // dx[m, in] = dy[m, out] * W   (skipped when dx is null)
   // dW[out, in] = dy^T x, added to dW when accumulate is true (micro-batches), else written.
+  // When keeps_wgrad_input(id) is true, x may be an empty Tensor (no data):
+  // the rows come from dy.
   virtual void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,
                                Tensor* dx, Tensor& dw, bool accumulate) = 0;
   // Once per optimizer step, after the update (scale/amax bookkeeping). The

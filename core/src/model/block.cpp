@@ -20,6 +20,12 @@ int BlockEnv::register_linear(const LinearDesc& desc) const {
   return id;
 }
 
+bool BlockEnv::keeps_wgrad_input(std::initializer_list<int> ids) const {
+  for (int id : ids)
+    if (!precision->keeps_wgrad_input(id)) return false;
+  return true;
+}
+
 AttentionShape BlockEnv::attention_shape() const {
   AttentionShape a;
   a.batch = B;

@@ -66,6 +66,10 @@ struct BlockEnv {
   // precision->register_linear, recording the id (the memory plan asks the
   // recipe for each linear's saved activations).
   int register_linear(const LinearDesc& desc) const;
+  // True when the recipe keeps its own copy of x for the wgrad of every one
+  // of `ids` (Precision::keeps_wgrad_input): a bf16/fp32 x read by nothing
+  // but those linears' backward then need not be kept until the backward.
+  bool keeps_wgrad_input(std::initializer_list<int> ids) const;
 };
 
 // Activation buffers of every block, planned once. A buffer is either a
@@ -78,6 +82,11 @@ class ActivationPlan {
   int shared(const std::string& name, size_t bytes);
   // own() for per-layer activations, shared() when the whole layer is recomputed.
   int kept(const std::string& name, int64_t layer, size_t bytes, bool recompute_full);
+  // A linear's input that only its forward reads (the recipe keeps its own
+  // copy for the wgrad, BlockEnv::keeps_wgrad_input): one scratch shared by
+  // every block and layer, live from the op that writes it to the linear
+  // forwards that read it, within one block's forward.
+  int transient_input(size_t bytes) { return shared("scratch.linear_input", bytes); }
   void add_to(ArenaPlan& plan);    // after every block planned
   void bind(const Arena& arena);
   void* ptr(int id) const { return ptrs_.at(static_cast<size_t>(id)); }

@@ -133,6 +133,7 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   setup.data_parallel = rt_.comm.get();
   setup.deterministic = cfg_.run.deterministic;
   setup.device = rt_.backend->device();
+  setup.grad_accum = static_cast<int>(cfg_.train.grad_accum);
   rt_.precision->setup(setup);
   // What the recipe keeps from each linear's forward for its backward counts
   // as activations (one copy per linear, whatever model.recompute says).

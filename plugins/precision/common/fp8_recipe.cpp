@@ -24,7 +24,8 @@ struct Fp8Recipe::Linear {
   int slot = -1;                // the linear's index in the scaling state (FP8 linears)
   int64_t weight_offset = 0;    // floats into the workspace: the cast weight, [out, in]
   int64_t saved_offset = 0;     // floats into the saved activations: the cast x, [max_rows, in]
-  bool weight_cast = false;     // this step's cast weight is in the workspace
+  bool weight_cast = false;     // "step": this step's cast weight is in the workspace
+  bool w_scale_known = false;   // "layer": w_scale and w_amax are this step's (the weight measured once)
   float w_scale = 1.0f, x_scale = 1.0f;
   float w_amax = 0.0f, x_amax = 0.0f;  // delayed: the forward's amaxes, recorded by the backward
   int64_t saved_rows = -1;      // rows of x the last forward cast (-1: none since the last backward)
@@ -59,6 +60,28 @@ float cast_rows(const float* p, int64_t rows, int64_t cols, int64_t ld, float sc
 
 }  // namespace
 
+const char* weight_cache_name(WeightCache c) {
+  switch (c) {
+    case WeightCache::step: return "step";
+    case WeightCache::layer: return "layer";
+    case WeightCache::automatic: return "auto";
+  }
+  return "?";
+}
+
+bool weight_cache_per_layer(WeightCache c, int grad_accum) {
+  return c == WeightCache::layer || (c == WeightCache::automatic && grad_accum <= 1);
+}
+
+namespace {
+
+WeightCache parse_weight_cache(const ConfigTable& c) {
+  const std::string v = c.get_choice("weight_cache", "auto", {"auto", "step", "layer"});
+  return v == "step" ? WeightCache::step : v == "layer" ? WeightCache::layer : WeightCache::automatic;
+}
+
+}  // namespace
+
 Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const PluginInit& init)
     : plugin_(plugin), scaling_(scaling) {
   const ConfigTable& c = init.config;
@@ -83,6 +106,7 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
   const std::string master = c.get_choice("master", "fp32", {"fp32", "bf16"});
   const bool stochastic = c.get_bool("stochastic_rounding", false);
   fp8_head_ = c.get_bool("fp8_head", false);
+  weight_cache_ = parse_weight_cache(c);
   c.finish();
   if (stochastic && master != "bf16")
     c.fail("stochastic_rounding",
@@ -98,6 +122,7 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
     o.gemm = gemm_;
     o.master_bf16 = master == "bf16";
     o.stochastic_rounding = stochastic;
+    o.weight_cache = weight_cache_;
     gpu_ = make_gpu_recipe(o);
     return;
   }
@@ -135,6 +160,7 @@ int Fp8Recipe::register_linear(const LinearDesc& desc) {
     l.slot = state_->add_linear(desc.name);
     l.weight_offset = weight_floats_;
     weight_floats_ += desc.out * desc.in;
+    max_weight_floats_ = std::max(max_weight_floats_, desc.out * desc.in);
     l.saved_offset = saved_floats_;
     saved_floats_ += desc.max_rows * desc.in;
     gemm_floats_ = std::max(gemm_floats_, desc.max_rows * desc.out);  // the cast dy
@@ -152,9 +178,25 @@ size_t Fp8Recipe::saved_activation_bytes(int id) const {
   return l.fp8 ? static_cast<size_t>(l.desc.max_rows * l.desc.in) * sizeof(float) : 0;
 }
 
+bool Fp8Recipe::keeps_wgrad_input(int id) const {
+  if (gpu_) return gpu_->keeps_wgrad_input(id);
+  LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", plugin_, ": linear id ", id,
+             " was never registered");
+  // The wgrad reads the cast x in the saved activations; a variable_rows
+  // linear answers false like the GPU path's (whose calls of unaligned row
+  // counts fall back to bf16 GEMMs reading x).
+  const Linear& l = linears_[static_cast<size_t>(id)];
+  return l.fp8 && !l.desc.variable_rows;
+}
+
+bool Fp8Recipe::weights_per_layer() const {
+  return set_up_ ? per_layer_ : weight_cache_ == WeightCache::layer;
+}
+
 size_t Fp8Recipe::workspace_bytes() const {
   if (gpu_) return gpu_->workspace_bytes();
-  return static_cast<size_t>(weight_floats_ + gemm_floats_) * sizeof(float);
+  const int64_t weights = weights_per_layer() ? max_weight_floats_ : weight_floats_;
+  return static_cast<size_t>(weights + gemm_floats_) * sizeof(float);
 }
 
 void Fp8Recipe::setup(const PrecisionSetup& setup) {
@@ -163,6 +205,7 @@ void Fp8Recipe::setup(const PrecisionSetup& setup) {
   LOOM_CHECK(!setup.data_parallel->device_tensors(), "precision ", plugin_,
              ": the data-parallel communicator carries device tensors, but this recipe keeps its amaxes on the host");
   dp_ = setup.data_parallel;
+  per_layer_ = weight_cache_per_layer(weight_cache_, setup.grad_accum);
   set_up_ = true;
   int fp8_linears = 0;
   std::string full;
@@ -178,7 +221,10 @@ void Fp8Recipe::setup(const PrecisionSetup& setup) {
   log_info(cat("precision ", plugin_, ": ", fp8_linears, " linears in FP8 emulated on the CPU, format ",
                fp8::name(sc.formats),
                sc.formats == fp8::Formats::hybrid ? " (E4M3 x and w, E5M2 dy)" : " (E4M3 x, w and dy)", ", ", how,
-               full.empty() ? std::string() : cat("; in fp32: ", full),
+               full.empty() ? std::string() : cat("; in fp32: ", full), "; weight_cache ",
+               weight_cache_name(weight_cache_),
+               weight_cache_ == WeightCache::automatic ? (per_layer_ ? " (layer: grad_accum 1)" : " (step: grad_accum > 1)")
+                                                       : "",
                "; GPU GEMM options recorded: fast accumulation fprop ", gemm_.fast_accum_fprop ? "on" : "off",
                ", dgrad ", gemm_.fast_accum_dgrad ? "on" : "off", ", wgrad ", gemm_.fast_accum_wgrad ? "on" : "off"));
 }
@@ -189,7 +235,7 @@ void Fp8Recipe::set_workspace(void* ptr, size_t bytes) {
              ": workspace of ", bytes, " bytes, ", workspace_bytes(), " needed");
   workspace_ = static_cast<float*>(ptr);
   workspace_bytes_ = bytes;
-  for (Linear& l : linears_) l.weight_cast = false;
+  for (Linear& l : linears_) l.weight_cast = l.w_scale_known = false;
 }
 
 void Fp8Recipe::set_saved_activations(void* ptr, size_t bytes) {
@@ -281,10 +327,25 @@ void Fp8Recipe::full_backward(const Linear& l, const Tensor& x, const Tensor& w,
 }
 
 const float* Fp8Recipe::cast_weight(Linear& l, const Tensor& w) {
-  float* qw = workspace_ + l.weight_offset;
-  if (l.weight_cast) return qw;
   const int64_t n = l.desc.out * l.desc.in;
   const float* src = w.ptr<const float>();
+  if (per_layer_) {
+    // The shared scratch, cast again at every call; the scale and amax are
+    // the step's, measured at the first cast (current scaling then counts a
+    // skip once per step, as "step" does).
+    float* qw = workspace_;
+    if (!l.w_scale_known) {
+      l.w_scale = scaling_ == fp8::Scaling::current ? state_->current_scale(l.slot, Role::w, fp8::amax(src, n))
+                                                    : state_->scale(l.slot, Role::w);
+      l.w_amax = fp8::quantize_dequantize(src, n, l.w_scale, state_->format(Role::w), qw);
+      l.w_scale_known = true;
+    } else {
+      fp8::quantize_dequantize(src, n, l.w_scale, state_->format(Role::w), qw);
+    }
+    return qw;
+  }
+  float* qw = workspace_ + l.weight_offset;
+  if (l.weight_cast) return qw;
   l.w_scale = scaling_ == fp8::Scaling::current ? state_->current_scale(l.slot, Role::w, fp8::amax(src, n))
                                                 : state_->scale(l.slot, Role::w);
   l.w_amax = fp8::quantize_dequantize(src, n, l.w_scale, state_->format(Role::w), qw);
@@ -315,7 +376,7 @@ void Fp8Recipe::linear_forward(const ExecContext& ctx, int id, const Tensor& x, 
   place_residual(residual, y, my, plugin_, d);
   fp8::emulated_linear_forward(y.ptr<float>(), my.ld, {qx, d.in, l.x_scale, fx, true},
                                {qw, d.in, l.w_scale, state_->format(Role::w), true}, mx.rows, d.in, d.out,
-                               residual != nullptr, workspace_ + weight_floats_);
+                               residual != nullptr, workspace_ + weight_region_floats());
 }
 
 void Fp8Recipe::linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,
@@ -324,9 +385,13 @@ void Fp8Recipe::linear_backward(const ExecContext& ctx, int id, const Tensor& x,
   Linear& l = lookup(ctx, id);
   if (!l.fp8) return full_backward(l, x, w, dy, dx, dw, accumulate);
   const LinearDesc& d = l.desc;
-  const RowMatrix mx = matrix(x, plugin_, d, "x"), mdy = matrix(dy, plugin_, d, "dy");
+  // x is not read (the wgrad reads the cast copy saved by the forward); it
+  // may be empty (keeps_wgrad_input), else it must match dy.
+  const RowMatrix mdy = matrix(dy, plugin_, d, "dy");
+  const RowMatrix mx = x.data != nullptr ? matrix(x, plugin_, d, "x") : RowMatrix{mdy.rows, d.in, d.in};
   check_weight(w, plugin_, d, "w");
   check_weight(dw, plugin_, d, "dw");
+  check_shape(mx, plugin_, d, d.in, mx.rows, "x");
   check_shape(mdy, plugin_, d, d.out, mx.rows, "dy");
   LOOM_CHECK(l.saved_rows == mx.rows, "precision ", plugin_, ": ", d.name, ": backward of ", mx.rows,
              " rows, but the forward before it cast ",
@@ -334,7 +399,7 @@ void Fp8Recipe::linear_backward(const ExecContext& ctx, int id, const Tensor& x,
              " (every backward follows its own forward)");
   const float* qw = cast_weight(l, w);
   // dy, cast once for both GEMMs into the GEMM scratch.
-  float* qdy = workspace_ + weight_floats_;
+  float* qdy = workspace_ + weight_region_floats();
   const float* dys = dy.ptr<const float>();
   const fp8::Format fdy = state_->format(Role::dy);
   const float sdy = scaling_ == fp8::Scaling::current
@@ -383,7 +448,7 @@ void Fp8Recipe::end_step(const ExecContext& ctx) {
                  " because an amax was 0, inf or NaN; those tensors keep their previous scale. Later skips are "
                  "counted in the \"precision:\" part of the log line, not warned again"));
   }
-  for (Linear& l : linears_) l.weight_cast = false;  // the optimizer changed the weights
+  for (Linear& l : linears_) l.weight_cast = l.w_scale_known = false;  // the optimizer changed the weights
 }
 
 std::vector<StateTensor> Fp8Recipe::state_tensors() {
@@ -419,7 +484,7 @@ void Fp8Recipe::state_loaded() {
   state_->restore(c);
   skipped_mark_ = state_->skipped_updates();
   for (Linear& l : linears_) {
-    l.weight_cast = false;
+    l.weight_cast = l.w_scale_known = false;
     l.saved_rows = -1;
   }
 }

@@ -7,9 +7,17 @@
 //
 // Per step, for every linear that runs in FP8 (all but the LM head unless
 // fp8_head = true):
-//   - the weight is cast once (the first forward after end_step) into the
-//     workspace and that copy is read by every micro-batch's forward and
-//     dgrad;
+//   - weight_cache = "step": the weight is cast once (the first forward after
+//     end_step) into the workspace and that copy is read by every
+//     micro-batch's forward and dgrad (one cast copy per linear, the whole
+//     step); weight_cache = "layer": the forward casts it into one scratch
+//     shared by every linear (sized for the largest) just before its GEMM,
+//     and the backward casts it again before dgrad. The scale is the step's
+//     in both modes (delayed: fixed within the step; current: measured once
+//     per step, the same bf16/fp32 weight giving the same amax), so the cast
+//     bits and the losses are the same. "auto" (the default) is "layer" when
+//     train.grad_accum = 1 (each weight is then cast once per step either
+//     way) and "step" otherwise;
 //   - x is cast in the forward into the linear's saved-activation slot, which
 //     the wgrad of the matching backward reads (no second cast);
 //   - dy is cast in the backward, once for dgrad and wgrad.
@@ -37,8 +45,15 @@ struct GemmOptions {
   bool fast_accum_wgrad = false;
 };
 
+// precision.weight_cache: where the cast weights live (see above).
+enum class WeightCache { step, layer, automatic };
+const char* weight_cache_name(WeightCache c);
+// "auto" resolved with train.grad_accum: true for "layer".
+bool weight_cache_per_layer(WeightCache c, int grad_accum);
+
 // What the GPU path is built from (the checked [precision] table).
 struct GpuOptions {
+  WeightCache weight_cache = WeightCache::automatic;
   std::string plugin;
   fp8::ScalingConfig scaling;
   bool fp8_head = false;
@@ -60,6 +75,7 @@ class Fp8Recipe : public Precision {
   PrecisionDTypes dtypes() const override;
   int register_linear(const LinearDesc& desc) override;
   size_t saved_activation_bytes(int id) const override;
+  bool keeps_wgrad_input(int id) const override;
   size_t workspace_bytes() const override;
   void setup(const PrecisionSetup& setup) override;
   void set_workspace(void* ptr, size_t bytes) override;
@@ -78,6 +94,8 @@ class Fp8Recipe : public Precision {
   const fp8::ScalingState& scaling() const { return *state_; }
   bool on_gpu() const { return gpu_ != nullptr; }
   const GemmOptions& gemm_options() const { return gemm_; }
+  // The resolved weight_cache (after setup(); before it, "auto" reads as "step").
+  bool weights_per_layer() const;
 
  private:
   struct Linear;
@@ -93,12 +111,17 @@ class Fp8Recipe : public Precision {
   fp8::Scaling scaling_;
   bool fp8_head_ = false;
   GemmOptions gemm_;
+  WeightCache weight_cache_ = WeightCache::automatic;
+  bool per_layer_ = false;  // resolved at setup()
+  int64_t max_weight_floats_ = 0;  // the largest FP8 weight: the "layer" scratch
+  int64_t weight_region_floats() const { return per_layer_ ? max_weight_floats_ : weight_floats_; }
   std::unique_ptr<fp8::ScalingState> state_;
   std::unique_ptr<Precision> gpu_;  // device cuda: the GPU path, which every call goes to
   std::vector<Linear> linears_;
   Communicator* dp_ = nullptr;
   bool set_up_ = false;
-  // Memory planned by the core: cast weights then the GEMM scratch (workspace),
+  // Memory planned by the core: cast weights ("step": every FP8 linear's;
+  // "layer": one scratch for the largest) then the GEMM scratch (workspace),
   // cast x per FP8 linear (saved activations).
   float* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;

@@ -5,9 +5,13 @@
 //
 // Per step and FP8 linear (all but the LM head unless fp8_head = true; the
 // head goes through the bf16 cuBLASLt GEMMs of cublaslt_linear.hpp):
-//   forward   W cast once per optimizer step into W and Wᵀ (workspace), read
-//             by every micro-batch; x cast into x (workspace scratch, for
-//             fprop) and xᵀ (the linear's saved activation, for wgrad);
+//   forward   weight_cache = "step": W cast once per optimizer step into W
+//             and Wᵀ (workspace, 2 bytes per parameter), read by every
+//             micro-batch; weight_cache = "layer": W cast into one scratch
+//             shared by every linear (sized for the largest) just before
+//             fprop, Wᵀ into it again before dgrad, with the step's scale
+//             (the same bits as "step"); x cast into x (workspace scratch,
+//             for fprop) and xᵀ (the linear's saved activation, for wgrad);
 //             fprop y = x Wᵀ (+ residual as C) with Fp8Gemm;
 //   backward  dy cast into dy and dyᵀ (workspace scratch); dgrad dx = dy W
 //             (A = dy, B = Wᵀ), wgrad dW = dyᵀ x (A = dyᵀ, B = xᵀ, C = dW
@@ -93,6 +97,7 @@ class Fp8Gpu final : public Precision {
       weight_bytes_ += round_up(static_cast<size_t>(d.out * d.in));
       l.wt_off = weight_bytes_;
       weight_bytes_ += round_up(static_cast<size_t>(d.out * d.in));
+      max_weight_bytes_ = std::max(max_weight_bytes_, round_up(static_cast<size_t>(d.out * d.in)));
       l.saved_bytes = round_up(static_cast<size_t>(d.max_rows * d.in));
       l.saved_off = saved_total_;
       saved_total_ += l.saved_bytes;
@@ -111,11 +116,25 @@ class Fp8Gpu final : public Precision {
     return linears_[static_cast<size_t>(id)].saved_bytes;
   }
 
+  bool keeps_wgrad_input(int id) const override {
+    LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", o_.plugin, ": linear id ", id,
+               " was never registered");
+    // The wgrad reads xᵀ from the saved activations; a variable_rows linear
+    // (an MoE expert) may get a row count that is not a multiple of 16, whose
+    // call falls back to the bf16 GEMMs that read x.
+    const Linear& l = linears_[static_cast<size_t>(id)];
+    return l.fp8 && !l.desc.variable_rows;
+  }
+
   // [0, gemm): the cuBLASLt workspace (shared by the bf16 head's GEMMs and
-  // Fp8Gemm, whose aligned scale slots follow it); then every FP8 linear's W
-  // and Wᵀ; then the x, dy and dyᵀ scratch.
+  // Fp8Gemm, whose aligned scale slots follow it); then the cast weights
+  // ("step": every FP8 linear's W and Wᵀ; "layer": one scratch for the
+  // largest W or Wᵀ); then the x, dy and dyᵀ scratch.
   size_t gemm_bytes() const { return round_up(gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes); }
-  size_t workspace_bytes() const override { return gemm_bytes() + weight_bytes_ + x_scratch_ + 2 * dy_scratch_; }
+  // Before setup() "auto" is planned as "step" (the larger).
+  bool per_layer() const { return set_up_ ? per_layer_ : o_.weight_cache == WeightCache::layer; }
+  size_t weight_region() const { return per_layer() ? max_weight_bytes_ : weight_bytes_; }
+  size_t workspace_bytes() const override { return gemm_bytes() + weight_region() + x_scratch_ + 2 * dy_scratch_; }
 
   void setup(const PrecisionSetup& s) override {
     LOOM_CHECK(s.data_parallel != nullptr, "precision ", o_.plugin, ": setup without a data-parallel communicator");
@@ -127,6 +146,7 @@ class Fp8Gpu final : public Precision {
                "them with one device all-reduce per step: run data-parallel CUDA training with the NCCL "
                "communicator");
     dp_ = s.data_parallel;
+    per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum);
     set_up_ = true;
     T_ = host_.tensors();
     int fp8_linears = 0;
@@ -146,7 +166,12 @@ class Fp8Gpu final : public Precision {
                  sc.formats == fp8::Formats::hybrid ? " (E4M3 x and w, E5M2 dy)" : " (E4M3 x, w and dy)", ", ", how,
                  full.empty() ? std::string() : cat("; in bf16: ", full), "; fast accumulation fprop ",
                  o_.gemm.fast_accum_fprop ? "on" : "off", ", dgrad ", o_.gemm.fast_accum_dgrad ? "on" : "off",
-                 ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off", "; master ",
+                 ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off", "; weight_cache ",
+                 weight_cache_name(o_.weight_cache),
+                 o_.weight_cache == WeightCache::automatic
+                     ? (per_layer_ ? " (layer: grad_accum 1)" : " (step: grad_accum > 1)")
+                     : "",
+                 " (cast weights ", weight_region(), " bytes)", "; master ",
                  o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32"));
   }
 
@@ -197,7 +222,7 @@ class Fp8Gpu final : public Precision {
     ws_ = static_cast<char*>(ptr);
     lt_.set_workspace(ws_, precision_common::CublasLtLinears::kWorkspaceBytes);
     if (fp8gemm_) fp8gemm_->set_workspace(ws_, gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes);
-    for (Linear& l : linears_) l.weight_cast = false;
+    for (Linear& l : linears_) l.weight_cast = l.w_scale_known = false;
   }
 
   void set_saved_activations(void* ptr, size_t bytes) override {
@@ -226,13 +251,12 @@ class Fp8Gpu final : public Precision {
       l.saved_rows = 0;
       return;
     }
-    cast_weight(l, w, stream);
+    const Tensor qw = weight_for_fprop(l, w, stream);
     const int64_t xs = fp8::ScalingState::slot(l.slot, Role::x), ws = fp8::ScalingState::slot(l.slot, Role::w);
     const DType tx = fp8_dtype(host_.format(Role::x));
     Tensor qx(ws_ + x_off(), tx, Device::cuda, {rows, d.in});
     Tensor qxt(saved_ + l.saved_off, tx, Device::cuda, {d.in, rows});
     cast(x, &qx, &qxt, xs, /*pending=*/true, stream);
-    Tensor qw(ws_ + gemm_bytes() + l.w_off, fp8_dtype(host_.format(Role::w)), Device::cuda, {d.out, d.in});
     gpu::Fp8GemmOptions opt;
     opt.c = residual;
     opt.fast_accum = o_.gemm.fast_accum_fprop;
@@ -246,11 +270,21 @@ class Fp8Gpu final : public Precision {
     if (!l.fp8) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
     const LinearDesc& d = l.desc;
     auto stream = static_cast<cudaStream_t>(ctx.stream);
-    const RowMatrix mx = matrix(x, d, "x", DType::bf16), mdy = matrix(dy, d, "dy", DType::bf16);
+    const RowMatrix mdy = matrix(dy, d, "dy", DType::bf16);
     check_weight(w, d, "w", param_dtype());
     check_weight(dw, d, "dw", grad_dtype());
-    const int64_t rows = check_rows(d, mx, "x");
-    if (rows % 16 != 0) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
+    // x is read only by the bf16 fallback (rows not a multiple of 16); an
+    // empty x (keeps_wgrad_input) takes the rows from dy.
+    const bool have_x = x.data != nullptr;
+    const int64_t rows = have_x ? check_rows(d, matrix(x, d, "x", DType::bf16), "x") : mdy.rows;
+    LOOM_CHECK(rows <= d.max_rows, "precision ", o_.plugin, ": ", d.name, ": dy has ", rows,
+               " rows, more than the max_rows=", d.max_rows, " it was registered with");
+    if (rows % 16 != 0) {
+      LOOM_CHECK(have_x, "precision ", o_.plugin, ": ", d.name, ": backward of ", rows,
+                 " rows (not a multiple of 16: a bf16 GEMM that reads x) was given an empty x; the linear "
+                 "is not variable_rows, so keeps_wgrad_input said x was not needed");
+      return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
+    }
     LOOM_CHECK(mdy.rows == rows && mdy.cols == d.out, "precision ", o_.plugin, ": ", d.name, ": dy is [", mdy.rows,
                ", ", mdy.cols, "], expected [", rows, ", ", d.out, "]");
     LOOM_CHECK(l.saved_rows == rows, "precision ", o_.plugin, ": ", d.name, ": backward of ", rows,
@@ -270,7 +304,7 @@ class Fp8Gpu final : public Precision {
                         ": clearing dW (", dw.bytes(), " bytes)");
       return;
     }
-    cast_weight(l, w, stream);
+    if (!per_layer_) cast_weight(l, w, stream);
     const int64_t xs = fp8::ScalingState::slot(l.slot, Role::x), ws = fp8::ScalingState::slot(l.slot, Role::w),
                   ds = fp8::ScalingState::slot(l.slot, Role::dy);
     const DType tdy = fp8_dtype(host_.format(Role::dy));
@@ -283,7 +317,7 @@ class Fp8Gpu final : public Precision {
       merge_pending(ws, stream);
     }
     if (dx != nullptr) {
-      Tensor qwt(ws_ + gemm_bytes() + l.wt_off, fp8_dtype(host_.format(Role::w)), Device::cuda, {d.in, d.out});
+      const Tensor qwt = weight_for_dgrad(l, w, stream);
       gpu::Fp8GemmOptions opt;
       opt.fast_accum = o_.gemm.fast_accum_dgrad;
       gemm(ctx).gemm(qdy, scale_inv_ + ds, qwt, scale_inv_ + ws, *dx, opt, stream);
@@ -298,7 +332,7 @@ class Fp8Gpu final : public Precision {
   void end_step(const ExecContext& ctx) override {
     LOOM_CHECK(set_up_, "precision ", o_.plugin, ": end_step before setup()");
     stream_ = static_cast<cudaStream_t>(ctx.stream);
-    for (Linear& l : linears_) l.weight_cast = false;  // the optimizer changed the weights
+    for (Linear& l : linears_) l.weight_cast = l.w_scale_known = false;  // the optimizer changed the weights
     ++steps_;
     if (T_ == 0) return;
     const size_t tb = static_cast<size_t>(T_) * sizeof(float);
@@ -346,7 +380,7 @@ class Fp8Gpu final : public Precision {
 
   void state_loaded() override {
     for (Linear& l : linears_) {
-      l.weight_cast = false;
+      l.weight_cast = l.w_scale_known = false;
       l.saved_rows = -1;
     }
     if (T_ == 0 || dev_ == nullptr) return;
@@ -421,13 +455,14 @@ class Fp8Gpu final : public Precision {
     int lt_id = -1;  // id in the bf16 GEMMs (linears kept in bf16)
     size_t w_off = 0, wt_off = 0;            // bytes after the GEMM workspace: W and Wᵀ in FP8
     size_t saved_off = 0, saved_bytes = 0;   // xᵀ in FP8 in the saved activations
-    bool weight_cast = false;                // this step's W and Wᵀ are in the workspace
+    bool weight_cast = false;                // "step": this step's W and Wᵀ are in the workspace
+    bool w_scale_known = false;              // "layer": W was measured (and its amax kept) this step
     int64_t saved_rows = -1;                 // rows the last forward cast (-1: none since the last backward)
   };
 
   DType param_dtype() const { return DType::bf16; }
   DType grad_dtype() const { return o_.master_bf16 ? DType::bf16 : DType::f32; }
-  size_t x_off() const { return gemm_bytes() + weight_bytes_; }
+  size_t x_off() const { return gemm_bytes() + weight_region(); }
   size_t dy_off() const { return x_off() + x_scratch_; }
 
   Linear& lookup(const ExecContext& ctx, int id) {
@@ -524,6 +559,42 @@ class Fp8Gpu final : public Precision {
     l.weight_cast = true;
   }
 
+  // The FP8 W that fprop reads. "step": this step's cached copy (cast at the
+  // first call). "layer": cast now into the shared scratch; the first cast of
+  // the step is cast() itself (current scaling measures W and sets its scale;
+  // delayed puts W's amax in the pending slot, merged by each backward), the
+  // later ones reuse that scale and leave the amaxes alone: the same bits and
+  // the same bookkeeping as "step".
+  Tensor weight_for_fprop(Linear& l, const Tensor& w, cudaStream_t stream) {
+    const DType tw = fp8_dtype(host_.format(Role::w));
+    if (!per_layer_) {
+      cast_weight(l, w, stream);
+      return Tensor(ws_ + gemm_bytes() + l.w_off, tw, Device::cuda, {l.desc.out, l.desc.in});
+    }
+    Tensor qw(ws_ + gemm_bytes(), tw, Device::cuda, {l.desc.out, l.desc.in});
+    const int64_t t = fp8::ScalingState::slot(l.slot, Role::w);
+    if (!l.w_scale_known) {
+      cast(w, &qw, nullptr, t, /*pending=*/true, stream);
+      l.w_scale_known = true;
+    } else {
+      gpu::fp8_cast(w, &qw, nullptr, scale_ + t, nullptr, stream);
+    }
+    return qw;
+  }
+
+  // The FP8 Wᵀ that dgrad reads: "step": the cached copy; "layer": cast now
+  // into the shared scratch with the step's scale (the forward of this
+  // backward measured W under current scaling).
+  Tensor weight_for_dgrad(Linear& l, const Tensor& w, cudaStream_t stream) {
+    const DType tw = fp8_dtype(host_.format(Role::w));
+    if (!per_layer_) return Tensor(ws_ + gemm_bytes() + l.wt_off, tw, Device::cuda, {l.desc.in, l.desc.out});
+    LOOM_CHECK(l.w_scale_known, "precision ", o_.plugin, ": ", l.desc.name,
+               ": dgrad before any forward of this step cast the weight");
+    Tensor qwt(ws_ + gemm_bytes(), tw, Device::cuda, {l.desc.in, l.desc.out});
+    gpu::fp8_cast(w, nullptr, &qwt, scale_ + fp8::ScalingState::slot(l.slot, Role::w), nullptr, stream);
+    return qwt;
+  }
+
   void read_counts() {
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "precision ", o_.plugin, ": waiting for the FP8 counters");
     LOOM_CUDA_CHECK(cudaMemcpy(h_counts_, counts_, sizeof(h_counts_), cudaMemcpyDeviceToHost), "precision ",
@@ -542,6 +613,8 @@ class Fp8Gpu final : public Precision {
   char* ws_ = nullptr;
   char* saved_ = nullptr;
   size_t weight_bytes_ = 0, x_scratch_ = 0, dy_scratch_ = 0, saved_total_ = 0;
+  size_t max_weight_bytes_ = 0;  // the largest FP8 weight, rounded: the "layer" scratch
+  bool per_layer_ = false;       // weight_cache resolved at setup()
   // Device state (one allocation, made at setup).
   void* dev_ = nullptr;
   float *step_amax_ = nullptr, *pend_ = nullptr, *cur_ = nullptr, *last_amax_ = nullptr;

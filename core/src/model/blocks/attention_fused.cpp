@@ -29,7 +29,13 @@ class FusedAttention final : public AttentionBlock {
     const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
     const size_t stats = static_cast<size_t>(env.B * spec_.num_heads * env.S) * 4;
     const bool full = env.recompute == Recompute::full;
-    ln1_ = a.kept("ln1", l, n * h * e, full);
+    const std::string s = "layer." + std::to_string(l) + ".";
+    wqkv_ = env.register_linear({s + "qkv_proj", h, width(), env.N});
+    wo_ = env.register_linear({s + "o_proj", qd, h, env.N});
+    // The norm output is read by the qkv GEMM and its wgrad only: a transient
+    // when the recipe keeps its own copy for the wgrad.
+    ln1_transient_ = env.keeps_wgrad_input({wqkv_});
+    ln1_ = ln1_transient_ ? a.transient_input(n * h * e) : a.kept("ln1", l, n * h * e, full);
     rstd1_ = a.kept("rstd1", l, n * 4, full);
     qkv_ = a.kept("qkv", l, n * width() * e, full);
     if (env.recompute == Recompute::attention) {
@@ -44,9 +50,6 @@ class FusedAttention final : public AttentionBlock {
     d_att_ = a.shared("grad.att", n * qd * e);
     ws_ = a.shared("attention.workspace",
                    env.attention->workspace_bytes(env.attention_shape(), env.act, env.backend->device()));
-    const std::string s = "layer." + std::to_string(l) + ".";
-    wqkv_ = env.register_linear({s + "qkv_proj", h, width(), env.N});
-    wo_ = env.register_linear({s + "o_proj", qd, h, env.N});
   }
 
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {
@@ -109,7 +112,8 @@ class FusedAttention final : public AttentionBlock {
     {
       Range r(be, "qkv.grad");
       Tensor dWqkv = param_rows(u, kWq, 3, true);
-      env_.precision->linear_backward(ctx, wqkv_, act(ln1_, {N, h}), param_rows(u, kWq, 3),
+      const Tensor ln1 = ln1_transient_ ? Tensor() : act(ln1_, {N, h});
+      env_.precision->linear_backward(ctx, wqkv_, ln1, param_rows(u, kWq, 3),
                                       act(d_qkv_, {N, width()}), &d_ln, dWqkv, true);
     }
     {
@@ -145,6 +149,7 @@ class FusedAttention final : public AttentionBlock {
   int ln1_ = -1, rstd1_ = -1, qkv_ = -1, att_ = -1, stats_ = -1;
   int d_ln_ = -1, d_qkv_ = -1, d_att_ = -1, ws_ = -1;
   int wqkv_ = -1, wo_ = -1;
+  bool ln1_transient_ = false;
 };
 
 }  // namespace

@@ -19,7 +19,16 @@ class NativeAttention final : public AttentionBlock {
     const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
     const size_t stats = static_cast<size_t>(env.B * spec_.num_heads * env.S) * 4;
     const bool full = env.recompute == Recompute::full;
-    ln1_ = a.kept("ln1", l, n * h * e, full);
+    const std::string s = "layer." + std::to_string(l) + ".";
+    const int64_t N = env.N;
+    wq_ = env.register_linear({s + "q_proj", h, qd, N});
+    wk_ = env.register_linear({s + "k_proj", h, kvd, N});
+    wv_ = env.register_linear({s + "v_proj", h, kvd, N});
+    wo_ = env.register_linear({s + "o_proj", qd, h, N});
+    // The norm output is read by q, k and v (forward) and their wgrad only:
+    // when the recipe keeps its own copy for the wgrad it is a transient.
+    ln1_transient_ = env.keeps_wgrad_input({wq_, wk_, wv_});
+    ln1_ = ln1_transient_ ? a.transient_input(n * h * e) : a.kept("ln1", l, n * h * e, full);
     rstd1_ = a.kept("rstd1", l, n * 4, full);
     q_ = a.kept("q", l, n * qd * e, full);
     k_ = a.kept("k", l, n * kvd * e, full);
@@ -42,12 +51,6 @@ class NativeAttention final : public AttentionBlock {
     d_att_ = a.shared("grad.att", n * qd * e);
     ws_ = a.shared("attention.workspace",
                    env.attention->workspace_bytes(env.attention_shape(), env.act, env.backend->device()));
-    const std::string s = "layer." + std::to_string(l) + ".";
-    const int64_t N = env.N;
-    wq_ = env.register_linear({s + "q_proj", h, qd, N});
-    wk_ = env.register_linear({s + "k_proj", h, kvd, N});
-    wv_ = env.register_linear({s + "v_proj", h, kvd, N});
-    wo_ = env.register_linear({s + "o_proj", qd, h, N});
   }
 
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {
@@ -110,7 +113,9 @@ class NativeAttention final : public AttentionBlock {
       be.rope_backward(dq, spec_.rope_theta);
       be.rope_backward(dk, spec_.rope_theta);
     }
-    Tensor ln1 = act(ln1_, {N, h}), d_ln = act(d_ln_, {N, h}), d_tmp = act(d_tmp_, {N, h});
+    // Not kept when the recipe keeps its own copy for the wgrad: then empty.
+    Tensor ln1 = ln1_transient_ ? Tensor() : act(ln1_, {N, h});
+    Tensor d_ln = act(d_ln_, {N, h}), d_tmp = act(d_tmp_, {N, h});
     {
       Range r(be, "qkv.grad");
       Tensor dWq = param(u, kWq, true), dWk = param(u, kWk, true), dWv = param(u, kWv, true);
@@ -140,6 +145,7 @@ class NativeAttention final : public AttentionBlock {
   int ln1_ = -1, rstd1_ = -1, q_ = -1, k_ = -1, v_ = -1, att_ = -1, stats_ = -1, tmp_ = -1;
   int d_ln_ = -1, d_tmp_ = -1, d_q_ = -1, d_k_ = -1, d_v_ = -1, d_att_ = -1, ws_ = -1;
   int wq_ = -1, wk_ = -1, wv_ = -1, wo_ = -1;
+  bool ln1_transient_ = false;
 };
 
 }  // namespace

@@ -25,16 +25,21 @@ class FusedFfn final : public FfnBlock {
     const int64_t h = spec_.hidden, f = spec_.ffn_hidden, l = layer_;
     const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
     const bool full = env.recompute == Recompute::full;
-    ln2_ = a.kept("ln2", l, n * h * e, full);
-    rstd2_ = a.kept("rstd2", l, n * 4, full);
-    gu_ = a.kept("gate_up", l, n * 2 * f * e, full);
-    swi_ = a.kept("swi", l, n * f * e, full);
-    d_ln_ = a.shared("grad.ln", n * h * e);
-    d_gu_ = a.shared("grad.gate_up", n * 2 * f * e);
-    d_swi_ = a.shared("grad.swi", n * f * e);
     const std::string s = "layer." + std::to_string(l) + ".";
     wgu_ = env.register_linear({s + "gate_up_proj", h, 2 * f, env.N});
     wd_ = env.register_linear({s + "down_proj", f, h, env.N});
+    // The norm output (read by gate_up's GEMM and wgrad) and the SwiGLU
+    // output (down's) are transients when the recipe keeps its own copies for
+    // the wgrad; SwiGLU's backward reads gate_up, the norm's its input and rstd.
+    ln2_transient_ = env.keeps_wgrad_input({wgu_});
+    swi_transient_ = env.keeps_wgrad_input({wd_});
+    ln2_ = ln2_transient_ ? a.transient_input(n * h * e) : a.kept("ln2", l, n * h * e, full);
+    rstd2_ = a.kept("rstd2", l, n * 4, full);
+    gu_ = a.kept("gate_up", l, n * 2 * f * e, full);
+    swi_ = swi_transient_ ? a.transient_input(n * f * e) : a.kept("swi", l, n * f * e, full);
+    d_ln_ = a.shared("grad.ln", n * h * e);
+    d_gu_ = a.shared("grad.gate_up", n * 2 * f * e);
+    d_swi_ = a.shared("grad.swi", n * f * e);
   }
 
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {
@@ -70,7 +75,8 @@ class FusedFfn final : public FfnBlock {
     {
       Range r(be, "down.grad");
       Tensor dWd = param(u, kWdown, true);
-      env_.precision->linear_backward(ctx, wd_, act(swi_, {N, f}), param(u, kWdown), d, &d_swi, dWd, true);
+      const Tensor swi = swi_transient_ ? Tensor() : act(swi_, {N, f});
+      env_.precision->linear_backward(ctx, wd_, swi, param(u, kWdown), d, &d_swi, dWd, true);
     }
     {
       Range r(be, "swiglu.grad");
@@ -81,7 +87,8 @@ class FusedFfn final : public FfnBlock {
     {
       Range r(be, "gate_up.grad");
       Tensor dWgu = param_rows(u, kWgate, 2, true);
-      env_.precision->linear_backward(ctx, wgu_, act(ln2_, {N, h}), param_rows(u, kWgate, 2),
+      const Tensor ln2 = ln2_transient_ ? Tensor() : act(ln2_, {N, h});
+      env_.precision->linear_backward(ctx, wgu_, ln2, param_rows(u, kWgate, 2),
                                       act(d_gu_, {N, 2 * f}), &d_ln, dWgu, true);
     }
     {
@@ -104,6 +111,7 @@ class FusedFfn final : public FfnBlock {
   int ln2_ = -1, rstd2_ = -1, gu_ = -1, swi_ = -1;
   int d_ln_ = -1, d_gu_ = -1, d_swi_ = -1;
   int wgu_ = -1, wd_ = -1;
+  bool ln2_transient_ = false, swi_transient_ = false;
 };
 
 }  // namespace

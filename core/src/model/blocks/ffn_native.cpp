@@ -18,20 +18,26 @@ class NativeFfn final : public FfnBlock {
     const int64_t h = spec_.hidden, f = spec_.ffn_hidden, l = layer_;
     const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
     const bool full = env.recompute == Recompute::full;
-    ln2_ = a.kept("ln2", l, n * h * e, full);
+    const std::string s = "layer." + std::to_string(l) + ".";
+    wg_ = env.register_linear({s + "gate_proj", h, f, env.N});
+    wu_ = env.register_linear({s + "up_proj", h, f, env.N});
+    wd_ = env.register_linear({s + "down_proj", f, h, env.N});
+    // The norm output is read by gate and up (forward and wgrad), the SwiGLU
+    // output by down (the same): transients when the recipe keeps its own
+    // copies for the wgrad (SwiGLU's backward reads gate and up, the norm's
+    // its input and rstd).
+    ln2_transient_ = env.keeps_wgrad_input({wg_, wu_});
+    swi_transient_ = env.keeps_wgrad_input({wd_});
+    ln2_ = ln2_transient_ ? a.transient_input(n * h * e) : a.kept("ln2", l, n * h * e, full);
     rstd2_ = a.kept("rstd2", l, n * 4, full);
     gate_ = a.kept("gate", l, n * f * e, full);
     up_ = a.kept("up", l, n * f * e, full);
-    swi_ = a.kept("swi", l, n * f * e, full);
+    swi_ = swi_transient_ ? a.transient_input(n * f * e) : a.kept("swi", l, n * f * e, full);
     tmp_ = a.shared("scratch.h", n * h * e);  // down_proj's output before the add; a gradient scratch in backward
     d_ln_ = a.shared("grad.ln", n * h * e);
     d_gate_ = a.shared("grad.gate", n * f * e);
     d_up_ = a.shared("grad.up", n * f * e);
     d_swi_ = a.shared("grad.swi", n * f * e);
-    const std::string s = "layer." + std::to_string(l) + ".";
-    wg_ = env.register_linear({s + "gate_proj", h, f, env.N});
-    wu_ = env.register_linear({s + "up_proj", h, f, env.N});
-    wd_ = env.register_linear({s + "down_proj", f, h, env.N});
   }
 
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {
@@ -69,13 +75,15 @@ class NativeFfn final : public FfnBlock {
     {
       Range r(be, "down.grad");
       Tensor dWd = param(u, kWdown, true);
-      env_.precision->linear_backward(ctx, wd_, act(swi_, {N, f}), param(u, kWdown), d, &d_swi, dWd, true);
+      const Tensor swi = swi_transient_ ? Tensor() : act(swi_, {N, f});
+      env_.precision->linear_backward(ctx, wd_, swi, param(u, kWdown), d, &d_swi, dWd, true);
     }
     {
       Range r(be, "swiglu.grad");
       be.swiglu_backward(d_gate, d_up, d_swi, act(gate_, {N, f}), act(up_, {N, f}));
     }
-    Tensor ln2 = act(ln2_, {N, h}), d_ln = act(d_ln_, {N, h}), d_tmp = act(tmp_, {N, h});
+    Tensor ln2 = ln2_transient_ ? Tensor() : act(ln2_, {N, h});
+    Tensor d_ln = act(d_ln_, {N, h}), d_tmp = act(tmp_, {N, h});
     {
       Range r(be, "gate_up.grad");
       Tensor dWg = param(u, kWgate, true), dWu = param(u, kWup, true);
@@ -95,6 +103,7 @@ class NativeFfn final : public FfnBlock {
   int ln2_ = -1, rstd2_ = -1, gate_ = -1, up_ = -1, swi_ = -1, tmp_ = -1;
   int d_ln_ = -1, d_gate_ = -1, d_up_ = -1, d_swi_ = -1;
   int wg_ = -1, wu_ = -1, wd_ = -1;
+  bool ln2_transient_ = false, swi_transient_ = false;
 };
 
 }  // namespace
