@@ -307,8 +307,9 @@ const char* mode_name(int32_t m) {
 // Block-scaled FP8 in cuBLASLt: E4M3 x E4M3 -> bf16, TN, with per-block
 // scale modes on A and B. In the fprop mapping cuBLASLt's A is the weight
 // (DeepSeek-V3: 128x128 blocks) and its B the activation (1x128 tiles).
-// Two more variants per mode pair answer the fp8_block recipe's refusals:
-// B in E5M2 (a "hybrid" gradient operand) and fast accumulation.
+// Three more variants per mode pair answer the fp8_block recipe's questions:
+// B in E5M2 (a "hybrid" gradient operand), fast accumulation, and fp32 D
+// (the wgrad's dW, accumulated in fp32).
 void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStream_t s, const Args& args) {
   std::printf("\n## Block-scaled FP8 probe (cuBLASLt %zu, A E4M3, B E4M3 or E5M2 -> bf16, TN)\n\n",
               cublasLtGetVersion());
@@ -324,7 +325,7 @@ void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStr
       {CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F}};
   for (const auto& sh : shapes) {
     const int64_t M = sh[0], N = sh[1], K = sh[2];
-    DevMem a(static_cast<size_t>(M * K)), b(static_cast<size_t>(N * K)), d(static_cast<size_t>(M * N) * 2);
+    DevMem a(static_cast<size_t>(M * K)), b(static_cast<size_t>(N * K)), d(static_cast<size_t>(M * N) * 4);
     LOOM_CUDA_CHECK(cudaMemset(a.p, 0x38, a.bytes), "A = 1.0 (E4M3 0x38)");
     LOOM_CUDA_CHECK(cudaMemset(b.p, 0x38, b.bytes), "B = 1.0");
     // Scale buffers large enough for either layout (one float per row per 128 k).
@@ -334,9 +335,10 @@ void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStr
     LOOM_CUDA_CHECK(cudaMemcpy(sa.p, ones.data(), sa.bytes, cudaMemcpyHostToDevice), "A scales");
     LOOM_CUDA_CHECK(cudaMemcpy(sb.p, ones.data(), sb.bytes, cudaMemcpyHostToDevice), "B scales");
     for (const auto& md : modes)
-    for (int variant = 0; variant < 3; ++variant) {
-      // 0: E4M3 x E4M3; 1: B (the activation / gradient) in E5M2; 2: E4M3 x E4M3 with fast accumulation.
-      const bool b_e5m2 = variant == 1, fast = variant == 2;
+    for (int variant = 0; variant < 4; ++variant) {
+      // 0: E4M3 x E4M3; 1: B (the activation / gradient) in E5M2; 2: E4M3 x E4M3 with fast accumulation;
+      // 3: E4M3 x E4M3 into fp32 D.
+      const bool b_e5m2 = variant == 1, fast = variant == 2, d_f32 = variant == 3;
       LOOM_CUDA_CHECK(cudaMemset(b.p, b_e5m2 ? 0x3C : 0x38, b.bytes), "B = 1.0 (E5M2 0x3C, E4M3 0x38)");
       cublasStatus_t sma = CUBLAS_STATUS_NOT_INITIALIZED, smb = sma, sh_st = sma;
       int found = 0;
@@ -357,7 +359,7 @@ void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStr
         LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, b_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3, K, N, K), "probe");
         const int8_t fa = fast ? 1 : 0;
         LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)), "probe");
-        LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_16BF, M, N, M), "probe");
+        LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, d_f32 ? CUDA_R_32F : CUDA_R_16BF, M, N, M), "probe");
         cublasLtMatmulPreference_t pref;
         LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "probe");
         const uint64_t w = ws_bytes;
@@ -379,8 +381,10 @@ void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStr
           if (rs == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess) {
             // All ones with unit scales: every D element is K (exact in bf16 for these K).
             uint16_t h = 0;
-            LOOM_CUDA_CHECK(cudaMemcpy(&h, d.p, 2, cudaMemcpyDeviceToHost), "probe D[0]");
-            run += " D[0]=" + std::to_string(loom::hf::bf16_to_f32(h));
+            float hf = 0.0f;
+            if (d_f32) LOOM_CUDA_CHECK(cudaMemcpy(&hf, d.p, 4, cudaMemcpyDeviceToHost), "probe D[0] (fp32)");
+            else LOOM_CUDA_CHECK(cudaMemcpy(&h, d.p, 2, cudaMemcpyDeviceToHost), "probe D[0]");
+            run += " D[0]=" + std::to_string(d_f32 ? hf : loom::hf::bf16_to_f32(h));
             char buf[32];
             std::snprintf(buf, sizeof buf, "%.3f", time_ms(s, 2, std::max(args.iters, 20), [&] { go(); }));
             ms = buf;
@@ -391,7 +395,7 @@ void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStr
       }
       std::printf("| %lld x %lld x %lld | %s | %s | %s | %s / %s | %s | %d | %s | %s |\n", static_cast<long long>(M),
                   static_cast<long long>(N), static_cast<long long>(K), mode_name(md[0]), mode_name(md[1]),
-                  variant == 0 ? "E4M3 x E4M3" : (variant == 1 ? "B E5M2" : "fast accum"),
+                  variant == 0 ? "E4M3 x E4M3" : (variant == 1 ? "B E5M2" : (variant == 2 ? "fast accum" : "D fp32")),
                   cublasLtGetStatusName(sma), cublasLtGetStatusName(smb), cublasLtGetStatusName(sh_st), found,
                   run.c_str(), ms.c_str());
     }
