@@ -26,11 +26,15 @@
 //     roundoff(ceildiv(inner, 128), 4) * ceildiv(outer, 128);" - the sizes,
 //     and that the 128x128 layout pads the k-block count to a multiple of 4,
 //     so the k blocks are the contiguous dimension of that layout;
-//   - TransformerEngine's Float8BlockQuantizer, the "GEMM_READY" scale_inv
-//     shapes it hands to these cuBLASLt modes: 1D (1x128) scales
-//     [ceil(k/128), roundup(rows, 4)] row-major (rows contiguous), 2D
-//     (128x128) scales [ceil(rows/128), roundup(ceil(k/128), 4)] row-major
-//     (k blocks contiguous).
+//   - TransformerEngine, transformer_engine/pytorch/csrc/quantizer.cpp,
+//     Float8BlockQuantizer::get_scale_shape (the scale_inv it hands to these
+//     cuBLASLt modes, m_dim = rows, k_dim = the last dim): block_scaling_dim 2
+//     "sinv0 = ceildiv(m_dim, kBlockLen); sinv1 = roundup(ceildiv(k_dim,
+//     kBlockLen), 4);", block_scaling_dim 1 "default rowwise scaling factor
+//     shape already transpose the scaling factor so it's GEMM_READY ... sinv0 =
+//     ceildiv(k_dim, kBlockLen); sinv1 = roundup(m_dim, 4);" - row-major
+//     [sinv0, sinv1] tensors: 1x128 scales with the rows contiguous, 128x128
+//     scales with the k blocks contiguous.
 // So: VEC128    scale of (row r, k block kb) at kb * roundup(rows, 4) + r
 //     BLK128x128 scale of (row block rb, k block kb) at rb * roundup(k/128, 4) + kb
 // The same layout holds for cuBLASLt's A and B (both K-major in the TN form).
