@@ -48,7 +48,7 @@ RowMatrix operand(const Tensor& t, const char* what) {
   return m;
 }
 
-enum Key : int { kM, kN, kK, kLda, kLdb, kLdc, kLdd, kTypeD, kHasC, kModeA, kModeB, kAlC, kAlD, kKeySize };
+enum Key : int { kM, kN, kK, kLda, kLdb, kLdc, kLdd, kTypeD, kHasC, kModeA, kModeB, kAlA, kAlB, kAlC, kAlD, kKeySize };
 
 }  // namespace
 
@@ -133,6 +133,7 @@ void Fp8BlockGemm::gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d,
   auto handle = static_cast<cublasLtHandle_t>(handle_);
   const std::array<int64_t, kKeySize> key{m, n, k, ma.ld, mb.ld, mc.ld, md.ld, static_cast<int64_t>(d.dtype),
                                           c != nullptr, static_cast<int64_t>(a.mode), static_cast<int64_t>(b.mode),
+                                          alignment_of(ta.data), alignment_of(tb.data),
                                           alignment_of(c != nullptr ? c->data : d.data), alignment_of(d.data)};
   auto where = [&] {
     return cat("fp8_block_gemm D[", m, ",", n, "] (", dtype_name(d.dtype), ", ldd ", md.ld, ") = A[", m, ",", k,
@@ -187,6 +188,14 @@ void Fp8BlockGemm::gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d,
     LOOM_BLOCK_LT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
         where());
+    // The pointers' real alignments (cuBLASLt assumes 256 bytes otherwise); its A is our B.
+    const uint32_t al_lt_a = static_cast<uint32_t>(key[kAlB]), al_lt_b = static_cast<uint32_t>(key[kAlA]);
+    LOOM_BLOCK_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_lt_a,
+                                                             sizeof(al_lt_a)),
+                        where());
+    LOOM_BLOCK_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_lt_b,
+                                                             sizeof(al_lt_b)),
+                        where());
     const uint32_t al_c = static_cast<uint32_t>(key[kAlC]), al_d = static_cast<uint32_t>(key[kAlD]);
     LOOM_BLOCK_LT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)),
