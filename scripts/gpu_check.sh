@@ -18,9 +18,9 @@
 #   bash scripts/gpu_check.sh fp8-convergence     (bf16 against fp8_delayed and fp8_current: `loom compare`
 #       on the fortune corpus, fused layers, same initial weights, 1000 steps; the final validation
 #       loss of each FP8 run within 1% of bf16's; env CONV_STEPS)
-#   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8 and test_gpu_fp8_recipes, then benchmarks/fp8_gemm.cpp:
-#       bf16 vs FP8 cuBLASLt GEMMs on the llama-1b and llama2-7b linears, the cast
-#       kernels and the block-scaled FP8 probe; $OUT/fp8_gemm_bench.md; env FP8_BENCH_ARGS)
+#   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8, test_gpu_fp8_recipes and test_gpu_fp8_block, then
+#       benchmarks/fp8_gemm.cpp: bf16 vs per-tensor and block-scaled FP8 cuBLASLt GEMMs on the llama-1b and
+#       llama2-7b linears, the cast kernels and the block-scaled FP8 probe; $OUT/fp8_gemm_bench.md; env FP8_BENCH_ARGS)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -55,7 +55,7 @@ status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   : > "$OUT/tests.txt"
   # The suites with GPU cases (the CPU suites run in CI).
-  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_golden test_gpu_train test_gpu_moe test_gpu_fp8_recipes test_step_alloc}; do
+  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_golden test_gpu_train test_gpu_moe test_gpu_fp8_recipes test_gpu_fp8_block test_step_alloc}; do
     t=.carry/bin/$n
     if "$t" --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
@@ -71,7 +71,7 @@ fi
 if [ "$WHAT" = fp8 ]; then
   # The FP8 building blocks: the suite (nothing may skip on a GPU), then the GEMM benchmark.
   : > "$OUT/tests.txt"
-  for n in test_cuda_fp8 test_gpu_fp8_recipes; do
+  for n in test_cuda_fp8 test_gpu_fp8_recipes test_gpu_fp8_block; do
   if .carry/bin/$n --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
   s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
   if [ "$s" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi

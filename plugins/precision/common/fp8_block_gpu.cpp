@@ -1,0 +1,385 @@
+// The fp8_block recipe on CUDA (fp8_block.hpp's make_gpu_recipe): the block
+// casts of kernels/cuda/fp8_block_kernels.hpp and the block-scaled cuBLASLt
+// GEMMs of kernels/cuda/fp8_block_gemm.hpp. Built only with CUDA.
+//
+// Per step and FP8 linear (all but the LM head unless fp8_head = true; the
+// head, and any call whose row count is not a multiple of 128, goes through
+// the bf16 cuBLASLt GEMMs of cublaslt_linear.hpp):
+//   forward   W cast once per optimizer step in 128x128 blocks into W and Wᵀ
+//             with their block scale inverses (workspace); x cast in 1x128
+//             tiles (workspace scratch, fprop) and in 128x1 tiles as xᵀ (the
+//             linear's saved activation, wgrad); fprop y = x Wᵀ (+ residual).
+//   backward  dy cast in 1x128 tiles (dgrad) and as dyᵀ in 128x1 tiles
+//             (wgrad); dgrad dx = dy W (B = Wᵀ, the same block scales on the
+//             transposed grid), wgrad dW = dyᵀ x (C = dW when accumulating).
+// No scaling state: every tile takes its scale from its own amax in the cast
+// kernel. The only state is a device counter of tiles with an inf or NaN
+// amax, read by the host for the log line and a checkpoint.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "kernels/cuda/cuda_check.hpp"
+#include "kernels/cuda/fp8_block_gemm.hpp"
+#include "kernels/cuda/fp8_block_kernels.hpp"
+#include "loom/error.hpp"
+#include "loom/fp8_block.hpp"
+#include "loom/log.hpp"
+#include "precision/common/cublaslt_linear.hpp"
+#include "precision/common/fp8_block.hpp"
+
+namespace loom::fp8_block {
+namespace {
+
+namespace blk = fp8::block;
+using blk::ScaleMode;
+
+constexpr size_t kAlign = 256;
+size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+size_t scale_bytes(ScaleMode m, int64_t rows, int64_t k) {
+  return round_up(static_cast<size_t>(blk::scale_floats(m, rows, k)) * sizeof(float));
+}
+bool aligned(int64_t v) { return v % blk::kBlock == 0; }
+
+class Fp8BlockGpu final : public Precision {
+ public:
+  explicit Fp8BlockGpu(const Options& o)
+      : o_(o), lt_("fp8_block", precision_common::GemmDTypes{DType::bf16, DType::bf16,
+                                                             o.master_bf16 ? DType::bf16 : DType::f32}) {}
+
+  ~Fp8BlockGpu() override {
+    if (counter_ != nullptr) cudaFree(counter_);  // teardown: nothing worth reporting
+  }
+
+  PrecisionDTypes dtypes() const override {
+    if (o_.master_bf16) {
+      PrecisionDTypes t{DType::bf16, DType::bf16, DType::bf16, DType::bf16, DType::bf16, /*has_master=*/false};
+      t.stochastic_rounding = o_.stochastic_rounding;
+      return t;
+    }
+    return {DType::bf16, DType::f32, DType::f32, DType::f32, DType::bf16, /*has_master=*/true};
+  }
+
+  int register_linear(const LinearDesc& d) override {
+    LOOM_CHECK(!set_up_, "precision fp8_block: linear '", d.name, "' registered after setup()");
+    LOOM_CHECK(d.in > 0 && d.out > 0 && d.max_rows > 0, "precision fp8_block: linear '", d.name,
+               "' has invalid shape in=", d.in, " out=", d.out, " max_rows=", d.max_rows);
+    Linear l;
+    l.desc = d;
+    l.fp8 = d.role != LinearRole::lm_head || o_.fp8_head;
+    if (l.fp8) {
+      if (!aligned(d.in) || !aligned(d.out) || (!d.variable_rows && !aligned(d.max_rows)))
+        throw Error(Fp8BlockRecipe::dims_message(d));
+      const int64_t rows = d.max_rows / blk::kBlock * blk::kBlock;  // the most rows an FP8 call can have
+      const auto wb = static_cast<size_t>(d.out * d.in);
+      l.w_off = weight_bytes_;
+      weight_bytes_ += round_up(wb);
+      l.wt_off = weight_bytes_;
+      weight_bytes_ += round_up(wb);
+      l.sw_off = weight_bytes_;
+      weight_bytes_ += scale_bytes(ScaleMode::block_128x128, d.out, d.in);
+      l.swt_off = weight_bytes_;
+      weight_bytes_ += scale_bytes(ScaleMode::block_128x128, d.in, d.out);
+      // Saved: xᵀ [in, rows] in 1x128 tiles along the tokens, then its scales.
+      l.saved_off = saved_total_;
+      l.sxt_rel = round_up(static_cast<size_t>(d.in * rows));
+      l.saved_bytes = l.sxt_rel + scale_bytes(ScaleMode::tile_1x128, d.in, std::max<int64_t>(rows, blk::kBlock));
+      saved_total_ += l.saved_bytes;
+      x_scratch_ = std::max(x_scratch_, round_up(static_cast<size_t>(rows * d.in)) +
+                                            scale_bytes(ScaleMode::tile_1x128, std::max<int64_t>(rows, 1), d.in));
+      dy_scratch_ = std::max(dy_scratch_, round_up(static_cast<size_t>(rows * d.out)) +
+                                              scale_bytes(ScaleMode::tile_1x128, std::max<int64_t>(rows, 1), d.out));
+      dyt_scratch_ = std::max(dyt_scratch_, round_up(static_cast<size_t>(rows * d.out)) +
+                                                scale_bytes(ScaleMode::tile_1x128, d.out,
+                                                            std::max<int64_t>(rows, blk::kBlock)));
+    }
+    l.lt_id = lt_.register_linear(d);
+    linears_.push_back(l);
+    return static_cast<int>(linears_.size()) - 1;
+  }
+
+  size_t saved_activation_bytes(int id) const override {
+    LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision fp8_block: linear id ", id,
+               " was never registered");
+    return linears_[static_cast<size_t>(id)].saved_bytes;
+  }
+
+  // [0, gemm): the cuBLASLt workspace (the bf16 head's GEMMs and the block
+  // GEMMs, one stream); every FP8 linear's W, Wᵀ and their block scales; the
+  // x, dy and dyᵀ scratch with their tile scales.
+  size_t gemm_bytes() const { return round_up(gpu::Fp8BlockGemm::kWorkspaceBytes); }
+  size_t workspace_bytes() const override { return gemm_bytes() + weight_bytes_ + x_scratch_ + dy_scratch_ + dyt_scratch_; }
+
+  void setup(const PrecisionSetup& s) override {
+    LOOM_CHECK(s.data_parallel != nullptr, "precision fp8_block: setup without a data-parallel communicator");
+    LOOM_CHECK(s.device == Device::cuda, "precision fp8_block: the GPU path was set up for device ",
+               device_name(s.device));
+    set_up_ = true;
+    int n = 0;
+    std::string full;
+    for (const Linear& l : linears_) {
+      if (l.fp8) ++n;
+      else full += cat(full.empty() ? "" : ", ", l.desc.name);
+    }
+    log_info(cat("precision fp8_block: ", n,
+                 " linears in FP8 on CUDA (cuBLASLt block-scaled GEMMs), E4M3, x and dy in 1x128 tiles, W in "
+                 "128x128 blocks, wgrad operands in 1x128 tiles along the tokens; no fast accumulation",
+                 full.empty() ? std::string() : cat("; in bf16: ", full), "; master ",
+                 o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32"));
+  }
+
+  void set_workspace(void* ptr, size_t bytes) override {
+    LOOM_CHECK(bytes >= workspace_bytes() && ptr != nullptr, "precision fp8_block: workspace of ", bytes, " bytes at ",
+               ptr, ", ", workspace_bytes(), " needed");
+    LOOM_CHECK(reinterpret_cast<uintptr_t>(ptr) % kAlign == 0,
+               "precision fp8_block: the workspace must be 256-byte aligned, got address ", ptr);
+    LOOM_CHECK(set_up_, "precision fp8_block: set_workspace before setup()");
+    if (counter_ == nullptr) {
+      LOOM_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&counter_), kAlign), "precision fp8_block: the non-finite tile counter (", kAlign,
+                      " bytes)");
+      LOOM_CUDA_CHECK(cudaMemset(counter_, 0, kAlign), "precision fp8_block: clearing the non-finite tile counter");
+      LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision fp8_block: initialising the counter");
+    }
+    ws_ = static_cast<char*>(ptr);
+    lt_.set_workspace(ws_, precision_common::CublasLtLinears::kWorkspaceBytes);
+    if (gemm_) gemm_->set_workspace(ws_, gpu::Fp8BlockGemm::kWorkspaceBytes);
+    for (Linear& l : linears_) l.weight_cast = false;
+  }
+
+  void set_saved_activations(void* ptr, size_t bytes) override {
+    LOOM_CHECK(bytes >= saved_total_ && ptr != nullptr, "precision fp8_block: saved activations of ", bytes,
+               " bytes at ", ptr, ", ", saved_total_, " needed");
+    LOOM_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0,
+               "precision fp8_block: the saved activations must be 16-byte aligned, got address ", ptr);
+    saved_ = static_cast<char*>(ptr);
+  }
+
+  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
+                      const Tensor* residual) override {
+    Linear& l = lookup(ctx, id);
+    if (!l.fp8) return lt_.forward(ctx, l.lt_id, x, w, y, residual);
+    const LinearDesc& d = l.desc;
+    auto stream = static_cast<cudaStream_t>(ctx.stream);
+    const RowMatrix mx = matrix(x, d, "x", DType::bf16);
+    matrix(y, d, "y", DType::bf16);
+    check_weight(w, d, "w", DType::bf16);
+    const int64_t rows = check_rows(d, mx, "x");
+    if (!aligned(rows)) {
+      unaligned_rows(l, rows);
+      l.saved_rows = rows;
+      return lt_.forward(ctx, l.lt_id, x, w, y, residual);
+    }
+    l.saved_rows = rows;
+    if (rows == 0) return;
+    cast_weight(l, w, stream);
+    Tensor qx(ws_ + x_off(), DType::e4m3, Device::cuda, {rows, d.in});
+    float* sx = reinterpret_cast<float*>(ws_ + x_off() + round_up(static_cast<size_t>(rows * d.in)));
+    gpu::fp8_block_cast_rows(x, qx, sx, counter_, stream);
+    Tensor qxt(saved_ + l.saved_off, DType::e4m3, Device::cuda, {d.in, rows});
+    gpu::fp8_block_cast_cols(x, qxt, reinterpret_cast<float*>(saved_ + l.saved_off + l.sxt_rel), counter_, stream);
+    const Tensor qw(ws_ + gemm_bytes() + l.w_off, DType::e4m3, Device::cuda, {d.out, d.in});
+    gemm(ctx).gemm({&qx, sx, ScaleMode::tile_1x128},
+                   {&qw, reinterpret_cast<const float*>(ws_ + gemm_bytes() + l.sw_off), ScaleMode::block_128x128}, y,
+                   residual, stream);
+  }
+
+  void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                       Tensor& dw, bool accumulate) override {
+    Linear& l = lookup(ctx, id);
+    if (!l.fp8) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
+    const LinearDesc& d = l.desc;
+    auto stream = static_cast<cudaStream_t>(ctx.stream);
+    const RowMatrix mx = matrix(x, d, "x", DType::bf16), mdy = matrix(dy, d, "dy", DType::bf16);
+    check_weight(w, d, "w", DType::bf16);
+    check_weight(dw, d, "dw", o_.master_bf16 ? DType::bf16 : DType::f32);
+    const int64_t rows = check_rows(d, mx, "x");
+    LOOM_CHECK(l.saved_rows == rows, "precision fp8_block: ", d.name, ": backward of ", rows,
+               " rows, but the forward before it cast ",
+               l.saved_rows < 0 ? std::string("none") : std::to_string(l.saved_rows),
+               " (every backward follows its own forward)");
+    l.saved_rows = -1;
+    if (!aligned(rows)) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
+    LOOM_CHECK(mdy.rows == rows && mdy.cols == d.out, "precision fp8_block: ", d.name, ": dy is [", mdy.rows, ", ",
+               mdy.cols, "], expected [", rows, ", ", d.out, "]");
+    if (dx != nullptr) {
+      const RowMatrix mdx = matrix(*dx, d, "dx", DType::bf16);
+      LOOM_CHECK(mdx.rows == rows && mdx.cols == d.in, "precision fp8_block: ", d.name, ": dx is [", mdx.rows, ", ",
+                 mdx.cols, "], expected [", rows, ", ", d.in, "]");
+    }
+    if (rows == 0) {
+      if (!accumulate)
+        LOOM_CUDA_CHECK(cudaMemsetAsync(dw.data, 0, dw.bytes(), stream), "precision fp8_block: ", d.name,
+                        ": clearing dW (", dw.bytes(), " bytes)");
+      return;
+    }
+    cast_weight(l, w, stream);
+    Tensor qdy(ws_ + dy_off(), DType::e4m3, Device::cuda, {rows, d.out});
+    float* sdy = reinterpret_cast<float*>(ws_ + dy_off() + round_up(static_cast<size_t>(rows * d.out)));
+    gpu::fp8_block_cast_rows(dy, qdy, sdy, counter_, stream);
+    Tensor qdyt(ws_ + dyt_off(), DType::e4m3, Device::cuda, {d.out, rows});
+    float* sdyt = reinterpret_cast<float*>(ws_ + dyt_off() + round_up(static_cast<size_t>(rows * d.out)));
+    gpu::fp8_block_cast_cols(dy, qdyt, sdyt, counter_, stream);
+    if (dx != nullptr) {
+      const Tensor qwt(ws_ + gemm_bytes() + l.wt_off, DType::e4m3, Device::cuda, {d.in, d.out});
+      gemm(ctx).gemm({&qdy, sdy, ScaleMode::tile_1x128},
+                     {&qwt, reinterpret_cast<const float*>(ws_ + gemm_bytes() + l.swt_off), ScaleMode::block_128x128},
+                     *dx, nullptr, stream);
+    }
+    const Tensor qxt(saved_ + l.saved_off, DType::e4m3, Device::cuda, {d.in, rows});
+    gemm(ctx).gemm({&qdyt, sdyt, ScaleMode::tile_1x128},
+                   {&qxt, reinterpret_cast<const float*>(saved_ + l.saved_off + l.sxt_rel), ScaleMode::tile_1x128}, dw,
+                   accumulate ? &dw : nullptr, stream);
+  }
+
+  void end_step(const ExecContext& ctx) override {
+    LOOM_CHECK(set_up_, "precision fp8_block: end_step before setup()");
+    stream_ = static_cast<cudaStream_t>(ctx.stream);
+    for (Linear& l : linears_) l.weight_cast = false;  // the optimizer changed the weights
+    ++steps_;
+  }
+
+  std::vector<StateTensor> state_tensors() override {
+    read_counter();
+    counters_[0] = static_cast<double>(steps_);
+    counters_[1] = static_cast<double>(h_count_);
+    return {{"fp8_block.counters", Tensor(counters_, DType::f64, Device::cpu, {2}), false}};
+  }
+
+  void state_loaded() override {
+    for (Linear& l : linears_) {
+      l.weight_cast = false;
+      l.saved_rows = -1;
+    }
+    LOOM_CHECK(counters_[0] >= 0 && counters_[1] >= 0, "precision fp8_block: the checkpoint's fp8_block.counters (",
+               counters_[0], ", ", counters_[1], ") are negative");
+    steps_ = static_cast<int64_t>(counters_[0]);
+    h_count_ = static_cast<uint32_t>(counters_[1]);
+    mark_ = h_count_;
+    if (counter_ != nullptr) {
+      LOOM_CUDA_CHECK(cudaMemcpy(counter_, &h_count_, sizeof(h_count_), cudaMemcpyHostToDevice),
+                      "precision fp8_block: writing the restored non-finite tile count ", h_count_);
+      LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision fp8_block: writing the restored counter");
+    }
+  }
+
+  std::string log_summary() const override {
+    const_cast<Fp8BlockGpu*>(this)->read_counter();
+    const int64_t since = static_cast<int64_t>(h_count_) - mark_;
+    mark_ = h_count_;
+    if (since > 0 && !warned_) {
+      warned_ = true;
+      log_warn(cat("precision fp8_block: ", since, " FP8 tile(s) had an inf or NaN amax by step ", steps_,
+                   "; they were cast with scale 1. Later ones are counted in the \"precision:\" part of the log "
+                   "line, not warned again"));
+    }
+    std::ostringstream os;
+    os << "fp8_block non-finite tiles " << h_count_ << " (" << since << " since the last log line)";
+    return os.str();
+  }
+
+ private:
+  struct Linear {
+    LinearDesc desc;
+    bool fp8 = false;
+    int lt_id = -1;
+    size_t w_off = 0, wt_off = 0, sw_off = 0, swt_off = 0;  // bytes after the GEMM workspace
+    size_t saved_off = 0, saved_bytes = 0, sxt_rel = 0;      // xᵀ, then its scales at saved_off + sxt_rel
+    bool weight_cast = false;
+    int64_t saved_rows = -1;
+  };
+
+  size_t x_off() const { return gemm_bytes() + weight_bytes_; }
+  size_t dy_off() const { return x_off() + x_scratch_; }
+  size_t dyt_off() const { return dy_off() + dy_scratch_; }
+
+  Linear& lookup(const ExecContext& ctx, int id) {
+    LOOM_CHECK(ctx.device == Device::cuda, "precision fp8_block: called with a ", device_name(ctx.device),
+               " context; this plugin object was created for device cuda");
+    LOOM_CHECK(ctx.blas_handle != nullptr, "precision fp8_block: ExecContext::blas_handle is null (the CUDA backend "
+                                           "must hand in its cublasLtHandle_t)");
+    LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision fp8_block: linear id ", id,
+               " was never registered (", linears_.size(), " linears registered)");
+    Linear& l = linears_[static_cast<size_t>(id)];
+    LOOM_CHECK(set_up_ && ws_ != nullptr && (!l.fp8 || saved_ != nullptr), "precision fp8_block: ", l.desc.name,
+               " called before setup() and the planned memory were given");
+    stream_ = static_cast<cudaStream_t>(ctx.stream);
+    return l;
+  }
+
+  gpu::Fp8BlockGemm& gemm(const ExecContext& ctx) {
+    if (!gemm_) gemm_ = std::make_unique<gpu::Fp8BlockGemm>(ctx.blas_handle, ws_, gpu::Fp8BlockGemm::kWorkspaceBytes);
+    return *gemm_;
+  }
+
+  RowMatrix matrix(const Tensor& t, const LinearDesc& d, const char* what, DType want) const {
+    LOOM_CHECK(t.data != nullptr, "precision fp8_block: ", d.name, ": ", what, " has no data");
+    LOOM_CHECK(t.dtype == want && t.device == Device::cuda, "precision fp8_block: ", d.name, ": ", what,
+               " must be a ", dtype_name(want), " cuda tensor, got ", dtype_name(t.dtype), " on ",
+               device_name(t.device));
+    return fold_rows(t, "precision fp8_block: ", d.name, ": ", what);
+  }
+
+  void check_weight(const Tensor& t, const LinearDesc& d, const char* what, DType want) const {
+    matrix(t, d, what, want);
+    LOOM_CHECK(t.ndim == 2 && t.shape[0] == d.out && t.shape[1] == d.in && t.is_contiguous(), "precision fp8_block: ",
+               d.name, ": ", what, " must be a contiguous [out, in] = [", d.out, ",", d.in, "] matrix, got ",
+               t.shape_str());
+  }
+
+  int64_t check_rows(const LinearDesc& d, const RowMatrix& m, const char* what) const {
+    LOOM_CHECK(m.cols == d.in, "precision fp8_block: ", d.name, ": ", what, " has ", m.cols,
+               " columns, expected in=", d.in);
+    LOOM_CHECK(m.rows <= d.max_rows, "precision fp8_block: ", d.name, ": ", what, " has ", m.rows,
+               " rows, more than the max_rows=", d.max_rows, " it was registered with");
+    return m.rows;
+  }
+
+  void unaligned_rows(const Linear& l, int64_t rows) {
+    if (warned_rows_) return;
+    warned_rows_ = true;
+    log_warn(cat("precision fp8_block: ", l.desc.name, " was called with ", rows,
+                 " rows, not a multiple of 128, which 1x128 tiles along the tokens need: such calls run in bf16 "
+                 "(this linear's and any other's; said once)"));
+  }
+
+  void cast_weight(Linear& l, const Tensor& w, cudaStream_t stream) {
+    if (l.weight_cast) return;
+    char* base = ws_ + gemm_bytes();
+    Tensor qw(base + l.w_off, DType::e4m3, Device::cuda, {l.desc.out, l.desc.in});
+    Tensor qwt(base + l.wt_off, DType::e4m3, Device::cuda, {l.desc.in, l.desc.out});
+    gpu::fp8_block_cast_blocks(w, &qw, &qwt, reinterpret_cast<float*>(base + l.sw_off),
+                               reinterpret_cast<float*>(base + l.swt_off), counter_, stream);
+    l.weight_cast = true;
+  }
+
+  void read_counter() {
+    if (counter_ == nullptr) return;
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "precision fp8_block: waiting for the step's casts");
+    LOOM_CUDA_CHECK(cudaMemcpy(&h_count_, counter_, sizeof(h_count_), cudaMemcpyDeviceToHost),
+                    "precision fp8_block: reading the non-finite tile counter");
+  }
+
+  Options o_;
+  precision_common::CublasLtLinears lt_;
+  std::unique_ptr<gpu::Fp8BlockGemm> gemm_;
+  std::vector<Linear> linears_;
+  bool set_up_ = false;
+  char* ws_ = nullptr;
+  char* saved_ = nullptr;
+  size_t weight_bytes_ = 0, x_scratch_ = 0, dy_scratch_ = 0, dyt_scratch_ = 0, saved_total_ = 0;
+  uint32_t* counter_ = nullptr;  // device: tiles with an inf or NaN amax
+  cudaStream_t stream_ = nullptr;
+  int64_t steps_ = 0;
+  uint32_t h_count_ = 0;
+  double counters_[2] = {0, 0};  // checkpointed: steps, non-finite tiles
+  mutable int64_t mark_ = 0;
+  mutable bool warned_ = false;
+  bool warned_rows_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Precision> make_gpu_recipe(const Options& options) { return std::make_unique<Fp8BlockGpu>(options); }
+
+}  // namespace loom::fp8_block
