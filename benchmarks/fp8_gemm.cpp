@@ -263,19 +263,17 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
         time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(tdyqt, scale_inv + 2, txqt, scale_inv + 0, tdw, ow, s); });
 
     // Block-scaled (the fp8_block recipe): E4M3 everywhere; x and dy cast in 1x128 tiles and, transposed, in
-    // 128x1 tiles (two passes each), W in 128x128 blocks into W and W^T.
+    // 128x1 tiles (one pass each, fp8_block_cast_rows_cols as the recipe), W in 128x128 blocks into W and W^T.
     Tensor bdyq(dyq.p, DType::e4m3, Device::cuda, {T, l.out}), bdyqt(dyqt.p, DType::e4m3, Device::cuda, {l.out, T});
     auto f32 = [](DevMem& m) { return static_cast<float*>(m.p); };
     const double kx = time_ms(s, args.warmup, args.iters, [&] {
-      loom::gpu::fp8_block_cast_rows(tx, txq, f32(sx), nullptr, s);
-      loom::gpu::fp8_block_cast_cols(tx, txqt, f32(sxt), nullptr, s);
+      loom::gpu::fp8_block_cast_rows_cols(tx, txq, f32(sx), txqt, f32(sxt), nullptr, s);
     });
     const double kw = time_ms(s, args.warmup, args.iters, [&] {
       loom::gpu::fp8_block_cast_blocks(tw, &twq, &twqt, f32(sw), f32(swt), nullptr, s);
     });
     const double kdy = time_ms(s, args.warmup, args.iters, [&] {
-      loom::gpu::fp8_block_cast_rows(tdy, bdyq, f32(sdy), nullptr, s);
-      loom::gpu::fp8_block_cast_cols(tdy, bdyqt, f32(sdyt), nullptr, s);
+      loom::gpu::fp8_block_cast_rows_cols(tdy, bdyq, f32(sdy), bdyqt, f32(sdyt), nullptr, s);
     });
     block_cast_ms.push_back({lname + " x [" + std::to_string(T) + "," + std::to_string(l.in) + "]", kx});
     block_cast_ms.push_back({lname + " W [" + std::to_string(l.out) + "," + std::to_string(l.in) + "]", kw});

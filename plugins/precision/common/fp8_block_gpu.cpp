@@ -175,9 +175,9 @@ class Fp8BlockGpu final : public Precision {
     cast_weight(l, w, stream);
     Tensor qx(ws_ + x_off(), DType::e4m3, Device::cuda, {rows, d.in});
     float* sx = reinterpret_cast<float*>(ws_ + x_off() + round_up(static_cast<size_t>(rows * d.in)));
-    gpu::fp8_block_cast_rows(x, qx, sx, counter_, stream);
     Tensor qxt(saved_ + l.saved_off, DType::e4m3, Device::cuda, {d.in, rows});
-    gpu::fp8_block_cast_cols(x, qxt, reinterpret_cast<float*>(saved_ + l.saved_off + l.sxt_rel), counter_, stream);
+    gpu::fp8_block_cast_rows_cols(x, qx, sx, qxt, reinterpret_cast<float*>(saved_ + l.saved_off + l.sxt_rel),
+                                  counter_, stream);
     const Tensor qw(ws_ + gemm_bytes() + l.w_off, DType::e4m3, Device::cuda, {d.out, d.in});
     gemm(ctx).gemm({&qx, sx, ScaleMode::tile_1x128},
                    {&qw, reinterpret_cast<const float*>(ws_ + gemm_bytes() + l.sw_off), ScaleMode::block_128x128}, y,
@@ -216,10 +216,9 @@ class Fp8BlockGpu final : public Precision {
     cast_weight(l, w, stream);
     Tensor qdy(ws_ + dy_off(), DType::e4m3, Device::cuda, {rows, d.out});
     float* sdy = reinterpret_cast<float*>(ws_ + dy_off() + round_up(static_cast<size_t>(rows * d.out)));
-    gpu::fp8_block_cast_rows(dy, qdy, sdy, counter_, stream);
     Tensor qdyt(ws_ + dyt_off(), DType::e4m3, Device::cuda, {d.out, rows});
     float* sdyt = reinterpret_cast<float*>(ws_ + dyt_off() + round_up(static_cast<size_t>(rows * d.out)));
-    gpu::fp8_block_cast_cols(dy, qdyt, sdyt, counter_, stream);
+    gpu::fp8_block_cast_rows_cols(dy, qdy, sdy, qdyt, sdyt, counter_, stream);
     if (dx != nullptr) {
       const Tensor qwt(ws_ + gemm_bytes() + l.wt_off, DType::e4m3, Device::cuda, {d.in, d.out});
       gemm(ctx).gemm({&qdy, sdy, ScaleMode::tile_1x128},

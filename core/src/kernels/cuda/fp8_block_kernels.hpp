@@ -31,6 +31,12 @@ void fp8_block_cast_rows(const Tensor& x, Tensor& q, float* scale_inv, uint32_t*
 void fp8_block_cast_cols(const Tensor& x, Tensor& q_t, float* scale_inv_t, uint32_t* nonfinite,
                          cudaStream_t stream);
 
+// Both of the above in one pass over x (the recipe's x and dy casts): q and
+// scale_inv as fp8_block_cast_rows, q_t and scale_inv_t as fp8_block_cast_cols,
+// bitwise; nonfinite counts the non-finite tiles of both.
+void fp8_block_cast_rows_cols(const Tensor& x, Tensor& q, float* scale_inv, Tensor& q_t, float* scale_inv_t,
+                              uint32_t* nonfinite, cudaStream_t stream);
+
 // 128x128 blocks (weights): q [rows, cols] and q_t [cols, rows] (either may be
 // null, not both); scale_inv in the block_128x128 layout of [rows, cols],
 // scale_inv_t in that of [cols, rows] (each given with its tensor).
