@@ -198,6 +198,30 @@ TEST(GpuFp8Block, CastsMatchTheHostReferenceBitwise) {
       EXPECT_TRUE(same_scales("cols: scale_inv_t", download<float>(dst.p, ns), hs));
       EXPECT_EQ(download<uint32_t>(dcount.p, 1)[0], static_cast<uint32_t>(nf));
     }
+    // Rows and columns in one pass (what the recipe calls for x and dy):
+    // bitwise both host references, the non-finite tiles of both counted.
+    {
+      const auto ns = static_cast<size_t>(blk::scale_floats(blk::ScaleMode::tile_1x128, R, C));
+      const auto nst = static_cast<size_t>(blk::scale_floats(blk::ScaleMode::tile_1x128, C, R));
+      std::vector<uint8_t> hq(n), hqt(n);
+      std::vector<float> hs(ns), hst(nst);
+      const int64_t nf = blk::cast_row_tiles(xf.data(), R, C, C, hq.data(), hs.data()) +
+                         blk::cast_col_tiles(xf.data(), R, C, C, hqt.data(), hst.data());
+      CUDA_OK(cudaMemset(dq.p, 0, n));
+      CUDA_OK(cudaMemset(dqt.p, 0, n));
+      CUDA_OK(cudaMemset(ds.p, 0, ns * 4));
+      CUDA_OK(cudaMemset(dst.p, 0, nst * 4));
+      CUDA_OK(cudaMemset(dcount.p, 0, 4));
+      loom::gpu::fp8_block_cast_rows_cols(tx, q, static_cast<float*>(ds.p), qt, static_cast<float*>(dst.p), count,
+                                          nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_TRUE(same_bytes("rows+cols: q", download<uint8_t>(dq.p, n), hq, C));
+      EXPECT_TRUE(same_bytes("rows+cols: q_t", download<uint8_t>(dqt.p, n), hqt, R));
+      EXPECT_TRUE(same_scales("rows+cols: scale_inv", download<float>(ds.p, ns), hs));
+      EXPECT_TRUE(same_scales("rows+cols: scale_inv_t", download<float>(dst.p, nst), hst));
+      EXPECT_EQ(download<uint32_t>(dcount.p, 1)[0], static_cast<uint32_t>(nf));
+      EXPECT_EQ(nf, 2);  // the inf's row tile and column tile
+    }
     // Blocks, both copies.
     {
       const auto ns = static_cast<size_t>(blk::scale_floats(blk::ScaleMode::block_128x128, R, C));
