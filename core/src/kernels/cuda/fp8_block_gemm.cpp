@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.hpp"
+#include "kernels/cuda/cublaslt_plan.hpp"
 #include "loom/error.hpp"
 
 namespace loom::gpu {
@@ -52,32 +53,12 @@ enum Key : int { kM, kN, kK, kLda, kLdb, kLdc, kLdd, kTypeD, kHasC, kModeA, kMod
 
 }  // namespace
 
-#define LOOM_BLOCK_LT_CHECK(call, where)                                                                        \
-  do {                                                                                                          \
-    const cublasStatus_t st_ = (call);                                                                          \
-    LOOM_CHECK(st_ == CUBLAS_STATUS_SUCCESS, where, ": ", #call, " failed: ", cublasLtGetStatusName(st_), " (", \
-               cublasLtGetStatusString(st_), ")");                                                              \
-  } while (0)
-
-struct Fp8BlockGemm::Plan {
+struct Fp8BlockGemm::Plan : gpu::LtMatmulObjects {
   std::array<int64_t, kKeySize> key{};
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
   size_t workspace_needed = 0;
   const void* lt_a_scale = nullptr;  // cuBLASLt's A = our B
   const void* lt_b_scale = nullptr;  // cuBLASLt's B = our A
-  cublasLtMatrixLayout_t c_layout() const { return c ? c : d; }
-  Plan() = default;
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  ~Plan() {
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
 };
 
 Fp8BlockGemm::Fp8BlockGemm(void* cublaslt_handle, void* workspace, size_t workspace_bytes)
@@ -151,56 +132,56 @@ void Fp8BlockGemm::gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d,
   if (plan == nullptr) {
     auto p = std::make_unique<Plan>();
     p->key = key;
-    LOOM_BLOCK_LT_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), where());
     const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
-    LOOM_BLOCK_LT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)),
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)),
                         where());
-    LOOM_BLOCK_LT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)),
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)),
                         where());
     // cuBLASLt's A is our B and its B our A: modes and scale tensors swap.
     const int32_t mode_lt_a = lt_mode(b.mode), mode_lt_b = lt_mode(a.mode);
-    LOOM_BLOCK_LT_CHECK(
+    LOOM_CUBLASLT_CHECK(
         cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_lt_a, sizeof(mode_lt_a)),
         where());
-    LOOM_BLOCK_LT_CHECK(
+    LOOM_CUBLASLT_CHECK(
         cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_lt_b, sizeof(mode_lt_b)),
         where());
     p->lt_a_scale = b.scale_inv;
     p->lt_b_scale = a.scale_inv;
-    LOOM_BLOCK_LT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p->lt_a_scale,
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p->lt_a_scale,
                                                        sizeof(p->lt_a_scale)),
                         where());
-    LOOM_BLOCK_LT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p->lt_b_scale,
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p->lt_b_scale,
                                                        sizeof(p->lt_b_scale)),
                         where());
-    LOOM_BLOCK_LT_CHECK(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_8F_E4M3, k, n, mb.ld), where());
-    LOOM_BLOCK_LT_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_8F_E4M3, k, m, ma.ld), where());
-    LOOM_BLOCK_LT_CHECK(cublasLtMatrixLayoutCreate(&p->d, out_type(d.dtype), n, m, md.ld), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_8F_E4M3, k, n, mb.ld), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_8F_E4M3, k, m, ma.ld), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->d, out_type(d.dtype), n, m, md.ld), where());
     if (c != nullptr && mc.ld != md.ld)
-      LOOM_BLOCK_LT_CHECK(cublasLtMatrixLayoutCreate(&p->c, out_type(d.dtype), n, m, mc.ld), where());
+      LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->c, out_type(d.dtype), n, m, mc.ld), where());
     cublasLtMatmulPreference_t pref = nullptr;
-    LOOM_BLOCK_LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref), where());
     struct PrefGuard {
       cublasLtMatmulPreference_t p;
       ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
     } guard{pref};
     const uint64_t ws = workspace_bytes_;
-    LOOM_BLOCK_LT_CHECK(
+    LOOM_CUBLASLT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
         where());
     // The pointers' real alignments (cuBLASLt assumes 256 bytes otherwise); its A is our B.
     const uint32_t al_lt_a = static_cast<uint32_t>(key[kAlB]), al_lt_b = static_cast<uint32_t>(key[kAlA]);
-    LOOM_BLOCK_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_lt_a,
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_lt_a,
                                                              sizeof(al_lt_a)),
                         where());
-    LOOM_BLOCK_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_lt_b,
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_lt_b,
                                                              sizeof(al_lt_b)),
                         where());
     const uint32_t al_c = static_cast<uint32_t>(key[kAlC]), al_d = static_cast<uint32_t>(key[kAlD]);
-    LOOM_BLOCK_LT_CHECK(
+    LOOM_CUBLASLT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)),
         where());
-    LOOM_BLOCK_LT_CHECK(
+    LOOM_CUBLASLT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)),
         where());
     cublasLtMatmulHeuristicResult_t result{};
@@ -228,13 +209,13 @@ void Fp8BlockGemm::gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d,
              " workspace bytes but set_workspace() now gives ", workspace_bytes_);
   if (plan->lt_a_scale != b.scale_inv) {
     plan->lt_a_scale = b.scale_inv;
-    LOOM_BLOCK_LT_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                                                        &plan->lt_a_scale, sizeof(plan->lt_a_scale)),
                         where());
   }
   if (plan->lt_b_scale != a.scale_inv) {
     plan->lt_b_scale = a.scale_inv;
-    LOOM_BLOCK_LT_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+    LOOM_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
                                                        &plan->lt_b_scale, sizeof(plan->lt_b_scale)),
                         where());
   }

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_check.hpp"
+#include "kernels/cuda/cublaslt_plan.hpp"
 #include "kernels/cuda/fp8_kernels.hpp"
 #include "loom/error.hpp"
 
@@ -58,17 +59,8 @@ enum Key : int {
 
 }  // namespace
 
-#define LOOM_CUBLASLT_CHECK(call, where)                                                                        \
-  do {                                                                                                          \
-    const cublasStatus_t st_ = (call);                                                                          \
-    LOOM_CHECK(st_ == CUBLAS_STATUS_SUCCESS, where, ": ", #call, " failed: ", cublasLtGetStatusName(st_), " (", \
-               cublasLtGetStatusString(st_), ")");                                                              \
-  } while (0)
-
-struct Fp8Gemm::Plan {
+struct Fp8Gemm::Plan : gpu::LtMatmulObjects {
   std::array<int64_t, kKeySize> key{};
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;  // c null: C uses d's layout
   cublasLtMatmulAlgo_t algo{};
   size_t workspace_needed = 0;
   bool amax_fused = false;  // AMAX_D_POINTER set on op
@@ -77,22 +69,6 @@ struct Fp8Gemm::Plan {
   const void* lt_a_scale = nullptr;
   const void* lt_b_scale = nullptr;
   void* amax = nullptr;
-  cublasLtMatrixLayout_t c_layout() const { return c ? c : d; }
-  void destroy_op() {
-    if (op) cublasLtMatmulDescDestroy(op);
-    op = nullptr;
-  }
-  Plan() = default;
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  ~Plan() {
-    // Host-side objects only; nothing here can fail in a way worth reporting at teardown.
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    destroy_op();
-  }
 };
 
 Fp8Gemm::Fp8Gemm(void* cublaslt_handle, void* workspace, size_t workspace_bytes)

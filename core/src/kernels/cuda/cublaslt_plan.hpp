@@ -1,0 +1,42 @@
+// What the core's cuBLASLt GEMM wrappers share (fp8_gemm.cpp,
+// fp8_block_gemm.cpp): the status check that names the failed call, and the
+// descriptor objects of one matmul plan, destroyed with it.
+#pragma once
+#include <cublasLt.h>
+
+#include "loom/error.hpp"
+
+// Throws a loom::Error naming `where`, the call and cuBLASLt's status.
+#define LOOM_CUBLASLT_CHECK(call, where)                                                                        \
+  do {                                                                                                          \
+    const cublasStatus_t st_ = (call);                                                                          \
+    LOOM_CHECK(st_ == CUBLAS_STATUS_SUCCESS, where, ": ", #call, " failed: ", cublasLtGetStatusName(st_), " (", \
+               cublasLtGetStatusString(st_), ")");                                                              \
+  } while (0)
+
+namespace loom::gpu {
+
+// The matmul descriptor and the A, B, C, D layouts of one plan (C null: C
+// uses D's layout). Host-side objects only: their destruction cannot fail in
+// a way worth reporting at teardown.
+struct LtMatmulObjects {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  cublasLtMatrixLayout_t c_layout() const { return c ? c : d; }
+  void destroy_op() {
+    if (op) cublasLtMatmulDescDestroy(op);
+    op = nullptr;
+  }
+  LtMatmulObjects() = default;
+  LtMatmulObjects(const LtMatmulObjects&) = delete;
+  LtMatmulObjects& operator=(const LtMatmulObjects&) = delete;
+  ~LtMatmulObjects() {
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    destroy_op();
+  }
+};
+
+}  // namespace loom::gpu
