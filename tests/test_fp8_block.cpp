@@ -382,7 +382,9 @@ TEST(Fp8Block, Refusals) {
 // weight is cast once per step; a variable-rows call of 100 rows runs in fp32.
 TEST(Fp8Block, RecipeGemmsAreTheQuantisedProducts) {
   const int64_t in = 384, out = 256, rows = 256;
-  Rig rig("", {desc("lin", in, out, rows), desc("moe", in, out, rows, loom::LinearRole::hidden, true)});
+  // weight_cache = "step" (the Rig's grad_accum 1 would make "auto" "layer"): the reuse below.
+  Rig rig("weight_cache = \"step\"\n",
+          {desc("lin", in, out, rows), desc("moe", in, out, rows, loom::LinearRole::hidden, true)});
   std::mt19937 g(3);
   std::vector<float> x = randn(static_cast<size_t>(rows * in), 1.0f, g);
   std::vector<float> w = randn(static_cast<size_t>(out * in), 0.05f, g);
@@ -417,7 +419,7 @@ TEST(Fp8Block, RecipeGemmsAreTheQuantisedProducts) {
   EXPECT_LT(rel_err(dw.data(), gemm_nt(qdyt, qxt, out, in, rows)), 1e-5);
   // The FP8 result differs from the fp32 one (the casts happened).
   EXPECT_GT(rel_err(y.data(), gemm_nt(x, w, rows, out, in)), 1e-4);
-  // The weight cast is reused until end_step.
+  // The weight cast is reused until end_step ("step"; "layer" casts at every call).
   std::vector<float> w2 = w;
   for (auto& v : w2) v *= 2.0f;
   Tensor tw2(w2.data(), DType::f32, Device::cpu, {out, in});
@@ -578,4 +580,150 @@ TEST(Fp8Block, FusedLayersFollowNative) {
   for (size_t i = 0; i < 6; ++i)
     EXPECT_LT(std::fabs(fused.steps[i].loss - native.steps[i].loss), 0.01 * native.steps[i].loss)
         << "step " << i + 1 << ": fused " << fused.steps[i].loss << ", native " << native.steps[i].loss;
+}
+
+// ---- weight_cache and keeps_wgrad_input ----
+
+namespace {
+
+// Every state tensor's bytes, by name.
+std::map<std::string, std::vector<char>> state_bytes(loom::Session& s) {
+  std::map<std::string, std::vector<char>> out;
+  for (const loom::StateTensor& t : s.precision().state_tensors()) {
+    const char* p = static_cast<const char*>(t.tensor.data);
+    out[t.name] = std::vector<char>(p, p + t.tensor.bytes());
+  }
+  return out;
+}
+
+}  // namespace
+
+// The workspace each weight_cache plans, on the CPU and (built with CUDA) on
+// the GPU path, whose planning needs no GPU (what `loom check` prints as
+// precision.workspace): "layer" holds the largest cast weight (on the GPU: W
+// or Wᵀ with its block scales) instead of every one; "auto" follows
+// grad_accum. And keeps_wgrad_input: true for the FP8 linears of fixed rows,
+// false for the full-precision head and for variable_rows linears.
+TEST(Fp8Block, WeightCachePlansTheWorkspace) {
+  const std::vector<loom::LinearDesc> linears = {desc("layer.0.qkv_proj", 256, 768, 256),
+                                                 desc("layer.0.gate_up_proj", 256, 1024, 256),
+                                                 desc("layer.0.down_proj", 512, 256, 256),
+                                                 desc("layer.0.expert", 256, 512, 256, loom::LinearRole::hidden, true),
+                                                 desc("lm_head", 256, 384, 256, loom::LinearRole::lm_head)};
+  std::vector<Device> devices = {Device::cpu};
+#ifdef LOOM_HAVE_CUDA
+  devices.push_back(Device::cuda);
+#endif
+  for (Device dev : devices) {
+    SCOPED_TRACE(loom::device_name(dev));
+    auto plan = [&](const std::string& mode, int accum, std::vector<bool>* keeps = nullptr) {
+      auto p = make("weight_cache = \"" + mode + "\"\n", dev);
+      std::vector<int> ids;
+      for (const auto& d : linears) ids.push_back(p->register_linear(d));
+      if (keeps)
+        for (int id : ids) keeps->push_back(p->keeps_wgrad_input(id));
+      auto self = loom::make_self_communicator();
+      loom::PrecisionSetup s;
+      s.data_parallel = self.get();
+      s.device = dev;
+      s.grad_accum = accum;
+      p->setup(s);
+      return p->workspace_bytes();
+    };
+    std::vector<bool> keeps;
+    const size_t step = plan("step", 1, &keeps), layer = plan("layer", 4);
+    EXPECT_EQ(keeps, (std::vector<bool>{true, true, true, false, false}));
+    size_t all = 0, largest = 0;
+    for (const auto& d : linears) {
+      if (d.role == loom::LinearRole::lm_head) continue;
+      const size_t wb = static_cast<size_t>(d.out * d.in);
+      if (dev == Device::cpu) {  // the emulated cast of W in fp32
+        all += 4 * wb;
+        largest = std::max(largest, 4 * wb);
+      } else {  // W and Wᵀ in FP8 with their 128x128 block scales, each slot 256-byte aligned
+        auto r = [](size_t n) { return (n + 255) / 256 * 256; };
+        const size_t sw = r(4 * static_cast<size_t>(blk::scale_floats(blk::ScaleMode::block_128x128, d.out, d.in)));
+        const size_t swt = r(4 * static_cast<size_t>(blk::scale_floats(blk::ScaleMode::block_128x128, d.in, d.out)));
+        all += 2 * r(wb) + sw + swt;
+        largest = std::max(largest, r(wb) + std::max(sw, swt));
+      }
+    }
+    EXPECT_EQ(step - layer, all - largest);
+    EXPECT_EQ(plan("auto", 1), layer);
+    EXPECT_EQ(plan("auto", 2), step);
+    EXPECT_EQ(plan("step", 3), step);
+  }
+  loom::test::expect_error([] { make("weight_cache = \"micro_batch\"\n"); },
+                           {"fp8_block.toml", "weight_cache", "auto", "step", "layer"});
+}
+
+// weight_cache = "layer" casts W into one scratch before every fprop and
+// dgrad, "step" once per step into a copy per linear: every 128x128 block's
+// scale comes from W itself, so the bits are the same and the losses,
+// validation losses and counters are bitwise equal, with two micro-batches
+// per step (block_config's grad_accum = 2) and with one ("auto" is then
+// "layer"). And the planned workspace holds one weight (the largest) instead
+// of all.
+TEST(Fp8Block, WeightCacheLayerMatchesStepBitwise) {
+  for (const std::string accum : {"1", "2"}) {
+    SCOPED_TRACE("grad_accum " + accum);
+    fs::path d = temp_dir("wcache_" + accum);
+    const std::vector<std::string> ov = {"train.grad_accum=" + accum, "train.validation_every=2"};
+    std::map<std::string, loom::RunSummary> runs;
+    std::map<std::string, std::map<std::string, std::vector<char>>> states;
+    std::map<std::string, size_t> ws;
+    for (const std::string mode : {"step", "layer", "auto"}) {
+      loom::Session s(parse(block_config(d / mode, "plugin = \"fp8_block\"\nweight_cache = \"" + mode + "\"", 5), ov));
+      runs[mode] = s.train();
+      states[mode] = state_bytes(s);
+      for (const loom::ArenaBlock& b : s.memory_plan().blocks())
+        if (b.name == "precision.workspace") ws[mode] = b.bytes;
+    }
+    for (const std::string mode : {"layer", "auto"}) {
+      SCOPED_TRACE(mode);
+      ASSERT_EQ(runs[mode].steps.size(), 5u);
+      for (size_t i = 0; i < 5; ++i)
+        EXPECT_EQ(runs[mode].steps[i].loss, runs["step"].steps[i].loss) << "step " << i + 1;
+      ASSERT_EQ(runs[mode].val_losses.size(), runs["step"].val_losses.size());
+      ASSERT_FALSE(runs[mode].val_losses.empty());
+      for (size_t i = 0; i < runs[mode].val_losses.size(); ++i)
+        EXPECT_EQ(runs[mode].val_losses[i].second, runs["step"].val_losses[i].second);
+      EXPECT_EQ(states[mode], states["step"]) << "counters";
+    }
+    // Native layers: per layer q, k, v, o [128, 128], gate, up [256, 128], down [128, 256].
+    const size_t all = 2 * (4 * 128 * 128 + 3 * 256 * 128) * 4, largest = 256 * 128 * 4;
+    EXPECT_EQ(ws["step"] - ws["layer"], all - largest);
+    EXPECT_EQ(ws["auto"], accum == "1" ? ws["layer"] : ws["step"]);
+  }
+}
+
+// Training losses are bitwise those of the test-only variant that lets the
+// blocks keep every linear input (fp8_block's FP8 backward never reads x, the
+// wgrad reads the token-axis cast saved by the forward), native and fused
+// layers, with and without recompute = "full"; and the blocks drop those
+// inputs (the planned activations shrink).
+TEST(Fp8Block, DroppingTheBlocksLinearInputsKeepsTheLossesBitwise) {
+  const std::string dirs =
+      "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\", \"" + LOOM_TEST_FP8_PLUGIN_DIR + "\"]";
+  for (const std::string layers : {"native", "fused"})
+    for (const std::string recompute : {"none", "full"}) {
+      SCOPED_TRACE(layers + " recompute " + recompute);
+      fs::path d = temp_dir("keeps_x_" + layers + recompute);
+      const std::vector<std::string> ov = {"model.layers=" + layers, "model.recompute=" + recompute, dirs,
+                                           "train.validation_every=2"};
+      loom::Session a(parse(block_config(d / "a", "plugin = \"fp8_block\"", 4), ov));
+      loom::Session b(parse(block_config(d / "b", "plugin = \"fp8_block_bf16_x\"", 4), ov));
+      const size_t act_a = a.memory_plan().category_bytes(loom::MemCategory::activations);
+      const size_t act_b = b.memory_plan().category_bytes(loom::MemCategory::activations);
+      if (recompute == "none") EXPECT_LT(act_a, act_b) << "the blocks must drop the FP8 linears' inputs";
+      std::printf("[fp8_block keeps x] %s recompute %s: activations %zu bytes, %zu keeping x\n", layers.c_str(),
+                  recompute.c_str(), act_a, act_b);
+      const loom::RunSummary ra = a.train(), rb = b.train();
+      ASSERT_EQ(ra.steps.size(), 4u);
+      ASSERT_EQ(rb.steps.size(), 4u);
+      for (size_t i = 0; i < 4; ++i) EXPECT_EQ(ra.steps[i].loss, rb.steps[i].loss) << "step " << i + 1;
+      ASSERT_EQ(ra.val_losses.size(), rb.val_losses.size());
+      for (size_t i = 0; i < ra.val_losses.size(); ++i) EXPECT_EQ(ra.val_losses[i].second, rb.val_losses[i].second);
+      EXPECT_EQ(state_bytes(a), state_bytes(b));
+    }
 }

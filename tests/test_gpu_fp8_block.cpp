@@ -16,17 +16,22 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "config/run_config.hpp"
@@ -669,6 +674,106 @@ TEST(GpuFp8Block, StopAndResumeOnCudaIsBitwiseExact) {
   for (size_t i = 0; i < 6; ++i) EXPECT_EQ(first.steps[i].loss, full.steps[i].loss) << "step " << i + 1;
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(second.steps[i].loss, full.steps[6 + i].loss) << "step " << 7 + i;
   EXPECT_EQ(cr, cf);
+}
+
+// weight_cache = "layer" casts W (q and its 128x128 block scales) before
+// every fprop and Wᵀ before every dgrad into one scratch; "step" casts both
+// once per step: every block's scale comes from W itself, so the FP8 bits,
+// the losses (training and validation) and the counters are bitwise equal
+// (deterministic mode). The llama-125m model (hidden 768, 12 layers, 12/12
+// heads, ffn 2048: every linear dim a multiple of 128) at 4 x 512 tokens,
+// both layer variants, one and two micro-batches per step (two: "layer"
+// recasts per micro-batch). Both runs let the blocks drop the FP8 linears'
+// inputs (keeps_wgrad_input).
+TEST(GpuFp8Block, WeightCacheStepAndLayerAreBitwiseEqual) {
+  LOOM_REQUIRE_GPU();
+  auto state = [](loom::Session& s) {
+    std::map<std::string, std::vector<char>> out;
+    for (const loom::StateTensor& t : s.precision().state_tensors()) {
+      const char* p = static_cast<const char*>(t.tensor.data);
+      out[t.name] = std::vector<char>(p, p + t.tensor.bytes());  // fp8_block's counters live on the host
+    }
+    return out;
+  };
+  for (const std::string layers : {"native", "fused"})
+    for (const std::string accum : {"1", "2"}) {
+      SCOPED_TRACE(layers + " grad_accum " + accum);
+      std::map<std::string, loom::RunSummary> runs;
+      std::map<std::string, std::map<std::string, std::vector<char>>> states;
+      for (const std::string mode : {"step", "layer"}) {
+        const fs::path out = temp_dir("wcache_" + layers + accum + mode);
+        const std::vector<std::string> ov = {
+            "run.out_dir=\"" + out.string() + "\"", "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
+            "run.deterministic=true", "run.log_level=\"warn\"", "precision.plugin=\"fp8_block\"",
+            "precision.weight_cache=\"" + mode + "\"", "model.layers=\"" + layers + "\"", "train.micro_batch=4",
+            "train.seq_len=512", "train.grad_accum=" + accum, "train.steps=4", "train.log_every=2",
+            "train.validation_every=2", "train.validation_batches=1", "checkpoint.every=0",
+            "checkpoint.resume=\"none\""};
+        loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov));
+        runs[mode] = s.train();
+        states[mode] = state(s);
+      }
+      const loom::RunSummary &a = runs["step"], &b = runs["layer"];
+      ASSERT_EQ(a.steps.size(), 4u);
+      ASSERT_EQ(b.steps.size(), 4u);
+      for (size_t i = 0; i < 4; ++i) {
+        EXPECT_TRUE(std::isfinite(a.steps[i].loss));
+        EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << "step " << i + 1;
+      }
+      ASSERT_EQ(a.val_losses.size(), b.val_losses.size());
+      for (size_t i = 0; i < a.val_losses.size(); ++i) EXPECT_EQ(a.val_losses[i].second, b.val_losses[i].second);
+      EXPECT_EQ(states["step"], states["layer"]) << "counters";
+      std::printf("[fp8_block weight_cache] %s grad_accum %s: step %.6f -> %.6f, layer %.6f -> %.6f\n", layers.c_str(),
+                  accum.c_str(), a.steps.front().loss, a.steps.back().loss, b.steps.front().loss,
+                  b.steps.back().loss);
+    }
+}
+
+// `loom bench` (its "mem GiB" column: cudaMemGetInfo's total - free after
+// the timed steps, in its own process) on fp8_block and the bf16
+// counterparts: fp8_block (grad_accum 1, so weight_cache "auto" is "layer",
+// and the blocks drop the FP8 linears' inputs) must use no more device
+// memory. llama-1b (8 x 2048, llama-1b-fp8-block.toml vs llama-1b.toml) and
+// llama2-7b (8 x 256, llama2-7b-fp8.toml with precision.plugin = "fp8_block",
+// master = "bf16", vs llama2-7b.toml's bf16_pure; needs ~60 GiB, skipped on
+// a smaller GPU).
+TEST(GpuFp8Block, BenchUsesNoMoreDeviceMemoryThanBf16) {
+  LOOM_REQUIRE_GPU();
+  size_t free_b = 0, total_b = 0;
+  const cudaError_t e = cudaMemGetInfo(&free_b, &total_b);
+  ASSERT_EQ(e, cudaSuccess) << "cudaMemGetInfo: " << cudaGetErrorString(e);
+  const fs::path d = temp_dir("bench_mem");
+  auto bench = [&](const std::string& config, const std::string& name, const std::string& extra) -> nlohmann::json {
+    const fs::path json = d / (name + ".json"), log = d / (name + ".log");
+    const std::string cmd = std::string(LOOM_CLI) + " bench " +
+                            (fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / (config + ".toml")).string() +
+                            " --steps=3 --warmup=2 --json=" + json.string() + " --set run.out_dir=" +
+                            (d / name).string() + " --set run.plugin_path=[\\\"" + LOOM_TEST_PLUGIN_DIR + "\\\"]" +
+                            extra + " > " + log.string() + " 2>&1";
+    const int rc = std::system(cmd.c_str());
+    std::stringstream ss;
+    ss << std::ifstream(log).rdbuf();
+    EXPECT_EQ(rc, 0) << cmd << "\n" << ss.str();
+    if (rc != 0) return {};
+    return nlohmann::json::parse(std::ifstream(json));
+  };
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  const std::string block = " --set precision.plugin=\\\"fp8_block\\\"";
+  for (const auto& [fp8, bf16, extra, need_gib] : std::vector<std::tuple<std::string, std::string, std::string, double>>{
+           {"llama-1b-fp8-block", "llama-1b", "", 48}, {"llama2-7b-fp8", "llama2-7b", block, 76}}) {
+    SCOPED_TRACE(fp8);
+    if (static_cast<double>(total_b) / gib < need_gib) {
+      std::printf("[fp8_block memory] %s skipped: %.1f GiB GPU, needs %.0f\n", fp8.c_str(), total_b / gib, need_gib);
+      continue;
+    }
+    const nlohmann::json a = bench(fp8, fp8 + "-block", extra), b = bench(bf16, bf16, "");
+    if (a.is_null() || b.is_null()) continue;
+    const double m8 = a.at("device_mem_gib").get<double>(), m16 = b.at("device_mem_gib").get<double>();
+    const double r8 = a.at("arena_gib").get<double>(), r16 = b.at("arena_gib").get<double>();
+    std::printf("[fp8_block memory] %s (fp8_block): device in use %.2f GiB (arena %.2f) vs %s %.2f GiB (arena %.2f)\n",
+                fp8.c_str(), m8, r8, bf16.c_str(), m16, r16);
+    EXPECT_LE(m8, m16) << fp8 << " with fp8_block uses more device memory than " << bf16;
+  }
 }
 
 #else

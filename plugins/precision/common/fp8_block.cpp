@@ -19,9 +19,9 @@ namespace blk = fp8::block;
 struct Fp8BlockRecipe::Linear {
   LinearDesc desc;
   bool fp8 = false;
-  int64_t weight_offset = 0;  // floats into the workspace: q(W) [out, in] (128x128 blocks)
+  int64_t weight_offset = 0;  // floats into the workspace: q(W) [out, in] (128x128 blocks; "step" only)
   int64_t saved_offset = 0;   // floats into the saved activations: x in 128x1 tiles, [max_rows, in]
-  bool weight_cast = false;
+  bool weight_cast = false;   // cast (and its tiles counted) since the last end_step
   int64_t saved_rows = -1;    // rows the last forward cast (-1: none since the last backward)
   bool full_call = false;     // the last forward ran in full precision (rows not a multiple of 128)
 };
@@ -33,6 +33,19 @@ constexpr const char* kPlugin = "fp8_block";
 bool aligned(int64_t v) { return v % blk::kBlock == 0; }
 
 }  // namespace
+
+const char* weight_cache_name(WeightCache c) {
+  switch (c) {
+    case WeightCache::step: return "step";
+    case WeightCache::layer: return "layer";
+    case WeightCache::automatic: return "auto";
+  }
+  return "?";
+}
+
+bool weight_cache_per_layer(WeightCache c, int grad_accum) {
+  return c == WeightCache::layer || (c == WeightCache::automatic && grad_accum <= 1);
+}
 
 std::string Fp8BlockRecipe::dims_message(const LinearDesc& d) {
   return cat("precision fp8_block: linear '", d.name, "' is [out, in] = [", d.out, ", ", d.in, "] with up to ",
@@ -70,6 +83,10 @@ Fp8BlockRecipe::Fp8BlockRecipe(const PluginInit& init) {
   const std::string master = c.get_choice("master", "fp32", {"fp32", "bf16"});
   const bool stochastic = c.get_bool("stochastic_rounding", false);
   o_.fp8_head = c.get_bool("fp8_head", false);
+  {
+    const std::string v = c.get_choice("weight_cache", "auto", {"auto", "step", "layer"});
+    o_.weight_cache = v == "step" ? WeightCache::step : v == "layer" ? WeightCache::layer : WeightCache::automatic;
+  }
   c.finish();
   if (stochastic && master != "bf16")
     c.fail("stochastic_rounding",
@@ -115,6 +132,7 @@ int Fp8BlockRecipe::register_linear(const LinearDesc& d) {
       throw Error(dims_message(d));
     l.weight_offset = weight_floats_;
     weight_floats_ += d.out * d.in;
+    max_weight_floats_ = std::max(max_weight_floats_, d.out * d.in);
     l.saved_offset = saved_floats_;
     saved_floats_ += d.max_rows * d.in;
     x_floats_ = std::max(x_floats_, d.max_rows * d.in);    // x in 1x128 tiles (fprop)
@@ -132,14 +150,32 @@ size_t Fp8BlockRecipe::saved_activation_bytes(int id) const {
   return l.fp8 ? static_cast<size_t>(l.desc.max_rows * l.desc.in) * sizeof(float) : 0;
 }
 
+bool Fp8BlockRecipe::keeps_wgrad_input(int id) const {
+  if (gpu_) return gpu_->keeps_wgrad_input(id);
+  LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision fp8_block: linear id ", id,
+             " was never registered");
+  // The wgrad reads the token-axis cast of x in the saved activations; a
+  // variable_rows linear answers false like the GPU path's (whose calls of
+  // row counts that are not multiples of 128 fall back to GEMMs reading x).
+  const Linear& l = linears_[static_cast<size_t>(id)];
+  return l.fp8 && !l.desc.variable_rows;
+}
+
+bool Fp8BlockRecipe::weights_per_layer() const {
+  return set_up_ ? per_layer_ : o_.weight_cache == WeightCache::layer;
+}
+
+// Cast W ("step": every FP8 linear's; "layer": one scratch for the largest),
+// then the x scratch (fprop) and the dy scratch (dgrad, then wgrad).
 size_t Fp8BlockRecipe::workspace_bytes() const {
   if (gpu_) return gpu_->workspace_bytes();
-  return static_cast<size_t>(weight_floats_ + x_floats_ + 2 * dy_floats_) * sizeof(float);
+  return static_cast<size_t>(weight_region_floats() + x_floats_ + 2 * dy_floats_) * sizeof(float);
 }
 
 void Fp8BlockRecipe::setup(const PrecisionSetup& s) {
   if (gpu_) return gpu_->setup(s);
   LOOM_CHECK(s.data_parallel != nullptr, "precision fp8_block: setup without a data-parallel communicator");
+  per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum);
   set_up_ = true;
   int n = 0;
   std::string full;
@@ -150,7 +186,11 @@ void Fp8BlockRecipe::setup(const PrecisionSetup& s) {
   log_info(cat("precision fp8_block: ", n,
                " linears in FP8 emulated on the CPU, E4M3 with fine-grained scaling (x and dy in 1x128 tiles, "
                "W in 128x128 blocks, wgrad operands in 1x128 tiles along the tokens)",
-               full.empty() ? std::string() : cat("; in fp32: ", full)));
+               full.empty() ? std::string() : cat("; in fp32: ", full), "; weight_cache ",
+               weight_cache_name(o_.weight_cache),
+               o_.weight_cache == WeightCache::automatic ? (per_layer_ ? " (layer: grad_accum 1)"
+                                                                       : " (step: grad_accum > 1)")
+                                                         : ""));
 }
 
 void Fp8BlockRecipe::set_workspace(void* ptr, size_t bytes) {
@@ -266,6 +306,16 @@ void Fp8BlockRecipe::full_backward(const Linear& l, const Tensor& x, const Tenso
 }
 
 const float* Fp8BlockRecipe::cast_weight(Linear& l, const Tensor& w) {
+  if (per_layer_) {
+    // The shared scratch, cast again at every call (the same blocks, scales
+    // and codes each time: the weight changes only at end_step); its tiles
+    // are counted at the first cast of the step only, as "step" counts them.
+    float* qw = workspace_;
+    const int64_t nonfinite = blk::qdq_blocks(w.ptr<const float>(), l.desc.out, l.desc.in, l.desc.in, qw);
+    if (!l.weight_cast) count(nonfinite);
+    l.weight_cast = true;
+    return qw;
+  }
   float* qw = workspace_ + l.weight_offset;
   if (l.weight_cast) return qw;
   count(blk::qdq_blocks(w.ptr<const float>(), l.desc.out, l.desc.in, l.desc.in, qw));
@@ -292,7 +342,7 @@ void Fp8BlockRecipe::linear_forward(const ExecContext& ctx, int id, const Tensor
   }
   l.full_call = false;
   const float* qw = cast_weight(l, w);
-  float* qx = workspace_ + weight_floats_;
+  float* qx = workspace_ + weight_region_floats();
   const float* xs = x.ptr<const float>();
   // fprop's x in 1x128 tiles along in; the wgrad's in 128x1 tiles along the tokens, kept for the backward.
   count(blk::qdq_row_tiles(xs, rows, d.in, mx.ld, qx));
@@ -308,9 +358,14 @@ void Fp8BlockRecipe::linear_backward(const ExecContext& ctx, int id, const Tenso
   Linear& l = lookup(ctx, id);
   if (!l.fp8) return full_backward(l, x, w, dy, dx, dw, accumulate);
   const LinearDesc& d = l.desc;
-  const RowMatrix mx = matrix(x, d, "x"), mdy = matrix(dy, d, "dy");
+  // x is read only by the full-precision fallback (rows not a multiple of
+  // 128); it may be empty (keeps_wgrad_input), the rows then come from dy.
+  const bool have_x = x.data != nullptr;
+  const RowMatrix mdy = matrix(dy, d, "dy");
+  const RowMatrix mx = have_x ? matrix(x, d, "x") : RowMatrix{mdy.rows, d.in, d.in};
   check_weight(w, d, "w");
   check_weight(dw, d, "dw");
+  check_shape(mx, d, d.in, mx.rows, "x");
   check_shape(mdy, d, d.out, mx.rows, "dy");
   const int64_t rows = mx.rows;
   LOOM_CHECK(l.saved_rows == rows, "precision fp8_block: ", d.name, ": backward of ", rows,
@@ -318,13 +373,17 @@ void Fp8BlockRecipe::linear_backward(const ExecContext& ctx, int id, const Tenso
              l.saved_rows < 0 ? std::string("none") : std::to_string(l.saved_rows),
              " (every backward follows its own forward)");
   l.saved_rows = -1;
-  if (!aligned(rows)) return full_backward(l, x, w, dy, dx, dw, accumulate);
+  if (!aligned(rows)) {
+    LOOM_CHECK(have_x, "precision fp8_block: ", d.name, ": backward of ", rows,
+               " rows (not a multiple of 128: a full-precision GEMM that reads x) was given an empty x; the linear "
+               "is not variable_rows, so keeps_wgrad_input said x was not needed");
+    return full_backward(l, x, w, dy, dx, dw, accumulate);
+  }
   if (rows == 0) {
     if (!accumulate) std::fill(dw.ptr<float>(), dw.ptr<float>() + d.out * d.in, 0.0f);
     return;
   }
-  const float* qw = cast_weight(l, w);
-  float* qdy = workspace_ + weight_floats_ + x_floats_;
+  float* qdy = workspace_ + weight_region_floats() + x_floats_;
   float* qdy_t = qdy + dy_floats_;
   const float* dys = dy.ptr<const float>();
   count(blk::qdq_row_tiles(dys, rows, d.out, mdy.ld, qdy));    // dgrad: 1x128 tiles along out
@@ -332,6 +391,8 @@ void Fp8BlockRecipe::linear_backward(const ExecContext& ctx, int id, const Tenso
   if (dx != nullptr) {
     const RowMatrix mdx = matrix(*dx, d, "dx");
     check_shape(mdx, d, d.in, rows, "dx");
+    // "step": the forward's copy; "layer": W cast into the scratch again (only dgrad reads it).
+    const float* qw = cast_weight(l, w);
     cpu::linear_backward_input(dx->ptr<float>(), mdx.ld, qdy, d.out, qw, rows, d.in, d.out);
   }
   cpu::linear_backward_weight(dw.ptr<float>(), qdy_t, d.out, saved_ + l.saved_offset, d.in, rows, d.in, d.out,

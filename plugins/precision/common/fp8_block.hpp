@@ -10,9 +10,18 @@
 //   dgrad  dx = dy W   dy in 1x128 tiles along out, Wᵀ with the same block scales
 //   wgrad  dW = dyᵀ x  dyᵀ and xᵀ in 1x128 tiles along the tokens (a second
 //                      quantisation of x and dy along the other axis)
-// W is cast once per optimizer step (the first forward after end_step) and
-// reused by every micro-batch; x's token-axis cast is made by the forward and
-// kept as the linear's saved activation for the wgrad. Each tile takes its
+// weight_cache = "step": W is cast once per optimizer step (the first forward
+// after end_step) into the workspace (W and Wᵀ with their block scales on the
+// GPU) and reused by every micro-batch; weight_cache = "layer": the forward
+// casts W into one scratch shared by every linear (sized for the largest)
+// just before fprop, and the backward casts Wᵀ into it again before dgrad.
+// Every 128x128 block takes its scale from W itself, so both modes cast the
+// same bits and give the same losses. "auto" (the default) is "layer" when
+// train.grad_accum = 1 (each weight is then cast once per step either way)
+// and "step" otherwise. x's token-axis cast is made by the forward and kept
+// as the linear's saved activation for the wgrad, which never reads x: the
+// FP8 linears of fixed rows answer keeps_wgrad_input = true (the blocks do
+// not keep x for them). Each tile takes its
 // own scale just before its cast (no amax history): the only state is a
 // counter of steps and of tiles whose amax was inf or NaN (scale 1, warned
 // once, counted in the log line).
@@ -30,7 +39,14 @@
 
 namespace loom::fp8_block {
 
+// precision.weight_cache: where the cast weights live (see above).
+enum class WeightCache { step, layer, automatic };
+const char* weight_cache_name(WeightCache c);
+// "auto" resolved with train.grad_accum: true for "layer".
+bool weight_cache_per_layer(WeightCache c, int grad_accum);
+
 struct Options {
+  WeightCache weight_cache = WeightCache::automatic;
   bool fp8_head = false;
   bool master_bf16 = false;  // master = "bf16" (CUDA only)
   bool stochastic_rounding = false;
@@ -47,6 +63,7 @@ class Fp8BlockRecipe : public Precision {
   PrecisionDTypes dtypes() const override;
   int register_linear(const LinearDesc& desc) override;
   size_t saved_activation_bytes(int id) const override;
+  bool keeps_wgrad_input(int id) const override;
   size_t workspace_bytes() const override;
   void setup(const PrecisionSetup& setup) override;
   void set_workspace(void* ptr, size_t bytes) override;
@@ -62,6 +79,8 @@ class Fp8BlockRecipe : public Precision {
 
   bool on_gpu() const { return gpu_ != nullptr; }
   int64_t nonfinite_tiles() const { return nonfinite_; }
+  // The resolved weight_cache (after setup(); before it, "auto" reads as "step").
+  bool weights_per_layer() const;
 
   // The message register_linear throws for a linear whose dims are not
   // multiples of 128 (shared with the GPU path).
@@ -83,6 +102,9 @@ class Fp8BlockRecipe : public Precision {
   bool set_up_ = false;
   float* workspace_ = nullptr;
   float* saved_ = nullptr;
+  bool per_layer_ = false;          // weight_cache resolved at setup()
+  int64_t max_weight_floats_ = 0;  // the largest FP8 weight: the "layer" scratch
+  int64_t weight_region_floats() const { return weights_per_layer() ? max_weight_floats_ : weight_floats_; }
   int64_t weight_floats_ = 0, x_floats_ = 0, dy_floats_ = 0, saved_floats_ = 0;
   int64_t steps_ = 0, nonfinite_ = 0;
   mutable int64_t nonfinite_mark_ = 0;  // for the log line's "since the last"

@@ -5,13 +5,21 @@
 // Per step and FP8 linear (all but the LM head unless fp8_head = true; the
 // head, and any call whose row count is not a multiple of 128, goes through
 // the bf16 cuBLASLt GEMMs of cublaslt_linear.hpp):
-//   forward   W cast once per optimizer step in 128x128 blocks into W and Wᵀ
-//             with their block scale inverses (workspace); x cast in 1x128
+//   forward   weight_cache = "step": W cast once per optimizer step in
+//             128x128 blocks into W and Wᵀ with their block scale inverses
+//             (workspace, 2 bytes per parameter), read by every micro-batch;
+//             weight_cache = "layer": W (q and its block scales only) cast
+//             into one scratch shared by every linear (sized for the
+//             largest) just before fprop, and Wᵀ into it again before dgrad
+//             (the scales are per block of W itself: the same bits as
+//             "step"); x cast in 1x128
 //             tiles (workspace scratch, fprop) and in 128x1 tiles as xᵀ (the
 //             linear's saved activation, wgrad); fprop y = x Wᵀ (+ residual).
 //   backward  dy cast in 1x128 tiles (dgrad) and as dyᵀ in 128x1 tiles
 //             (wgrad); dgrad dx = dy W (B = Wᵀ, the same block scales on the
 //             transposed grid), wgrad dW = dyᵀ x (C = dW when accumulating).
+//             x itself is never read by an FP8 call (the wgrad reads the saved
+//             xᵀ), so the FP8 linears of fixed rows answer keeps_wgrad_input.
 // No scaling state: every tile takes its scale from its own amax in the cast
 // kernel. The only state is a device counter of tiles with an inf or NaN
 // amax, read by the host for the log line and a checkpoint.
@@ -81,6 +89,9 @@ class Fp8BlockGpu final : public Precision {
       weight_bytes_ += scale_bytes(ScaleMode::block_128x128, d.out, d.in);
       l.swt_off = weight_bytes_;
       weight_bytes_ += scale_bytes(ScaleMode::block_128x128, d.in, d.out);
+      // "layer": W or Wᵀ, then its block scales at round_up(wb), in one scratch.
+      max_weight_bytes_ = std::max(max_weight_bytes_, round_up(wb) + std::max(scale_bytes(ScaleMode::block_128x128, d.out, d.in),
+                                                                              scale_bytes(ScaleMode::block_128x128, d.in, d.out)));
       // Saved: xᵀ [in, rows] in 1x128 tiles along the tokens, then its scales.
       l.saved_off = saved_total_;
       l.sxt_rel = round_up(static_cast<size_t>(d.in * rows));
@@ -105,16 +116,33 @@ class Fp8BlockGpu final : public Precision {
     return linears_[static_cast<size_t>(id)].saved_bytes;
   }
 
+  bool keeps_wgrad_input(int id) const override {
+    LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision fp8_block: linear id ", id,
+               " was never registered");
+    // The wgrad reads xᵀ from the saved activations; a variable_rows linear
+    // (an MoE expert) may get a row count that is not a multiple of 128,
+    // whose call falls back to the bf16 GEMMs that read x.
+    const Linear& l = linears_[static_cast<size_t>(id)];
+    return l.fp8 && !l.desc.variable_rows;
+  }
+
   // [0, gemm): the cuBLASLt workspace (the bf16 head's GEMMs and the block
-  // GEMMs, one stream); every FP8 linear's W, Wᵀ and their block scales; the
-  // x, dy and dyᵀ scratch with their tile scales.
+  // GEMMs, one stream); the cast weights ("step": every FP8 linear's W, Wᵀ
+  // and their block scales; "layer": one scratch for the largest W or Wᵀ and
+  // its scales); the x, dy and dyᵀ scratch with their tile scales.
   size_t gemm_bytes() const { return round_up(gpu::Fp8BlockGemm::kWorkspaceBytes); }
-  size_t workspace_bytes() const override { return gemm_bytes() + weight_bytes_ + x_scratch_ + dy_scratch_ + dyt_scratch_; }
+  // Before setup() "auto" is planned as "step" (the larger).
+  bool per_layer() const { return set_up_ ? per_layer_ : o_.weight_cache == WeightCache::layer; }
+  size_t weight_region() const { return per_layer() ? max_weight_bytes_ : weight_bytes_; }
+  size_t workspace_bytes() const override {
+    return gemm_bytes() + weight_region() + x_scratch_ + dy_scratch_ + dyt_scratch_;
+  }
 
   void setup(const PrecisionSetup& s) override {
     LOOM_CHECK(s.data_parallel != nullptr, "precision fp8_block: setup without a data-parallel communicator");
     LOOM_CHECK(s.device == Device::cuda, "precision fp8_block: the GPU path was set up for device ",
                device_name(s.device));
+    per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum);
     set_up_ = true;
     int n = 0;
     std::string full;
@@ -126,7 +154,11 @@ class Fp8BlockGpu final : public Precision {
                  " linears in FP8 on CUDA (cuBLASLt block-scaled GEMMs), E4M3, x and dy in 1x128 tiles, W in "
                  "128x128 blocks, wgrad operands in 1x128 tiles along the tokens; no fast accumulation",
                  full.empty() ? std::string() : cat("; in bf16: ", full), "; master ",
-                 o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32"));
+                 o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32",
+                 "; weight_cache ", weight_cache_name(o_.weight_cache),
+                 o_.weight_cache == WeightCache::automatic
+                     ? (per_layer_ ? " (layer: grad_accum 1)" : " (step: grad_accum > 1)")
+                     : ""));
   }
 
   void set_workspace(void* ptr, size_t bytes) override {
@@ -172,15 +204,13 @@ class Fp8BlockGpu final : public Precision {
     }
     l.saved_rows = rows;
     if (rows == 0) return;
-    cast_weight(l, w, stream);
+    const Tensor qw = cast_weight(l, w, /*transposed=*/false, stream);
     Tensor qx(ws_ + x_off(), DType::e4m3, Device::cuda, {rows, d.in});
     float* sx = reinterpret_cast<float*>(ws_ + x_off() + round_up(static_cast<size_t>(rows * d.in)));
     Tensor qxt(saved_ + l.saved_off, DType::e4m3, Device::cuda, {d.in, rows});
     gpu::fp8_block_cast_rows_cols(x, qx, sx, qxt, reinterpret_cast<float*>(saved_ + l.saved_off + l.sxt_rel),
                                   counter_, stream);
-    const Tensor qw(ws_ + gemm_bytes() + l.w_off, DType::e4m3, Device::cuda, {d.out, d.in});
-    gemm(ctx).gemm({&qx, sx, ScaleMode::tile_1x128},
-                   {&qw, reinterpret_cast<const float*>(ws_ + gemm_bytes() + l.sw_off), ScaleMode::block_128x128}, y,
+    gemm(ctx).gemm({&qx, sx, ScaleMode::tile_1x128}, {&qw, weight_scales(l, false), ScaleMode::block_128x128}, y,
                    residual, stream);
   }
 
@@ -190,16 +220,26 @@ class Fp8BlockGpu final : public Precision {
     if (!l.fp8) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
     const LinearDesc& d = l.desc;
     auto stream = static_cast<cudaStream_t>(ctx.stream);
-    const RowMatrix mx = matrix(x, d, "x", DType::bf16), mdy = matrix(dy, d, "dy", DType::bf16);
+    const RowMatrix mdy = matrix(dy, d, "dy", DType::bf16);
     check_weight(w, d, "w", DType::bf16);
     check_weight(dw, d, "dw", o_.master_bf16 ? DType::bf16 : DType::f32);
-    const int64_t rows = check_rows(d, mx, "x");
+    // x is read only by the bf16 fallback (rows not a multiple of 128); an
+    // empty x (keeps_wgrad_input) takes the rows from dy.
+    const bool have_x = x.data != nullptr;
+    const int64_t rows = have_x ? check_rows(d, matrix(x, d, "x", DType::bf16), "x") : mdy.rows;
+    LOOM_CHECK(rows <= d.max_rows, "precision fp8_block: ", d.name, ": dy has ", rows,
+               " rows, more than the max_rows=", d.max_rows, " it was registered with");
     LOOM_CHECK(l.saved_rows == rows, "precision fp8_block: ", d.name, ": backward of ", rows,
                " rows, but the forward before it cast ",
                l.saved_rows < 0 ? std::string("none") : std::to_string(l.saved_rows),
                " (every backward follows its own forward)");
     l.saved_rows = -1;
-    if (!aligned(rows)) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
+    if (!aligned(rows)) {
+      LOOM_CHECK(have_x, "precision fp8_block: ", d.name, ": backward of ", rows,
+                 " rows (not a multiple of 128: a bf16 GEMM that reads x) was given an empty x; the linear is not "
+                 "variable_rows, so keeps_wgrad_input said x was not needed");
+      return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
+    }
     LOOM_CHECK(mdy.rows == rows && mdy.cols == d.out, "precision fp8_block: ", d.name, ": dy is [", mdy.rows, ", ",
                mdy.cols, "], expected [", rows, ", ", d.out, "]");
     if (dx != nullptr) {
@@ -213,16 +253,15 @@ class Fp8BlockGpu final : public Precision {
                         ": clearing dW (", dw.bytes(), " bytes)");
       return;
     }
-    cast_weight(l, w, stream);
     Tensor qdy(ws_ + dy_off(), DType::e4m3, Device::cuda, {rows, d.out});
     float* sdy = reinterpret_cast<float*>(ws_ + dy_off() + round_up(static_cast<size_t>(rows * d.out)));
     Tensor qdyt(ws_ + dyt_off(), DType::e4m3, Device::cuda, {d.out, rows});
     float* sdyt = reinterpret_cast<float*>(ws_ + dyt_off() + round_up(static_cast<size_t>(rows * d.out)));
     gpu::fp8_block_cast_rows_cols(dy, qdy, sdy, qdyt, sdyt, counter_, stream);
     if (dx != nullptr) {
-      const Tensor qwt(ws_ + gemm_bytes() + l.wt_off, DType::e4m3, Device::cuda, {d.in, d.out});
-      gemm(ctx).gemm({&qdy, sdy, ScaleMode::tile_1x128},
-                     {&qwt, reinterpret_cast<const float*>(ws_ + gemm_bytes() + l.swt_off), ScaleMode::block_128x128},
+      // "step": the copy cast by the forward; "layer": Wᵀ cast into the scratch now (only dgrad reads it).
+      const Tensor qwt = cast_weight(l, w, /*transposed=*/true, stream);
+      gemm(ctx).gemm({&qdy, sdy, ScaleMode::tile_1x128}, {&qwt, weight_scales(l, true), ScaleMode::block_128x128},
                      *dx, nullptr, stream);
     }
     const Tensor qxt(saved_ + l.saved_off, DType::e4m3, Device::cuda, {d.in, rows});
@@ -288,7 +327,7 @@ class Fp8BlockGpu final : public Precision {
     int64_t saved_rows = -1;
   };
 
-  size_t x_off() const { return gemm_bytes() + weight_bytes_; }
+  size_t x_off() const { return gemm_bytes() + weight_region(); }
   size_t dy_off() const { return x_off() + x_scratch_; }
   size_t dyt_off() const { return dy_off() + dy_scratch_; }
 
@@ -342,14 +381,38 @@ class Fp8BlockGpu final : public Precision {
                  "(this linear's and any other's; said once)"));
   }
 
-  void cast_weight(Linear& l, const Tensor& w, cudaStream_t stream) {
-    if (l.weight_cast) return;
+  // W ([out, in], transposed = false) or Wᵀ ([in, out]) in FP8 for the
+  // GEMM. "step": both cast together once per optimizer step into the
+  // linear's own copies. "layer": the one asked for cast into the shared
+  // scratch at every call (its block scales after it, weight_scales), the
+  // tiles counted at the first cast of the step only, as "step" counts them.
+  Tensor cast_weight(Linear& l, const Tensor& w, bool transposed, cudaStream_t stream) {
+    const LinearDesc& d = l.desc;
     char* base = ws_ + gemm_bytes();
-    Tensor qw(base + l.w_off, DType::e4m3, Device::cuda, {l.desc.out, l.desc.in});
-    Tensor qwt(base + l.wt_off, DType::e4m3, Device::cuda, {l.desc.in, l.desc.out});
-    gpu::fp8_block_cast_blocks(w, &qw, &qwt, reinterpret_cast<float*>(base + l.sw_off),
-                               reinterpret_cast<float*>(base + l.swt_off), counter_, stream);
-    l.weight_cast = true;
+    const int64_t r = transposed ? d.in : d.out, c = transposed ? d.out : d.in;
+    if (per_layer_) {
+      Tensor q(base, DType::e4m3, Device::cuda, {r, c});
+      float* s = const_cast<float*>(weight_scales(l, transposed));
+      gpu::fp8_block_cast_blocks(w, transposed ? nullptr : &q, transposed ? &q : nullptr, transposed ? nullptr : s,
+                                 transposed ? s : nullptr, l.weight_cast ? nullptr : counter_, stream);
+      l.weight_cast = true;
+      return q;
+    }
+    if (!l.weight_cast) {
+      Tensor qw(base + l.w_off, DType::e4m3, Device::cuda, {d.out, d.in});
+      Tensor qwt(base + l.wt_off, DType::e4m3, Device::cuda, {d.in, d.out});
+      gpu::fp8_block_cast_blocks(w, &qw, &qwt, reinterpret_cast<float*>(base + l.sw_off),
+                                 reinterpret_cast<float*>(base + l.swt_off), counter_, stream);
+      l.weight_cast = true;
+    }
+    return Tensor(base + (transposed ? l.wt_off : l.w_off), DType::e4m3, Device::cuda, {r, c});
+  }
+
+  // The block scale inverses of cast_weight's W or Wᵀ.
+  const float* weight_scales(const Linear& l, bool transposed) const {
+    char* base = ws_ + gemm_bytes();
+    if (per_layer_) return reinterpret_cast<const float*>(base + round_up(static_cast<size_t>(l.desc.out * l.desc.in)));
+    return reinterpret_cast<const float*>(base + (transposed ? l.swt_off : l.sw_off));
   }
 
   void read_counter() {
@@ -366,6 +429,8 @@ class Fp8BlockGpu final : public Precision {
   bool set_up_ = false;
   char* ws_ = nullptr;
   char* saved_ = nullptr;
+  size_t max_weight_bytes_ = 0;  // "layer": the largest W or Wᵀ with its block scales, rounded
+  bool per_layer_ = false;       // weight_cache resolved at setup()
   size_t weight_bytes_ = 0, x_scratch_ = 0, dy_scratch_ = 0, dyt_scratch_ = 0, saved_total_ = 0;
   uint32_t* counter_ = nullptr;  // device: tiles with an inf or NaN amax
   cudaStream_t stream_ = nullptr;
