@@ -95,12 +95,12 @@ TEST(StepAllocations, CudaStepAllocatesNothing) {
   }
 }
 
-// The FP8 recipes on CUDA with weight_cache = "layer" (the default at
+// The FP8 recipes (fp8_block too) on CUDA with weight_cache = "layer" (the default at
 // grad_accum = 1): the weight casts into the shared scratch before every fprop
 // and dgrad, and the blocks' transient linear inputs, allocate nothing either.
 TEST(StepAllocations, CudaFp8StepAllocatesNothing) {
   LOOM_REQUIRE_GPU();
-  for (const char* plugin : {"fp8_delayed", "fp8_current"}) {
+  for (const char* plugin : {"fp8_delayed", "fp8_current", "fp8_block"}) {
     const fs::path out = fs::path(LOOM_BINARY_DIR) / "test_tmp" / "step_alloc_cuda_fp8" / plugin;
     const std::vector<std::string> ov = {"run.out_dir=\"" + out.string() + "\"",
                                          "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
