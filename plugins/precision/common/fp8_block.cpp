@@ -34,19 +34,6 @@ bool aligned(int64_t v) { return v % blk::kBlock == 0; }
 
 }  // namespace
 
-const char* weight_cache_name(WeightCache c) {
-  switch (c) {
-    case WeightCache::step: return "step";
-    case WeightCache::layer: return "layer";
-    case WeightCache::automatic: return "auto";
-  }
-  return "?";
-}
-
-bool weight_cache_per_layer(WeightCache c, int grad_accum) {
-  return c == WeightCache::layer || (c == WeightCache::automatic && grad_accum <= 1);
-}
-
 std::string Fp8BlockRecipe::dims_message(const LinearDesc& d) {
   return cat("precision fp8_block: linear '", d.name, "' is [out, in] = [", d.out, ", ", d.in, "] with up to ",
              d.max_rows, " rows (tokens per micro-batch)", d.variable_rows ? " (variable rows)" : "",
@@ -68,11 +55,7 @@ Fp8BlockRecipe::Fp8BlockRecipe(const PluginInit& init) {
            "and cuBLASLt's block-scaled FP8 GEMMs (VEC128_32F / BLK128x128_32F scales) are established on Hopper "
            "for E4M3 x E4M3 only (benchmarks/fp8_gemm.cpp's probe prints what cuBLASLt answers for E5M2). Use "
            "format = \"e4m3\" (the default), or precision.plugin = \"fp8_current\" / \"fp8_delayed\" for hybrid");
-  for (const char* key : {"amax_history_len", "amax_compute_algo", "margin"})
-    if (c.has(key))
-      c.fail(key, cat("precision.plugin = \"fp8_block\" takes every tile's scale from that tile's own amax just "
-                      "before the cast and keeps no amax history, so '", key, "' has no meaning here: remove it, "
-                      "or use precision.plugin = \"fp8_delayed\", whose key it is"));
+  fp8_options::refuse_history_keys(c, kPlugin, "its own 1x128 tile's or 128x128 block's amax");
   for (const char* key : {"fast_accum_fprop", "fast_accum_dgrad", "fast_accum_wgrad"})
     if (c.get_bool(key, false))
       c.fail(key, cat(key, " = true: block-scaled FP8 GEMMs have no fast-accumulation mode; the per-block scales "
@@ -80,28 +63,14 @@ Fp8BlockRecipe::Fp8BlockRecipe(const PluginInit& init) {
                       "it (\"scaled_gemm doesn't support fast accum with 1x128 blockwise scaling\", "
                       "aten/src/ATen/cuda/CUDABlas.cpp) and TransformerEngine forces use_split_accumulator = True "
                       "for its blockwise FP8 GEMMs. Set it to false or remove it"));
-  const std::string master = c.get_choice("master", "fp32", {"fp32", "bf16"});
-  const bool stochastic = c.get_bool("stochastic_rounding", false);
+  const fp8_options::Master master = fp8_options::Master::read(c);
   o_.fp8_head = c.get_bool("fp8_head", false);
-  {
-    const std::string v = c.get_choice("weight_cache", "auto", {"auto", "step", "layer"});
-    o_.weight_cache = v == "step" ? WeightCache::step : v == "layer" ? WeightCache::layer : WeightCache::automatic;
-  }
+  o_.weight_cache = fp8_options::read_weight_cache(c);
   c.finish();
-  if (stochastic && master != "bf16")
-    c.fail("stochastic_rounding",
-           "stochastic_rounding = true rounds updates into bf16 parameters that have no fp32 master copy; with "
-           "master = \"fp32\" the master copy keeps every update exactly. Set master = \"bf16\" or remove "
-           "stochastic_rounding");
-  o_.master_bf16 = master == "bf16";
-  o_.stochastic_rounding = stochastic;
-  if (init.device == Device::cuda) {
-    gpu_ = make_gpu_recipe(o_);
-    return;
-  }
-  if (o_.master_bf16)
-    c.fail("master", "master = \"bf16\" keeps the parameters in bf16 without an fp32 copy, but the CPU backend "
-                     "stores and updates parameters in fp32 only: on the CPU use master = \"fp32\" (the default)");
+  master.check(c, init.device);
+  o_.master_bf16 = master.bf16;
+  o_.stochastic_rounding = master.stochastic_rounding;
+  if (init.device == Device::cuda) gpu_ = make_gpu_recipe(o_);
 }
 
 Fp8BlockRecipe::~Fp8BlockRecipe() = default;
@@ -121,9 +90,7 @@ PrecisionDTypes Fp8BlockRecipe::dtypes() const {
 int Fp8BlockRecipe::register_linear(const LinearDesc& d) {
   if (gpu_) return gpu_->register_linear(d);
   LOOM_CHECK(!set_up_, "precision fp8_block: linear '", d.name, "' registered after setup()");
-  LOOM_CHECK(d.in > 0 && d.out > 0 && d.max_rows > 0, "precision fp8_block: linear '", d.name,
-             "' has invalid shape in=", d.in, " out=", d.out, " max_rows=", d.max_rows,
-             " (an FP8 recipe plans its cast copies from max_rows, which must be positive)");
+  fp8_options::check_linear_shape(kPlugin, d);
   Linear l;
   l.desc = d;
   l.fp8 = d.role != LinearRole::lm_head || o_.fp8_head;

@@ -36,14 +36,14 @@
 #include <vector>
 
 #include "loom/precision.hpp"
+#include "precision/common/fp8_options.hpp"
 
 namespace loom::fp8_block {
 
-// precision.weight_cache: where the cast weights live (see above).
-enum class WeightCache { step, layer, automatic };
-const char* weight_cache_name(WeightCache c);
-// "auto" resolved with train.grad_accum: true for "layer".
-bool weight_cache_per_layer(WeightCache c, int grad_accum);
+// precision.weight_cache (fp8_options.hpp).
+using fp8_options::WeightCache;
+using fp8_options::weight_cache_name;
+using fp8_options::weight_cache_per_layer;
 
 struct Options {
   WeightCache weight_cache = WeightCache::automatic;

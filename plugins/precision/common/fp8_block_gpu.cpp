@@ -71,8 +71,7 @@ class Fp8BlockGpu final : public Precision {
 
   int register_linear(const LinearDesc& d) override {
     LOOM_CHECK(!set_up_, "precision fp8_block: linear '", d.name, "' registered after setup()");
-    LOOM_CHECK(d.in > 0 && d.out > 0 && d.max_rows > 0, "precision fp8_block: linear '", d.name,
-               "' has invalid shape in=", d.in, " out=", d.out, " max_rows=", d.max_rows);
+    fp8_options::check_linear_shape("fp8_block", d);
     Linear l;
     l.desc = d;
     l.fp8 = d.role != LinearRole::lm_head || o_.fp8_head;

@@ -60,28 +60,6 @@ float cast_rows(const float* p, int64_t rows, int64_t cols, int64_t ld, float sc
 
 }  // namespace
 
-const char* weight_cache_name(WeightCache c) {
-  switch (c) {
-    case WeightCache::step: return "step";
-    case WeightCache::layer: return "layer";
-    case WeightCache::automatic: return "auto";
-  }
-  return "?";
-}
-
-bool weight_cache_per_layer(WeightCache c, int grad_accum) {
-  return c == WeightCache::layer || (c == WeightCache::automatic && grad_accum <= 1);
-}
-
-namespace {
-
-WeightCache parse_weight_cache(const ConfigTable& c) {
-  const std::string v = c.get_choice("weight_cache", "auto", {"auto", "step", "layer"});
-  return v == "step" ? WeightCache::step : v == "layer" ? WeightCache::layer : WeightCache::automatic;
-}
-
-}  // namespace
-
 Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const PluginInit& init)
     : plugin_(plugin), scaling_(scaling) {
   const ConfigTable& c = init.config;
@@ -94,25 +72,16 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
         fp8::parse_amax_algo(c.get_choice("amax_compute_algo", "max", {"max", "most_recent"}));
     sc.margin = static_cast<int>(c.get_int("margin", 0, 0, 126));
   } else {
-    for (const char* key : {"amax_history_len", "amax_compute_algo", "margin"})
-      if (c.has(key))
-        c.fail(key, cat("precision.plugin = \"", plugin, "\" takes every scale from its tensor's own amax just "
-                        "before the cast and keeps no amax history, so '", key, "' has no meaning here: remove it, "
-                        "or use precision.plugin = \"fp8_delayed\", whose key it is"));
+    fp8_options::refuse_history_keys(c, plugin, "its tensor's own amax");
   }
   gemm_.fast_accum_fprop = c.get_bool("fast_accum_fprop", true);
   gemm_.fast_accum_dgrad = c.get_bool("fast_accum_dgrad", false);
   gemm_.fast_accum_wgrad = c.get_bool("fast_accum_wgrad", false);
-  const std::string master = c.get_choice("master", "fp32", {"fp32", "bf16"});
-  const bool stochastic = c.get_bool("stochastic_rounding", false);
+  const fp8_options::Master master = fp8_options::Master::read(c);
   fp8_head_ = c.get_bool("fp8_head", false);
-  weight_cache_ = parse_weight_cache(c);
+  weight_cache_ = fp8_options::read_weight_cache(c);
   c.finish();
-  if (stochastic && master != "bf16")
-    c.fail("stochastic_rounding",
-           "stochastic_rounding = true rounds updates into bf16 parameters that have no fp32 master copy; with "
-           "master = \"fp32\" the master copy keeps every update exactly. Set master = \"bf16\" or remove "
-           "stochastic_rounding");
+  master.check(c, init.device);
   state_ = std::make_unique<fp8::ScalingState>(sc);
   if (init.device == Device::cuda) {
     GpuOptions o;
@@ -120,15 +89,12 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
     o.scaling = sc;
     o.fp8_head = fp8_head_;
     o.gemm = gemm_;
-    o.master_bf16 = master == "bf16";
-    o.stochastic_rounding = stochastic;
+    o.master_bf16 = master.bf16;
+    o.stochastic_rounding = master.stochastic_rounding;
     o.weight_cache = weight_cache_;
     gpu_ = make_gpu_recipe(o);
     return;
   }
-  if (master == "bf16")
-    c.fail("master", "master = \"bf16\" keeps the parameters in bf16 without an fp32 copy, but the CPU backend "
-                     "stores and updates parameters in fp32 only: on the CPU use master = \"fp32\" (the default)");
 }
 
 Fp8Recipe::~Fp8Recipe() = default;
@@ -150,9 +116,7 @@ PrecisionDTypes Fp8Recipe::dtypes() const {
 int Fp8Recipe::register_linear(const LinearDesc& desc) {
   if (gpu_) return gpu_->register_linear(desc);
   LOOM_CHECK(!set_up_, "precision ", plugin_, ": linear '", desc.name, "' registered after setup()");
-  LOOM_CHECK(desc.in > 0 && desc.out > 0 && desc.max_rows > 0, "precision ", plugin_, ": linear '", desc.name,
-             "' has invalid shape in=", desc.in, " out=", desc.out, " max_rows=", desc.max_rows,
-             " (an FP8 recipe plans its cast copies from max_rows, which must be positive)");
+  fp8_options::check_linear_shape(plugin_, desc);
   Linear l;
   l.desc = desc;
   l.fp8 = desc.role != LinearRole::lm_head || fp8_head_;

@@ -77,9 +77,7 @@ class Fp8Gpu final : public Precision {
 
   int register_linear(const LinearDesc& d) override {
     LOOM_CHECK(!set_up_, "precision ", o_.plugin, ": linear '", d.name, "' registered after setup()");
-    LOOM_CHECK(d.in > 0 && d.out > 0 && d.max_rows > 0, "precision ", o_.plugin, ": linear '", d.name,
-               "' has invalid shape in=", d.in, " out=", d.out, " max_rows=", d.max_rows,
-               " (an FP8 recipe plans its cast copies from max_rows, which must be positive)");
+    fp8_options::check_linear_shape(o_.plugin, d);
     Linear l;
     l.desc = d;
     l.fp8 = d.role != LinearRole::lm_head || o_.fp8_head;

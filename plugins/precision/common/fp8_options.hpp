@@ -1,0 +1,82 @@
+// What every FP8 recipe (fp8_delayed, fp8_current: fp8_recipe.hpp; fp8_block:
+// fp8_block.hpp) reads and checks alike, on the CPU and on CUDA: the
+// weight_cache key, the master / stochastic_rounding pair, the amax-history
+// keys only fp8_delayed takes, and the shape of a registered linear.
+#pragma once
+#include <string>
+
+#include "loom/config.hpp"
+#include "loom/error.hpp"
+#include "loom/precision.hpp"
+
+namespace loom::fp8_options {
+
+// precision.weight_cache: where the FP8 copies of the weights live. "step":
+// cast once per optimizer step, kept for every micro-batch; "layer": cast
+// into one shared scratch before each fprop (W) and dgrad (Wᵀ); "auto":
+// "layer" when train.grad_accum = 1, else "step".
+enum class WeightCache { step, layer, automatic };
+
+inline const char* weight_cache_name(WeightCache c) {
+  switch (c) {
+    case WeightCache::step: return "step";
+    case WeightCache::layer: return "layer";
+    case WeightCache::automatic: return "auto";
+  }
+  return "?";
+}
+
+// "auto" resolved with train.grad_accum: true for "layer".
+inline bool weight_cache_per_layer(WeightCache c, int grad_accum) {
+  return c == WeightCache::layer || (c == WeightCache::automatic && grad_accum <= 1);
+}
+
+inline WeightCache read_weight_cache(const ConfigTable& c) {
+  const std::string v = c.get_choice("weight_cache", "auto", {"auto", "step", "layer"});
+  return v == "step" ? WeightCache::step : v == "layer" ? WeightCache::layer : WeightCache::automatic;
+}
+
+// master = "fp32" | "bf16" and stochastic_rounding, read before the table's
+// finish() (unknown keys first) and checked after it by check().
+struct Master {
+  bool bf16 = false;
+  bool stochastic_rounding = false;
+
+  static Master read(const ConfigTable& c) {
+    Master m;
+    m.bf16 = c.get_choice("master", "fp32", {"fp32", "bf16"}) == "bf16";
+    m.stochastic_rounding = c.get_bool("stochastic_rounding", false);
+    return m;
+  }
+  // Stochastic rounding needs bf16 master storage, and bf16 master storage
+  // needs the CUDA backend (the CPU stores and updates fp32 parameters).
+  void check(const ConfigTable& c, Device device) const {
+    if (stochastic_rounding && !bf16)
+      c.fail("stochastic_rounding",
+             "stochastic_rounding = true rounds updates into bf16 parameters that have no fp32 master copy; with "
+             "master = \"fp32\" the master copy keeps every update exactly. Set master = \"bf16\" or remove "
+             "stochastic_rounding");
+    if (bf16 && device != Device::cuda)
+      c.fail("master", "master = \"bf16\" keeps the parameters in bf16 without an fp32 copy, but the CPU backend "
+                       "stores and updates parameters in fp32 only: on the CPU use master = \"fp32\" (the default)");
+  }
+};
+
+// The keys of delayed scaling's amax history, refused by a recipe that takes
+// every scale at the cast; `what` says from what (e.g. "its tensor's own amax").
+inline void refuse_history_keys(const ConfigTable& c, const std::string& plugin, const std::string& what) {
+  for (const char* key : {"amax_history_len", "amax_compute_algo", "margin"})
+    if (c.has(key))
+      c.fail(key, cat("precision.plugin = \"", plugin, "\" takes every scale from ", what,
+                      " just before the cast and keeps no amax history, so '", key,
+                      "' has no meaning here: remove it, or use precision.plugin = \"fp8_delayed\", whose key it is"));
+}
+
+// A linear an FP8 recipe can plan its cast copies for (max_rows > 0).
+inline void check_linear_shape(const std::string& plugin, const LinearDesc& d) {
+  LOOM_CHECK(d.in > 0 && d.out > 0 && d.max_rows > 0, "precision ", plugin, ": linear '", d.name,
+             "' has invalid shape in=", d.in, " out=", d.out, " max_rows=", d.max_rows,
+             " (an FP8 recipe plans its cast copies from max_rows, which must be positive)");
+}
+
+}  // namespace loom::fp8_options
