@@ -63,6 +63,33 @@ def adamw_param_groups(model, c):
     return [{"params": decay, "weight_decay": c["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def time_steps(c, step, steps, warmup, flops):
+    """Calls step() `warmup` times, then times `steps` calls with CUDA events:
+    the measured part of a PEER_JSON row (median, min and max step ms,
+    tokens/s, MFU at `flops` per token over 989 TFLOP/s, peak memory, the
+    last step's loss). step() returns the loss."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    loss = None
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    med = statistics.median(times)
+    tok_s = c["batch"] * c["seq"] / (med * 1e-3)
+    return dict(median_step_ms=med, min_step_ms=min(times), max_step_ms=max(times), tokens_per_s=tok_s,
+                mfu=flops * tok_s / 989e12, peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
+                peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, final_loss=float(loss.detach()),
+                torch=torch.__version__, device=torch.cuda.get_device_name())
+
+
 def float8_convert(model):
     """torchao float8 training, tensorwise scaling, on every decoder linear; the
     LM head stays in bf16 (as torchtitan and Loom's FP8 recipes keep it)."""
@@ -117,25 +144,7 @@ def run_mode(c, mode, steps, warmup, seed):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    loss = None
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    med = statistics.median(times)
-    tok_s = c["batch"] * c["seq"] / (med * 1e-3)
-    out = dict(peer="hf_transformers", mode=mode, median_step_ms=med, min_step_ms=min(times),
-               max_step_ms=max(times), tokens_per_s=tok_s, mfu=flops_per_token(c) * tok_s / 989e12,
-               peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
-               peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, final_loss=float(loss),
-               torch=torch.__version__, device=torch.cuda.get_device_name(), **extra)
+    out = dict(peer="hf_transformers", mode=mode, **time_steps(c, step, steps, warmup, flops_per_token(c)), **extra)
     del model, opt, step_fn_model
     torch.cuda.empty_cache()
     return out

@@ -26,12 +26,11 @@ memory.
 import argparse
 import json
 import os
-import statistics
 import sys
 import tomllib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_llama import adamw_param_groups  # noqa: E402
+from hf_llama import adamw_param_groups, time_steps  # noqa: E402
 
 
 def model_from_config(path):
@@ -120,26 +119,8 @@ def run_mode(c, mode, steps, warmup, seed, experts_impl):
         opt.zero_grad(set_to_none=True)
         return lm
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    loss = None
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    med = statistics.median(times)
-    tok_s = c["batch"] * c["seq"] / (med * 1e-3)
     out = dict(peer="hf_transformers", model="MixtralForCausalLM", experts_implementation=impl, mode=mode,
-               median_step_ms=med, min_step_ms=min(times), max_step_ms=max(times), tokens_per_s=tok_s,
-               mfu=flops_per_token(c) * tok_s / 989e12,
-               peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
-               peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, final_loss=float(loss),
-               torch=torch.__version__, device=torch.cuda.get_device_name())
+               **time_steps(c, step, steps, warmup, flops_per_token(c)))
     del model, opt, step_fn_model
     torch.cuda.empty_cache()
     return out
