@@ -153,11 +153,8 @@ void Fp8BlockRecipe::setup(const PrecisionSetup& s) {
   log_info(cat("precision fp8_block: ", n,
                " linears in FP8 emulated on the CPU, E4M3 with fine-grained scaling (x and dy in 1x128 tiles, "
                "W in 128x128 blocks, wgrad operands in 1x128 tiles along the tokens)",
-               full.empty() ? std::string() : cat("; in fp32: ", full), "; weight_cache ",
-               weight_cache_name(o_.weight_cache),
-               o_.weight_cache == WeightCache::automatic ? (per_layer_ ? " (layer: grad_accum 1)"
-                                                                       : " (step: grad_accum > 1)")
-                                                         : ""));
+               full.empty() ? std::string() : cat("; in fp32: ", full), "; ",
+               fp8_options::weight_cache_summary(o_.weight_cache, per_layer_)));
 }
 
 void Fp8BlockRecipe::set_workspace(void* ptr, size_t bytes) {

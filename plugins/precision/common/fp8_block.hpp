@@ -42,7 +42,6 @@ namespace loom::fp8_block {
 
 // precision.weight_cache (fp8_options.hpp).
 using fp8_options::WeightCache;
-using fp8_options::weight_cache_name;
 using fp8_options::weight_cache_per_layer;
 
 struct Options {

@@ -154,10 +154,7 @@ class Fp8BlockGpu final : public Precision {
                  "128x128 blocks, wgrad operands in 1x128 tiles along the tokens; no fast accumulation",
                  full.empty() ? std::string() : cat("; in bf16: ", full), "; master ",
                  o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32",
-                 "; weight_cache ", weight_cache_name(o_.weight_cache),
-                 o_.weight_cache == WeightCache::automatic
-                     ? (per_layer_ ? " (layer: grad_accum 1)" : " (step: grad_accum > 1)")
-                     : ""));
+                 "; ", fp8_options::weight_cache_summary(o_.weight_cache, per_layer_)));
   }
 
   void set_workspace(void* ptr, size_t bytes) override {

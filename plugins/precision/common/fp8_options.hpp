@@ -31,6 +31,12 @@ inline bool weight_cache_per_layer(WeightCache c, int grad_accum) {
   return c == WeightCache::layer || (c == WeightCache::automatic && grad_accum <= 1);
 }
 
+// "weight_cache layer (auto: grad_accum 1)" for a setup log line.
+inline std::string weight_cache_summary(WeightCache c, bool per_layer) {
+  return cat("weight_cache ", weight_cache_name(c),
+             c == WeightCache::automatic ? (per_layer ? " (layer: grad_accum 1)" : " (step: grad_accum > 1)") : "");
+}
+
 inline WeightCache read_weight_cache(const ConfigTable& c) {
   const std::string v = c.get_choice("weight_cache", "auto", {"auto", "step", "layer"});
   return v == "step" ? WeightCache::step : v == "layer" ? WeightCache::layer : WeightCache::automatic;

@@ -185,10 +185,8 @@ void Fp8Recipe::setup(const PrecisionSetup& setup) {
   log_info(cat("precision ", plugin_, ": ", fp8_linears, " linears in FP8 emulated on the CPU, format ",
                fp8::name(sc.formats),
                sc.formats == fp8::Formats::hybrid ? " (E4M3 x and w, E5M2 dy)" : " (E4M3 x, w and dy)", ", ", how,
-               full.empty() ? std::string() : cat("; in fp32: ", full), "; weight_cache ",
-               weight_cache_name(weight_cache_),
-               weight_cache_ == WeightCache::automatic ? (per_layer_ ? " (layer: grad_accum 1)" : " (step: grad_accum > 1)")
-                                                       : "",
+               full.empty() ? std::string() : cat("; in fp32: ", full), "; ",
+               fp8_options::weight_cache_summary(weight_cache_, per_layer_),
                "; GPU GEMM options recorded: fast accumulation fprop ", gemm_.fast_accum_fprop ? "on" : "off",
                ", dgrad ", gemm_.fast_accum_dgrad ? "on" : "off", ", wgrad ", gemm_.fast_accum_wgrad ? "on" : "off"));
 }

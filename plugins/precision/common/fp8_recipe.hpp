@@ -48,7 +48,6 @@ struct GemmOptions {
 
 // precision.weight_cache (fp8_options.hpp).
 using fp8_options::WeightCache;
-using fp8_options::weight_cache_name;
 using fp8_options::weight_cache_per_layer;
 
 // What the GPU path is built from (the checked [precision] table).

@@ -164,11 +164,8 @@ class Fp8Gpu final : public Precision {
                  sc.formats == fp8::Formats::hybrid ? " (E4M3 x and w, E5M2 dy)" : " (E4M3 x, w and dy)", ", ", how,
                  full.empty() ? std::string() : cat("; in bf16: ", full), "; fast accumulation fprop ",
                  o_.gemm.fast_accum_fprop ? "on" : "off", ", dgrad ", o_.gemm.fast_accum_dgrad ? "on" : "off",
-                 ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off", "; weight_cache ",
-                 weight_cache_name(o_.weight_cache),
-                 o_.weight_cache == WeightCache::automatic
-                     ? (per_layer_ ? " (layer: grad_accum 1)" : " (step: grad_accum > 1)")
-                     : "",
+                 ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off", "; ",
+                 fp8_options::weight_cache_summary(o_.weight_cache, per_layer_),
                  " (cast weights ", weight_region(), " bytes)", "; master ",
                  o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32"));
   }
