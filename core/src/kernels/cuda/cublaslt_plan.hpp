@@ -1,8 +1,11 @@
 // What the core's cuBLASLt GEMM wrappers share (fp8_gemm.cpp,
 // fp8_block_gemm.cpp): the status check that names the failed call, and the
-// descriptor objects of one matmul plan, destroyed with it.
+// descriptor objects of one matmul plan, destroyed with it, and the alignment
+// an operand's address gives.
 #pragma once
 #include <cublasLt.h>
+
+#include <cstdint>
 
 #include "loom/error.hpp"
 
@@ -15,6 +18,15 @@
   } while (0)
 
 namespace loom::gpu {
+
+// Largest power of two (capped at 256, cuBLASLt's default assumption)
+// dividing the address: what a plan records as an operand's alignment.
+inline uint32_t alignment_of(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && (a % al) != 0) al /= 2;
+  return al;
+}
 
 // The matmul descriptor and the A, B, C, D layouts of one plan (C null: C
 // uses D's layout). Host-side objects only: their destruction cannot fail in

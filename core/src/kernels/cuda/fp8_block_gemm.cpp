@@ -32,13 +32,6 @@ int32_t lt_mode(blk::ScaleMode m) {
                                          : static_cast<int32_t>(CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F);
 }
 
-uint32_t alignment_of(const void* p) {
-  const auto a = reinterpret_cast<uintptr_t>(p);
-  uint32_t al = 256;
-  while (al > 1 && (a % al) != 0) al /= 2;
-  return al;
-}
-
 RowMatrix operand(const Tensor& t, const char* what) {
   LOOM_CHECK(t.device == Device::cuda && t.data != nullptr, "fp8_block_gemm: ", what, " ", t.shape_str(),
              " must be a cuda tensor with data, got one on ", device_name(t.device));

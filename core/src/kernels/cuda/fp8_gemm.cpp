@@ -32,14 +32,6 @@ cudaDataType_t cuda_type(DType t) {
 
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
 
-// Largest power of two (capped at 256, cuBLASLt's default assumption) dividing the address.
-uint32_t alignment_of(const void* p) {
-  const auto a = reinterpret_cast<uintptr_t>(p);
-  uint32_t al = 256;
-  while (al > 1 && (a % al) != 0) al /= 2;
-  return al;
-}
-
 // Bytes [first, last) a row matrix touches.
 struct Span {
   uintptr_t first, last;
