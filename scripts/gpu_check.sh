@@ -21,6 +21,9 @@
 #   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8, test_gpu_fp8_recipes and test_gpu_fp8_block, then
 #       benchmarks/fp8_gemm.cpp: bf16 vs per-tensor and block-scaled FP8 cuBLASLt GEMMs on the llama-1b and
 #       llama2-7b linears, the cast kernels and the block-scaled FP8 probe; $OUT/fp8_gemm_bench.md; env FP8_BENCH_ARGS)
+#   bash scripts/gpu_check.sh fp8-gathers [CONFIG] (FP8 weight gathers, sharding.gather_dtype = "fp8", on NP GPUs:
+#       test_fp8_mpi's gather cases over NCCL, then `loom bench` of CONFIG (default llama-1b-fp8) under zero3 with
+#       fp8_current and fused layers, gathering parameters and FP8; env NP, STEPS, WARMUP)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -85,6 +88,26 @@ if [ "$WHAT" = fp8 ]; then
   cat "$OUT/fp8_gemm_bench.md"
   [ $r = FAIL ] && tail -20 "$OUT/fp8_gemm_bench.log"
   echo "$r fp8_gemm_bench" | tee -a "$OUT/tests.txt"
+fi
+if [ "$WHAT" = fp8-gathers ]; then
+  NP=${NP:-$(nvidia-smi -L | wc -l)}
+  MPI=(mpirun --allow-run-as-root --bind-to none -np "$NP" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH)
+  : > "$OUT/tests.txt"
+  L=$OUT/test_fp8_mpi_cuda.log
+  if "${MPI[@]}" -x LOOM_FP8_MPI_DEVICE=cuda .carry/bin/test_fp8_mpi --gtest_filter='*Gather*' > "$L" 2>&1; then
+    r=PASS; else r=FAIL; status=1; fi
+  s=$(grep -cE '^\[  SKIPPED \]' "$L"); [ "$s" -gt 0 ] && { r=FAIL; status=1; }
+  echo "$r test_fp8_mpi (cuda, FP8 gathers) np=$NP $(grep -oE '\[  PASSED  \] [0-9]+' "$L" | head -1) skipped=$s" | tee -a "$OUT/tests.txt"
+  [ $r = FAIL ] && grep -E "Failure|FAILED|error|missing" "$L" | sort -u | head -30
+  grep -E '^\[fp8 gathers\]' "$L" | sort -u | tee -a "$OUT/tests.txt"
+  CFG=${1:-configs/bench/llama-1b-fp8.toml}
+  for g in param fp8; do
+    "${MPI[@]}" .carry/bin/loom bench "$CFG" --steps="${STEPS:-10}" --warmup="${WARMUP:-3}" \
+      --set model.layers='"fused"' --set precision.plugin='"fp8_current"' --set sharding.plugin='"zero3"' \
+      --set sharding.gather_dtype="\"$g\"" > "$OUT/bench_zero3_gather_$g.log" 2>&1 || { status=1; tail -20 "$OUT/bench_zero3_gather_$g.log"; }
+    echo "== zero3, fp8_current, gather_dtype = $g ($CFG, np=$NP)" | tee -a "$OUT/tests.txt"
+    grep -iE "step|mfu|memory|gib" "$OUT/bench_zero3_gather_$g.log" | tail -6 | tee -a "$OUT/tests.txt"
+  done
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   LOOM_BIN=.carry/bin/loom OUT=$OUT/bench bash benchmarks/compare.sh "$@" | tee "$OUT/table.md"

@@ -14,6 +14,7 @@
 //   set_workspace / set_saved_activations           the planned memory
 //   state_tensors()                what a checkpoint saves and restores by name
 //   linear_forward / linear_backward ... end_step()   every step
+//   current_fp8_weight(id)         asked once after setup() (FP8 weight gathers, ABI 6.0)
 #pragma once
 #include <cstdint>
 #include <string>
@@ -90,6 +91,19 @@ struct StateTensor {
   bool replicated = true;
 };
 
+// How a recipe casts a linear's weight when it casts it to FP8 per tensor
+// with a scale taken from that weight's own amax at the time of the cast
+// (current scaling): q = encode(w * scale) with scale = compute_scale(amax(w),
+// the format's max, margin) (loom/fp8.hpp). A sharding strategy that gathers
+// parameters may then move the weight already in FP8 (sharding.gather_dtype =
+// "fp8", as torchtitan's float8 all-gather): it measures the same amax (the
+// max over the shards), encodes the same codes, and the recipe, casting the
+// decoded weight again, gets those codes back. ABI 6.0.
+struct Fp8WeightCast {
+  DType dtype = DType::e4m3;
+  int margin = 0;
+};
+
 class Precision : public Plugin {
  public:
   virtual PrecisionDTypes dtypes() const = 0;
@@ -144,6 +158,12 @@ class Precision : public Plugin {
   // and skipped updates), "" for nothing; the core prints it after the step's
   // log line as "precision: <text>".
   virtual std::string log_summary() const { return {}; }
+  // True when linear `id`'s weight is cast to FP8 per tensor from its current
+  // amax on every call (see Fp8WeightCast, filled in): the only casts an FP8
+  // gather of the weight reproduces exactly. False for everything else (a
+  // bf16 GEMM, delayed scaling's scale from past amaxes, block scales, the LM
+  // head kept in bf16). Asked after setup(). ABI 6.0.
+  virtual bool current_fp8_weight(int /*id*/, Fp8WeightCast* /*cast*/) const { return false; }
 };
 
 template <> struct PluginInterface<PluginKind::precision> { using type = Precision; };

@@ -106,6 +106,37 @@ class OptimizerOps {
   virtual void convert(const ExecContext& ctx, Tensor& dst, const Tensor& src) = 0;     // fp32 <-> bf16 or copy
 };
 
+// A unit's parameters on the wire of a sharded gather in compact form
+// (sharding.gather_dtype = "fp8", ABI 6.0), provided by the core. The weights
+// the precision recipe casts to FP8 per tensor from their current amax
+// (Precision::current_fp8_weight) travel as FP8 codes, one byte an element,
+// with the scale the recipe will use; every other parameter (norm gains, the
+// embedding, the LM head, weights under other casts) travels as it is. A unit
+// gathered over `group` ranks is group chunks of `chunk` elements; on the wire
+// each chunk takes wire_chunk_bytes(unit) bytes (its other parameters first,
+// then its FP8 weights), so one all_gather of bytes moves it.
+class GatherCodec {
+ public:
+  virtual ~GatherCodec() = default;
+  // Linears whose weights can travel in FP8; 0: none can, and why_none() says
+  // why in words naming the configuration (for the strategy's message).
+  virtual int fp8_weights() const = 0;
+  virtual std::string why_none() const = 0;
+  // Once, after plan(): the shard group's size, this rank's position in it,
+  // and each unit's chunk in elements (0 for a unit that is never gathered).
+  virtual void plan(int group, int position, const std::vector<int64_t>& chunk) = 0;
+  virtual int64_t wire_chunk_bytes(int unit) const = 0;
+  // After the parameters changed (start, resume, every optimizer step): the
+  // amax of every FP8 weight over the whole weight (this rank's ranges,
+  // max-reduced over `group` with one all-reduce for all units), its scale,
+  // and each gathered unit's own chunk encoded into wire[unit]. Queued on ctx,
+  // the host does not wait.
+  virtual void encode(const ExecContext& ctx, Communicator& group, const std::vector<UnitState>& units,
+                      std::vector<Tensor>& wire) = 0;
+  // The unit's params [padded] from its gathered wire [group * wire_chunk_bytes].
+  virtual void decode(const ExecContext& ctx, int unit, const Tensor& wire, Tensor& params) = 0;
+};
+
 struct ShardingEnv {
   ExecContext ctx;
   Communicator* world = nullptr;  // all ranks, tensors where the model runs (MPI on CPU, NCCL on CUDA)
@@ -115,6 +146,7 @@ struct ShardingEnv {
   DType param_dtype = DType::f32; // the precision recipe's parameter and gradient dtypes
   DType grad_dtype = DType::f32;
   int64_t grad_accum = 1;         // micro-batches per step
+  GatherCodec* codec = nullptr;   // ABI 6.0: never null when the core plans the strategy
   // Gradients arrive already divided by the number of ranks (the core scales
   // the loss by 1 / (tokens * grad_accum * world)): strategies reduce with sum.
 };

@@ -83,9 +83,25 @@ int Block::add_param(UnitInfo& unit, std::string name, std::vector<int64_t> shap
   p.offset = unit.numel;
   p.role = role;
   unit.numel += p.numel;
+  spans_.emplace_back(p.offset, p.numel);
   unit.params.push_back(std::move(p));
   params_.push_back(static_cast<int>(unit.params.size()) - 1);
+  unit_name_ = unit.name;
   return static_cast<int>(params_.size()) - 1;
+}
+
+int Block::register_weight_linear(const BlockEnv& env, const LinearDesc& desc, int first, int count) const {
+  const int id = env.register_linear(desc);
+  if (env.linear_weights) {
+    LOOM_CHECK(first >= 0 && count >= 1 && static_cast<size_t>(first + count) <= spans_.size(), kind(), ": linear ",
+               desc.name, " names parameters ", first, " .. ", first + count - 1, " of ", spans_.size());
+    int64_t numel = 0;
+    for (int i = first; i < first + count; ++i) numel += spans_[static_cast<size_t>(i)].second;
+    LOOM_CHECK(numel == desc.in * desc.out, kind(), ": linear ", desc.name, " is ", desc.out, " x ", desc.in,
+               " but its parameters hold ", numel, " elements");
+    env.linear_weights->push_back({id, unit_name_, spans_[static_cast<size_t>(first)].first, numel});
+  }
+  return id;
 }
 
 Tensor Block::param(const UnitState& u, int index, bool grad) const {

@@ -47,6 +47,16 @@ struct MoeShared {
   int aux = -1;           // fp32 [1]: this micro-batch's aux loss
 };
 
+// Where a linear's weight sits: a range of one unit's flat parameters (the
+// fused blocks' [q; k; v] and [gate; up] span several parameters). The FP8
+// weight gathers (train/fp8_gather.hpp) read it.
+struct LinearWeight {
+  int id = -1;           // the recipe's id
+  std::string unit;      // UnitInfo::name
+  int64_t offset = 0;    // elements from the start of the unit's flat buffer
+  int64_t numel = 0;
+};
+
 // What every block computes with, fixed at start-up.
 struct BlockEnv {
   const ModelSpec* spec = nullptr;
@@ -59,6 +69,7 @@ struct BlockEnv {
   int64_t head_chunk = 0;       // tokens per LM-head chunk (the head block's)
   MoeShared* moe = nullptr;     // the model's, for `moe` feed-forward blocks
   std::vector<int>* linear_ids = nullptr;  // every id the recipe returned, in order (Model::plan sets it)
+  std::vector<LinearWeight>* linear_weights = nullptr;  // where each decoder linear's weight sits (Model::plan)
   // sharding.expert_parallel > 1: the ranks that split each MoE layer's
   // experts between them (blocks/expert_parallel.hpp); null otherwise.
   Communicator* expert_group = nullptr;
@@ -130,10 +141,16 @@ class Block {
     return Tensor(buf(id), DType::f32, env_.backend->device(), dims);
   }
   int add_param(UnitInfo& unit, std::string name, std::vector<int64_t> shape, ParamRole role);
+  // env.register_linear for a linear whose weight is this block's parameters
+  // first .. first + count - 1 (consecutive, one matrix), recording where the
+  // weight sits (BlockEnv::linear_weights).
+  int register_weight_linear(const BlockEnv& env, const LinearDesc& desc, int first, int count = 1) const;
 
   BlockEnv env_;
   const ActivationPlan* acts_ = nullptr;
   std::vector<int> params_;  // indices into the unit's params, in declaration order
+  std::string unit_name_;    // the unit the parameters were declared into
+  std::vector<std::pair<int64_t, int64_t>> spans_;  // offset and numel of each, in declaration order
 };
 
 // The attention half of decoder layer `layer`: x -> x + attention(rmsnorm(x)).

@@ -39,6 +39,8 @@ class Model {
   const BlockEnv& env() const { return env_; }
   // The ids the precision recipe returned for every linear (after plan).
   const std::vector<int>& linear_ids() const { return linear_ids_; }
+  // Where each decoder linear's weight sits in its unit (after plan()).
+  const std::vector<LinearWeight>& linear_weights() const { return linear_weights_; }
 
   // The micro-batch's tokens on the backend: [2 * N] int32, inputs then targets.
   Tensor tokens() const;
@@ -75,6 +77,7 @@ class Model {
 
   BlockEnv env_;
   std::vector<int> linear_ids_;
+  std::vector<LinearWeight> linear_weights_;
   ActivationPlan acts_;
   std::vector<int> res_, mid_;
   MoeShared moe_;

@@ -7,6 +7,7 @@
 
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
+#include "train/fp8_gather.hpp"
 #include "train/memory_budget.hpp"
 
 namespace loom {
@@ -78,6 +79,36 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
                       " ranks or set sharding.expert_parallel to a divisor of ", world));
     expert_group_ = rt_.comm->split(rt_.rank() / static_cast<int>(ep), rt_.rank());
   }
+  BlockEnv be;
+  be.B = cfg_.train.micro_batch;
+  be.S = cfg_.train.seq_len;
+  be.N = be.B * be.S;
+  be.recompute = parse_recompute(cfg_.model.recompute);
+  be.act = dt.activation;
+  be.precision = rt_.precision.get();
+  be.attention = rt_.attention.get();
+  be.backend = rt_.backend.get();
+  be.expert_group = expert_group_.get();
+  be.head_chunk = head_chunk_tokens(model_.layers(), cfg_.model.head_chunk, be.N, model_.spec().vocab_size, be.act);
+  model_.plan(be, plan_);
+  // Every linear is registered: the recipe learns its data-parallel group
+  // (FP8 amaxes are reduced over it), then says what memory it needs.
+  PrecisionSetup setup;
+  setup.data_parallel = rt_.comm.get();
+  setup.deterministic = cfg_.run.deterministic;
+  setup.device = rt_.backend->device();
+  setup.grad_accum = static_cast<int>(cfg_.train.grad_accum);
+  rt_.precision->setup(setup);
+  // FP8 weight gathers (sharding.gather_dtype = "fp8"): the codec knows
+  // which weights the recipe casts per tensor from their current amax; the
+  // strategy asks it in plan() and scratch().
+  codec_ = std::make_unique<Fp8GatherCodec>(
+      *rt_.backend, model_.units(), model_.linear_weights(), *rt_.precision, dt.param,
+      cat("precision.plugin = \"", cfg_.precision.plugin,
+          "\" casts no decoder weight to FP8 per tensor from its current amax (fp8_current does; delayed "
+          "scaling's scales come from past amaxes, which a gather of FP8 codes cannot measure)"));
+  env_.codec = codec_.get();
+  codec_blk_ = plan_.add("sharding.fp8_gather.scales", MemCategory::comm, codec_->state_bytes());
   const std::vector<UnitInfo>& infos = model_.units();
   layouts_ = rt_.sharding->plan(env_, infos);
   LOOM_CHECK(layouts_.size() == infos.size(), "sharding plugin returned ", layouts_.size(), " layouts for ",
@@ -115,26 +146,6 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
     scratch_blocks_.push_back(
         plan_.add("sharding." + r.name, r.category, static_cast<size_t>(r.numel) * dtype_size(r.dtype)));
 
-  BlockEnv be;
-  be.B = cfg_.train.micro_batch;
-  be.S = cfg_.train.seq_len;
-  be.N = be.B * be.S;
-  be.recompute = parse_recompute(cfg_.model.recompute);
-  be.act = dt.activation;
-  be.precision = rt_.precision.get();
-  be.attention = rt_.attention.get();
-  be.backend = rt_.backend.get();
-  be.expert_group = expert_group_.get();
-  be.head_chunk = head_chunk_tokens(model_.layers(), cfg_.model.head_chunk, be.N, model_.spec().vocab_size, be.act);
-  model_.plan(be, plan_);
-  // Every linear is registered: the recipe learns its data-parallel group
-  // (FP8 amaxes are reduced over it), then says what memory it needs.
-  PrecisionSetup setup;
-  setup.data_parallel = rt_.comm.get();
-  setup.deterministic = cfg_.run.deterministic;
-  setup.device = rt_.backend->device();
-  setup.grad_accum = static_cast<int>(cfg_.train.grad_accum);
-  rt_.precision->setup(setup);
   // What the recipe keeps from each linear's forward for its backward counts
   // as activations (one copy per linear, whatever model.recompute says).
   precision_saved_bytes_ = 0;
@@ -157,6 +168,7 @@ void TrainState::allocate() {
   Backend& be = *rt_.backend;
   arena_.allocate(plan_, be.device());
   model_.bind(arena_);
+  if (codec_->state_bytes() > 0) codec_->bind(arena_.ptr(codec_blk_));
   rt_.precision->set_workspace(arena_.ptr(precision_ws_), precision_ws_bytes_);
   if (precision_saved_bytes_ > 0)
     rt_.precision->set_saved_activations(arena_.ptr(precision_saved_), precision_saved_bytes_);

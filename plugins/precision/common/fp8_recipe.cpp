@@ -451,6 +451,17 @@ void Fp8Recipe::state_loaded() {
   }
 }
 
+bool Fp8Recipe::current_fp8_weight(int id, Fp8WeightCast* cast) const {
+  if (gpu_) return gpu_->current_fp8_weight(id, cast);
+  // Variable-row linears (MoE experts) are left out as on the GPU, where such
+  // a call may run in bf16 and would then read the FP8-rounded weight.
+  if (scaling_ != fp8::Scaling::current || id < 0 || static_cast<size_t>(id) >= linears_.size()) return false;
+  const Linear& l = linears_[static_cast<size_t>(id)];
+  if (!l.fp8 || l.desc.variable_rows) return false;
+  if (cast) *cast = {DType::e4m3, state_->config().margin};
+  return true;
+}
+
 std::string Fp8Recipe::log_summary() const {
   if (gpu_) return gpu_->log_summary();
   const int64_t T = state_->tensors();

@@ -87,6 +87,7 @@ class Fp8Recipe : public Precision {
   std::vector<StateTensor> state_tensors() override;
   void state_loaded() override;
   std::string log_summary() const override;
+  bool current_fp8_weight(int id, Fp8WeightCast* cast) const override;
 
   // For tests and the log line (the CPU path's state; the GPU path keeps its
   // own on the device, read through state_tensors()).

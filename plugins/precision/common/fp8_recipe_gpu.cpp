@@ -410,6 +410,17 @@ class Fp8Gpu final : public Precision {
     LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision ", o_.plugin, ": writing the restored FP8 state");
   }
 
+  // Current scaling casts W from its own amax on every call of a linear whose
+  // rows always suit the FP8 GEMMs (a variable_rows linear may fall back to bf16).
+  bool current_fp8_weight(int id, Fp8WeightCast* cast) const override {
+    if (o_.scaling.scaling != fp8::Scaling::current || id < 0 || static_cast<size_t>(id) >= linears_.size())
+      return false;
+    const Linear& l = linears_[static_cast<size_t>(id)];
+    if (!l.fp8 || l.desc.variable_rows || l.desc.max_rows % 16 != 0) return false;
+    if (cast) *cast = {DType::e4m3, o_.scaling.margin};
+    return true;
+  }
+
   std::string log_summary() const override {
     if (T_ == 0 || dev_ == nullptr) return {};
     // A log step: reading the device state here is the one host sync.

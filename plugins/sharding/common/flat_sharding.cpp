@@ -82,6 +82,20 @@ struct FlatSharding::Impl {
 
   std::vector<UnitState>* state = nullptr;
 
+  // FP8 weight gathers (gather_dtype = "fp8", the core's GatherCodec): each
+  // gathered unit's own chunk is encoded once after the parameters change
+  // (wire_shard, `encoded` false until then), every gather moves wire bytes
+  // into a wire slot, and the unit's params are decoded from it just before
+  // the compute that reads them.
+  bool fp8_gather = false;
+  std::string gather_where;
+  GatherCodec* codec = nullptr;
+  std::vector<Tensor> wire_shard;  // per unit (empty for units not gathered)
+  std::vector<Slot> wire_pool;     // one per gather buffer (gather_pool, or a unit's own)
+  std::vector<int> wire_slot_of;   // per unit with its own gathered buffer: its wire slot, else -1
+  bool encoded = false;
+  int64_t max_wire = 0;
+
   // Expert parallelism: experts units are split over groups of `ep`
   // consecutive ranks, each rank holding its experts' range whole (never
   // gathered); expert_replica: the world / ep ranks holding the same range,
@@ -132,10 +146,26 @@ struct FlatSharding::Impl {
       out = view(s.t, 0, {m.padded});
       event_slot[e] = static_cast<int>(e % gather_pool.size());
     }
+    if (fp8_gather) {
+      // The wire slot of this event's buffer; the params are decoded at use.
+      Slot& w = wire_pool[wire_index(e, ui)];
+      Tensor wout = view(w.t, 0, {codec->wire_chunk_bytes(ui) * group});
+      CommTicket t = shard->all_gather(env.ctx, wire_shard[static_cast<size_t>(ui)], wout);
+      track(shard, t);
+      event_ticket[e] = t;
+      w.used_by(shard, t);
+      return;
+    }
     CommTicket t = shard->all_gather(env.ctx, u.param_shard, out);
     track(shard, t);
     event_ticket[e] = t;
     if (event_slot[e] >= 0) gather_pool[static_cast<size_t>(event_slot[e])].used_by(shard, t);
+  }
+
+  // The wire slot of event e (of unit ui): its gather buffer's.
+  size_t wire_index(size_t e, int ui) const {
+    const int own = wire_slot_of.empty() ? -1 : wire_slot_of[static_cast<size_t>(ui)];
+    return own >= 0 ? static_cast<size_t>(own) : e % gather_pool.size();
   }
 
   // Make event e's gathered params ready for the compute stream, issuing up to
@@ -151,6 +181,11 @@ struct FlatSharding::Impl {
     const int ui = events[e];
     if (!gather_own.empty() && gather_own[static_cast<size_t>(ui)].data) u.params = gather_own[static_cast<size_t>(ui)];
     else u.params = view(gather_pool[static_cast<size_t>(event_slot[e])].t, 0, {units[static_cast<size_t>(ui)].padded});
+    if (fp8_gather) {
+      // On the compute queue: the wire slot's next gather is issued after this.
+      const Tensor w = view(wire_pool[wire_index(e, ui)].t, 0, {codec->wire_chunk_bytes(ui) * group});
+      codec->decode(env.ctx, ui, w, u.params);
+    }
   }
 
   // Adds a reduce-scatter that landed in rtmp to the unit's fp32 shard.
@@ -236,6 +271,12 @@ FlatSharding::FlatSharding(const PluginInit& init, Strategy strategy, std::strin
   if (I.shard_params()) {
     I.reshard_after_forward = t.get_bool("reshard_after_forward", true);
     I.prefetch = static_cast<int>(t.get_int("prefetch", 1, 0, 8));
+    I.fp8_gather = t.get_choice("gather_dtype", "param", {"param", "fp8"}) == "fp8";
+    I.gather_where = t.where("gather_dtype");
+  } else if (t.has("gather_dtype")) {
+    t.fail("gather_dtype", cat("gather_dtype applies to the strategies that gather parameters before each unit's ",
+                               "compute (zero3, full_shard, hybrid_shard); sharding.plugin = \"", I.name,
+                               "\" keeps whole parameters on every rank: remove the key"));
   }
   if (strategy == Strategy::hybrid) {
     const int64_t def = init.local_world > 0 ? init.local_world : 1;
@@ -287,6 +328,14 @@ std::vector<UnitLayout> FlatSharding::plan(const ShardingEnv& env, const std::ve
     I.expert_replica_own = env.world->split(I.rank % I.ep, I.rank / I.ep);
     I.expert_replica = I.expert_replica_own.get();
   }
+  if (I.fp8_gather) {
+    if (!env.codec || env.codec->fp8_weights() == 0)
+      throw Error(cat(I.gather_where, ": sharding.gather_dtype = \"fp8\" moves the weights that the precision recipe casts to ",
+                      "FP8 per tensor from their current amax, and there are none: ",
+                      env.codec ? env.codec->why_none() : std::string("the core offers no FP8 gathers"),
+                      ". Use precision.plugin = \"fp8_current\", or gather_dtype = \"param\""));
+    I.codec = env.codec;
+  }
   std::vector<UnitLayout> out;
   for (size_t i = 0; i < infos.size(); ++i) {
     Impl::Unit& m = I.units[i];
@@ -335,6 +384,13 @@ std::vector<UnitLayout> FlatSharding::plan(const ShardingEnv& env, const std::ve
     if (I.strategy == Strategy::ddp) l.replica = I.rank;
     out.push_back(l);
   }
+  if (I.codec) {
+    std::vector<int64_t> chunk;
+    for (const Impl::Unit& m : I.units) chunk.push_back(m.experts ? 0 : m.chunk);
+    I.codec->plan(I.group, gr, chunk);
+    for (size_t i = 0; i < I.units.size(); ++i)
+      if (!I.units[i].experts) I.max_wire = std::max(I.max_wire, I.codec->wire_chunk_bytes(static_cast<int>(i)));
+  }
   return out;
 }
 
@@ -359,6 +415,21 @@ std::vector<ShardingBuffer> FlatSharding::scratch(const ShardingEnv&) {
     for (size_t u = 0; u < I.units.size(); ++u)
       if ((!I.reshard_after_forward && !I.units[u].experts) || I.units[u].tied_target)
         b.push_back({cat("gathered.", u), I.param_dtype, I.units[u].padded, MemCategory::params});
+    if (I.codec) {
+      // Bytes (e4m3 as the byte type): each unit's encoded chunk, then one
+      // gathered wire buffer per gather buffer above, in the same order.
+      for (size_t u = 0; u < I.units.size(); ++u)
+        if (!I.units[u].experts)
+          b.push_back({cat("fp8_wire.", u), DType::e4m3, I.codec->wire_chunk_bytes(static_cast<int>(u)),
+                       MemCategory::params});
+      if (I.reshard_after_forward)
+        for (int i = 0; i <= I.prefetch; ++i)
+          b.push_back({cat("fp8_gather.", i), DType::e4m3, I.max_wire * I.group, MemCategory::comm});
+      for (size_t u = 0; u < I.units.size(); ++u)
+        if ((!I.reshard_after_forward && !I.units[u].experts) || I.units[u].tied_target)
+          b.push_back({cat("fp8_gathered.", u), DType::e4m3, I.codec->wire_chunk_bytes(static_cast<int>(u)) * I.group,
+                       MemCategory::comm});
+    }
   }
   return b;
 }
@@ -387,6 +458,23 @@ void FlatSharding::setup(ShardingEnv& env, std::vector<UnitState>& units, std::v
     I.gather_own.assign(units.size(), Tensor());
     for (size_t u = 0; u < I.units.size(); ++u)
       if ((!I.reshard_after_forward && !I.units[u].experts) || I.units[u].tied_target) I.gather_own[u] = next();
+    if (I.codec) {
+      I.wire_shard.assign(units.size(), Tensor());
+      for (size_t u = 0; u < I.units.size(); ++u)
+        if (!I.units[u].experts) I.wire_shard[u] = next();
+      if (I.reshard_after_forward) {
+        I.wire_pool.resize(static_cast<size_t>(I.prefetch) + 1);
+        for (auto& s : I.wire_pool) s.t = next();
+      }
+      I.wire_slot_of.assign(units.size(), -1);
+      for (size_t u = 0; u < I.units.size(); ++u)
+        if ((!I.reshard_after_forward && !I.units[u].experts) || I.units[u].tied_target) {
+          I.wire_slot_of[u] = static_cast<int>(I.wire_pool.size());
+          I.wire_pool.emplace_back();
+          I.wire_pool.back().t = next();
+        }
+      I.encoded = false;
+    }
     // The gather schedule of one micro-batch. A tied target is gathered once
     // (first) and kept; the rest in forward order and, when resharding after
     // forward, again in backward order.
@@ -431,6 +519,12 @@ void FlatSharding::before_forward(ShardingEnv& env, UnitState& u) {
     I.next_event = 0;
     I.issued = 0;
     std::fill(I.event_slot.begin(), I.event_slot.end(), -1);
+    if (I.codec && !I.encoded) {
+      // The parameters changed (start, resume, an optimizer step): encode
+      // every unit's own chunk once, before its first gather.
+      I.codec->encode(env.ctx, *I.shard, *I.state, I.wire_shard);
+      I.encoded = true;
+    }
   }
   if (I.units[static_cast<size_t>(u.index)].tied_target && I.next_event > 0) return;  // gathered, kept
   I.use_event(env, u);
@@ -568,6 +662,7 @@ void FlatSharding::step(ShardingEnv& env, std::vector<UnitState>& units, const A
         break;
     }
   }
+  I.encoded = false;  // FP8 gathers: the next forward encodes the new parameters
 }
 
 }  // namespace loom::shard

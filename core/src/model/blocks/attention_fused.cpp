@@ -30,8 +30,8 @@ class FusedAttention final : public AttentionBlock {
     const size_t stats = static_cast<size_t>(env.B * spec_.num_heads * env.S) * 4;
     const bool full = env.recompute == Recompute::full;
     const std::string s = "layer." + std::to_string(l) + ".";
-    wqkv_ = env.register_linear({s + "qkv_proj", h, width(), env.N});
-    wo_ = env.register_linear({s + "o_proj", qd, h, env.N});
+    wqkv_ = register_weight_linear(env, {s + "qkv_proj", h, width(), env.N}, kWq, 3);
+    wo_ = register_weight_linear(env, {s + "o_proj", qd, h, env.N}, kWo);
     // The norm output is read by the qkv GEMM and its wgrad only: a transient
     // when the recipe keeps its own copy for the wgrad.
     ln1_transient_ = env.keeps_wgrad_input({wqkv_});

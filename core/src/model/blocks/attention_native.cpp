@@ -21,10 +21,10 @@ class NativeAttention final : public AttentionBlock {
     const bool full = env.recompute == Recompute::full;
     const std::string s = "layer." + std::to_string(l) + ".";
     const int64_t N = env.N;
-    wq_ = env.register_linear({s + "q_proj", h, qd, N});
-    wk_ = env.register_linear({s + "k_proj", h, kvd, N});
-    wv_ = env.register_linear({s + "v_proj", h, kvd, N});
-    wo_ = env.register_linear({s + "o_proj", qd, h, N});
+    wq_ = register_weight_linear(env, {s + "q_proj", h, qd, N}, kWq);
+    wk_ = register_weight_linear(env, {s + "k_proj", h, kvd, N}, kWk);
+    wv_ = register_weight_linear(env, {s + "v_proj", h, kvd, N}, kWv);
+    wo_ = register_weight_linear(env, {s + "o_proj", qd, h, N}, kWo);
     // The norm output is read by q, k and v (forward) and their wgrad only:
     // when the recipe keeps its own copy for the wgrad it is a transient.
     ln1_transient_ = env.keeps_wgrad_input({wq_, wk_, wv_});

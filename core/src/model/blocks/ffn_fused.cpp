@@ -26,8 +26,8 @@ class FusedFfn final : public FfnBlock {
     const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
     const bool full = env.recompute == Recompute::full;
     const std::string s = "layer." + std::to_string(l) + ".";
-    wgu_ = env.register_linear({s + "gate_up_proj", h, 2 * f, env.N});
-    wd_ = env.register_linear({s + "down_proj", f, h, env.N});
+    wgu_ = register_weight_linear(env, {s + "gate_up_proj", h, 2 * f, env.N}, kWgate, 2);
+    wd_ = register_weight_linear(env, {s + "down_proj", f, h, env.N}, kWdown);
     // The norm output (read by gate_up's GEMM and wgrad) and the SwiGLU
     // output (down's) are transients when the recipe keeps its own copies for
     // the wgrad; SwiGLU's backward reads gate_up, the norm's its input and rstd.

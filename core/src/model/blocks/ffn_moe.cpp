@@ -144,9 +144,16 @@ class MoeFfn final : public FfnBlock {
     for (int64_t x = 0; x < E; ++x) {
       const std::string q = s + std::to_string(x) + ".";
       // variable_rows: the row count changes per call (one GEMM plan per matrix, not per count).
-      w1_.push_back(env.register_linear({q + "w1", h, f, max_rows, LinearRole::hidden, true}));
-      w2_.push_back(env.register_linear({q + "w2", f, h, max_rows, LinearRole::hidden, true}));
-      w3_.push_back(env.register_linear({q + "w3", h, f, max_rows, LinearRole::hidden, true}));
+      // In the layer's unit (parameters kFirstExpert + 3x + 0, 1, 2) their
+      // place is recorded for the FP8 weight gathers; in an experts unit of
+      // their own (expert parallelism) they are never gathered.
+      auto reg = [&](const LinearDesc& d, int k) {
+        return experts_apart_ ? env.register_linear(d)
+                              : register_weight_linear(env, d, kFirstExpert + 3 * static_cast<int>(x) + k);
+      };
+      w1_.push_back(reg({q + "w1", h, f, max_rows, LinearRole::hidden, true}, 0));
+      w2_.push_back(reg({q + "w2", f, h, max_rows, LinearRole::hidden, true}, 1));
+      w3_.push_back(reg({q + "w3", h, f, max_rows, LinearRole::hidden, true}, 2));
     }
     host_counts_.assign(2 * EE + 1, 0);
     local_segments_.clear();

@@ -19,9 +19,9 @@ class NativeFfn final : public FfnBlock {
     const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
     const bool full = env.recompute == Recompute::full;
     const std::string s = "layer." + std::to_string(l) + ".";
-    wg_ = env.register_linear({s + "gate_proj", h, f, env.N});
-    wu_ = env.register_linear({s + "up_proj", h, f, env.N});
-    wd_ = env.register_linear({s + "down_proj", f, h, env.N});
+    wg_ = register_weight_linear(env, {s + "gate_proj", h, f, env.N}, kWgate);
+    wu_ = register_weight_linear(env, {s + "up_proj", h, f, env.N}, kWup);
+    wd_ = register_weight_linear(env, {s + "down_proj", f, h, env.N}, kWdown);
     // The norm output is read by gate and up (forward and wgrad), the SwiGLU
     // output by down (the same): transients when the recipe keeps its own
     // copies for the wgrad (SwiGLU's backward reads gate and up, the norm's
