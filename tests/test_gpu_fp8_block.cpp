@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "config/run_config.hpp"
+#include "gpu_fp8_linear_pair.hpp"
 #include "gpu_test_util.hpp"
 #include "kernels/cuda/fp8_block_gemm.hpp"
 #include "kernels/cuda/fp8_block_kernels.hpp"
@@ -52,40 +53,13 @@ using loom::DType;
 using loom::Tensor;
 namespace fp8 = loom::fp8;
 namespace blk = loom::fp8::block;
+using loom_test::DevBuf;
+using loom_test::download;
+using loom_test::from_bf16;
+using loom_test::to_bf16;
+using loom_test::worst_ratio;
 
 namespace {
-
-#define CUDA_OK(call)                                                                                     \
-  do {                                                                                                    \
-    const cudaError_t e_ = (call);                                                                        \
-    ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorName(e_) << " " << cudaGetErrorString(e_); \
-  } while (0)
-
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7F800000u) == 0x7F800000u) return static_cast<uint16_t>(u >> 16 | ((u & 0xFFFF) ? 0x40 : 0));
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-float from_bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-struct DevBuf {
-  void* p = nullptr;
-  explicit DevBuf(size_t bytes) {
-    if (cudaMalloc(&p, bytes == 0 ? 256 : bytes) != cudaSuccess) p = nullptr;
-  }
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-};
 
 // bf16 data ~ N(0, 1) times a magnitude per row and per 128-column block
 // (10^[-2, 2]), so that tiles and blocks have distinct scales and a scale
@@ -143,12 +117,6 @@ void tiled_data(int64_t rows, int64_t cols, uint32_t seed, std::vector<uint16_t>
                                        << want[static_cast<size_t>(first)];
 }
 
-template <typename T>
-std::vector<T> download(const void* p, size_t n) {
-  std::vector<T> h(n);
-  if (cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) h.clear();
-  return h;
-}
 
 }  // namespace
 
@@ -439,132 +407,25 @@ std::unique_ptr<loom::Precision> make(const std::string& body, Device device) {
   return registry().create_as<loom::PluginKind::precision>("fp8_block", init);
 }
 
-double worst_ratio(const std::vector<float>& gpu, const std::vector<float>& cpu, double rel, double abs_frac,
-                   double* max_err) {
-  double m = 0;
-  for (float c : cpu) m = std::max(m, static_cast<double>(std::fabs(c)));
-  double worst = 0;
-  *max_err = 0;
-  for (size_t i = 0; i < cpu.size(); ++i) {
-    const double e = std::fabs(static_cast<double>(gpu[i]) - cpu[i]);
-    *max_err = std::max(*max_err, e);
-    worst = std::max(worst, e / (rel * std::fabs(cpu[i]) + abs_frac * m));
-  }
-  return worst;
-}
-
 }  // namespace
 
-// One FP8 linear through both paths for three optimizer steps of two
-// micro-batches, with a residual on the forward. Inputs are bf16 values given
-// to the CPU recipe as fp32: both paths cast them to the same codes and
-// scales (the casts are bitwise the host's), so y, dx and dW differ only by
-// cuBLASLt's fp32 accumulation order and the bf16 rounding of y and dx
-// (2^-9 relative): y and dx within 1% of |cpu| + 0.5% of max |cpu|, dW (fp32
-// on both) within 0.5% + 0.2%. Counters equal.
+// One FP8 linear through the GPU path and the CPU recipe
+// (gpu_fp8_linear_pair.hpp: y, dx and dW within the stated bounds, every dim
+// a multiple of 128); the counters equal after every end_step.
 TEST(GpuFp8Block, OneLinearMatchesTheCpuRecipe) {
   LOOM_REQUIRE_GPU();
-  const int64_t in = 256, out = 384, rows = 256;
   auto cpu = make("", Device::cpu);
   auto gpu = make("", Device::cuda);
-  const loom::LinearDesc desc{"layer.0.q_proj", in, out, rows, loom::LinearRole::hidden};
-  const int cid = cpu->register_linear(desc), gid = gpu->register_linear(desc);
-  auto self = loom::make_self_communicator();
-  loom::PrecisionSetup s;
-  s.data_parallel = self.get();
-  cpu->setup(s);
-  s.device = Device::cuda;
-  gpu->setup(s);
-  std::vector<float> cws(cpu->workspace_bytes() / 4 + 1), csaved(cpu->saved_activation_bytes(cid) / 4 + 1);
-  cpu->set_workspace(cws.data(), cpu->workspace_bytes());
-  cpu->set_saved_activations(csaved.data(), cpu->saved_activation_bytes(cid));
-  DevBuf gws(gpu->workspace_bytes()), gsaved(gpu->saved_activation_bytes(gid));
-  ASSERT_NE(gws.p, nullptr);
-  ASSERT_NE(gsaved.p, nullptr);
-  gpu->set_workspace(gws.p, gpu->workspace_bytes());
-  gpu->set_saved_activations(gsaved.p, gpu->saved_activation_bytes(gid));
-  cublasLtHandle_t lt = nullptr;
-  ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
-  cudaStream_t stream = nullptr;
-  CUDA_OK(cudaStreamCreate(&stream));
-  loom::ExecContext gctx;
-  gctx.device = Device::cuda;
-  gctx.stream = stream;
-  gctx.blas_handle = lt;
-  const loom::ExecContext cctx;
-  std::mt19937 g(7);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto bf16_data = [&](size_t n, float sc, std::vector<uint16_t>& b, std::vector<float>& f) {
-    b.resize(n);
-    f.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      b[i] = to_bf16(nd(g) * sc);
-      f[i] = from_bf16(b[i]);
-    }
+  auto counters = [](loom::Precision& p) {
+    std::vector<double> v;
+    for (const loom::StateTensor& t : p.state_tensors())
+      for (int64_t i = 0; i < t.tensor.numel(); ++i) v.push_back(t.tensor.ptr<double>()[i]);
+    return v;
   };
-  const size_t nx = rows * in, nw = out * in, ny = rows * out;
-  DevBuf dx_(nx * 2), dw_(nw * 2), ddy(ny * 2), dy_out(ny * 2), dres(ny * 2), ddx(nx * 2), ddw(nw * 4);
-  std::vector<float> cdw(nw, 0.0f);
-  for (int step = 0; step < 3; ++step) {
-    std::vector<uint16_t> bw;
-    std::vector<float> fw;
-    bf16_data(nw, 0.05f * (step + 1), bw, fw);
-    CUDA_OK(cudaMemcpy(dw_.p, bw.data(), nw * 2, cudaMemcpyHostToDevice));
-    for (int mb = 0; mb < 2; ++mb) {
-      std::vector<uint16_t> bx, bdy, bres;
-      std::vector<float> fx, fdy, fres;
-      bf16_data(nx, 1.5f + step, bx, fx);
-      bf16_data(ny, 1e-3f * (mb + 1), bdy, fdy);
-      bf16_data(ny, 0.5f, bres, fres);
-      CUDA_OK(cudaMemcpy(dx_.p, bx.data(), nx * 2, cudaMemcpyHostToDevice));
-      CUDA_OK(cudaMemcpy(ddy.p, bdy.data(), ny * 2, cudaMemcpyHostToDevice));
-      CUDA_OK(cudaMemcpy(dres.p, bres.data(), ny * 2, cudaMemcpyHostToDevice));
-      Tensor gx(dx_.p, DType::bf16, Device::cuda, {rows, in}), gw(dw_.p, DType::bf16, Device::cuda, {out, in});
-      Tensor gy(dy_out.p, DType::bf16, Device::cuda, {rows, out}), gres(dres.p, DType::bf16, Device::cuda, {rows, out});
-      gpu->linear_forward(gctx, gid, gx, gw, gy, &gres);
-      std::vector<float> cy(ny);
-      Tensor cx(fx.data(), DType::f32, Device::cpu, {rows, in}), cw(fw.data(), DType::f32, Device::cpu, {out, in});
-      Tensor cyt(cy.data(), DType::f32, Device::cpu, {rows, out}), cres(fres.data(), DType::f32, Device::cpu, {rows, out});
-      cpu->linear_forward(cctx, cid, cx, cw, cyt, &cres);
-      Tensor gdy(ddy.p, DType::bf16, Device::cuda, {rows, out}), gdx(ddx.p, DType::bf16, Device::cuda, {rows, in});
-      Tensor gdw(ddw.p, DType::f32, Device::cuda, {out, in});
-      gpu->linear_backward(gctx, gid, gx, gw, gdy, &gdx, gdw, mb > 0);
-      std::vector<float> cdx(nx);
-      Tensor cdyt(fdy.data(), DType::f32, Device::cpu, {rows, out}), cdxt(cdx.data(), DType::f32, Device::cpu, {rows, in});
-      Tensor cdwt(cdw.data(), DType::f32, Device::cpu, {out, in});
-      cpu->linear_backward(cctx, cid, cx, cw, cdyt, &cdxt, cdwt, mb > 0);
-      CUDA_OK(cudaStreamSynchronize(stream));
-      std::vector<uint16_t> hy = download<uint16_t>(dy_out.p, ny), hdx = download<uint16_t>(ddx.p, nx);
-      std::vector<float> gyf(ny), gdxf(nx);
-      for (size_t i = 0; i < ny; ++i) gyf[i] = from_bf16(hy[i]);
-      for (size_t i = 0; i < nx; ++i) gdxf[i] = from_bf16(hdx[i]);
-      double ey = 0, edx = 0;
-      const double ry = worst_ratio(gyf, cy, 0.01, 0.005, &ey), rdx = worst_ratio(gdxf, cdx, 0.01, 0.005, &edx);
-      EXPECT_LE(ry, 1.0) << "y, step " << step << " micro-batch " << mb << ": max error " << ey;
-      EXPECT_LE(rdx, 1.0) << "dx, step " << step << " micro-batch " << mb << ": max error " << edx;
-      std::printf("[fp8 gpu block linear] step %d mb %d: y %.3f (max error %.3g), dx %.3f (%.3g) of the bound\n",
-                  step, mb, ry, ey, rdx, edx);
-    }
-    std::vector<float> gdwf = download<float>(ddw.p, nw);
-    double edw = 0;
-    const double rdw = worst_ratio(gdwf, cdw, 0.005, 0.002, &edw);
-    EXPECT_LE(rdw, 1.0) << "dW, step " << step << ": max error " << edw;
-    std::printf("[fp8 gpu block linear] step %d: dW %.3f of the bound (max error %.3g)\n", step, rdw, edw);
-    cpu->end_step(cctx);
-    gpu->end_step(gctx);
-    CUDA_OK(cudaStreamSynchronize(stream));
-    auto counters = [](loom::Precision& p) {
-      std::vector<double> v;
-      for (const loom::StateTensor& t : p.state_tensors())
-        for (int64_t i = 0; i < t.tensor.numel(); ++i) v.push_back(t.tensor.ptr<double>()[i]);
-      return v;
-    };
-    const std::vector<double> cc = counters(*cpu), gc = counters(*gpu);
-    EXPECT_EQ(gc, cc) << "counters after step " << step;
-  }
-  EXPECT_NE(gpu->log_summary().find("non-finite tiles 0"), std::string::npos) << gpu->log_summary();
-  CUDA_OK(cudaStreamDestroy(stream));
-  cublasLtDestroy(lt);
+  loom_test::check_linear_pair(
+      *cpu, *gpu, 256, 384, 256, "fp8 gpu block linear",
+      [&](int step) { EXPECT_EQ(counters(*gpu), counters(*cpu)) << "counters after step " << step; },
+      [&] { EXPECT_NE(gpu->log_summary().find("non-finite tiles 0"), std::string::npos) << gpu->log_summary(); });
 }
 
 namespace {

@@ -34,6 +34,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config/run_config.hpp"
+#include "gpu_fp8_linear_pair.hpp"
 #include "gpu_test_util.hpp"
 #include "loom/comm.hpp"
 #include "loom/config.hpp"
@@ -48,12 +49,6 @@ using loom::Tensor;
 
 namespace {
 
-#define CUDA_OK(call)                                                                                     \
-  do {                                                                                                    \
-    const cudaError_t e_ = (call);                                                                        \
-    ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorName(e_) << " " << cudaGetErrorString(e_); \
-  } while (0)
-
 loom::PluginRegistry& registry() {
   static auto* reg = new loom::PluginRegistry({fs::path(LOOM_TEST_PLUGIN_DIR)});  // plugins are never unloaded
   return *reg;
@@ -67,32 +62,6 @@ std::unique_ptr<loom::Precision> make(const std::string& name, const std::string
   init.device = device;
   return registry().create_as<loom::PluginKind::precision>(name, init);
 }
-
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even (finite inputs)
-  return static_cast<uint16_t>(u >> 16);
-}
-float from_bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Device buffer freed at scope end.
-struct DevBuf {
-  void* p = nullptr;
-  explicit DevBuf(size_t bytes) {
-    if (cudaMalloc(&p, bytes == 0 ? 256 : bytes) != cudaSuccess) p = nullptr;
-  }
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-};
 
 // A state tensor's values as floats/doubles on the host.
 std::vector<char> state_bytes_of(const loom::StateTensor& st) {
@@ -114,137 +83,30 @@ std::vector<float> floats(const std::vector<char>& b) {
   return f;
 }
 
-// |gpu - cpu| <= rel * |cpu| + abs_frac * max |cpu|, element by element;
-// returns the worst ratio of error to bound (<= 1 passes).
-double worst_ratio(const std::vector<float>& gpu, const std::vector<float>& cpu, double rel, double abs_frac) {
-  double m = 0;
-  for (float c : cpu) m = std::max(m, static_cast<double>(std::fabs(c)));
-  double worst = 0;
-  for (size_t i = 0; i < cpu.size(); ++i) {
-    const double bound = rel * std::fabs(cpu[i]) + abs_frac * m;
-    worst = std::max(worst, std::fabs(static_cast<double>(gpu[i]) - cpu[i]) / bound);
-  }
-  return worst;
-}
 
-// One FP8 linear (and the LM head, bf16 on the GPU) through both paths for
-// three optimizer steps of two micro-batches, with a residual on the forward.
-// Inputs are bf16 values (what the GPU path reads), given to the CPU recipe as
-// fp32. Same data, so the same amaxes and the same scales: compared bitwise
-// after every end_step. Outputs: both paths multiply the same FP8 values; the
-// GPU accumulates in fp32 inside cuBLASLt (fast accumulation on fprop, the
-// recipe's default) in another order and rounds y and dx to bf16 (2^-9
-// relative), so y and dx must be within 1% of |cpu| + 0.5% of max |cpu|, dW
-// (fp32 on both) within 0.5% + 0.2%.
+// One FP8 linear through the GPU path and the CPU recipe
+// (gpu_fp8_linear_pair.hpp: y, dx and dW within the stated bounds). Same data,
+// so the same amaxes and the same scales: compared bitwise after every
+// end_step, with the amax history (delayed) and the counters.
 void one_linear(const std::string& plugin) {
   SCOPED_TRACE(plugin);
-  const int64_t in = 96, out = 64, rows = 48;
   const std::string body = plugin == "fp8_delayed" ? "amax_history_len = 2\n" : "";
   auto cpu = make(plugin, body, Device::cpu);
   auto gpu = make(plugin, body, Device::cuda);
-  const loom::LinearDesc desc{"layer.0.q_proj", in, out, rows, loom::LinearRole::hidden};
-  const int cid = cpu->register_linear(desc), gid = gpu->register_linear(desc);
-  auto self = loom::make_self_communicator();
-  loom::PrecisionSetup s;
-  s.data_parallel = self.get();
-  cpu->setup(s);
-  s.device = Device::cuda;
-  gpu->setup(s);
-  // CPU memory.
-  std::vector<float> cws(cpu->workspace_bytes() / 4 + 1), csaved(cpu->saved_activation_bytes(cid) / 4 + 1);
-  cpu->set_workspace(cws.data(), cpu->workspace_bytes());
-  cpu->set_saved_activations(csaved.data(), cpu->saved_activation_bytes(cid));
-  // GPU memory, context.
-  DevBuf gws(gpu->workspace_bytes()), gsaved(gpu->saved_activation_bytes(gid));
-  ASSERT_NE(gws.p, nullptr);
-  ASSERT_NE(gsaved.p, nullptr);
-  gpu->set_workspace(gws.p, gpu->workspace_bytes());
-  gpu->set_saved_activations(gsaved.p, gpu->saved_activation_bytes(gid));
-  cublasLtHandle_t lt = nullptr;
-  ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
-  cudaStream_t stream = nullptr;
-  CUDA_OK(cudaStreamCreate(&stream));
-  loom::ExecContext gctx;
-  gctx.device = Device::cuda;
-  gctx.stream = stream;
-  gctx.blas_handle = lt;
-  const loom::ExecContext cctx;
-
-  std::mt19937 g(7);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto bf16_data = [&](size_t n, float sc, std::vector<uint16_t>& b, std::vector<float>& f) {
-    b.resize(n);
-    f.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      b[i] = to_bf16(nd(g) * sc);
-      f[i] = from_bf16(b[i]);
-    }
-  };
-  const size_t nx = rows * in, nw = out * in, ny = rows * out;
-  DevBuf dx_(nx * 2), dw_(nw * 2), ddy(ny * 2), dy_out(ny * 2), dres(ny * 2), ddx(nx * 2), ddw(nw * 4);
-  std::vector<float> cdw(nw, 0.0f);
-  for (int step = 0; step < 3; ++step) {
-    std::vector<uint16_t> bw;
-    std::vector<float> fw;
-    bf16_data(nw, 0.05f * (step + 1), bw, fw);
-    CUDA_OK(cudaMemcpy(dw_.p, bw.data(), nw * 2, cudaMemcpyHostToDevice));
-    for (int mb = 0; mb < 2; ++mb) {
-      std::vector<uint16_t> bx, bdy, bres;
-      std::vector<float> fx, fdy, fres;
-      bf16_data(nx, 1.5f + step, bx, fx);
-      bf16_data(ny, 1e-3f * (mb + 1), bdy, fdy);
-      bf16_data(ny, 0.5f, bres, fres);
-      CUDA_OK(cudaMemcpy(dx_.p, bx.data(), nx * 2, cudaMemcpyHostToDevice));
-      CUDA_OK(cudaMemcpy(ddy.p, bdy.data(), ny * 2, cudaMemcpyHostToDevice));
-      CUDA_OK(cudaMemcpy(dres.p, bres.data(), ny * 2, cudaMemcpyHostToDevice));
-      // Forward with the residual as C.
-      Tensor gx(dx_.p, DType::bf16, Device::cuda, {rows, in}), gw(dw_.p, DType::bf16, Device::cuda, {out, in});
-      Tensor gy(dy_out.p, DType::bf16, Device::cuda, {rows, out}), gres(dres.p, DType::bf16, Device::cuda, {rows, out});
-      gpu->linear_forward(gctx, gid, gx, gw, gy, &gres);
-      std::vector<float> cy(ny);
-      Tensor cx(fx.data(), DType::f32, Device::cpu, {rows, in}), cw(fw.data(), DType::f32, Device::cpu, {out, in});
-      Tensor cyt(cy.data(), DType::f32, Device::cpu, {rows, out}), cres(fres.data(), DType::f32, Device::cpu, {rows, out});
-      cpu->linear_forward(cctx, cid, cx, cw, cyt, &cres);
-      // Backward, accumulating dW over the micro-batches.
-      Tensor gdy(ddy.p, DType::bf16, Device::cuda, {rows, out}), gdx(ddx.p, DType::bf16, Device::cuda, {rows, in});
-      Tensor gdw(ddw.p, DType::f32, Device::cuda, {out, in});
-      gpu->linear_backward(gctx, gid, gx, gw, gdy, &gdx, gdw, mb > 0);
-      std::vector<float> cdx(nx);
-      Tensor cdyt(fdy.data(), DType::f32, Device::cpu, {rows, out}), cdxt(cdx.data(), DType::f32, Device::cpu, {rows, in});
-      Tensor cdwt(cdw.data(), DType::f32, Device::cpu, {out, in});
-      cpu->linear_backward(cctx, cid, cx, cw, cdyt, &cdxt, cdwt, mb > 0);
-      CUDA_OK(cudaStreamSynchronize(stream));
-      std::vector<uint16_t> hy(ny), hdx(nx);
-      CUDA_OK(cudaMemcpy(hy.data(), dy_out.p, ny * 2, cudaMemcpyDeviceToHost));
-      CUDA_OK(cudaMemcpy(hdx.data(), ddx.p, nx * 2, cudaMemcpyDeviceToHost));
-      std::vector<float> gyf(ny), gdxf(nx);
-      for (size_t i = 0; i < ny; ++i) gyf[i] = from_bf16(hy[i]);
-      for (size_t i = 0; i < nx; ++i) gdxf[i] = from_bf16(hdx[i]);
-      const double ry = worst_ratio(gyf, cy, 0.01, 0.005), rdx = worst_ratio(gdxf, cdx, 0.01, 0.005);
-      EXPECT_LE(ry, 1.0) << "y, step " << step << " micro-batch " << mb;
-      EXPECT_LE(rdx, 1.0) << "dx, step " << step << " micro-batch " << mb;
-      std::printf("[fp8 gpu linear] %s step %d mb %d: y %.3f, dx %.3f of the bound\n", plugin.c_str(), step, mb, ry,
-                  rdx);
-    }
-    std::vector<float> gdwf(nw);
-    CUDA_OK(cudaMemcpy(gdwf.data(), ddw.p, nw * 4, cudaMemcpyDeviceToHost));
-    const double rdw = worst_ratio(gdwf, cdw, 0.005, 0.002);
-    EXPECT_LE(rdw, 1.0) << "dW, step " << step;
-    cpu->end_step(cctx);
-    gpu->end_step(gctx);
-    CUDA_OK(cudaStreamSynchronize(stream));
-    auto cs = state_bytes(*cpu), gs = state_bytes(*gpu);
-    ASSERT_EQ(cs.count("fp8.scale"), 1u);
-    ASSERT_EQ(gs.count("fp8.scale"), 1u);
-    EXPECT_EQ(floats(gs["fp8.scale"]), floats(cs["fp8.scale"])) << "scales after step " << step;
-    if (plugin == "fp8_delayed") {
-      EXPECT_EQ(floats(gs["fp8.amax_history"]), floats(cs["fp8.amax_history"])) << "history after step " << step;
-    }
-    EXPECT_EQ(gs["fp8.counters"], cs["fp8.counters"]) << "counters after step " << step;
-  }
-  EXPECT_NE(gpu->log_summary().find("scales"), std::string::npos);
-  CUDA_OK(cudaStreamDestroy(stream));
-  cublasLtDestroy(lt);
+  const std::string label = "fp8 gpu linear " + plugin;
+  loom_test::check_linear_pair(
+      *cpu, *gpu, 96, 64, 48, label.c_str(),
+      [&](int step) {
+        auto cs = state_bytes(*cpu), gs = state_bytes(*gpu);
+        ASSERT_EQ(cs.count("fp8.scale"), 1u);
+        ASSERT_EQ(gs.count("fp8.scale"), 1u);
+        EXPECT_EQ(floats(gs["fp8.scale"]), floats(cs["fp8.scale"])) << "scales after step " << step;
+        if (plugin == "fp8_delayed") {
+          EXPECT_EQ(floats(gs["fp8.amax_history"]), floats(cs["fp8.amax_history"])) << "history after step " << step;
+        }
+        EXPECT_EQ(gs["fp8.counters"], cs["fp8.counters"]) << "counters after step " << step;
+      },
+      [&] { EXPECT_NE(gpu->log_summary().find("scales"), std::string::npos); });
 }
 
 TEST(GpuFp8Recipes, OneLinearMatchesTheCpuRecipe) {
