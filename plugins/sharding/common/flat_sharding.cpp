@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "loom/error.hpp"
+#include "loom/log.hpp"
 
 namespace loom::shard {
 namespace {
@@ -388,8 +389,18 @@ std::vector<UnitLayout> FlatSharding::plan(const ShardingEnv& env, const std::ve
     std::vector<int64_t> chunk;
     for (const Impl::Unit& m : I.units) chunk.push_back(m.experts ? 0 : m.chunk);
     I.codec->plan(I.group, gr, chunk);
+    int64_t wire = 0, plain = 0;
     for (size_t i = 0; i < I.units.size(); ++i)
-      if (!I.units[i].experts) I.max_wire = std::max(I.max_wire, I.codec->wire_chunk_bytes(static_cast<int>(i)));
+      if (!I.units[i].experts) {
+        const int64_t b = I.codec->wire_chunk_bytes(static_cast<int>(i));
+        I.max_wire = std::max(I.max_wire, b);
+        wire += b;
+        plain += I.units[i].chunk * static_cast<int64_t>(dtype_size(I.param_dtype));
+      }
+    log_info(cat("sharding ", I.name, ": gather_dtype fp8: ", I.codec->fp8_weights(),
+                 " weights travel as E4M3 codes; a gather of the whole model moves ", wire, " bytes per rank's chunk (",
+                 plain, " in ", dtype_name(I.param_dtype), ", ", static_cast<double>(wire) / static_cast<double>(plain),
+                 "x)"));
   }
   return out;
 }
