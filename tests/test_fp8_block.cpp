@@ -23,6 +23,7 @@
 #include "loom/fp8_block.hpp"
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
+#include "fp8_recipe_rig.hpp"
 #include "test_util.hpp"
 #include "train/session.hpp"
 
@@ -285,23 +286,9 @@ loom::LinearDesc desc(const std::string& name, int64_t in, int64_t out, int64_t 
   return d;
 }
 
-struct Rig {
-  std::unique_ptr<loom::Precision> p;
-  std::unique_ptr<loom::Communicator> self = loom::make_self_communicator();
-  std::vector<float> ws, saved;
-  std::vector<int> ids;
-  Rig(const std::string& body, const std::vector<loom::LinearDesc>& linears) : p(make(body)) {
-    for (const auto& d : linears) ids.push_back(p->register_linear(d));
-    loom::PrecisionSetup s;
-    s.data_parallel = self.get();
-    p->setup(s);
-    size_t sb = 0;
-    for (int id : ids) sb += p->saved_activation_bytes(id);
-    ws.resize(p->workspace_bytes() / 4 + 1);
-    saved.resize(sb / 4 + 1);
-    p->set_workspace(ws.data(), p->workspace_bytes());
-    p->set_saved_activations(saved.data(), sb);
-  }
+// A recipe with its linears registered, set up alone and given its memory.
+struct Rig : loom::test::RecipeRig {
+  Rig(const std::string& body, const std::vector<loom::LinearDesc>& linears) : RecipeRig(make(body), linears) {}
 };
 
 std::vector<float> randn(size_t n, float sd, std::mt19937& g) {
@@ -457,12 +444,7 @@ TEST(Fp8Block, RecipeGemmsAreTheQuantisedProducts) {
 
 namespace {
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::path(LOOM_BINARY_DIR) / "test_tmp" / ("fp8_block_" + name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path temp_dir(const std::string& name) { return loom::test::temp_dir("fp8_block_" + name); }
 
 // Every dim a multiple of 128: hidden 128 (4 heads of 32, 4 kv heads: q, k, v
 // and o are 128 x 128), ffn 256, 4 x 32 = 128 tokens per micro-batch.
@@ -617,18 +599,10 @@ TEST(Fp8Block, WeightCachePlansTheWorkspace) {
   for (Device dev : devices) {
     SCOPED_TRACE(loom::device_name(dev));
     auto plan = [&](const std::string& mode, int accum, std::vector<bool>* keeps = nullptr) {
-      auto p = make("weight_cache = \"" + mode + "\"\n", dev);
-      std::vector<int> ids;
-      for (const auto& d : linears) ids.push_back(p->register_linear(d));
+      loom::test::RecipeRig r(make("weight_cache = \"" + mode + "\"\n", dev), linears, dev, accum);
       if (keeps)
-        for (int id : ids) keeps->push_back(p->keeps_wgrad_input(id));
-      auto self = loom::make_self_communicator();
-      loom::PrecisionSetup s;
-      s.data_parallel = self.get();
-      s.device = dev;
-      s.grad_accum = accum;
-      p->setup(s);
-      return p->workspace_bytes();
+        for (int id : r.ids) keeps->push_back(r.p->keeps_wgrad_input(id));
+      return r.p->workspace_bytes();
     };
     std::vector<bool> keeps;
     const size_t step = plan("step", 1, &keeps), layer = plan("layer", 4);

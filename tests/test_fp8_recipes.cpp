@@ -34,6 +34,7 @@
 #include "loom/fp8.hpp"
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
+#include "fp8_recipe_rig.hpp"
 #include "test_util.hpp"
 #include "train/session.hpp"
 
@@ -64,24 +65,9 @@ std::unique_ptr<loom::Precision> make(const std::string& name, const std::string
 }
 
 // A recipe with its linears registered, set up alone and given its memory.
-struct Rig {
-  std::unique_ptr<loom::Precision> p;
-  std::unique_ptr<loom::Communicator> self = loom::make_self_communicator();
-  std::vector<float> ws, saved;
-  std::vector<int> ids;
+struct Rig : loom::test::RecipeRig {
   Rig(const std::string& name, const std::string& body, const std::vector<loom::LinearDesc>& linears)
-      : p(make(name, body)) {
-    for (const auto& d : linears) ids.push_back(p->register_linear(d));
-    loom::PrecisionSetup s;
-    s.data_parallel = self.get();
-    p->setup(s);
-    size_t saved_bytes = 0;
-    for (int id : ids) saved_bytes += p->saved_activation_bytes(id);
-    ws.resize(p->workspace_bytes() / 4 + 1);
-    saved.resize(saved_bytes / 4 + 1);
-    p->set_workspace(ws.data(), p->workspace_bytes());
-    p->set_saved_activations(saved.data(), saved_bytes);
-  }
+      : RecipeRig(make(name, body), linears) {}
   // The recipe's scales ("fp8.scale"), [3 * linears], slot 3 * linear + role (x, w, dy).
   std::vector<float> scales() {
     for (const loom::StateTensor& s : p->state_tensors())
@@ -386,18 +372,10 @@ TEST(Fp8Recipes, WeightCachePlansTheWorkspace) {
   for (Device dev : devices) {
     SCOPED_TRACE(loom::device_name(dev));
     auto plan = [&](const std::string& mode, int accum, std::vector<bool>* keeps = nullptr) {
-      auto p = make("fp8_delayed", "weight_cache = \"" + mode + "\"\n", dev);
-      std::vector<int> ids;
-      for (const auto& d : linears) ids.push_back(p->register_linear(d));
+      loom::test::RecipeRig r(make("fp8_delayed", "weight_cache = \"" + mode + "\"\n", dev), linears, dev, accum);
       if (keeps)
-        for (int id : ids) keeps->push_back(p->keeps_wgrad_input(id));
-      auto self = loom::make_self_communicator();
-      loom::PrecisionSetup s;
-      s.data_parallel = self.get();
-      s.device = dev;
-      s.grad_accum = accum;
-      p->setup(s);
-      return p->workspace_bytes();
+        for (int id : r.ids) keeps->push_back(r.p->keeps_wgrad_input(id));
+      return r.p->workspace_bytes();
     };
     std::vector<bool> keeps;
     const size_t step = plan("step", 1, &keeps), layer = plan("layer", 4);
@@ -417,12 +395,7 @@ TEST(Fp8Recipes, WeightCachePlansTheWorkspace) {
 
 namespace {
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::path(LOOM_BINARY_DIR) / "test_tmp" / ("fp8_" + name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path temp_dir(const std::string& name) { return loom::test::temp_dir("fp8_" + name); }
 
 std::string small_config(const fs::path& out, const std::string& precision) {
   std::ostringstream s;

@@ -46,6 +46,7 @@
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
 #include "train/session.hpp"
+#include "test_util.hpp"
 
 namespace fs = std::filesystem;
 using loom::Device;
@@ -430,12 +431,7 @@ TEST(GpuFp8Block, OneLinearMatchesTheCpuRecipe) {
 
 namespace {
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::path(LOOM_BINARY_DIR) / "test_tmp" / ("gpu_fp8_block_" + name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path temp_dir(const std::string& name) { return loom::test::temp_dir("gpu_fp8_block_" + name); }
 
 // Every dim a multiple of 128 (hidden 128 = 4 heads of 32 with 4 kv heads, ffn
 // 256), 4 x 32 = 128 tokens per micro-batch.

@@ -41,6 +41,7 @@
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
 #include "train/session.hpp"
+#include "test_util.hpp"
 
 namespace fs = std::filesystem;
 using loom::Device;
@@ -133,12 +134,7 @@ TEST(GpuFp8Recipes, ShapesCublasLtCannotDoAreRefused) {
   }
 }
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::path(LOOM_BINARY_DIR) / "test_tmp" / ("gpu_fp8_" + name);
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path temp_dir(const std::string& name) { return loom::test::temp_dir("gpu_fp8_" + name); }
 
 // The quickstart model on the fortune corpus, 30 steps on CUDA with cuDNN
 // attention, under bf16, fp8_delayed and fp8_current from the same initial

@@ -13,17 +13,13 @@
 #include "config/run_config.hpp"
 #include "gpu_test_util.hpp"
 #include "train/session.hpp"
+#include "test_util.hpp"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::path(LOOM_BINARY_DIR) / "test_tmp" / name;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using loom::test::temp_dir;
 
 // A small Mixtral: 2 layers, 4 experts top-2, router jitter on (the device
 // draws the CPU's noise), grad_accum 2, 10 steps.

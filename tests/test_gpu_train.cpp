@@ -9,17 +9,13 @@
 #include "config/run_config.hpp"
 #include "gpu_test_util.hpp"
 #include "train/session.hpp"
+#include "test_util.hpp"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::path(LOOM_BINARY_DIR) / "test_tmp" / name;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using loom::test::temp_dir;
 
 // The quickstart recipe on the prepared fortune corpus: CUDA bf16 + cuDNN,
 // with native and with fused layers, against the CPU fp32 reference from the

@@ -29,12 +29,7 @@ using loom::Session;
 
 namespace {
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::path(LOOM_BINARY_DIR) / "test_tmp" / name;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using loom::test::temp_dir;
 
 // A small Mixtral: 4 experts, top-2, on synthetic ramp data.
 std::string moe_config(const fs::path& out) {

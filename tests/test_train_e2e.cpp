@@ -25,12 +25,7 @@ using loom::Session;
 
 namespace {
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::path(LOOM_BINARY_DIR) / "test_tmp" / name;
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using loom::test::temp_dir;
 
 // A small model on synthetic "ramp" data: learnable, fast, no files needed.
 std::string small_config(const fs::path& out, const std::string& extra = "") {

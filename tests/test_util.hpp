@@ -28,6 +28,17 @@ struct TmpDir {
   std::string str() const { return path.string(); }
 };
 
+#ifdef LOOM_BINARY_DIR
+// <build>/test_tmp/<name>, emptied and made again: the output folder of a run
+// a test reads back (left in place afterwards, to look at when a test fails).
+inline std::filesystem::path temp_dir(const std::string& name) {
+  std::filesystem::path d = std::filesystem::path(LOOM_BINARY_DIR) / "test_tmp" / name;
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+#endif
+
 // Expects f() to throw a loom::Error whose message contains every one of `parts`.
 template <typename F>
 void expect_error(F&& f, std::initializer_list<std::string> parts) {

@@ -172,10 +172,4 @@ void Fp8GatherCodec::decode(const ExecContext& /*ctx*/, int unit, const Tensor& 
   }
 }
 
-std::vector<float> Fp8GatherCodec::scales() const {
-  std::vector<float> out(weights_.size());
-  if (!out.empty()) be_.download(out.data(), scale_, out.size() * sizeof(float));
-  return out;
-}
-
 }  // namespace loom

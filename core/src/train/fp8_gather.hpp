@@ -55,9 +55,6 @@ class Fp8GatherCodec final : public GatherCodec {
               std::vector<Tensor>& wire) override;
   void decode(const ExecContext& ctx, int unit, const Tensor& wire, Tensor& params) override;
 
-  // The scale each FP8 weight was last encoded with (tests; host copy).
-  std::vector<float> scales() const;
-
  private:
   struct Weight {
     int unit = 0;

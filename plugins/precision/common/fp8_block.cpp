@@ -144,12 +144,7 @@ void Fp8BlockRecipe::setup(const PrecisionSetup& s) {
   LOOM_CHECK(s.data_parallel != nullptr, "precision fp8_block: setup without a data-parallel communicator");
   per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum);
   set_up_ = true;
-  int n = 0;
-  std::string full;
-  for (const Linear& l : linears_) {
-    if (l.fp8) ++n;
-    else full += cat(full.empty() ? "" : ", ", l.desc.name);
-  }
+  const auto [n, full] = fp8_options::split_linears(linears_);
   log_info(cat("precision fp8_block: ", n,
                " linears in FP8 emulated on the CPU, E4M3 with fine-grained scaling (x and dy in 1x128 tiles, "
                "W in 128x128 blocks, wgrad operands in 1x128 tiles along the tokens)",

@@ -35,6 +35,7 @@
 #include "loom/fp8_block.hpp"
 #include "loom/log.hpp"
 #include "precision/common/cublaslt_linear.hpp"
+#include "precision/common/fp8_gpu_checks.hpp"
 #include "precision/common/fp8_block.hpp"
 
 namespace loom::fp8_block {
@@ -143,12 +144,7 @@ class Fp8BlockGpu final : public Precision {
                device_name(s.device));
     per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum);
     set_up_ = true;
-    int n = 0;
-    std::string full;
-    for (const Linear& l : linears_) {
-      if (l.fp8) ++n;
-      else full += cat(full.empty() ? "" : ", ", l.desc.name);
-    }
+    const auto [n, full] = fp8_options::split_linears(linears_);
     log_info(cat("precision fp8_block: ", n,
                  " linears in FP8 on CUDA (cuBLASLt block-scaled GEMMs), E4M3, x and dy in 1x128 tiles, W in "
                  "128x128 blocks, wgrad operands in 1x128 tiles along the tokens; no fast accumulation",
@@ -176,11 +172,7 @@ class Fp8BlockGpu final : public Precision {
   }
 
   void set_saved_activations(void* ptr, size_t bytes) override {
-    LOOM_CHECK(bytes >= saved_total_ && ptr != nullptr, "precision fp8_block: saved activations of ", bytes,
-               " bytes at ", ptr, ", ", saved_total_, " needed");
-    LOOM_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0,
-               "precision fp8_block: the saved activations must be 16-byte aligned, got address ", ptr);
-    saved_ = static_cast<char*>(ptr);
+    saved_ = fp8_gpu_checks::saved_activations(kPlugin, ptr, bytes, saved_total_);
   }
 
   void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
@@ -313,6 +305,7 @@ class Fp8BlockGpu final : public Precision {
   }
 
  private:
+  inline static const std::string kPlugin = "fp8_block";  // for the shared checks' messages
   struct Linear {
     LinearDesc desc;
     bool fp8 = false;
@@ -328,12 +321,7 @@ class Fp8BlockGpu final : public Precision {
   size_t dyt_off() const { return dy_off() + dy_scratch_; }
 
   Linear& lookup(const ExecContext& ctx, int id) {
-    LOOM_CHECK(ctx.device == Device::cuda, "precision fp8_block: called with a ", device_name(ctx.device),
-               " context; this plugin object was created for device cuda");
-    LOOM_CHECK(ctx.blas_handle != nullptr, "precision fp8_block: ExecContext::blas_handle is null (the CUDA backend "
-                                           "must hand in its cublasLtHandle_t)");
-    LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision fp8_block: linear id ", id,
-               " was never registered (", linears_.size(), " linears registered)");
+    fp8_gpu_checks::call(kPlugin, ctx, id, linears_.size());
     Linear& l = linears_[static_cast<size_t>(id)];
     LOOM_CHECK(set_up_ && ws_ != nullptr && (!l.fp8 || saved_ != nullptr), "precision fp8_block: ", l.desc.name,
                " called before setup() and the planned memory were given");
@@ -347,26 +335,13 @@ class Fp8BlockGpu final : public Precision {
   }
 
   RowMatrix matrix(const Tensor& t, const LinearDesc& d, const char* what, DType want) const {
-    LOOM_CHECK(t.data != nullptr, "precision fp8_block: ", d.name, ": ", what, " has no data");
-    LOOM_CHECK(t.dtype == want && t.device == Device::cuda, "precision fp8_block: ", d.name, ": ", what,
-               " must be a ", dtype_name(want), " cuda tensor, got ", dtype_name(t.dtype), " on ",
-               device_name(t.device));
-    return fold_rows(t, "precision fp8_block: ", d.name, ": ", what);
+    return fp8_gpu_checks::matrix(kPlugin, t, d, what, want);
   }
-
   void check_weight(const Tensor& t, const LinearDesc& d, const char* what, DType want) const {
-    matrix(t, d, what, want);
-    LOOM_CHECK(t.ndim == 2 && t.shape[0] == d.out && t.shape[1] == d.in && t.is_contiguous(), "precision fp8_block: ",
-               d.name, ": ", what, " must be a contiguous [out, in] = [", d.out, ",", d.in, "] matrix, got ",
-               t.shape_str());
+    fp8_gpu_checks::weight(kPlugin, t, d, what, want);
   }
-
   int64_t check_rows(const LinearDesc& d, const RowMatrix& m, const char* what) const {
-    LOOM_CHECK(m.cols == d.in, "precision fp8_block: ", d.name, ": ", what, " has ", m.cols,
-               " columns, expected in=", d.in);
-    LOOM_CHECK(m.rows <= d.max_rows, "precision fp8_block: ", d.name, ": ", what, " has ", m.rows,
-               " rows, more than the max_rows=", d.max_rows, " it was registered with");
-    return m.rows;
+    return fp8_gpu_checks::rows(kPlugin, d, m, what);
   }
 
   void unaligned_rows(const Linear& l, int64_t rows) {

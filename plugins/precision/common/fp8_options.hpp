@@ -4,6 +4,7 @@
 // keys only fp8_delayed takes, and the shape of a registered linear.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "loom/config.hpp"
 #include "loom/error.hpp"
@@ -83,6 +84,22 @@ inline void check_linear_shape(const std::string& plugin, const LinearDesc& d) {
   LOOM_CHECK(d.in > 0 && d.out > 0 && d.max_rows > 0, "precision ", plugin, ": linear '", d.name,
              "' has invalid shape in=", d.in, " out=", d.out, " max_rows=", d.max_rows,
              " (an FP8 recipe plans its cast copies from max_rows, which must be positive)");
+}
+
+// For a recipe's set-up log line: how many of `linears` run in FP8
+// (Linear::fp8) and the names of the others ("" when none), comma-separated.
+struct LinearSplit {
+  int fp8 = 0;
+  std::string full;
+};
+template <class Linear>
+LinearSplit split_linears(const std::vector<Linear>& linears) {
+  LinearSplit s;
+  for (const Linear& l : linears) {
+    if (l.fp8) ++s.fp8;
+    else s.full += cat(s.full.empty() ? "" : ", ", l.desc.name);
+  }
+  return s;
 }
 
 }  // namespace loom::fp8_options

@@ -171,12 +171,7 @@ void Fp8Recipe::setup(const PrecisionSetup& setup) {
   dp_ = setup.data_parallel;
   per_layer_ = weight_cache_per_layer(weight_cache_, setup.grad_accum);
   set_up_ = true;
-  int fp8_linears = 0;
-  std::string full;
-  for (const Linear& l : linears_) {
-    if (l.fp8) ++fp8_linears;
-    else full += cat(full.empty() ? "" : ", ", l.desc.name);
-  }
+  const auto [fp8_linears, full] = fp8_options::split_linears(linears_);
   const fp8::ScalingConfig& sc = state_->config();
   std::string how = scaling_ == fp8::Scaling::delayed
                         ? cat("delayed scaling (amax_history_len ", sc.amax_history_len, ", amax_compute_algo ",

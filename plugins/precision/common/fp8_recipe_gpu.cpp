@@ -39,6 +39,7 @@
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "precision/common/cublaslt_linear.hpp"
+#include "precision/common/fp8_gpu_checks.hpp"
 #include "precision/common/fp8_recipe.hpp"
 
 namespace loom::fp8_recipe {
@@ -147,12 +148,7 @@ class Fp8Gpu final : public Precision {
     per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum);
     set_up_ = true;
     T_ = host_.tensors();
-    int fp8_linears = 0;
-    std::string full;
-    for (const Linear& l : linears_) {
-      if (l.fp8) ++fp8_linears;
-      else full += cat(full.empty() ? "" : ", ", l.desc.name);
-    }
+    const auto [fp8_linears, full] = fp8_options::split_linears(linears_);
     const fp8::ScalingConfig& sc = o_.scaling;
     const std::string how =
         sc.scaling == fp8::Scaling::delayed
@@ -221,11 +217,7 @@ class Fp8Gpu final : public Precision {
   }
 
   void set_saved_activations(void* ptr, size_t bytes) override {
-    LOOM_CHECK(bytes >= saved_total_ && ptr != nullptr, "precision ", o_.plugin, ": saved activations of ", bytes,
-               " bytes at ", ptr, ", ", saved_total_, " needed");
-    LOOM_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "precision ", o_.plugin,
-               ": the saved activations must be 16-byte aligned (FP8 GEMM operands), got address ", ptr);
-    saved_ = static_cast<char*>(ptr);
+    saved_ = fp8_gpu_checks::saved_activations(o_.plugin, ptr, bytes, saved_total_);
   }
 
   void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
@@ -472,12 +464,7 @@ class Fp8Gpu final : public Precision {
   size_t dy_off() const { return x_off() + x_scratch_; }
 
   Linear& lookup(const ExecContext& ctx, int id) {
-    LOOM_CHECK(ctx.device == Device::cuda, "precision ", o_.plugin, ": called with a ", device_name(ctx.device),
-               " context; this plugin object was created for device cuda");
-    LOOM_CHECK(ctx.blas_handle != nullptr, "precision ", o_.plugin,
-               ": ExecContext::blas_handle is null (the CUDA backend must hand in its cublasLtHandle_t)");
-    LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", o_.plugin, ": linear id ", id,
-               " was never registered (", linears_.size(), " linears registered)");
+    fp8_gpu_checks::call(o_.plugin, ctx, id, linears_.size());
     Linear& l = linears_[static_cast<size_t>(id)];
     LOOM_CHECK(set_up_ && ws_ != nullptr && (!l.fp8 || saved_ != nullptr), "precision ", o_.plugin, ": ",
                l.desc.name, " called before setup() and the planned memory were given");
@@ -494,26 +481,13 @@ class Fp8Gpu final : public Precision {
   }
 
   RowMatrix matrix(const Tensor& t, const LinearDesc& d, const char* what, DType want) const {
-    LOOM_CHECK(t.data != nullptr, "precision ", o_.plugin, ": ", d.name, ": ", what, " has no data");
-    LOOM_CHECK(t.dtype == want && t.device == Device::cuda, "precision ", o_.plugin, ": ", d.name, ": ", what,
-               " must be a ", dtype_name(want), " cuda tensor, got ", dtype_name(t.dtype), " on ",
-               device_name(t.device));
-    return fold_rows(t, "precision ", o_.plugin, ": ", d.name, ": ", what);
+    return fp8_gpu_checks::matrix(o_.plugin, t, d, what, want);
   }
-
   void check_weight(const Tensor& t, const LinearDesc& d, const char* what, DType want) const {
-    matrix(t, d, what, want);
-    LOOM_CHECK(t.ndim == 2 && t.shape[0] == d.out && t.shape[1] == d.in && t.is_contiguous(), "precision ",
-               o_.plugin, ": ", d.name, ": ", what, " must be a contiguous [out, in] = [", d.out, ",", d.in,
-               "] matrix, got ", t.shape_str());
+    fp8_gpu_checks::weight(o_.plugin, t, d, what, want);
   }
-
   int64_t check_rows(const LinearDesc& d, const RowMatrix& m, const char* what) const {
-    LOOM_CHECK(m.cols == d.in, "precision ", o_.plugin, ": ", d.name, ": ", what, " has ", m.cols,
-               " columns, expected in=", d.in);
-    LOOM_CHECK(m.rows <= d.max_rows, "precision ", o_.plugin, ": ", d.name, ": ", what, " has ", m.rows,
-               " rows, more than the max_rows=", d.max_rows, " it was registered with");
-    return m.rows;
+    return fp8_gpu_checks::rows(o_.plugin, d, m, what);
   }
 
   // cuBLASLt's FP8 GEMMs take a multiple of 16 rows; a call with another
