@@ -2,7 +2,7 @@
 // llama-1b and llama2-7b, the FP8 cast kernels, and a probe of block-scaled
 // FP8 (DeepSeek-V3 style 1x128 / 128x128 scales) in cuBLASLt.
 //
-//   build/bin/fp8_gemm_bench [--model=llama-1b|llama2-7b|all] [--iters=N] [--warmup=N] [--probe-only]
+//   build/bin/fp8_gemm_bench [--model=llama-1b|llama2-7b|all] [--iters=N] [--warmup=N] [--probe-only] [--algos]
 //
 // For every linear of a layer (qkv, o_proj, gate_up packed [2 ffn, hidden],
 // down) and each of its GEMMs (fprop y = x W^T, dgrad dx = dy W, wgrad
@@ -178,6 +178,7 @@ struct Args {
   std::string model = "all";
   int iters = 25, warmup = 5;
   bool probe_only = false;
+  bool algos = false;
 };
 
 void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStream_t s,
@@ -291,6 +292,115 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     rows.push_back({md.name, lname, "dgrad", T, l.in, l.out, bd, fd, gd});
     rows.push_back({md.name, lname, "wgrad", l.out, l.in, T, bw, fw, gw});
   }
+}
+
+// --algos: how much cuBLASLt's other algorithms would gain over the
+// heuristic's first choice (the one every Loom GEMM plan takes) on the bf16
+// GEMMs of the bench workloads. For each linear of a layer and the LM head (at
+// the fused head's 4096-token chunk), each of fprop / dgrad / wgrad as the bf16
+// recipes map them (wgrad's dW in fp32 for `bf16`, in bf16 for `bf16_pure`,
+// accumulated with beta = 1), up to 16 algorithms from
+// cublasLtMatmulAlgoGetHeuristic are each timed (median of `iters`).
+struct AlgoModel {
+  const char* name;
+  int64_t hidden, ffn, heads, kv_heads, head_dim, tokens, vocab;
+  cudaDataType_t grad;
+};
+const AlgoModel kAlgoModels[] = {
+    {"llama-125m", 768, 2048, 12, 12, 64, 16384, 32000, CUDA_R_32F},
+    {"llama-1b", 2048, 5632, 32, 4, 64, 16384, 32000, CUDA_R_32F},
+    {"llama2-7b", 4096, 11008, 32, 32, 128, 2048, 32000, CUDA_R_16BF},
+};
+
+void bench_algos(const AlgoModel& md, const Args& args, cublasLtHandle_t lt, void* ws, size_t ws_bytes,
+                 cudaStream_t s) {
+  std::vector<Linear> lins = {{"qkv", (md.heads + 2 * md.kv_heads) * md.head_dim, md.hidden},
+                              {"o_proj", md.hidden, md.heads * md.head_dim},
+                              {"gate_up", 2 * md.ffn, md.hidden},
+                              {"down", md.hidden, md.ffn},
+                              {"lm_head", md.vocab, md.hidden}};
+  int64_t max_in = 0, max_out = 0, max_w = 0;
+  for (const Linear& l : lins) {
+    max_in = std::max(max_in, l.in);
+    max_out = std::max(max_out, l.out);
+    max_w = std::max(max_w, l.in * l.out);
+  }
+  const auto tin = static_cast<size_t>(md.tokens * max_in), tout = static_cast<size_t>(md.tokens * max_out);
+  DevMem x(tin * 2), dx(tin * 2), y(tout * 2), dy(tout * 2), w(static_cast<size_t>(max_w) * 2),
+      dw(static_cast<size_t>(max_w) * 4);
+  fill_bf16(x.p, tin, 1.0f, 1);
+  fill_bf16(dy.p, tout, 1e-3f, 2);
+  fill_bf16(w.p, static_cast<size_t>(max_w), 0.02f, 3);
+  LOOM_CUDA_CHECK(cudaMemset(dw.p, 0, dw.bytes), "dW");
+  std::printf("\n## %s: cuBLASLt algorithms on the bf16 GEMMs (wgrad dW %s)\n\n", md.name,
+              md.grad == CUDA_R_32F ? "fp32" : "bf16");
+  std::printf("| linear | GEMM | m x n x k | algorithms | first ms | best ms | best # | first / best |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  double first_layer = 0, best_layer = 0, first_head = 0, best_head = 0;
+  for (const Linear& l : lins) {
+    const bool head = std::string(l.name) == "lm_head";
+    const int64_t T = head ? std::min<int64_t>(4096, md.tokens) : md.tokens;
+    struct G {
+      const char* name;
+      cublasOperation_t ta, tb;
+      int64_t M, N, K, lda, ldb, ldd;
+      cudaDataType_t td;
+      const void *a, *b;
+      void* d;
+      float beta;
+    };
+    const G gs[] = {{"fprop", CUBLAS_OP_T, CUBLAS_OP_N, l.out, T, l.in, l.in, l.in, l.out, CUDA_R_16BF, w.p, x.p, y.p, 0.f},
+                    {"dgrad", CUBLAS_OP_N, CUBLAS_OP_N, l.in, T, l.out, l.in, l.out, l.in, CUDA_R_16BF, w.p, dy.p, dx.p, 0.f},
+                    {"wgrad", CUBLAS_OP_N, CUBLAS_OP_T, l.in, l.out, T, l.in, l.out, l.in, md.grad, x.p, dy.p, dw.p, 1.f}};
+    for (const G& g : gs) {
+      LtPlan p;
+      LT_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "algos");
+      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &g.ta, sizeof(g.ta)), "transa");
+      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &g.tb, sizeof(g.tb)), "transb");
+      LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, g.ta == CUBLAS_OP_N ? g.M : g.K,
+                                          g.ta == CUBLAS_OP_N ? g.K : g.M, g.lda),
+               "A");
+      LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, g.tb == CUBLAS_OP_N ? g.K : g.N,
+                                          g.tb == CUBLAS_OP_N ? g.N : g.K, g.ldb),
+               "B");
+      LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, g.td, g.M, g.N, g.ldd), "D");
+      cublasLtMatmulPreference_t pref;
+      LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "pref");
+      const uint64_t wsz = ws_bytes;
+      LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)),
+               "ws");
+      cublasLtMatmulHeuristicResult_t r[16]{};
+      int found = 0;
+      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.d, p.d, pref, 16, r, &found);
+      cublasLtMatmulPreferenceDestroy(pref);
+      LT_CHECK(st, md.name, " ", l.name, " ", g.name, " heuristic");
+      const float one = 1.0f;
+      double first = 0, best = 1e30;
+      int best_i = -1;
+      for (int i = 0; i < found; ++i) {
+        if (r[i].state != CUBLAS_STATUS_SUCCESS || r[i].workspaceSize > ws_bytes) continue;
+        const double ms = time_ms(s, args.warmup, args.iters, [&] {
+          LT_CHECK(cublasLtMatmul(lt, p.op, &one, g.a, p.a, g.b, p.b, &g.beta, g.d, p.d, g.d, p.d, &r[i].algo, ws,
+                                  ws_bytes, s),
+                   md.name, " ", l.name, " ", g.name, " algorithm ", i);
+        });
+        if (i == 0) first = ms;
+        if (ms < best) {
+          best = ms;
+          best_i = i;
+        }
+      }
+      std::printf("| %s | %s | %lld x %lld x %lld | %d | %.3f | %.3f | %d | %.3f |\n", l.name, g.name,
+                  static_cast<long long>(g.M), static_cast<long long>(g.N), static_cast<long long>(g.K), found, first,
+                  best, best_i, first / best);
+      (head ? first_head : first_layer) += first;
+      (head ? best_head : best_layer) += best;
+    }
+  }
+  std::printf("\nPer decoder layer: first %.3f ms, best %.3f ms (%.3fx); LM head per %lld-token chunk: first %.3f, "
+              "best %.3f ms (%.3fx)\n",
+              first_layer, best_layer, first_layer / best_layer, static_cast<long long>(std::min<int64_t>(4096, md.tokens)),
+              first_head, best_head, first_head / best_head);
 }
 
 const char* mode_name(int32_t m) {
@@ -412,10 +522,12 @@ int run(int argc, char** argv) {
       args.warmup = std::atoi(a.c_str() + 9);
     else if (a == "--probe-only")
       args.probe_only = true;
+    else if (a == "--algos")
+      args.algos = true;
     else {
       std::fprintf(stderr,
                    "fp8_gemm_bench: unknown argument '%s'\nusage: fp8_gemm_bench [--model=llama-1b|llama2-7b|all] "
-                   "[--iters=N (>= 20)] [--warmup=N] [--probe-only]\n",
+                   "[--iters=N (>= 20)] [--warmup=N] [--probe-only] [--algos]\n",
                    a.c_str());
       return 2;
     }
@@ -448,6 +560,12 @@ int run(int argc, char** argv) {
   const size_t ws_bytes = loom::gpu::Fp8Gemm::kWorkspaceBytes;
   DevMem ws(ws_bytes);
 
+  if (args.algos) {
+    for (const AlgoModel& md : kAlgoModels) bench_algos(md, args, lt, ws.p, ws_bytes, s);
+    LT_CHECK(cublasLtDestroy(lt), "destroy");
+    LOOM_CUDA_CHECK(cudaStreamDestroy(s), "stream");
+    return 0;
+  }
   if (!args.probe_only) {
     for (const Model& md : kModels) {
       if (args.model != "all" && args.model != md.name) continue;

@@ -49,9 +49,12 @@
 namespace {
 // Per plugin library (each plugin links its own copy of this static library).
 std::atomic<int64_t> g_plans_built{0};
+std::atomic<int64_t> g_problems_timed{0}, g_problems_switched{0};
 }  // namespace
 
 extern "C" int64_t loom_precision_cublaslt_plans_built() { return g_plans_built.load(); }
+extern "C" int64_t loom_precision_cublaslt_problems_timed() { return g_problems_timed.load(); }
+extern "C" int64_t loom_precision_cublaslt_problems_switched() { return g_problems_switched.load(); }
 
 namespace loom::precision_common {
 namespace {
@@ -110,8 +113,29 @@ struct CublasLtLinears::Slot {
   std::array<std::vector<std::unique_ptr<Plan>>, 3> plans;
 };
 
-CublasLtLinears::CublasLtLinears(std::string recipe, GemmDTypes dtypes)
-    : recipe_(std::move(recipe)), dtypes_(dtypes) {
+struct CublasLtLinears::Timed {
+  int gemm = 0;
+  std::array<int64_t, 11> key{};
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;
+};
+
+GemmAlgo read_gemm_algo(const ConfigTable& c, bool deterministic) {
+  const std::string v = c.get_choice("gemm_algo", "auto", {"auto", "heuristic", "fastest"});
+  if (v == "fastest" && deterministic)
+    c.fail("gemm_algo",
+           "gemm_algo = \"fastest\" picks each GEMM's cuBLASLt algorithm by timing it on this GPU, so two runs can "
+           "pick differently and compute different low bits, but run.deterministic = true asks for the same bits "
+           "every run: set gemm_algo = \"heuristic\" (or \"auto\", which is \"heuristic\" in deterministic runs), "
+           "or run.deterministic = false");
+  if (v == "heuristic" || (v == "auto" && deterministic)) return GemmAlgo::heuristic;
+  return GemmAlgo::fastest;
+}
+
+const char* gemm_algo_name(GemmAlgo a) { return a == GemmAlgo::fastest ? "fastest" : "heuristic"; }
+
+CublasLtLinears::CublasLtLinears(std::string recipe, GemmDTypes dtypes, GemmAlgo algo)
+    : recipe_(std::move(recipe)), dtypes_(dtypes), algo_(algo) {
   // Fail at construction, not at the first GEMM, for a dtype cuBLASLt cannot take here.
   cuda_type(dtypes_.activation);
   cuda_type(dtypes_.param);
@@ -263,10 +287,13 @@ void CublasLtLinears::backward(const ExecContext& ctx, int id, const Tensor& x, 
 
 // Builds the plan for `key` (M', N', K', leading dimensions, alignments: see
 // matmul) and appends it to `plans`: layouts, the heuristic's algorithm.
+// With `candidates`, up to kMaxCandidates of the heuristic's answers land
+// there (their count in *found_out); the plan takes the first.
 template <typename Where>
 CublasLtLinears::Plan* build_plan(cublasLtHandle_t handle, std::vector<std::unique_ptr<CublasLtLinears::Plan>>& plans,
                                   const std::array<int64_t, 11>& key, cublasOperation_t op_a, cublasOperation_t op_b,
-                                  DType ta, DType tb, DType td, size_t workspace_bytes, const Where& where) {
+                                  DType ta, DType tb, DType td, size_t workspace_bytes, const Where& where,
+                                  cublasLtMatmulHeuristicResult_t* candidates = nullptr, int* found_out = nullptr) {
   using Plan = CublasLtLinears::Plan;
   const int64_t rows = key[0], cols = key[1], inner = key[2], lda = key[3], ldb = key[4], ldd = key[5],
                 ldc = key[9];
@@ -319,20 +346,93 @@ CublasLtLinears::Plan* build_plan(cublasLtHandle_t handle, std::vector<std::uniq
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)),
         where());
 
-    cublasLtMatmulHeuristicResult_t result{};
+    cublasLtMatmulHeuristicResult_t one{};
+    cublasLtMatmulHeuristicResult_t* results = candidates != nullptr ? candidates : &one;
+    const int want = candidates != nullptr ? CublasLtLinears::kMaxCandidates : 1;
     int found = 0;
     LOOM_CUBLASLT_CHECK(
-        cublasLtMatmulAlgoGetHeuristic(handle, p->op, p->a, p->b, p->c_layout(), p->d, pref, 1, &result, &found),
+        cublasLtMatmulAlgoGetHeuristic(handle, p->op, p->a, p->b, p->c_layout(), p->d, pref, want, results, &found),
         where());
-    LOOM_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS, where(),
+    LOOM_CHECK(found > 0 && results[0].state == CUBLAS_STATUS_SUCCESS, where(),
                ": cuBLASLt has no algorithm for this problem with a ", workspace_bytes, "-byte workspace");
-    p->algo = result.algo;
-    p->workspace_needed = result.workspaceSize;
+    p->algo = results[0].algo;
+    p->workspace_needed = results[0].workspaceSize;
+    if (found_out != nullptr) *found_out = found;
     plan = p.get();
     plans.push_back(std::move(p));
     ++g_plans_built;
   }
   return plan;
+}
+
+int CublasLtLinears::time_candidates(void* handle_p, void* stream_p, Plan& p, const void* cand_p, int n,
+                                     const void* a, const void* b, float beta, int64_t ldc, int64_t ldd,
+                                     int64_t cols, DType td, const std::string& where) {
+  auto handle = static_cast<cublasLtHandle_t>(handle_p);
+  auto stream = static_cast<cudaStream_t>(stream_p);
+  const auto* cand = static_cast<const cublasLtMatmulHeuristicResult_t*>(cand_p);
+  ++problems_timed_;
+  ++g_problems_timed;
+  if (n <= 1) return 0;
+  // D (and C where it has its own layout) in a scratch of their size: the
+  // candidates may run with beta = 1 without touching the call's buffers.
+  // Stream-ordered, so it costs nothing after the step that builds the plans;
+  // where even that memory is not there, the heuristic's first answer stays.
+  const size_t es = dtype_size(td);
+  const size_t d_bytes = static_cast<size_t>(ldd * cols) * es, c_bytes = p.c ? static_cast<size_t>(ldc * cols) * es : 0;
+  void* scratch = nullptr;
+  if (cudaMallocAsync(&scratch, d_bytes + c_bytes, stream) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; the heuristic's answer runs
+    return 0;
+  }
+  auto check = [&](cudaError_t e, const char* call) {
+    LOOM_CHECK(e == cudaSuccess, where, ": timing the heuristic's algorithms: ", call, " failed: ",
+               cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+  };
+  check(cudaMemsetAsync(scratch, 0, d_bytes + c_bytes, stream), "cudaMemsetAsync(scratch)");
+  void* d = scratch;
+  const void* c = p.c ? static_cast<const char*>(scratch) + d_bytes : scratch;
+  cudaEvent_t t0 = nullptr, t1 = nullptr;
+  check(cudaEventCreate(&t0), "cudaEventCreate");
+  check(cudaEventCreate(&t1), "cudaEventCreate");
+  const float alpha = 1.0f;
+  // Two untimed calls, then five timed back to back; the mean of those five.
+  constexpr int kWarm = 2, kTimed = 5;
+  int best = -1;
+  float first_ms = -1.0f, best_ms = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    if (cand[i].state != CUBLAS_STATUS_SUCCESS || cand[i].workspaceSize > workspace_bytes_) continue;
+    auto run = [&] {
+      return cublasLtMatmul(handle, p.op, &alpha, a, p.a, b, p.b, &beta, c, p.c_layout(), d, p.d, &cand[i].algo,
+                            workspace_, workspace_bytes_, stream);
+    };
+    bool ok = true;
+    for (int r = 0; r < kWarm && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
+    if (!ok) continue;  // an answer that does not run here is never picked
+    check(cudaEventRecord(t0, stream), "cudaEventRecord");
+    for (int r = 0; r < kTimed && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
+    check(cudaEventRecord(t1, stream), "cudaEventRecord");
+    check(cudaEventSynchronize(t1), "cudaEventSynchronize");
+    float ms = 0.0f;
+    check(cudaEventElapsedTime(&ms, t0, t1), "cudaEventElapsedTime");
+    if (!ok) continue;
+    if (i == 0) first_ms = ms;
+    if (best < 0 || ms < best_ms) {
+      best = i;
+      best_ms = ms;
+    }
+  }
+  // Another answer replaces the first only when 2% faster: within timing
+  // noise the pick stays the heuristic's.
+  if (best < 0 || (first_ms >= 0.0f && best_ms >= 0.98f * first_ms)) best = 0;
+  check(cudaEventDestroy(t0), "cudaEventDestroy");
+  check(cudaEventDestroy(t1), "cudaEventDestroy");
+  check(cudaFreeAsync(scratch, stream), "cudaFreeAsync(scratch)");
+  if (best != 0) {
+    ++problems_switched_;
+    ++g_problems_switched;
+  }
+  return best;
 }
 
 void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t rows, int64_t cols, int64_t inner,
@@ -409,7 +509,32 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     if (p->key == key && p->rows_now < 0) plan = p.get();
   }
   if (plan == nullptr) {
-    plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where);
+    // Variable-row linears (the experts) meet a new row count any step:
+    // timing there would run mid-training and differ from step to step.
+    if (algo_ == GemmAlgo::heuristic || desc.variable_rows) {
+      plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where);
+    } else {
+      std::array<cublasLtMatmulHeuristicResult_t, kMaxCandidates> cand{};
+      int found = 0;
+      plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where, cand.data(), &found);
+      // One timing per problem: every layer's linear of this shape shares it.
+      const Timed* t = nullptr;
+      for (const auto& x : timed_)
+        if (x->gemm == g && x->key == key) { t = x.get(); break; }
+      if (t == nullptr) {
+        const int best = time_candidates(handle, ctx.stream, *plan, cand.data(), found, a, b, beta, ldc, ldd, cols,
+                                         td, where());
+        auto nt = std::make_unique<Timed>();
+        nt->gemm = g;
+        nt->key = key;
+        nt->algo = cand[static_cast<size_t>(best)].algo;
+        nt->workspace = cand[static_cast<size_t>(best)].workspaceSize;
+        t = nt.get();
+        timed_.push_back(std::move(nt));
+      }
+      plan->algo = t->algo;
+      plan->workspace_needed = t->workspace;
+    }
     ++plans_built_;
   }
   LOOM_CHECK(plan->workspace_needed <= workspace_bytes_, where(), ": the plan needs ", plan->workspace_needed,
