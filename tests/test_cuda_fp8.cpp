@@ -36,6 +36,7 @@
 #include "kernels/cuda/fp8_gemm.hpp"
 #include "kernels/cuda/fp8_kernels.hpp"
 #include "loom/fp8.hpp"
+#include "loom/gemm_algo.hpp"
 #include "loom/fp8_scaling.hpp"
 
 namespace {
@@ -759,8 +760,14 @@ class CudaFp8Gemm : public CudaFp8 {
   void* workspace_ = nullptr;
 };
 
+// Both ways of picking the algorithm (loom/gemm_algo.hpp): "fastest" times
+// the candidates on a scratch D, so C (also in place, C = D), D and the amax
+// slot must come out exactly as with the heuristic's answer.
 TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
-  loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes);
+ for (loom::GemmAlgo algo : {loom::GemmAlgo::heuristic, loom::GemmAlgo::fastest}) {
+  SCOPED_TRACE(loom::gemm_algo_name(algo));
+  const int64_t timed0 = loom::gemm_timing_counts().timed;
+  loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes, algo);
   // The three GEMM shapes of a linear with 512 tokens, in = 384, out = 256
   // (fp8_gemm.hpp): m, n, k all different within a shape, so that a swapped
   // operand cannot pass; k up to 512 so that accumulation matters.
@@ -868,6 +875,14 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
                   static_cast<long long>(runs / 4));
   std::printf("[fp8 gemm] D amax computed by cuBLASLt (AMAX_D_POINTER) in %lld of %lld GEMMs, by fp8_amax in the rest\n",
               static_cast<long long>(fused), static_cast<long long>(runs));
+  // One timing per plan with "fastest" (the plans of the first call of each
+  // problem; the repeats reuse them), none with the heuristic.
+  const int64_t timed = loom::gemm_timing_counts().timed - timed0;
+  if (algo == loom::GemmAlgo::fastest) EXPECT_GE(timed, g.plans_built());
+  else EXPECT_EQ(timed, 0);
+  std::printf("[fp8 gemm] gemm_algo %s: %lld plans, %lld problems timed\n", loom::gemm_algo_name(algo),
+              static_cast<long long>(g.plans_built()), static_cast<long long>(timed));
+ }
 }
 
 // The linear's three GEMMs as fp8_gemm.hpp maps them, from device casts with

@@ -266,11 +266,13 @@ loom::PluginRegistry& registry() {
   return *reg;
 }
 
-std::unique_ptr<loom::Precision> make(const std::string& body = "", Device device = Device::cpu) {
+std::unique_ptr<loom::Precision> make(const std::string& body = "", Device device = Device::cpu,
+                                      bool deterministic = false) {
   loom::PluginInit init;
   init.config = loom::parse_config_table("[precision]\n" + body, "fp8_block.toml").table("precision");
   init.config.mark_used("plugin");
   init.device = device;
+  init.deterministic = deterministic;
   return registry().create_as<loom::PluginKind::precision>("fp8_block", init);
 }
 
@@ -345,6 +347,11 @@ TEST(Fp8Block, Refusals) {
   }
   expect_error([] { make("format = \"hybrid\"\n"); }, {"fp8_block.toml", "format", "hybrid", "E4M3", "e4m3"});
   expect_error([] { make("format = \"e5m2\"\n"); }, {"format", "e4m3", "hybrid"});
+  for (const char* v : {"auto", "heuristic", "fastest"})
+    EXPECT_NO_THROW(make(loom::cat("gemm_algo = \"", v, "\"\n"))) << v;
+  expect_error([] { make("gemm_algo = 2\n"); }, {"fp8_block.toml", "gemm_algo"});
+  expect_error([] { make("gemm_algo = \"fastest\"\n", Device::cpu, /*deterministic=*/true); },
+               {"fp8_block.toml", "gemm_algo", "run.deterministic = true"});
   for (const char* key : {"amax_history_len = 16", "amax_compute_algo = \"max\"", "margin = 1"})
     expect_error([&] { make(std::string(key) + "\n"); }, {"fp8_block", "fp8_delayed", "no amax history"});
   for (const char* key : {"fast_accum_fprop", "fast_accum_dgrad", "fast_accum_wgrad"})

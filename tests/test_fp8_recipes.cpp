@@ -57,10 +57,11 @@ loom::ConfigTable precision_table(const std::string& body) {
 }
 
 std::unique_ptr<loom::Precision> make(const std::string& name, const std::string& body = "",
-                                      Device device = Device::cpu) {
+                                      Device device = Device::cpu, bool deterministic = false) {
   loom::PluginInit init;
   init.config = precision_table(body);
   init.device = device;
+  init.deterministic = deterministic;
   return registry().create_as<loom::PluginKind::precision>(name, init);
 }
 
@@ -343,6 +344,16 @@ TEST(Fp8Recipes, ConfigErrors) {
   expect_error([] { make("fp8_delayed", "weight_cache = \"micro_batch\"\n"); },
                {"fp8.toml", "weight_cache", "auto", "step", "layer"});
   expect_error([] { make("fp8_current", "weight_cache = 1\n"); }, {"fp8.toml", "weight_cache"});
+  // gemm_algo (loom/gemm_algo.hpp): read on every device, refused when
+  // "fastest" meets a deterministic run.
+  for (const char* plugin : {"fp8_delayed", "fp8_current"}) {
+    for (const char* v : {"auto", "heuristic", "fastest"})
+      EXPECT_NO_THROW(make(plugin, loom::cat("gemm_algo = \"", v, "\"\n"))) << plugin << " " << v;
+    EXPECT_NO_THROW(make(plugin, "gemm_algo = \"auto\"\n", Device::cpu, /*deterministic=*/true));
+    expect_error([&] { make(plugin, "gemm_algo = \"tuned\"\n"); }, {"fp8.toml", "gemm_algo", "heuristic", "fastest"});
+    expect_error([&] { make(plugin, "gemm_algo = \"fastest\"\n", Device::cpu, /*deterministic=*/true); },
+                 {"fp8.toml", "gemm_algo", "run.deterministic = true", "gemm_algo = \"heuristic\""});
+  }
   for (const char* plugin : {"fp8_delayed", "fp8_current"}) {
 #ifdef LOOM_HAVE_CUDA
     EXPECT_NO_THROW(make(plugin, "", Device::cuda));

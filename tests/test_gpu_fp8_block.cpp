@@ -43,6 +43,7 @@
 #include "loom/config.hpp"
 #include "loom/fp8.hpp"
 #include "loom/fp8_block.hpp"
+#include "loom/gemm_algo.hpp"
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
 #include "train/session.hpp"
@@ -306,10 +307,14 @@ TEST(GpuFp8Block, BlockScaledGemmsAgainstFp64) {
   cublasLtHandle_t lt = nullptr;
   ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
   DevBuf ws(loom::gpu::Fp8BlockGemm::kWorkspaceBytes);
-  loom::gpu::Fp8BlockGemm g(lt, ws.p, loom::gpu::Fp8BlockGemm::kWorkspaceBytes);
+  // Both ways of picking the algorithm (loom/gemm_algo.hpp): "fastest" times
+  // the candidates on a scratch D, so the accumulated dW (C = D) and D must
+  // come out as with the heuristic's answer.
+  for (loom::GemmAlgo algo : {loom::GemmAlgo::heuristic, loom::GemmAlgo::fastest}) {
+  loom::gpu::Fp8BlockGemm g(lt, ws.p, loom::gpu::Fp8BlockGemm::kWorkspaceBytes, algo);
   uint32_t seed = 1;
   for (const GemmCase& c : cases) {
-    SCOPED_TRACE(c.name);
+    SCOPED_TRACE(std::string(c.name) + ", gemm_algo " + loom::gemm_algo_name(algo));
     // Operands: cast on the device (rows or blocks by mode), codes and scales read back.
     auto make_operand = [&](int64_t rows, M mode, DevBuf& q, DevBuf& s, std::vector<uint8_t>& hq,
                             std::vector<float>& hs) {
@@ -358,8 +363,8 @@ TEST(GpuFp8Block, BlockScaledGemmsAgainstFp64) {
       max_err = std::max(max_err, e);
       max_ref = std::max(max_ref, std::fabs(want[i]));
     }
-    std::printf("[fp8 gemm block] %s m=%lld n=%lld k=%lld: max error %.3g (max |ref| %.3g), worst %.3f of the bound\n",
-                c.name, static_cast<long long>(c.m), static_cast<long long>(c.n), static_cast<long long>(c.k), max_err,
+    std::printf("[fp8 gemm block] %s (%s) m=%lld n=%lld k=%lld: max error %.3g (max |ref| %.3g), worst %.3f of the bound\n",
+                c.name, loom::gemm_algo_name(algo), static_cast<long long>(c.m), static_cast<long long>(c.n), static_cast<long long>(c.k), max_err,
                 max_ref, worst);
     EXPECT_LE(worst, 1.0) << "max error " << max_err << " of max |ref| " << max_ref;
     if (worst > 1.0) {
@@ -380,7 +385,9 @@ TEST(GpuFp8Block, BlockScaledGemmsAgainstFp64) {
         }
     }
   }
+  }
   // 128x128 on both operands is refused before cuBLASLt sees it.
+  loom::gpu::Fp8BlockGemm g(lt, ws.p, loom::gpu::Fp8BlockGemm::kWorkspaceBytes);
   DevBuf q(128 * 128), s(4096), d(128 * 128 * 4);
   Tensor tq(q.p, DType::e4m3, Device::cuda, {128, 128}), td(d.p, DType::f32, Device::cuda, {128, 128});
   try {

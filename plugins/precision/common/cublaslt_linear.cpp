@@ -49,12 +49,10 @@
 namespace {
 // Per plugin library (each plugin links its own copy of this static library).
 std::atomic<int64_t> g_plans_built{0};
-std::atomic<int64_t> g_problems_timed{0}, g_problems_switched{0};
 }  // namespace
 
 extern "C" int64_t loom_precision_cublaslt_plans_built() { return g_plans_built.load(); }
-extern "C" int64_t loom_precision_cublaslt_problems_timed() { return g_problems_timed.load(); }
-extern "C" int64_t loom_precision_cublaslt_problems_switched() { return g_problems_switched.load(); }
+
 
 namespace loom::precision_common {
 namespace {
@@ -119,20 +117,6 @@ struct CublasLtLinears::Timed {
   cublasLtMatmulAlgo_t algo{};
   size_t workspace = 0;
 };
-
-GemmAlgo read_gemm_algo(const ConfigTable& c, bool deterministic) {
-  const std::string v = c.get_choice("gemm_algo", "auto", {"auto", "heuristic", "fastest"});
-  if (v == "fastest" && deterministic)
-    c.fail("gemm_algo",
-           "gemm_algo = \"fastest\" picks each GEMM's cuBLASLt algorithm by timing it on this GPU, so two runs can "
-           "pick differently and compute different low bits, but run.deterministic = true asks for the same bits "
-           "every run: set gemm_algo = \"heuristic\" (or \"auto\", which is \"heuristic\" in deterministic runs), "
-           "or run.deterministic = false");
-  if (v == "heuristic" || (v == "auto" && deterministic)) return GemmAlgo::heuristic;
-  return GemmAlgo::fastest;
-}
-
-const char* gemm_algo_name(GemmAlgo a) { return a == GemmAlgo::fastest ? "fastest" : "heuristic"; }
 
 CublasLtLinears::CublasLtLinears(std::string recipe, GemmDTypes dtypes, GemmAlgo algo)
     : recipe_(std::move(recipe)), dtypes_(dtypes), algo_(algo) {
@@ -287,7 +271,7 @@ void CublasLtLinears::backward(const ExecContext& ctx, int id, const Tensor& x, 
 
 // Builds the plan for `key` (M', N', K', leading dimensions, alignments: see
 // matmul) and appends it to `plans`: layouts, the heuristic's algorithm.
-// With `candidates`, up to kMaxCandidates of the heuristic's answers land
+// With `candidates`, up to kGemmAlgoCandidates of the heuristic's answers land
 // there (their count in *found_out); the plan takes the first.
 template <typename Where>
 CublasLtLinears::Plan* build_plan(cublasLtHandle_t handle, std::vector<std::unique_ptr<CublasLtLinears::Plan>>& plans,
@@ -348,7 +332,7 @@ CublasLtLinears::Plan* build_plan(cublasLtHandle_t handle, std::vector<std::uniq
 
     cublasLtMatmulHeuristicResult_t one{};
     cublasLtMatmulHeuristicResult_t* results = candidates != nullptr ? candidates : &one;
-    const int want = candidates != nullptr ? CublasLtLinears::kMaxCandidates : 1;
+    const int want = candidates != nullptr ? kGemmAlgoCandidates : 1;
     int found = 0;
     LOOM_CUBLASLT_CHECK(
         cublasLtMatmulAlgoGetHeuristic(handle, p->op, p->a, p->b, p->c_layout(), p->d, pref, want, results, &found),
@@ -363,76 +347,6 @@ CublasLtLinears::Plan* build_plan(cublasLtHandle_t handle, std::vector<std::uniq
     ++g_plans_built;
   }
   return plan;
-}
-
-int CublasLtLinears::time_candidates(void* handle_p, void* stream_p, Plan& p, const void* cand_p, int n,
-                                     const void* a, const void* b, float beta, int64_t ldc, int64_t ldd,
-                                     int64_t cols, DType td, const std::string& where) {
-  auto handle = static_cast<cublasLtHandle_t>(handle_p);
-  auto stream = static_cast<cudaStream_t>(stream_p);
-  const auto* cand = static_cast<const cublasLtMatmulHeuristicResult_t*>(cand_p);
-  ++problems_timed_;
-  ++g_problems_timed;
-  if (n <= 1) return 0;
-  // D (and C where it has its own layout) in a scratch of their size: the
-  // candidates may run with beta = 1 without touching the call's buffers.
-  // Stream-ordered, so it costs nothing after the step that builds the plans;
-  // where even that memory is not there, the heuristic's first answer stays.
-  const size_t es = dtype_size(td);
-  const size_t d_bytes = static_cast<size_t>(ldd * cols) * es, c_bytes = p.c ? static_cast<size_t>(ldc * cols) * es : 0;
-  void* scratch = nullptr;
-  if (cudaMallocAsync(&scratch, d_bytes + c_bytes, stream) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky; the heuristic's answer runs
-    return 0;
-  }
-  auto check = [&](cudaError_t e, const char* call) {
-    LOOM_CHECK(e == cudaSuccess, where, ": timing the heuristic's algorithms: ", call, " failed: ",
-               cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
-  };
-  check(cudaMemsetAsync(scratch, 0, d_bytes + c_bytes, stream), "cudaMemsetAsync(scratch)");
-  void* d = scratch;
-  const void* c = p.c ? static_cast<const char*>(scratch) + d_bytes : scratch;
-  cudaEvent_t t0 = nullptr, t1 = nullptr;
-  check(cudaEventCreate(&t0), "cudaEventCreate");
-  check(cudaEventCreate(&t1), "cudaEventCreate");
-  const float alpha = 1.0f;
-  // Two untimed calls, then five timed back to back; the mean of those five.
-  constexpr int kWarm = 2, kTimed = 5;
-  int best = -1;
-  float first_ms = -1.0f, best_ms = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    if (cand[i].state != CUBLAS_STATUS_SUCCESS || cand[i].workspaceSize > workspace_bytes_) continue;
-    auto run = [&] {
-      return cublasLtMatmul(handle, p.op, &alpha, a, p.a, b, p.b, &beta, c, p.c_layout(), d, p.d, &cand[i].algo,
-                            workspace_, workspace_bytes_, stream);
-    };
-    bool ok = true;
-    for (int r = 0; r < kWarm && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
-    if (!ok) continue;  // an answer that does not run here is never picked
-    check(cudaEventRecord(t0, stream), "cudaEventRecord");
-    for (int r = 0; r < kTimed && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
-    check(cudaEventRecord(t1, stream), "cudaEventRecord");
-    check(cudaEventSynchronize(t1), "cudaEventSynchronize");
-    float ms = 0.0f;
-    check(cudaEventElapsedTime(&ms, t0, t1), "cudaEventElapsedTime");
-    if (!ok) continue;
-    if (i == 0) first_ms = ms;
-    if (best < 0 || ms < best_ms) {
-      best = i;
-      best_ms = ms;
-    }
-  }
-  // Another answer replaces the first only when 2% faster: within timing
-  // noise the pick stays the heuristic's.
-  if (best < 0 || (first_ms >= 0.0f && best_ms >= 0.98f * first_ms)) best = 0;
-  check(cudaEventDestroy(t0), "cudaEventDestroy");
-  check(cudaEventDestroy(t1), "cudaEventDestroy");
-  check(cudaFreeAsync(scratch, stream), "cudaFreeAsync(scratch)");
-  if (best != 0) {
-    ++problems_switched_;
-    ++g_problems_switched;
-  }
-  return best;
 }
 
 void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t rows, int64_t cols, int64_t inner,
@@ -514,7 +428,7 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     if (algo_ == GemmAlgo::heuristic || desc.variable_rows) {
       plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where);
     } else {
-      std::array<cublasLtMatmulHeuristicResult_t, kMaxCandidates> cand{};
+      std::array<cublasLtMatmulHeuristicResult_t, kGemmAlgoCandidates> cand{};
       int found = 0;
       plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where, cand.data(), &found);
       // One timing per problem: every layer's linear of this shape shares it.
@@ -522,8 +436,23 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
       for (const auto& x : timed_)
         if (x->gemm == g && x->key == key) { t = x.get(); break; }
       if (t == nullptr) {
-        const int best = time_candidates(handle, ctx.stream, *plan, cand.data(), found, a, b, beta, ldc, ldd, cols,
-                                         td, where());
+        // D (and C where it has a layout of its own) in the scratch.
+        const size_t es = dtype_size(td), d_bytes = static_cast<size_t>(ldd * cols) * es,
+                     c_bytes = plan->c ? static_cast<size_t>(ldc * cols) * es : 0;
+        const float one = 1.0f;
+        const int best = time_gemm_candidates(
+            ctx.stream, found, d_bytes + c_bytes,
+            [&](int i, void* scratch) {
+              const cublasLtMatmulHeuristicResult_t& r = cand[static_cast<size_t>(i)];
+              if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > workspace_bytes_) return false;
+              const void* sc = plan->c ? static_cast<const char*>(scratch) + d_bytes : scratch;
+              return cublasLtMatmul(handle, plan->op, &one, a, plan->a, b, plan->b, &beta, sc, plan->c_layout(),
+                                    scratch, plan->d, &r.algo, workspace_, workspace_bytes_,
+                                    static_cast<cudaStream_t>(ctx.stream)) == CUBLAS_STATUS_SUCCESS;
+            },
+            where());
+        ++problems_timed_;
+        if (best != 0) ++problems_switched_;
         auto nt = std::make_unique<Timed>();
         nt->gemm = g;
         nt->key = key;

@@ -19,8 +19,8 @@
 // takes a residual as the C input (y = x W^T + residual): y itself, or a
 // buffer sharing no element with y, with its own row stride.
 //
-// Which algorithm a plan takes (precision.gemm_algo, GemmAlgo below): the
-// heuristic's first answer, or the fastest of its first kMaxCandidates
+// Which algorithm a plan takes (precision.gemm_algo, loom/gemm_algo.hpp): the
+// heuristic's first answer, or the fastest of its first kGemmAlgoCandidates
 // answers, timed once when the plan is built on the call's own operands (D
 // and C in a scratch buffer, so the call's output and an accumulated dW are
 // untouched) and shared by every later plan of the same problem.
@@ -31,8 +31,8 @@
 #include <string>
 #include <vector>
 
-#include "loom/config.hpp"
 #include "loom/context.hpp"
+#include "loom/gemm_algo.hpp"
 #include "loom/dtype.hpp"
 #include "loom/precision.hpp"
 #include "loom/tensor.hpp"
@@ -46,26 +46,8 @@ struct GemmDTypes {
   DType grad;        // dW
 };
 
-// precision.gemm_algo, read by every recipe whose GEMMs run here:
-//   "heuristic"  cuBLASLt's first answer for the problem: a function of the
-//                problem, the library and the GPU, so two runs compute the
-//                same bits;
-//   "fastest"    the fastest of the heuristic's first answers, timed on this
-//                GPU when the plan is built (the pick can differ between runs
-//                when two algorithms time alike, and so can the low bits);
-//   "auto"       (default) "fastest", or "heuristic" with run.deterministic.
-enum class GemmAlgo { heuristic, fastest };
-
-// Reads precision.gemm_algo (before the table's finish()) and resolves "auto"
-// with run.deterministic; "fastest" with run.deterministic = true is refused,
-// naming the key.
-GemmAlgo read_gemm_algo(const ConfigTable& c, bool deterministic);
-const char* gemm_algo_name(GemmAlgo a);
-
 class CublasLtLinears {
  public:
-  // How many of the heuristic's answers GemmAlgo::fastest times.
-  static constexpr int kMaxCandidates = 8;
   // llm.c and TransformerEngine hand cuBLASLt 32 MiB: Hopper kernels need it.
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
@@ -103,11 +85,6 @@ class CublasLtLinears {
   void matmul(const ExecContext& ctx, int id, Gemm g, int64_t rows, int64_t cols, int64_t inner, const void* a,
               int64_t lda, const void* b, int64_t ldb, const void* c, int64_t ldc, void* d, int64_t ldd, float beta);
 
-  // GemmAlgo::fastest: the candidates' times on the call's operands; returns
-  // the index of the fastest (0 unless another is at least 2% faster).
-  int time_candidates(void* handle, void* stream, Plan& p, const void* cand, int n,
-                      const void* a, const void* b, float beta, int64_t ldc, int64_t ldd, int64_t cols, DType td,
-                      const std::string& where);
   struct Timed;  // a problem timed once: its key and the algorithm picked
 
   std::string recipe_;
@@ -129,7 +106,3 @@ class CublasLtLinears {
 // from each plugin that links this library so that tests can prove that
 // repeated calls reuse their plan (dlsym on the loaded plugin).
 extern "C" __attribute__((visibility("default"))) int64_t loom_precision_cublaslt_plans_built();
-// GemmAlgo::fastest, over the same objects: problems timed, and how many of
-// them took an algorithm other than the heuristic's first.
-extern "C" __attribute__((visibility("default"))) int64_t loom_precision_cublaslt_problems_timed();
-extern "C" __attribute__((visibility("default"))) int64_t loom_precision_cublaslt_problems_switched();

@@ -28,7 +28,7 @@ class CublasLtRecipe : public Precision {
   void setup(const PrecisionSetup& /*setup*/) override {
     log_info(cat("precision ", name_, ": cuBLASLt algorithm per GEMM problem: ",
                  gemms_.algo_choice() == GemmAlgo::fastest
-                     ? cat("the fastest of the heuristic's first ", CublasLtLinears::kMaxCandidates,
+                     ? cat("the fastest of the heuristic's first ", kGemmAlgoCandidates,
                            " answers, timed when the first step builds the plans (gemm_algo = \"fastest\")")
                      : std::string("the heuristic's first answer (gemm_algo = \"heuristic\")")));
   }

@@ -66,6 +66,7 @@ Fp8BlockRecipe::Fp8BlockRecipe(const PluginInit& init) {
   const fp8_options::Master master = fp8_options::Master::read(c);
   o_.fp8_head = c.get_bool("fp8_head", false);
   o_.weight_cache = fp8_options::read_weight_cache(c);
+  o_.gemm_algo = read_gemm_algo(c, init.deterministic);  // CUDA's GEMMs; the CPU emulation has one way
   c.finish();
   master.check(c, init.device);
   o_.master_bf16 = master.bf16;

@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/gemm_algo.hpp"
 #include "loom/precision.hpp"
 #include "precision/common/fp8_options.hpp"
 
@@ -49,6 +50,7 @@ struct Options {
   bool fp8_head = false;
   bool master_bf16 = false;  // master = "bf16" (CUDA only)
   bool stochastic_rounding = false;
+  GemmAlgo gemm_algo = GemmAlgo::heuristic;  // precision.gemm_algo, resolved (loom/gemm_algo.hpp)
 };
 // The recipe on CUDA (fp8_block_gpu.cpp); in a build without CUDA it throws
 // a loom::Error saying so.

@@ -54,8 +54,10 @@ bool aligned(int64_t v) { return v % blk::kBlock == 0; }
 class Fp8BlockGpu final : public Precision {
  public:
   explicit Fp8BlockGpu(const Options& o)
-      : o_(o), lt_("fp8_block", precision_common::GemmDTypes{DType::bf16, DType::bf16,
-                                                             o.master_bf16 ? DType::bf16 : DType::f32}) {}
+      : o_(o),
+        lt_("fp8_block",
+            precision_common::GemmDTypes{DType::bf16, DType::bf16, o.master_bf16 ? DType::bf16 : DType::f32},
+            o.gemm_algo) {}
 
   ~Fp8BlockGpu() override {
     if (counter_ != nullptr) cudaFree(counter_);  // teardown: nothing worth reporting
@@ -150,7 +152,8 @@ class Fp8BlockGpu final : public Precision {
                  "128x128 blocks, wgrad operands in 1x128 tiles along the tokens; no fast accumulation",
                  full.empty() ? std::string() : cat("; in bf16: ", full), "; master ",
                  o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32",
-                 "; ", fp8_options::weight_cache_summary(o_.weight_cache, per_layer_)));
+                 "; ", fp8_options::weight_cache_summary(o_.weight_cache, per_layer_), "; gemm_algo ",
+                 gemm_algo_name(o_.gemm_algo)));
   }
 
   void set_workspace(void* ptr, size_t bytes) override {
@@ -330,7 +333,9 @@ class Fp8BlockGpu final : public Precision {
   }
 
   gpu::Fp8BlockGemm& gemm(const ExecContext& ctx) {
-    if (!gemm_) gemm_ = std::make_unique<gpu::Fp8BlockGemm>(ctx.blas_handle, ws_, gpu::Fp8BlockGemm::kWorkspaceBytes);
+    if (!gemm_)
+      gemm_ = std::make_unique<gpu::Fp8BlockGemm>(ctx.blas_handle, ws_, gpu::Fp8BlockGemm::kWorkspaceBytes,
+                                                  o_.gemm_algo);
     return *gemm_;
   }
 

@@ -80,6 +80,7 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
   const fp8_options::Master master = fp8_options::Master::read(c);
   fp8_head_ = c.get_bool("fp8_head", false);
   weight_cache_ = fp8_options::read_weight_cache(c);
+  const GemmAlgo gemm_algo = read_gemm_algo(c, init.deterministic);  // CUDA's GEMMs; the CPU emulation has one way
   c.finish();
   master.check(c, init.device);
   state_ = std::make_unique<fp8::ScalingState>(sc);
@@ -92,6 +93,7 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
     o.master_bf16 = master.bf16;
     o.stochastic_rounding = master.stochastic_rounding;
     o.weight_cache = weight_cache_;
+    o.gemm_algo = gemm_algo;
     gpu_ = make_gpu_recipe(o);
     return;
   }

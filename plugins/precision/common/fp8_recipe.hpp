@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "loom/fp8_scaling.hpp"
+#include "loom/gemm_algo.hpp"
 #include "loom/precision.hpp"
 #include "precision/common/fp8_options.hpp"
 
@@ -59,6 +60,7 @@ struct GpuOptions {
   GemmOptions gemm;
   bool master_bf16 = false;  // master = "bf16": bf16 parameters, gradients and AdamW state, no fp32 copy
   bool stochastic_rounding = false;
+  GemmAlgo gemm_algo = GemmAlgo::heuristic;  // precision.gemm_algo, resolved (loom/gemm_algo.hpp)
 };
 // The recipe on CUDA (fp8_recipe_gpu.cpp); in a build without CUDA it throws
 // a loom::Error saying so.

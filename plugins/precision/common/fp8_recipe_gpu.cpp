@@ -57,7 +57,8 @@ class Fp8Gpu final : public Precision {
   explicit Fp8Gpu(const GpuOptions& o)
       : o_(o),
         host_(o.scaling),
-        lt_(o.plugin, precision_common::GemmDTypes{DType::bf16, DType::bf16, o.master_bf16 ? DType::bf16 : DType::f32}) {}
+        lt_(o.plugin, precision_common::GemmDTypes{DType::bf16, DType::bf16, o.master_bf16 ? DType::bf16 : DType::f32},
+            o.gemm_algo) {}
 
   ~Fp8Gpu() override {
     // Teardown: nothing worth reporting if the context is already gone.
@@ -163,7 +164,8 @@ class Fp8Gpu final : public Precision {
                  ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off", "; ",
                  fp8_options::weight_cache_summary(o_.weight_cache, per_layer_),
                  " (cast weights ", weight_region(), " bytes)", "; master ",
-                 o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32"));
+                 o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32",
+                 "; gemm_algo ", gemm_algo_name(o_.gemm_algo)));
   }
 
   // The device state, allocated and set to the host state's fresh values with
@@ -475,8 +477,8 @@ class Fp8Gpu final : public Precision {
   gpu::Fp8Gemm& gemm(const ExecContext& ctx) {
     // Built at the first FP8 GEMM (the handle comes with the context); one per recipe.
     if (!fp8gemm_)
-      fp8gemm_ = std::make_unique<gpu::Fp8Gemm>(ctx.blas_handle, ws_,
-                                                gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes);
+      fp8gemm_ = std::make_unique<gpu::Fp8Gemm>(
+          ctx.blas_handle, ws_, gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes, o_.gemm_algo);
     return *fp8gemm_;
   }
 

@@ -54,8 +54,8 @@ struct Fp8BlockGemm::Plan : gpu::LtMatmulObjects {
   const void* lt_b_scale = nullptr;  // cuBLASLt's B = our A
 };
 
-Fp8BlockGemm::Fp8BlockGemm(void* cublaslt_handle, void* workspace, size_t workspace_bytes)
-    : handle_(cublaslt_handle), workspace_(nullptr), workspace_bytes_(0) {
+Fp8BlockGemm::Fp8BlockGemm(void* cublaslt_handle, void* workspace, size_t workspace_bytes, GemmAlgo algo)
+    : handle_(cublaslt_handle), workspace_(nullptr), workspace_bytes_(0), algo_(algo) {
   set_workspace(workspace, workspace_bytes);
 }
 
@@ -177,10 +177,12 @@ void Fp8BlockGemm::gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d,
     LOOM_CUBLASLT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)),
         where());
-    cublasLtMatmulHeuristicResult_t result{};
+    std::array<cublasLtMatmulHeuristicResult_t, kGemmAlgoCandidates> cand{};
+    const int want = algo_ == GemmAlgo::fastest ? kGemmAlgoCandidates : 1;
     int found = 0;
     const cublasStatus_t st =
-        cublasLtMatmulAlgoGetHeuristic(handle, p->op, p->a, p->b, p->c_layout(), p->d, pref, 1, &result, &found);
+        cublasLtMatmulAlgoGetHeuristic(handle, p->op, p->a, p->b, p->c_layout(), p->d, pref, want, cand.data(), &found);
+    const cublasLtMatmulHeuristicResult_t& result = cand[0];
     if (st != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
       int dev = -1, major = 0, minor = 0;
       (void)cudaGetDevice(&dev);
@@ -192,8 +194,26 @@ void Fp8BlockGemm::gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d,
                       " GPU; block-scaled FP8 (VEC128_32F / BLK128x128_32F) needs Hopper (9.0) and cuBLASLt 12.9 "
                       "or newer"));
     }
-    p->algo = result.algo;
-    p->workspace_needed = result.workspaceSize;
+    int pick = 0;
+    if (algo_ == GemmAlgo::fastest) {
+      // D (and C where it has a layout of its own) in the scratch; cuBLASLt's D is n x m, leading dimension ldd.
+      const size_t es = dtype_size(d.dtype), d_bytes = static_cast<size_t>(md.ld * m) * es,
+                   c_bytes = p->c ? static_cast<size_t>(mc.ld * m) * es : 0;
+      const float one = 1.0f, beta = c != nullptr ? 1.0f : 0.0f;
+      const Plan& q = *p;
+      pick = time_gemm_candidates(
+          stream, found, d_bytes + c_bytes,
+          [&](int i, void* scratch) {
+            const cublasLtMatmulHeuristicResult_t& r = cand[static_cast<size_t>(i)];
+            if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > workspace_bytes_) return false;
+            const void* sc = q.c ? static_cast<const char*>(scratch) + d_bytes : scratch;
+            return cublasLtMatmul(handle, q.op, &one, tb.data, q.a, ta.data, q.b, &beta, sc, q.c_layout(), scratch,
+                                  q.d, &r.algo, workspace_, workspace_bytes_, stream) == CUBLAS_STATUS_SUCCESS;
+          },
+          where());
+    }
+    p->algo = cand[static_cast<size_t>(pick)].algo;
+    p->workspace_needed = cand[static_cast<size_t>(pick)].workspaceSize;
     plan = p.get();
     plans_.push_back(std::move(p));
     ++plans_built_;

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "loom/fp8_block.hpp"
+#include "loom/gemm_algo.hpp"
 #include "loom/tensor.hpp"
 
 namespace loom::gpu {
@@ -47,7 +48,8 @@ class Fp8BlockGemm {
  public:
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
-  Fp8BlockGemm(void* cublaslt_handle, void* workspace, size_t workspace_bytes);
+  // algo as Fp8Gemm's (loom/gemm_algo.hpp).
+  Fp8BlockGemm(void* cublaslt_handle, void* workspace, size_t workspace_bytes, GemmAlgo algo = GemmAlgo::heuristic);
   ~Fp8BlockGemm();
   Fp8BlockGemm(const Fp8BlockGemm&) = delete;
   Fp8BlockGemm& operator=(const Fp8BlockGemm&) = delete;
@@ -65,6 +67,7 @@ class Fp8BlockGemm {
   void* handle_;
   void* workspace_;
   size_t workspace_bytes_;
+  GemmAlgo algo_ = GemmAlgo::heuristic;
   std::vector<std::unique_ptr<Plan>> plans_;
   int64_t plans_built_ = 0;
 };

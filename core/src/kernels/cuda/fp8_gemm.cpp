@@ -63,8 +63,8 @@ struct Fp8Gemm::Plan : gpu::LtMatmulObjects {
   void* amax = nullptr;
 };
 
-Fp8Gemm::Fp8Gemm(void* cublaslt_handle, void* workspace, size_t workspace_bytes)
-    : handle_(cublaslt_handle), workspace_(nullptr), workspace_bytes_(0) {
+Fp8Gemm::Fp8Gemm(void* cublaslt_handle, void* workspace, size_t workspace_bytes, GemmAlgo algo)
+    : handle_(cublaslt_handle), workspace_(nullptr), workspace_bytes_(0), algo_(algo) {
   set_workspace(workspace, workspace_bytes);
 }
 
@@ -250,10 +250,12 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
     LOOM_CUBLASLT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)),
         where());
-    cublasLtMatmulHeuristicResult_t result{};
+    std::array<cublasLtMatmulHeuristicResult_t, kGemmAlgoCandidates> cand{};
+    const int want = algo_ == GemmAlgo::fastest ? kGemmAlgoCandidates : 1;
     int found = 0;
     const cublasStatus_t st =
-        cublasLtMatmulAlgoGetHeuristic(handle, p.op, p.a, p.b, p.c_layout(), p.d, pref, 1, &result, &found);
+        cublasLtMatmulAlgoGetHeuristic(handle, p.op, p.a, p.b, p.c_layout(), p.d, pref, want, cand.data(), &found);
+    const cublasLtMatmulHeuristicResult_t& result = cand[0];
     if (with_amax && (st != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS)) return false;
     if (st != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
       int dev = -1, major = 0, minor = 0;
@@ -266,8 +268,25 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
                       "-byte workspace on a compute capability ", major, ".", minor,
                       " GPU; FP8 GEMMs need 8.9 or newer"));
     }
-    p.algo = result.algo;
-    p.workspace_needed = result.workspaceSize;
+    int pick = 0;
+    if (algo_ == GemmAlgo::fastest) {
+      // D (and C where it has a layout of its own) in the scratch; cuBLASLt's D is n x m, leading dimension ldd.
+      const size_t es = dtype_size(d.dtype), d_bytes = static_cast<size_t>(md.ld * m) * es,
+                   c_bytes = p.c ? static_cast<size_t>(mc.ld * m) * es : 0;
+      const float one = 1.0f, beta = opt.c != nullptr ? 1.0f : 0.0f;
+      pick = time_gemm_candidates(
+          stream, found, d_bytes + c_bytes,
+          [&](int i, void* scratch) {
+            const cublasLtMatmulHeuristicResult_t& r = cand[static_cast<size_t>(i)];
+            if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > workspace_bytes_) return false;
+            const void* sc = p.c ? static_cast<const char*>(scratch) + d_bytes : scratch;
+            return cublasLtMatmul(handle, p.op, &one, b.data, p.a, a.data, p.b, &beta, sc, p.c_layout(), scratch,
+                                  p.d, &r.algo, workspace_, workspace_bytes_, stream) == CUBLAS_STATUS_SUCCESS;
+          },
+          where());
+    }
+    p.algo = cand[static_cast<size_t>(pick)].algo;
+    p.workspace_needed = cand[static_cast<size_t>(pick)].workspaceSize;
     return true;
   };
 

@@ -49,7 +49,9 @@
 // fp8_amax pass over D after the GEMM (amax_fused() says which). NaN in D:
 // see fp8_amax.
 //
-// Plans (matmul descriptor, layouts, the heuristic's algorithm) are cached
+// Plans (matmul descriptor, layouts, and the algorithm: the heuristic's first
+// answer, or with GemmAlgo::fastest the fastest of its first answers, timed
+// once when the plan is built on a scratch D) are cached
 // per problem key (shape, leading dims, dtypes, pointer alignments, C, amax,
 // fast accumulation): a repeated call issues one cublasLtMatmul (plus the
 // amax pass when not fused) and allocates nothing; the scale and amax
@@ -64,6 +66,7 @@
 #include <memory>
 #include <vector>
 
+#include "loom/gemm_algo.hpp"
 #include "loom/tensor.hpp"
 
 namespace loom::gpu {
@@ -88,7 +91,10 @@ class Fp8Gemm {
 
   // handle: a cublasLtHandle_t (void* so that this header needs no cuBLASLt).
   // workspace: device memory, 256-byte aligned, used by every GEMM of this object.
-  Fp8Gemm(void* cublaslt_handle, void* workspace, size_t workspace_bytes);
+  // algo: the heuristic's first answer, or the fastest of its first answers,
+  // timed once per problem when its plan is built (loom/gemm_algo.hpp; D and
+  // C in a scratch, the amax slot reset before the real call as always).
+  Fp8Gemm(void* cublaslt_handle, void* workspace, size_t workspace_bytes, GemmAlgo algo = GemmAlgo::heuristic);
   ~Fp8Gemm();
   Fp8Gemm(const Fp8Gemm&) = delete;
   Fp8Gemm& operator=(const Fp8Gemm&) = delete;
@@ -114,6 +120,7 @@ class Fp8Gemm {
   void* handle_;
   void* workspace_;
   size_t workspace_bytes_;       // cuBLASLt's part of the workspace
+  GemmAlgo algo_ = GemmAlgo::heuristic;
   float* scale_slots_ = nullptr;  // the workspace's last kScaleSlotBytes: 16-byte aligned copies of the scales
   std::vector<std::unique_ptr<Plan>> plans_;
   int64_t plans_built_ = 0;
