@@ -141,9 +141,26 @@ struct LtPlan {
   }
 };
 
-// The bf16 recipe's GEMM: bf16 A and B, fp32 compute, D of type td.
+// Up to `want` of the heuristic's answers for plan p (C = D's layout) with a
+// ws-byte workspace, into r; the status of the query.
+cublasStatus_t heuristic(cublasLtHandle_t h, const LtPlan& p, size_t ws, int want, cublasLtMatmulHeuristicResult_t* r,
+                         int* found) {
+  cublasLtMatmulPreference_t pref;
+  LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "pref");
+  const uint64_t w = ws;
+  const cublasStatus_t set =
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof(w));
+  const cublasStatus_t st =
+      set != CUBLAS_STATUS_SUCCESS ? set : cublasLtMatmulAlgoGetHeuristic(h, p.op, p.a, p.b, p.d, p.d, pref, want, r, found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  return st;
+}
+
+// The bf16 recipe's GEMM: bf16 A and B, fp32 compute, D of type td; the
+// heuristic's first answer, and with `cand` up to `want` answers there.
 void bf16_plan(LtPlan& p, cublasLtHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int64_t M, int64_t N,
-               int64_t K, int64_t lda, int64_t ldb, cudaDataType_t td, int64_t ldd, size_t ws) {
+               int64_t K, int64_t lda, int64_t ldb, cudaDataType_t td, int64_t ldd, size_t ws,
+               cublasLtMatmulHeuristicResult_t* cand = nullptr, int want = 1, int* found_out = nullptr) {
   LT_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "bf16 ", M, "x", N, "x", K);
   LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "transa");
   LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "transb");
@@ -152,17 +169,13 @@ void bf16_plan(LtPlan& p, cublasLtHandle_t h, cublasOperation_t ta, cublasOperat
   LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, tb == CUBLAS_OP_N ? K : N, tb == CUBLAS_OP_N ? N : K, ldb),
            "B");
   LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, td, M, N, ldd), "D");
-  cublasLtMatmulPreference_t pref;
-  LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "pref");
-  const uint64_t w = ws;
-  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof(w)), "ws");
-  cublasLtMatmulHeuristicResult_t r{};
+  cublasLtMatmulHeuristicResult_t one{};
+  cublasLtMatmulHeuristicResult_t* r = cand != nullptr ? cand : &one;
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, p.op, p.a, p.b, p.d, p.d, pref, 1, &r, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  LT_CHECK(st, "bf16 heuristic ", M, "x", N, "x", K);
+  LT_CHECK(heuristic(h, p, ws, cand != nullptr ? want : 1, r, &found), "bf16 heuristic ", M, "x", N, "x", K);
   if (found == 0) throw loom::Error(loom::cat("bf16 GEMM ", M, "x", N, "x", K, ": no cuBLASLt algorithm"));
-  p.algo = r.algo;
+  p.algo = r[0].algo;
+  if (found_out != nullptr) *found_out = found;
 }
 
 struct Row {
@@ -354,26 +367,9 @@ void bench_algos(const AlgoModel& md, const Args& args, cublasLtHandle_t lt, voi
                     {"wgrad", CUBLAS_OP_N, CUBLAS_OP_T, l.in, l.out, T, l.in, l.out, l.in, md.grad, x.p, dy.p, dw.p, 1.f}};
     for (const G& g : gs) {
       LtPlan p;
-      LT_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "algos");
-      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &g.ta, sizeof(g.ta)), "transa");
-      LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &g.tb, sizeof(g.tb)), "transb");
-      LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, g.ta == CUBLAS_OP_N ? g.M : g.K,
-                                          g.ta == CUBLAS_OP_N ? g.K : g.M, g.lda),
-               "A");
-      LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, g.tb == CUBLAS_OP_N ? g.K : g.N,
-                                          g.tb == CUBLAS_OP_N ? g.N : g.K, g.ldb),
-               "B");
-      LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, g.td, g.M, g.N, g.ldd), "D");
-      cublasLtMatmulPreference_t pref;
-      LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "pref");
-      const uint64_t wsz = ws_bytes;
-      LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsz, sizeof(wsz)),
-               "ws");
       cublasLtMatmulHeuristicResult_t r[16]{};
       int found = 0;
-      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.d, p.d, pref, 16, r, &found);
-      cublasLtMatmulPreferenceDestroy(pref);
-      LT_CHECK(st, md.name, " ", l.name, " ", g.name, " heuristic");
+      bf16_plan(p, lt, g.ta, g.tb, g.M, g.N, g.K, g.lda, g.ldb, g.td, g.ldd, ws_bytes, r, 16, &found);
       const float one = 1.0f;
       double first = 0, best = 1e30;
       int best_i = -1;
@@ -468,14 +464,8 @@ void probe_block_scaling(cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStr
         const int8_t fa = fast ? 1 : 0;
         LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fa, sizeof(fa)), "probe");
         LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, d_f32 ? CUDA_R_32F : CUDA_R_16BF, M, N, M), "probe");
-        cublasLtMatmulPreference_t pref;
-        LT_CHECK(cublasLtMatmulPreferenceCreate(&pref), "probe");
-        const uint64_t w = ws_bytes;
-        LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &w, sizeof(w)),
-                 "probe");
         cublasLtMatmulHeuristicResult_t r[8]{};
-        sh_st = cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.d, p.d, pref, 8, r, &found);
-        cublasLtMatmulPreferenceDestroy(pref);
+        sh_st = heuristic(lt, p, ws_bytes, 8, r, &found);
         if (sh_st == CUBLAS_STATUS_SUCCESS && found > 0) {
           const float one = 1.0f, zero = 0.0f;
           auto go = [&] {

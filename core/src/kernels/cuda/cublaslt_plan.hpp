@@ -1,13 +1,17 @@
 // What the core's cuBLASLt GEMM wrappers share (fp8_gemm.cpp,
 // fp8_block_gemm.cpp): the status check that names the failed call, and the
-// descriptor objects of one matmul plan, destroyed with it, and the alignment
-// an operand's address gives.
+// descriptor objects of one matmul plan, destroyed with it, the alignment
+// an operand's address gives, and the timing of a plan's candidate algorithms.
 #pragma once
 #include <cublasLt.h>
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
+#include <string>
 
 #include "loom/error.hpp"
+#include "loom/gemm_algo.hpp"
 
 // Throws a loom::Error naming `where`, the call and cuBLASLt's status.
 #define LOOM_CUBLASLT_CHECK(call, where)                                                                        \
@@ -50,5 +54,27 @@ struct LtMatmulObjects {
     destroy_op();
   }
 };
+
+// GemmAlgo::fastest for a plan (loom/gemm_algo.hpp): the index of the
+// fastest of the heuristic's `found` answers for D = op(A) op(B) (+ beta C),
+// timed with cuBLASLt's A and B as given and D — and C where it has a layout
+// of its own — in a scratch of d_bytes (+ c_bytes). Answers that do not fit
+// the workspace or failed the heuristic are never picked.
+inline int fastest_algorithm(cublasLtHandle_t handle, const LtMatmulObjects& p,
+                             const cublasLtMatmulHeuristicResult_t* cand, int found, const void* lt_a,
+                             const void* lt_b, float beta, size_t d_bytes, size_t c_bytes, void* workspace,
+                             size_t workspace_bytes, cudaStream_t stream, const std::string& where) {
+  const float one = 1.0f;
+  return time_gemm_candidates(
+      stream, found, d_bytes + c_bytes,
+      [&](int i, void* scratch) {
+        const cublasLtMatmulHeuristicResult_t& r = cand[i];
+        if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > workspace_bytes) return false;
+        const void* sc = p.c ? static_cast<const char*>(scratch) + d_bytes : scratch;
+        return cublasLtMatmul(handle, p.op, &one, lt_a, p.a, lt_b, p.b, &beta, sc, p.c_layout(), scratch, p.d,
+                              &r.algo, workspace, workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+      },
+      where);
+}
 
 }  // namespace loom::gpu

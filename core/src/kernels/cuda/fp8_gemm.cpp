@@ -271,19 +271,10 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
     int pick = 0;
     if (algo_ == GemmAlgo::fastest) {
       // D (and C where it has a layout of its own) in the scratch; cuBLASLt's D is n x m, leading dimension ldd.
-      const size_t es = dtype_size(d.dtype), d_bytes = static_cast<size_t>(md.ld * m) * es,
-                   c_bytes = p.c ? static_cast<size_t>(mc.ld * m) * es : 0;
-      const float one = 1.0f, beta = opt.c != nullptr ? 1.0f : 0.0f;
-      pick = time_gemm_candidates(
-          stream, found, d_bytes + c_bytes,
-          [&](int i, void* scratch) {
-            const cublasLtMatmulHeuristicResult_t& r = cand[static_cast<size_t>(i)];
-            if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > workspace_bytes_) return false;
-            const void* sc = p.c ? static_cast<const char*>(scratch) + d_bytes : scratch;
-            return cublasLtMatmul(handle, p.op, &one, b.data, p.a, a.data, p.b, &beta, sc, p.c_layout(), scratch,
-                                  p.d, &r.algo, workspace_, workspace_bytes_, stream) == CUBLAS_STATUS_SUCCESS;
-          },
-          where());
+      const size_t es = dtype_size(d.dtype);
+      pick = fastest_algorithm(handle, p, cand.data(), found, b.data, a.data, opt.c != nullptr ? 1.0f : 0.0f,
+                               static_cast<size_t>(md.ld * m) * es, p.c ? static_cast<size_t>(mc.ld * m) * es : 0,
+                               workspace_, workspace_bytes_, stream, where());
     }
     p.algo = cand[static_cast<size_t>(pick)].algo;
     p.workspace_needed = cand[static_cast<size_t>(pick)].workspaceSize;
