@@ -434,6 +434,55 @@ TEST_F(CudaGemm, FastestTimesEachProblemOnceAndComputesTheSameProduct) {
   }
 }
 
+// "fastest" on variable-row linears (MoE experts): the max_rows plan's
+// candidates are timed once, at the first call's row count, for every expert
+// of the shape; every row count after (smaller, the maximum, one) still
+// computes the right product, the accumulated dW included (fp64 reference,
+// the recipe's tolerance).
+TEST_F(CudaGemm, FastestOnVariableRowLinears) {
+  for (const char* name : {"bf16", "bf16_pure"}) {
+    SCOPED_TRACE(name);
+    const Recipe& r = name == std::string("bf16") ? kRecipes[1] : kRecipes[2];
+    auto p = gpu_plugin(name);
+    const int max_rows = 1536, k = 344, n = 712;  // a shape no other case uses
+    loom::LinearDesc e0{"layer.0.expert.0.w1", k, n, max_rows, loom::LinearRole::hidden, true};
+    loom::LinearDesc e1 = e0;
+    e1.name = "layer.0.expert.1.w1";
+    const int id0 = p->register_linear(e0), id1 = p->register_linear(e1);
+    const int64_t t0 = loom::gemm_timing_counts().timed;
+    std::mt19937 rng(11);
+    int calls = 0;
+    for (int m : {600, 1536, 96, 1, 600}) {
+      for (int id : {id0, id1}) {
+        SCOPED_TRACE(::testing::Message() << "m=" << m << " expert " << id);
+        const std::vector<float> x = random_values(size_t(m) * k, r.act, rng),
+                                 w = random_values(size_t(n) * k, r.param, rng),
+                                 dy = random_values(size_t(m) * n, r.act, rng),
+                                 dw0 = random_values(size_t(n) * k, r.grad, rng);
+        DevMatrix xb(r.act, m, k), wb(r.param, n, k), yb(r.act, m, n), dyb(r.act, m, n), dxb(r.act, m, k),
+            dwb(r.grad, n, k);
+        ASSERT_TRUE(xb.base && wb.base && yb.base && dyb.base && dxb.base && dwb.base);
+        xb.upload(x);
+        wb.upload(w);
+        dyb.upload(dy);
+        dwb.upload(dw0);
+        loom::Tensor tx = xb.tensor(), tw = wb.tensor(), ty = yb.tensor(), tdy = dyb.tensor(), tdx = dxb.tensor(),
+                     tdw = dwb.tensor();
+        p->linear_forward(ctx_, id, tx, tw, ty, nullptr);
+        p->linear_backward(ctx_, id, tx, tw, tdy, &tdx, tdw, /*accumulate=*/true);
+        sync();
+        const std::vector<double> xd = to_double(x), wd = to_double(w), dyd = to_double(dy);
+        EXPECT_LE(rel_error(yb.download(), ref_forward(xd, wd, m, k, n)), r.tol) << "forward";
+        EXPECT_LE(rel_error(dxb.download(), ref_dgrad(dyd, wd, m, k, n)), r.tol) << "dx";
+        EXPECT_LE(rel_error(dwb.download(), ref_wgrad(dyd, xd, m, k, n, to_double(dw0))), r.tol) << "dW accumulated";
+        if (++calls == 1)
+          EXPECT_EQ(loom::gemm_timing_counts().timed, t0 + 3) << "the first call times fprop, dgrad and wgrad";
+      }
+    }
+    EXPECT_EQ(loom::gemm_timing_counts().timed, t0 + 3) << "later row counts and the other expert time nothing";
+  }
+}
+
 // y = x W^T + residual, the residual being cuBLASLt's C input (beta = 1), in
 // the three ways a fused layer hands it in: its own buffer, y itself (in place),
 // and a row view of a wider buffer (own leading dimension, 16/32-byte aligned

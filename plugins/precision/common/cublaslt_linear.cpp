@@ -373,6 +373,39 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
 
   auto& plans = slots_[static_cast<size_t>(id)]->plans[g];
   Plan* plan = nullptr;
+
+  // GemmAlgo::fastest: the pick for problem `k` (fprop/dgrad/wgrad g), timed
+  // once on this call's operands with `p`'s layouts (D and C in a scratch)
+  // and shared by every later plan of the same problem.
+  std::array<cublasLtMatmulHeuristicResult_t, kGemmAlgoCandidates> cand;  // filled by build_plan before use
+  int found = 0;
+  auto timed_pick = [&](Plan* p, const std::array<int64_t, 11>& k) -> const Timed* {
+    for (const auto& x : timed_)
+      if (x->gemm == g && x->key == k) return x.get();
+    const size_t es = dtype_size(td), d_bytes = static_cast<size_t>(ldd * cols) * es,
+                 c_bytes = p->c ? static_cast<size_t>(ldc * cols) * es : 0;
+    const float one = 1.0f;
+    const int best = time_gemm_candidates(
+        ctx.stream, found, d_bytes + c_bytes,
+        [&](int i, void* scratch) {
+          const cublasLtMatmulHeuristicResult_t& r = cand[static_cast<size_t>(i)];
+          if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > workspace_bytes_) return false;
+          const void* sc = p->c ? static_cast<const char*>(scratch) + d_bytes : scratch;
+          return cublasLtMatmul(handle, p->op, &one, a, p->a, b, p->b, &beta, sc, p->c_layout(), scratch, p->d,
+                                &r.algo, workspace_, workspace_bytes_,
+                                static_cast<cudaStream_t>(ctx.stream)) == CUBLAS_STATUS_SUCCESS;
+        },
+        where());
+    ++problems_timed_;
+    if (best != 0) ++problems_switched_;
+    auto nt = std::make_unique<Timed>();
+    nt->gemm = g;
+    nt->key = k;
+    nt->algo = cand[static_cast<size_t>(best)].algo;
+    nt->workspace = cand[static_cast<size_t>(best)].workspaceSize;
+    timed_.push_back(std::move(nt));
+    return timed_.back().get();
+  };
   // The row count m and where it sits (fprop, dgrad: N' = cols; wgrad: K' = inner).
   const int mi = g == kWgrad ? 2 : 1;
   const int64_t m = g == kWgrad ? inner : cols;
@@ -386,8 +419,11 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     Plan* v = nullptr;
     for (auto& p : plans)
       if (p->key == vkey) { v = p.get(); break; }
+    bool time_v = false;
     if (v == nullptr) {
-      v = build_plan(handle, plans, vkey, op_a, op_b, ta, tb, td, workspace_bytes_, where);
+      time_v = algo_ == GemmAlgo::fastest;
+      v = time_v ? build_plan(handle, plans, vkey, op_a, op_b, ta, tb, td, workspace_bytes_, where, cand.data(), &found)
+                 : build_plan(handle, plans, vkey, op_a, op_b, ta, tb, td, workspace_bytes_, where);
       ++plans_built_;
     }
     if (v->rows_now != m) {
@@ -416,6 +452,19 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
         v->workspace_needed = chk.workspaceSize;
       }
     }
+    if (time_v && v->rows_now == m) {
+      // GemmAlgo::fastest: the candidates (answers for max_rows) timed at
+      // this first call's m, once for every expert's plan of the problem;
+      // the pick must pass the same check at m, else the first answer stays.
+      const Timed* t = timed_pick(v, vkey);
+      cublasLtMatmulHeuristicResult_t chk{};
+      cublasLtMatmulAlgo_t pick = t->algo;
+      const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle, v->op, v->a, v->b, v->c_layout(), v->d, &pick, &chk);
+      if (st == CUBLAS_STATUS_SUCCESS && chk.state == CUBLAS_STATUS_SUCCESS && chk.workspaceSize <= workspace_bytes_) {
+        v->algo = pick;
+        v->workspace_needed = chk.workspaceSize;
+      }
+    }
     if (v->rows_now == m) plan = v;  // else: an exact plan for this m, below
   }
   for (auto& p : plans) {
@@ -423,44 +472,14 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     if (p->key == key && p->rows_now < 0) plan = p.get();
   }
   if (plan == nullptr) {
-    // Variable-row linears (the experts) meet a new row count any step:
-    // timing there would run mid-training and differ from step to step.
+    // A variable-row linear's exact plan (a row count its max_rows plan
+    // cannot run) keeps the heuristic's answer: timing there would run at
+    // any step and differ from step to step.
     if (algo_ == GemmAlgo::heuristic || desc.variable_rows) {
       plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where);
     } else {
-      std::array<cublasLtMatmulHeuristicResult_t, kGemmAlgoCandidates> cand{};
-      int found = 0;
       plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where, cand.data(), &found);
-      // One timing per problem: every layer's linear of this shape shares it.
-      const Timed* t = nullptr;
-      for (const auto& x : timed_)
-        if (x->gemm == g && x->key == key) { t = x.get(); break; }
-      if (t == nullptr) {
-        // D (and C where it has a layout of its own) in the scratch.
-        const size_t es = dtype_size(td), d_bytes = static_cast<size_t>(ldd * cols) * es,
-                     c_bytes = plan->c ? static_cast<size_t>(ldc * cols) * es : 0;
-        const float one = 1.0f;
-        const int best = time_gemm_candidates(
-            ctx.stream, found, d_bytes + c_bytes,
-            [&](int i, void* scratch) {
-              const cublasLtMatmulHeuristicResult_t& r = cand[static_cast<size_t>(i)];
-              if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > workspace_bytes_) return false;
-              const void* sc = plan->c ? static_cast<const char*>(scratch) + d_bytes : scratch;
-              return cublasLtMatmul(handle, plan->op, &one, a, plan->a, b, plan->b, &beta, sc, plan->c_layout(),
-                                    scratch, plan->d, &r.algo, workspace_, workspace_bytes_,
-                                    static_cast<cudaStream_t>(ctx.stream)) == CUBLAS_STATUS_SUCCESS;
-            },
-            where());
-        ++problems_timed_;
-        if (best != 0) ++problems_switched_;
-        auto nt = std::make_unique<Timed>();
-        nt->gemm = g;
-        nt->key = key;
-        nt->algo = cand[static_cast<size_t>(best)].algo;
-        nt->workspace = cand[static_cast<size_t>(best)].workspaceSize;
-        t = nt.get();
-        timed_.push_back(std::move(nt));
-      }
+      const Timed* t = timed_pick(plan, key);
       plan->algo = t->algo;
       plan->workspace_needed = t->workspace;
     }
