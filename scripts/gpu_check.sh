@@ -12,8 +12,11 @@
 #       trace: a [profile] window on llama-1b, its Chrome/Perfetto trace
 #       checked by tests/trace/check_trace.py (the trace lands in $OUT/trace)
 #   bash scripts/gpu_check.sh sharding [CONFIG]     (a host with 2+ GPUs: NCCL and
-#       sharding tests, single-GPU bench, PyTorch FSDP2 peer, `loom compare` of every
-#       strategy, and the throughput targets; env NP, STEPS, WARMUP, STRATEGIES)
+#       sharding tests, the resharded resume, single-GPU bench, PyTorch FSDP2 peer, `loom
+#       compare` of every strategy, and the throughput targets; env NP, STEPS, WARMUP,
+#       STRATEGIES. With 4+ GPUs (an even count) also: hybrid_shard in groups of 2 and the
+#       PyTorch HSDP peer in groups of 2, the resume onto 2 GPUs, and llama2-7b under zero3
+#       and hybrid_shard with planned against measured memory (compare_7b))
 #   bash scripts/gpu_check.sh sharding-tests      (the test part of `sharding` only)
 #   bash scripts/gpu_check.sh fp8-convergence     (bf16 against fp8_delayed and fp8_current: `loom compare`
 #       on the fortune corpus, fused layers, same initial weights, 1000 steps; the final validation
@@ -199,8 +202,12 @@ if [ "$WHAT" = sharding ] || [ "$WHAT" = sharding-tests ]; then
   CFG=${1:-configs/bench/llama-1b.toml}
   NP=${NP:-$(nvidia-smi -L | wc -l)}
   STEPS=${STEPS:-10}; WARMUP=${WARMUP:-3}
-  STRATEGIES=${STRATEGIES:-ddp,zero1,zero2,zero3,hybrid_shard}
+  # With 4+ GPUs hybrid_shard runs in groups of 2 (its default, one node, would be zero3 here).
+  GROUPS2=0; [ "$NP" -ge 4 ] && [ $((NP % 2)) = 0 ] && GROUPS2=1
+  HYBRID=hybrid_shard; [ $GROUPS2 = 1 ] && HYBRID=hybrid_shard:shard_group_size=2
+  STRATEGIES=${STRATEGIES:-ddp,zero1,zero2,zero3,$HYBRID}
   MPI=(mpirun --allow-run-as-root --bind-to none -np "$NP" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH)
+  MPI2=(mpirun --allow-run-as-root --bind-to none -np 2 -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH)
   : > "$OUT/tests.txt"
   # NCCL communicator and every strategy on GPUs (fp32, tiny model, against one process).
   if "${MPI[@]}" .carry/bin/test_nccl_comm > "$OUT/test_nccl_comm.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
@@ -252,19 +259,25 @@ TOML
     --set checkpoint.dir="$R/ck" --set run.out_dir="$R/ddp" > "$R/ddp.log" 2>&1
   $L train "$R/tiny.toml" --set train.grad_accum=$NP --set checkpoint.resume=10 --set checkpoint.dir="$R/ck" \
     --set run.out_dir="$R/one" > "$R/one.log" 2>&1
+  # And onto 2 GPUs (zero3 again, the same global batch), where there were more.
+  if [ "$NP" -gt 2 ] && [ $((NP % 2)) = 0 ]; then
+    "${MPI2[@]}" $L train "$R/tiny.toml" --set sharding.plugin=zero3 --set train.grad_accum=$((NP / 2)) \
+      --set checkpoint.resume=10 --set checkpoint.dir="$R/ck" --set run.out_dir="$R/two" > "$R/two.log" 2>&1
+  fi
   if python3 - "$R" <<'PY'
-import json, sys
+import json, os, sys
 d = sys.argv[1]
 def losses(n):
     return {j["step"]: j["loss"] for j in map(json.loads, open(f"{d}/{n}/metrics.jsonl")) if "loss" in j}
 ref = losses("ref")
 worst = 0.0
-for run in ("save", "ddp", "one"):
+for run in ("save", "ddp", "one") + (("two",) if os.path.exists(f"{d}/two.log") else ()):
     got = losses(run)
     assert got, run
     for k, v in got.items():
         worst = max(worst, abs(v - ref[k]) / abs(ref[k]))
-print(f"resharded resume on cuda: zero3 -> ddp and -> one GPU, worst rel loss diff {worst:.2e}")
+two = " and -> 2 GPUs (zero3)" if os.path.exists(f"{d}/two.log") else ""
+print(f"resharded resume on cuda: zero3 -> ddp and -> one GPU{two}, worst rel loss diff {worst:.2e}")
 sys.exit(0 if worst <= 1e-5 else 1)
 PY
   then r=PASS; else r=FAIL; status=1; fi
@@ -279,6 +292,14 @@ if [ "$WHAT" = sharding ]; then
     > "$OUT/fsdp.out" 2> "$OUT/fsdp.log" || echo "torch_fsdp failed: see fsdp.log" >&2
   grep -h '^PEER_JSON' "$OUT/fsdp.out" > "$OUT/peer.jsonl" || true
   tail -3 "$OUT/fsdp.log"
+  if [ $GROUPS2 = 1 ]; then
+    # PyTorch HSDP in the same groups of 2 as hybrid_shard.
+    python3 -m torch.distributed.run --standalone --nproc_per_node="$NP" benchmarks/torch_fsdp.py "$CFG" --mode hsdp \
+      --shard-group-size 2 --steps "$STEPS" --warmup "$WARMUP" > "$OUT/hsdp.out" 2> "$OUT/hsdp.log" ||
+      echo "torch_fsdp --mode hsdp failed: see hsdp.log" >&2
+    grep -h '^PEER_JSON' "$OUT/hsdp.out" >> "$OUT/peer.jsonl" || true
+    tail -3 "$OUT/hsdp.log"
+  fi
   # Every strategy, same steps and seed, in one launch; the peer rows joined in.
   "${MPI[@]}" .carry/bin/loom compare "$CFG" --strategies="$STRATEGIES" --steps="$STEPS" --warmup="$WARMUP" \
     --out="$OUT/compare" --peer="$OUT/peer.jsonl" > "$OUT/compare.out" 2> "$OUT/compare.log" || status=1
@@ -295,5 +316,13 @@ if [ "$WHAT" = sharding ]; then
   grep -v '^COMPARE_JSON' "$OUT/compare_det.out"
   python3 benchmarks/sharding_targets.py "$OUT/single.json" "$OUT/compare.out" "$OUT/compare_det.out" \
     | tee "$OUT/targets.md" || status=1
+  if [ $GROUPS2 = 1 ]; then
+    # llama2-7b sharded over the GPUs: the memory plan ("planned mem") against the
+    # device memory in use ("peak mem") per GPU, zero3 and hybrid_shard in groups of 2.
+    "${MPI[@]}" .carry/bin/loom compare configs/bench/llama2-7b.toml --strategies=zero3,$HYBRID \
+      --steps="${STEPS_7B:-5}" --warmup=2 --out="$OUT/compare_7b" > "$OUT/compare_7b.out" 2> "$OUT/compare_7b.log" || status=1
+    grep -v '^COMPARE_JSON' "$OUT/compare_7b.out"
+    grep -E "error|Error" "$OUT/compare_7b.log" | head -10
+  fi
 fi
 exit $status

@@ -1,6 +1,10 @@
 // loom compare CONFIG --strategies=ddp,zero1,... [--configs=B.toml,C.toml] [--steps=N] [--warmup=N]
 //              [--validate=N] [--out=DIR] [--peer=FILE]... [--set k=v]...
 //
+// A strategy may carry [sharding] keys of its own after colons, each a TOML
+// value: --strategies=zero3,hybrid_shard:shard_group_size=2 runs hybrid_shard
+// with sharding.shard_group_size = 2 (its row is labelled the same way).
+//
 // Runs CONFIG once per sharding strategy (or each config of --configs as it
 // is) for the same steps and seed, under the launcher this process was started
 // by (mpirun -np 4 loom compare ...), and reports one row per run: median step
@@ -38,7 +42,7 @@ namespace loom::app {
 namespace {
 
 const char* kUsage =
-    "usage: loom compare CONFIG [--strategies=a,b,...] [--configs=B.toml,...] [--steps=N] [--warmup=N] "
+    "usage: loom compare CONFIG [--strategies=a,b:key=value,...] [--configs=B.toml,...] [--steps=N] [--warmup=N] "
     "[--validate=N] [--out=DIR] [--peer=FILE]... [--set k=v]...";
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -72,6 +76,27 @@ struct Job {
   std::string file;
   std::vector<std::string> overrides;
 };
+
+// One --strategies item: "name" or "name:key=value:key=value" (the keys are
+// the strategy's own [sharding] keys, the values TOML).
+Job strategy_job(const std::string& item, const std::string& file, const std::vector<std::string>& common) {
+  std::vector<std::string> parts;
+  std::stringstream ss(item);
+  for (std::string p; std::getline(ss, p, ':');) parts.push_back(p);
+  Job j{item, file, common};
+  if (parts.empty() || parts[0].empty())
+    throw Error(cat("loom compare: --strategies item '", item, "' names no strategy; write name or "
+                    "name:key=value, e.g. hybrid_shard:shard_group_size=2"));
+  j.overrides.push_back("sharding.plugin=\"" + parts[0] + "\"");
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const size_t eq = parts[i].find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == parts[i].size() || parts[i].find('.') < eq)
+      throw Error(cat("loom compare: --strategies item '", item, "': '", parts[i], "' is not key=value (a key of ",
+                      "the strategy's [sharding] table and a TOML value, e.g. shard_group_size=2)"));
+    j.overrides.push_back("sharding." + parts[i]);
+  }
+  return j;
+}
 
 // One run: warmup + steps optimizer steps; everything measured on the timed steps.
 report::CompareRow run_one(const Job& job, int64_t steps, int64_t warmup) {
@@ -181,11 +206,7 @@ int cmd_compare(const Args& args) {
 
   std::vector<Job> jobs;
   if (strategies.empty() && configs.empty()) jobs.push_back({fs::path(a.file).stem().string(), a.file, common});
-  for (const std::string& st : strategies) {
-    Job j{st, a.file, common};
-    j.overrides.push_back("sharding.plugin=\"" + st + "\"");
-    jobs.push_back(j);
-  }
+  for (const std::string& st : strategies) jobs.push_back(strategy_job(st, a.file, common));
   if (!configs.empty() && strategies.empty()) jobs.push_back({fs::path(a.file).stem().string(), a.file, common});
   for (const std::string& c : configs) jobs.push_back({fs::path(c).stem().string(), c, common});
   // Every config must load before anything runs: a typo in the third one should not cost two runs.

@@ -330,6 +330,36 @@ TEST_F(ShardingCli, CompareRunsEveryStrategyAndWritesTableCsvPng) {
   EXPECT_EQ(std::string(sig + 1, 3), "PNG");
 }
 
+// A strategy with keys of its own (--strategies=name:key=value): hybrid_shard
+// in groups of 2 on 4 ranks beside zero3 (one group of 4): the same losses,
+// and the traffic of two groups (the shards' all-reduce across the groups,
+// half the gathered bytes); a malformed item is refused naming it.
+TEST_F(ShardingCli, CompareTakesKeysPerStrategy) {
+  const std::string out = (tmp.path / "cmpk").string();
+  Result c = run(tmp.path, 4, {}, "",
+                 "compare --strategies=zero3,hybrid_shard:shard_group_size=2 --steps=2 --warmup=1 --out=" + out);
+  ASSERT_EQ(c.code, 0) << c.output;
+  std::map<std::string, nlohmann::json> rows;
+  std::istringstream lines(c.output);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("COMPARE_JSON ", 0) == 0) {
+      auto j = nlohmann::json::parse(line.substr(13));
+      rows[j.at("label").get<std::string>()] = j;
+    }
+  ASSERT_EQ(rows.size(), 2u) << c.output;
+  ASSERT_TRUE(rows.count("hybrid_shard:shard_group_size=2")) << c.output;
+  const auto& z = rows.at("zero3").at("bytes_per_step");
+  const auto& h = rows.at("hybrid_shard:shard_group_size=2").at("bytes_per_step");
+  EXPECT_LE(rows.at("hybrid_shard:shard_group_size=2").at("max_rel_loss_diff").get<double>(), 1e-5);
+  EXPECT_GT(h.at(0).get<double>(), 1000.0 * std::max(z.at(0).get<double>(), 1.0)) << "the shards' all-reduce across groups";
+  EXPECT_LT(h.at(2).get<double>(), 0.75 * z.at(2).get<double>()) << "gathers within groups of 2, not 4";
+
+  Result bad = run(tmp.path, 2, {}, "", "compare --strategies=hybrid_shard:shard_group_size --steps=1 --warmup=0");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.output.find("'hybrid_shard:shard_group_size'"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("key=value"), std::string::npos) << bad.output;
+}
+
 // Several configs, one process, no launcher; a run that cannot start is a
 // failed row, not the end of the comparison.
 TEST_F(ShardingCli, CompareConfigsAndAFailedRow) {
