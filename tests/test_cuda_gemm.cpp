@@ -434,11 +434,11 @@ TEST_F(CudaGemm, FastestTimesEachProblemOnceAndComputesTheSameProduct) {
   }
 }
 
-// "fastest" on variable-row linears (MoE experts): the max_rows plan's
-// candidates are timed once, at the first call's row count, for every expert
-// of the shape; every row count after (smaller, the maximum, one) still
-// computes the right product, the accumulated dW included (fp64 reference,
-// the recipe's tolerance).
+// "fastest" leaves variable-row linears (MoE experts) on the heuristic's
+// answer (a pick timed at one row count may not run at another): nothing is
+// timed, and every row count (smaller, the maximum, one) computes the right
+// product, the accumulated dW included (fp64 reference, the recipe's
+// tolerance).
 TEST_F(CudaGemm, FastestOnVariableRowLinears) {
   for (const char* name : {"bf16", "bf16_pure"}) {
     SCOPED_TRACE(name);
@@ -475,11 +475,11 @@ TEST_F(CudaGemm, FastestOnVariableRowLinears) {
         EXPECT_LE(rel_error(yb.download(), ref_forward(xd, wd, m, k, n)), r.tol) << "forward";
         EXPECT_LE(rel_error(dxb.download(), ref_dgrad(dyd, wd, m, k, n)), r.tol) << "dx";
         EXPECT_LE(rel_error(dwb.download(), ref_wgrad(dyd, xd, m, k, n, to_double(dw0))), r.tol) << "dW accumulated";
-        if (++calls == 1)
-          EXPECT_EQ(loom::gemm_timing_counts().timed, t0 + 3) << "the first call times fprop, dgrad and wgrad";
+        ++calls;
       }
     }
-    EXPECT_EQ(loom::gemm_timing_counts().timed, t0 + 3) << "later row counts and the other expert time nothing";
+    EXPECT_EQ(calls, 10);
+    EXPECT_EQ(loom::gemm_timing_counts().timed, t0) << "variable-row linears time nothing";
   }
 }
 

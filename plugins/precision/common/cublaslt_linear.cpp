@@ -376,7 +376,7 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
 
   // GemmAlgo::fastest: the pick for problem `k` (fprop/dgrad/wgrad g), timed
   // once on this call's operands with `p`'s layouts (D and C in a scratch)
-  // and shared by every later plan of the same problem.
+  // and shared by every later plan of the same problem (every layer's).
   std::array<cublasLtMatmulHeuristicResult_t, kGemmAlgoCandidates> cand;  // filled by build_plan before use
   int found = 0;
   auto timed_pick = [&](Plan* p, const std::array<int64_t, 11>& k) -> const Timed* {
@@ -419,11 +419,12 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     Plan* v = nullptr;
     for (auto& p : plans)
       if (p->key == vkey) { v = p.get(); break; }
-    bool time_v = false;
+    // The heuristic's answer under every gemm_algo: a pick timed at one row
+    // count may not run at another, and each count it cannot run would build
+    // a plan mid-training (timing the experts gained nothing on mixtral-small,
+    // docs/PERFORMANCE.md).
     if (v == nullptr) {
-      time_v = algo_ == GemmAlgo::fastest;
-      v = time_v ? build_plan(handle, plans, vkey, op_a, op_b, ta, tb, td, workspace_bytes_, where, cand.data(), &found)
-                 : build_plan(handle, plans, vkey, op_a, op_b, ta, tb, td, workspace_bytes_, where);
+      v = build_plan(handle, plans, vkey, op_a, op_b, ta, tb, td, workspace_bytes_, where);
       ++plans_built_;
     }
     if (v->rows_now != m) {
@@ -452,19 +453,6 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
         v->workspace_needed = chk.workspaceSize;
       }
     }
-    if (time_v && v->rows_now == m) {
-      // GemmAlgo::fastest: the candidates (answers for max_rows) timed at
-      // this first call's m, once for every expert's plan of the problem;
-      // the pick must pass the same check at m, else the first answer stays.
-      const Timed* t = timed_pick(v, vkey);
-      cublasLtMatmulHeuristicResult_t chk{};
-      cublasLtMatmulAlgo_t pick = t->algo;
-      const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle, v->op, v->a, v->b, v->c_layout(), v->d, &pick, &chk);
-      if (st == CUBLAS_STATUS_SUCCESS && chk.state == CUBLAS_STATUS_SUCCESS && chk.workspaceSize <= workspace_bytes_) {
-        v->algo = pick;
-        v->workspace_needed = chk.workspaceSize;
-      }
-    }
     if (v->rows_now == m) plan = v;  // else: an exact plan for this m, below
   }
   for (auto& p : plans) {
@@ -472,9 +460,8 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     if (p->key == key && p->rows_now < 0) plan = p.get();
   }
   if (plan == nullptr) {
-    // A variable-row linear's exact plan (a row count its max_rows plan
-    // cannot run) keeps the heuristic's answer: timing there would run at
-    // any step and differ from step to step.
+    // Variable-row linears (the experts) keep the heuristic's answer here
+    // too: timing would run at any step and differ from step to step.
     if (algo_ == GemmAlgo::heuristic || desc.variable_rows) {
       plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where);
     } else {
