@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "hf/safetensors.hpp"
+#include "kernels/cuda/cublaslt_plan.hpp"
 #include "kernels/cuda/cuda_check.hpp"
 #include "kernels/cuda/fp8_block_gemm.hpp"
 #include "kernels/cuda/fp8_block_kernels.hpp"
@@ -125,20 +126,10 @@ double time_ms(cudaStream_t s, int warmup, int iters, F&& f) {
   return t[t.size() / 2];
 }
 
-// A column-major cuBLASLt problem D[M, N] = op(A) op(B) (+ beta D), built once.
-struct LtPlan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+// A column-major cuBLASLt problem D[M, N] = op(A) op(B) (+ beta D), built
+// once: the core's plan objects (C takes D's layout) and the algorithm.
+struct LtPlan : loom::gpu::LtMatmulObjects {
   cublasLtMatmulAlgo_t algo{};
-  LtPlan() = default;
-  LtPlan(const LtPlan&) = delete;
-  LtPlan& operator=(const LtPlan&) = delete;
-  ~LtPlan() {
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
 };
 
 // Up to `want` of the heuristic's answers for plan p (C = D's layout) with a

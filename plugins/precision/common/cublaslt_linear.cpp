@@ -43,6 +43,7 @@
 #include <array>
 #include <atomic>
 
+#include "kernels/cuda/cublaslt_plan.hpp"
 #include "loom/error.hpp"
 #include "precision/common/residual.hpp"
 
@@ -57,6 +58,8 @@ extern "C" int64_t loom_precision_cublaslt_plans_built() { return g_plans_built.
 namespace loom::precision_common {
 namespace {
 
+using gpu::alignment_of;
+
 const char* gemm_name(int g) { return g == 0 ? "fprop" : g == 1 ? "dgrad" : "wgrad"; }
 
 cudaDataType_t cuda_type(DType t) {
@@ -69,41 +72,21 @@ cudaDataType_t cuda_type(DType t) {
   throw Error(cat("precision: dtype ", dtype_name(t), " has no cuBLASLt GEMM in this library (fp32, bf16, fp16)"));
 }
 
-// Largest power of two (capped at 256, cuBLASLt's default assumption) dividing
-// the address: the heuristic must not pick a kernel needing more.
-uint32_t alignment_of(const void* p) {
-  const auto a = reinterpret_cast<uintptr_t>(p);
-  uint32_t al = 256;
-  while (al > 1 && (a % al) != 0) al /= 2;
-  return al;
-}
 
 }  // namespace
 
 // Everything cuBLASLt needs to run one GEMM shape, built once.
-struct CublasLtLinears::Plan {
+// (The descriptor and layouts, and their destruction: the core's
+// gpu::LtMatmulObjects, kernels/cuda/cublaslt_plan.hpp.)
+struct CublasLtLinears::Plan : gpu::LtMatmulObjects {
   // The call shape the plan was built for (M', N', K', leading dims, pointer alignments).
   std::array<int64_t, 11> key{};
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;  // c null: C uses d's layout
   cublasLtMatmulAlgo_t algo{};
   size_t workspace_needed = 0;
   // Variable-row linears (LinearDesc::variable_rows): the plan is built for
   // max_rows; `rows_now` is the row count its layouts hold and the algorithm
   // passed cublasLtMatmulAlgoCheck for (-1: none yet, or the last check failed).
   int64_t rows_now = -1;
-  cublasLtMatrixLayout_t c_layout() const { return c ? c : d; }
-  Plan() = default;
-  Plan(const Plan&) = delete;
-  Plan& operator=(const Plan&) = delete;
-  ~Plan() {
-    // Host-side objects only; nothing here can fail in a way worth reporting at teardown.
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
 };
 
 struct CublasLtLinears::Slot {
@@ -262,12 +245,6 @@ void CublasLtLinears::backward(const ExecContext& ctx, int id, const Tensor& x, 
          accumulate ? 1.0f : 0.0f);
 }
 
-#define LOOM_CUBLASLT_CHECK(call, where)                                                                        \
-  do {                                                                                                          \
-    const cublasStatus_t st_ = (call);                                                                          \
-    LOOM_CHECK(st_ == CUBLAS_STATUS_SUCCESS, where, ": ", #call, " failed: ", cublasLtGetStatusName(st_), " (", \
-               cublasLtGetStatusString(st_), ")");                                                              \
-  } while (0)
 
 // Builds the plan for `key` (M', N', K', leading dimensions, alignments: see
 // matmul) and appends it to `plans`: layouts, the heuristic's algorithm.
@@ -374,38 +351,6 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
   auto& plans = slots_[static_cast<size_t>(id)]->plans[g];
   Plan* plan = nullptr;
 
-  // GemmAlgo::fastest: the pick for problem `k` (fprop/dgrad/wgrad g), timed
-  // once on this call's operands with `p`'s layouts (D and C in a scratch)
-  // and shared by every later plan of the same problem (every layer's).
-  std::array<cublasLtMatmulHeuristicResult_t, kGemmAlgoCandidates> cand;  // filled by build_plan before use
-  int found = 0;
-  auto timed_pick = [&](Plan* p, const std::array<int64_t, 11>& k) -> const Timed* {
-    for (const auto& x : timed_)
-      if (x->gemm == g && x->key == k) return x.get();
-    const size_t es = dtype_size(td), d_bytes = static_cast<size_t>(ldd * cols) * es,
-                 c_bytes = p->c ? static_cast<size_t>(ldc * cols) * es : 0;
-    const float one = 1.0f;
-    const int best = time_gemm_candidates(
-        ctx.stream, found, d_bytes + c_bytes,
-        [&](int i, void* scratch) {
-          const cublasLtMatmulHeuristicResult_t& r = cand[static_cast<size_t>(i)];
-          if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > workspace_bytes_) return false;
-          const void* sc = p->c ? static_cast<const char*>(scratch) + d_bytes : scratch;
-          return cublasLtMatmul(handle, p->op, &one, a, p->a, b, p->b, &beta, sc, p->c_layout(), scratch, p->d,
-                                &r.algo, workspace_, workspace_bytes_,
-                                static_cast<cudaStream_t>(ctx.stream)) == CUBLAS_STATUS_SUCCESS;
-        },
-        where());
-    ++problems_timed_;
-    if (best != 0) ++problems_switched_;
-    auto nt = std::make_unique<Timed>();
-    nt->gemm = g;
-    nt->key = k;
-    nt->algo = cand[static_cast<size_t>(best)].algo;
-    nt->workspace = cand[static_cast<size_t>(best)].workspaceSize;
-    timed_.push_back(std::move(nt));
-    return timed_.back().get();
-  };
   // The row count m and where it sits (fprop, dgrad: N' = cols; wgrad: K' = inner).
   const int mi = g == kWgrad ? 2 : 1;
   const int64_t m = g == kWgrad ? inner : cols;
@@ -465,8 +410,30 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     if (algo_ == GemmAlgo::heuristic || desc.variable_rows) {
       plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where);
     } else {
+      std::array<cublasLtMatmulHeuristicResult_t, kGemmAlgoCandidates> cand;  // filled by build_plan
+      int found = 0;
       plan = build_plan(handle, plans, key, op_a, op_b, ta, tb, td, workspace_bytes_, where, cand.data(), &found);
-      const Timed* t = timed_pick(plan, key);
+      // GemmAlgo::fastest: timed once per problem on this call's operands (D
+      // and C in a scratch), the pick shared by every later plan of the
+      // problem (every layer's).
+      const Timed* t = nullptr;
+      for (const auto& x : timed_)
+        if (x->gemm == g && x->key == key) {
+          t = x.get();
+          break;
+        }
+      if (t == nullptr) {
+        const size_t es = dtype_size(td);
+        const int best = gpu::fastest_algorithm(
+            handle, *plan, cand.data(), found, a, b, beta, static_cast<size_t>(ldd * cols) * es,
+            plan->c ? static_cast<size_t>(ldc * cols) * es : 0, workspace_, workspace_bytes_,
+            static_cast<cudaStream_t>(ctx.stream), where());
+        ++problems_timed_;
+        if (best != 0) ++problems_switched_;
+        timed_.push_back(std::make_unique<Timed>(
+            Timed{g, key, cand[static_cast<size_t>(best)].algo, cand[static_cast<size_t>(best)].workspaceSize}));
+        t = timed_.back().get();
+      }
       plan->algo = t->algo;
       plan->workspace_needed = t->workspace;
     }
