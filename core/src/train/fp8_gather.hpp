@@ -42,6 +42,9 @@ class Fp8GatherCodec final : public GatherCodec {
   Fp8GatherCodec(Backend& be, const std::vector<UnitInfo>& units, const std::vector<LinearWeight>& weights,
                  const Precision& precision, DType param_dtype, std::string why_none);
 
+  // Whether a strategy planned gathers through this codec (plan() was called):
+  // only then does it need its memory.
+  bool planned() const { return !segments_.empty(); }
   // Device (or host) memory for the amaxes and scales: 3 fp32 per FP8 weight.
   size_t state_bytes() const { return static_cast<size_t>(weights_.size()) * 3 * sizeof(float); }
   // Binds that memory (state_bytes() of it) and sets every scale to 1.

@@ -108,9 +108,11 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
           "\" casts no decoder weight to FP8 per tensor from its current amax (fp8_current does; delayed "
           "scaling's scales come from past amaxes, which a gather of FP8 codes cannot measure)"));
   env_.codec = codec_.get();
-  codec_blk_ = plan_.add("sharding.fp8_gather.scales", MemCategory::comm, codec_->state_bytes());
   const std::vector<UnitInfo>& infos = model_.units();
   layouts_ = rt_.sharding->plan(env_, infos);
+  // Its amaxes and scales only where the strategy gathers through it.
+  if (codec_->planned())
+    codec_blk_ = plan_.add("sharding.fp8_gather.scales", MemCategory::comm, codec_->state_bytes());
   LOOM_CHECK(layouts_.size() == infos.size(), "sharding plugin returned ", layouts_.size(), " layouts for ",
              infos.size(), " units");
 
@@ -168,7 +170,7 @@ void TrainState::allocate() {
   Backend& be = *rt_.backend;
   arena_.allocate(plan_, be.device());
   model_.bind(arena_);
-  if (codec_->state_bytes() > 0) codec_->bind(arena_.ptr(codec_blk_));
+  if (codec_->planned()) codec_->bind(arena_.ptr(codec_blk_));
   rt_.precision->set_workspace(arena_.ptr(precision_ws_), precision_ws_bytes_);
   if (precision_saved_bytes_ > 0)
     rt_.precision->set_saved_activations(arena_.ptr(precision_saved_), precision_saved_bytes_);

@@ -80,7 +80,7 @@ class TrainState {
   std::unique_ptr<Communicator> expert_group_;  // sharding.expert_parallel > 1: this rank's group
   ShardingEnv env_;
   std::unique_ptr<Fp8GatherCodec> codec_;  // env_.codec
-  size_t codec_blk_ = 0;
+  size_t codec_blk_ = 0;  // its scales, planned only when a strategy gathers through it
   std::vector<UnitLayout> layouts_;
   std::vector<UnitState> units_;
   struct UnitBlocks { size_t params, grads, grad_shard, master, m, v; bool has_master; };
