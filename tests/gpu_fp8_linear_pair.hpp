@@ -1,6 +1,7 @@
-// What the FP8 GPU suites share (test_gpu_fp8_recipes, test_gpu_fp8_block):
-// bf16 conversions, a device buffer, downloads, the error-to-bound ratio, and
-// the one-linear check of a GPU recipe against its CPU emulation. CUDA builds only.
+// What the FP8 GPU suites share (test_gpu_fp8_recipes, test_gpu_fp8_block),
+// beside cuda_test_util.hpp's device buffer and downloads: the error-to-bound
+// ratio, and the one-linear check of a GPU recipe against its CPU emulation.
+// CUDA builds only.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -16,54 +17,12 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_util.hpp"
+#include "hf/safetensors.hpp"
 #include "loom/comm.hpp"
 #include "loom/precision.hpp"
 
 namespace loom_test {
-
-#ifndef CUDA_OK
-#define CUDA_OK(call)                                                                                     \
-  do {                                                                                                    \
-    const cudaError_t e_ = (call);                                                                        \
-    ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorName(e_) << " " << cudaGetErrorString(e_); \
-  } while (0)
-#endif
-
-// fp32 -> bf16, round to nearest even; inf stays inf, NaN stays NaN.
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7F800000u) == 0x7F800000u) return static_cast<uint16_t>(u >> 16 | ((u & 0xFFFF) ? 0x40 : 0));
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-inline float from_bf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Device buffer freed at scope end (p is null when cudaMalloc failed).
-struct DevBuf {
-  void* p = nullptr;
-  explicit DevBuf(size_t bytes) {
-    if (cudaMalloc(&p, bytes == 0 ? 256 : bytes) != cudaSuccess) p = nullptr;
-  }
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-};
-
-// n elements from the device (empty when the copy failed).
-template <typename T>
-std::vector<T> download(const void* p, size_t n) {
-  std::vector<T> h(n);
-  if (cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess) h.clear();
-  return h;
-}
 
 // |gpu - cpu| <= rel * |cpu| + abs_frac * max |cpu|, element by element;
 // returns the worst ratio of error to bound (<= 1 passes) and, when max_err
@@ -130,8 +89,8 @@ inline void check_linear_pair(loom::Precision& cpu, loom::Precision& gpu, int64_
     b.resize(n);
     f.resize(n);
     for (size_t i = 0; i < n; ++i) {
-      b[i] = to_bf16(nd(g) * sc);
-      f[i] = from_bf16(b[i]);
+      b[i] = loom::hf::f32_to_bf16(nd(g) * sc);
+      f[i] = loom::hf::bf16_to_f32(b[i]);
     }
   };
   const size_t nx = rows * in, nw = out * in, ny = rows * out;
@@ -172,8 +131,8 @@ inline void check_linear_pair(loom::Precision& cpu, loom::Precision& gpu, int64_
       ASSERT_EQ(hy.size(), ny);
       ASSERT_EQ(hdx.size(), nx);
       std::vector<float> gyf(ny), gdxf(nx);
-      for (size_t i = 0; i < ny; ++i) gyf[i] = from_bf16(hy[i]);
-      for (size_t i = 0; i < nx; ++i) gdxf[i] = from_bf16(hdx[i]);
+      for (size_t i = 0; i < ny; ++i) gyf[i] = loom::hf::bf16_to_f32(hy[i]);
+      for (size_t i = 0; i < nx; ++i) gdxf[i] = loom::hf::bf16_to_f32(hdx[i]);
       double ey = 0, edx = 0;
       const double ry = worst_ratio(gyf, cy, 0.01, 0.005, &ey), rdx = worst_ratio(gdxf, cdx, 0.01, 0.005, &edx);
       EXPECT_LE(ry, 1.0) << "y, step " << step << " micro-batch " << mb << ": max error " << ey;

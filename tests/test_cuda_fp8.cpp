@@ -31,13 +31,14 @@
 #include <vector>
 
 #include "alloc_counter.hpp"
+#include "cuda_test_util.hpp"
 #include "gpu_test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "kernels/cuda/fp8_gemm.hpp"
 #include "kernels/cuda/fp8_kernels.hpp"
 #include "loom/fp8.hpp"
-#include "loom/gemm_algo.hpp"
 #include "loom/fp8_scaling.hpp"
+#include "loom/gemm_algo.hpp"
 
 namespace {
 
@@ -46,11 +47,6 @@ using loom::DType;
 using loom::Tensor;
 namespace fp8 = loom::fp8;
 
-#define CUDA_OK(call)                                                                                     \
-  do {                                                                                                    \
-    const cudaError_t e_ = (call);                                                                        \
-    ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorName(e_) << " " << cudaGetErrorString(e_); \
-  } while (0)
 
 std::string error_of(const std::function<void()>& f) {
   try {
@@ -72,23 +68,7 @@ uint32_t bits(float x) {
 }
 float round_bf16(float x) { return loom::hf::bf16_to_f32(loom::hf::f32_to_bf16(x)); }
 
-// Device memory for a test, freed at scope end.
-struct DevBuf {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit DevBuf(size_t n) : bytes(n) {
-    if (cudaMalloc(&p, n) != cudaSuccess) p = nullptr;
-  }
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
+using loom_test::DevBuf;
 
 template <typename T>
 void upload(const DevBuf& d, const std::vector<T>& v) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "alloc_counter.hpp"
+#include "cuda_test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/config.hpp"
 #include "loom/gemm_algo.hpp"
@@ -55,11 +56,6 @@ bool gpu_present() {
     if (!gpu_present()) GTEST_SKIP() << "no CUDA device here: GPU GEMM test skipped"; \
   } while (0)
 
-#define CUDA_OK(call)                                                                                    \
-  do {                                                                                                   \
-    const cudaError_t e_ = (call);                                                                       \
-    ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorName(e_) << " " << cudaGetErrorString(e_); \
-  } while (0)
 
 loom::PluginRegistry& registry() {
   // Plugins are never unloaded; one registry for the whole suite.

@@ -24,6 +24,7 @@
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
 #include "fp8_recipe_rig.hpp"
+#include "session_runs.hpp"
 #include "test_util.hpp"
 #include "train/session.hpp"
 
@@ -573,19 +574,7 @@ TEST(Fp8Block, FusedLayersFollowNative) {
 
 // ---- weight_cache and keeps_wgrad_input ----
 
-namespace {
-
-// Every state tensor's bytes, by name.
-std::map<std::string, std::vector<char>> state_bytes(loom::Session& s) {
-  std::map<std::string, std::vector<char>> out;
-  for (const loom::StateTensor& t : s.precision().state_tensors()) {
-    const char* p = static_cast<const char*>(t.tensor.data);
-    out[t.name] = std::vector<char>(p, p + t.tensor.bytes());
-  }
-  return out;
-}
-
-}  // namespace
+using loom::test::state_bytes;
 
 // The workspace each weight_cache plans, on the CPU and (built with CUDA) on
 // the GPU path, whose planning needs no GPU (what `loom check` prints as
@@ -650,27 +639,11 @@ TEST(Fp8Block, WeightCacheLayerMatchesStepBitwise) {
     SCOPED_TRACE("grad_accum " + accum);
     fs::path d = temp_dir("wcache_" + accum);
     const std::vector<std::string> ov = {"train.grad_accum=" + accum, "train.validation_every=2"};
-    std::map<std::string, loom::RunSummary> runs;
-    std::map<std::string, std::map<std::string, std::vector<char>>> states;
-    std::map<std::string, size_t> ws;
-    for (const std::string mode : {"step", "layer", "auto"}) {
-      loom::Session s(parse(block_config(d / mode, "plugin = \"fp8_block\"\nweight_cache = \"" + mode + "\"", 5), ov));
-      runs[mode] = s.train();
-      states[mode] = state_bytes(s);
-      for (const loom::ArenaBlock& b : s.memory_plan().blocks())
-        if (b.name == "precision.workspace") ws[mode] = b.bytes;
-    }
-    for (const std::string mode : {"layer", "auto"}) {
-      SCOPED_TRACE(mode);
-      ASSERT_EQ(runs[mode].steps.size(), 5u);
-      for (size_t i = 0; i < 5; ++i)
-        EXPECT_EQ(runs[mode].steps[i].loss, runs["step"].steps[i].loss) << "step " << i + 1;
-      ASSERT_EQ(runs[mode].val_losses.size(), runs["step"].val_losses.size());
-      ASSERT_FALSE(runs[mode].val_losses.empty());
-      for (size_t i = 0; i < runs[mode].val_losses.size(); ++i)
-        EXPECT_EQ(runs[mode].val_losses[i].second, runs["step"].val_losses[i].second);
-      EXPECT_EQ(states[mode], states["step"]) << "counters";
-    }
+    std::map<std::string, size_t> ws = loom::test::weight_cache_modes_match(
+        [&](const std::string& mode) {
+          return parse(block_config(d / mode, "plugin = \"fp8_block\"\nweight_cache = \"" + mode + "\"", 5), ov);
+        },
+        5);
     // Native layers: per layer q, k, v, o [128, 128], gate, up [256, 128], down [128, 256].
     const size_t all = 2 * (4 * 128 * 128 + 3 * 256 * 128) * 4, largest = 256 * 128 * 4;
     EXPECT_EQ(ws["step"] - ws["layer"], all - largest);
@@ -699,12 +672,7 @@ TEST(Fp8Block, DroppingTheBlocksLinearInputsKeepsTheLossesBitwise) {
       if (recompute == "none") EXPECT_LT(act_a, act_b) << "the blocks must drop the FP8 linears' inputs";
       std::printf("[fp8_block keeps x] %s recompute %s: activations %zu bytes, %zu keeping x\n", layers.c_str(),
                   recompute.c_str(), act_a, act_b);
-      const loom::RunSummary ra = a.train(), rb = b.train();
-      ASSERT_EQ(ra.steps.size(), 4u);
-      ASSERT_EQ(rb.steps.size(), 4u);
-      for (size_t i = 0; i < 4; ++i) EXPECT_EQ(ra.steps[i].loss, rb.steps[i].loss) << "step " << i + 1;
-      ASSERT_EQ(ra.val_losses.size(), rb.val_losses.size());
-      for (size_t i = 0; i < ra.val_losses.size(); ++i) EXPECT_EQ(ra.val_losses[i].second, rb.val_losses[i].second);
+      loom::test::expect_same_losses(a.train(), b.train(), 4);
       EXPECT_EQ(state_bytes(a), state_bytes(b));
     }
 }

@@ -35,6 +35,7 @@
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
 #include "fp8_recipe_rig.hpp"
+#include "session_runs.hpp"
 #include "test_util.hpp"
 #include "train/session.hpp"
 
@@ -426,15 +427,7 @@ loom::Config parse(const std::string& text, const std::vector<std::string>& ov =
   return loom::parse_config_string(text, "fp8_e2e.toml", ov);
 }
 
-// Every state tensor's bytes, by name.
-std::map<std::string, std::vector<char>> state_bytes(loom::Session& s) {
-  std::map<std::string, std::vector<char>> out;
-  for (const loom::StateTensor& t : s.precision().state_tensors()) {
-    const char* p = static_cast<const char*>(t.tensor.data);
-    out[t.name] = std::vector<char>(p, p + t.tensor.bytes());
-  }
-  return out;
-}
+using loom::test::state_bytes;
 
 std::string slurp(const fs::path& p) {
   std::stringstream ss;
@@ -607,12 +600,7 @@ TEST(Fp8Recipes, DroppingTheBlocksLinearInputsKeepsTheLossesBitwise) {
                                            "train.steps=4", "train.validation_every=2"};
       loom::Session a(parse(small_config(d / "a", "plugin = \"fp8_delayed\""), ov));
       loom::Session b(parse(small_config(d / "b", "plugin = \"fp8_delayed_bf16_x\""), ov));
-      const loom::RunSummary ra = a.train(), rb = b.train();
-      ASSERT_EQ(ra.steps.size(), 4u);
-      ASSERT_EQ(rb.steps.size(), 4u);
-      for (size_t i = 0; i < 4; ++i) EXPECT_EQ(ra.steps[i].loss, rb.steps[i].loss) << "step " << i + 1;
-      ASSERT_EQ(ra.val_losses.size(), rb.val_losses.size());
-      for (size_t i = 0; i < ra.val_losses.size(); ++i) EXPECT_EQ(ra.val_losses[i].second, rb.val_losses[i].second);
+      loom::test::expect_same_losses(a.train(), b.train(), 4);
       EXPECT_EQ(state_bytes(a), state_bytes(b));
     }
 }
@@ -629,27 +617,11 @@ TEST(Fp8Recipes, WeightCacheLayerMatchesStepBitwise) {
       SCOPED_TRACE(plugin + " grad_accum " + accum);
       fs::path d = temp_dir("wcache_" + plugin + accum);
       const std::vector<std::string> ov = {"train.grad_accum=" + accum, "train.steps=5", "train.validation_every=2"};
-      std::map<std::string, loom::RunSummary> runs;
-      std::map<std::string, std::map<std::string, std::vector<char>>> states;
-      std::map<std::string, size_t> ws;
-      for (const std::string mode : {"step", "layer", "auto"}) {
-        loom::Session s(parse(small_config(d / mode, "plugin = \"" + plugin + "\"\nweight_cache = \"" + mode + "\""),
-                              ov));
-        runs[mode] = s.train();
-        states[mode] = state_bytes(s);
-        for (const loom::ArenaBlock& b : s.memory_plan().blocks())
-          if (b.name == "precision.workspace") ws[mode] = b.bytes;
-      }
-      for (const std::string mode : {"layer", "auto"}) {
-        SCOPED_TRACE(mode);
-        ASSERT_EQ(runs[mode].steps.size(), 5u);
-        for (size_t i = 0; i < 5; ++i)
-          EXPECT_EQ(runs[mode].steps[i].loss, runs["step"].steps[i].loss) << "step " << i + 1;
-        ASSERT_EQ(runs[mode].val_losses.size(), runs["step"].val_losses.size());
-        for (size_t i = 0; i < runs[mode].val_losses.size(); ++i)
-          EXPECT_EQ(runs[mode].val_losses[i].second, runs["step"].val_losses[i].second);
-        EXPECT_EQ(states[mode], states["step"]) << "scales, history and counters";
-      }
+      std::map<std::string, size_t> ws = loom::test::weight_cache_modes_match(
+          [&](const std::string& mode) {
+            return parse(small_config(d / mode, "plugin = \"" + plugin + "\"\nweight_cache = \"" + mode + "\""), ov);
+          },
+          5);
       // Native layers: per layer q, o [64, 64], k, v [32, 64], gate, up [160, 64], down [64, 160].
       const size_t all = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 160 * 64) * 4, largest = 160 * 64 * 4;
       EXPECT_EQ(ws["step"] - ws["layer"], all - largest);

@@ -46,6 +46,7 @@
 #include "loom/gemm_algo.hpp"
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
+#include "session_runs.hpp"
 #include "train/session.hpp"
 #include "test_util.hpp"
 
@@ -57,8 +58,8 @@ namespace fp8 = loom::fp8;
 namespace blk = loom::fp8::block;
 using loom_test::DevBuf;
 using loom_test::download;
-using loom_test::from_bf16;
-using loom_test::to_bf16;
+using loom::hf::bf16_to_f32;
+using loom::hf::f32_to_bf16;
 using loom_test::worst_ratio;
 
 namespace {
@@ -78,8 +79,8 @@ void tiled_data(int64_t rows, int64_t cols, uint32_t seed, std::vector<uint16_t>
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       const size_t i = static_cast<size_t>(r * cols + c);
-      b[i] = to_bf16(nd(g) * rmag[static_cast<size_t>(r)] * cmag[static_cast<size_t>(c / 128)]);
-      f[i] = from_bf16(b[i]);
+      b[i] = f32_to_bf16(nd(g) * rmag[static_cast<size_t>(r)] * cmag[static_cast<size_t>(c / 128)]);
+      f[i] = bf16_to_f32(b[i]);
     }
 }
 
@@ -136,8 +137,8 @@ TEST(GpuFp8Block, CastsMatchTheHostReferenceBitwise) {
     tiled_data(R, C, static_cast<uint32_t>(R + C), xb, xf);
     for (int64_t c = 0; c < 128; ++c) xb[static_cast<size_t>(3 * C + c)] = 0;  // a zero tile (row 3, k block 0)
     xb[static_cast<size_t>(5 * C + 300)] = 0x7F80;                             // +inf in row 5
-    xb[static_cast<size_t>(7 * C + 1000)] = to_bf16(3.0e30f);                  // an outlier
-    for (size_t i = 0; i < xb.size(); ++i) xf[i] = from_bf16(xb[i]);
+    xb[static_cast<size_t>(7 * C + 1000)] = f32_to_bf16(3.0e30f);                  // an outlier
+    for (size_t i = 0; i < xb.size(); ++i) xf[i] = bf16_to_f32(xb[i]);
     const size_t n = xb.size();
     DevBuf dx(n * 2), dq(n), dqt(n), ds(static_cast<size_t>(R * C / 128) * 4 + 256),
         dst(static_cast<size_t>(R * C / 128) * 4 + 256), dcount(256);
@@ -551,14 +552,6 @@ TEST(GpuFp8Block, StopAndResumeOnCudaIsBitwiseExact) {
 // inputs (keeps_wgrad_input).
 TEST(GpuFp8Block, WeightCacheStepAndLayerAreBitwiseEqual) {
   LOOM_REQUIRE_GPU();
-  auto state = [](loom::Session& s) {
-    std::map<std::string, std::vector<char>> out;
-    for (const loom::StateTensor& t : s.precision().state_tensors()) {
-      const char* p = static_cast<const char*>(t.tensor.data);
-      out[t.name] = std::vector<char>(p, p + t.tensor.bytes());  // fp8_block's counters live on the host
-    }
-    return out;
-  };
   for (const std::string layers : {"native", "fused"})
     for (const std::string accum : {"1", "2"}) {
       SCOPED_TRACE(layers + " grad_accum " + accum);
@@ -575,17 +568,10 @@ TEST(GpuFp8Block, WeightCacheStepAndLayerAreBitwiseEqual) {
             "checkpoint.resume=\"none\""};
         loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov));
         runs[mode] = s.train();
-        states[mode] = state(s);
+        states[mode] = loom::test::state_bytes(s);
       }
       const loom::RunSummary &a = runs["step"], &b = runs["layer"];
-      ASSERT_EQ(a.steps.size(), 4u);
-      ASSERT_EQ(b.steps.size(), 4u);
-      for (size_t i = 0; i < 4; ++i) {
-        EXPECT_TRUE(std::isfinite(a.steps[i].loss));
-        EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << "step " << i + 1;
-      }
-      ASSERT_EQ(a.val_losses.size(), b.val_losses.size());
-      for (size_t i = 0; i < a.val_losses.size(); ++i) EXPECT_EQ(a.val_losses[i].second, b.val_losses[i].second);
+      loom::test::expect_same_losses(a, b, 4);
       EXPECT_EQ(states["step"], states["layer"]) << "counters";
       std::printf("[fp8_block weight_cache] %s grad_accum %s: step %.6f -> %.6f, layer %.6f -> %.6f\n", layers.c_str(),
                   accum.c_str(), a.steps.front().loss, a.steps.back().loss, b.steps.front().loss,
@@ -607,19 +593,8 @@ TEST(GpuFp8Block, BenchUsesNoMoreDeviceMemoryThanBf16) {
   const cudaError_t e = cudaMemGetInfo(&free_b, &total_b);
   ASSERT_EQ(e, cudaSuccess) << "cudaMemGetInfo: " << cudaGetErrorString(e);
   const fs::path d = temp_dir("bench_mem");
-  auto bench = [&](const std::string& config, const std::string& name, const std::string& extra) -> nlohmann::json {
-    const fs::path json = d / (name + ".json"), log = d / (name + ".log");
-    const std::string cmd = std::string(LOOM_CLI) + " bench " +
-                            (fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / (config + ".toml")).string() +
-                            " --steps=3 --warmup=2 --json=" + json.string() + " --set run.out_dir=" +
-                            (d / name).string() + " --set run.plugin_path=[\\\"" + LOOM_TEST_PLUGIN_DIR + "\\\"]" +
-                            extra + " > " + log.string() + " 2>&1";
-    const int rc = std::system(cmd.c_str());
-    std::stringstream ss;
-    ss << std::ifstream(log).rdbuf();
-    EXPECT_EQ(rc, 0) << cmd << "\n" << ss.str();
-    if (rc != 0) return {};
-    return nlohmann::json::parse(std::ifstream(json));
+  auto bench = [&](const std::string& config, const std::string& name, const std::string& extra) {
+    return loom::test::bench_json(d, config, name, extra);
   };
   const double gib = 1024.0 * 1024.0 * 1024.0;
   const std::string block = " --set precision.plugin=\\\"fp8_block\\\"";

@@ -40,6 +40,7 @@
 #include "loom/config.hpp"
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
+#include "session_runs.hpp"
 #include "train/session.hpp"
 #include "test_util.hpp"
 
@@ -331,14 +332,7 @@ TEST(GpuFp8Recipes, WeightCacheStepAndLayerAreBitwiseEqual) {
           states[mode] = state_bytes(s.precision());
         }
         const loom::RunSummary &a = runs["step"], &b = runs["layer"];
-        ASSERT_EQ(a.steps.size(), 4u);
-        ASSERT_EQ(b.steps.size(), 4u);
-        for (size_t i = 0; i < 4; ++i) {
-          EXPECT_TRUE(std::isfinite(a.steps[i].loss));
-          EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << "step " << i + 1;
-        }
-        ASSERT_EQ(a.val_losses.size(), b.val_losses.size());
-        for (size_t i = 0; i < a.val_losses.size(); ++i) EXPECT_EQ(a.val_losses[i].second, b.val_losses[i].second);
+        loom::test::expect_same_losses(a, b, 4);
         EXPECT_EQ(states["step"], states["layer"]) << "scales, history and counters";
         std::printf("[fp8 weight_cache] %s %s grad_accum %s: step %.6f -> %.6f, layer %.6f -> %.6f\n", plugin.c_str(),
                     layers.c_str(), accum.c_str(), a.steps.front().loss, a.steps.back().loss, b.steps.front().loss,
@@ -356,20 +350,7 @@ TEST(GpuFp8Recipes, Fp8BenchUsesNoMoreDeviceMemoryThanBf16) {
   size_t free_b = 0, total_b = 0;
   CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
   const fs::path d = temp_dir("bench_mem");
-  auto bench = [&](const std::string& config) -> nlohmann::json {
-    const fs::path json = d / (config + ".json"), log = d / (config + ".log");
-    const std::string cmd = std::string(LOOM_CLI) + " bench " +
-                            (fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / (config + ".toml")).string() +
-                            " --steps=3 --warmup=2 --json=" + json.string() + " --set run.out_dir=" +
-                            (d / config).string() + " --set run.plugin_path=[\\\"" + LOOM_TEST_PLUGIN_DIR +
-                            "\\\"] > " + log.string() + " 2>&1";
-    const int rc = std::system(cmd.c_str());
-    std::stringstream ss;
-    ss << std::ifstream(log).rdbuf();
-    EXPECT_EQ(rc, 0) << cmd << "\n" << ss.str();
-    if (rc != 0) return {};
-    return nlohmann::json::parse(std::ifstream(json));
-  };
+  auto bench = [&](const std::string& config) { return loom::test::bench_json(d, config, config); };
   const double gib = 1024.0 * 1024.0 * 1024.0;
   for (const auto& [fp8, bf16, need_gib] : std::vector<std::tuple<std::string, std::string, double>>{
            {"llama-1b-fp8", "llama-1b", 48}, {"llama2-7b-fp8", "llama2-7b", 76}}) {
