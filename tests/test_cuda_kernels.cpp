@@ -320,12 +320,19 @@ TEST_F(CudaKernels, RmsnormForward) {
   }
 }
 
+// Shapes that take each path of the backward: the one-pass kernel (4096 rows
+// or more) two rows at a time (h = 104), one row at a time with 2 and 3
+// packed vectors a thread (h = 2056 in bf16 and fp32), its chunks of 5 rows
+// with a short last one (4099 rows); the general path for fewer rows (37,
+// 301, several dw chunks), for rows too wide for the one pass (h = 8200) and
+// for rows that cannot be packed (h = 33).
 TEST_F(CudaKernels, RmsnormBackwardAccumulatesAndIsDeterministic) {
   uint32_t seed = 300;
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{37, 104}, {301, 104}, {4099, 104}, {301, 2056},
+                                                           {4099, 2056}, {301, 8200}, {301, 33}};
   for (const Recipe& r : kRecipes) {
-    for (int64_t N : {37, 301}) {  // 301 rows: several dw chunks
-      SCOPED_TRACE(name(r) + cat(" N=", N));
-      const int64_t h = 104;
+    for (auto [N, h] : shapes) {
+      SCOPED_TRACE(name(r) + cat(" N=", N, " h=", h));
       const auto x = as_dtype(rnd(N * h, seed++, -2, 2), r.act);
       const auto w = as_dtype(rnd(h, seed++, 0.5f, 1.5f), r.act);
       const auto dy = as_dtype(rnd(N * h, seed++), r.act);
@@ -449,8 +456,11 @@ TEST_F(CudaKernels, AddInPlaceAndAccumulateMixed) {
 
 TEST_F(CudaKernels, CrossEntropyLossAndGradient) {
   uint32_t seed = 700;
+  // Vocabularies that take every path: rows kept in registers at 1, 2, 4 and 8
+  // packed vectors a thread (bf16 1000, 5000, 12000, 32000), rows read twice
+  // (fp32 32000, and 128256 in either type), unpacked rows (1001).
   for (DType t : {DType::f32, DType::bf16}) {
-    for (int64_t V : {1000, 1001, 32000}) {
+    for (int64_t V : {1000, 1001, 5000, 12000, 32000, 128256}) {
       SCOPED_TRACE(cat(dtype_name(t), " V=", V));
       const int64_t N = 13;
       const auto logits = as_dtype(rnd(N * V, seed++, -5, 5), t);

@@ -1,14 +1,23 @@
 // RMSNorm (Llama) on the GPU: out = (x * rstd) * w, rstd = 1/sqrt(mean(x^2) + eps).
 //
-// Forward and the dx part of backward: one block per row, packed loads, fp32
-// sums through a fixed-shape block reduction.
-// dw = sum over rows of dout * x * rstd is a column sum over N rows. Float
-// atomics would make it order-dependent, so it is two kernels: blocks of
-// (column tile, row chunk) write per-chunk partial sums into the backend's
-// scratch (allocated once at backend creation, see cuda_backend.cpp), then a
-// second kernel adds each column's chunks in an order fixed by the chunk count
-// and adds the total to dw. The number of chunks depends on (N, h) only:
-// bitwise reproducible.
+// Forward: one block per row, packed loads, fp32 sums through a fixed-shape
+// block reduction.
+// Backward: dw = sum over rows of dout * x * rstd is a column sum over N rows.
+// Float atomics would make it order-dependent, so each block of the backward
+// takes a chunk of consecutive rows: for each row it forms the row's dot
+// product (block reduction), updates dx, and adds the row's dout * x * rstd
+// into per-column sums held in registers (a thread owns the same columns in
+// every row); at the end of the chunk it writes them to partial[chunk, :] in
+// the backend's scratch (allocated once at backend creation, see
+// cuda_backend.cpp). A second kernel adds each column's chunks in an order
+// fixed by the chunk count and adds the total to dw. dout and x are read once
+// for both dx and dw (a separate dw pass read them a second time: 2.2 ms a
+// step on llama-1b). The chunk count depends on (N, h) only: bitwise
+// reproducible. Rows wider than kMaxVecsPerThread packed vectors per thread,
+// rows that cannot be packed, and fewer than 4096 rows take the general
+// path: one block per row for dx, then blocks of (column tile, row chunk)
+// for the partial sums.
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -19,8 +28,15 @@ namespace {
 
 constexpr int kRowThreads = 256;
 constexpr int kDwWarps = 8;          // rows of a chunk are dealt to 8 warps
-constexpr int64_t kMaxChunks = 256;  // row chunks of the dw reduction
+constexpr int64_t kMaxChunks = 256;  // row chunks of the dw reduction (general path)
 constexpr int64_t kMinChunkRows = 16;
+// The one-pass backward: its blocks (row chunks), and the fewest rows a chunk
+// takes. With fewer than kMinFusedChunkRows * kMaxFusedChunks rows the
+// general path's block per row spreads the work better: llama2-7b's 2048
+// tokens ran 1.2 ms a step slower in 512 chunks of 4 rows (H100).
+constexpr int64_t kMaxFusedChunks = 1024;
+constexpr int64_t kMinFusedChunkRows = 4;
+constexpr int kMaxVecsPerThread = 4;  // the one-pass backward keeps 3 * 4 * K floats a thread
 
 template <int K, typename T>
 __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T* w, int64_t h, float eps) {
@@ -84,6 +100,109 @@ __global__ void rmsnorm_backward_dx_kernel(T* dx, const T* dout, const T* x, con
   }
 }
 
+// R sums of a block at once, each reduced as block_sum reduces one (the
+// same shuffles and the same warp order, so the same bits): one round of
+// barriers for R rows.
+template <int R>
+__device__ void block_sum_rows(float (&v)[R], float (*red)[32]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r) v[r] = warp_sum(v[r]);
+  __syncthreads();  // earlier users of `red` are done
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) red[r][warp] = v[r];
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float s = lane < nwarps ? red[r][lane] : 0.f;
+      s = warp_sum(s);
+      if (lane == 0) red[r][0] = s;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < R; ++r) v[r] = red[r][0];
+}
+
+// The one-pass backward (see the top of the file): block b takes rows
+// [b * chunk_rows, (b + 1) * chunk_rows), R at a time (twice the loads in
+// flight for narrow rows, one round of barriers for R rows); thread t owns
+// the packed vectors at columns (t + v * blockDim.x) * K, v < V. Per row, dx
+// as rmsnorm_backward_dx_kernel computes it (same sums in the same order, so
+// the same bits), and dw's terms added row after row into acc.
+template <int K, int V, int R, typename T>
+__global__ void rmsnorm_backward_kernel(T* dx, float* partial, const T* dout, const T* x, const T* w,
+                                        const float* rstd, int64_t N, int64_t h, int64_t chunk_rows) {
+  __shared__ float red[R][32];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * chunk_rows;
+  const int64_t n1 = n0 + chunk_rows < N ? n0 + chunk_rows : N;
+  int64_t col[V];
+  bool in[V];
+  float wv[V][K], acc[V][K];
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    col[v] = (static_cast<int64_t>(threadIdx.x) + static_cast<int64_t>(v) * blockDim.x) * K;
+    in[v] = col[v] < h;
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[v][k] = wv[v][k] = 0.f;
+    if (in[v]) load_vec<K>(w + col[v], wv[v]);
+  }
+  for (int64_t n = n0; n < n1; n += R) {
+    float a[R][V][K], xv[R][V][K], dot[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      dot[r] = 0.f;
+      if (n + r >= n1) continue;  // block-uniform: the chunk's last rows
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        if (!in[v]) continue;
+        load_vec<K>(dout + (n + r) * h + col[v], a[r][v]);
+        load_vec<K>(x + (n + r) * h + col[v], xv[r][v]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (n + r >= n1) continue;
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        if (!in[v]) continue;
+#pragma unroll
+        for (int k = 0; k < K; ++k) dot[r] += a[r][v][k] * wv[v][k] * xv[r][v][k];
+      }
+    }
+    block_sum_rows<R>(dot, red);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (n + r >= n1) continue;
+      const float rs = rstd[n + r];
+      const float c = rs * rs * rs * dot[r] / static_cast<float>(h);
+      T* d = dx + (n + r) * h;
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        if (!in[v]) continue;
+        float cur[K];
+        load_vec<K>(d + col[v], cur);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          cur[k] += rs * wv[v][k] * a[r][v][k] - c * xv[r][v][k];
+          acc[v][k] += a[r][v][k] * xv[r][v][k] * rs;
+        }
+        store_vec<K>(d + col[v], cur);
+      }
+    }
+  }
+  float* out = partial + static_cast<int64_t>(blockIdx.x) * h;
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+    if (in[v]) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) out[col[v] + k] = acc[v][k];
+    }
+}
+
 // blockIdx.x: a tile of 32 * K columns (lane l owns K adjacent columns, so a
 // warp reads 32 * K contiguous elements of a row); blockIdx.y: a chunk of
 // rows, dealt round-robin to the 8 warps. Warp sums are combined in warp
@@ -122,32 +241,34 @@ __global__ void __launch_bounds__(kDwWarps * 32) rmsnorm_dw_partial_kernel(float
   }
 }
 
-// dw[j] += sum over chunks c of partial[c, j], for 32 columns per block: warp w
-// adds the chunks c = w, w + 8, w + 16, ... of its lane's column (four loads
-// in flight per thread rather than one chain of `chunks` dependent ones,
-// which left this kernel latency-bound at ~30 us), then the 8 warp sums are
-// added in warp order. The order is fixed by `chunks` alone: deterministic.
+// dw[j] += sum over chunks c of partial[c, j], for 32 columns per block: warp
+// w adds the chunks c = w, w + 32, w + 64, ... of its lane's column (four
+// loads in flight per thread; 32 warps, because a model of hidden size 768
+// has only 24 such blocks and each would otherwise walk hundreds of chunks
+// one round trip after another), then the 32 warp sums are added in warp
+// order. The order is fixed by `chunks` alone: deterministic.
+constexpr int kFinishWarps = 32;
 template <typename TG>
-__global__ void __launch_bounds__(kDwWarps * 32) rmsnorm_dw_finish_kernel(TG* dw, const float* partial,
-                                                                         int64_t chunks, int64_t h) {
-  __shared__ float red[kDwWarps][32];
+__global__ void __launch_bounds__(kFinishWarps * 32) rmsnorm_dw_finish_kernel(TG* dw, const float* partial,
+                                                                             int64_t chunks, int64_t h) {
+  __shared__ float red[kFinishWarps][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * 32 + lane;
   float s[4] = {0.f, 0.f, 0.f, 0.f};
   if (j < h) {
     int64_t c = warp;
-    for (; c + 3 * kDwWarps < chunks; c += 4 * kDwWarps) {
+    for (; c + 3 * kFinishWarps < chunks; c += 4 * kFinishWarps) {
 #pragma unroll
-      for (int u = 0; u < 4; ++u) s[u] += partial[(c + u * kDwWarps) * h + j];
+      for (int u = 0; u < 4; ++u) s[u] += partial[(c + u * kFinishWarps) * h + j];
     }
-    for (; c < chunks; c += kDwWarps) s[0] += partial[c * h + j];
+    for (; c < chunks; c += kFinishWarps) s[0] += partial[c * h + j];
   }
   red[warp][lane] = (s[0] + s[1]) + (s[2] + s[3]);
   __syncthreads();
   if (warp == 0 && j < h) {
     float t = 0.f;
 #pragma unroll
-    for (int wp = 0; wp < kDwWarps; ++wp) t += red[wp][lane];
+    for (int wp = 0; wp < kFinishWarps; ++wp) t += red[wp][lane];
     dw[j] = from_f32<TG>(to_f32(dw[j]) + t);
   }
 }
@@ -208,16 +329,18 @@ void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& 
   if (N == 0) return;
   LOOM_CHECK(N <= 0x7fffffff, "rmsnorm: ", N, " rows exceed the grid limit");
 
-  // Row chunks for dw: at least kMinChunkRows rows each, at most kMaxChunks,
-  // and the partials [chunks, h] must fit in the scratch.
+  // Row chunks for dw, whose partials [chunks, h] must fit in the scratch.
   const int64_t scratch_floats = static_cast<int64_t>(scratch.bytes / sizeof(float));
   LOOM_CHECK(h <= scratch_floats, "rmsnorm_backward: hidden size ", h, " needs more than the backend's ",
              scratch.bytes, "-byte scratch");
-  int64_t chunks = (N + kMinChunkRows - 1) / kMinChunkRows;
-  if (chunks > kMaxChunks) chunks = kMaxChunks;
-  if (chunks > scratch_floats / h) chunks = scratch_floats / h;
-  const int64_t chunk_rows = (N + chunks - 1) / chunks;
-  chunks = (N + chunk_rows - 1) / chunk_rows;
+  int64_t chunks = 0, chunk_rows = 0;
+  auto set_chunks = [&](int64_t min_rows, int64_t max_chunks) {
+    chunks = (N + min_rows - 1) / min_rows;
+    if (chunks > max_chunks) chunks = max_chunks;
+    if (chunks > scratch_floats / h) chunks = scratch_floats / h;
+    chunk_rows = (N + chunks - 1) / chunks;
+    chunks = (N + chunk_rows - 1) / chunk_rows;
+  };
   float* partial = static_cast<float*>(scratch.ptr);
 
   dispatch_act_grad(x.dtype, dw.dtype, "rmsnorm_backward", [&](auto ta, auto tg) {
@@ -228,27 +351,49 @@ void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& 
     const bool vec = h % K == 0 && aligned_bytes(dx.data, a) && aligned_bytes(dout.data, a) &&
                      aligned_bytes(x.data, a) && aligned_bytes(w.data, a);
     const int threads = row_threads(vec ? h / K : h, kRowThreads);
-    if (vec)
-      rmsnorm_backward_dx_kernel<K, T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
-          dx.ptr<T>(), dout.ptr<T>(), x.ptr<T>(), w.ptr<T>(), rstd.ptr<float>(), h);
-    else
-      rmsnorm_backward_dx_kernel<1, T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
-          dx.ptr<T>(), dout.ptr<T>(), x.ptr<T>(), w.ptr<T>(), rstd.ptr<float>(), h);
-    LOOM_CUDA_LAUNCH_CHECK("rmsnorm_backward_dx_kernel", "N=", N, " h=", h, " threads=", threads,
-                           " vectorised=", vec);
+    const int64_t vecs_per_thread = vec ? (h / K + threads - 1) / threads : kMaxVecsPerThread + 1;
+    if (vecs_per_thread <= kMaxVecsPerThread && N >= kMinFusedChunkRows * kMaxFusedChunks) {
+      // One pass: a block per row chunk, dx and the chunk's dw partials
+      // together, in kMaxFusedChunks blocks of at least kMinFusedChunkRows rows
+      // (the partials' write and read then cost at most 1/8 of the rows'
+      // traffic; 1/32 at 16 rows, llama-1b's 16384 tokens).
+      set_chunks((N + kMaxFusedChunks - 1) / kMaxFusedChunks, kMaxFusedChunks);
+      auto launch = [&](auto kernel) {
+        kernel<<<static_cast<unsigned>(chunks), threads, 0, stream>>>(dx.ptr<T>(), partial, dout.ptr<T>(), x.ptr<T>(),
+                                                                   w.ptr<T>(), rstd.ptr<float>(), N, h, chunk_rows);
+      };
+      switch (vecs_per_thread) {
+        case 1: launch(rmsnorm_backward_kernel<K, 1, 2, T>); break;  // two rows at a time
+        case 2: launch(rmsnorm_backward_kernel<K, 2, 1, T>); break;  // one: the registers of 2 rows x 2+ vectors
+        case 3: launch(rmsnorm_backward_kernel<K, 3, 1, T>); break;
+        default: launch(rmsnorm_backward_kernel<K, 4, 1, T>); break;
+      }
+      LOOM_CUDA_LAUNCH_CHECK("rmsnorm_backward_kernel", "N=", N, " h=", h, " threads=", threads, " chunks=", chunks,
+                             " chunk_rows=", chunk_rows, " vectors per thread=", vecs_per_thread);
+    } else {
+      set_chunks(kMinChunkRows, kMaxChunks);
+      if (vec)
+        rmsnorm_backward_dx_kernel<K, T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+            dx.ptr<T>(), dout.ptr<T>(), x.ptr<T>(), w.ptr<T>(), rstd.ptr<float>(), h);
+      else
+        rmsnorm_backward_dx_kernel<1, T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+            dx.ptr<T>(), dout.ptr<T>(), x.ptr<T>(), w.ptr<T>(), rstd.ptr<float>(), h);
+      LOOM_CUDA_LAUNCH_CHECK("rmsnorm_backward_dx_kernel", "N=", N, " h=", h, " threads=", threads,
+                             " vectorised=", vec);
 
-    const int64_t tile = (vec ? K : 1) * 32;
-    const dim3 grid(static_cast<unsigned>((h + tile - 1) / tile), static_cast<unsigned>(chunks));
-    if (vec)
-      rmsnorm_dw_partial_kernel<K, T><<<grid, kDwWarps * 32, 0, stream>>>(partial, dout.ptr<T>(), x.ptr<T>(),
-                                                                          rstd.ptr<float>(), N, h, chunk_rows);
-    else
-      rmsnorm_dw_partial_kernel<1, T><<<grid, kDwWarps * 32, 0, stream>>>(partial, dout.ptr<T>(), x.ptr<T>(),
-                                                                          rstd.ptr<float>(), N, h, chunk_rows);
-    LOOM_CUDA_LAUNCH_CHECK("rmsnorm_dw_partial_kernel", "N=", N, " h=", h, " grid=(", grid.x, ",", grid.y,
-                           ") chunk_rows=", chunk_rows, " vectorised=", vec);
+      const int64_t tile = (vec ? K : 1) * 32;
+      const dim3 grid(static_cast<unsigned>((h + tile - 1) / tile), static_cast<unsigned>(chunks));
+      if (vec)
+        rmsnorm_dw_partial_kernel<K, T><<<grid, kDwWarps * 32, 0, stream>>>(partial, dout.ptr<T>(), x.ptr<T>(),
+                                                                            rstd.ptr<float>(), N, h, chunk_rows);
+      else
+        rmsnorm_dw_partial_kernel<1, T><<<grid, kDwWarps * 32, 0, stream>>>(partial, dout.ptr<T>(), x.ptr<T>(),
+                                                                            rstd.ptr<float>(), N, h, chunk_rows);
+      LOOM_CUDA_LAUNCH_CHECK("rmsnorm_dw_partial_kernel", "N=", N, " h=", h, " grid=(", grid.x, ",", grid.y,
+                             ") chunk_rows=", chunk_rows, " vectorised=", vec);
+    }
     const unsigned fin_blocks = static_cast<unsigned>((h + 31) / 32);
-    rmsnorm_dw_finish_kernel<TG><<<fin_blocks, kDwWarps * 32, 0, stream>>>(dw.ptr<TG>(), partial, chunks, h);
+    rmsnorm_dw_finish_kernel<TG><<<fin_blocks, kFinishWarps * 32, 0, stream>>>(dw.ptr<TG>(), partial, chunks, h);
     LOOM_CUDA_LAUNCH_CHECK("rmsnorm_dw_finish_kernel", "h=", h, " chunks=", chunks, " blocks=", fin_blocks);
   });
 }
