@@ -18,6 +18,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "loom/error.hpp"
 #include "compare_report.hpp"
 #include "png_writer.hpp"
@@ -309,6 +311,42 @@ TEST(Plot, DrawsEveryRunInEveryPanel) {
   const std::string none = run_cmd(loom::cat(LOOM_CLI, " plot"), &rc);
   EXPECT_NE(rc, 0);
   EXPECT_NE(none.find("needs at least one RUN_DIR"), std::string::npos) << none;
+}
+
+// `loom bench` on the CPU: its report describes the timed steps, and only
+// them (the warm-up and the step queued after the last timed one, whose start
+// closes that one's period, are not in it).
+TEST(Bench, ReportsTheTimedSteps) {
+  TmpDir d;
+  const fs::path cfg = d.path / "c.toml", json = d.path / "bench.json";
+  std::ofstream(cfg) << config(d.path / "run");
+  int rc = 0;
+  const std::string out =
+      run_cmd(loom::cat(LOOM_CLI, " bench ", cfg.string(), " --steps=5 --warmup=2 --json=", json.string()), &rc);
+  ASSERT_EQ(rc, 0) << out;
+  const auto j = nlohmann::json::parse(std::ifstream(json));
+  EXPECT_EQ(j.at("steps").get<int>(), 5);
+  EXPECT_EQ(j.at("warmup_steps").get<int>(), 2);
+  const double med = j.at("median_step_ms"), lo = j.at("min_step_ms"), hi = j.at("max_step_ms");
+  EXPECT_GT(lo, 0.0);
+  EXPECT_LE(lo, med);
+  EXPECT_LE(med, hi);
+  // tokens/s is the batch's tokens (2 x 16) over the median step.
+  EXPECT_NEAR(j.at("tokens_per_s").get<double>(), 32.0 / (med * 1e-3), 1e-6 * 32.0 / (med * 1e-3));
+  EXPECT_TRUE(std::isfinite(j.at("final_loss").get<double>()));
+  EXPECT_NE(out.find("BENCH_JSON"), std::string::npos) << out;
+
+  // One warm-up step, and more timed steps than the default step-log ring
+  // (16 rows) holds: still exactly the timed steps.
+  const std::string many =
+      run_cmd(loom::cat(LOOM_CLI, " bench ", cfg.string(), " --steps=20 --warmup=1 --json=", json.string()), &rc);
+  ASSERT_EQ(rc, 0) << many;
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(json)).at("steps").get<int>(), 20);
+
+  // Nothing but positive step counts.
+  const std::string bad = run_cmd(loom::cat(LOOM_CLI, " bench ", cfg.string(), " --steps=0"), &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(bad.find("--steps"), std::string::npos) << bad;
 }
 
 TEST(Progress, MemoryInEveryLogLine) {

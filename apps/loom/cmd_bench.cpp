@@ -106,7 +106,11 @@ int cmd_bench(const Args& args) {
   std::vector<std::string> ov = a.overrides;
   for (const char* o : {"checkpoint.every=0", "checkpoint.resume=\"none\"", "train.validation_every=0", "train.warmup_steps=0"})
     ov.push_back(o);
-  ov.push_back("train.steps=" + std::to_string(warmup + steps + (breakdown ? 1 : 0)));
+  // One step past the timed ones: its start closes the last timed period (below).
+  ov.push_back("train.steps=" + std::to_string(warmup + steps + 1 + (breakdown ? 1 : 0)));
+  // A step-log ring (log_every + 1 rows) that holds every step read at the
+  // end, so that no read runs early, with a host wait, among the timed steps.
+  ov.push_back("train.log_every=" + std::to_string(steps + 2));
   Config cfg = load_config(a.file, ov);
   // Synthetic data, whatever the config reads: bench measures the step, not the input pipeline.
   if (cfg.data.plugin != "synthetic") {
@@ -121,15 +125,29 @@ int cmd_bench(const Args& args) {
   Session s(cfg);
   s.initialise();
   Backend& be = s.backend();
-  // Steps are queued as in training (the host never waits within a step);
-  // their device timestamps are read back after the warm-up and at the end.
+  // Steps are queued as in training (the host never waits within a step).
+  // A step's period runs from its start to the next step's start, so it
+  // includes the previous step's optimizer running beside its forward. The
+  // periods reported are those of steady steps only:
+  //  - after the warm-up the host reads every step but the newest, whose
+  //    optimizer is still running when the first timed step starts (reading
+  //    it too would leave that step nothing to overlap: a shorter period);
+  //  - one more step is queued after the timed ones: its start closes the
+  //    last timed period (the last step queued has no successor, and its
+  //    period would end with its own work: 204-211 against 219 ms on llama-1b).
+  // The final read then holds the newest warm-up step, the timed steps and
+  // the extra one; the first and the last are dropped.
   for (int64_t i = 0; i < warmup; ++i) s.train_step();
-  (void)s.read_step_logs();
-  for (int64_t i = 0; i < steps; ++i) s.train_step();
-  const std::vector<StepLog> logs = s.read_step_logs();
+  (void)s.read_step_logs_but_newest();
+  for (int64_t i = 0; i < steps + 1; ++i) s.train_step();
+  std::vector<StepLog> logs = s.read_step_logs();
+  LOOM_CHECK(static_cast<int64_t>(logs.size()) == steps + 2, "loom bench: read ", logs.size(),
+             " step logs, expected the newest warm-up step, ", steps, " timed steps and one more");
+  const StepLog last = logs.back();
+  logs.pop_back();
+  logs.erase(logs.begin());
   std::vector<double> ms;
   for (const StepLog& l : logs) ms.push_back(l.step_ms);
-  const StepLog last = logs.back();
   const auto& t = cfg.train;
   const double tokens_per_step = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum);
   const double med = median(ms);
