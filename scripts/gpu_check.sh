@@ -57,6 +57,12 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/loom-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+# N ranks, one per GPU, with this environment: mpi_on N COMMAND...
+mpi_on() {
+  local n=$1; shift
+  mpirun --allow-run-as-root --bind-to none -np "$n" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH "$@"
+}
+
 status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   : > "$OUT/tests.txt"
@@ -94,7 +100,7 @@ if [ "$WHAT" = fp8 ]; then
 fi
 if [ "$WHAT" = fp8-gathers ]; then
   NP=${NP:-$(nvidia-smi -L | wc -l)}
-  MPI=(mpirun --allow-run-as-root --bind-to none -np "$NP" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH)
+  MPI=(mpi_on "$NP")
   : > "$OUT/tests.txt"
   L=$OUT/test_fp8_mpi_cuda.log
   if "${MPI[@]}" -x LOOM_FP8_MPI_DEVICE=cuda .carry/bin/test_fp8_mpi --gtest_filter='*Gather*' > "$L" 2>&1; then
@@ -206,8 +212,8 @@ if [ "$WHAT" = sharding ] || [ "$WHAT" = sharding-tests ]; then
   GROUPS2=0; [ "$NP" -ge 4 ] && [ $((NP % 2)) = 0 ] && GROUPS2=1
   HYBRID=hybrid_shard; [ $GROUPS2 = 1 ] && HYBRID=hybrid_shard:shard_group_size=2
   STRATEGIES=${STRATEGIES:-ddp,zero1,zero2,zero3,$HYBRID}
-  MPI=(mpirun --allow-run-as-root --bind-to none -np "$NP" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH)
-  MPI2=(mpirun --allow-run-as-root --bind-to none -np 2 -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH)
+  MPI=(mpi_on "$NP")
+  MPI2=(mpi_on 2)
   : > "$OUT/tests.txt"
   # NCCL communicator and every strategy on GPUs (fp32, tiny model, against one process).
   if "${MPI[@]}" .carry/bin/test_nccl_comm > "$OUT/test_nccl_comm.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi

@@ -56,7 +56,6 @@ bool gpu_present() {
     if (!gpu_present()) GTEST_SKIP() << "no CUDA device here: GPU GEMM test skipped"; \
   } while (0)
 
-
 loom::PluginRegistry& registry() {
   // Plugins are never unloaded; one registry for the whole suite.
   static auto* reg = new loom::PluginRegistry({std::filesystem::path(LOOM_TEST_PLUGIN_DIR)});

@@ -54,7 +54,6 @@ std::atomic<int64_t> g_plans_built{0};
 
 extern "C" int64_t loom_precision_cublaslt_plans_built() { return g_plans_built.load(); }
 
-
 namespace loom::precision_common {
 namespace {
 
@@ -71,7 +70,6 @@ cudaDataType_t cuda_type(DType t) {
   }
   throw Error(cat("precision: dtype ", dtype_name(t), " has no cuBLASLt GEMM in this library (fp32, bf16, fp16)"));
 }
-
 
 }  // namespace
 
@@ -99,7 +97,14 @@ struct CublasLtLinears::Timed {
   std::array<int64_t, 11> key{};
   cublasLtMatmulAlgo_t algo{};
   size_t workspace = 0;
+  bool switched = false;  // another answer than the heuristic's first
 };
+
+int64_t CublasLtLinears::problems_switched() const {
+  int64_t n = 0;
+  for (const auto& t : timed_) n += t->switched ? 1 : 0;
+  return n;
+}
 
 CublasLtLinears::CublasLtLinears(std::string recipe, GemmDTypes dtypes, GemmAlgo algo)
     : recipe_(std::move(recipe)), dtypes_(dtypes), algo_(algo) {
@@ -244,7 +249,6 @@ void CublasLtLinears::backward(const ExecContext& ctx, int id, const Tensor& x, 
   matmul(ctx, id, kWgrad, d.in, d.out, m, x.data, mx.ld, dy.data, mdy.ld, dw.data, d.in, dw.data, d.in,
          accumulate ? 1.0f : 0.0f);
 }
-
 
 // Builds the plan for `key` (M', N', K', leading dimensions, alignments: see
 // matmul) and appends it to `plans`: layouts, the heuristic's algorithm.
@@ -428,10 +432,8 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
             handle, *plan, cand.data(), found, a, b, beta, static_cast<size_t>(ldd * cols) * es,
             plan->c ? static_cast<size_t>(ldc * cols) * es : 0, workspace_, workspace_bytes_,
             static_cast<cudaStream_t>(ctx.stream), where());
-        ++problems_timed_;
-        if (best != 0) ++problems_switched_;
-        timed_.push_back(std::make_unique<Timed>(
-            Timed{g, key, cand[static_cast<size_t>(best)].algo, cand[static_cast<size_t>(best)].workspaceSize}));
+        timed_.push_back(std::make_unique<Timed>(Timed{g, key, cand[static_cast<size_t>(best)].algo,
+                                                       cand[static_cast<size_t>(best)].workspaceSize, best != 0}));
         t = timed_.back().get();
       }
       plan->algo = t->algo;
@@ -449,6 +451,5 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
                                      static_cast<cudaStream_t>(ctx.stream)),
                       where());
 }
-
 
 }  // namespace loom::precision_common

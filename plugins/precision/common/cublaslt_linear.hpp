@@ -71,8 +71,8 @@ class CublasLtLinears {
   GemmAlgo algo_choice() const { return algo_; }
   // GemmAlgo::fastest: problems timed so far, and how many of them took an
   // algorithm other than the heuristic's first.
-  int64_t problems_timed() const { return problems_timed_; }
-  int64_t problems_switched() const { return problems_switched_; }
+  int64_t problems_timed() const { return static_cast<int64_t>(timed_.size()); }
+  int64_t problems_switched() const;
 
   struct Plan;  // defined in the .cpp (holds cuBLASLt handles)
 
@@ -91,7 +91,6 @@ class CublasLtLinears {
   GemmDTypes dtypes_;
   GemmAlgo algo_ = GemmAlgo::heuristic;
   std::vector<std::unique_ptr<Timed>> timed_;
-  int64_t problems_timed_ = 0, problems_switched_ = 0;
   std::vector<LinearDesc> linears_;
   std::vector<std::unique_ptr<Slot>> slots_;  // one per linear, 3 GEMMs each
   void* workspace_ = nullptr;
