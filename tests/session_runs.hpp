@@ -1,6 +1,7 @@
-// What the FP8 tests compare between training runs that must compute the same
-// bits (test_fp8_recipes, test_fp8_block and their GPU suites): the losses at
-// every step and evaluation, and the precision recipe's state.
+// What tests compare between training runs that must compute the same bits
+// (test_fp8_recipes, test_fp8_block and their GPU suites, test_train_e2e,
+// test_moe_train): the losses at every step and evaluation, the precision
+// recipe's state, and runs whose gradients were poisoned between steps.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -49,6 +50,42 @@ inline void expect_same_losses(const RunSummary& a, const RunSummary& b, size_t 
   ASSERT_FALSE(a.val_losses.empty()) << "no evaluation to compare";
   for (size_t i = 0; i < a.val_losses.size(); ++i)
     EXPECT_EQ(b.val_losses[i].second, a.val_losses[i].second) << "evaluation at step " << a.val_losses[i].first;
+}
+
+// Nothing zeroes the gradients between steps: the first micro-batch of a
+// step writes every parameter gradient (BlockEnv::first_micro). Trains
+// `config` for `steps` steps twice, the second time with every byte of every
+// unit's gradients set to 0xFF (NaN in fp32 and bf16) before each step: a
+// gradient that a step accumulated onto instead of writing would carry the
+// NaN into the norm and the update. The two runs must log bitwise the same
+// losses and gradient norms, all finite.
+inline void stale_gradients_are_overwritten(const Config& config, int64_t steps) {
+  std::vector<StepLog> logs[2];
+  for (int poison = 0; poison < 2; ++poison) {
+    Session s(config);
+    s.initialise();
+    for (int64_t i = 0; i < steps; ++i) {
+      if (poison) {
+        s.backend().synchronize();  // the last step's optimizer has read them
+        for (UnitState& u : s.units()) {
+          if (u.grads.data == nullptr) continue;
+          std::vector<unsigned char> ff(u.grads.bytes(), 0xFF);
+          if (u.grads.device == Device::cpu) std::memcpy(u.grads.data, ff.data(), ff.size());
+          else s.backend().upload(u.grads, ff.data(), ff.size());
+        }
+      }
+      s.train_step();
+    }
+    logs[poison] = s.read_step_logs();
+  }
+  ASSERT_EQ(logs[0].size(), static_cast<size_t>(steps));
+  ASSERT_EQ(logs[1].size(), static_cast<size_t>(steps));
+  for (size_t i = 0; i < logs[0].size(); ++i) {
+    EXPECT_TRUE(std::isfinite(logs[0][i].loss) && std::isfinite(logs[0][i].grad_norm)) << "step " << i + 1;
+    EXPECT_EQ(logs[1][i].loss, logs[0][i].loss) << "step " << i + 1;
+    EXPECT_EQ(logs[1][i].grad_norm, logs[0][i].grad_norm) << "step " << i + 1;
+    EXPECT_FALSE(logs[1][i].skipped) << "step " << i + 1;
+  }
 }
 
 // Trains config(mode) for precision.weight_cache "step", "layer" and "auto"

@@ -19,6 +19,7 @@
 #include "hf/hf_llama.hpp"
 #include "loom/error.hpp"
 #include "model/backend.hpp"
+#include "session_runs.hpp"
 #include "test_util.hpp"
 #include "train/progress.hpp"
 #include "train/session.hpp"
@@ -237,6 +238,21 @@ TEST(MoeTrain, ConvertCheckpointToHfMixtral) {
 }
 
 // What cannot run is refused before any work, naming the key.
+// The first micro-batch writes the experts' gradients, and zeroes those of
+// experts that got no rows (8 experts, top-1, 4 tokens a micro-batch: at
+// least half get none); the router's and the norms' are zeroed before their
+// kernels add to them. Gradients poisoned before every step change no bit.
+TEST(MoeTrain, StaleGradientsAreOverwritten) {
+  fs::path d = temp_dir("moe_stale_grads");
+  for (const std::string accum : {"1", "2"}) {
+    SCOPED_TRACE("grad_accum=" + accum);
+    loom::test::stale_gradients_are_overwritten(
+        parse(moe_config(d / ("run" + accum)), {"model.num_experts=8", "model.top_k=1", "train.micro_batch=1",
+                                                "train.seq_len=4", "train.grad_accum=" + accum, "train.steps=5"}),
+        5);
+  }
+}
+
 TEST(MoeTrain, RefusalsNameTheKey) {
   fs::path d = temp_dir("moe_refusals");
   const std::string c = moe_config(d / "run");

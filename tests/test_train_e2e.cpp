@@ -11,6 +11,7 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "config/run_config.hpp"
+#include "session_runs.hpp"
 #include "test_util.hpp"
 #include "hf/hf_llama.hpp"
 #include "train/session.hpp"
@@ -266,6 +267,26 @@ TEST(TrainE2E, GradAccumulationMatchesOneLargeBatch) {
     EXPECT_NEAR(a.steps[i].loss, b.steps[i].loss, 1e-5 * a.steps[i].loss) << "step " << i + 1;
     EXPECT_NEAR(a.steps[i].grad_norm, b.steps[i].grad_norm, 1e-4 * a.steps[i].grad_norm) << "step " << i + 1;
   }
+}
+
+// Nothing zeroes the gradients between steps (sharding "none" leaves them
+// as AdamW read them): the first micro-batch of each step writes every
+// parameter gradient. Poisoned gradients before every step change no bit of
+// the run, for native and fused layers, tied and untied embeddings (the
+// head writes the embedding's gradient, the scatter adds to it), one and two
+// micro-batches.
+TEST(TrainE2E, StaleGradientsAreOverwritten) {
+  fs::path d = temp_dir("stale_grads");
+  for (const std::string layers : {"native", "fused"})
+    for (const std::string tied : {"false", "true"})
+      for (const std::string accum : {"1", "2"}) {
+        SCOPED_TRACE(layers + " tied=" + tied + " grad_accum=" + accum);
+        loom::test::stale_gradients_are_overwritten(
+            parse(small_config(d / (layers + tied + accum)),
+                  {"model.layers=\"" + layers + "\"", "model.tied_embeddings=" + tied, "train.grad_accum=" + accum,
+                   "train.steps=4", "train.validation_every=0"}),
+            4);
+      }
 }
 
 // Recompute trades memory for time, never the numbers: with `attention` the

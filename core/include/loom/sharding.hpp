@@ -175,9 +175,13 @@ class Sharding : public Plugin {
   // work on env.ops->optimizer_queue() if before_forward orders each unit's
   // next forward after that unit's update (markers).
   virtual void step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h) = 0;
-  // True when this strategy's step leaves the gradients it owns at zero
-  // (adamw with consume_grads), so the core skips its zeroing pass before the
-  // next step; false: the core zeroes every unit's gradients at each step's start.
+  // True when this strategy needs no zeroed gradients at a step's start: the
+  // first micro-batch's backward writes every parameter gradient of a unit
+  // (the linears' wgrad with beta = 0, the other parameters zeroed just before
+  // their accumulating kernels), so whatever the last step left there is
+  // overwritten; the core then skips its zeroing pass. (A strategy may also
+  // leave them at zero itself, adamw with consume_grads.) False: the core
+  // zeroes every unit's gradients at each step's start.
   virtual bool zeroes_grads() const { return false; }
 };
 

@@ -73,6 +73,15 @@ struct BlockEnv {
   // sharding.expert_parallel > 1: the ranks that split each MoE layer's
   // experts between them (blocks/expert_parallel.hpp); null otherwise.
   Communicator* expert_group = nullptr;
+  // The model's flag (Model::set_first_micro): true during the first
+  // micro-batch of an optimizer step, when a unit's gradients hold the
+  // previous step's values (nothing zeroes them between steps). The backward
+  // then writes every parameter gradient instead of adding to it: the
+  // linears with accumulate = false (a GEMM with beta = 0, no read of dW),
+  // the other parameters (norm gains, embedding rows, router) zeroed just
+  // before their accumulating kernels. Null or false: accumulate.
+  const bool* first_micro = nullptr;
+  bool writes_grads() const { return first_micro != nullptr && *first_micro; }
   AttentionShape attention_shape() const;
   // precision->register_linear, recording the id (the memory plan asks the
   // recipe for each linear's saved activations).

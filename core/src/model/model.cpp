@@ -52,6 +52,7 @@ void Model::plan(const BlockEnv& env, ArenaPlan& plan) {
   env_.linear_ids = &linear_ids_;
   linear_weights_.clear();
   env_.linear_weights = &linear_weights_;
+  env_.first_micro = &first_micro_;
   const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
   const size_t stream_bytes = n * static_cast<size_t>(spec_.hidden) * e;
   const bool full = env.recompute == Recompute::full;

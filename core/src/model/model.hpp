@@ -59,6 +59,9 @@ class Model {
   Tensor aux_loss() const;
   // The jitter seed of the next training micro-batch (router_jitter_noise > 0).
   void set_moe_seed(uint64_t seed) { moe_.seed = seed; }
+  // True while the step's first micro-batch runs (BlockEnv::first_micro):
+  // its backward writes the gradients. False (the default) accumulates.
+  void set_first_micro(bool first) { first_micro_ = first; }
   HeadBlock& head() { return *head_; }
 
  private:
@@ -83,6 +86,7 @@ class Model {
   MoeShared moe_;
   int d_res_ = -1, tokens_ = -1;
   float dloss_scale_ = 0.f;
+  bool first_micro_ = false;
 };
 
 // Tokens per LM-head chunk: the whole micro-batch for native layers; for fused

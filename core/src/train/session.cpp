@@ -104,10 +104,15 @@ void Session::train_step() {
   Tensor ring_begin = view(state_->scalar_log(), ring_row(step_ + 1) * kStepScalars + kTimeBegin, {1});
   be.copy(ring_begin, begin);
   rt_.sharding->begin_step(state_->env(), units());
-  if (!rt_.sharding->zeroes_grads()) state_->zero_grads();  // else the last step's AdamW left them at zero
+  // The first micro-batch's backward writes every parameter gradient
+  // (BlockEnv::first_micro), so the gradients need no zeroing between steps;
+  // a strategy whose step does not say so (Sharding::zeroes_grads) still gets
+  // them zeroed here, as its own bookkeeping may read them before.
+  if (!rt_.sharding->zeroes_grads()) state_->zero_grads();
   Tensor loss_sum = view(scalars, kLossSum, {1});
   for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
     last_micro_ = micro == t.grad_accum - 1;
+    model_->set_first_micro(micro == 0);
     {
       trace::Scope phase(trace::Track::host, "data");
       next_batch(Split::train);   // tokens -> pinned slot -> device, queued
@@ -128,6 +133,7 @@ void Session::train_step() {
       be.sum_into(aux_sum, model_->aux_loss(), 0, 1, false);
     }
   }
+  model_->set_first_micro(false);  // a backward outside a step (tests, --breakdown) accumulates
   {
     trace::Scope phase(trace::Track::host, "optimizer");
     queue_optimizer_step(step_);  // global norm -> clip -> AdamW -> re-gather, on the device

@@ -3,8 +3,9 @@
 // the optimizer with the model:
 //
 //   backward of unit u ends     -> the optimizer queue adds u's squared gradients to the norm
-//   step()                      -> the optimizer queue: clip decision, then AdamW unit by unit
-//                                  (consuming the gradients: they are left at zero), a marker after each
+//   step()                      -> the optimizer queue: clip decision, then AdamW unit by unit,
+//                                  a marker after each (the gradients are left as they are: the
+//                                  next step's first micro-batch writes them, zeroes_grads)
 //   next forward of unit u      -> the compute queue waits for u's marker only
 //
 // so the memory-bound norm runs beside the backward's GEMMs and each unit's
@@ -59,7 +60,7 @@ class NoSharding final : public loom::Sharding {
     env.ops->wait(q, env.ops->mark(env.ctx));
     env.ops->norm_finish(q, nullptr);
     for (auto& u : units) {
-      env.ops->adamw(q, u, u.grads, h, u.params, 0, /*consume_grads=*/true);
+      env.ops->adamw(q, u, u.grads, h, u.params, 0, /*consume_grads=*/false);
       updated_[static_cast<size_t>(u.index)] = env.ops->mark(q);
     }
   }

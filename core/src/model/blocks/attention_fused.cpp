@@ -82,6 +82,7 @@ class FusedAttention final : public AttentionBlock {
   }
 
   void backward(UnitState& u, const Tensor& x, Tensor& d) override {
+    const bool acc = !env_.writes_grads();  // false: this micro-batch writes the weight gradients
     Backend& be = *env_.backend;
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, qd = spec_.q_dim();
@@ -94,7 +95,7 @@ class FusedAttention final : public AttentionBlock {
     {
       Range r(be, "o_proj.grad");
       Tensor dWo = param(u, kWo, true);
-      env_.precision->linear_backward(ctx, wo_, act(att_, {N, qd}), param(u, kWo), d, &d_att, dWo, true);
+      env_.precision->linear_backward(ctx, wo_, act(att_, {N, qd}), param(u, kWo), d, &d_att, dWo, acc);
     }
     {
       Range r(be, "attention.grad");
@@ -114,11 +115,12 @@ class FusedAttention final : public AttentionBlock {
       Tensor dWqkv = param_rows(u, kWq, 3, true);
       const Tensor ln1 = ln1_transient_ ? Tensor() : act(ln1_, {N, h});
       env_.precision->linear_backward(ctx, wqkv_, ln1, param_rows(u, kWq, 3),
-                                      act(d_qkv_, {N, width()}), &d_ln, dWqkv, true);
+                                      act(d_qkv_, {N, width()}), &d_ln, dWqkv, acc);
     }
     {
       Range r(be, "rmsnorm.grad");
       Tensor dln1 = param(u, kLn1, true);
+      if (!acc) be.zero(dln1);  // the first micro-batch writes (BlockEnv::first_micro)
       be.rmsnorm_backward(d, dln1, d_ln, x, param(u, kLn1), f32(rstd1_, {N}));
     }
   }

@@ -88,6 +88,7 @@ class NativeAttention final : public AttentionBlock {
   }
 
   void backward(UnitState& u, const Tensor& x, Tensor& d) override {
+    const bool acc = !env_.writes_grads();  // false: this micro-batch writes the weight gradients
     Backend& be = *env_.backend;
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, qd = spec_.q_dim(), kvd = spec_.kv_dim();
@@ -100,7 +101,7 @@ class NativeAttention final : public AttentionBlock {
     {
       Range r(be, "o_proj.grad");
       Tensor dWo = param(u, kWo, true);
-      env_.precision->linear_backward(ctx, wo_, act(att_, {N, qd}), param(u, kWo), d, &d_att, dWo, true);
+      env_.precision->linear_backward(ctx, wo_, act(att_, {N, qd}), param(u, kWo), d, &d_att, dWo, acc);
     }
     Tensor dq = heads(d_q_, H), dk = heads(d_k_, Hkv), dv = heads(d_v_, Hkv);
     {
@@ -119,15 +120,16 @@ class NativeAttention final : public AttentionBlock {
     {
       Range r(be, "qkv.grad");
       Tensor dWq = param(u, kWq, true), dWk = param(u, kWk, true), dWv = param(u, kWv, true);
-      env_.precision->linear_backward(ctx, wq_, ln1, param(u, kWq), act(d_q_, {N, qd}), &d_ln, dWq, true);
-      env_.precision->linear_backward(ctx, wk_, ln1, param(u, kWk), act(d_k_, {N, kvd}), &d_tmp, dWk, true);
+      env_.precision->linear_backward(ctx, wq_, ln1, param(u, kWq), act(d_q_, {N, qd}), &d_ln, dWq, acc);
+      env_.precision->linear_backward(ctx, wk_, ln1, param(u, kWk), act(d_k_, {N, kvd}), &d_tmp, dWk, acc);
       be.accumulate(d_ln, d_tmp);
-      env_.precision->linear_backward(ctx, wv_, ln1, param(u, kWv), act(d_v_, {N, kvd}), &d_tmp, dWv, true);
+      env_.precision->linear_backward(ctx, wv_, ln1, param(u, kWv), act(d_v_, {N, kvd}), &d_tmp, dWv, acc);
       be.accumulate(d_ln, d_tmp);
     }
     {
       Range r(be, "rmsnorm.grad");
       Tensor dln1 = param(u, kLn1, true);
+      if (!acc) be.zero(dln1);  // the first micro-batch writes (BlockEnv::first_micro)
       be.rmsnorm_backward(d, dln1, d_ln, x, param(u, kLn1), f32(rstd1_, {N}));
     }
   }

@@ -16,6 +16,10 @@ void EmbeddingBlock::forward(const UnitState& u, const Tensor& tokens, Tensor& o
 
 void EmbeddingBlock::backward(UnitState& u, const Tensor& tokens, const Tensor& d) {
   Tensor dwte = param(u, 0, true);
+  // The scatter adds rows. In a writing micro-batch (BlockEnv::first_micro)
+  // the gradient is zeroed first, unless the head's weight is this one
+  // (tied): the head's backward, which runs before, has written it.
+  if (env_.writes_grads() && !spec_.tied_embeddings) env_.backend->zero(dwte);
   env_.backend->embedding_backward(dwte, d, tokens);
 }
 

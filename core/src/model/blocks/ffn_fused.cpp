@@ -68,6 +68,7 @@ class FusedFfn final : public FfnBlock {
   }
 
   void backward(UnitState& u, const Tensor& x, Tensor& d) override {
+    const bool acc = !env_.writes_grads();  // false: this micro-batch writes the weight gradients
     Backend& be = *env_.backend;
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
@@ -76,7 +77,7 @@ class FusedFfn final : public FfnBlock {
       Range r(be, "down.grad");
       Tensor dWd = param(u, kWdown, true);
       const Tensor swi = swi_transient_ ? Tensor() : act(swi_, {N, f});
-      env_.precision->linear_backward(ctx, wd_, swi, param(u, kWdown), d, &d_swi, dWd, true);
+      env_.precision->linear_backward(ctx, wd_, swi, param(u, kWdown), d, &d_swi, dWd, acc);
     }
     {
       Range r(be, "swiglu.grad");
@@ -89,11 +90,12 @@ class FusedFfn final : public FfnBlock {
       Tensor dWgu = param_rows(u, kWgate, 2, true);
       const Tensor ln2 = ln2_transient_ ? Tensor() : act(ln2_, {N, h});
       env_.precision->linear_backward(ctx, wgu_, ln2, param_rows(u, kWgate, 2),
-                                      act(d_gu_, {N, 2 * f}), &d_ln, dWgu, true);
+                                      act(d_gu_, {N, 2 * f}), &d_ln, dWgu, acc);
     }
     {
       Range r(be, "rmsnorm.grad");
       Tensor dln2 = param(u, kLn2, true);
+      if (!acc) be.zero(dln2);  // the first micro-batch writes (BlockEnv::first_micro)
       be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn2), f32(rstd2_, {N}));
     }
   }

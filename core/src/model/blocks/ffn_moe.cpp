@@ -24,6 +24,7 @@
 // experts are in a unit of their own (declare_experts), of which this rank
 // holds its experts only; the sorted rows go to the experts' owners and the
 // outputs come back by all_to_all, and the same for the gradients.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -156,6 +157,7 @@ class MoeFfn final : public FfnBlock {
       w3_.push_back(reg({q + "w3", h, f, max_rows, LinearRole::hidden, true}, 2));
     }
     host_counts_.assign(2 * EE + 1, 0);
+    expert_written_.assign(EE, 0);
     local_segments_.clear();
     local_segments_.reserve(EE);
   }
@@ -230,6 +232,7 @@ class MoeFfn final : public FfnBlock {
   }
 
   void backward(UnitState& u, const Tensor& x, Tensor& d) override {
+    const bool acc = !env_.writes_grads();  // false: this micro-batch writes the weight gradients
     Backend& be = *env_.backend;
     const ExecContext& ctx = be.ctx();
     MoeShared& ms = *env_.moe;
@@ -255,22 +258,37 @@ class MoeFfn final : public FfnBlock {
         d_eout = act(d_eout_r_, {Rx, h});
         ep_->dispatch_grad(d_eout_sorted, d_eout);
       }
-      // No rows: an expert's weight gradients stay as they are.
+      // An expert's first run of rows in a writing micro-batch writes its
+      // weight gradients, every later run (other peers' rows under expert
+      // parallelism) adds to them; an expert with no rows then gets zeros
+      // (below). In an accumulating micro-batch an expert with no rows keeps
+      // its gradients as they are.
+      std::fill(expert_written_.begin(), expert_written_.end(), static_cast<char>(acc));
       for (const ExpertExchange::Segment& sg : segments(rows)) {
         const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
+        const bool acc_e = expert_written_[static_cast<size_t>(e)] != 0;
+        expert_written_[static_cast<size_t>(e)] = 1;
         Tensor d_eout_e = rows_of(d_eout, r0, m), d_act_e = rows_of(d_act, r0, m);
         Tensor d_gate_e = rows_of(d_gate, r0, m), d_up_e = rows_of(d_up, r0, m), d_xs_e = rows_of(d_xs, r0, m);
         Tensor xs_e = rows_of(xs, r0, m);
         Tensor dW2 = expert(u, e, 1, true), dW1 = expert(u, e, 0, true), dW3 = expert(u, e, 2, true);
         env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), expert(u, e, 1),
-                                        d_eout_e, &d_act_e, dW2, true);
+                                        d_eout_e, &d_act_e, dW2, acc_e);
         be.swiglu_backward(d_gate_e, d_up_e, d_act_e, rows_of(gate, r0, m), rows_of(up, r0, m));
         env_.precision->linear_backward(ctx, w1_[static_cast<size_t>(e)], xs_e, expert(u, e, 0), d_gate_e, &d_xs_e,
-                                        dW1, true);
+                                        dW1, acc_e);
         // d_eout's rows of this expert are consumed: they take the second dgrad.
         env_.precision->linear_backward(ctx, w3_[static_cast<size_t>(e)], xs_e, expert(u, e, 2), d_up_e, &d_eout_e,
-                                        dW3, true);
+                                        dW3, acc_e);
         be.accumulate(d_xs_e, d_eout_e);
+      }
+      const int64_t first = ep_ ? ep_->first_expert() : 0, held = ep_ ? ep_->local_experts() : spec_.num_experts;
+      for (int64_t e = first; e < first + held; ++e) {
+        if (expert_written_[static_cast<size_t>(e)] != 0) continue;
+        for (int j = 0; j < 3; ++j) {
+          Tensor g = expert(u, e, j, true);
+          be.zero(g);
+        }
       }
       if (ep_) {
         Range x(be, "ep.return.grad");
@@ -281,6 +299,7 @@ class MoeFfn final : public FfnBlock {
     {
       Range r(be, "router.grad");
       Tensor dWr = param(u, kRouter, true);
+      if (!acc) be.zero(dWr);  // moe_route_backward adds to it
       Tensor d_probs = f32(d_probs_, {N, spec_.num_experts}), d_logits = f32(d_logits_, {N, spec_.num_experts});
       const Tensor aux_dprobs = f32(ms.dprobs, {spec_.num_experts});
       const Tensor xin = jittered_ ? act(xin_, {N, h}) : act(ln2_, {N, h});
@@ -291,6 +310,7 @@ class MoeFfn final : public FfnBlock {
     {
       Range r(be, "rmsnorm.grad");
       Tensor dln2 = param(u, kLn, true);
+      if (!acc) be.zero(dln2);  // the first micro-batch writes (BlockEnv::first_micro)
       be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn), f32(rstd2_, {N}));
     }
   }
@@ -366,6 +386,7 @@ class MoeFfn final : public FfnBlock {
   std::vector<ExpertExchange::Segment> local_segments_;  // segments() without expert parallelism
   std::vector<int> w1_, w2_, w3_;
   std::vector<int64_t> host_counts_;
+  std::vector<char> expert_written_;  // per expert: its weight gradients have this micro-batch's first rows
   bool jittered_ = false;  // the last forward applied jitter (what backward inverts)
 };
 

@@ -68,6 +68,7 @@ class NativeFfn final : public FfnBlock {
   }
 
   void backward(UnitState& u, const Tensor& x, Tensor& d) override {
+    const bool acc = !env_.writes_grads();  // false: this micro-batch writes the weight gradients
     Backend& be = *env_.backend;
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
@@ -76,7 +77,7 @@ class NativeFfn final : public FfnBlock {
       Range r(be, "down.grad");
       Tensor dWd = param(u, kWdown, true);
       const Tensor swi = swi_transient_ ? Tensor() : act(swi_, {N, f});
-      env_.precision->linear_backward(ctx, wd_, swi, param(u, kWdown), d, &d_swi, dWd, true);
+      env_.precision->linear_backward(ctx, wd_, swi, param(u, kWdown), d, &d_swi, dWd, acc);
     }
     {
       Range r(be, "swiglu.grad");
@@ -87,13 +88,14 @@ class NativeFfn final : public FfnBlock {
     {
       Range r(be, "gate_up.grad");
       Tensor dWg = param(u, kWgate, true), dWu = param(u, kWup, true);
-      env_.precision->linear_backward(ctx, wg_, ln2, param(u, kWgate), d_gate, &d_ln, dWg, true);
-      env_.precision->linear_backward(ctx, wu_, ln2, param(u, kWup), d_up, &d_tmp, dWu, true);
+      env_.precision->linear_backward(ctx, wg_, ln2, param(u, kWgate), d_gate, &d_ln, dWg, acc);
+      env_.precision->linear_backward(ctx, wu_, ln2, param(u, kWup), d_up, &d_tmp, dWu, acc);
       be.accumulate(d_ln, d_tmp);
     }
     {
       Range r(be, "rmsnorm.grad");
       Tensor dln2 = param(u, kLn2, true);
+      if (!acc) be.zero(dln2);  // the first micro-batch writes (BlockEnv::first_micro)
       be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn2), f32(rstd2_, {N}));
     }
   }

@@ -87,6 +87,9 @@ void HeadBlock::backward(std::vector<UnitState>& units, int self, const Tensor& 
   Tensor lnf_all(buf(lnf_), env_.act, dev, {N * h});
   Tensor d_ln_all(buf(d_ln_), env_.act, dev, {N * h});
   Tensor w = weight(units, self, false), dw = weight(units, self, true);
+  // The first chunk of a writing micro-batch (BlockEnv::first_micro) writes
+  // dW (tied: the embedding's gradient, whose scatter then adds to it).
+  bool acc = !env_.writes_grads();
   for (int64_t first = 0; first < N; first += C) {
     const int64_t rows = std::min(C, N - first);
     Range r(be, "head.chunk");
@@ -103,12 +106,14 @@ void HeadBlock::backward(std::vector<UnitState>& units, int self, const Tensor& 
     Range g(be, "lm_head.grad");
     Tensor lnf = view(lnf_all, first * h, {rows, h});
     Tensor d_ln = view(d_ln_all, first * h, {rows, h});
-    env_.precision->linear_backward(ctx, lm_head_, lnf, w, logits, &d_ln, dw, true);
+    env_.precision->linear_backward(ctx, lm_head_, lnf, w, logits, &d_ln, dw, acc);
+    acc = true;
   }
   Range r(be, "rmsnorm.grad");
   be.zero(d);
   UnitState& u = units[static_cast<size_t>(self)];
   Tensor dnorm = param(u, kNorm, true);
+  if (env_.writes_grads()) be.zero(dnorm);  // the first micro-batch writes
   be.rmsnorm_backward(d, dnorm, Tensor(buf(d_ln_), env_.act, dev, {N, h}), x, param(u, kNorm),
                       Tensor(buf(rstd_), DType::f32, dev, {N}));
 }
