@@ -27,6 +27,10 @@
 #   bash scripts/gpu_check.sh fp8-gathers [CONFIG] (FP8 weight gathers, sharding.gather_dtype = "fp8", on NP GPUs:
 #       test_fp8_mpi's gather cases over NCCL, then `loom bench` of CONFIG (default llama-1b-fp8) under zero3 with
 #       fp8_current and fused layers, gathering parameters and FP8; env NP, STEPS, WARMUP)
+#   bash scripts/gpu_check.sh ep [CONFIG]         (expert parallelism on NP GPUs, default 2: `loom compare` of
+#       CONFIG (default mixtral-small) under ddp with every expert on every rank, and under ddp and zero3
+#       with sharding.expert_parallel = NP, beside one GPU alone; losses of a deterministic run within 2e-3
+#       of EP=1's, tokens/s per GPU >= 85% of one GPU's; env NP, STEPS, WARMUP)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -288,6 +292,23 @@ sys.exit(0 if worst <= 1e-5 else 1)
 PY
   then r=PASS; else r=FAIL; status=1; fi
   echo "$r reshard (cuda) np=$NP" | tee -a "$OUT/tests.txt"
+fi
+if [ "$WHAT" = ep ]; then
+  # Expert parallelism over NCCL: EP = NP against EP = 1 on the same ranks and
+  # data (so the losses compare), and against one GPU alone (throughput).
+  CFG=${1:-configs/bench/mixtral-small.toml}
+  NP=${NP:-2}; STEPS=${STEPS:-10}; WARMUP=${WARMUP:-3}
+  ST=ddp,ddp:expert_parallel=$NP,zero3:expert_parallel=$NP
+  : > "$OUT/tests.txt"
+  .carry/bin/loom bench "$CFG" --steps="$STEPS" --warmup="$WARMUP" --json="$OUT/ep_single.json" > "$OUT/ep_single.log" 2>&1 || status=1
+  tail -2 "$OUT/ep_single.log"
+  mpi_on "$NP" .carry/bin/loom compare "$CFG" --strategies="$ST" --steps="$STEPS" --warmup="$WARMUP" \
+    > "$OUT/ep_compare.out" 2> "$OUT/ep_compare.log" || { status=1; tail -20 "$OUT/ep_compare.log"; }
+  mpi_on "$NP" .carry/bin/loom compare "$CFG" --strategies="$ST" --steps=10 --warmup=0 --set run.deterministic=true \
+    > "$OUT/ep_compare_det.out" 2> "$OUT/ep_compare_det.log" || { status=1; tail -20 "$OUT/ep_compare_det.log"; }
+  if LOOM_TARGET_DENSE=0.85 LOOM_TARGET_SHARDED=0.85 python3 benchmarks/sharding_targets.py "$OUT/ep_single.json" \
+       "$OUT/ep_compare.out" "$OUT/ep_compare_det.out" | tee "$OUT/ep_table.md"; then r=PASS; else r=FAIL; status=1; fi
+  echo "$r expert parallelism np=$NP ($CFG)" | tee -a "$OUT/tests.txt"
 fi
 if [ "$WHAT" = sharding ]; then
   # One GPU alone: the baseline the per-GPU throughput targets refer to.

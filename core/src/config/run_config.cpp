@@ -216,11 +216,6 @@ void check_expert_parallel(const Config& c) {
                           cat("sharding.expert_parallel = ", n, " splits the experts of a mixture of experts, but the "
                               "model is dense (model.ffn = \"", c.model.ffn, "\"): set model.ffn = \"moe\" or "
                               "sharding.expert_parallel = 1"));
-  if (c.run.device == "cuda")
-    c.sharding.table.fail("expert_parallel",
-                          cat("sharding.expert_parallel = ", n, " runs on CPU ranks only in this build (the token "
-                              "exchange between expert ranks is host-side); with run.device = \"cuda\" set "
-                              "sharding.expert_parallel = 1 (every rank holds every expert)"));
   if (s.num_experts % n != 0)
     c.sharding.table.fail("expert_parallel",
                           cat("sharding.expert_parallel = ", n, " does not divide model.num_experts = ",

@@ -6,10 +6,16 @@
 
 namespace loom {
 
-ExpertExchange::ExpertExchange(Communicator* group, int64_t num_experts, int64_t tokens, int64_t top_k,
-                               int64_t hidden)
-    : group_(group), P_(group->size()), E_(num_experts), El_(0), N_(tokens), k_(top_k), h_(hidden), first_(0) {
+ExpertExchange::ExpertExchange(Communicator* group, Backend* backend, int64_t num_experts, int64_t tokens,
+                               int64_t top_k, int64_t hidden)
+    : group_(group), backend_(backend), P_(group->size()), E_(num_experts), El_(0), N_(tokens), k_(top_k), h_(hidden),
+      first_(0) {
   LOOM_CHECK(P_ >= 1 && E_ % P_ == 0, "sharding.expert_parallel = ", P_, " does not divide model.num_experts = ", E_);
+  LOOM_CHECK(backend_ != nullptr, "expert parallelism: no backend");
+  const bool dev = backend_->device() != Device::cpu;
+  LOOM_CHECK(group_->device_tensors() == dev, "expert parallelism: the expert group's communicator moves ",
+             group_->device_tensors() ? "device" : "host", " buffers but the model runs on the ",
+             dev ? "device" : "CPU", " (an NCCL group needs run.device = \"cuda\", an MPI one run.device = \"cpu\")");
   El_ = E_ / P_;
   first_ = group->rank() * El_;
   counts_out_.assign(static_cast<size_t>(E_), 0);
@@ -21,17 +27,27 @@ ExpertExchange::ExpertExchange(Communicator* group, int64_t num_experts, int64_t
 
 void ExpertExchange::exchange(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv,
                               const std::vector<int64_t>& rc) {
-  ExecContext ctx;
+  const ExecContext& ctx = backend_->ctx();
   group_->wait(ctx, group_->all_to_all(ctx, send, sc, recv, rc));
 }
 
-void ExpertExchange::dispatch(const int64_t* counts, const Tensor& xs, Tensor& xr) {
+void ExpertExchange::dispatch(const int64_t* counts, const Tensor& counts_src, Tensor& counts_in, const Tensor& xs,
+                              Tensor& xr) {
+  LOOM_CHECK(counts_src.numel() == E_ && counts_in.numel() == E_ && dtype_size(counts_src.dtype) == 8 &&
+                 dtype_size(counts_in.dtype) == 8,
+             "expert parallelism: the counts buffers hold ", counts_src.numel(), " and ", counts_in.numel(),
+             " 8-byte elements, not the ", E_, " experts' counts");
   // 1. The per-expert counts: peer q gets the counts of its El experts.
   std::copy(counts, counts + E_, counts_out_.begin());
-  Tensor co(counts_out_.data(), DType::f64, Device::cpu, {E_});  // 8-byte elements, moved as raw bytes
-  Tensor ci(counts_in_.data(), DType::f64, Device::cpu, {E_});
-  {
-    ExecContext ctx;
+  const ExecContext& ctx = backend_->ctx();
+  if (group_->device_tensors()) {
+    // From where the routing counted them, then back to the host: the sizes
+    // below are host decisions.
+    group_->wait(ctx, group_->all_to_all(ctx, counts_src, {}, counts_in, {}));
+    backend_->download(counts_in_.data(), counts_in, static_cast<size_t>(E_) * sizeof(int64_t));
+  } else {
+    Tensor co(counts_out_.data(), DType::f64, Device::cpu, {E_});  // 8-byte elements, moved as raw bytes
+    Tensor ci(counts_in_.data(), DType::f64, Device::cpu, {E_});
     group_->wait(ctx, group_->all_to_all(ctx, co, {}, ci, {}));
   }
   segments_.clear();

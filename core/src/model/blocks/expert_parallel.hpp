@@ -25,20 +25,36 @@
 // Bytes a rank sends per layer and micro-batch: 8·El·(P−1) for 1, then
 // h·b·(rows it sends to other ranks) for 2 and 4, and h·b·(rows it receives
 // from other ranks) for 3 and 5 (b the activation's bytes per element).
+//
+// Where they run. Every exchange is queued on the backend's compute queue
+// (Backend::ctx()) and the queue waits for it before the next kernel, so the
+// experts never read rows still in flight. Host communicators (MPI, CPU
+// ranks) move host buffers and return when done. A device communicator
+// (NCCL, one GPU per rank) moves device buffers on its own stream: the counts
+// of exchange 1 then go from the routing's device counts into a device
+// buffer of E int64, and are read back to the host (one more host wait per
+// layer, after the one that read the layer's own counts), since the sizes of
+// exchanges 2-5 and the experts' row runs are host decisions.
 #pragma once
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "loom/comm.hpp"
+#include "model/backend.hpp"
 #include "model/block.hpp"
 
 namespace loom {
 
 class ExpertExchange {
  public:
-  // group: the P ranks of this rank's expert-parallel group.
-  ExpertExchange(Communicator* group, int64_t num_experts, int64_t tokens, int64_t top_k, int64_t hidden);
+  // group: the P ranks of this rank's expert-parallel group; backend: whose
+  // compute queue orders the exchanges (and reads the counts back to the host
+  // when the group moves device buffers).
+  ExpertExchange(Communicator* group, Backend* backend, int64_t num_experts, int64_t tokens, int64_t top_k,
+                 int64_t hidden);
+  // True when the buffers passed in must be device memory (NCCL).
+  bool device_buffers() const { return group_->device_tensors(); }
 
   int64_t group_size() const { return P_; }
   int64_t first_expert() const { return first_; }
@@ -53,10 +69,12 @@ class ExpertExchange {
     int64_t expert = 0, row = 0, rows = 0;
   };
 
-  // Forward exchanges 1 and 2. counts: the sorted rows per expert [E] and
-  // their offsets [E] on the host (Backend::moe_route's); xs: the sorted rows
-  // [N·k, h]; xr: the receive buffer [max_recv_rows, h].
-  void dispatch(const int64_t* counts, const Tensor& xs, Tensor& xr);
+  // Forward exchanges 1 and 2. counts: the sorted rows per expert [E] on the
+  // host (Backend::moe_route's, read back); counts_src: the same E int64 where
+  // the routing left them (host or device), counts_in: E int64 of scratch
+  // beside them (both as 8-byte elements: DType::f64 views); xs: the sorted
+  // rows [N·k, h]; xr: the receive buffer [max_recv_rows, h].
+  void dispatch(const int64_t* counts, const Tensor& counts_src, Tensor& counts_in, const Tensor& xs, Tensor& xr);
   // Exchange 3: yr [max_recv_rows, h] (outputs of the received rows) back into y [N·k, h] (sorted order).
   void give_back(const Tensor& yr, Tensor& y);
   // Exchange 4: like dispatch's rows, with the counts of the last dispatch.
@@ -70,6 +88,7 @@ class ExpertExchange {
   void exchange(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv, const std::vector<int64_t>& rc);
 
   Communicator* group_;
+  Backend* backend_;
   int64_t P_, E_, El_, N_, k_, h_, first_;
   std::vector<int64_t> counts_out_, counts_in_;  // exchange 1's buffers [E]
   std::vector<int64_t> send_, recv_;             // elements per peer of the last dispatch

@@ -99,7 +99,7 @@ class MoeFfn final : public FfnBlock {
     // ones this rank's experts receive, up to Rx of them.
     ep_.reset();
     if (env.expert_group != nullptr && env.expert_group->size() > 1)
-      ep_ = std::make_unique<ExpertExchange>(env.expert_group, E, env.N, k, h);
+      ep_ = std::make_unique<ExpertExchange>(env.expert_group, env.backend, E, env.N, k, h);
     const size_t Rx = ep_ ? static_cast<size_t>(ep_->max_recv_rows()) : R;
     ln2_ = a.kept("ln2", l, n * H * e, full);
     rstd2_ = a.kept("rstd2", l, n * 4, full);
@@ -123,6 +123,7 @@ class MoeFfn final : public FfnBlock {
       eout_r_ = a.kept("moe.ep.eout", l, Rx * H * e, full);
       d_xr_ = a.shared("grad.moe.ep.xr", Rx * H * e);
       d_eout_r_ = a.shared("grad.moe.ep.eout", Rx * H * e);
+      ep_counts_ = a.shared("moe.ep.counts_in", EE * 8);  // exchange 1's receive buffer
     }
     eout_ = a.kept("moe.eout", l, R * H * e, full);
     tmp_ = a.shared("scratch.h", n * H * e);  // the combine's output before the residual add
@@ -207,7 +208,9 @@ class MoeFfn final : public FfnBlock {
         Range x(be, "ep.dispatch");
         xin_rows = act(xr_, {Rx, h});
         eout_rows = act(eout_r_, {Rx, h});
-        ep_->dispatch(rows, xs, xin_rows);
+        const Tensor counts_src(rt.counts, DType::f64, dev(), {rt.E});  // int64, moved as 8-byte elements
+        Tensor counts_in(buf(ep_counts_), DType::f64, dev(), {rt.E});
+        ep_->dispatch(rows, counts_src, counts_in, xs, xin_rows);
       }
       for (const ExpertExchange::Segment& sg : segments(rows)) {
         const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
@@ -379,7 +382,7 @@ class MoeFfn final : public FfnBlock {
   int ln2_ = -1, rstd2_ = -1, noise_ = -1, xin_ = -1, logits_ = -1, probs_ = -1, weights_ = -1, experts_ = -1;
   int perm_ = -1, row_of_ = -1, counts_ = -1, xs_ = -1, gate_ = -1, up_ = -1, act_ = -1, eout_ = -1, tmp_ = -1;
   int d_ln_ = -1, d_eout_ = -1, d_act_ = -1, d_gate_ = -1, d_up_ = -1, d_xs_ = -1, d_weights_ = -1, d_probs_ = -1;
-  int d_logits_ = -1, xr_ = -1, eout_r_ = -1, d_xr_ = -1, d_eout_r_ = -1;
+  int d_logits_ = -1, xr_ = -1, eout_r_ = -1, d_xr_ = -1, d_eout_r_ = -1, ep_counts_ = -1;
   std::unique_ptr<ExpertExchange> ep_;  // expert parallelism (null: this rank runs every expert)
   bool experts_apart_ = false;           // the experts are in their own unit (expert parallelism)
   const UnitState* experts_unit_ = nullptr;  // that unit's state
