@@ -71,16 +71,19 @@ TEST(ModelBlocks, UnknownVariantIsRefusedNamingTheChoices) {
 }
 
 // Native layers compute the whole micro-batch's logits; fused ones chunk them
-// by the configured size, or by 256 MiB of logits (a multiple of 128).
+// by the configured size, or by 1 GiB of logits (a multiple of 128).
 TEST(ModelBlocks, HeadChunkRule) {
   using loom::head_chunk_tokens;
   EXPECT_EQ(head_chunk_tokens("native", 100, 16384, 32000, loom::DType::bf16), 16384);
   EXPECT_EQ(head_chunk_tokens("fused", 100, 16384, 32000, loom::DType::bf16), 100);
   EXPECT_EQ(head_chunk_tokens("fused", 1 << 20, 16384, 32000, loom::DType::bf16), 16384);
-  // 256 MiB / (32000 x 2 bytes) = 4194 tokens -> 4096.
-  EXPECT_EQ(head_chunk_tokens("fused", 0, 16384, 32000, loom::DType::bf16), 4096);
-  // Llama 3's vocabulary: 256 MiB / (128256 x 2) = 1046 -> 1024.
-  EXPECT_EQ(head_chunk_tokens("fused", 0, 16384, 128256, loom::DType::bf16), 1024);
+  // 1 GiB / (32000 x 2 bytes) = 16777 tokens: the whole micro-batch of 16384.
+  EXPECT_EQ(head_chunk_tokens("fused", 0, 16384, 32000, loom::DType::bf16), 16384);
+  EXPECT_EQ(head_chunk_tokens("fused", 0, 65536, 32000, loom::DType::bf16), 16768);
+  // Llama 3's vocabulary: 1 GiB / (128256 x 2) = 4186 -> 4096.
+  EXPECT_EQ(head_chunk_tokens("fused", 0, 16384, 128256, loom::DType::bf16), 4096);
+  // fp32 logits: half the tokens.
+  EXPECT_EQ(head_chunk_tokens("fused", 0, 16384, 128256, loom::DType::f32), 2048);
   EXPECT_EQ(head_chunk_tokens("fused", 0, 500, 32000, loom::DType::f32), 500);
 }
 

@@ -181,7 +181,7 @@ void Model::backward_unit(int unit, std::vector<UnitState>& units) {
 int64_t head_chunk_tokens(const std::string& layers, int64_t configured, int64_t tokens, int64_t vocab, DType act) {
   if (layers == "native") return tokens;
   if (configured > 0) return std::min(configured, tokens);
-  const int64_t budget = (int64_t{256} << 20) / (vocab * static_cast<int64_t>(dtype_size(act)));
+  const int64_t budget = (int64_t{1} << 30) / (vocab * static_cast<int64_t>(dtype_size(act)));
   int64_t c = budget >= 128 ? budget / 128 * 128 : std::max<int64_t>(budget, 1);
   return std::clamp<int64_t>(c, 1, tokens);
 }

@@ -90,7 +90,7 @@ class Model {
 };
 
 // Tokens per LM-head chunk: the whole micro-batch for native layers; for fused
-// layers `configured` when > 0, else as many tokens as 256 MiB of logits hold
+// layers `configured` when > 0, else as many tokens as 1 GiB of logits hold
 // (a multiple of 128), at most the micro-batch.
 int64_t head_chunk_tokens(const std::string& layers, int64_t configured, int64_t tokens, int64_t vocab, DType act);
 
