@@ -292,6 +292,22 @@ TEST(MoeTrain, CheckPrintsActiveAndTotalAndPlansAWorld) {
         std::string("ZeRO formulas per rank for zero3"), std::string("if every expert ran")})
     EXPECT_NE(text.find(want), std::string::npos) << "missing '" << want << "' in:\n" << text;
   EXPECT_LT(spec.active_params(), spec.total_params());
+  // Expert parallelism in a planned world: the expert group has
+  // expert_parallel ranks, not the world's 16 (which would not divide the 4
+  // experts), and the layer's receive buffers are planned for that group, as
+  // in a world of just 2 ranks.
+  auto activations = [](const std::string& t) {
+    const size_t at = t.find("\n  activations");
+    return at == std::string::npos ? std::string("(none)") : t.substr(at + 1, t.find('\n', at + 1) - at - 1);
+  };
+  const auto ep16 = run("--world 16 --gpus-per-node 8 --set sharding.plugin='\"zero3\"' "
+                        "--set sharding.expert_parallel=2", "ep16.txt");
+  EXPECT_EQ(ep16.first, 0) << ep16.second;
+  const auto ep2 = run("--world 2 --set sharding.plugin='\"zero3\"' --set sharding.expert_parallel=2", "ep2.txt");
+  EXPECT_EQ(ep2.first, 0) << ep2.second;
+  const auto ep1 = run("--world 2 --set sharding.plugin='\"zero3\"'", "ep1.txt");
+  EXPECT_EQ(activations(ep16.second), activations(ep2.second)) << ep16.second << "\n---\n" << ep2.second;
+  EXPECT_NE(activations(ep2.second), activations(ep1.second)) << "the exchange's buffers are not planned";
   const auto bad = run("--world 12 --gpus-per-node 8", "bad.txt");
   EXPECT_NE(bad.first, 0);
   EXPECT_NE(bad.second.find("--world 12 is not a multiple of --gpus-per-node 8"), std::string::npos) << bad.second;

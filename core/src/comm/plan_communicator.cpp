@@ -7,7 +7,7 @@ namespace {
 
 class PlanCommunicator final : public Communicator {
  public:
-  explicit PlanCommunicator(int world) : world_(world) {}
+  PlanCommunicator(int world, bool device) : world_(world), device_(device) {}
   int rank() const override { return 0; }
   int size() const override { return world_; }
   CommTicket all_reduce(const ExecContext&, Tensor&, ReduceOp) override { refuse("all_reduce"); }
@@ -20,9 +20,10 @@ class PlanCommunicator final : public Communicator {
                         std::span<const int64_t>) override {
     refuse("all_to_all");
   }
+  bool device_tensors() const override { return device_; }
   void barrier() override { refuse("barrier"); }
   std::unique_ptr<Communicator> split(int, int) override {
-    return adopt(std::make_unique<PlanCommunicator>(world_));
+    return adopt(std::make_unique<PlanCommunicator>(world_, device_));
   }
 
  private:
@@ -31,10 +32,13 @@ class PlanCommunicator final : public Communicator {
                     " was called: planning only lays out memory; start the ranks with a launcher to run"));
   }
   int world_;
+  bool device_;
 };
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_plan_communicator(int world) { return std::make_unique<PlanCommunicator>(world); }
+std::unique_ptr<Communicator> make_plan_communicator(int world, bool device_tensors) {
+  return std::make_unique<PlanCommunicator>(world, device_tensors);
+}
 
 }  // namespace loom

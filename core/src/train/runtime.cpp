@@ -177,7 +177,8 @@ Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_proce
     rt.backend = make_cpu_backend(cfg.run.threads, cfg.run.deterministic);
   }
   if (plan_world > 0) {
-    rt.comm = make_plan_communicator(plan_world);
+    rt.comm = make_plan_communicator(plan_world, rt.backend->device() != Device::cpu);
+    rt.planned = true;
     rt.host = rt.comm.get();
     load_plugins(rt, cfg, spec);
     return rt;  // no ranks to agree with

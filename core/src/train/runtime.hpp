@@ -29,6 +29,7 @@ struct Runtime {
   std::unique_ptr<Sharding> sharding;
   std::unique_ptr<DataSource> data;
   PrecisionDTypes dtypes{};
+  bool planned = false;  // loom check --world: comm is a stand-in (comm/plan_communicator.hpp)
 
   int rank() const { return comm->rank(); }
   int world() const { return comm->size(); }

@@ -5,6 +5,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "comm/plan_communicator.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
 #include "train/fp8_gather.hpp"
@@ -77,7 +78,10 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
       throw Error(cat("sharding.expert_parallel = ", ep, " does not divide the ", world, " ranks of this run: the ",
                       "experts are split over groups of expert_parallel consecutive ranks; start a multiple of ", ep,
                       " ranks or set sharding.expert_parallel to a divisor of ", world));
-    expert_group_ = rt_.comm->split(rt_.rank() / static_cast<int>(ep), rt_.rank());
+    // A planned run's stand-in cannot split by color (it knows no other
+    // rank): its expert group is a stand-in of the group's size.
+    expert_group_ = rt_.planned ? make_plan_communicator(static_cast<int>(ep), rt_.comm->device_tensors())
+                                : rt_.comm->split(rt_.rank() / static_cast<int>(ep), rt_.rank());
   }
   BlockEnv be;
   be.B = cfg_.train.micro_batch;
