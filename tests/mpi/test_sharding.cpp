@@ -13,9 +13,11 @@
 // and each rank's memory plan must equal the ZeRO formulas plus padding.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -435,6 +437,54 @@ TEST(Sharding, ExpertParallelMustDivideWorld) {
         << e.what();
   }
 }
+// No strategy needs its gradients zeroed between steps (the first
+// micro-batch writes them, Sharding::zeroes_grads): every parameter's
+// gradient is filled with NaN before every step, and the losses and norms
+// must be those of a clean run, bitwise.
+void check_stale_gradients(const std::string& strategy, std::vector<std::string> ov) {
+  if (skip_device()) GTEST_SKIP() << "no CUDA device";
+  Run runs[2];
+  for (int poison = 0; poison < 2; ++poison) {
+    loom::Session s(make_config(strategy, ov));
+    s.initialise();
+    for (int i = 0; i < kSteps; ++i) {
+      if (poison) {
+        s.backend().synchronize();  // the last step's optimizer has read them
+        for (loom::UnitState& u : s.units()) {
+          if (u.grads.data == nullptr) continue;
+          // The parameters' elements (the padding is never written, so stays zero).
+          const int64_t n = std::min<int64_t>(u.info->numel, u.grads.numel());
+          const std::vector<unsigned char> nan(static_cast<size_t>(n) * loom::dtype_size(u.grads.dtype), 0xFF);
+          loom::Tensor g = loom::view(u.grads, 0, {n});
+          if (g.device == loom::Device::cpu) std::memcpy(g.data, nan.data(), nan.size());
+          else s.backend().upload(g, nan.data(), nan.size());
+        }
+      }
+      s.train_step();
+      const loom::StepLog log = s.read_step_logs().at(0);
+      runs[poison].losses.push_back(log.loss);
+      runs[poison].norms.push_back(log.grad_norm);
+    }
+  }
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_TRUE(std::isfinite(runs[0].losses[static_cast<size_t>(i)])) << strategy << " step " << i + 1;
+    EXPECT_EQ(runs[1].losses[static_cast<size_t>(i)], runs[0].losses[static_cast<size_t>(i)])
+        << strategy << " step " << i + 1;
+    EXPECT_EQ(runs[1].norms[static_cast<size_t>(i)], runs[0].norms[static_cast<size_t>(i)])
+        << strategy << " step " << i + 1;
+  }
+}
+TEST(Sharding, StaleGradientsAreOverwrittenDdp) { check_stale_gradients("ddp", {}); }
+TEST(Sharding, StaleGradientsAreOverwrittenZero1) { check_stale_gradients("zero1", {}); }
+TEST(Sharding, StaleGradientsAreOverwrittenZero2Tied) { check_stale_gradients("zero2", {"model.tied_embeddings=true"}); }
+TEST(Sharding, StaleGradientsAreOverwrittenZero3) { check_stale_gradients("zero3", {}); }
+TEST(Sharding, StaleGradientsAreOverwrittenMoeExpertParallel2) {
+  if (g_world->size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
+  std::vector<std::string> ov = kMoe;
+  ov.push_back("sharding.expert_parallel=2");
+  check_stale_gradients("ddp", ov);
+}
+
 TEST(Sharding, Zero1) { check_strategy({"zero1", {}}); }
 TEST(Sharding, Zero2) { check_strategy({"zero2", {}}); }
 TEST(Sharding, Zero3) { check_strategy({"zero3", {}}); }

@@ -59,6 +59,12 @@ class FlatSharding : public Sharding {
   void before_backward(ShardingEnv& env, UnitState& unit) override;
   void after_backward(ShardingEnv& env, UnitState& unit, bool last_micro) override;
   void step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h) override;
+  // The core's zeroing pass at a step's start is not needed: the first
+  // micro-batch's backward writes every parameter gradient (BlockEnv::
+  // first_micro), the whole-unit buffers of zero2 / zero3 / hybrid_shard are
+  // zeroed in before_backward, and the padding of a unit's buffer is never
+  // written (zero since the arena was allocated).
+  bool zeroes_grads() const override { return true; }
 
  private:
   struct Impl;
