@@ -18,7 +18,6 @@ ExpertExchange::ExpertExchange(Communicator* group, Backend* backend, int64_t nu
              dev ? "device" : "CPU", " (an NCCL group needs run.device = \"cuda\", an MPI one run.device = \"cpu\")");
   El_ = E_ / P_;
   first_ = group->rank() * El_;
-  counts_out_.assign(static_cast<size_t>(E_), 0);
   counts_in_.assign(static_cast<size_t>(E_), 0);
   send_.assign(static_cast<size_t>(P_), 0);
   recv_.assign(static_cast<size_t>(P_), 0);
@@ -37,25 +36,18 @@ void ExpertExchange::dispatch(const int64_t* counts, const Tensor& counts_src, T
                  dtype_size(counts_in.dtype) == 8,
              "expert parallelism: the counts buffers hold ", counts_src.numel(), " and ", counts_in.numel(),
              " 8-byte elements, not the ", E_, " experts' counts");
-  // 1. The per-expert counts: peer q gets the counts of its El experts.
-  std::copy(counts, counts + E_, counts_out_.begin());
+  // 1. The per-expert counts: peer q gets the counts of its El experts, from
+  // where the routing counted them, then back to the host (a copy on the
+  // CPU): the sizes below are host decisions.
   const ExecContext& ctx = backend_->ctx();
-  if (group_->device_tensors()) {
-    // From where the routing counted them, then back to the host: the sizes
-    // below are host decisions.
-    group_->wait(ctx, group_->all_to_all(ctx, counts_src, {}, counts_in, {}));
-    backend_->download(counts_in_.data(), counts_in, static_cast<size_t>(E_) * sizeof(int64_t));
-  } else {
-    Tensor co(counts_out_.data(), DType::f64, Device::cpu, {E_});  // 8-byte elements, moved as raw bytes
-    Tensor ci(counts_in_.data(), DType::f64, Device::cpu, {E_});
-    group_->wait(ctx, group_->all_to_all(ctx, co, {}, ci, {}));
-  }
+  group_->wait(ctx, group_->all_to_all(ctx, counts_src, {}, counts_in, {}));
+  backend_->download(counts_in_.data(), counts_in, static_cast<size_t>(E_) * sizeof(int64_t));
   segments_.clear();
   int64_t row = 0;
   for (int64_t q = 0; q < P_; ++q) {
     int64_t out = 0, in = 0;
     for (int64_t j = 0; j < El_; ++j) {
-      out += counts_out_[static_cast<size_t>(q * El_ + j)];
+      out += counts[q * El_ + j];
       const int64_t m = counts_in_[static_cast<size_t>(q * El_ + j)];
       if (m > 0) segments_.push_back({first_ + j, row, m});
       row += m;

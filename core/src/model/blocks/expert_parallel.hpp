@@ -30,10 +30,10 @@
 // (Backend::ctx()) and the queue waits for it before the next kernel, so the
 // experts never read rows still in flight. Host communicators (MPI, CPU
 // ranks) move host buffers and return when done. A device communicator
-// (NCCL, one GPU per rank) moves device buffers on its own stream: the counts
-// of exchange 1 then go from the routing's device counts into a device
-// buffer of E int64, and are read back to the host (one more host wait per
-// layer, after the one that read the layer's own counts), since the sizes of
+// (NCCL, one GPU per rank) moves device buffers on its own stream. The counts
+// of exchange 1 go from the routing's counts into a buffer of E int64 beside
+// them and are read back to the host (on a GPU one more host wait per layer,
+// after the one that read the layer's own counts), since the sizes of
 // exchanges 2-5 and the experts' row runs are host decisions.
 #pragma once
 #include <algorithm>
@@ -53,8 +53,6 @@ class ExpertExchange {
   // when the group moves device buffers).
   ExpertExchange(Communicator* group, Backend* backend, int64_t num_experts, int64_t tokens, int64_t top_k,
                  int64_t hidden);
-  // True when the buffers passed in must be device memory (NCCL).
-  bool device_buffers() const { return group_->device_tensors(); }
 
   int64_t group_size() const { return P_; }
   int64_t first_expert() const { return first_; }
@@ -90,7 +88,7 @@ class ExpertExchange {
   Communicator* group_;
   Backend* backend_;
   int64_t P_, E_, El_, N_, k_, h_, first_;
-  std::vector<int64_t> counts_out_, counts_in_;  // exchange 1's buffers [E]
+  std::vector<int64_t> counts_in_;  // exchange 1's received counts [E], on the host
   std::vector<int64_t> send_, recv_;             // elements per peer of the last dispatch
   std::vector<Segment> segments_;
 };
