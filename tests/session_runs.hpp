@@ -5,6 +5,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -54,11 +55,13 @@ inline void expect_same_losses(const RunSummary& a, const RunSummary& b, size_t 
 
 // Nothing zeroes the gradients between steps: the first micro-batch of a
 // step writes every parameter gradient (BlockEnv::first_micro). Trains
-// `config` for `steps` steps twice, the second time with every byte of every
-// unit's gradients set to 0xFF (NaN in fp32 and bf16) before each step: a
+// `config` for `steps` steps twice, the second time with every parameter's
+// gradient set to 0xFF bytes (NaN in fp32 and bf16) before each step: a
 // gradient that a step accumulated onto instead of writing would carry the
-// NaN into the norm and the update. The two runs must log bitwise the same
-// losses and gradient norms, all finite.
+// NaN into the norm and the update. (A unit's padding is not poisoned: no
+// kernel writes it, it stays zero from the arena's allocation, and a sharding
+// strategy may reduce it with the rest.) The two runs must log bitwise the
+// same losses and gradient norms, all finite. Any strategy, any world.
 inline void stale_gradients_are_overwritten(const Config& config, int64_t steps) {
   std::vector<StepLog> logs[2];
   for (int poison = 0; poison < 2; ++poison) {
@@ -69,9 +72,11 @@ inline void stale_gradients_are_overwritten(const Config& config, int64_t steps)
         s.backend().synchronize();  // the last step's optimizer has read them
         for (UnitState& u : s.units()) {
           if (u.grads.data == nullptr) continue;
-          std::vector<unsigned char> ff(u.grads.bytes(), 0xFF);
-          if (u.grads.device == Device::cpu) std::memcpy(u.grads.data, ff.data(), ff.size());
-          else s.backend().upload(u.grads, ff.data(), ff.size());
+          // The parameters' elements (an experts unit holds this rank's range only).
+          Tensor g = view(u.grads, 0, {std::min<int64_t>(u.info->numel, u.grads.numel())});
+          const std::vector<unsigned char> ff(g.bytes(), 0xFF);
+          if (g.device == Device::cpu) std::memcpy(g.data, ff.data(), ff.size());
+          else s.backend().upload(g, ff.data(), ff.size());
         }
       }
       s.train_step();

@@ -237,7 +237,6 @@ TEST(MoeTrain, ConvertCheckpointToHfMixtral) {
   EXPECT_EQ(s2.read_param(name), trained);
 }
 
-// What cannot run is refused before any work, naming the key.
 // The first micro-batch writes the experts' gradients, and zeroes those of
 // experts that got no rows (8 experts, top-1, 4 tokens a micro-batch: at
 // least half get none); the router's and the norms' are zeroed before their
@@ -253,6 +252,7 @@ TEST(MoeTrain, StaleGradientsAreOverwritten) {
   }
 }
 
+// What cannot run is refused before any work, naming the key.
 TEST(MoeTrain, RefusalsNameTheKey) {
   fs::path d = temp_dir("moe_refusals");
   const std::string c = moe_config(d / "run");

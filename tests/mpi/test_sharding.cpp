@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -28,6 +27,7 @@
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
 #include "model/backend.hpp"
+#include "session_runs.hpp"
 #include "train/session.hpp"
 
 namespace {
@@ -438,41 +438,11 @@ TEST(Sharding, ExpertParallelMustDivideWorld) {
   }
 }
 // No strategy needs its gradients zeroed between steps (the first
-// micro-batch writes them, Sharding::zeroes_grads): every parameter's
-// gradient is filled with NaN before every step, and the losses and norms
-// must be those of a clean run, bitwise.
-void check_stale_gradients(const std::string& strategy, std::vector<std::string> ov) {
+// micro-batch writes them, Sharding::zeroes_grads): gradients filled with NaN
+// before every step change no bit of the run (tests/session_runs.hpp).
+void check_stale_gradients(const std::string& strategy, const std::vector<std::string>& ov) {
   if (skip_device()) GTEST_SKIP() << "no CUDA device";
-  Run runs[2];
-  for (int poison = 0; poison < 2; ++poison) {
-    loom::Session s(make_config(strategy, ov));
-    s.initialise();
-    for (int i = 0; i < kSteps; ++i) {
-      if (poison) {
-        s.backend().synchronize();  // the last step's optimizer has read them
-        for (loom::UnitState& u : s.units()) {
-          if (u.grads.data == nullptr) continue;
-          // The parameters' elements (the padding is never written, so stays zero).
-          const int64_t n = std::min<int64_t>(u.info->numel, u.grads.numel());
-          const std::vector<unsigned char> nan(static_cast<size_t>(n) * loom::dtype_size(u.grads.dtype), 0xFF);
-          loom::Tensor g = loom::view(u.grads, 0, {n});
-          if (g.device == loom::Device::cpu) std::memcpy(g.data, nan.data(), nan.size());
-          else s.backend().upload(g, nan.data(), nan.size());
-        }
-      }
-      s.train_step();
-      const loom::StepLog log = s.read_step_logs().at(0);
-      runs[poison].losses.push_back(log.loss);
-      runs[poison].norms.push_back(log.grad_norm);
-    }
-  }
-  for (int i = 0; i < kSteps; ++i) {
-    EXPECT_TRUE(std::isfinite(runs[0].losses[static_cast<size_t>(i)])) << strategy << " step " << i + 1;
-    EXPECT_EQ(runs[1].losses[static_cast<size_t>(i)], runs[0].losses[static_cast<size_t>(i)])
-        << strategy << " step " << i + 1;
-    EXPECT_EQ(runs[1].norms[static_cast<size_t>(i)], runs[0].norms[static_cast<size_t>(i)])
-        << strategy << " step " << i + 1;
-  }
+  loom::test::stale_gradients_are_overwritten(make_config(strategy, ov), 8);
 }
 TEST(Sharding, StaleGradientsAreOverwrittenDdp) { check_stale_gradients("ddp", {}); }
 TEST(Sharding, StaleGradientsAreOverwrittenZero1) { check_stale_gradients("zero1", {}); }
