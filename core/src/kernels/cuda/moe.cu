@@ -556,6 +556,7 @@ constexpr int kRouterWarps = 8;       // tokens per block of the router forward
 constexpr int kRouterDwThreads = 256;  // hidden columns per block of the router's weight gradient
 constexpr int kRouterDwGroup = 8;      // experts per pass (registers per thread)
 constexpr int64_t kRouterDwMinChunk = 64;
+constexpr int64_t kRouterDwSliceChunks = 16;  // token chunks of a pass over a slice of the experts
 
 template <typename T>
 __global__ void __launch_bounds__(kRouterWarps * 32)
@@ -585,15 +586,19 @@ __global__ void router_dx_kernel(T* dx, const float* dl, const T* w, int64_t N, 
   }
 }
 
-// partial[c, e, j] = sum over the tokens of chunk c of dl[n, e] x[n, j].
+// partial[c, e - ebegin, j] = sum over the tokens of chunk c of dl[n, e] x[n, j],
+// for the experts e of [ebegin, eend) (all E when the [E h] partials of every
+// chunk fit the scratch; a slice of them otherwise, see router_dw_plan).
 template <typename T>
 __global__ void __launch_bounds__(kRouterDwThreads)
-    router_dw_partial_kernel(float* partial, const float* dl, const T* x, int64_t N, int64_t h, int E, int64_t chunk) {
+    router_dw_partial_kernel(float* partial, const float* dl, const T* x, int64_t N, int64_t h, int E, int ebegin,
+                             int eend, int64_t chunk) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t c = blockIdx.y;
   if (j >= h) return;
   const int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-  for (int e0 = 0; e0 < E; e0 += kRouterDwGroup) {
+  const int64_t ne = eend - ebegin;
+  for (int e0 = ebegin; e0 < eend; e0 += kRouterDwGroup) {
     float acc[kRouterDwGroup];
 #pragma unroll
     for (int i = 0; i < kRouterDwGroup; ++i) acc[i] = 0.f;
@@ -601,14 +606,16 @@ __global__ void __launch_bounds__(kRouterDwThreads)
       const float xv = to_f32(x[n * h + j]);
 #pragma unroll
       for (int i = 0; i < kRouterDwGroup; ++i)
-        if (e0 + i < E) acc[i] = fmaf(dl[n * E + e0 + i], xv, acc[i]);
+        if (e0 + i < eend) acc[i] = fmaf(dl[n * E + e0 + i], xv, acc[i]);
     }
 #pragma unroll
     for (int i = 0; i < kRouterDwGroup; ++i)
-      if (e0 + i < E) partial[(c * E + e0 + i) * h + j] = acc[i];
+      if (e0 + i < eend) partial[(c * ne + (e0 - ebegin) + i) * h + j] = acc[i];
   }
 }
 
+// dw[i] += sum over chunks, in chunk order, of partial[c, i]: Eh = the
+// elements of one slice of experts (dw points at the slice's first row).
 template <typename G>
 __global__ void router_dw_reduce_kernel(G* dw, const float* partial, int64_t chunks, int64_t Eh) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -693,16 +700,33 @@ void check_same(const Tensor& a, const Tensor& b, const char* what) {
              " and ", b.shape_str(), " ", dtype_name(b.dtype), " must have one dtype and size");
 }
 
-// Chunks of the router's weight gradient: as many as the scratch holds (at
-// most 1024), each at least kRouterDwMinChunk tokens; a function of the shape.
-int64_t router_dw_chunk(const MoeDims& d, size_t scratch_bytes, int64_t* chunks) {
-  const int64_t per = d.E * d.h * static_cast<int64_t>(sizeof(float));
-  const int64_t cap = std::min<int64_t>(1024, static_cast<int64_t>(scratch_bytes) / per);
-  LOOM_CHECK(cap >= 1, "moe router backward: the [E h] = [", d.E, ", ", d.h, "] fp32 partial (", per,
-             " bytes) does not fit the backend scratch of ", scratch_bytes, " bytes");
-  int64_t chunk = std::max<int64_t>(kRouterDwMinChunk, (d.N + cap - 1) / cap);
-  *chunks = d.N == 0 ? 0 : (d.N + chunk - 1) / chunk;
-  return chunk;
+// How the router's weight gradient is reduced: token chunks of `chunk` rows
+// (each at least kRouterDwMinChunk tokens, at most 1024 chunks) and experts
+// taken `group` at a time, so that a group's [chunks, group, h] fp32 partials
+// fit the scratch. All E experts are one group when the scratch holds a
+// chunk's [E h] partials (E = 8, h = 4096: 128 KiB a chunk); a wide router
+// (E = 4096, h = 4096: 64 MiB a chunk, four times the backend's 16 MiB
+// scratch) is reduced in slices of experts, one pass each. A function of the
+// shape and the scratch size: the summation order, and so the bits, are too.
+struct RouterDwPlan {
+  int64_t chunk = 0, chunks = 0, group = 0;
+};
+
+RouterDwPlan router_dw_plan(const MoeDims& d, size_t scratch_bytes) {
+  const int64_t row = d.h * static_cast<int64_t>(sizeof(float));  // one expert's partial of one chunk
+  const int64_t fit = static_cast<int64_t>(scratch_bytes) / row;  // such partials the scratch holds
+  LOOM_CHECK(fit >= 1, "moe router backward: one expert's fp32 partial of hidden = ", d.h, " (", row,
+             " bytes) does not fit the scratch of ", scratch_bytes, " bytes");
+  RouterDwPlan p;
+  // A slice of experts re-reads x once, so slices are as wide as the scratch
+  // allows, less a factor of kRouterDwSliceChunks: enough token chunks that a
+  // pass has more than a handful of blocks (one chunk of every token would
+  // leave each thread a serial loop over all N tokens).
+  p.group = fit >= d.E ? d.E : std::max<int64_t>(1, fit / kRouterDwSliceChunks);
+  const int64_t cap = std::min<int64_t>(1024, fit / p.group);
+  p.chunk = std::max<int64_t>(kRouterDwMinChunk, (d.N + cap - 1) / cap);
+  p.chunks = d.N == 0 ? 0 : (d.N + p.chunk - 1) / p.chunk;
+  return p;
 }
 
 }  // namespace
@@ -736,8 +760,7 @@ void moe_router_backward(Tensor& dx, Tensor& d_router, const float* d_logits, co
   check_ptr(d_logits, d.N * d.E, "moe_router_backward d_logits");
   check_ptr(scratch, 1, "moe_router_backward scratch");
   if (d.N == 0) return;
-  int64_t chunks = 0;
-  const int64_t chunk = router_dw_chunk(d, scratch_bytes, &chunks);
+  const RouterDwPlan plan = router_dw_plan(d, scratch_bytes);
   float* partial = static_cast<float*>(scratch);
   dispatch_float(x.dtype, "moe_router_backward", [&](auto tag) {
     using T = decltype(tag);
@@ -747,21 +770,32 @@ void moe_router_backward(Tensor& dx, Tensor& d_router, const float* d_logits, co
                                                            static_cast<int>(d.E));
     LOOM_CUDA_LAUNCH_CHECK("moe router_dx_kernel", "N=", d.N, " h=", d.h, " E=", d.E, " ", dtype_name(x.dtype),
                            " grid=", grid);
-    const dim3 pgrid(static_cast<unsigned>((d.h + kRouterDwThreads - 1) / kRouterDwThreads),
-                     static_cast<unsigned>(chunks));
-    router_dw_partial_kernel<T><<<pgrid, kRouterDwThreads, 0, stream>>>(
-        partial, d_logits, static_cast<const T*>(x.data), d.N, d.h, static_cast<int>(d.E), chunk);
-    LOOM_CUDA_LAUNCH_CHECK("moe router_dw_partial_kernel", "N=", d.N, " h=", d.h, " E=", d.E, " chunk=", chunk,
-                           " chunks=", chunks);
   });
-  dispatch_float(d_router.dtype, "moe_router_backward d_router", [&](auto tag) {
-    using G = decltype(tag);
-    const unsigned grid = grid_for(d.E * d.h, kRowThreads);
-    router_dw_reduce_kernel<G><<<grid, kRowThreads, 0, stream>>>(static_cast<G*>(d_router.data), partial, chunks,
-                                                                  d.E * d.h);
-    LOOM_CUDA_LAUNCH_CHECK("moe router_dw_reduce_kernel", "E=", d.E, " h=", d.h, " chunks=", chunks, " ",
-                           dtype_name(d_router.dtype), " grid=", grid);
-  });
+  // One pass per slice of experts: its chunk partials, then their sum into
+  // the slice's rows of d_router (the scratch is reused by the next slice;
+  // both kernels run on `stream`, in order).
+  for (int64_t e0 = 0; e0 < d.E; e0 += plan.group) {
+    const int64_t e1 = std::min<int64_t>(d.E, e0 + plan.group);
+    dispatch_float(x.dtype, "moe_router_backward", [&](auto tag) {
+      using T = decltype(tag);
+      const dim3 pgrid(static_cast<unsigned>((d.h + kRouterDwThreads - 1) / kRouterDwThreads),
+                       static_cast<unsigned>(plan.chunks));
+      router_dw_partial_kernel<T><<<pgrid, kRouterDwThreads, 0, stream>>>(
+          partial, d_logits, static_cast<const T*>(x.data), d.N, d.h, static_cast<int>(d.E), static_cast<int>(e0),
+          static_cast<int>(e1), plan.chunk);
+      LOOM_CUDA_LAUNCH_CHECK("moe router_dw_partial_kernel", "N=", d.N, " h=", d.h, " E=", d.E, " experts [", e0,
+                             ", ", e1, ") chunk=", plan.chunk, " chunks=", plan.chunks);
+    });
+    dispatch_float(d_router.dtype, "moe_router_backward d_router", [&](auto tag) {
+      using G = decltype(tag);
+      const int64_t eh = (e1 - e0) * d.h;
+      const unsigned grid = grid_for(eh, kRowThreads);
+      router_dw_reduce_kernel<G><<<grid, kRowThreads, 0, stream>>>(static_cast<G*>(d_router.data) + e0 * d.h,
+                                                                    partial, plan.chunks, eh);
+      LOOM_CUDA_LAUNCH_CHECK("moe router_dw_reduce_kernel", "E=", d.E, " h=", d.h, " experts [", e0, ", ", e1,
+                             ") chunks=", plan.chunks, " ", dtype_name(d_router.dtype), " grid=", grid);
+    });
+  }
 }
 
 void moe_jitter(Tensor& xin, Tensor& noise, const Tensor& x, double eps, uint64_t seed, cudaStream_t stream) {

@@ -113,8 +113,10 @@ void moe_router_forward(float* logits, const Tensor& x, const Tensor& router, co
 // The router's backward: dx [N h] = d_logits [N E] router (written, x's dtype;
 // serial over E in fp32) and d_router [E h] += d_logits^T x (fp32 or bf16
 // gradient): per chunk of tokens a partial [E h] in fp32 into `scratch`, then
-// the chunks summed in chunk order — no atomics, the order fixed by the shape.
-// scratch must hold moe_router_scratch_bytes(d, scratch bytes) bytes (checked).
+// the chunks summed in chunk order — no atomics, the order fixed by the shape
+// and scratch_bytes. Where a chunk's [E h] partial does not fit the scratch,
+// the experts are reduced in slices that do (one pass each); the scratch must
+// hold one expert's [h] fp32 partial (checked).
 void moe_router_backward(Tensor& dx, Tensor& d_router, const float* d_logits, const Tensor& x, const Tensor& router,
                          void* scratch, size_t scratch_bytes, const MoeDims& d, cudaStream_t stream);
 
