@@ -334,6 +334,22 @@ TEST_F(CudaMoe, SortMatchesReferenceAndIsStable) {
     expect_equal(get(doffsets, c.E + 1), offsets, what + " offsets");
     expect_equal(get(dperm, R), perm, what + " perm");
     expect_equal(get(drow, R), row_of, what + " row_of");
+
+    // A scratch shorter than moe_sort_scratch_elems (E counters for a third
+    // of the chunks, or for one chunk) takes longer chunks, multiples of
+    // kMoeSortChunk: the same stable sort.
+    for (const int64_t short_ns : {c.E * std::max<int64_t>(1, ns / c.E / 3), c.E}) {
+      if (short_ns >= ns) continue;
+      int32_t* short_scratch = alloc<int32_t>(short_ns);
+      int32_t* dperm2 = alloc<int32_t>(R);
+      int32_t* drow2 = alloc<int32_t>(R);
+      gpu::moe_sort(dcounts, doffsets, dperm2, drow2, dex, short_scratch, short_ns, d, stream_);
+      const std::string w2 = cat(what, " scratch ", short_ns, " of ", ns);
+      expect_equal(get(dcounts, c.E), counts, w2 + " counts");
+      expect_equal(get(doffsets, c.E + 1), offsets, w2 + " offsets");
+      expect_equal(get(dperm2, R), perm, w2 + " perm");
+      expect_equal(get(drow2, R), row_of, w2 + " row_of");
+    }
   }
 }
 

@@ -331,10 +331,8 @@ class CudaBackend final : public Backend {
     gpu::moe_router_forward(f32_ptr(r.logits, "moe logits"), xin, router, d, stream_);
     gpu::moe_route(f32_ptr(r.probs, "moe probs"), i32_ptr(r.experts, "moe experts"), f32_ptr(r.weights, "moe weights"),
                    r.logits, d, stream_);
-    const int64_t need = gpu::moe_sort_scratch_elems(d);
+    // The sort takes longer chunks where its counters for N, E and k outgrow the scratch (moe_sort).
     const int64_t have = static_cast<int64_t>(scratch_.bytes / sizeof(int32_t));
-    LOOM_CHECK(need <= have, "moe_route: the sort needs ", need, " int32 of scratch for N=", d.N, " E=", d.E,
-               " k=", d.k, ", the backend scratch holds ", have);
     gpu::moe_sort(r.counts, r.offsets, i32_ptr(r.perm, "moe perm"), i32_ptr(r.row_of, "moe row_of"),
                   i32_ptr(r.experts, "moe experts"), static_cast<int32_t*>(scratch_.ptr), have, d, stream_);
   }

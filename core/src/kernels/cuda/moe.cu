@@ -109,13 +109,14 @@ __device__ __forceinline__ int expert_key(const int32_t* experts, int64_t i, int
   return e >= 0 && e < E ? e : -1;
 }
 
-__global__ void sort_count_kernel(int32_t* scratch, const int32_t* experts, int64_t R, int E, int64_t nchunks) {
+__global__ void sort_count_kernel(int32_t* scratch, const int32_t* experts, int64_t R, int E, int64_t chunk,
+                                  int64_t nchunks) {
   const int lane = threadIdx.x % 32;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kSortWarps + threadIdx.x / 32;
   if (c >= nchunks) return;  // the whole warp
   for (int e = lane; e < E; e += 32) scratch[e * nchunks + c] = 0;
   __syncwarp();
-  const int64_t begin = c * kMoeSortChunk, end = begin + kMoeSortChunk < R ? begin + kMoeSortChunk : R;
+  const int64_t begin = c * chunk, end = begin + chunk < R ? begin + chunk : R;
   for (int64_t i0 = begin; i0 < end; i0 += 32) {
     const int64_t i = i0 + lane;
     const unsigned active = __ballot_sync(0xffffffffu, i < end);
@@ -157,12 +158,12 @@ __global__ void sort_offsets_kernel(int64_t* offsets, const int64_t* counts, int
 }
 
 __global__ void sort_place_kernel(int32_t* perm, int32_t* row_of, int32_t* scratch, const int32_t* experts,
-                                  const int64_t* offsets, int64_t R, int E, int64_t nchunks) {
+                                  const int64_t* offsets, int64_t R, int E, int64_t chunk, int64_t nchunks) {
   const int lane = threadIdx.x % 32;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kSortWarps + threadIdx.x / 32;
   if (c >= nchunks) return;
   const unsigned below = (1u << lane) - 1u;
-  const int64_t begin = c * kMoeSortChunk, end = begin + kMoeSortChunk < R ? begin + kMoeSortChunk : R;
+  const int64_t begin = c * chunk, end = begin + chunk < R ? begin + chunk : R;
   for (int64_t i0 = begin; i0 < end; i0 += 32) {
     const int64_t i = i0 + lane;
     const unsigned active = __ballot_sync(0xffffffffu, i < end);
@@ -378,21 +379,30 @@ void moe_sort(int64_t* counts, int64_t* offsets, int32_t* perm, int32_t* row_of,
               int32_t* scratch, int64_t scratch_elems, const MoeDims& d, cudaStream_t stream) {
   cpu::moe_check(d);
   const int64_t R = d.rows(), E = d.E;
-  const int64_t need = moe_sort_scratch_elems(d);
-  LOOM_CHECK(scratch_elems >= need, "moe_sort: scratch of ", scratch_elems, " int32 elements, ", need,
-             " needed for ", R, " pairs and ", E, " experts (moe_sort_scratch_elems)");
+  // One counter per expert and chunk. A scratch smaller than
+  // moe_sort_scratch_elems(d) (many experts and many tokens: E = 4096 with
+  // over a million (token, slot) pairs outgrows the backend's 16 MiB) takes
+  // longer chunks, still whole multiples of kMoeSortChunk: fewer warps, the
+  // same stable order, so the same output.
+  LOOM_CHECK(scratch_elems >= E, "moe_sort: scratch of ", scratch_elems, " int32 elements, at least ", E,
+             " (one counter per expert) needed for ", R, " pairs and ", E, " experts (moe_sort_scratch_elems: ",
+             moe_sort_scratch_elems(d), " for the fastest split)");
+  const int64_t most_chunks = scratch_elems / E;
+  const int64_t min_chunk = (R + most_chunks - 1) / most_chunks;
+  const int64_t chunk = std::max<int64_t>(1, (min_chunk + kMoeSortChunk - 1) / kMoeSortChunk) * kMoeSortChunk;
+  const int64_t nchunks = (R + chunk - 1) / chunk;
   check_ptr(counts, E, "moe_sort counts");
   check_ptr(offsets, E + 1, "moe_sort offsets");
   check_ptr(perm, R, "moe_sort perm");
   check_ptr(row_of, R, "moe_sort row_of");
   check_ptr(experts, R, "moe_sort experts");
-  check_ptr(scratch, need, "moe_sort scratch");
-  const int64_t nchunks = (R + kMoeSortChunk - 1) / kMoeSortChunk;
+  check_ptr(scratch, E * std::max<int64_t>(nchunks, 1), "moe_sort scratch");
   const int e32 = static_cast<int>(E);
   if (nchunks > 0) {
     const unsigned grid = static_cast<unsigned>((nchunks + kSortWarps - 1) / kSortWarps);
-    sort_count_kernel<<<grid, 32 * kSortWarps, 0, stream>>>(scratch, experts, R, e32, nchunks);
-    LOOM_CUDA_LAUNCH_CHECK("moe sort_count_kernel", "R=", R, " E=", E, " chunks=", nchunks, " grid=", grid);
+    sort_count_kernel<<<grid, 32 * kSortWarps, 0, stream>>>(scratch, experts, R, e32, chunk, nchunks);
+    LOOM_CUDA_LAUNCH_CHECK("moe sort_count_kernel", "R=", R, " E=", E, " chunk=", chunk, " chunks=", nchunks,
+                           " grid=", grid);
   }
   {
     const int warps = 8;
@@ -405,8 +415,9 @@ void moe_sort(int64_t* counts, int64_t* offsets, int32_t* perm, int32_t* row_of,
   if (nchunks > 0) {
     const unsigned grid = static_cast<unsigned>((nchunks + kSortWarps - 1) / kSortWarps);
     sort_place_kernel<<<grid, 32 * kSortWarps, 0, stream>>>(perm, row_of, scratch, experts, offsets, R, e32,
-                                                             nchunks);
-    LOOM_CUDA_LAUNCH_CHECK("moe sort_place_kernel", "R=", R, " E=", E, " chunks=", nchunks, " grid=", grid);
+                                                             chunk, nchunks);
+    LOOM_CUDA_LAUNCH_CHECK("moe sort_place_kernel", "R=", R, " E=", E, " chunk=", chunk, " chunks=", nchunks,
+                           " grid=", grid);
   }
 }
 

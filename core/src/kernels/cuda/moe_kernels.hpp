@@ -44,15 +44,18 @@ using cpu::MoeDims;
 void moe_route(float* probs, int32_t* experts, float* weights, const Tensor& logits, const MoeDims& d,
                cudaStream_t stream);
 
-// Scratch (int32 elements) moe_sort needs for dims d: E per chunk of
-// kMoeSortChunk pairs. Size it once, for the largest N the block will see.
+// Scratch (int32 elements) for moe_sort's fastest split of dims d: E per
+// chunk of kMoeSortChunk pairs. Less (at least E) is accepted: the chunks
+// grow (multiples of kMoeSortChunk) until their counters fit, and the output
+// is the same.
 constexpr int64_t kMoeSortChunk = 1024;
 int64_t moe_sort_scratch_elems(const MoeDims& d);
 
 // The stable counting sort of the R (token, slot) pairs by expert: counts,
 // offsets (offsets[E] = R), perm and row_of, within an expert in pair (= token)
 // order. Each warp owns a chunk of kMoeSortChunk consecutive pairs: it counts
-// its chunk per expert, a warp per expert turns the chunk counts into chunk
+// its chunk per expert (longer chunks when the scratch is short, see
+// moe_sort_scratch_elems), a warp per expert turns the chunk counts into chunk
 // bases by a prefix sum over the chunks, and each warp then places its pairs,
 // 32 at a time in pair order, ranking equal experts inside the 32 by lane
 // (__match_any_sync). No atomics: the output is a function of `experts` alone.
