@@ -1132,6 +1132,27 @@ TEST_F(CudaKernels, HostSyncsCountOnlyBlockingCalls) {
   be_->host_free(h);
 }
 
+// moe_read_counts lands the [2E + 1] expert counts and offsets in a pinned
+// buffer made at creation: it holds E = 4096, the most model.num_experts
+// accepts (it held 2047 experts, and a larger model failed at its first MoE
+// layer).
+TEST_F(CudaKernels, MoeReadCountsHoldsTheMostExpertsTheConfigAccepts) {
+  for (const int64_t E : {int64_t{1}, int64_t{2048}, int64_t{4096}}) {
+    const int64_t n = 2 * E + 1;
+    std::vector<int64_t> want(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) want[static_cast<size_t>(i)] = i * 1000003 + 7;
+    Tensor buf = make(DType::f64, {n});  // int64 moved as 8-byte elements
+    be_->upload(buf, want.data(), want.size() * sizeof(int64_t));
+    MoeRouting r;
+    r.E = E;
+    r.counts = static_cast<int64_t*>(buf.data);
+    r.offsets = r.counts + E;
+    std::vector<int64_t> got(static_cast<size_t>(n), -1);
+    be_->moe_read_counts(got.data(), r);
+    EXPECT_EQ(got, want) << "E=" << E;
+  }
+}
+
 // AdamWArgs::consume_grad: the gradient is zeroed once read — on an applied
 // and on a skipped step — and the update is bitwise the one without it; on
 // the side queue (the optimizer overlapping the model) the result is the same

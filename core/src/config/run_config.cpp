@@ -95,6 +95,7 @@ ModelSection read_model(const ConfigTable& t) {
   s.tied_embeddings = t.get_bool("tied_embeddings", s.tied_embeddings);
   m.ffn = t.get_choice("ffn", m.ffn, {"dense", "moe"});
   if (m.ffn == "moe") {
+    // 4096: the CUDA backend's pinned expert counts hold that many (cuda_backend.cpp).
     s.num_experts = t.get_int("num_experts", 8, 1, 4096);
     s.top_k = t.get_int("top_k", s.top_k, 1, 64);
     if (s.top_k > s.num_experts)

@@ -576,8 +576,9 @@ class CudaBackend final : public Backend {
   bool timer_running_ = false;
   gpu::Scratch scratch_;
   double* host_result_ = nullptr;
-  // moe_read_counts' pinned landing buffer: counts and offsets of up to 2047 experts.
-  static constexpr size_t kMoeCountSlots = 4095;
+  // moe_read_counts' pinned landing buffer: counts and offsets of up to 4096
+  // experts, the most model.num_experts accepts (run_config.cpp), 64 KiB.
+  static constexpr size_t kMoeCountSlots = 2 * 4096 + 1;
   int64_t* host_counts_ = nullptr;
   std::map<std::tuple<int64_t, int64_t, double>, RopeTable> rope_tables_;
   std::vector<cudaEvent_t> marks_;  // the timer ring (timer_reserve)
