@@ -335,7 +335,7 @@ TEST(Fp8Block, Refusals) {
     expect_error([&] { p->register_linear(desc("layer.0.k_proj", 128, 64, 128)); },
                  {"layer.0.k_proj", "[out, in] = [64, 128]", "multiples of 128", "fp8_current"});
     expect_error([&] { p->register_linear(desc("layer.0.q_proj", 128, 128, 124)); },
-                 {"layer.0.q_proj", "124 rows", "micro-batch", "fp8_current"});
+                 {"layer.0.q_proj", "124 rows", "train.micro_batch x train.seq_len", "fp8_current"});
     // The head stays in full precision by default: any dims.
     EXPECT_NO_THROW(p->register_linear(desc("lm_head", 128, 96, 124, loom::LinearRole::lm_head)));
     // A variable_rows linear (MoE expert) may have any max_rows: such calls run in full precision.
@@ -345,6 +345,9 @@ TEST(Fp8Block, Refusals) {
     auto p = make("fp8_head = true\n");
     expect_error([&] { p->register_linear(desc("lm_head", 128, 96, 128, loom::LinearRole::lm_head)); },
                  {"lm_head", "fp8_head = false"});
+    // The head's rows are a chunk of the tokens: the message names the key that sets it.
+    expect_error([&] { p->register_linear(desc("lm_head", 128, 128, 100, loom::LinearRole::lm_head)); },
+                 {"lm_head", "100 rows", "per LM-head chunk", "model.head_chunk", "fp8_head = false"});
   }
   expect_error([] { make("format = \"hybrid\"\n"); }, {"fp8_block.toml", "format", "hybrid", "E4M3", "e4m3"});
   expect_error([] { make("format = \"e5m2\"\n"); }, {"format", "e4m3", "hybrid"});

@@ -130,6 +130,14 @@ TEST(GpuFp8Recipes, ShapesCublasLtCannotDoAreRefused) {
       EXPECT_NE(m.find("100"), std::string::npos) << m;
       EXPECT_NE(m.find("multiples of 16"), std::string::npos) << m;
     }
+    try {
+      p->register_linear({"layer.1.up_proj", 64, 64, 40, loom::LinearRole::hidden});
+      ADD_FAILURE() << plugin << ": 40 rows were accepted";
+    } catch (const std::exception& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("40 rows"), std::string::npos) << m;
+      EXPECT_NE(m.find("train.micro_batch x train.seq_len"), std::string::npos) << m;
+    }
     // The LM head stays in bf16, so any shape is fine there.
     EXPECT_NO_THROW(p->register_linear({"lm_head", 100, 258, 40, loom::LinearRole::lm_head}));
   }
