@@ -536,6 +536,36 @@ TEST(TrainE2E, StepsBeyondTheLogRingAreAllReported) {
   EXPECT_TRUE(s.read_step_logs().empty());
 }
 
+// A log_every longer than the step log's ring (train.log_every = 10^12 to log
+// only at the end) sizes neither the ring nor the pinned token slots: the
+// arena is the same as with log_every = 1000, and a run past the ring's
+// kMaxStepLogRows steps reads it early and still reports every step, in order.
+// (The ring grew with the key: log_every = 2^31 asked for 128 GiB.)
+TEST(TrainE2E, ARareLogEveryKeepsTheStepLogSmall) {
+  fs::path d = temp_dir("log_rare");
+  const int64_t rows = loom::TrainState::kMaxStepLogRows;
+  const int64_t steps = rows + 9;
+  const std::vector<std::string> base = {"train.steps=" + std::to_string(steps), "train.grad_accum=1",
+                                         "train.micro_batch=1", "train.seq_len=8", "train.validation_every=0"};
+  auto with = [&](const std::string& log_every) {
+    std::vector<std::string> ov = base;
+    ov.push_back("train.log_every=" + log_every);
+    return ov;
+  };
+  Session ref(parse(small_config(d / "ref"), with(std::to_string(rows - 1))));
+  ref.initialise();
+  Session s(parse(small_config(d / "rare"), with("1000000000000")));
+  s.initialise();
+  EXPECT_EQ(s.state().scalar_log_rows(), rows);
+  EXPECT_EQ(s.arena_bytes(), ref.arena_bytes());
+  const RunSummary r = s.train();
+  ASSERT_EQ(r.steps.size(), static_cast<size_t>(steps));
+  for (size_t i = 0; i < r.steps.size(); ++i) {
+    ASSERT_EQ(r.steps[i].step, static_cast<int64_t>(i) + 1);
+    ASSERT_TRUE(std::isfinite(r.steps[i].loss) && r.steps[i].loss > 0) << "step " << i + 1;
+  }
+}
+
 // A strategy that splits work across ranks, started as a single process
 // (no mpirun / srun), refuses before touching anything and says how to launch.
 // (Multi-rank runs themselves are tested under mpirun in tests/mpi.)

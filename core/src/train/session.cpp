@@ -57,7 +57,10 @@ void Session::initialise() {
   // Enough pinned slots for every micro-batch between two log steps (plus an
   // evaluation's), so that staging never waits for the device.
   const auto& t = cfg_.train;
-  const int64_t slots = t.grad_accum * state_->scalar_log_rows() + t.validation_batches + 2;
+  // (The stager caps the ring at 64 MiB; the terms are bounded so that the sum
+  // cannot overflow: grad_accum <= kMaxDim, the ring <= kMaxStepLogRows.)
+  const int64_t slots =
+      t.grad_accum * state_->scalar_log_rows() + std::min<int64_t>(t.validation_batches, int64_t{1} << 30) + 2;
   stager_ = std::make_unique<TokenStager>(*rt_.backend, t.micro_batch, t.seq_len, slots);
   if (std::optional<int64_t> s = resume_checkpoint(cfg_, rt_, *state_, *model_)) {
     step_ = *s;

@@ -162,8 +162,12 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   // One row per step between two reads of the step log: log_every in
   // training, at least 16 for drivers that read less often (loom bench).
   // A log step is read one step later (Session::read_step_logs_but_newest),
-  // so up to log_every + 1 steps are unread at once.
-  scalar_log_rows_ = std::max<int64_t>(cfg_.train.log_every + 1, 16);
+  // so up to log_every + 1 steps are unread at once. At most kMaxStepLogRows:
+  // a longer log_every (train.log_every = 1000000 to log rarely) would
+  // otherwise size the ring, and the pinned token slots that follow it, by
+  // the key; when the ring fills, Session::train_step reads it early (one
+  // synchronisation per kMaxStepLogRows steps, nothing lost).
+  scalar_log_rows_ = std::clamp<int64_t>(cfg_.train.log_every + 1, 16, kMaxStepLogRows);
   scalars_blk_ = plan_.add("step.scalars", MemCategory::other, 2 * kStepScalars * sizeof(double));
   scalar_log_blk_ =
       plan_.add("step.log", MemCategory::other, static_cast<size_t>(scalar_log_rows_) * kStepScalars * sizeof(double));

@@ -43,6 +43,7 @@ class TrainState {
   // read (train/step_log.hpp): f64[rows * kStepScalars].
   Tensor& scalar_log() { return scalar_log_; }
   int64_t scalar_log_rows() const { return scalar_log_rows_; }
+  static constexpr int64_t kMaxStepLogRows = 1024;
   // An f64 accumulator for evaluation losses.
   Tensor& eval_sum() { return eval_sum_; }
 
