@@ -53,6 +53,17 @@ std::vector<std::string> split_list(const std::string& s) {
   return out;
 }
 
+// The items of --strategies=... or --configs=...: an empty list (a shell
+// variable that expanded to nothing) would silently compare the base config
+// with itself, so it is refused.
+std::vector<std::string> nonempty_list(const std::string& arg, size_t prefix) {
+  std::vector<std::string> items = split_list(arg.substr(prefix));
+  if (items.empty())
+    throw Error(cat("loom compare: ", arg, " names nothing to compare: give a comma-separated list, e.g. ",
+                    arg.substr(0, prefix), prefix == 13 ? "ddp,zero3" : "b.toml,c.toml"));
+  return items;
+}
+
 int64_t positive(const std::string& arg, const std::string& name) {
   const std::string v = arg.substr(name.size() + 1);
   try {
@@ -187,8 +198,8 @@ int cmd_compare(const Args& args) {
   std::string out_dir = "runs/compare";
   std::vector<std::string> strategies, configs, peers;
   for (const std::string& r : a.rest) {
-    if (r.rfind("--strategies=", 0) == 0) strategies = split_list(r.substr(13));
-    else if (r.rfind("--configs=", 0) == 0) configs = split_list(r.substr(10));
+    if (r.rfind("--strategies=", 0) == 0) strategies = nonempty_list(r, 13);
+    else if (r.rfind("--configs=", 0) == 0) configs = nonempty_list(r, 10);
     else if (r.rfind("--steps=", 0) == 0) steps = positive(r, "--steps");
     else if (r.rfind("--warmup=", 0) == 0) warmup = positive(r, "--warmup");
     else if (r.rfind("--out=", 0) == 0) out_dir = r.substr(6);
@@ -209,8 +220,21 @@ int cmd_compare(const Args& args) {
   for (const std::string& st : strategies) jobs.push_back(strategy_job(st, a.file, common));
   if (!configs.empty() && strategies.empty()) jobs.push_back({fs::path(a.file).stem().string(), a.file, common});
   for (const std::string& c : configs) jobs.push_back({fs::path(c).stem().string(), c, common});
-  // Every config must load before anything runs: a typo in the third one should not cost two runs.
-  for (const Job& j : jobs) (void)load_config(j.file, j.overrides);
+  // Every run must be able to start before any runs: a typo in the third
+  // config, a strategy or plugin that does not exist, a key its plugin does
+  // not take or a shape its kernel cannot do stops the comparison here, with
+  // the run's own message, instead of costing the runs before it. Each job
+  // builds its session as `loom check` does (plugins and their tables, data
+  // files, the memory plan; nothing allocated, nothing run) and drops it.
+  // Only what the run itself finds (a plan that does not fit the memory) is
+  // still a failed row rather than the end.
+  for (const Job& j : jobs) {
+    try {
+      Session probe(load_config(j.file, j.overrides));
+    } catch (const Error& e) {
+      throw Error(cat("'", j.label, "' cannot start, so nothing was run: ", e.what()));
+    }
+  }
   std::vector<report::CompareRow> peer_rows;
   for (const std::string& p : peers) {
     auto r = read_peer(p);
@@ -225,7 +249,7 @@ int cmd_compare(const Args& args) {
     try {
       row = run_one(j, steps, warmup);
     } catch (const Error& e) {
-      // A run that cannot start (a strategy that does not fit, a plugin missing) is a row, not the end.
+      // A run that every check above let through but that cannot go on (a plan that does not fit) is a row, not the end.
       row.label = j.label;
       row.note = cat("failed: ", e.what());
       log_warn(cat("compare: ", j.label, " failed: ", e.what()));

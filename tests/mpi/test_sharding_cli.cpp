@@ -358,10 +358,19 @@ TEST_F(ShardingCli, CompareTakesKeysPerStrategy) {
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.output.find("'hybrid_shard:shard_group_size'"), std::string::npos) << bad.output;
   EXPECT_NE(bad.output.find("key=value"), std::string::npos) << bad.output;
+
+  // An empty list (a shell variable that expanded to nothing) would compare the base config with itself.
+  for (const char* empty : {"--strategies=", "--configs=,"}) {
+    Result e = run(tmp.path, 0, {}, "", std::string("compare ") + empty + " --steps=1 --warmup=0");
+    EXPECT_NE(e.code, 0) << empty;
+    EXPECT_NE(e.output.find(std::string(empty) + " names nothing to compare"), std::string::npos) << e.output;
+    EXPECT_EQ(e.output.find("COMPARE_JSON"), std::string::npos) << e.output;
+  }
 }
 
-// Several configs, one process, no launcher; a run that cannot start is a
-// failed row, not the end of the comparison.
+// Several configs, one process, no launcher; a run whose memory plan does
+// not fit is a failed row, not the end of the comparison; a strategy that does
+// not exist stops the comparison before anything runs, naming it.
 TEST_F(ShardingCli, CompareConfigsAndAFailedRow) {
   const fs::path other = tmp.path / "other.toml";
   std::ofstream(other) << kConfig;
@@ -378,10 +387,33 @@ TEST_F(ShardingCli, CompareConfigsAndAFailedRow) {
     }
   EXPECT_EQ(rows, 2) << c.output;
 
+  // 100 layers of hidden 8192: about 1.5 TB of weights and state, which no machine's memory holds.
+  const fs::path huge = tmp.path / "huge.toml";
+  std::ofstream(huge) << kConfig << "\n";
+  Result h = run(tmp.path, 0, {}, "",
+                 "compare --configs=" + huge.string() +
+                     " --set model.hidden=8192 --set model.num_layers=100 --set model.ffn_hidden=28672"
+                     " --set model.num_heads=64 --set model.num_kv_heads=8 --steps=2 --warmup=0 --out=" + out);
+  ASSERT_EQ(h.code, 0) << h.output;
+  rows = 0;
+  std::istringstream hl(h.output);
+  for (std::string line; std::getline(hl, line);)
+    if (line.rfind("COMPARE_JSON ", 0) == 0) {
+      ++rows;
+      EXPECT_NE(nlohmann::json::parse(line.substr(13)).at("note").get<std::string>().find("failed: "),
+                std::string::npos) << line;
+    }
+  EXPECT_EQ(rows, 2) << h.output;
+  EXPECT_NE(h.output.find("the memory plan does not fit"), std::string::npos) << h.output;
+
   Result f = run(tmp.path, 2, {"train.grad_accum=2"}, "",
                  "compare --strategies=zero2,no_such_strategy --steps=2 --warmup=0 --out=" + out);
-  ASSERT_EQ(f.code, 0) << f.output;
-  EXPECT_NE(f.output.find("failed: no sharding plugin named 'no_such_strategy'"), std::string::npos) << f.output;
+  EXPECT_NE(f.code, 0) << f.output;
+  EXPECT_NE(f.output.find("'no_such_strategy' cannot start, so nothing was run: no sharding plugin named "
+                          "'no_such_strategy'"),
+            std::string::npos) << f.output;
+  EXPECT_EQ(f.output.find("COMPARE_JSON"), std::string::npos) << "zero2 ran before the missing strategy was found";
+  EXPECT_EQ(f.output.find("compare: zero2 ("), std::string::npos) << f.output;
 }
 
 }  // namespace
