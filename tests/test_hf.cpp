@@ -274,6 +274,11 @@ TEST(HfConfig, RefusesWhatLoomDoesNotImplement) {
                {"cfg.json", "rope_scaling", "llama3"});
   expect_error(parse(R"("model_type":"llama","rope_parameters":{"rope_type":"yarn","rope_theta":1e4})"),
                {"cfg.json", "rope_parameters", "yarn"});
+  // A rope_type that is no string is refused as a RoPE Loom does not implement, not a JSON type error.
+  expect_error(parse(R"("model_type":"llama","rope_scaling":{"type":3})"), {"cfg.json", "rope_scaling", "{\"type\":3}"});
+  expect_error(parse(R"("model_type":"llama","rope_scaling":{"rope_type":null})"), {"cfg.json", "rope_scaling", "null"});
+  expect_error(parse(R"("model_type":"llama","rope_parameters":{"rope_type":5,"rope_theta":1e4})"),
+               {"cfg.json", "rope_parameters", "\"rope_type\":5"});
   expect_error(parse(R"("model_type":"llama","head_dim":32)"), {"cfg.json", "head_dim is 32", "= 16"});
   expect_error(parse(R"("model_type":"llama","num_key_value_heads":3)"), {"cfg.json", "not divisible by num_key_value_heads 3"});
   expect_error(parse(R"("model_type":"llama","rms_norm_eps":"small")"), {"cfg.json", "rms_norm_eps", "\"small\""});

@@ -52,11 +52,14 @@ double get_non_negative(const json& j, const std::string& origin, const char* ke
 }
 
 // A RoPE block that means "no scaling": null, or a rope_type/type of "default".
+// A rope_type that is no string (a number, null) is not "default" either: the
+// caller refuses the block, printing it.
 bool rope_is_default(const json& r) {
   if (r.is_null()) return true;
   if (!r.is_object()) return false;
-  std::string t = r.value("rope_type", r.value("type", std::string("default")));
-  return t == "default";
+  for (const char* k : {"rope_type", "type"})
+    if (r.contains(k)) return r[k].is_string() && r[k].get<std::string>() == "default";
+  return true;
 }
 
 std::string list_dir(const std::string& dir) {
