@@ -295,6 +295,20 @@ TEST(HfConfig, RefusesWhatLoomDoesNotImplement) {
                {"cfg.json", "num_hidden_layers", "missing"});
   expect_error([&] { parse_hf_llama_config(R"({"model_type":"llama","hidden_size":-64})", "cfg.json"); },
                {"cfg.json", "hidden_size", "positive integer", "-64"});
+  // Sizes beyond the ranges of the model.* keys they become are refused naming the key and the limit, not
+  // left to the memory plan or to a huge allocation ("out of memory", naming no file).
+  const std::map<std::string, std::pair<std::string, std::string>> too_large = {
+      {"hidden_size", {"1000000000000", "at most 1048576, the range of model.hidden"}},
+      {"num_hidden_layers", {"1000000000", "at most 4096, the range of model.num_layers"}},
+      {"num_attention_heads", {"8192", "at most 4096"}},
+      {"num_key_value_heads", {"8192", "at most 4096"}},
+      {"intermediate_size", {"18446744073709551615", "at most 1048576"}},
+      {"vocab_size", {"2147483648", "at most 2147483647"}}};
+  for (const auto& [key, v] : too_large) {
+    nlohmann::json j = nlohmann::json::parse("{" + base + R"(,"model_type":"llama"})");
+    j[key] = nlohmann::json::parse(v.first);
+    expect_error([&] { parse_hf_llama_config(j.dump(), "cfg.json"); }, {"cfg.json", key, v.first, v.second});
+  }
   expect_error([&] { parse_hf_llama_config("{nope", "cfg.json"); }, {"cfg.json", "not valid JSON"});
   // A default (no-op) rope_scaling block is fine.
   EXPECT_NO_THROW(parse_hf_llama_config(cfg(R"("model_type":"llama","rope_scaling":{"rope_type":"default"})"), "ok.json"));
@@ -660,6 +674,8 @@ TEST(MixtralHf, RefusesWhatLoomDoesNotImplement) {
   expect_error(parse(R"("num_local_experts":2,"num_experts_per_tok":3)"),
                {"cfg.json", "num_experts_per_tok 3", "num_local_experts 2"});
   expect_error(parse(R"("num_local_experts":0)"), {"cfg.json", "num_local_experts", "positive integer"});
+  expect_error(parse(R"("num_local_experts":1000000000)"), {"cfg.json", "num_local_experts", "at most 4096"});
+  expect_error(parse(R"("num_local_experts":128,"num_experts_per_tok":65)"), {"cfg.json", "num_experts_per_tok", "at most 64"});
   expect_error(parse(R"("router_jitter_noise":1.5)"), {"cfg.json", "router_jitter_noise", "[0, 1)"});
   expect_error(parse(R"("router_aux_loss_coef":-0.1)"), {"cfg.json", "router_aux_loss_coef", ">= 0"});
   expect_error([] { parse_hf_llama_config(R"({"model_type":"qwen2_moe"})", "cfg.json"); },

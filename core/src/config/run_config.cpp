@@ -17,7 +17,6 @@
 namespace loom {
 namespace {
 
-constexpr int64_t kMaxDim = int64_t{1} << 20;   // any model width, length or batch beyond this is a typo
 constexpr size_t kMaxConfigBytes = size_t{16} << 20;  // a config is a few KiB; more is the wrong file
 
 using config_detail::format_number;
@@ -80,9 +79,9 @@ ModelSection read_model(const ConfigTable& t) {
                        "\" is not accepted: use \"random\" or \"hf:/path/to/dir\" (a Hugging Face Llama folder)"));
   m.layers = t.get_choice("layers", m.layers, {"native", "fused"});
   s.hidden = t.get_int("hidden", s.hidden, 1, kMaxDim);
-  s.num_layers = t.get_int("num_layers", s.num_layers, 1, 4096);
-  s.num_heads = t.get_int("num_heads", s.num_heads, 1, 4096);
-  s.num_kv_heads = t.get_int("num_kv_heads", s.num_kv_heads, 1, 4096);
+  s.num_layers = t.get_int("num_layers", s.num_layers, 1, kMaxLayersOrHeads);
+  s.num_heads = t.get_int("num_heads", s.num_heads, 1, kMaxLayersOrHeads);
+  s.num_kv_heads = t.get_int("num_kv_heads", s.num_kv_heads, 1, kMaxLayersOrHeads);
   s.ffn_hidden = t.get_int("ffn_hidden", s.ffn_hidden, 1, kMaxDim);
   s.vocab_size = t.get_int("vocab_size", s.vocab_size, 1, kMaxVocabSize);
   s.max_seq_len = t.get_int("max_seq_len", s.max_seq_len, 1, kMaxDim);
@@ -95,9 +94,9 @@ ModelSection read_model(const ConfigTable& t) {
   s.tied_embeddings = t.get_bool("tied_embeddings", s.tied_embeddings);
   m.ffn = t.get_choice("ffn", m.ffn, {"dense", "moe"});
   if (m.ffn == "moe") {
-    // 4096: the CUDA backend's pinned expert counts hold that many (cuda_backend.cpp).
-    s.num_experts = t.get_int("num_experts", 8, 1, 4096);
-    s.top_k = t.get_int("top_k", s.top_k, 1, 64);
+    // kMaxExperts: the CUDA backend's pinned expert counts hold that many (cuda_backend.cpp).
+    s.num_experts = t.get_int("num_experts", 8, 1, kMaxExperts);
+    s.top_k = t.get_int("top_k", s.top_k, 1, kMaxTopK);
     if (s.top_k > s.num_experts)
       t.fail("top_k", cat("model.top_k = ", s.top_k, " exceeds model.num_experts = ", s.num_experts,
                           ": each token picks top_k distinct experts; lower top_k or add experts"));

@@ -20,6 +20,14 @@ namespace loom {
 // a subnormal the GPU flushes to 0), none may become inf, and a beta must stay
 // below 1 after rounding (0.99999999 is 1.0f: the moment never moves again).
 inline constexpr int64_t kMaxVocabSize = 2147483647;
+// Ranges of the model's sizes (model.* keys, and an HF folder's config.json):
+// any width, length or batch beyond kMaxDim is a typo; layers and heads at most
+// 4096; experts at most 4096 (the CUDA backend's pinned expert counts hold that
+// many), each token picking at most 64.
+inline constexpr int64_t kMaxDim = int64_t{1} << 20;
+inline constexpr int64_t kMaxLayersOrHeads = 4096;
+inline constexpr int64_t kMaxExperts = 4096;
+inline constexpr int64_t kMaxTopK = 64;
 inline constexpr double kFp32MinNormal = 1.17549435e-38;  // FLT_MIN (every double from here rounds to >= it)
 inline constexpr double kFp32Max = 3.40282347e+38;        // FLT_MAX (every double up to here rounds to <= it)
 inline constexpr double kMaxBeta = 0.9999999;             // 0.99999988f; nearer 1 is 1.0f in fp32

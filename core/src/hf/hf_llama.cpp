@@ -1,6 +1,7 @@
 #include "hf/hf_llama.hpp"
 
 #include <cmath>
+#include <limits>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -21,14 +22,21 @@ namespace {
 
 using json = nlohmann::json;
 
-int64_t get_int(const json& j, const std::string& origin, const char* key, std::optional<int64_t> def) {
+// `max` and `as` are the range of the model.* key the value becomes (run_config.hpp):
+// a size beyond it would only be found as a huge allocation, or not at all.
+int64_t get_int(const json& j, const std::string& origin, const char* key, std::optional<int64_t> def,
+                int64_t max, const char* as) {
   if (!j.contains(key) || j[key].is_null()) {
     if (def) return *def;
     throw Error(cat(origin, ": required key \"", key, "\" is missing; this is not a complete Llama config.json"));
   }
   const auto& v = j[key];
-  if (!v.is_number_integer() || v.get<int64_t>() <= 0)
-    throw Error(cat(origin, ": \"", key, "\" must be a positive integer, found ", v.dump()));
+  const bool positive = v.is_number_unsigned() ? v.get<uint64_t>() > 0 : v.is_number_integer() && v.get<int64_t>() > 0;
+  if (!positive) throw Error(cat(origin, ": \"", key, "\" must be a positive integer, found ", v.dump()));
+  if (v.get<uint64_t>() > static_cast<uint64_t>(max))
+    throw Error(cat(origin, ": \"", key, "\" is ", v.dump(), ", beyond what Loom accepts (at most ", max,
+                    as[0] ? cat(", the range of ", as) : std::string(),
+                    "); the file is damaged, or describes a model larger than Loom can train"));
   return v.get<int64_t>();
 }
 
@@ -106,14 +114,14 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
     throw Error(cat(origin, ": rope_scaling is ", j["rope_scaling"].dump(),
                     ", but Loom implements plain RoPE only; this model cannot be imported"));
   ModelSpec s;
-  s.hidden = get_int(j, origin, "hidden_size", std::nullopt);
-  s.num_layers = get_int(j, origin, "num_hidden_layers", std::nullopt);
-  s.num_heads = get_int(j, origin, "num_attention_heads", std::nullopt);
-  s.num_kv_heads = get_int(j, origin, "num_key_value_heads", s.num_heads);
-  s.ffn_hidden = get_int(j, origin, "intermediate_size", std::nullopt);
-  s.vocab_size = get_int(j, origin, "vocab_size", std::nullopt);
+  s.hidden = get_int(j, origin, "hidden_size", std::nullopt, kMaxDim, "model.hidden");
+  s.num_layers = get_int(j, origin, "num_hidden_layers", std::nullopt, kMaxLayersOrHeads, "model.num_layers");
+  s.num_heads = get_int(j, origin, "num_attention_heads", std::nullopt, kMaxLayersOrHeads, "model.num_heads");
+  s.num_kv_heads = get_int(j, origin, "num_key_value_heads", s.num_heads, kMaxLayersOrHeads, "model.num_kv_heads");
+  s.ffn_hidden = get_int(j, origin, "intermediate_size", std::nullopt, kMaxDim, "model.ffn_hidden");
+  s.vocab_size = get_int(j, origin, "vocab_size", std::nullopt, kMaxVocabSize, "model.vocab_size: token ids are int32");
   // Defaults below are LlamaConfig's, so a config that omits a key means what it means in HF.
-  s.max_seq_len = get_int(j, origin, "max_position_embeddings", 2048);
+  s.max_seq_len = get_int(j, origin, "max_position_embeddings", 2048, std::numeric_limits<int64_t>::max(), "");
   s.norm_eps = get_double(j, origin, "rms_norm_eps", 1e-6);
   if (j.contains("rope_theta") && !j["rope_theta"].is_null()) {
     s.rope_theta = get_double(j, origin, "rope_theta", std::nullopt);
@@ -149,8 +157,8 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
                     s.num_kv_heads));
   if (mt == "mixtral") {
     // MixtralConfig's defaults for omitted keys, as for Llama's above.
-    s.num_experts = get_int(j, origin, "num_local_experts", 8);
-    s.top_k = get_int(j, origin, "num_experts_per_tok", 2);
+    s.num_experts = get_int(j, origin, "num_local_experts", 8, kMaxExperts, "model.num_experts");
+    s.top_k = get_int(j, origin, "num_experts_per_tok", 2, kMaxTopK, "model.top_k");
     if (s.top_k > s.num_experts)
       throw Error(cat(origin, ": num_experts_per_tok ", s.top_k, " exceeds num_local_experts ", s.num_experts,
                       "; each token picks that many distinct experts"));
@@ -165,7 +173,7 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
                       "(Mixtral's published configs have sliding_window = null)"));
   }
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
-    int64_t hd = get_int(j, origin, "head_dim", std::nullopt);
+    int64_t hd = get_int(j, origin, "head_dim", std::nullopt, std::numeric_limits<int64_t>::max(), "");
     if (hd != s.hidden / s.num_heads)
       throw Error(cat(origin, ": head_dim is ", hd, " but hidden_size / num_attention_heads = ", s.hidden / s.num_heads,
                       "; Loom requires head_dim = hidden_size / num_attention_heads, so this model cannot be imported"));
