@@ -211,6 +211,11 @@ TEST(SafeTensors, RejectsCorruptHeadersAndOffsets) {
                   R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12);
   expect_error(open, {"bad.safetensors", "'a' and 'b' overlap"});
 
+  // A name twice: the parser would keep one entry and leave the other's bytes unread.
+  write_raw_st(p, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                  R"("a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16);
+  expect_error(open, {"bad.safetensors", "'a' twice"});
+
   write_raw_st(p, R"({"__metadata__":{"format":3}})", 0);
   expect_error(open, {"bad.safetensors", "__metadata__", "not a string"});
 

@@ -132,11 +132,23 @@ SafeTensorsFile::SafeTensorsFile(const std::string& path) : path_(path) {
     const char* hdr = reinterpret_cast<const char*>(base + 8);
     if (hdr[0] != '{') throw bad("the JSON header does not start with '{'");
     nlohmann::json j;
+    // A name twice would leave one of its entries unread (the parser keeps the
+    // last): which of them holds the tensor cannot be told.
+    std::set<std::string> names;
+    std::string twice;
+    auto note_names = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+      if (depth == 1 && event == nlohmann::json::parse_event_t::key && twice.empty() &&
+          !names.insert(parsed.get<std::string>()).second)
+        twice = parsed.get<std::string>();
+      return true;
+    };
     try {
-      j = nlohmann::json::parse(hdr, hdr + hlen);
+      j = nlohmann::json::parse(hdr, hdr + hlen, note_names);
     } catch (const nlohmann::json::exception& e) {
       throw bad(cat("the JSON header does not parse (", e.what(), ")"));
     }
+    if (!twice.empty())
+      throw bad(cat("the header names '", twice, "' twice; which entry holds the tensor cannot be told"));
     if (!j.is_object()) throw bad("the JSON header is not an object");
     data_ = base + 8 + hlen;
     const size_t data_bytes = fsize - 8 - hlen;
