@@ -211,6 +211,14 @@ TEST(SafeTensors, RejectsCorruptHeadersAndOffsets) {
                   R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12);
   expect_error(open, {"bad.safetensors", "'a' and 'b' overlap"});
 
+  // Bytes after the last tensor: a header length short by its padding shifts every tensor
+  // (here one byte of the header's spaces would be read as data); bytes appended.
+  const std::string padded = entry("F32", "[2]", "[0,8]") + "   ";
+  write_raw_st(p, padded, 8, padded.size() - 1);
+  expect_error(open, {"bad.safetensors", "end at byte 8 of the data section, which holds 9 bytes", "header length"});
+  write_raw_st(p, entry("F32", "[2]", "[0,8]"), 12);
+  expect_error(open, {"bad.safetensors", "end at byte 8", "holds 12 bytes"});
+
   // A name twice: the parser would keep one entry and leave the other's bytes unread.
   write_raw_st(p, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                   R"("a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16);

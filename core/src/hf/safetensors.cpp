@@ -214,6 +214,14 @@ SafeTensorsFile::SafeTensorsFile(const std::string& path) : path_(path) {
       }
       order_.push_back(name);
     }
+    // The data section ends where its last tensor ends, as every writer lays
+    // it out (and the reference implementation requires): bytes after it mean
+    // a header length short of the header's padding, which moves the data
+    // section's start and so every tensor onto the wrong bytes, or a damaged
+    // last data_offsets. (Holes between tensors are allowed.)
+    if (prev_end != data_bytes)
+      throw bad(cat("the tensors end at byte ", prev_end, " of the data section, which holds ", data_bytes,
+                    " bytes: the header length (", hlen, ") or the data_offsets are damaged, or bytes were appended"));
   } catch (...) {
     ::munmap(map_, map_bytes_);
     map_ = nullptr;
