@@ -201,6 +201,12 @@ TEST(SafeTensors, RejectsCorruptHeadersAndOffsets) {
   write_raw_st(p, entry("F32", "[3]", "[0,8]"), 16);
   expect_error(open, {"bad.safetensors", "tensor 'w'", "span 8 bytes", "needs 12"});
 
+  // Bytes beyond 64 bits: 2^62 F32 elements would wrap to 0 and pass as data_offsets [0, 0].
+  write_raw_st(p, entry("F32", "[4611686018427387904]", "[0,0]"), 0);
+  expect_error(open, {"bad.safetensors", "tensor 'w'", "[4611686018427387904]", "too large"});
+  write_raw_st(p, entry("F64", "[1073741824,2147483648]", "[0,0]"), 0);
+  expect_error(open, {"bad.safetensors", "tensor 'w'", "too large"});
+
   write_raw_st(p, entry("BF16", "[-2]", "[0,4]"), 4);
   expect_error(open, {"bad.safetensors", "tensor 'w'", "negative"});
 

@@ -192,7 +192,11 @@ SafeTensorsFile::SafeTensorsFile(const std::string& path) : path_(path) {
       if (e > data_bytes)
         throw tbad(cat("data_offsets ", off.dump(), " end beyond the data section of ", data_bytes,
                        " bytes (file truncated?)"));
-      uint64_t expect = static_cast<uint64_t>(info.numel) * esize;
+      // numel is at most 2^62, so its bytes can exceed 64 bits (2^62 F32 would wrap to 0 and
+      // match data_offsets [0, 0]).
+      uint64_t expect = 0;
+      if (__builtin_mul_overflow(static_cast<uint64_t>(info.numel), uint64_t{esize}, &expect))
+        throw tbad(cat("shape ", v["shape"].dump(), " of ", info.dtype, " is too large (more than 2^64 bytes)"));
       if (e - b != expect)
         throw tbad(cat("data_offsets ", off.dump(), " span ", e - b, " bytes but ", info.dtype, " ",
                        info.shape_str(), " needs ", expect));
