@@ -462,6 +462,19 @@ TEST(HfLlama, LoadRefusesMissingWrongShapeAndUnexpectedTensors) {
   std::ofstream(empty.path / "pytorch_model.bin") << "x";
   expect_error([&] { load_hf_llama_weights(empty.str(), spec, sink); },
                {"no model.safetensors", "pytorch_model.bin", "safe_serialization"});
+
+  // A link whose target is gone (a cleaned download cache) or a link loop is
+  // listed as one that cannot be followed, not as if the file were there.
+  TmpDir links;
+  fs::create_symlink(links.path / "blobs" / "gone", links.path / "model.safetensors");
+  fs::create_symlink(links.path / "loop_b", links.path / "loop_a");
+  fs::create_symlink(links.path / "loop_a", links.path / "loop_b");
+  expect_error([&] { load_hf_llama_weights(links.str(), spec, sink); },
+               {"no model.safetensors", "model.safetensors (a link to " + (links.path / "blobs" / "gone").string() +
+                                            ", which cannot be followed",
+                "loop_a (a link to"});
+  expect_error([&] { read_hf_llama_config(links.str()); },
+               {"no config.json", "model.safetensors (a link to", "which cannot be followed"});
 }
 
 TEST(HfLlama, LoadsShardedCheckpointThroughIndex) {

@@ -70,10 +70,24 @@ bool rope_is_default(const json& r) {
   return true;
 }
 
+// The folder's entries for a "not found" message. A link whose target is
+// missing (or a link loop) is listed as such: "no model.safetensors (found:
+// model.safetensors)" would contradict itself, the usual cause being a
+// download cache that was cleaned under its links.
 std::string list_dir(const std::string& dir) {
   std::string s;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) s += (s.empty() ? "" : ", ") + e.path().filename().string();
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    std::string item = e.path().filename().string();
+    std::error_code lec;
+    if (fs::is_symlink(e.symlink_status(lec)) && !fs::exists(e.path(), lec)) {
+      std::error_code rec;
+      const fs::path to = fs::read_symlink(e.path(), rec);
+      item += cat(" (a link to ", rec ? std::string("?") : to.string(),
+                  ", which cannot be followed: its target is missing or the links loop)");
+    }
+    s += (s.empty() ? "" : ", ") + item;
+  }
   return s.empty() ? "(empty)" : s;
 }
 
