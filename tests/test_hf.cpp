@@ -475,6 +475,11 @@ TEST(HfLlama, LoadRefusesMissingWrongShapeAndUnexpectedTensors) {
                 "loop_a (a link to"});
   expect_error([&] { read_hf_llama_config(links.str()); },
                {"no config.json", "model.safetensors (a link to", "which cannot be followed"});
+  // The same when the link loop has the very name looked for.
+  fs::remove(links.path / "model.safetensors");
+  fs::create_symlink(links.path / "model.safetensors", links.path / "model.safetensors");
+  expect_error([&] { load_hf_llama_weights(links.str(), spec, sink); },
+               {"no model.safetensors", "model.safetensors (a link to", "which cannot be followed"});
 }
 
 TEST(HfLlama, LoadsShardedCheckpointThroughIndex) {

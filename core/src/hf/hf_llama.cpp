@@ -70,6 +70,15 @@ bool rope_is_default(const json& r) {
   return true;
 }
 
+// Whether `p` names something that can be opened. A link loop or a
+// dangling link is not there (fs::exists would throw "Too many levels of
+// symbolic links" for the loop, with no word of which file or what to do):
+// the caller's "not found" message lists it as a link that cannot be followed.
+bool present(const fs::path& p) {
+  std::error_code ec;
+  return fs::exists(p, ec) && !ec;
+}
+
 // The folder's entries for a "not found" message. A link whose target is
 // missing (or a link loop) is listed as such: "no model.safetensors (found:
 // model.safetensors)" would contradict itself, the usual cause being a
@@ -209,7 +218,7 @@ ModelSpec read_hf_llama_config(const std::string& dir) {
     throw Error(cat("model.init = \"hf:", dir, "\": ", dir, " is ", fs::is_regular_file(st) ? "a file" : "not a folder",
                     "; point at the Hugging Face model directory (the one save_pretrained writes) that holds "
                     "config.json and the safetensors files"));
-  if (!fs::exists(path))
+  if (!present(path))
     throw Error(cat("no config.json in ", dir, " (found: ", list_dir(dir),
                     "); point at a Hugging Face model directory (the one save_pretrained writes)"));
   return parse_hf_llama_config(ckpt::read_file(path, "HF config"), path);
@@ -221,7 +230,7 @@ void load_hf_llama_weights(const std::string& dir, const ModelSpec& spec,
   std::vector<std::unique_ptr<SafeTensorsFile>> files;
   std::map<std::string, const SafeTensorsFile*> where;  // tensor -> file holding it
   const fs::path index = d / "model.safetensors.index.json";
-  if (fs::exists(index)) {
+  if (present(index)) {
     json j;
     try {
       j = json::parse(ckpt::read_file(index.string(), "safetensors index"));
@@ -240,7 +249,7 @@ void load_hf_llama_weights(const std::string& dir, const ModelSpec& spec,
                         "', which is not a file in this directory"));
       if (!by_file.count(fname)) {
         fs::path p = d / fname;
-        if (!fs::exists(p))
+        if (!present(p))
           throw Error(cat(index.string(), ": tensor '", it.key(), "' is in '", fname,
                           "', which does not exist; the download is incomplete"));
         files.push_back(std::make_unique<SafeTensorsFile>(p.string()));
@@ -259,7 +268,7 @@ void load_hf_llama_weights(const std::string& dir, const ModelSpec& spec,
         if (!where.count(n))
           throw Error(cat(f->path(), ": tensor '", n, "' is not listed in ", index.string(),
                           "; the shard and the index do not match"));
-  } else if (fs::exists(d / "model.safetensors")) {
+  } else if (present(d / "model.safetensors")) {
     files.push_back(std::make_unique<SafeTensorsFile>((d / "model.safetensors").string()));
     for (const auto& n : files.back()->names()) where[n] = files.back().get();
   } else {
