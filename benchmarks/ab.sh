@@ -17,7 +17,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/loom-ab}; mkdir -p "$OUT"
 [ -x .carry/ab/bin/loom ] || { echo "ab.sh: no baseline in .carry/ab (see the header)" >&2; exit 1; }
-NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+# NVIDIA's libraries from the torch venv, found as scripts/gpu_check.sh finds them.
+NV=${SP:-$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]) + "/nvidia")' 2>/dev/null || echo /opt/torch/.venv/lib/python3.12/site-packages/nvidia)}
 SYS_LD=/usr/local/cuda/lib64:$NV/cudnn/lib:$NV/nccl/lib:$NV/cu13/lib
 for z in .carry/lib/libopenblas.so.0.gz .carry/ab/lib/libloom.so.*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
 for l in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do [ -e ".carry/ab/lib/$l" ] || cp .carry/lib/$l .carry/ab/lib/; done

@@ -24,6 +24,7 @@
 #include <random>
 #include <vector>
 
+#include "config/run_config.hpp"
 #include "gpu_test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
@@ -1137,7 +1138,7 @@ TEST_F(CudaKernels, HostSyncsCountOnlyBlockingCalls) {
 // accepts (it held 2047 experts, and a larger model failed at its first MoE
 // layer).
 TEST_F(CudaKernels, MoeReadCountsHoldsTheMostExpertsTheConfigAccepts) {
-  for (const int64_t E : {int64_t{1}, int64_t{2048}, int64_t{4096}}) {
+  for (const int64_t E : {int64_t{1}, loom::kMaxExperts / 2, loom::kMaxExperts}) {  // model.num_experts' range
     const int64_t n = 2 * E + 1;
     std::vector<int64_t> want(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) want[static_cast<size_t>(i)] = i * 1000003 + 7;

@@ -538,7 +538,7 @@ TEST(TrainE2E, StepsBeyondTheLogRingAreAllReported) {
 
 // A log_every longer than the step log's ring (train.log_every = 10^12 to log
 // only at the end) sizes neither the ring nor the pinned token slots: the
-// arena is the same as with log_every = 1000, and a run past the ring's
+// arena is the same as with log_every = 1023, and a run past the ring's
 // kMaxStepLogRows steps reads it early and still reports every step, in order.
 // (The ring grew with the key: log_every = 2^31 asked for 128 GiB.)
 TEST(TrainE2E, ARareLogEveryKeepsTheStepLogSmall) {
@@ -566,9 +566,6 @@ TEST(TrainE2E, ARareLogEveryKeepsTheStepLogSmall) {
   }
 }
 
-// A strategy that splits work across ranks, started as a single process
-// (no mpirun / srun), refuses before touching anything and says how to launch.
-// (Multi-rank runs themselves are tested under mpirun in tests/mpi.)
 // The train loop reads an ordinary log step one step later, leaving the newest
 // step (whose optimizer may still run beside the next forward) for the next
 // read: every step is still reported once, in order, with the same numbers as
@@ -629,6 +626,9 @@ TEST(TrainE2E, CudaRecipeOnTheCpuIsRefusedByThePlugin) {
                           "precision.plugin = \"fp32\""});
 }
 
+// A strategy that splits work across ranks, started as a single process
+// (no mpirun / srun), refuses before touching anything and says how to launch.
+// (Multi-rank runs themselves are tested under mpirun in tests/mpi.)
 TEST(TrainE2E, MultiRankStrategyStartedAloneIsRefused) {
   fs::path d = temp_dir("ranks");
   for (const char* plugin : {"ddp", "zero1", "zero2", "zero3", "full_shard", "hybrid_shard"})

@@ -24,8 +24,9 @@ using json = nlohmann::json;
 
 // `max` and `as` are the range of the model.* key the value becomes (run_config.hpp):
 // a size beyond it would only be found as a huge allocation, or not at all.
+// A key that sizes nothing (max_position_embeddings, head_dim) has no bound.
 int64_t get_int(const json& j, const std::string& origin, const char* key, std::optional<int64_t> def,
-                int64_t max, const char* as) {
+                int64_t max = std::numeric_limits<int64_t>::max(), const char* as = "") {
   if (!j.contains(key) || j[key].is_null()) {
     if (def) return *def;
     throw Error(cat(origin, ": required key \"", key, "\" is missing; this is not a complete Llama config.json"));
@@ -144,7 +145,7 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
   s.ffn_hidden = get_int(j, origin, "intermediate_size", std::nullopt, kMaxDim, "model.ffn_hidden");
   s.vocab_size = get_int(j, origin, "vocab_size", std::nullopt, kMaxVocabSize, "model.vocab_size: token ids are int32");
   // Defaults below are LlamaConfig's, so a config that omits a key means what it means in HF.
-  s.max_seq_len = get_int(j, origin, "max_position_embeddings", 2048, std::numeric_limits<int64_t>::max(), "");
+  s.max_seq_len = get_int(j, origin, "max_position_embeddings", 2048);
   s.norm_eps = get_double(j, origin, "rms_norm_eps", 1e-6);
   if (j.contains("rope_theta") && !j["rope_theta"].is_null()) {
     s.rope_theta = get_double(j, origin, "rope_theta", std::nullopt);
@@ -196,7 +197,7 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
                       "(Mixtral's published configs have sliding_window = null)"));
   }
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
-    int64_t hd = get_int(j, origin, "head_dim", std::nullopt, std::numeric_limits<int64_t>::max(), "");
+    int64_t hd = get_int(j, origin, "head_dim", std::nullopt);
     if (hd != s.hidden / s.num_heads)
       throw Error(cat(origin, ": head_dim is ", hd, " but hidden_size / num_attention_heads = ", s.hidden / s.num_heads,
                       "; Loom requires head_dim = hidden_size / num_attention_heads, so this model cannot be imported"));

@@ -36,16 +36,12 @@ bool aligned(int64_t v) { return v % blk::kBlock == 0; }
 
 std::string Fp8BlockRecipe::dims_message(const LinearDesc& d) {
   return cat("precision fp8_block: linear '", d.name, "' is [out, in] = [", d.out, ", ", d.in, "] with up to ",
-             d.max_rows, " rows (tokens per micro-batch", d.role == LinearRole::lm_head ? " or per LM-head chunk" : "",
-             ")", d.variable_rows ? " (variable rows)" : "",
+             d.max_rows, fp8_options::rows_origin(d), d.variable_rows ? " (variable rows)" : "",
              "; fine-grained FP8 scaling cuts x and dy in 1x128 tiles (along in, out and the tokens) and W in "
              "128x128 blocks, so in, out",
-             d.variable_rows ? "" : " and the rows", " must be multiples of 128. Change the model dims",
-             d.variable_rows ? ""
-             : d.role == LinearRole::lm_head
-                 ? ", the micro-batch (train.micro_batch x train.seq_len) or model.head_chunk"
-                 : " or the micro-batch (train.micro_batch x train.seq_len)",
-             " to multiples of 128, or use precision.plugin = \"fp8_current\" (per-tensor scaling, multiples of 16)",
+             d.variable_rows ? "" : " and the rows", " must be multiples of 128. ",
+             fp8_options::dims_to_change(d, blk::kBlock, !d.variable_rows),
+             ", or use precision.plugin = \"fp8_current\" (per-tensor scaling, multiples of 16)",
              d.role == LinearRole::lm_head ? ", or leave fp8_head = false to keep the LM head in full precision" : "");
 }
 

@@ -86,6 +86,21 @@ inline void check_linear_shape(const std::string& plugin, const LinearDesc& d) {
              " (an FP8 recipe plans its cast copies from max_rows, which must be positive)");
 }
 
+// The refusal of a linear whose dims a recipe's FP8 GEMMs cannot take
+// (multiples of 16 per tensor, of 128 per block): where its rows come from,
+// and which keys change them (model.head_chunk sets the LM head's rows).
+inline std::string rows_origin(const LinearDesc& d) {
+  return cat(" rows (tokens per micro-batch", d.role == LinearRole::lm_head ? " or per LM-head chunk" : "", ")");
+}
+// rows_checked: the recipe requires the rows too (not for fp8_block's variable-row linears).
+inline std::string dims_to_change(const LinearDesc& d, int64_t multiple, bool rows_checked) {
+  return cat("Change the model dims",
+             !rows_checked                    ? ""
+             : d.role == LinearRole::lm_head ? ", the micro-batch (train.micro_batch x train.seq_len) or model.head_chunk"
+                                             : " or the micro-batch (train.micro_batch x train.seq_len)",
+             " to multiples of ", multiple);
+}
+
 // For a recipe's set-up log line: how many of `linears` run in FP8
 // (Linear::fp8) and the names of the others ("" when none), comma-separated.
 struct LinearSplit {

@@ -88,12 +88,8 @@ class Fp8Gpu final : public Precision {
       // of the linear uses each of in, out and the rows as one of them).
       LOOM_CHECK(d.in % 16 == 0 && d.out % 16 == 0 && d.max_rows % 16 == 0, "precision ", o_.plugin, ": linear '",
                  d.name, "' is [out, in] = [", d.out, ", ", d.in, "] with up to ", d.max_rows,
-                 " rows (tokens per micro-batch", d.role == LinearRole::lm_head ? " or per LM-head chunk" : "",
-                 "); cuBLASLt's FP8 GEMMs need in, out and the rows to be multiples of 16. Change the model dims",
-                 d.role == LinearRole::lm_head
-                     ? ", the micro-batch (train.micro_batch x train.seq_len) or model.head_chunk"
-                     : " or the micro-batch (train.micro_batch x train.seq_len)",
-                 " to multiples of 16, or use precision.plugin = \"bf16\"",
+                 fp8_options::rows_origin(d), "; cuBLASLt's FP8 GEMMs need in, out and the rows to be multiples of "
+                 "16. ", fp8_options::dims_to_change(d, 16, true), ", or use precision.plugin = \"bf16\"",
                  d.role == LinearRole::lm_head ? " (or leave fp8_head = false to keep the LM head in bf16)" : "");
       l.slot = host_.add_linear(d.name);
       l.w_off = weight_bytes_;

@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "config/run_config.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cuda/cuda_check.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
@@ -576,9 +577,9 @@ class CudaBackend final : public Backend {
   bool timer_running_ = false;
   gpu::Scratch scratch_;
   double* host_result_ = nullptr;
-  // moe_read_counts' pinned landing buffer: counts and offsets of up to 4096
-  // experts, the most model.num_experts accepts (run_config.cpp), 64 KiB.
-  static constexpr size_t kMoeCountSlots = 2 * 4096 + 1;
+  // moe_read_counts' pinned landing buffer: counts and offsets of up to
+  // kMaxExperts, the most model.num_experts accepts (run_config.hpp), 64 KiB.
+  static constexpr size_t kMoeCountSlots = 2 * static_cast<size_t>(kMaxExperts) + 1;
   int64_t* host_counts_ = nullptr;
   std::map<std::tuple<int64_t, int64_t, double>, RopeTable> rope_tables_;
   std::vector<cudaEvent_t> marks_;  // the timer ring (timer_reserve)
