@@ -132,7 +132,8 @@ if [ "$WHAT" = convergence ] || [ "$WHAT" = all ]; then
   # and REPEAT runs each of native and fused with cuDNN's non-deterministic
   # backward, whose sums land in another order every run. How far the
   # native-nondet runs drift from the reference is the noise floor of a bf16
-  # run; the fused runs are judged against it.
+  # run; every fused run is held to 0.5% at every evaluation, a bound that
+  # means something only while the floor stays below it.
   C=configs/convergence; CC=$OUT/convergence-configs
   rm -rf "$CC" && mkdir -p "$CC"
   runs=$C/fortunes-fused.toml
@@ -144,7 +145,9 @@ if [ "$WHAT" = convergence ] || [ "$WHAT" = all ]; then
       runs=$runs,$CC/$n.toml
     done
   done
-  .carry/bin/loom compare $C/fortunes-native.toml --configs="$runs" --set run.overwrite=true \
+  # CONV_SET="train.lr=3e-4 train.min_lr=3e-5": more --set overrides, for every run alike.
+  extra=(); for kv in ${CONV_SET:-}; do extra+=(--set "$kv"); done
+  .carry/bin/loom compare $C/fortunes-native.toml --configs="$runs" --set run.overwrite=true "${extra[@]}" \
     --steps="${CONV_STEPS:-1000}" --warmup=0 --validate=100 --out="$OUT/convergence" \
     > "$OUT/convergence.out" 2> "$OUT/convergence.log" || status=1
   grep -v '^COMPARE_JSON' "$OUT/convergence.out"
@@ -164,11 +167,15 @@ det = max(rel("fortunes-fused"))
 if floor:
     print(f"noise floor (native, non-deterministic backward, {len(floor)} runs): worst {100 * min(floor):.3f}% .. {100 * max(floor):.3f}%")
 print(f"fused ({len(fused)} runs): worst {100 * min(fused):.3f}% .. {100 * max(fused):.3f}%; deterministic fused {100 * det:.3f}% (target 0.5%)")
-# Passes when no fused run drifts further from the reference than a native
-# run drifts from it by summation order alone (the 0.5% target is reported,
-# but on this workload native misses it against itself).
-ok = max(fused) <= max(floor) if floor else det <= 0.005
-print(f"fused layers {'within' if ok else 'OUTSIDE'} the noise floor; 0.5% target {'met' if det <= 0.005 else 'missed'}")
+# Passes when every fused run (deterministic or not) stays within 0.5% of
+# the reference at every evaluation. The native runs show the noise floor: a
+# floor above 0.5% means the workload cannot judge fused layers at that
+# bound (the configs' lr is chosen so that it stays below), and fails too.
+target = 0.005
+ok = max(fused) <= target and (not floor or max(floor) <= target)
+if floor and max(floor) > target:
+    print(f"the noise floor ({100 * max(floor):.3f}%) is above the {100 * target:.1f}% target: this workload cannot judge fused layers")
+print(f"fused layers {'within' if max(fused) <= target else 'OUTSIDE'} {100 * target:.1f}% of native at every evaluation")
 sys.exit(0 if ok else 1)
 PY
 fi

@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
 
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
@@ -36,4 +40,65 @@ TEST(ShippedConfigs, Mixtral8x7bCountsActiveAndTotalParameters) {
   // MFU counts the active matmul weights: the router and 2 of 8 experts per layer.
   EXPECT_EQ(s.matmul_params(), s.active_params() - 32000 * 4096 - 4096 - 32 * 2 * 4096);
   EXPECT_GT(s.total_flops_per_token(4096), 3.4 * s.flops_per_token(4096));
+}
+
+// The convergence comparisons (README "Native against fused layers", "FP8
+// recipes") mean something only while each pair differs in the one setting
+// under test: an lr or data change made to one file and not its partner would
+// compare two trainings instead of two layer or precision variants. Every
+// non-comment line, keyed by its [section], must match the reference file's,
+// except the run's name and output folder and the allowed `section.key`s.
+namespace {
+
+std::map<std::string, std::string> config_lines(const fs::path& p) {
+  std::ifstream in(p);
+  EXPECT_TRUE(in.good()) << p;
+  std::map<std::string, std::string> out;
+  std::string section, line;
+  auto trim = [](std::string s) {
+    const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t\r");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+  };
+  while (std::getline(in, line)) {
+    if (const auto hash = line.find('#'); hash != std::string::npos) line.resize(hash);
+    line = trim(line);
+    if (line.empty()) continue;
+    if (line.front() == '[') {
+      section = line;
+      continue;
+    }
+    const auto eq = line.find('=');
+    EXPECT_NE(eq, std::string::npos) << p << ": " << line;
+    if (eq == std::string::npos) continue;
+    out[section + trim(line.substr(0, eq))] = trim(line.substr(eq + 1));
+  }
+  return out;
+}
+
+void expect_differ_only_in(const std::string& ref, const std::string& other, const std::set<std::string>& allowed) {
+  SCOPED_TRACE(ref + " vs " + other);
+  const fs::path dir = fs::path(LOOM_SOURCE_DIR) / "configs" / "convergence";
+  const auto a = config_lines(dir / ref), b = config_lines(dir / other);
+  ASSERT_GT(a.size(), 20u);  // the files were read
+  std::set<std::string> keys;
+  for (const auto& [k, v] : a) keys.insert(k);
+  for (const auto& [k, v] : b) keys.insert(k);
+  int differing = 0;
+  for (const std::string& k : keys) {
+    const auto ia = a.find(k), ib = b.find(k);
+    const bool same = ia != a.end() && ib != b.end() && ia->second == ib->second;
+    if (same) continue;
+    ++differing;
+    EXPECT_TRUE(allowed.count(k) || k == "[run]name" || k == "[run]out_dir")
+        << k << ": " << (ia == a.end() ? "(absent)" : ia->second) << " vs " << (ib == b.end() ? "(absent)" : ib->second);
+  }
+  EXPECT_GE(differing, 3) << "the pair should differ in name, out_dir and the setting under test";
+}
+
+}  // namespace
+
+TEST(ShippedConfigs, ConvergencePairsDifferOnlyInTheSettingUnderTest) {
+  expect_differ_only_in("fortunes-native.toml", "fortunes-fused.toml", {"[model]layers"});
+  expect_differ_only_in("fortunes-fused.toml", "fortunes-fp8-delayed.toml", {"[precision]plugin"});
+  expect_differ_only_in("fortunes-fused.toml", "fortunes-fp8-current.toml", {"[precision]plugin"});
 }
