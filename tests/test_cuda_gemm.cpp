@@ -431,14 +431,18 @@ TEST_F(CudaGemm, FastestTimesEachProblemOnceAndComputesTheSameProduct) {
 
 // "fastest" leaves variable-row linears (MoE experts) on the heuristic's
 // answer (a pick timed at one row count may not run at another): nothing is
-// timed, and every row count (smaller, the maximum, one) computes the right
-// product, the accumulated dW included (fp64 reference, the recipe's
-// tolerance).
+// timed, and every row count (smaller, the maximum, one, either side of a
+// bucket's edge) computes the right product, the accumulated dW included
+// (fp64 reference, the recipe's tolerance). The plans of every row bucket
+// are built at the first call, shared by both experts: later row counts and
+// the second expert build none.
 TEST_F(CudaGemm, FastestOnVariableRowLinears) {
   for (const char* name : {"bf16", "bf16_pure"}) {
     SCOPED_TRACE(name);
     const Recipe& r = name == std::string("bf16") ? kRecipes[1] : kRecipes[2];
     auto p = gpu_plugin(name);
+    const PlansBuilt plans_built = plans_counter(name);
+    ASSERT_NE(plans_built, nullptr) << "loom_precision_cublaslt_plans_built missing from the " << name << " plugin";
     const int max_rows = 1536, k = 344, n = 712;  // a shape no other case uses
     loom::LinearDesc e0{"layer.0.expert.0.w1", k, n, max_rows, loom::LinearRole::hidden, true};
     loom::LinearDesc e1 = e0;
@@ -447,7 +451,9 @@ TEST_F(CudaGemm, FastestOnVariableRowLinears) {
     const int64_t t0 = loom::gemm_timing_counts().timed;
     std::mt19937 rng(11);
     int calls = 0;
-    for (int m : {600, 1536, 96, 1, 600}) {
+    const int64_t c0 = plans_built();
+    int64_t after_first = -1;
+    for (int m : {600, 1536, 96, 1, 256, 257, 1535, 600}) {
       for (int id : {id0, id1}) {
         SCOPED_TRACE(::testing::Message() << "m=" << m << " expert " << id);
         const std::vector<float> x = random_values(size_t(m) * k, r.act, rng),
@@ -470,10 +476,17 @@ TEST_F(CudaGemm, FastestOnVariableRowLinears) {
         EXPECT_LE(rel_error(yb.download(), ref_forward(xd, wd, m, k, n)), r.tol) << "forward";
         EXPECT_LE(rel_error(dxb.download(), ref_dgrad(dyd, wd, m, k, n)), r.tol) << "dx";
         EXPECT_LE(rel_error(dwb.download(), ref_wgrad(dyd, xd, m, k, n, to_double(dw0))), r.tol) << "dW accumulated";
+        if (calls == 0) {
+          after_first = plans_built();
+          // 1536 rows: buckets 256, 512, ..., 1536 (6), for fprop, dgrad and wgrad.
+          EXPECT_GE(after_first - c0, 18) << "the first call builds every bucket's plans";
+        } else {
+          EXPECT_EQ(plans_built(), after_first) << "a later row count or expert built a plan";
+        }
         ++calls;
       }
     }
-    EXPECT_EQ(calls, 10);
+    EXPECT_EQ(calls, 16);
     EXPECT_EQ(loom::gemm_timing_counts().timed, t0) << "variable-row linears time nothing";
   }
 }

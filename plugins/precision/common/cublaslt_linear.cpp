@@ -23,17 +23,23 @@
 // place. One thread per object: plans are built without a lock.
 //
 // A linear whose row count m changes per call (LinearDesc::variable_rows: the
-// MoE experts) gets one plan per GEMM for m = max_rows (its key holds max_rows
-// in m's place: N' for fprop and dgrad, K' for wgrad). A call with another m
-// sets m in the plan's layouts (m is always a column count there, so leading
-// dimensions stay valid; the plan assumes pointer alignments of at most 16
-// bytes, since row views start at any expert's offset) and asks
-// cublasLtMatmulAlgoCheck whether the
-// algorithm runs that problem with the workspace there is; only when it does
-// not is an exact plan for that m built, as for any other linear. So the row
-// counts of a run build no plans after the first call, and the algorithm for
-// a given m is a function of (max_rows, m) alone — a resumed run computes the
-// same bits.
+// MoE experts) runs on plans built for a bucket of row counts rather than for
+// each m: m rounded up to a multiple of 256, or above 2048 rows of an eighth
+// of m's power of two, at most max_rows (row_bucket). The bucket stands in
+// m's place in the plan's key (N' for fprop and dgrad, K' for wgrad); the
+// plans are shared by every variable-row linear of the same problem (all
+// experts of all layers), and the first call of a problem builds the plans
+// of every bucket up to max_rows at once. A call sets its m in the bucket
+// plan's layouts (m is always a column count there, so leading dimensions
+// stay valid; the plan assumes pointer alignments of at most 16 bytes, since
+// row views start at any expert's offset) and asks cublasLtMatmulAlgoCheck
+// whether the algorithm runs that problem with the workspace there is; only
+// when it does not is an exact plan for that m built, as for any other
+// linear. So the row counts of a run build no plans after the first call,
+// and the algorithm for a given m is a function of (max_rows, m) alone — a
+// resumed run computes the same bits. (One plan for max_rows alone, as
+// before, took the heuristic's answer for 4x the rows the experts of
+// mixtral-small get: its step was 3% slower, docs/PERFORMANCE.md.)
 #include "precision/common/cublaslt_linear.hpp"
 
 #include <cublasLt.h>
@@ -60,6 +66,17 @@ namespace {
 using gpu::alignment_of;
 
 const char* gemm_name(int g) { return g == 0 ? "fprop" : g == 1 ? "dgrad" : "wgrad"; }
+
+// The row count a variable-row plan is built for (see the file comment): m
+// (>= 1) rounded up to a multiple of 256 up to 2048 rows, above that to an
+// eighth of the largest power of two <= m (so at most 12.5% more rows than m),
+// and never above max_rows. Eight buckets per doubling of max_rows above 2048.
+int64_t row_bucket(int64_t m, int64_t max_rows) {
+  int64_t p = 1;
+  while (p <= m / 2) p *= 2;
+  const int64_t q = std::max<int64_t>(256, p / 8);
+  return std::min(max_rows, (m + q - 1) / q * q);
+}
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
@@ -360,21 +377,36 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
   const int64_t m = g == kWgrad ? inner : cols;
   if (desc.variable_rows && desc.max_rows > 0 && m <= desc.max_rows) {
     std::array<int64_t, 11> vkey = key;
-    vkey[static_cast<size_t>(mi)] = desc.max_rows;
+    vkey[static_cast<size_t>(mi)] = row_bucket(m, desc.max_rows);
     // Row views start wherever the previous expert's rows end, so their
     // alignment changes from call to call: the plan assumes at most 16 bytes
     // (what the vectorised kernels need), one plan for every such offset.
     for (size_t i : {size_t{6}, size_t{7}, size_t{8}, size_t{10}}) vkey[i] = std::min<int64_t>(vkey[i], 16);
-    Plan* v = nullptr;
-    for (auto& p : plans)
-      if (p->key == vkey) { v = p.get(); break; }
+    auto& shared = variable_plans_[g];
+    auto find = [&](const std::array<int64_t, 11>& k) -> Plan* {
+      for (auto& p : shared)
+        if (p->key == k) return p.get();
+      return nullptr;
+    };
+    Plan* v = find(vkey);
     // The heuristic's answer under every gemm_algo: a pick timed at one row
     // count may not run at another, and each count it cannot run would build
     // a plan mid-training (timing the experts gained nothing on mixtral-small,
-    // docs/PERFORMANCE.md).
+    // docs/PERFORMANCE.md). Every bucket of the problem now: later steps'
+    // row counts then find theirs built.
     if (v == nullptr) {
-      v = build_plan(handle, plans, vkey, op_a, op_b, ta, tb, td, workspace_bytes_, where);
-      ++plans_built_;
+      std::array<int64_t, 11> bkey = vkey;
+      for (int64_t b = row_bucket(1, desc.max_rows);; b = row_bucket(b + 1, desc.max_rows)) {
+        bkey[static_cast<size_t>(mi)] = b;
+        if (find(bkey) == nullptr) {
+          build_plan(handle, shared, bkey, op_a, op_b, ta, tb, td, workspace_bytes_, where);
+          ++plans_built_;
+        }
+        if (b >= desc.max_rows) break;
+      }
+      v = find(vkey);
+      LOOM_CHECK(v != nullptr, where(), ": no plan for the bucket of ", m, " rows (", vkey[static_cast<size_t>(mi)],
+                 ") among those built up to max_rows=", desc.max_rows);
     }
     if (v->rows_now != m) {
       // m is the column count of B and D (and C) for fprop and dgrad, of A and B for wgrad.

@@ -15,7 +15,9 @@
 // on first use and never rebuilt; a call whose shape, leading dimensions or
 // pointer alignment differ from every plan of its slot gets a new plan beside
 // the others (the model never does this in a step, so steady state issues
-// exactly one cublasLtMatmul per GEMM and no heuristic query). Forward also
+// exactly one cublasLtMatmul per GEMM and no heuristic query). Variable-row
+// linears (MoE experts) share plans built per bucket of row counts instead,
+// all of a problem's buckets at its first call (the .cpp says how). Forward also
 // takes a residual as the C input (y = x W^T + residual): y itself, or a
 // buffer sharing no element with y, with its own row stride.
 //
@@ -25,6 +27,7 @@
 // and C in a scratch buffer, so the call's output and an accumulated dW are
 // untouched) and shared by every later plan of the same problem.
 #pragma once
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -93,6 +96,9 @@ class CublasLtLinears {
   std::vector<std::unique_ptr<Timed>> timed_;
   std::vector<LinearDesc> linears_;
   std::vector<std::unique_ptr<Slot>> slots_;  // one per linear, 3 GEMMs each
+  // Variable-row linears' plans, per GEMM, shared by every such linear of the
+  // same problem (keyed by the row bucket in m's place: the .cpp's comment).
+  std::array<std::vector<std::unique_ptr<Plan>>, 3> variable_plans_;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   bool workspace_set_ = false;
