@@ -15,6 +15,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_test_util.hpp"
@@ -152,6 +153,149 @@ inline void check_linear_pair(loom::Precision& cpu, loom::Precision& gpu, int64_
     after_step(step);
   }
   at_end();
+  CUDA_OK(cudaStreamDestroy(stream));
+  cublasLtDestroy(lt);
+}
+
+// A variable-row linear (an MoE expert) called with row counts the FP8 GEMMs
+// cannot take whole: `split`, the recipe under test, runs the first `head`
+// rows (the largest multiple of its row granularity) in FP8 and the tail in
+// bf16; `whole`, a second instance of the same recipe, is called with the
+// `head` rows alone. For each call (rows = head + tail; the first writes dW,
+// the second accumulates):
+//   - y and dx of the first `head` rows bitwise those of `whole` (the same
+//     FP8 GEMMs on the same codes and scales: a split that ran the call in
+//     bf16, or cast other rows, differs in the low bits at least);
+//   - the tail rows of y and dx the bf16 product: the fp64 product of the
+//     bf16 inputs within 1% of |ref| + 0.5% of max |ref| (the bf16 rounding of
+//     y and dx, 2^-9, as for check_linear_pair);
+//   - dW that of `whole` plus the tail's fp64 dy^T x, within 1e-3 of max |dW|
+//     (fp32 accumulation of a few hundred bf16 products);
+// and after end_step `after_step()` compares the two recipes' state (the
+// tail does not enter the amaxes, so it is bitwise the same).
+inline void check_variable_row_split(loom::Precision& split, loom::Precision& whole, int64_t in, int64_t out,
+                                     int64_t max_rows, const std::vector<std::pair<int64_t, int64_t>>& calls,
+                                     const char* label, const std::function<void()>& after_step) {
+  const loom::LinearDesc desc{"layer.0.expert.3.w1", in, out, max_rows, loom::LinearRole::hidden, true};
+  const int sid = split.register_linear(desc), wid = whole.register_linear(desc);
+  auto self = loom::make_self_communicator();
+  loom::PrecisionSetup s;
+  s.data_parallel = self.get();
+  s.device = loom::Device::cuda;
+  split.setup(s);
+  whole.setup(s);
+  DevBuf sws(split.workspace_bytes()), ssaved(split.saved_activation_bytes(sid)), wws(whole.workspace_bytes()),
+      wsaved(whole.saved_activation_bytes(wid));
+  ASSERT_TRUE(sws.p && ssaved.p && wws.p && wsaved.p);
+  split.set_workspace(sws.p, split.workspace_bytes());
+  split.set_saved_activations(ssaved.p, split.saved_activation_bytes(sid));
+  whole.set_workspace(wws.p, whole.workspace_bytes());
+  whole.set_saved_activations(wsaved.p, whole.saved_activation_bytes(wid));
+  cublasLtHandle_t lt = nullptr;
+  ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreate(&stream));
+  loom::ExecContext ctx;
+  ctx.device = loom::Device::cuda;
+  ctx.stream = stream;
+  ctx.blas_handle = lt;
+  using loom::Device;
+  using loom::DType;
+  using loom::Tensor;
+
+  std::mt19937 g(23);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto bf16_data = [&](size_t n, float sc, std::vector<uint16_t>& b, std::vector<double>& f) {
+    b.resize(n);
+    f.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      b[i] = loom::hf::f32_to_bf16(nd(g) * sc);
+      f[i] = loom::hf::bf16_to_f32(b[i]);
+    }
+  };
+  auto bf16s = [](const std::vector<uint16_t>& h, size_t from, size_t n) {
+    std::vector<float> f(n);
+    for (size_t i = 0; i < n; ++i) f[i] = loom::hf::bf16_to_f32(h[from + i]);
+    return f;
+  };
+  const size_t nw = static_cast<size_t>(out * in);
+  std::vector<uint16_t> bw;
+  std::vector<double> fw;
+  bf16_data(nw, 0.05f, bw, fw);
+  DevBuf dw_(nw * 2), sdw(nw * 4), wdw(nw * 4);
+  CUDA_OK(cudaMemcpy(dw_.p, bw.data(), nw * 2, cudaMemcpyHostToDevice));
+  const Tensor gw(dw_.p, DType::bf16, Device::cuda, {out, in});
+  Tensor gsdw(sdw.p, DType::f32, Device::cuda, {out, in}), gwdw(wdw.p, DType::f32, Device::cuda, {out, in});
+  std::vector<double> tail_dw(nw, 0.0);  // the tails' dy^T x, summed over the calls
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const int64_t head = calls[c].first, rows = head + calls[c].second;
+    SCOPED_TRACE(::testing::Message() << label << ": call " << c << ", " << rows << " rows (" << head << " in FP8)");
+    const size_t nx = static_cast<size_t>(rows * in), ny = static_cast<size_t>(rows * out);
+    std::vector<uint16_t> bx, bdy;
+    std::vector<double> fx, fdy;
+    bf16_data(nx, 1.5f, bx, fx);
+    bf16_data(ny, 1e-2f, bdy, fdy);
+    DevBuf dx_(nx * 2), ddy(ny * 2), sy(ny * 2), wy(ny * 2), sdx(nx * 2), wdx(nx * 2);
+    CUDA_OK(cudaMemcpy(dx_.p, bx.data(), nx * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(ddy.p, bdy.data(), ny * 2, cudaMemcpyHostToDevice));
+    const bool acc = c > 0;
+    Tensor x(dx_.p, DType::bf16, Device::cuda, {rows, in}), dy(ddy.p, DType::bf16, Device::cuda, {rows, out});
+    Tensor y(sy.p, DType::bf16, Device::cuda, {rows, out}), dx(sdx.p, DType::bf16, Device::cuda, {rows, in});
+    split.linear_forward(ctx, sid, x, gw, y, nullptr);
+    split.linear_backward(ctx, sid, x, gw, dy, &dx, gsdw, acc);
+    // `whole` on the same buffers' first `head` rows (packed: a prefix).
+    Tensor xh(dx_.p, DType::bf16, Device::cuda, {head, in}), dyh(ddy.p, DType::bf16, Device::cuda, {head, out});
+    Tensor yh(wy.p, DType::bf16, Device::cuda, {head, out}), dxh(wdx.p, DType::bf16, Device::cuda, {head, in});
+    whole.linear_forward(ctx, wid, xh, gw, yh, nullptr);
+    whole.linear_backward(ctx, wid, xh, gw, dyh, &dxh, gwdw, acc);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const std::vector<uint16_t> hsy = download<uint16_t>(sy.p, ny), hwy = download<uint16_t>(wy.p, ny),
+                                hsdx = download<uint16_t>(sdx.p, nx), hwdx = download<uint16_t>(wdx.p, nx);
+    ASSERT_EQ(hsy.size(), ny);
+    ASSERT_EQ(hsdx.size(), nx);
+    const size_t hy = static_cast<size_t>(head * out), hx = static_cast<size_t>(head * in);
+    EXPECT_TRUE(std::equal(hsy.begin(), hsy.begin() + static_cast<std::ptrdiff_t>(hy), hwy.begin()))
+        << "y's first " << head << " rows are not bitwise the FP8 call's";
+    EXPECT_TRUE(std::equal(hsdx.begin(), hsdx.begin() + static_cast<std::ptrdiff_t>(hx), hwdx.begin()))
+        << "dx's first " << head << " rows are not bitwise the FP8 call's";
+    // The tail in bf16 against fp64 of the same bf16 inputs.
+    const int64_t t = rows - head;
+    std::vector<float> ry(static_cast<size_t>(t * out)), rdx(static_cast<size_t>(t * in));
+    for (int64_t r = 0; r < t; ++r) {
+      const int64_t i = head + r;
+      for (int64_t o = 0; o < out; ++o) {
+        double a = 0;
+        for (int64_t k = 0; k < in; ++k) a += fx[static_cast<size_t>(i * in + k)] * fw[static_cast<size_t>(o * in + k)];
+        ry[static_cast<size_t>(r * out + o)] = static_cast<float>(a);
+      }
+      for (int64_t k = 0; k < in; ++k) {
+        double a = 0;
+        for (int64_t o = 0; o < out; ++o) a += fdy[static_cast<size_t>(i * out + o)] * fw[static_cast<size_t>(o * in + k)];
+        rdx[static_cast<size_t>(r * in + k)] = static_cast<float>(a);
+      }
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t k = 0; k < in; ++k)
+          tail_dw[static_cast<size_t>(o * in + k)] += fdy[static_cast<size_t>(i * out + o)] * fx[static_cast<size_t>(i * in + k)];
+    }
+    double ey = 0, edx = 0;
+    const double qy = worst_ratio(bf16s(hsy, hy, ry.size()), ry, 0.01, 0.005, &ey);
+    const double qdx = worst_ratio(bf16s(hsdx, hx, rdx.size()), rdx, 0.01, 0.005, &edx);
+    EXPECT_LE(qy, 1.0) << "y's last " << t << " rows against the bf16 product: max error " << ey;
+    EXPECT_LE(qdx, 1.0) << "dx's last " << t << " rows against the bf16 product: max error " << edx;
+    const std::vector<float> hsdw = download<float>(sdw.p, nw), hwdw = download<float>(wdw.p, nw);
+    ASSERT_EQ(hsdw.size(), nw);
+    std::vector<float> want(nw);
+    for (size_t i = 0; i < nw; ++i) want[i] = static_cast<float>(hwdw[i] + tail_dw[i]);
+    double edw = 0;
+    const double qdw = worst_ratio(hsdw, want, 0.0, 1e-3, &edw);
+    EXPECT_LE(qdw, 1.0) << "dW against the FP8 call's plus the tail's: max error " << edw;
+    std::printf("[%s] %lld rows (%lld in FP8): head bitwise, tail y %.3f dx %.3f of the bound, dW %.3f\n", label,
+                static_cast<long long>(rows), static_cast<long long>(head), qy, qdx, qdw);
+  }
+  split.end_step(ctx);
+  whole.end_step(ctx);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  after_step();
   CUDA_OK(cudaStreamDestroy(stream));
   cublasLtDestroy(lt);
 }

@@ -865,6 +865,52 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
  }
 }
 
+// A varying dim (Fp8GemmOptions::varying: an MoE expert's token count), m as
+// in fprop and dgrad, k as in wgrad (where the recipes' transposed copies
+// have k as their leading dimension too). Every count against fp64 of the
+// dequantised operands, under "fastest": one plan per bucket of counts (256
+// apart, above 2048 an eighth of the power of two), built at the bucket's
+// first count, none timed, and a later count in a bucket builds nothing.
+TEST_F(CudaFp8Gemm, VaryingDimSharesOnePlanPerBucket) {
+  loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes, loom::GemmAlgo::fastest);
+  const int64_t timed0 = loom::gemm_timing_counts().timed;
+  const int64_t most = 4096, n = 128, fixed = 256;
+  struct Call {
+    loom::gpu::Fp8Varying dim;
+    int64_t v, new_plans;
+  };
+  using V = loom::gpu::Fp8Varying;
+  const Call calls[] = {{V::m, 80, 1},   {V::m, 96, 0},   {V::m, 256, 0},  {V::m, 272, 1}, {V::m, 2048, 1},
+                        {V::m, 2064, 1}, {V::m, 2288, 0}, {V::m, 4096, 1}, {V::k, 48, 1},  {V::k, 160, 0},
+                        {V::k, 4080, 1}};
+  uint32_t seed = 40;
+  for (const Call& c : calls) {
+    const bool vm = c.dim == V::m;
+    const int64_t m = vm ? c.v : fixed, k = vm ? fixed : c.v;
+    SCOPED_TRACE(::testing::Message() << (vm ? "m = " : "k = ") << c.v);
+    const Operand a = make_operand(m, k, DType::e4m3, ++seed), b = make_operand(n, k, DType::e4m3, ++seed);
+    DevBuf ab(a.codes.size()), bb(b.codes.size()), scales(8), db(static_cast<size_t>(m * n) * 2);
+    ASSERT_TRUE(ab.p && bb.p && scales.p && db.p);
+    upload(ab, a.codes);
+    upload(bb, b.codes);
+    put_float(scales, a.inv, 0);
+    put_float(scales, b.inv, 1);
+    CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));  // NaN: an unwritten element fails
+    Tensor ta(ab.p, DType::e4m3, Device::cuda, {m, k}), tb(bb.p, DType::e4m3, Device::cuda, {n, k});
+    Tensor d(db.p, DType::bf16, Device::cuda, {m, n});
+    loom::gpu::Fp8GemmOptions o;
+    o.varying = c.dim;
+    o.varying_max = most;
+    const int64_t plans0 = g.plans_built();
+    g.gemm(ta, scales.as<float>(), tb, scales.as<float>() + 1, d, o, stream_);
+    CUDA_OK(cudaStreamSynchronize(stream_));
+    EXPECT_EQ(g.plans_built() - plans0, c.new_plans);
+    check_gemm(download_matrix(db, DType::bf16, static_cast<size_t>(m * n)), reference(a, b, m, n, k, nullptr),
+               tolerance(false, DType::bf16), "varying dim");
+  }
+  EXPECT_EQ(loom::gemm_timing_counts().timed, timed0) << "a varying dim's plans are the heuristic's, untimed";
+}
+
 // The linear's three GEMMs as fp8_gemm.hpp maps them, from device casts with
 // device scales (amax -> update_scales -> cast), against the fp64 linear of
 // the dequantised operands: the mapping, the transposed copies and the

@@ -437,6 +437,25 @@ TEST(GpuFp8Block, OneLinearMatchesTheCpuRecipe) {
       [&] { EXPECT_NE(gpu->log_summary().find("non-finite tiles 0"), std::string::npos) << gpu->log_summary(); });
 }
 
+// An MoE expert's row count is rarely a multiple of 128: its calls run the
+// largest multiple of 128 of their rows in FP8 and the rest in bf16
+// (check_variable_row_split: the FP8 rows bitwise a call with those rows
+// alone, the tail the bf16 product, dW their sum, the counters unchanged).
+// Two calls: 293 rows writing dW, 228 adding.
+TEST(GpuFp8Block, VariableRowCallsRunTheirAlignedRowsInFp8) {
+  LOOM_REQUIRE_GPU();
+  auto split = make("", Device::cuda), whole = make("", Device::cuda);
+  auto counters = [](loom::Precision& p) {
+    std::vector<double> v;
+    for (const loom::StateTensor& t : p.state_tensors())
+      for (int64_t i = 0; i < t.tensor.numel(); ++i) v.push_back(t.tensor.ptr<double>()[i]);
+    return v;
+  };
+  loom_test::check_variable_row_split(*split, *whole, 128, 256, 512, {{256, 37}, {128, 100}},
+                                      "fp8 block variable rows",
+                                      [&] { EXPECT_EQ(counters(*split), counters(*whole)); });
+}
+
 namespace {
 
 fs::path temp_dir(const std::string& name) { return loom::test::temp_dir("gpu_fp8_block_" + name); }

@@ -91,6 +91,46 @@ TEST(GpuMoe, TrainingFollowsTheCpuReference) {
   }
 }
 
+// The FP8 recipes on the MoE block: about 64 rows per expert and call here,
+// so every expert call is split (its multiple of 16 in FP8, the rest in bf16:
+// test_gpu_fp8_recipes' VariableRowCallsRunTheirAlignedRowsInFp8). 10 steps of
+// fused layers and cuDNN against bf16 on CUDA from the same initial weights:
+// every step's LM loss within 6% of bf16's and the aux loss within 10% (the
+// FP8 quickstart curve's bound; FP8 rounding of x, W and dy also moves a few
+// routing choices, which the aux loss counts), the loss falling.
+TEST(GpuMoe, Fp8RecipesTrainLikeBf16) {
+  LOOM_REQUIRE_GPU();
+  const fs::path d = temp_dir("gpu_moe_fp8");
+  const std::string base = small_moe(d / "run");
+  auto run = [&](const std::string& precision) {
+    return train(base, {"run.out_dir=\"" + (d / precision).string() + "\"", "run.device=\"cuda\"",
+                        "precision.plugin=\"" + precision + "\"", "attention.plugin=\"cudnn\"",
+                        "model.layers=\"fused\""});
+  };
+  const loom::RunSummary bf16 = run("bf16");
+  ASSERT_EQ(bf16.steps.size(), 10u);
+  for (const char* p : {"fp8_delayed", "fp8_current"}) {
+    const loom::RunSummary f = run(p);
+    ASSERT_EQ(f.steps.size(), bf16.steps.size()) << p;
+    double worst = 0, worst_aux = 0;
+    for (size_t i = 0; i < f.steps.size(); ++i) {
+      const auto& a = f.steps[i];
+      const auto& b = bf16.steps[i];
+      ASSERT_TRUE(std::isfinite(a.loss) && a.has_aux) << p << " step " << i + 1;
+      const double e = std::abs(a.loss - b.loss) / std::abs(b.loss);
+      const double ea = std::abs(a.aux_loss - b.aux_loss) / std::abs(b.aux_loss);
+      EXPECT_LT(e, 0.06) << p << " step " << i + 1 << ": " << a.loss << " vs bf16 " << b.loss;
+      EXPECT_LT(ea, 0.10) << p << " step " << i + 1 << ": aux " << a.aux_loss << " vs bf16 " << b.aux_loss;
+      worst = std::max(worst, e);
+      worst_aux = std::max(worst_aux, ea);
+    }
+    EXPECT_LT(f.steps.back().loss, f.steps.front().loss - 0.3) << p;
+    std::printf("[gpu moe %s] loss bf16 %.5f -> %.5f, %s %.5f -> %.5f; worst rel diff loss %.2e aux %.2e\n", p,
+                bf16.steps.front().loss, bf16.steps.back().loss, p, f.steps.front().loss, f.steps.back().loss, worst,
+                worst_aux);
+  }
+}
+
 // run.deterministic = true: two runs give bitwise-equal losses, aux losses and
 // grad norms at a shape where a reduction whose order depended on timing
 // (atomics) would show: 8 experts top-2, hidden 512, 4096 tokens per

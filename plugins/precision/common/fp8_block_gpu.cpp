@@ -189,6 +189,25 @@ class Fp8BlockGpu final : public Precision {
     check_weight(w, d, "w", DType::bf16);
     const int64_t rows = check_rows(d, mx, "x");
     if (!aligned(rows)) {
+      const int64_t head = rows / blk::kBlock * blk::kBlock;
+      if (d.variable_rows && head > 0) {
+        // An expert's rows: the first `head` in FP8, the rest (< 128) in bf16.
+        split_rows(l, rows, head);
+        const RowMatrix my = matrix(y, d, "y", DType::bf16);
+        Tensor x0 = fp8_gpu_checks::row_range(x, mx, 0, head), x1 = fp8_gpu_checks::row_range(x, mx, head, rows - head);
+        Tensor y0 = fp8_gpu_checks::row_range(y, my, 0, head), y1 = fp8_gpu_checks::row_range(y, my, head, rows - head);
+        Tensor r0, r1;
+        if (residual != nullptr) {
+          const RowMatrix mr = matrix(*residual, d, "residual", DType::bf16);
+          LOOM_CHECK(mr.rows == rows, "precision fp8_block: ", d.name, ": residual has ", mr.rows, " rows but x has ",
+                     rows);
+          r0 = fp8_gpu_checks::row_range(*residual, mr, 0, head);
+          r1 = fp8_gpu_checks::row_range(*residual, mr, head, rows - head);
+        }
+        linear_forward(ctx, id, x0, w, y0, residual != nullptr ? &r0 : nullptr);
+        l.saved_rows = rows;  // the backward splits the same rows
+        return lt_.forward(ctx, l.lt_id, x1, w, y1, residual != nullptr ? &r1 : nullptr);
+      }
       unaligned_rows(l, rows);
       l.saved_rows = rows;
       return lt_.forward(ctx, l.lt_id, x, w, y, residual);
@@ -229,6 +248,27 @@ class Fp8BlockGpu final : public Precision {
       LOOM_CHECK(have_x, "precision fp8_block: ", d.name, ": backward of ", rows,
                  " rows (not a multiple of 128: a bf16 GEMM that reads x) was given an empty x; the linear is not "
                  "variable_rows, so keeps_wgrad_input said x was not needed");
+      const int64_t head = rows / blk::kBlock * blk::kBlock;
+      if (d.variable_rows && head > 0) {
+        // As the forward split it: the FP8 backward of the first `head` rows
+        // (its forward cast them), then the tail's bf16 GEMMs adding to dW.
+        const RowMatrix mx = matrix(x, d, "x", DType::bf16);
+        LOOM_CHECK(mdy.rows == rows, "precision fp8_block: ", d.name, ": dy has ", mdy.rows, " rows but x has ", rows);
+        Tensor x0 = fp8_gpu_checks::row_range(x, mx, 0, head), x1 = fp8_gpu_checks::row_range(x, mx, head, rows - head);
+        Tensor dy0 = fp8_gpu_checks::row_range(dy, mdy, 0, head),
+               dy1 = fp8_gpu_checks::row_range(dy, mdy, head, rows - head);
+        Tensor dx0, dx1;
+        if (dx != nullptr) {
+          const RowMatrix mdx = matrix(*dx, d, "dx", DType::bf16);
+          LOOM_CHECK(mdx.rows == rows, "precision fp8_block: ", d.name, ": dx has ", mdx.rows, " rows but x has ",
+                     rows);
+          dx0 = fp8_gpu_checks::row_range(*dx, mdx, 0, head);
+          dx1 = fp8_gpu_checks::row_range(*dx, mdx, head, rows - head);
+        }
+        l.saved_rows = head;  // what the forward's FP8 part cast
+        linear_backward(ctx, id, x0, w, dy0, dx != nullptr ? &dx0 : nullptr, dw, accumulate);
+        return lt_.backward(ctx, l.lt_id, x1, w, dy1, dx != nullptr ? &dx1 : nullptr, dw, /*accumulate=*/true);
+      }
       return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
     }
     LOOM_CHECK(mdy.rows == rows && mdy.cols == d.out, "precision fp8_block: ", d.name, ": dy is [", mdy.rows, ", ",
@@ -349,12 +389,25 @@ class Fp8BlockGpu final : public Precision {
     return fp8_gpu_checks::rows(kPlugin, d, m, what);
   }
 
+  // 1x128 tiles along the tokens need a multiple of 128 rows. A variable-row
+  // linear (an MoE expert's share of the tokens) runs the largest multiple of
+  // 128 of its rows in FP8 and the rest (fewer than 128) in bf16, forward and
+  // backward alike. Said once.
+  void split_rows(const Linear& l, int64_t rows, int64_t head) {
+    if (told_split_) return;
+    told_split_ = true;
+    log_info(cat("precision fp8_block: ", l.desc.name, " was called with ", rows, " rows: the first ", head,
+                 " run in FP8, the last ", rows - head, " in bf16 (1x128 tiles along the tokens take multiples of "
+                 "128 rows; every variable-row linear's calls are split so; said once)"));
+  }
+  // Any other call whose rows are not a multiple of 128 (fewer than 128 rows
+  // of an expert) runs in bf16.
   void unaligned_rows(const Linear& l, int64_t rows) {
     if (warned_rows_) return;
     warned_rows_ = true;
     log_warn(cat("precision fp8_block: ", l.desc.name, " was called with ", rows,
-                 " rows, not a multiple of 128, which 1x128 tiles along the tokens need: such calls run in bf16 "
-                 "(this linear's and any other's; said once)"));
+                 " rows, fewer than 128 or not a multiple of 128, which 1x128 tiles along the tokens need: such calls "
+                 "run in bf16 (this linear's and any other's; said once)"));
   }
 
   // W ([out, in], transposed = false) or Wᵀ ([in, out]) in FP8 for the
@@ -416,6 +469,7 @@ class Fp8BlockGpu final : public Precision {
   mutable int64_t mark_ = 0;
   mutable bool warned_ = false;
   bool warned_rows_ = false;
+  bool told_split_ = false;
 };
 
 }  // namespace

@@ -51,6 +51,17 @@ inline int64_t rows(const std::string& plugin, const LinearDesc& d, const RowMat
   return m.rows;
 }
 
+// Rows [r0, r0 + n) of `t`, whose rows `m` describes (fold_rows), as a 2-D
+// view with t's row stride: how a variable-row call (an MoE expert) whose
+// row count the FP8 GEMMs cannot take is split into the rows they can take
+// and a short tail for the bf16 GEMMs.
+inline Tensor row_range(const Tensor& t, const RowMatrix& m, int64_t r0, int64_t n) {
+  Tensor v(static_cast<char*>(t.data) + r0 * m.ld * static_cast<int64_t>(dtype_size(t.dtype)), t.dtype, t.device,
+           {n, m.cols});
+  v.stride[0] = m.ld;
+  return v;
+}
+
 // The saved activations the core hands over: `needed` bytes at least,
 // 16-byte aligned (FP8 GEMM operands).
 inline char* saved_activations(const std::string& plugin, void* ptr, size_t bytes, size_t needed) {

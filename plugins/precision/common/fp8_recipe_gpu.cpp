@@ -232,6 +232,24 @@ class Fp8Gpu final : public Precision {
     check_weight(w, d, "w", param_dtype());
     const int64_t rows = check_rows(d, mx, "x");
     if (rows % 16 != 0) {
+      const int64_t head = rows / 16 * 16;
+      if (d.variable_rows && head > 0) {
+        // An expert's rows: the first `head` in FP8, the rest (< 16) in bf16.
+        split_rows(l, rows, head);
+        const RowMatrix my = matrix(y, d, "y", DType::bf16);
+        Tensor x0 = fp8_gpu_checks::row_range(x, mx, 0, head), x1 = fp8_gpu_checks::row_range(x, mx, head, rows - head);
+        Tensor y0 = fp8_gpu_checks::row_range(y, my, 0, head), y1 = fp8_gpu_checks::row_range(y, my, head, rows - head);
+        Tensor r0, r1;
+        if (residual != nullptr) {
+          const RowMatrix mr = matrix(*residual, d, "residual", DType::bf16);
+          LOOM_CHECK(mr.rows == rows, "precision ", o_.plugin, ": ", d.name, ": residual has ", mr.rows,
+                     " rows but x has ", rows);
+          r0 = fp8_gpu_checks::row_range(*residual, mr, 0, head);
+          r1 = fp8_gpu_checks::row_range(*residual, mr, head, rows - head);
+        }
+        linear_forward(ctx, id, x0, w, y0, residual != nullptr ? &r0 : nullptr);
+        return lt_.forward(ctx, l.lt_id, x1, w, y1, residual != nullptr ? &r1 : nullptr);
+      }
       unaligned_rows(l, rows);
       return lt_.forward(ctx, l.lt_id, x, w, y, residual);
     }
@@ -248,6 +266,7 @@ class Fp8Gpu final : public Precision {
     gpu::Fp8GemmOptions opt;
     opt.c = residual;
     opt.fast_accum = o_.gemm.fast_accum_fprop;
+    vary(opt, d, gpu::Fp8Varying::m);
     gemm(ctx).gemm(qx, scale_inv_ + xs, qw, scale_inv_ + ws, y, opt, stream);
     l.saved_rows = rows;
   }
@@ -271,6 +290,27 @@ class Fp8Gpu final : public Precision {
       LOOM_CHECK(have_x, "precision ", o_.plugin, ": ", d.name, ": backward of ", rows,
                  " rows (not a multiple of 16: a bf16 GEMM that reads x) was given an empty x; the linear "
                  "is not variable_rows, so keeps_wgrad_input said x was not needed");
+      const int64_t head = rows / 16 * 16;
+      if (d.variable_rows && head > 0) {
+        // As the forward split it: the FP8 backward of the first `head` rows
+        // (its forward cast them), then the tail's bf16 GEMMs adding to dW.
+        const RowMatrix mx = matrix(x, d, "x", DType::bf16);
+        LOOM_CHECK(mdy.rows == rows, "precision ", o_.plugin, ": ", d.name, ": dy has ", mdy.rows,
+                   " rows but x has ", rows);
+        Tensor x0 = fp8_gpu_checks::row_range(x, mx, 0, head), x1 = fp8_gpu_checks::row_range(x, mx, head, rows - head);
+        Tensor dy0 = fp8_gpu_checks::row_range(dy, mdy, 0, head),
+               dy1 = fp8_gpu_checks::row_range(dy, mdy, head, rows - head);
+        Tensor dx0, dx1;
+        if (dx != nullptr) {
+          const RowMatrix mdx = matrix(*dx, d, "dx", DType::bf16);
+          LOOM_CHECK(mdx.rows == rows, "precision ", o_.plugin, ": ", d.name, ": dx has ", mdx.rows,
+                     " rows but x has ", rows);
+          dx0 = fp8_gpu_checks::row_range(*dx, mdx, 0, head);
+          dx1 = fp8_gpu_checks::row_range(*dx, mdx, head, rows - head);
+        }
+        linear_backward(ctx, id, x0, w, dy0, dx != nullptr ? &dx0 : nullptr, dw, accumulate);
+        return lt_.backward(ctx, l.lt_id, x1, w, dy1, dx != nullptr ? &dx1 : nullptr, dw, /*accumulate=*/true);
+      }
       return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
     }
     LOOM_CHECK(mdy.rows == rows && mdy.cols == d.out, "precision ", o_.plugin, ": ", d.name, ": dy is [", mdy.rows,
@@ -308,12 +348,14 @@ class Fp8Gpu final : public Precision {
       const Tensor qwt = weight_for_dgrad(l, w, stream);
       gpu::Fp8GemmOptions opt;
       opt.fast_accum = o_.gemm.fast_accum_dgrad;
+      vary(opt, d, gpu::Fp8Varying::m);
       gemm(ctx).gemm(qdy, scale_inv_ + ds, qwt, scale_inv_ + ws, *dx, opt, stream);
     }
     const Tensor qxt(saved_ + l.saved_off, fp8_dtype(host_.format(Role::x)), Device::cuda, {d.in, rows});
     gpu::Fp8GemmOptions opt;
     opt.c = accumulate ? &dw : nullptr;
     opt.fast_accum = o_.gemm.fast_accum_wgrad;
+    vary(opt, d, gpu::Fp8Varying::k);  // the tokens are the contracted dim
     gemm(ctx).gemm(qdyt, scale_inv_ + ds, qxt, scale_inv_ + xs, dw, opt, stream);
   }
 
@@ -491,16 +533,34 @@ class Fp8Gpu final : public Precision {
     return fp8_gpu_checks::rows(o_.plugin, d, m, what);
   }
 
-  // cuBLASLt's FP8 GEMMs take a multiple of 16 rows; a call with another
-  // count (an MoE expert's share of the tokens) runs in bf16, forward and
-  // backward alike, and its tensors do not enter the amaxes. Said once.
+  // A variable-row linear's GEMMs (an MoE expert's: its token count changes
+  // every call) share plans per bucket of counts (fp8_gemm.cpp).
+  static void vary(gpu::Fp8GemmOptions& opt, const LinearDesc& d, gpu::Fp8Varying dim) {
+    if (!d.variable_rows) return;
+    opt.varying = dim;
+    opt.varying_max = d.max_rows;
+  }
+
+  // cuBLASLt's FP8 GEMMs take a multiple of 16 rows. A variable-row linear
+  // (an MoE expert's share of the tokens) runs the largest multiple of 16 of
+  // its rows in FP8 and the rest (fewer than 16) in bf16, forward and backward
+  // alike; the tail's tensors do not enter the amaxes. Said once.
+  void split_rows(const Linear& l, int64_t rows, int64_t head) {
+    if (told_split_) return;
+    told_split_ = true;
+    log_info(cat("precision ", o_.plugin, ": ", l.desc.name, " was called with ", rows, " rows: the first ", head,
+                 " run in FP8, the last ", rows - head, " in bf16 (cuBLASLt's FP8 GEMMs take multiples of 16 rows; "
+                 "every variable-row linear's calls are split so; said once)"));
+  }
+  // Any other call whose rows are not a multiple of 16 (fewer than 16 rows
+  // of an expert) runs in bf16, and its tensors do not enter the amaxes.
   void unaligned_rows(Linear& l, int64_t rows) {
     l.saved_rows = -1;
     if (warned_rows_) return;
     warned_rows_ = true;
     log_warn(cat("precision ", o_.plugin, ": ", l.desc.name, " was called with ", rows,
-                 " rows, not a multiple of 16, which cuBLASLt's FP8 GEMMs need: such calls run in bf16 (this "
-                 "linear's and any other's; said once)"));
+                 " rows, fewer than 16 or not a multiple of 16, which cuBLASLt's FP8 GEMMs need: such calls run in "
+                 "bf16 (this linear's and any other's; said once)"));
   }
 
   // Casts `src` into q and q_t with slot t's scale. Current scaling first
@@ -610,6 +670,7 @@ class Fp8Gpu final : public Precision {
   mutable int64_t skipped_mark_ = 0;
   mutable bool warned_skip_ = false;
   bool warned_rows_ = false;
+  bool told_split_ = false;
 };
 
 }  // namespace

@@ -3,6 +3,17 @@
 // rebuilt, except once when cuBLASLt turns down the fused D amax at its first
 // run (then the plan drops AMAX_D_POINTER and measures D with fp8_amax).
 // Messages are built only when a check fails.
+//
+// A call with a varying dim (Fp8GemmOptions::varying: an MoE expert's token
+// count) is keyed by a bucket of that dim instead (its value rounded up to a
+// multiple of 256, above 2048 to an eighth of its power of two, at most
+// varying_max; pointer alignments capped at 16 bytes): the plan is built for
+// the bucket's value with the heuristic's first answer, then each call sets
+// its own value (and, for k, the leading dimensions of the transposed
+// operands, which k is) in the layouts and asks cublasLtMatmulAlgoCheck
+// whether the algorithm runs it; only where it does not is an exact plan
+// built. Exact plans for every count, each timed under "fastest", made an
+// FP8 Mixtral step 5x slower than bf16's (docs/PERFORMANCE.md).
 #include "kernels/cuda/fp8_gemm.hpp"
 
 #include <cublasLt.h>
@@ -32,6 +43,18 @@ cudaDataType_t cuda_type(DType t) {
 
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
 
+// The value a varying dim's plan is built for (see the file comment): v (a
+// positive multiple of 16) rounded up to a multiple of 256, above 2048 to an
+// eighth of the largest power of two <= v, at most most (itself a multiple of
+// 16 >= v).
+int64_t varying_bucket(int64_t v, int64_t most) {
+  int64_t p = 1;
+  while (p <= v / 2) p *= 2;
+  const int64_t q = p / 8 > 256 ? p / 8 : 256;
+  const int64_t b = (v + q - 1) / q * q;
+  return b < most ? b : most;
+}
+
 // Bytes [first, last) a row matrix touches.
 struct Span {
   uintptr_t first, last;
@@ -45,7 +68,7 @@ Span span_of(const void* p, const RowMatrix& m, size_t elem) {
 // clang-format off
 enum Key : int {
   kM, kN, kK, kLda, kLdb, kLdc, kLdd, kTypeA, kTypeB, kTypeD, kHasC, kWantAmax, kFast,
-  kAlA, kAlB, kAlC, kAlD, kKeySize
+  kAlA, kAlB, kAlC, kAlD, kVarying, kKeySize
 };
 // clang-format on
 
@@ -57,6 +80,9 @@ struct Fp8Gemm::Plan : gpu::LtMatmulObjects {
   size_t workspace_needed = 0;
   bool amax_fused = false;  // AMAX_D_POINTER set on op
   bool ran = false;         // a cublasLtMatmul succeeded with this plan
+  // A bucket plan (key[kVarying] 1 or 2): the call dims its layouts hold and
+  // its algorithm passed cublasLtMatmulAlgoCheck for (now_m -1: none yet).
+  int64_t now_m = -1, now_k = -1, now_lda = -1, now_ldb = -1;
   // The pointers last set on `op` (set again only when a call brings others).
   const void* lt_a_scale = nullptr;
   const void* lt_b_scale = nullptr;
@@ -178,13 +204,27 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
   auto handle = static_cast<cublasLtHandle_t>(handle_);
   const bool want_amax = opt.d_amax != nullptr;
   // clang-format off
-  const std::array<int64_t, kKeySize> key{
+  std::array<int64_t, kKeySize> key{
       m, n, k, ma.ld, mb.ld, mc.ld, md.ld,
       static_cast<int64_t>(a.dtype), static_cast<int64_t>(b.dtype), static_cast<int64_t>(d.dtype),
       opt.c != nullptr, want_amax, opt.fast_accum,
       alignment_of(a.data), alignment_of(b.data), alignment_of(opt.c != nullptr ? opt.c->data : d.data),
-      alignment_of(d.data)};
+      alignment_of(d.data), 0};
   // clang-format on
+  // A varying dim within its bound: the bucket's plan (file comment). For k,
+  // the transposed operands' leading dimensions are k too.
+  const bool vary_m = opt.varying == Fp8Varying::m && m <= opt.varying_max;
+  const bool vary_k = opt.varying == Fp8Varying::k && k <= opt.varying_max;
+  const int64_t bucket = vary_m ? varying_bucket(m, opt.varying_max) : vary_k ? varying_bucket(k, opt.varying_max) : 0;
+  if (vary_m || vary_k) {
+    key[vary_m ? kM : kK] = bucket;
+    if (vary_k) {
+      if (ma.ld == k) key[kLda] = bucket;
+      if (mb.ld == k) key[kLdb] = bucket;
+    }
+    for (int i : {kAlA, kAlB, kAlC, kAlD}) key[i] = key[i] < 16 ? key[i] : 16;
+    key[kVarying] = vary_m ? 1 : 2;
+  }
   auto where = [&] {
     return cat("fp8_gemm D[", m, ",", n, "] (", dtype_name(d.dtype), ", ldd ", md.ld, ") = A[", m, ",", k, "] (",
                dtype_name(a.dtype), ", lda ", ma.ld, ") B[", n, ",", k, "]^T (", dtype_name(b.dtype), ", ldb ", mb.ld,
@@ -236,8 +276,8 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
     const uint64_t ws = workspace_bytes_;
     LOOM_CUBLASLT_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)), where());
-    const uint32_t al_lt_a = static_cast<uint32_t>(key[kAlB]), al_lt_b = static_cast<uint32_t>(key[kAlA]),
-                   al_c = static_cast<uint32_t>(key[kAlC]), al_d = static_cast<uint32_t>(key[kAlD]);
+    const uint32_t al_lt_a = static_cast<uint32_t>(p.key[kAlB]), al_lt_b = static_cast<uint32_t>(p.key[kAlA]),
+                   al_c = static_cast<uint32_t>(p.key[kAlC]), al_d = static_cast<uint32_t>(p.key[kAlD]);
     LOOM_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_lt_a,
                                                              sizeof(al_lt_a)),
                         where());
@@ -251,7 +291,7 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)),
         where());
     std::array<cublasLtMatmulHeuristicResult_t, kGemmAlgoCandidates> cand{};
-    const int want = algo_ == GemmAlgo::fastest ? kGemmAlgoCandidates : 1;
+    const int want = algo_ == GemmAlgo::fastest && p.key[kVarying] == 0 ? kGemmAlgoCandidates : 1;
     int found = 0;
     const cublasStatus_t st =
         cublasLtMatmulAlgoGetHeuristic(handle, p.op, p.a, p.b, p.c_layout(), p.d, pref, want, cand.data(), &found);
@@ -269,7 +309,7 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
                       " GPU; FP8 GEMMs need 8.9 or newer"));
     }
     int pick = 0;
-    if (algo_ == GemmAlgo::fastest) {
+    if (algo_ == GemmAlgo::fastest && p.key[kVarying] == 0) {
       // D (and C where it has a layout of its own) in the scratch; cuBLASLt's D is n x m, leading dimension ldd.
       const size_t es = dtype_size(d.dtype);
       pick = fastest_algorithm(handle, p, cand.data(), found, b.data, a.data, opt.c != nullptr ? 1.0f : 0.0f,
@@ -281,20 +321,67 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
     return true;
   };
 
-  if (plan == nullptr) {
+  // Builds the plan of `pkey`, whose m, k and leading dimensions of A and B
+  // it takes from the key (a bucket's plan: the bucket's values).
+  auto build = [&](const std::array<int64_t, kKeySize>& pkey) {
     auto p = std::make_unique<Plan>();
-    p->key = key;
+    p->key = pkey;
+    const int64_t pm = pkey[kM], pk = pkey[kK];
     // Column-major layouts of the buffers (fp8_gemm.hpp): cuBLASLt A = our B
     // stored k x n, B = our A stored k x m, D (and C) n x m.
-    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->a, cuda_type(b.dtype), k, n, mb.ld), where());
-    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->b, cuda_type(a.dtype), k, m, ma.ld), where());
-    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->d, cuda_type(d.dtype), n, m, md.ld), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->a, cuda_type(b.dtype), pk, n, pkey[kLdb]), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->b, cuda_type(a.dtype), pk, pm, pkey[kLda]), where());
+    LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->d, cuda_type(d.dtype), n, pm, md.ld), where());
     if (opt.c != nullptr && mc.ld != md.ld)
-      LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->c, cuda_type(d.dtype), n, m, mc.ld), where());
+      LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->c, cuda_type(d.dtype), n, pm, mc.ld), where());
     if (!configure(*p, want_amax)) configure(*p, false);
-    plan = p.get();
+    Plan* raw = p.get();
     plans_.push_back(std::move(p));
     ++plans_built_;
+    return raw;
+  };
+  if (plan == nullptr) plan = build(key);
+  if (key[kVarying] != 0 && (plan->now_m != m || plan->now_k != k || plan->now_lda != ma.ld || plan->now_ldb != mb.ld)) {
+    // This call's m or k (and leading dimensions) in the bucket plan's layouts.
+    auto set = [&](cublasLtMatrixLayout_t l, cublasLtMatrixLayoutAttribute_t attr, int64_t v) {
+      if (l == nullptr) return;
+      const uint64_t u = static_cast<uint64_t>(v);
+      LOOM_CUBLASLT_CHECK(cublasLtMatrixLayoutSetAttribute(l, attr, &u, sizeof(u)), where());
+    };
+    plan->now_m = -1;
+    set(plan->a, CUBLASLT_MATRIX_LAYOUT_ROWS, k);
+    set(plan->a, CUBLASLT_MATRIX_LAYOUT_LD, mb.ld);
+    set(plan->b, CUBLASLT_MATRIX_LAYOUT_ROWS, k);
+    set(plan->b, CUBLASLT_MATRIX_LAYOUT_COLS, m);
+    set(plan->b, CUBLASLT_MATRIX_LAYOUT_LD, ma.ld);
+    set(plan->d, CUBLASLT_MATRIX_LAYOUT_COLS, m);
+    set(plan->c, CUBLASLT_MATRIX_LAYOUT_COLS, m);
+    cublasLtMatmulHeuristicResult_t chk{};
+    const cublasStatus_t st =
+        cublasLtMatmulAlgoCheck(handle, plan->op, plan->a, plan->b, plan->c_layout(), plan->d, &plan->algo, &chk);
+    if (st == CUBLAS_STATUS_SUCCESS && chk.state == CUBLAS_STATUS_SUCCESS && chk.workspaceSize <= workspace_bytes_) {
+      plan->now_m = m;
+      plan->now_k = k;
+      plan->now_lda = ma.ld;
+      plan->now_ldb = mb.ld;
+      plan->workspace_needed = chk.workspaceSize;
+    } else {
+      // The bucket's algorithm does not run this count: an exact plan for it
+      // (the heuristic's answer; kVarying 3 keeps it apart from other calls' keys).
+      std::array<int64_t, kKeySize> exact{
+          m, n, k, ma.ld, mb.ld, mc.ld, md.ld,
+          static_cast<int64_t>(a.dtype), static_cast<int64_t>(b.dtype), static_cast<int64_t>(d.dtype),
+          opt.c != nullptr, want_amax, opt.fast_accum,
+          alignment_of(a.data), alignment_of(b.data), alignment_of(opt.c != nullptr ? opt.c->data : d.data),
+          alignment_of(d.data), 3};
+      plan = nullptr;
+      for (auto& p : plans_)
+        if (p->key == exact) {
+          plan = p.get();
+          break;
+        }
+      if (plan == nullptr) plan = build(exact);
+    }
   }
   LOOM_CHECK(plan->workspace_needed <= workspace_bytes_, where(), ": the plan needs ", plan->workspace_needed,
              " workspace bytes but set_workspace() now gives ", workspace_bytes_);

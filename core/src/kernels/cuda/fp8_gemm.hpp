@@ -71,10 +71,20 @@
 
 namespace loom::gpu {
 
+// Which dim of a call changes from call to call: the token count of a
+// variable-row linear (an MoE expert), m in fprop and dgrad, k in wgrad.
+enum class Fp8Varying : uint8_t { none, m, k };
+
 struct Fp8GemmOptions {
   const Tensor* c = nullptr;  // added with beta = 1; D itself or a disjoint buffer
   float* d_amax = nullptr;    // overwritten with max |D| (see above)
   bool fast_accum = false;    // CUBLASLT_MATMUL_DESC_FAST_ACCUM
+  // A varying dim (<= varying_max): the plan is built for a bucket of its
+  // values (fp8_gemm.cpp) and takes the call's value in its layouts, with the
+  // heuristic's answer under every GemmAlgo, so that the counts of a run build
+  // a few plans in all rather than one (and a timing) per count.
+  Fp8Varying varying = Fp8Varying::none;
+  int64_t varying_max = 0;
 };
 
 class Fp8Gemm {
