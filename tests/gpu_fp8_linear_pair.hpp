@@ -42,6 +42,39 @@ inline double worst_ratio(const std::vector<float>& gpu, const std::vector<float
   return worst;
 }
 
+// A cuBLASLt handle and a stream of their own, and the ExecContext a GPU
+// recipe is called with; released at the end of the scope.
+struct GpuCallContext {
+  cublasLtHandle_t lt = nullptr;
+  cudaStream_t stream = nullptr;
+  loom::ExecContext ctx;
+  GpuCallContext() {
+    EXPECT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
+    EXPECT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    ctx.device = loom::Device::cuda;
+    ctx.stream = stream;
+    ctx.blas_handle = lt;
+  }
+  ~GpuCallContext() {
+    if (stream) cudaStreamDestroy(stream);
+    if (lt) cublasLtDestroy(lt);
+  }
+  GpuCallContext(const GpuCallContext&) = delete;
+  GpuCallContext& operator=(const GpuCallContext&) = delete;
+};
+
+// n random bf16 values (nd's draws times sc): their bits, and their values as T.
+template <typename T>
+void random_bf16(std::mt19937& g, std::normal_distribution<float>& nd, size_t n, float sc, std::vector<uint16_t>& bits,
+                 std::vector<T>& values) {
+  bits.resize(n);
+  values.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    bits[i] = loom::hf::f32_to_bf16(nd(g) * sc);
+    values[i] = static_cast<T>(loom::hf::bf16_to_f32(bits[i]));
+  }
+}
+
 // One FP8 linear [rows, in] x [out, in]^T through a CPU recipe (emulated
 // FP8) and a GPU recipe of the same kind, for three optimizer steps of two
 // micro-batches, with a residual on the forward. Inputs are random bf16
@@ -71,14 +104,10 @@ inline void check_linear_pair(loom::Precision& cpu, loom::Precision& gpu, int64_
   ASSERT_NE(gsaved.p, nullptr);
   gpu.set_workspace(gws.p, gpu.workspace_bytes());
   gpu.set_saved_activations(gsaved.p, gpu.saved_activation_bytes(gid));
-  cublasLtHandle_t lt = nullptr;
-  ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
-  cudaStream_t stream = nullptr;
-  CUDA_OK(cudaStreamCreate(&stream));
-  loom::ExecContext gctx;
-  gctx.device = loom::Device::cuda;
-  gctx.stream = stream;
-  gctx.blas_handle = lt;
+  GpuCallContext call;
+  ASSERT_TRUE(call.lt && call.stream);
+  cudaStream_t stream = call.stream;
+  const loom::ExecContext& gctx = call.ctx;
   const loom::ExecContext cctx;
   using loom::Device;
   using loom::DType;
@@ -87,12 +116,7 @@ inline void check_linear_pair(loom::Precision& cpu, loom::Precision& gpu, int64_
   std::mt19937 g(7);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   auto bf16_data = [&](size_t n, float sc, std::vector<uint16_t>& b, std::vector<float>& f) {
-    b.resize(n);
-    f.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      b[i] = loom::hf::f32_to_bf16(nd(g) * sc);
-      f[i] = loom::hf::bf16_to_f32(b[i]);
-    }
+    random_bf16(g, nd, n, sc, b, f);
   };
   const size_t nx = rows * in, nw = out * in, ny = rows * out;
   DevBuf dx_(nx * 2), dw_(nw * 2), ddy(ny * 2), dy_out(ny * 2), dres(ny * 2), ddx(nx * 2), ddw(nw * 4);
@@ -153,8 +177,6 @@ inline void check_linear_pair(loom::Precision& cpu, loom::Precision& gpu, int64_
     after_step(step);
   }
   at_end();
-  CUDA_OK(cudaStreamDestroy(stream));
-  cublasLtDestroy(lt);
 }
 
 // A variable-row linear (an MoE expert) called with row counts the FP8 GEMMs
@@ -191,14 +213,10 @@ inline void check_variable_row_split(loom::Precision& split, loom::Precision& wh
   split.set_saved_activations(ssaved.p, split.saved_activation_bytes(sid));
   whole.set_workspace(wws.p, whole.workspace_bytes());
   whole.set_saved_activations(wsaved.p, whole.saved_activation_bytes(wid));
-  cublasLtHandle_t lt = nullptr;
-  ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
-  cudaStream_t stream = nullptr;
-  CUDA_OK(cudaStreamCreate(&stream));
-  loom::ExecContext ctx;
-  ctx.device = loom::Device::cuda;
-  ctx.stream = stream;
-  ctx.blas_handle = lt;
+  GpuCallContext call;
+  ASSERT_TRUE(call.lt && call.stream);
+  cudaStream_t stream = call.stream;
+  const loom::ExecContext& ctx = call.ctx;
   using loom::Device;
   using loom::DType;
   using loom::Tensor;
@@ -206,12 +224,7 @@ inline void check_variable_row_split(loom::Precision& split, loom::Precision& wh
   std::mt19937 g(23);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   auto bf16_data = [&](size_t n, float sc, std::vector<uint16_t>& b, std::vector<double>& f) {
-    b.resize(n);
-    f.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      b[i] = loom::hf::f32_to_bf16(nd(g) * sc);
-      f[i] = loom::hf::bf16_to_f32(b[i]);
-    }
+    random_bf16(g, nd, n, sc, b, f);
   };
   auto bf16s = [](const std::vector<uint16_t>& h, size_t from, size_t n) {
     std::vector<float> f(n);
@@ -296,8 +309,6 @@ inline void check_variable_row_split(loom::Precision& split, loom::Precision& wh
   whole.end_step(ctx);
   CUDA_OK(cudaStreamSynchronize(stream));
   after_step();
-  CUDA_OK(cudaStreamDestroy(stream));
-  cublasLtDestroy(lt);
 }
 
 }  // namespace loom_test

@@ -41,6 +41,8 @@
 namespace loom::fp8_block {
 namespace {
 
+using loom::fp8_gpu_checks::RowSplit;
+
 namespace blk = fp8::block;
 using blk::ScaleMode;
 
@@ -193,20 +195,12 @@ class Fp8BlockGpu final : public Precision {
       if (d.variable_rows && head > 0) {
         // An expert's rows: the first `head` in FP8, the rest (< 128) in bf16.
         split_rows(l, rows, head);
-        const RowMatrix my = matrix(y, d, "y", DType::bf16);
-        Tensor x0 = fp8_gpu_checks::row_range(x, mx, 0, head), x1 = fp8_gpu_checks::row_range(x, mx, head, rows - head);
-        Tensor y0 = fp8_gpu_checks::row_range(y, my, 0, head), y1 = fp8_gpu_checks::row_range(y, my, head, rows - head);
-        Tensor r0, r1;
-        if (residual != nullptr) {
-          const RowMatrix mr = matrix(*residual, d, "residual", DType::bf16);
-          LOOM_CHECK(mr.rows == rows, "precision fp8_block: ", d.name, ": residual has ", mr.rows, " rows but x has ",
-                     rows);
-          r0 = fp8_gpu_checks::row_range(*residual, mr, 0, head);
-          r1 = fp8_gpu_checks::row_range(*residual, mr, head, rows - head);
-        }
-        linear_forward(ctx, id, x0, w, y0, residual != nullptr ? &r0 : nullptr);
+        RowSplit xs = fp8_gpu_checks::split_rows(kPlugin, &x, d, "x", rows, head),
+                 ys = fp8_gpu_checks::split_rows(kPlugin, &y, d, "y", rows, head),
+                 rs = fp8_gpu_checks::split_rows(kPlugin, residual, d, "residual", rows, head);
+        linear_forward(ctx, id, xs.head, w, ys.head, rs.head_or_null());
         l.saved_rows = rows;  // the backward splits the same rows
-        return lt_.forward(ctx, l.lt_id, x1, w, y1, residual != nullptr ? &r1 : nullptr);
+        return lt_.forward(ctx, l.lt_id, xs.tail, w, ys.tail, rs.tail_or_null());
       }
       unaligned_rows(l, rows);
       l.saved_rows = rows;
@@ -252,22 +246,12 @@ class Fp8BlockGpu final : public Precision {
       if (d.variable_rows && head > 0) {
         // As the forward split it: the FP8 backward of the first `head` rows
         // (its forward cast them), then the tail's bf16 GEMMs adding to dW.
-        const RowMatrix mx = matrix(x, d, "x", DType::bf16);
-        LOOM_CHECK(mdy.rows == rows, "precision fp8_block: ", d.name, ": dy has ", mdy.rows, " rows but x has ", rows);
-        Tensor x0 = fp8_gpu_checks::row_range(x, mx, 0, head), x1 = fp8_gpu_checks::row_range(x, mx, head, rows - head);
-        Tensor dy0 = fp8_gpu_checks::row_range(dy, mdy, 0, head),
-               dy1 = fp8_gpu_checks::row_range(dy, mdy, head, rows - head);
-        Tensor dx0, dx1;
-        if (dx != nullptr) {
-          const RowMatrix mdx = matrix(*dx, d, "dx", DType::bf16);
-          LOOM_CHECK(mdx.rows == rows, "precision fp8_block: ", d.name, ": dx has ", mdx.rows, " rows but x has ",
-                     rows);
-          dx0 = fp8_gpu_checks::row_range(*dx, mdx, 0, head);
-          dx1 = fp8_gpu_checks::row_range(*dx, mdx, head, rows - head);
-        }
+        RowSplit xs = fp8_gpu_checks::split_rows(kPlugin, &x, d, "x", rows, head),
+                 dys = fp8_gpu_checks::split_rows(kPlugin, &dy, d, "dy", rows, head),
+                 dxs = fp8_gpu_checks::split_rows(kPlugin, dx, d, "dx", rows, head);
         l.saved_rows = head;  // what the forward's FP8 part cast
-        linear_backward(ctx, id, x0, w, dy0, dx != nullptr ? &dx0 : nullptr, dw, accumulate);
-        return lt_.backward(ctx, l.lt_id, x1, w, dy1, dx != nullptr ? &dx1 : nullptr, dw, /*accumulate=*/true);
+        linear_backward(ctx, id, xs.head, w, dys.head, dxs.head_ptr(), dw, accumulate);
+        return lt_.backward(ctx, l.lt_id, xs.tail, w, dys.tail, dxs.tail_or_null(), dw, /*accumulate=*/true);
       }
       return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
     }

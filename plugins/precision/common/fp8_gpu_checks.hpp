@@ -51,15 +51,30 @@ inline int64_t rows(const std::string& plugin, const LinearDesc& d, const RowMat
   return m.rows;
 }
 
-// Rows [r0, r0 + n) of `t`, whose rows `m` describes (fold_rows), as a 2-D
-// view with t's row stride: how a variable-row call (an MoE expert) whose
-// row count the FP8 GEMMs cannot take is split into the rows they can take
-// and a short tail for the bf16 GEMMs.
-inline Tensor row_range(const Tensor& t, const RowMatrix& m, int64_t r0, int64_t n) {
-  Tensor v(static_cast<char*>(t.data) + r0 * m.ld * static_cast<int64_t>(dtype_size(t.dtype)), t.dtype, t.device,
-           {n, m.cols});
-  v.stride[0] = m.ld;
-  return v;
+// A variable-row call (an MoE expert) whose row count the FP8 GEMMs cannot
+// take whole is split into its first `head` rows, which they can take, and
+// the tail (for the bf16 GEMMs): `what`'s two row views, after the checks of
+// matrix() and that it has `rows` rows. An absent tensor (no data: a
+// residual or dx not asked for) gives two absent views.
+struct RowSplit {
+  Tensor head, tail;
+  const Tensor* head_or_null() const { return head.data != nullptr ? &head : nullptr; }
+  Tensor* tail_or_null() { return tail.data != nullptr ? &tail : nullptr; }
+  Tensor* head_ptr() { return head.data != nullptr ? &head : nullptr; }
+};
+inline RowSplit split_rows(const std::string& plugin, const Tensor* t, const LinearDesc& d, const char* what,
+                           int64_t rows, int64_t head) {
+  if (t == nullptr) return {};
+  const RowMatrix m = matrix(plugin, *t, d, what, DType::bf16);
+  LOOM_CHECK(m.rows == rows, "precision ", plugin, ": ", d.name, ": ", what, " has ", m.rows, " rows but x has ",
+             rows);
+  auto rows_view = [&](int64_t r0, int64_t n) {
+    Tensor v(static_cast<char*>(t->data) + r0 * m.ld * static_cast<int64_t>(dtype_size(t->dtype)), t->dtype,
+             t->device, {n, m.cols});
+    v.stride[0] = m.ld;
+    return v;
+  };
+  return {rows_view(0, head), rows_view(head, rows - head)};
 }
 
 // The saved activations the core hands over: `needed` bytes at least,

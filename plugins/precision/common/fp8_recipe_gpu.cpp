@@ -45,6 +45,8 @@
 namespace loom::fp8_recipe {
 namespace {
 
+using loom::fp8_gpu_checks::RowSplit;
+
 using fp8::Role;
 
 constexpr size_t kAlign = 256;
@@ -236,19 +238,11 @@ class Fp8Gpu final : public Precision {
       if (d.variable_rows && head > 0) {
         // An expert's rows: the first `head` in FP8, the rest (< 16) in bf16.
         split_rows(l, rows, head);
-        const RowMatrix my = matrix(y, d, "y", DType::bf16);
-        Tensor x0 = fp8_gpu_checks::row_range(x, mx, 0, head), x1 = fp8_gpu_checks::row_range(x, mx, head, rows - head);
-        Tensor y0 = fp8_gpu_checks::row_range(y, my, 0, head), y1 = fp8_gpu_checks::row_range(y, my, head, rows - head);
-        Tensor r0, r1;
-        if (residual != nullptr) {
-          const RowMatrix mr = matrix(*residual, d, "residual", DType::bf16);
-          LOOM_CHECK(mr.rows == rows, "precision ", o_.plugin, ": ", d.name, ": residual has ", mr.rows,
-                     " rows but x has ", rows);
-          r0 = fp8_gpu_checks::row_range(*residual, mr, 0, head);
-          r1 = fp8_gpu_checks::row_range(*residual, mr, head, rows - head);
-        }
-        linear_forward(ctx, id, x0, w, y0, residual != nullptr ? &r0 : nullptr);
-        return lt_.forward(ctx, l.lt_id, x1, w, y1, residual != nullptr ? &r1 : nullptr);
+        RowSplit xs = fp8_gpu_checks::split_rows(o_.plugin, &x, d, "x", rows, head),
+                 ys = fp8_gpu_checks::split_rows(o_.plugin, &y, d, "y", rows, head),
+                 rs = fp8_gpu_checks::split_rows(o_.plugin, residual, d, "residual", rows, head);
+        linear_forward(ctx, id, xs.head, w, ys.head, rs.head_or_null());
+        return lt_.forward(ctx, l.lt_id, xs.tail, w, ys.tail, rs.tail_or_null());
       }
       unaligned_rows(l, rows);
       return lt_.forward(ctx, l.lt_id, x, w, y, residual);
@@ -294,22 +288,11 @@ class Fp8Gpu final : public Precision {
       if (d.variable_rows && head > 0) {
         // As the forward split it: the FP8 backward of the first `head` rows
         // (its forward cast them), then the tail's bf16 GEMMs adding to dW.
-        const RowMatrix mx = matrix(x, d, "x", DType::bf16);
-        LOOM_CHECK(mdy.rows == rows, "precision ", o_.plugin, ": ", d.name, ": dy has ", mdy.rows,
-                   " rows but x has ", rows);
-        Tensor x0 = fp8_gpu_checks::row_range(x, mx, 0, head), x1 = fp8_gpu_checks::row_range(x, mx, head, rows - head);
-        Tensor dy0 = fp8_gpu_checks::row_range(dy, mdy, 0, head),
-               dy1 = fp8_gpu_checks::row_range(dy, mdy, head, rows - head);
-        Tensor dx0, dx1;
-        if (dx != nullptr) {
-          const RowMatrix mdx = matrix(*dx, d, "dx", DType::bf16);
-          LOOM_CHECK(mdx.rows == rows, "precision ", o_.plugin, ": ", d.name, ": dx has ", mdx.rows,
-                     " rows but x has ", rows);
-          dx0 = fp8_gpu_checks::row_range(*dx, mdx, 0, head);
-          dx1 = fp8_gpu_checks::row_range(*dx, mdx, head, rows - head);
-        }
-        linear_backward(ctx, id, x0, w, dy0, dx != nullptr ? &dx0 : nullptr, dw, accumulate);
-        return lt_.backward(ctx, l.lt_id, x1, w, dy1, dx != nullptr ? &dx1 : nullptr, dw, /*accumulate=*/true);
+        RowSplit xs = fp8_gpu_checks::split_rows(o_.plugin, &x, d, "x", rows, head),
+                 dys = fp8_gpu_checks::split_rows(o_.plugin, &dy, d, "dy", rows, head),
+                 dxs = fp8_gpu_checks::split_rows(o_.plugin, dx, d, "dx", rows, head);
+        linear_backward(ctx, id, xs.head, w, dys.head, dxs.head_ptr(), dw, accumulate);
+        return lt_.backward(ctx, l.lt_id, xs.tail, w, dys.tail, dxs.tail_or_null(), dw, /*accumulate=*/true);
       }
       return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
     }

@@ -213,6 +213,8 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
   // clang-format on
   // A varying dim within its bound: the bucket's plan (file comment). For k,
   // the transposed operands' leading dimensions are k too.
+  std::array<int64_t, kKeySize> exact = key;  // a varying call's fallback (below)
+  exact[kVarying] = 3;
   const bool vary_m = opt.varying == Fp8Varying::m && m <= opt.varying_max;
   const bool vary_k = opt.varying == Fp8Varying::k && k <= opt.varying_max;
   const int64_t bucket = vary_m ? varying_bucket(m, opt.varying_max) : vary_k ? varying_bucket(k, opt.varying_max) : 0;
@@ -232,12 +234,12 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
                opt.fast_accum ? ", fast accumulation" : "", "; as cuBLASLt TN: M'=", n, " N'=", m, " K'=", k);
   };
 
-  Plan* plan = nullptr;
-  for (auto& p : plans_)
-    if (p->key == key) {
-      plan = p.get();
-      break;
-    }
+  auto find = [&](const std::array<int64_t, kKeySize>& k_) -> Plan* {
+    for (auto& p : plans_)
+      if (p->key == k_) return p.get();
+    return nullptr;
+  };
+  Plan* plan = find(key);
 
   // (Re)creates the matmul descriptor and picks the algorithm; with_amax asks
   // cuBLASLt for D's amax. Returns false when with_amax finds no algorithm.
@@ -368,18 +370,7 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
     } else {
       // The bucket's algorithm does not run this count: an exact plan for it
       // (the heuristic's answer; kVarying 3 keeps it apart from other calls' keys).
-      std::array<int64_t, kKeySize> exact{
-          m, n, k, ma.ld, mb.ld, mc.ld, md.ld,
-          static_cast<int64_t>(a.dtype), static_cast<int64_t>(b.dtype), static_cast<int64_t>(d.dtype),
-          opt.c != nullptr, want_amax, opt.fast_accum,
-          alignment_of(a.data), alignment_of(b.data), alignment_of(opt.c != nullptr ? opt.c->data : d.data),
-          alignment_of(d.data), 3};
-      plan = nullptr;
-      for (auto& p : plans_)
-        if (p->key == exact) {
-          plan = p.get();
-          break;
-        }
+      plan = find(exact);
       if (plan == nullptr) plan = build(exact);
     }
   }
