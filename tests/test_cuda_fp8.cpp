@@ -871,32 +871,41 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
 // dequantised operands, under "fastest": one plan per bucket of counts (256
 // apart, above 2048 an eighth of the power of two), built at the bucket's
 // first count, none timed, and a later count in a bucket builds nothing.
+// The last call's A is a row view of a wider buffer (leading dimension 112,
+// k = 80): the bucket's plan holds k = 256 rows and a leading dimension of
+// 256, and takes the call's own (112) per call, so it is the plan of the
+// packed k = 48 and 160 calls.
 TEST_F(CudaFp8Gemm, VaryingDimSharesOnePlanPerBucket) {
   loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes, loom::GemmAlgo::fastest);
   const int64_t timed0 = loom::gemm_timing_counts().timed;
   const int64_t most = 4096, n = 128, fixed = 256;
   struct Call {
     loom::gpu::Fp8Varying dim;
-    int64_t v, new_plans;
+    int64_t v, new_plans, lda_pad = 0;
   };
   using V = loom::gpu::Fp8Varying;
   const Call calls[] = {{V::m, 80, 1},   {V::m, 96, 0},   {V::m, 256, 0},  {V::m, 272, 1}, {V::m, 2048, 1},
                         {V::m, 2064, 1}, {V::m, 2288, 0}, {V::m, 4096, 1}, {V::k, 48, 1},  {V::k, 160, 0},
-                        {V::k, 4080, 1}};
+                        {V::k, 4080, 1}, {V::k, 80, 0, 32}};
   uint32_t seed = 40;
   for (const Call& c : calls) {
     const bool vm = c.dim == V::m;
     const int64_t m = vm ? c.v : fixed, k = vm ? fixed : c.v;
     SCOPED_TRACE(::testing::Message() << (vm ? "m = " : "k = ") << c.v);
     const Operand a = make_operand(m, k, DType::e4m3, ++seed), b = make_operand(n, k, DType::e4m3, ++seed);
-    DevBuf ab(a.codes.size()), bb(b.codes.size()), scales(8), db(static_cast<size_t>(m * n) * 2);
+    const int64_t lda = k + c.lda_pad;
+    std::vector<uint8_t> a_codes(static_cast<size_t>(m * lda), 0);
+    for (int64_t r = 0; r < m; ++r)
+      std::copy_n(a.codes.begin() + r * k, k, a_codes.begin() + r * lda);
+    DevBuf ab(a_codes.size()), bb(b.codes.size()), scales(8), db(static_cast<size_t>(m * n) * 2);
     ASSERT_TRUE(ab.p && bb.p && scales.p && db.p);
-    upload(ab, a.codes);
+    upload(ab, a_codes);
     upload(bb, b.codes);
     put_float(scales, a.inv, 0);
     put_float(scales, b.inv, 1);
     CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));  // NaN: an unwritten element fails
     Tensor ta(ab.p, DType::e4m3, Device::cuda, {m, k}), tb(bb.p, DType::e4m3, Device::cuda, {n, k});
+    ta.stride[0] = lda;
     Tensor d(db.p, DType::bf16, Device::cuda, {m, n});
     loom::gpu::Fp8GemmOptions o;
     o.varying = c.dim;

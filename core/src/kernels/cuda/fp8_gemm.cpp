@@ -19,6 +19,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -220,9 +221,9 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
   const int64_t bucket = vary_m ? varying_bucket(m, opt.varying_max) : vary_k ? varying_bucket(k, opt.varying_max) : 0;
   if (vary_m || vary_k) {
     key[vary_m ? kM : kK] = bucket;
-    if (vary_k) {
-      if (ma.ld == k) key[kLda] = bucket;
-      if (mb.ld == k) key[kLdb] = bucket;
+    if (vary_k) {  // the plan's layouts hold k = bucket rows: a leading dimension below it would be invalid
+      key[kLda] = ma.ld == k ? bucket : std::max(ma.ld, bucket);
+      key[kLdb] = mb.ld == k ? bucket : std::max(mb.ld, bucket);
     }
     for (int i : {kAlA, kAlB, kAlC, kAlD}) key[i] = key[i] < 16 ? key[i] : 16;
     key[kVarying] = vary_m ? 1 : 2;
