@@ -223,9 +223,6 @@ inline void check_variable_row_split(loom::Precision& split, loom::Precision& wh
 
   std::mt19937 g(23);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto bf16_data = [&](size_t n, float sc, std::vector<uint16_t>& b, std::vector<double>& f) {
-    random_bf16(g, nd, n, sc, b, f);
-  };
   auto bf16s = [](const std::vector<uint16_t>& h, size_t from, size_t n) {
     std::vector<float> f(n);
     for (size_t i = 0; i < n; ++i) f[i] = loom::hf::bf16_to_f32(h[from + i]);
@@ -234,7 +231,7 @@ inline void check_variable_row_split(loom::Precision& split, loom::Precision& wh
   const size_t nw = static_cast<size_t>(out * in);
   std::vector<uint16_t> bw;
   std::vector<double> fw;
-  bf16_data(nw, 0.05f, bw, fw);
+  random_bf16(g, nd, nw, 0.05f, bw, fw);
   DevBuf dw_(nw * 2), sdw(nw * 4), wdw(nw * 4);
   CUDA_OK(cudaMemcpy(dw_.p, bw.data(), nw * 2, cudaMemcpyHostToDevice));
   const Tensor gw(dw_.p, DType::bf16, Device::cuda, {out, in});
@@ -246,8 +243,8 @@ inline void check_variable_row_split(loom::Precision& split, loom::Precision& wh
     const size_t nx = static_cast<size_t>(rows * in), ny = static_cast<size_t>(rows * out);
     std::vector<uint16_t> bx, bdy;
     std::vector<double> fx, fdy;
-    bf16_data(nx, 1.5f, bx, fx);
-    bf16_data(ny, 1e-2f, bdy, fdy);
+    random_bf16(g, nd, nx, 1.5f, bx, fx);
+    random_bf16(g, nd, ny, 1e-2f, bdy, fdy);
     DevBuf dx_(nx * 2), ddy(ny * 2), sy(ny * 2), wy(ny * 2), sdx(nx * 2), wdx(nx * 2);
     CUDA_OK(cudaMemcpy(dx_.p, bx.data(), nx * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(ddy.p, bdy.data(), ny * 2, cudaMemcpyHostToDevice));

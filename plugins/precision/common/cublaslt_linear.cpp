@@ -25,7 +25,7 @@
 // A linear whose row count m changes per call (LinearDesc::variable_rows: the
 // MoE experts) runs on plans built for a bucket of row counts rather than for
 // each m: m rounded up to a multiple of 256, or above 2048 rows of an eighth
-// of m's power of two, at most max_rows (row_bucket). The bucket stands in
+// of m's power of two, at most max_rows (gpu::row_bucket). The bucket stands in
 // m's place in the plan's key (N' for fprop and dgrad, K' for wgrad); the
 // plans are shared by every variable-row linear of the same problem (all
 // experts of all layers), and the first call of a problem builds the plans
@@ -64,19 +64,9 @@ namespace loom::precision_common {
 namespace {
 
 using gpu::alignment_of;
+using gpu::row_bucket;
 
 const char* gemm_name(int g) { return g == 0 ? "fprop" : g == 1 ? "dgrad" : "wgrad"; }
-
-// The row count a variable-row plan is built for (see the file comment): m
-// (>= 1) rounded up to a multiple of 256 up to 2048 rows, above that to an
-// eighth of the largest power of two <= m (so at most 12.5% more rows than m),
-// and never above max_rows. Eight buckets per doubling of max_rows above 2048.
-int64_t row_bucket(int64_t m, int64_t max_rows) {
-  int64_t p = 1;
-  while (p <= m / 2) p *= 2;
-  const int64_t q = std::max<int64_t>(256, p / 8);
-  return std::min(max_rows, (m + q - 1) / q * q);
-}
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {

@@ -250,7 +250,7 @@ class Fp8BlockGpu final : public Precision {
                  dys = fp8_gpu_checks::split_rows(kPlugin, &dy, d, "dy", rows, head),
                  dxs = fp8_gpu_checks::split_rows(kPlugin, dx, d, "dx", rows, head);
         l.saved_rows = head;  // what the forward's FP8 part cast
-        linear_backward(ctx, id, xs.head, w, dys.head, dxs.head_ptr(), dw, accumulate);
+        linear_backward(ctx, id, xs.head, w, dys.head, dxs.head_or_null(), dw, accumulate);
         return lt_.backward(ctx, l.lt_id, xs.tail, w, dys.tail, dxs.tail_or_null(), dw, /*accumulate=*/true);
       }
       return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);

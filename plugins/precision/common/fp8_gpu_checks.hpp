@@ -58,9 +58,8 @@ inline int64_t rows(const std::string& plugin, const LinearDesc& d, const RowMat
 // residual or dx not asked for) gives two absent views.
 struct RowSplit {
   Tensor head, tail;
-  const Tensor* head_or_null() const { return head.data != nullptr ? &head : nullptr; }
+  Tensor* head_or_null() { return head.data != nullptr ? &head : nullptr; }
   Tensor* tail_or_null() { return tail.data != nullptr ? &tail : nullptr; }
-  Tensor* head_ptr() { return head.data != nullptr ? &head : nullptr; }
 };
 inline RowSplit split_rows(const std::string& plugin, const Tensor* t, const LinearDesc& d, const char* what,
                            int64_t rows, int64_t head) {

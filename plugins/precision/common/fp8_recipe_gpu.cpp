@@ -291,7 +291,7 @@ class Fp8Gpu final : public Precision {
         RowSplit xs = fp8_gpu_checks::split_rows(o_.plugin, &x, d, "x", rows, head),
                  dys = fp8_gpu_checks::split_rows(o_.plugin, &dy, d, "dy", rows, head),
                  dxs = fp8_gpu_checks::split_rows(o_.plugin, dx, d, "dx", rows, head);
-        linear_backward(ctx, id, xs.head, w, dys.head, dxs.head_ptr(), dw, accumulate);
+        linear_backward(ctx, id, xs.head, w, dys.head, dxs.head_or_null(), dw, accumulate);
         return lt_.backward(ctx, l.lt_id, xs.tail, w, dys.tail, dxs.tail_or_null(), dw, /*accumulate=*/true);
       }
       return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);

@@ -1,7 +1,9 @@
 // What the core's cuBLASLt GEMM wrappers share (fp8_gemm.cpp,
-// fp8_block_gemm.cpp): the status check that names the failed call, and the
-// descriptor objects of one matmul plan, destroyed with it, the alignment
-// an operand's address gives, and the timing of a plan's candidate algorithms.
+// fp8_block_gemm.cpp, and the precision plugins' cublaslt_linear.cpp): the
+// status check that names the failed call, and the descriptor objects of one
+// matmul plan, destroyed with it, the alignment an operand's address gives,
+// the row bucket of a variable-row GEMM, and the timing of a plan's candidate
+// algorithms.
 #pragma once
 #include <cublasLt.h>
 
@@ -30,6 +32,20 @@ inline uint32_t alignment_of(const void* p) {
   uint32_t al = 256;
   while (al > 1 && (a % al) != 0) al /= 2;
   return al;
+}
+
+// The row count a plan of a variable-row GEMM is built for (an MoE expert's
+// token count changes every call; its plan serves a bucket of counts): rows
+// (>= 1) rounded up to a multiple of 256 up to 2048, above that to an eighth
+// of the largest power of two <= rows (at most 12.5% more rows), and never
+// above most. Eight buckets per doubling above 2048. Multiples of 16 stay
+// multiples of 16 (FP8 GEMMs) as long as most is one.
+inline int64_t row_bucket(int64_t rows, int64_t most) {
+  int64_t p = 1;
+  while (p <= rows / 2) p *= 2;
+  const int64_t q = p / 8 > 256 ? p / 8 : 256;
+  const int64_t b = (rows + q - 1) / q * q;
+  return b < most ? b : most;
 }
 
 // The matmul descriptor and the A, B, C, D layouts of one plan (C null: C

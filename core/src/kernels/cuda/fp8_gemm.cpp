@@ -5,10 +5,10 @@
 // Messages are built only when a check fails.
 //
 // A call with a varying dim (Fp8GemmOptions::varying: an MoE expert's token
-// count) is keyed by a bucket of that dim instead (its value rounded up to a
-// multiple of 256, above 2048 to an eighth of its power of two, at most
-// varying_max; pointer alignments capped at 16 bytes): the plan is built for
-// the bucket's value with the heuristic's first answer, then each call sets
+// count) is keyed by a bucket of that dim instead (row_bucket in
+// cublaslt_plan.hpp, at most varying_max; pointer alignments capped at 16
+// bytes): the plan is built for the bucket's value with the heuristic's
+// first answer, then each call sets
 // its own value (and, for k, the leading dimensions of the transposed
 // operands, which k is) in the layouts and asks cublasLtMatmulAlgoCheck
 // whether the algorithm runs it; only where it does not is an exact plan
@@ -43,18 +43,6 @@ cudaDataType_t cuda_type(DType t) {
 }
 
 bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
-
-// The value a varying dim's plan is built for (see the file comment): v (a
-// positive multiple of 16) rounded up to a multiple of 256, above 2048 to an
-// eighth of the largest power of two <= v, at most most (itself a multiple of
-// 16 >= v).
-int64_t varying_bucket(int64_t v, int64_t most) {
-  int64_t p = 1;
-  while (p <= v / 2) p *= 2;
-  const int64_t q = p / 8 > 256 ? p / 8 : 256;
-  const int64_t b = (v + q - 1) / q * q;
-  return b < most ? b : most;
-}
 
 // Bytes [first, last) a row matrix touches.
 struct Span {
@@ -218,7 +206,7 @@ void Fp8Gemm::gemm(const Tensor& a, const float* a_inv_scale, const Tensor& b, c
   exact[kVarying] = 3;
   const bool vary_m = opt.varying == Fp8Varying::m && m <= opt.varying_max;
   const bool vary_k = opt.varying == Fp8Varying::k && k <= opt.varying_max;
-  const int64_t bucket = vary_m ? varying_bucket(m, opt.varying_max) : vary_k ? varying_bucket(k, opt.varying_max) : 0;
+  const int64_t bucket = vary_m ? row_bucket(m, opt.varying_max) : vary_k ? row_bucket(k, opt.varying_max) : 0;
   if (vary_m || vary_k) {
     key[vary_m ? kM : kK] = bucket;
     if (vary_k) {  // the plan's layouts hold k = bucket rows: a leading dimension below it would be invalid
