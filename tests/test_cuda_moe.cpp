@@ -124,19 +124,25 @@ class CudaMoe : public ::testing::Test {
     for (void* p : allocs_) cudaFree(p);
   }
 
-  // Device memory for n elements of T, poisoned with 0xFF bytes.
+  // Device memory for n elements of T, poisoned with 0xFF bytes. The memset
+  // and the uploads below run on the legacy default stream, which a
+  // non-blocking stream_ does not wait for (and a pageable upload returns
+  // before its DMA lands): each waits for the device before the kernels
+  // under test, launched on stream_, may touch the memory.
   template <typename T>
   T* alloc(size_t n) {
     void* p = nullptr;
     EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(n * sizeof(T), 16)), cudaSuccess);
     allocs_.push_back(p);
     EXPECT_EQ(cudaMemset(p, 0xFF, std::max<size_t>(n * sizeof(T), 16)), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     return static_cast<T*>(p);
   }
   template <typename T>
   T* put(const std::vector<T>& v) {
     T* p = alloc<T>(v.size());
     EXPECT_EQ(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     return p;
   }
   // Waits for the stream, then copies.
@@ -163,6 +169,7 @@ class CudaMoe : public ::testing::Test {
       for (size_t i = 0; i < v.size(); ++i) b[i] = hf::f32_to_bf16(v[i]);
       EXPECT_EQ(cudaMemcpy(x.data, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
     }
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // see alloc()
     return x;
   }
   std::vector<float> tget(const Tensor& x) {
@@ -765,16 +772,21 @@ std::vector<double> router_ref(const std::vector<float>& x, const std::vector<fl
   return l;
 }
 
-// The last two cases give the weight gradient a scratch that cannot hold one
-// token chunk's [E h] partials (as the backend's 16 MiB cannot for E = 4096,
-// h = 4096): the experts are reduced in slices, 2 at a time over 16 chunks
-// (41 experts: the last slice has one) and 1 at a time over 5 chunks.
+// Hidden sizes that are multiples of 8 take the 16-byte (packed) kernels,
+// 101 and 37 the scalar ones; 13, 41 and 21 experts leave a partial group of
+// the 8 a pass takes. The mixtral-small shape (8192 tokens, h 2048, 8 experts)
+// is one of them. The two cases with a scratch argument give the weight
+// gradient a scratch that cannot hold one token chunk's [E h] partials (as
+// the backend's 16 MiB cannot for E = 4096, h = 4096): the experts are
+// reduced in slices, 2 at a time over 16 chunks (41 experts: the last slice
+// has one) and 1 at a time over 5 chunks.
 TEST_F(CudaMoe, RouterGemmForwardAndBackwardMatchDoubleSums) {
   struct Case {
     int64_t N, h, E;
     size_t scratch_bytes = size_t{16} << 20;
   };
   for (const Case c : {Case{37, 48, 4}, Case{300, 96, 8}, Case{4096, 512, 8}, Case{129, 200, 5},
+                       Case{70, 101, 6}, Case{333, 37, 21}, Case{8192, 2048, 8},
                        Case{1500, 96, 41, 32 * 96 * 4}, Case{300, 200, 13, 5 * 200 * 4 + 100}}) {
     for (DType t : {DType::f32, DType::bf16}) {
       MoeDims d;

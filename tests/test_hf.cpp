@@ -678,7 +678,8 @@ TEST(MixtralHf, ConfigReadsTheMixtureOfExperts) {
   EXPECT_EQ(spec.num_kv_heads, 2);
   EXPECT_EQ(spec.ffn_hidden, 48);
   EXPECT_EQ(spec.rope_theta, 1e6);
-  // The layout: HF Mixtral's checkpoint names, router then per-expert w1, w2, w3.
+  // The layout: HF Mixtral's checkpoint names, router then per expert w1, w3, w2
+  // ([w1; w3] one contiguous [2f, h] matrix: the experts' gate-and-up GEMM).
   const auto units = model_units(spec);
   ASSERT_EQ(units.size(), 4u);
   const auto& l0 = units[1].params;
@@ -688,10 +689,14 @@ TEST(MixtralHf, ConfigReadsTheMixtureOfExperts) {
   EXPECT_EQ(l0[6].shape, (std::vector<int64_t>{4, 64}));
   EXPECT_EQ(l0[7].name, "model.layers.0.block_sparse_moe.experts.0.w1.weight");
   EXPECT_EQ(l0[7].shape, (std::vector<int64_t>{48, 64}));
-  EXPECT_EQ(l0[8].name, "model.layers.0.block_sparse_moe.experts.0.w2.weight");
-  EXPECT_EQ(l0[8].shape, (std::vector<int64_t>{64, 48}));
-  EXPECT_EQ(l0[8].role, ParamRole::output_projection);
-  EXPECT_EQ(l0[18].name, "model.layers.0.block_sparse_moe.experts.3.w3.weight");
+  EXPECT_EQ(l0[8].name, "model.layers.0.block_sparse_moe.experts.0.w3.weight");
+  EXPECT_EQ(l0[8].shape, (std::vector<int64_t>{48, 64}));
+  EXPECT_EQ(l0[8].offset, l0[7].offset + 48 * 64);
+  EXPECT_EQ(l0[8].role, ParamRole::matrix);
+  EXPECT_EQ(l0[9].name, "model.layers.0.block_sparse_moe.experts.0.w2.weight");
+  EXPECT_EQ(l0[9].shape, (std::vector<int64_t>{64, 48}));
+  EXPECT_EQ(l0[9].role, ParamRole::output_projection);
+  EXPECT_EQ(l0[18].name, "model.layers.0.block_sparse_moe.experts.3.w2.weight");
   // Accounting: every expert in the total, top_k of them active.
   const int64_t attn = 2 * 64 + 64 * 64 + 2 * 64 * 32 + 64 * 64, expert = 3 * 64 * 48;
   EXPECT_EQ(spec.total_params(), 2 * 257 * 64 + 2 * (attn + 4 * 64 + 4 * expert) + 64);

@@ -564,64 +564,112 @@ void moe_aux_finish(double* loss, float* grad, const int64_t* aux_counts, const 
 namespace {
 
 constexpr int kRouterWarps = 8;       // tokens per block of the router forward
-constexpr int kRouterDwThreads = 256;  // hidden columns per block of the router's weight gradient
+constexpr int kRouterGroup = 8;       // experts per pass over a token's row (router forward)
+constexpr int kRouterDwThreads = 256;  // threads (K hidden columns each) per block of the router's weight gradient
 constexpr int kRouterDwGroup = 8;      // experts per pass (registers per thread)
 constexpr int64_t kRouterDwMinChunk = 64;
 constexpr int64_t kRouterDwSliceChunks = 16;  // token chunks of a pass over a slice of the experts
 
-template <typename T>
+// logits[n, e] = x[n] . w[e]: a warp per token, K-wide loads (16 bytes when
+// h and the bases allow, K = 1 otherwise), the experts kRouterGroup at a time
+// so that a group reads the token's row once (w, E x h, stays in L1/L2). Each
+// lane sums its columns in order, then the warp adds the lanes (a fixed
+// order: the same bits on every run).
+template <int K, typename T>
 __global__ void __launch_bounds__(kRouterWarps * 32)
-    router_forward_kernel(float* logits, const T* x, const T* w, int64_t N, int64_t h, int E) {
+    router_forward_kernel(float* logits, const T* __restrict__ x, const T* __restrict__ w, int64_t N, int64_t h,
+                          int E) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRouterWarps;
   for (int64_t n = static_cast<int64_t>(blockIdx.x) * kRouterWarps + threadIdx.x / 32; n < N; n += warps) {
     const T* xr = x + n * h;
-    for (int e = 0; e < E; ++e) {
-      const T* wr = w + static_cast<int64_t>(e) * h;
-      float acc = 0.f;
-      for (int64_t j = lane; j < h; j += 32) acc = fmaf(to_f32(xr[j]), to_f32(wr[j]), acc);
-      acc = warp_sum(acc);
-      if (lane == 0) logits[n * E + e] = acc;
+    for (int e0 = 0; e0 < E; e0 += kRouterGroup) {
+      float acc[kRouterGroup];
+#pragma unroll
+      for (int i = 0; i < kRouterGroup; ++i) acc[i] = 0.f;
+      for (int64_t j = static_cast<int64_t>(lane) * K; j < h; j += 32 * K) {
+        float xv[K];
+        load_vec<K>(xr + j, xv);
+#pragma unroll
+        for (int i = 0; i < kRouterGroup; ++i) {
+          if (e0 + i >= E) break;
+          float wv[K];
+          load_vec<K>(w + static_cast<int64_t>(e0 + i) * h + j, wv);
+#pragma unroll
+          for (int q = 0; q < K; ++q) acc[i] = fmaf(xv[q], wv[q], acc[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kRouterGroup; ++i) {
+        const float s = warp_sum(acc[i]);  // every lane takes part (the shuffle needs all 32)
+        if (lane == 0 && e0 + i < E) logits[n * E + e0 + i] = s;
+      }
     }
   }
 }
 
-template <typename T>
-__global__ void router_dx_kernel(T* dx, const float* dl, const T* w, int64_t N, int64_t h, int E) {
-  const int64_t total = N * h, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+// dx[n, j..j+K) = sum over e of dl[n, e] w[e, j..j+K): a thread per K columns
+// of a row, the experts in order.
+template <int K, typename T>
+__global__ void router_dx_kernel(T* __restrict__ dx, const float* __restrict__ dl, const T* __restrict__ w, int64_t N,
+                                 int64_t h, int E) {
+  const int64_t nvec = h / K, total = N * nvec, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int64_t n = i / h, j = i % h;
-    float acc = 0.f;
-    for (int e = 0; e < E; ++e) acc = fmaf(dl[n * E + e], to_f32(w[static_cast<int64_t>(e) * h + j]), acc);
-    dx[i] = from_f32<T>(acc);
+    const int64_t n = i / nvec, j = (i % nvec) * K;
+    const float* dln = dl + n * E;
+    float acc[K];
+#pragma unroll
+    for (int q = 0; q < K; ++q) acc[q] = 0.f;
+    for (int e = 0; e < E; ++e) {
+      const float g = dln[e];
+      float wv[K];
+      load_vec<K>(w + static_cast<int64_t>(e) * h + j, wv);
+#pragma unroll
+      for (int q = 0; q < K; ++q) acc[q] = fmaf(g, wv[q], acc[q]);
+    }
+    store_vec<K>(dx + n * h + j, acc);
   }
 }
 
 // partial[c, e - ebegin, j] = sum over the tokens of chunk c of dl[n, e] x[n, j],
 // for the experts e of [ebegin, eend) (all E when the [E h] partials of every
-// chunk fit the scratch; a slice of them otherwise, see router_dw_plan).
-template <typename T>
+// chunk fit the scratch; a slice of them otherwise, see router_dw_plan). A
+// thread takes K consecutive columns (one K-wide load of x per token) and
+// kRouterDwGroup experts at a time; the tokens of its chunk in order.
+template <int K, typename T>
 __global__ void __launch_bounds__(kRouterDwThreads)
-    router_dw_partial_kernel(float* partial, const float* dl, const T* x, int64_t N, int64_t h, int E, int ebegin,
-                             int eend, int64_t chunk) {
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    router_dw_partial_kernel(float* __restrict__ partial, const float* __restrict__ dl, const T* __restrict__ x,
+                             int64_t N, int64_t h, int E, int ebegin, int eend, int64_t chunk) {
+  const int64_t j = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * K;
   const int64_t c = blockIdx.y;
   if (j >= h) return;
   const int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
   const int64_t ne = eend - ebegin;
   for (int e0 = ebegin; e0 < eend; e0 += kRouterDwGroup) {
-    float acc[kRouterDwGroup];
-#pragma unroll
-    for (int i = 0; i < kRouterDwGroup; ++i) acc[i] = 0.f;
-    for (int64_t n = n0; n < n1; ++n) {
-      const float xv = to_f32(x[n * h + j]);
-#pragma unroll
-      for (int i = 0; i < kRouterDwGroup; ++i)
-        if (e0 + i < eend) acc[i] = fmaf(dl[n * E + e0 + i], xv, acc[i]);
-    }
+    float acc[kRouterDwGroup][K];
 #pragma unroll
     for (int i = 0; i < kRouterDwGroup; ++i)
-      if (e0 + i < eend) partial[(c * ne + (e0 - ebegin) + i) * h + j] = acc[i];
+#pragma unroll
+      for (int q = 0; q < K; ++q) acc[i][q] = 0.f;
+#pragma unroll 4
+    for (int64_t n = n0; n < n1; ++n) {
+      float xv[K];
+      load_vec<K>(x + n * h + j, xv);
+#pragma unroll
+      for (int i = 0; i < kRouterDwGroup; ++i) {
+        if (e0 + i >= eend) break;
+        const float g = dl[n * E + e0 + i];
+#pragma unroll
+        for (int q = 0; q < K; ++q) acc[i][q] = fmaf(g, xv[q], acc[i][q]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRouterDwGroup; ++i) {
+      if (e0 + i >= eend) break;
+      float* dst = partial + (c * ne + (e0 - ebegin) + i) * h + j;
+#pragma unroll
+      for (int q = 0; q < K; ++q) dst[q] = acc[i][q];
+    }
   }
 }
 
@@ -750,11 +798,19 @@ void moe_router_forward(float* logits, const Tensor& x, const Tensor& router, co
   if (d.N == 0) return;
   dispatch_float(x.dtype, "moe_router_forward", [&](auto tag) {
     using T = decltype(tag);
+    constexpr int K = vec_width<T>();
+    const bool packed = rows_packable<T, K>(d.h, {x.data, router.data});
     const unsigned grid = grid_for(d.N, kRouterWarps);
-    router_forward_kernel<T><<<grid, kRouterWarps * 32, 0, stream>>>(
-        logits, static_cast<const T*>(x.data), static_cast<const T*>(router.data), d.N, d.h, static_cast<int>(d.E));
+    const T* xp = static_cast<const T*>(x.data);
+    const T* wp = static_cast<const T*>(router.data);
+    if (packed)
+      router_forward_kernel<K, T><<<grid, kRouterWarps * 32, 0, stream>>>(logits, xp, wp, d.N, d.h,
+                                                                        static_cast<int>(d.E));
+    else
+      router_forward_kernel<1, T><<<grid, kRouterWarps * 32, 0, stream>>>(logits, xp, wp, d.N, d.h,
+                                                                        static_cast<int>(d.E));
     LOOM_CUDA_LAUNCH_CHECK("moe router_forward_kernel", "N=", d.N, " h=", d.h, " E=", d.E, " ",
-                           dtype_name(x.dtype), " grid=", grid);
+                           dtype_name(x.dtype), packed ? " packed" : " scalar", " grid=", grid);
   });
 }
 
@@ -775,12 +831,17 @@ void moe_router_backward(Tensor& dx, Tensor& d_router, const float* d_logits, co
   float* partial = static_cast<float*>(scratch);
   dispatch_float(x.dtype, "moe_router_backward", [&](auto tag) {
     using T = decltype(tag);
-    const unsigned grid = grid_for(d.N * d.h, kRowThreads);
-    router_dx_kernel<T><<<grid, kRowThreads, 0, stream>>>(static_cast<T*>(dx.data), d_logits,
-                                                           static_cast<const T*>(router.data), d.N, d.h,
-                                                           static_cast<int>(d.E));
+    constexpr int K = vec_width<T>();
+    const bool packed = rows_packable<T, K>(d.h, {dx.data, router.data});
+    const unsigned grid = grid_for(d.N * (packed ? d.h / K : d.h), kRowThreads);
+    T* dxp = static_cast<T*>(dx.data);
+    const T* wp = static_cast<const T*>(router.data);
+    if (packed)
+      router_dx_kernel<K, T><<<grid, kRowThreads, 0, stream>>>(dxp, d_logits, wp, d.N, d.h, static_cast<int>(d.E));
+    else
+      router_dx_kernel<1, T><<<grid, kRowThreads, 0, stream>>>(dxp, d_logits, wp, d.N, d.h, static_cast<int>(d.E));
     LOOM_CUDA_LAUNCH_CHECK("moe router_dx_kernel", "N=", d.N, " h=", d.h, " E=", d.E, " ", dtype_name(x.dtype),
-                           " grid=", grid);
+                           packed ? " packed" : " scalar", " grid=", grid);
   });
   // One pass per slice of experts: its chunk partials, then their sum into
   // the slice's rows of d_router (the scratch is reused by the next slice;
@@ -789,13 +850,23 @@ void moe_router_backward(Tensor& dx, Tensor& d_router, const float* d_logits, co
     const int64_t e1 = std::min<int64_t>(d.E, e0 + plan.group);
     dispatch_float(x.dtype, "moe_router_backward", [&](auto tag) {
       using T = decltype(tag);
-      const dim3 pgrid(static_cast<unsigned>((d.h + kRouterDwThreads - 1) / kRouterDwThreads),
+      constexpr int K = vec_width<T>();
+      const bool packed = rows_packable<T, K>(d.h, {x.data});
+      const int64_t cols = packed ? d.h / K : d.h;  // threads per token chunk
+      const dim3 pgrid(static_cast<unsigned>((cols + kRouterDwThreads - 1) / kRouterDwThreads),
                        static_cast<unsigned>(plan.chunks));
-      router_dw_partial_kernel<T><<<pgrid, kRouterDwThreads, 0, stream>>>(
-          partial, d_logits, static_cast<const T*>(x.data), d.N, d.h, static_cast<int>(d.E), static_cast<int>(e0),
-          static_cast<int>(e1), plan.chunk);
+      const T* xp = static_cast<const T*>(x.data);
+      if (packed)
+        router_dw_partial_kernel<K, T><<<pgrid, kRouterDwThreads, 0, stream>>>(
+            partial, d_logits, xp, d.N, d.h, static_cast<int>(d.E), static_cast<int>(e0), static_cast<int>(e1),
+            plan.chunk);
+      else
+        router_dw_partial_kernel<1, T><<<pgrid, kRouterDwThreads, 0, stream>>>(
+            partial, d_logits, xp, d.N, d.h, static_cast<int>(d.E), static_cast<int>(e0), static_cast<int>(e1),
+            plan.chunk);
       LOOM_CUDA_LAUNCH_CHECK("moe router_dw_partial_kernel", "N=", d.N, " h=", d.h, " E=", d.E, " experts [", e0,
-                             ", ", e1, ") chunk=", plan.chunk, " chunks=", plan.chunks);
+                             ", ", e1, ") chunk=", plan.chunk, " chunks=", plan.chunks,
+                             packed ? " packed" : " scalar");
     });
     dispatch_float(d_router.dtype, "moe_router_backward d_router", [&](auto tag) {
       using G = decltype(tag);

@@ -4,21 +4,29 @@
 //   h = rmsnorm(x)                 xin = h, or h * noise (router jitter, training only)
 //   logits = xin Wr^T (fp32) ; probs = softmax ; top-k experts, weights renormalised to 1
 //   sort the (token, slot) pairs by expert ; xs = the gathered rows of xin
-//   per expert e over its rows:  act = silu(xs W1e^T) * (xs W3e^T) ; eout = act W2e^T
+//   per expert e over its rows:  gu = xs [W1e; W3e]^T   (one GEMM: [rows, 2f])
+//                                act = silu(gu[:, :f]) * gu[:, f:] ; eout = act W2e^T
 //   out = x + per token, the weighted sum of its k expert rows
 //
 // The routing steps are Backend entry points (on the CPU the reference in
-// kernels/cpu/moe.cpp); the expert GEMMs run through the precision plugin, one
-// registered linear per expert matrix, on as many rows as the router sent that
-// expert this micro-batch (the per-expert row counts are read on the host:
-// on a device, one copy per layer in forward, the layer's one host wait).
+// kernels/cpu/moe.cpp); the expert GEMMs run through the precision plugin, two
+// registered linears per expert ([w1; w3] and w2), on as many rows as the
+// router sent that expert this micro-batch (the per-expert row counts are read
+// on the host: on a device, one copy per layer in forward, the layer's one
+// host wait). Backward: SwiGLU writes its gradient into one packed [rows, 2f]
+// buffer, so one dgrad GEMM (K = 2f) gives the expert's input gradient and one
+// wgrad GEMM the [w1; w3] gradient, as in the fused dense block.
 // The load-balancing loss's statistics go into the model's MoeShared buffers in
 // forward; the model turns them into the per-expert gradient that backward
 // adds to the softmax's.
 //
-// Parameters, HF Mixtral's names and order: post_attention_layernorm, the
-// router block_sparse_moe.gate [E, h], then per expert experts.E.w1 [f, h]
-// (gate), w2 [h, f] (down), w3 [f, h] (up).
+// Parameters, HF Mixtral's names: post_attention_layernorm, the router
+// block_sparse_moe.gate [E, h], then per expert experts.E.w1 [f, h] (gate),
+// w3 [f, h] (up), w2 [h, f] (down). Within an expert w3 comes before w2 (HF's
+// state dict lists w1, w2, w3) so that [w1; w3] is one contiguous [2f, h]
+// matrix, the layout transformers keeps as an expert's gate_up_proj; the
+// checkpoints and HF folders find every tensor by name, so the order within a
+// unit is Loom's own.
 //
 // Expert parallelism (sharding.expert_parallel > 1, expert_parallel.hpp): the
 // experts are in a unit of their own (declare_experts), of which this rank
@@ -46,6 +54,8 @@ class MoeFfn final : public FfnBlock {
   const char* kind() const override { return "ffn.moe"; }
 
   enum MoeParam { kLn = 0, kRouter = 1, kFirstExpert = 2 };
+  // An expert's three matrices, in declaration order (parameter kFirstExpert + 3e + j).
+  enum ExpertMatrix { kW1 = 0, kW3 = 1, kW2 = 2 };
 
   void declare(UnitInfo& u) override {
     const std::string p = "model.layers." + std::to_string(layer_) + ".";
@@ -56,13 +66,13 @@ class MoeFfn final : public FfnBlock {
     for (int64_t e = 0; e < spec_.num_experts; ++e) {
       const std::string q = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
       add_param(u, q + "w1.weight", {f, h}, ParamRole::matrix);
-      add_param(u, q + "w2.weight", {h, f}, ParamRole::output_projection);
       add_param(u, q + "w3.weight", {f, h}, ParamRole::matrix);
+      add_param(u, q + "w2.weight", {h, f}, ParamRole::output_projection);
     }
   }
 
-  // Expert parallelism: every expert, global names and HF order, in the
-  // experts unit (expert e's w1, w2, w3 are its parameters 3e, 3e + 1, 3e + 2).
+  // Expert parallelism: every expert, global names, in the experts unit
+  // (expert e's w1, w3, w2 are its parameters 3e, 3e + 1, 3e + 2).
   bool declare_experts(UnitInfo& u) override {
     experts_apart_ = true;
     const std::string p = "model.layers." + std::to_string(layer_) + ".block_sparse_moe.experts.";
@@ -80,8 +90,8 @@ class MoeFfn final : public FfnBlock {
     for (int64_t e = 0; e < spec_.num_experts; ++e) {
       const std::string q = p + std::to_string(e) + ".";
       add(q + "w1.weight", {f, h}, ParamRole::matrix);
-      add(q + "w2.weight", {h, f}, ParamRole::output_projection);
       add(q + "w3.weight", {f, h}, ParamRole::matrix);
+      add(q + "w2.weight", {h, f}, ParamRole::output_projection);
     }
     return true;
   }
@@ -115,8 +125,7 @@ class MoeFfn final : public FfnBlock {
     row_of_ = a.kept("moe.row_of", l, R * 4, full);
     counts_ = a.kept("moe.counts", l, (2 * EE + 1) * 8, full);
     xs_ = a.kept("moe.xs", l, R * H * e, full);
-    gate_ = a.kept("moe.gate", l, Rx * F * e, full);
-    up_ = a.kept("moe.up", l, Rx * F * e, full);
+    gu_ = a.kept("moe.gate_up", l, Rx * 2 * F * e, full);
     act_ = a.kept("moe.act", l, Rx * F * e, full);
     if (ep_) {
       xr_ = a.kept("moe.ep.xr", l, Rx * H * e, full);
@@ -128,10 +137,9 @@ class MoeFfn final : public FfnBlock {
     eout_ = a.kept("moe.eout", l, R * H * e, full);
     tmp_ = a.shared("scratch.h", n * H * e);  // the combine's output before the residual add
     d_ln_ = a.shared("grad.ln", n * H * e);
-    d_eout_ = a.shared("grad.moe.eout", R * H * e);  // also each expert's second dgrad
+    d_eout_ = a.shared("grad.moe.eout", R * H * e);
     d_act_ = a.shared("grad.moe.act", Rx * F * e);
-    d_gate_ = a.shared("grad.moe.gate", Rx * F * e);
-    d_up_ = a.shared("grad.moe.up", Rx * F * e);
+    d_gu_ = a.shared("grad.moe.gate_up", Rx * 2 * F * e);
     d_xs_ = a.shared("grad.moe.xs", R * H * e);
     d_weights_ = a.shared("grad.moe.weights", n * K * 4);
     d_probs_ = a.shared("grad.moe.probs", n * EE * 4);
@@ -140,22 +148,20 @@ class MoeFfn final : public FfnBlock {
     // from each rank that sends it rows.
     const int64_t max_rows = ep_ ? env.N * ep_->group_size() : env.N;
     const std::string s = "layer." + std::to_string(l) + ".expert.";
-    w1_.clear();
+    w13_.clear();
     w2_.clear();
-    w3_.clear();
     for (int64_t x = 0; x < E; ++x) {
       const std::string q = s + std::to_string(x) + ".";
-      // variable_rows: the row count changes per call (one GEMM plan per matrix, not per count).
-      // In the layer's unit (parameters kFirstExpert + 3x + 0, 1, 2) their
-      // place is recorded for the FP8 weight gathers; in an experts unit of
-      // their own (expert parallelism) they are never gathered.
-      auto reg = [&](const LinearDesc& d, int k) {
+      // variable_rows: the row count changes per call (GEMM plans per bucket of counts, not per count).
+      // In the layer's unit (parameters kFirstExpert + 3x + j) their place
+      // is recorded for the FP8 weight gathers; in an experts unit of their
+      // own (expert parallelism) they are never gathered.
+      auto reg = [&](const LinearDesc& d, int j, int count) {
         return experts_apart_ ? env.register_linear(d)
-                              : register_weight_linear(env, d, kFirstExpert + 3 * static_cast<int>(x) + k);
+                              : register_weight_linear(env, d, kFirstExpert + 3 * static_cast<int>(x) + j, count);
       };
-      w1_.push_back(reg({q + "w1", h, f, max_rows, LinearRole::hidden, true}, 0));
-      w2_.push_back(reg({q + "w2", f, h, max_rows, LinearRole::hidden, true}, 1));
-      w3_.push_back(reg({q + "w3", h, f, max_rows, LinearRole::hidden, true}, 2));
+      w13_.push_back(reg({q + "w13", h, 2 * f, max_rows, LinearRole::hidden, true}, kW1, 2));
+      w2_.push_back(reg({q + "w2", f, h, max_rows, LinearRole::hidden, true}, kW2, 1));
     }
     host_counts_.assign(2 * EE + 1, 0);
     expert_written_.assign(EE, 0);
@@ -201,7 +207,7 @@ class MoeFfn final : public FfnBlock {
     {
       Range r(be, "experts");
       const int64_t Rx = expert_side_rows();
-      Tensor gate = act(gate_, {Rx, f}), up = act(up_, {Rx, f}), a = act(act_, {Rx, f});
+      Tensor gu = act(gu_, {Rx, 2 * f}), a = act(act_, {Rx, f});
       Tensor eout = act(eout_, {rt.N * rt.k, h});
       Tensor xin_rows = xs, eout_rows = eout;  // the rows the experts run on: local, or received
       if (ep_) {
@@ -214,12 +220,11 @@ class MoeFfn final : public FfnBlock {
       }
       for (const ExpertExchange::Segment& sg : segments(rows)) {
         const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
-        Tensor xs_e = rows_of(xin_rows, r0, m), gate_e = rows_of(gate, r0, m), up_e = rows_of(up, r0, m);
+        Tensor xs_e = rows_of(xin_rows, r0, m), gu_e = rows_of(gu, r0, m);
         Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout_rows, r0, m);
-        env_.precision->linear_forward(ctx, w1_[static_cast<size_t>(e)], xs_e, expert(u, e, 0), gate_e, nullptr);
-        env_.precision->linear_forward(ctx, w3_[static_cast<size_t>(e)], xs_e, expert(u, e, 2), up_e, nullptr);
-        be.swiglu_forward(act_e, gate_e, up_e);
-        env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, expert(u, e, 1), eout_e, nullptr);
+        env_.precision->linear_forward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), gu_e, nullptr);
+        be.swiglu_forward(act_e, half(gu_e, 0), half(gu_e, 1));
+        env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, expert(u, e, kW2), eout_e, nullptr);
       }
       if (ep_) {
         Range x(be, "ep.return");
@@ -250,8 +255,8 @@ class MoeFfn final : public FfnBlock {
     {
       Range r(be, "experts.grad");
       const int64_t Rx = expert_side_rows();
-      Tensor xs = act(xs_, {R, h}), gate = act(gate_, {Rx, f}), up = act(up_, {Rx, f}), a = act(act_, {Rx, f});
-      Tensor d_act = act(d_act_, {Rx, f}), d_gate = act(d_gate_, {Rx, f}), d_up = act(d_up_, {Rx, f});
+      Tensor xs = act(xs_, {R, h}), gu = act(gu_, {Rx, 2 * f}), a = act(act_, {Rx, f});
+      Tensor d_act = act(d_act_, {Rx, f}), d_gu = act(d_gu_, {Rx, 2 * f});
       Tensor d_xs = act(d_xs_, {R, h});
       Tensor d_xs_sorted = d_xs, d_eout_sorted = d_eout;
       if (ep_) {  // the experts' rows are the received ones; their gradients travel the same way
@@ -272,18 +277,15 @@ class MoeFfn final : public FfnBlock {
         const bool acc_e = expert_written_[static_cast<size_t>(e)] != 0;
         expert_written_[static_cast<size_t>(e)] = 1;
         Tensor d_eout_e = rows_of(d_eout, r0, m), d_act_e = rows_of(d_act, r0, m);
-        Tensor d_gate_e = rows_of(d_gate, r0, m), d_up_e = rows_of(d_up, r0, m), d_xs_e = rows_of(d_xs, r0, m);
+        Tensor d_gu_e = rows_of(d_gu, r0, m), d_xs_e = rows_of(d_xs, r0, m), gu_e = rows_of(gu, r0, m);
         Tensor xs_e = rows_of(xs, r0, m);
-        Tensor dW2 = expert(u, e, 1, true), dW1 = expert(u, e, 0, true), dW3 = expert(u, e, 2, true);
-        env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), expert(u, e, 1),
+        Tensor dW2 = expert(u, e, kW2, true), dW13 = expert_w13(u, e, true);
+        env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), expert(u, e, kW2),
                                         d_eout_e, &d_act_e, dW2, acc_e);
-        be.swiglu_backward(d_gate_e, d_up_e, d_act_e, rows_of(gate, r0, m), rows_of(up, r0, m));
-        env_.precision->linear_backward(ctx, w1_[static_cast<size_t>(e)], xs_e, expert(u, e, 0), d_gate_e, &d_xs_e,
-                                        dW1, acc_e);
-        // d_eout's rows of this expert are consumed: they take the second dgrad.
-        env_.precision->linear_backward(ctx, w3_[static_cast<size_t>(e)], xs_e, expert(u, e, 2), d_up_e, &d_eout_e,
-                                        dW3, acc_e);
-        be.accumulate(d_xs_e, d_eout_e);
+        Tensor d_gate_e = half(d_gu_e, 0), d_up_e = half(d_gu_e, 1);
+        be.swiglu_backward(d_gate_e, d_up_e, d_act_e, half(gu_e, 0), half(gu_e, 1));
+        env_.precision->linear_backward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), d_gu_e, &d_xs_e,
+                                        dW13, acc_e);
       }
       const int64_t first = ep_ ? ep_->first_expert() : 0, held = ep_ ? ep_->local_experts() : spec_.num_experts;
       for (int64_t e = first; e < first + held; ++e) {
@@ -346,18 +348,44 @@ class MoeFfn final : public FfnBlock {
     return host_counts_.data();
   }
 
-  // Expert e's matrix j (0: w1, 1: w2, 2: w3), or its gradient: in the
-  // layer's unit, or (expert parallelism) in the experts unit, of which this
-  // rank holds its experts' range [optim_begin, optim_begin + optim_numel).
+  // Expert e's matrix j (kW1, kW3, kW2), or its gradient: in the layer's
+  // unit, or (expert parallelism) in the experts unit, of which this rank
+  // holds its experts' range [optim_begin, optim_begin + optim_numel).
   Tensor expert(const UnitState& u, int64_t e, int j, bool grad = false) const {
-    if (!experts_apart_) return param(u, kFirstExpert + 3 * static_cast<int>(e) + j, grad);
+    return expert_matrices(u, e, j, 1, grad);
+  }
+  // Expert e's [w1; w3] as one [2f, h] matrix (or its gradient).
+  Tensor expert_w13(const UnitState& u, int64_t e, bool grad = false) const {
+    return expert_matrices(u, e, kW1, 2, grad);
+  }
+  // Matrices j .. j + count - 1 of expert e, consecutive and of one row width, as one matrix.
+  Tensor expert_matrices(const UnitState& u, int64_t e, int j, int count, bool grad) const {
+    if (!experts_apart_) return param_rows(u, kFirstExpert + 3 * static_cast<int>(e) + j, count, grad);
     const UnitState* x = experts_unit_;
     LOOM_CHECK(x != nullptr, "ffn.moe layer ", layer_, ": the model set no experts unit");
-    const ParamInfo& p = x->info->params[static_cast<size_t>(3 * e + j)];
+    const auto& ps = x->info->params;
+    const ParamInfo& p = ps[static_cast<size_t>(3 * e + j)];
+    int64_t rows = 0, numel = 0;
+    for (int i = 0; i < count; ++i) {
+      const ParamInfo& q = ps[static_cast<size_t>(3 * e + j + i)];
+      LOOM_CHECK(q.shape[1] == p.shape[1] && q.offset == p.offset + numel, "ffn.moe layer ", layer_, ": ", p.name,
+                 " .. ", q.name, " are not one contiguous matrix");
+      rows += q.shape[0];
+      numel += q.numel;
+    }
     const int64_t lo = p.offset - x->layout.optim_begin;
-    LOOM_CHECK(lo >= 0 && lo + p.numel <= x->layout.optim_numel, "ffn.moe layer ", layer_, ": expert ", e,
+    LOOM_CHECK(lo >= 0 && lo + numel <= x->layout.optim_numel, "ffn.moe layer ", layer_, ": expert ", e,
                " is not held on this rank (", p.name, ")");
-    return view(grad ? x->grads : x->params, lo, {p.shape[0], p.shape[1]});
+    return view(grad ? x->grads : x->params, lo, {rows, p.shape[1]});
+  }
+
+  // Half `which` (0: gate, 1: up) of a packed [rows, 2f] view, as a [rows, f] view with its row stride.
+  static Tensor half(const Tensor& t, int which) {
+    const int64_t f = t.size(1) / 2;
+    Tensor v(static_cast<char*>(t.data) + which * f * static_cast<int64_t>(dtype_size(t.dtype)), t.dtype, t.device,
+             {t.size(0), f});
+    v.stride[0] = t.stride[0];
+    return v;
   }
 
   // Rows the experts run on: the sorted local ones, or those received.
@@ -380,14 +408,14 @@ class MoeFfn final : public FfnBlock {
   }
 
   int ln2_ = -1, rstd2_ = -1, noise_ = -1, xin_ = -1, logits_ = -1, probs_ = -1, weights_ = -1, experts_ = -1;
-  int perm_ = -1, row_of_ = -1, counts_ = -1, xs_ = -1, gate_ = -1, up_ = -1, act_ = -1, eout_ = -1, tmp_ = -1;
-  int d_ln_ = -1, d_eout_ = -1, d_act_ = -1, d_gate_ = -1, d_up_ = -1, d_xs_ = -1, d_weights_ = -1, d_probs_ = -1;
+  int perm_ = -1, row_of_ = -1, counts_ = -1, xs_ = -1, gu_ = -1, act_ = -1, eout_ = -1, tmp_ = -1;
+  int d_ln_ = -1, d_eout_ = -1, d_act_ = -1, d_gu_ = -1, d_xs_ = -1, d_weights_ = -1, d_probs_ = -1;
   int d_logits_ = -1, xr_ = -1, eout_r_ = -1, d_xr_ = -1, d_eout_r_ = -1, ep_counts_ = -1;
   std::unique_ptr<ExpertExchange> ep_;  // expert parallelism (null: this rank runs every expert)
   bool experts_apart_ = false;           // the experts are in their own unit (expert parallelism)
   const UnitState* experts_unit_ = nullptr;  // that unit's state
   std::vector<ExpertExchange::Segment> local_segments_;  // segments() without expert parallelism
-  std::vector<int> w1_, w2_, w3_;
+  std::vector<int> w13_, w2_;  // per expert: the [w1; w3] linear and the w2 linear
   std::vector<int64_t> host_counts_;
   std::vector<char> expert_written_;  // per expert: its weight gradients have this micro-batch's first rows
   bool jittered_ = false;  // the last forward applied jitter (what backward inverts)
