@@ -363,6 +363,112 @@ TEST_F(CudaMoe, SortMatchesReferenceAndIsStable) {
 // An expert index outside [0, E) (moe_route never makes one) is skipped: no
 // write outside the arrays, row_of -1, and the valid pairs sorted as if it
 // were absent (their rows then end before R, the rest of perm untouched).
+// Padded runs (MoeDims::row_align, what the CUDA backend's MoE block uses so
+// that FP8 expert GEMMs get row counts in multiples of 16): the sort with
+// row_align a against the packed sort (a = 1) of the same experts. Every
+// expert's run starts at a multiple of a and spans its count rounded up to a;
+// the pairs keep their packed order inside it; every other row of perm is -1.
+// The gather gives the packed rows at their padded places and zeros between
+// (into a NaN-poisoned buffer: a row left unwritten fails); the combine and
+// the scatter-add, reading through row_of, equal the packed ones bitwise; the
+// combine backward gives the packed d_eout rows, zeros on the padding (whose
+// eout rows hold garbage here), and the same d_weights. Alignments 16 (the
+// block's), 5 and 128; an expert no token picks; N = 0.
+TEST_F(CudaMoe, PaddedRunsHoldThePackedRowsAndZeros) {
+  struct Case {
+    int64_t N, h, E, k;
+  };
+  uint32_t seed = 900;
+  for (const int64_t align : {int64_t{16}, int64_t{5}, int64_t{128}}) {
+    for (const Case c : {Case{300, 24, 8, 2}, Case{61, 17, 4, 4}, Case{4096, 64, 8, 2}, Case{77, 40, 6, 1},
+                         Case{0, 8, 4, 2}}) {
+      MoeDims d1{c.N, c.h, 1, c.E, c.k};
+      MoeDims da = d1;
+      da.row_align = align;
+      const int64_t N = c.N, h = c.h, E = c.E, k = c.k, R = d1.rows(), Rp = da.padded_rows();
+      const std::string what = cat(dims_str(d1), " row_align ", align);
+      std::mt19937 gen(++seed);
+      std::vector<int32_t> experts(static_cast<size_t>(R)), all(static_cast<size_t>(E));
+      for (int64_t t = 0; t < N; ++t) {
+        for (int64_t e = 0; e < E; ++e) all[e] = static_cast<int32_t>(e);
+        std::shuffle(all.begin(), all.end(), gen);
+        if (k < E) std::swap(*std::find(all.begin(), all.end(), static_cast<int32_t>(E - 1)), all.back());
+        for (int64_t j = 0; j < k; ++j) experts[t * k + j] = all[j];  // expert E - 1 unused when k < E
+      }
+      const int32_t* dex = put(experts);
+      auto sort = [&](const MoeDims& d, int64_t* counts, int64_t* offsets, int32_t* perm, int32_t* row_of) {
+        const int64_t ns = gpu::moe_sort_scratch_elems(d);
+        gpu::moe_sort(counts, offsets, perm, row_of, dex, alloc<int32_t>(ns), ns, d, stream_);
+      };
+      int64_t *c1 = alloc<int64_t>(E), *o1 = alloc<int64_t>(E + 1), *ca = alloc<int64_t>(E), *oa = alloc<int64_t>(E + 1);
+      int32_t *p1 = alloc<int32_t>(R), *r1 = alloc<int32_t>(R), *pa = alloc<int32_t>(Rp), *ra = alloc<int32_t>(R);
+      sort(d1, c1, o1, p1, r1);
+      sort(da, ca, oa, pa, ra);
+      const std::vector<int64_t> counts = get(c1, E), offsets = get(o1, E + 1), offs = get(oa, E + 1);
+      const std::vector<int32_t> perm1 = get(p1, R), row1 = get(r1, R), perma = get(pa, Rp), rowa = get(ra, R);
+      expect_equal(get(ca, E), counts, what + " counts");
+      std::vector<int32_t> want_perm(static_cast<size_t>(Rp), -1);
+      std::vector<int64_t> want_offs(static_cast<size_t>(E + 1), 0);
+      for (int64_t e = 0; e < E; ++e) {
+        want_offs[e + 1] = want_offs[e] + (counts[e] + align - 1) / align * align;
+        for (int64_t i = 0; i < counts[e]; ++i) want_perm[want_offs[e] + i] = perm1[offsets[e] + i];
+      }
+      expect_equal(offs, want_offs, what + " offsets");
+      expect_equal(perma, want_perm, what + " perm");
+      std::vector<int32_t> want_row(static_cast<size_t>(R));
+      for (int64_t r = 0; r < Rp; ++r)
+        if (want_perm[r] >= 0) want_row[want_perm[r]] = static_cast<int32_t>(r);
+      expect_equal(rowa, want_row, what + " row_of");
+      if (k < E && N > 0) EXPECT_EQ(counts[E - 1], 0) << what;
+
+      // The gather: packed rows at their places, zeros between.
+      const std::vector<float> x = rnd(static_cast<size_t>(N * h), seed + 1);
+      Tensor tx = tput(x, DType::f32, N, h), xs1 = tensor(DType::f32, R, h), xsa = tensor(DType::f32, Rp, h);
+      gpu::moe_gather(xs1, tx, p1, d1, stream_);
+      gpu::moe_gather(xsa, tx, pa, da, stream_);
+      const auto g1 = tget(xs1);
+      std::vector<float> want_xs(static_cast<size_t>(Rp * h), 0.f);
+      for (int64_t r = 0; r < Rp; ++r)
+        if (want_perm[r] >= 0)
+          for (int64_t j = 0; j < h; ++j) want_xs[r * h + j] = g1[row1[want_perm[r]] * h + j];
+      expect_equal(tget(xsa), want_xs, what + " gather");
+
+      // Expert outputs: the packed rows at their places, garbage (large) on the padding.
+      const std::vector<float> eout1 = rnd(static_cast<size_t>(R * h), seed + 2);
+      std::vector<float> eouta(static_cast<size_t>(Rp * h), 1e30f);
+      for (int64_t p = 0; p < R; ++p)
+        for (int64_t j = 0; j < h; ++j) eouta[want_row[p] * h + j] = eout1[row1[p] * h + j];
+      const float* w = put(rnd(static_cast<size_t>(R), seed + 3, 0.f, 1.f));
+      Tensor te1 = tput(eout1, DType::f32, R, h), tea = tput(eouta, DType::f32, Rp, h);
+      Tensor y1 = tensor(DType::f32, N, h), ya = tensor(DType::f32, N, h);
+      gpu::moe_combine(y1, te1, w, r1, d1, stream_);
+      gpu::moe_combine(ya, tea, w, ra, da, stream_);
+      expect_equal(tget(ya), tget(y1), what + " combine");
+      Tensor dx1 = tensor(DType::f32, N, h), dxa = tensor(DType::f32, N, h);
+      gpu::moe_scatter_add(dx1, te1, r1, false, d1, stream_);
+      gpu::moe_scatter_add(dxa, tea, ra, false, da, stream_);
+      expect_equal(tget(dxa), tget(dx1), what + " scatter-add");
+
+      // The combine backward: packed d_eout rows at their places, zeros on the padding.
+      Tensor dy = tput(rnd(static_cast<size_t>(N * h), seed + 4), DType::f32, N, h);
+      Tensor de1 = tensor(DType::f32, R, h), dea = tensor(DType::f32, Rp, h);
+      float *dw1 = alloc<float>(R), *dwa = alloc<float>(R);
+      gpu::moe_combine_backward(de1, dw1, dy, te1, w, p1, d1, stream_);
+      gpu::moe_combine_backward(dea, dwa, dy, tea, w, pa, da, stream_);
+      const auto gde1 = tget(de1);
+      std::vector<float> want_de(static_cast<size_t>(Rp * h), 0.f);
+      for (int64_t p = 0; p < R; ++p)
+        for (int64_t j = 0; j < h; ++j) want_de[want_row[p] * h + j] = gde1[row1[p] * h + j];
+      expect_equal(tget(dea), want_de, what + " d_eout");
+      expect_equal(get(dwa, R), get(dw1, R), what + " d_weights");
+    }
+  }
+  // A misuse: row_align outside [1, 1024] is refused naming it.
+  MoeDims bad{4, 8, 1, 2, 1};
+  bad.row_align = 0;
+  EXPECT_NE(error_of([&] { cpu::moe_check(bad); }).find("row_align = 0"), std::string::npos);
+}
+
 TEST_F(CudaMoe, SortSkipsInvalidExperts) {
   const MoeDims d{300, 8, 1, 4, 2};
   const int64_t R = d.rows();

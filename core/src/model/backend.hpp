@@ -26,9 +26,15 @@ struct MoeRouting {
   Tensor logits, probs;         // fp32 [N, E]: the router's, in fp32 whatever the recipe
   Tensor weights;               // fp32 [N, k]: the k selected probabilities renormalised to 1
   Tensor experts;               // int32 [N, k]: selected experts, descending probability (ties: lower index)
-  Tensor perm, row_of;          // int32 [N k]: sorted row -> token * k + slot, and its inverse
+  Tensor perm, row_of;          // int32: sorted row -> token * k + slot (-1: no pair) [padded rows], its inverse [N k]
   int64_t* counts = nullptr;    // [E] rows per expert, in backend memory
   int64_t* offsets = nullptr;   // [E + 1] first sorted row of each expert
+  // Each expert's run of sorted rows starts at a multiple of row_align and
+  // spans its count rounded up to one; the rows between hold no pair and are
+  // zero in the gathered input and in the combine's gradient. The sorted
+  // buffers hold N k + E (row_align - 1) rows. A device backend's choice (the
+  // FP8 GEMMs run row counts in multiples of 16); the CPU backend takes 1.
+  int64_t row_align = 1;
 };
 
 class Backend {

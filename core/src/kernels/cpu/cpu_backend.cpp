@@ -48,6 +48,8 @@ cpu::MoeDims moe_dims(const MoeRouting& r, int64_t h, int64_t f = 1) {
   d.E = r.E;
   d.k = r.k;
   cpu::moe_check(d);
+  LOOM_CHECK(r.row_align == 1, "moe: the CPU backend packs each expert's rows (row_align 1), got row_align ",
+             r.row_align);
   return d;
 }
 

@@ -86,6 +86,10 @@ void moe_check(const MoeDims& d) {
              " must be non-negative, positive, positive");
   LOOM_CHECK(d.N <= std::numeric_limits<int32_t>::max() / d.k, "moe: tokens x top_k = ", d.N, " x ", d.k,
              " exceeds the int32 range of the routing permutation");
+  LOOM_CHECK(d.row_align >= 1 && d.row_align <= 1024, "moe: row_align = ", d.row_align, " must be in [1, 1024]");
+  LOOM_CHECK(d.padded_rows() <= std::numeric_limits<int32_t>::max(), "moe: tokens x top_k = ", d.N, " x ", d.k,
+             " plus ", d.E, " experts' padding to ", d.row_align, " rows exceeds the int32 range of the routing "
+             "permutation");
 }
 
 template <typename T>

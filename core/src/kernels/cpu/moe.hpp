@@ -57,7 +57,15 @@ struct MoeDims {
   int64_t f = 0;  // each expert's ffn size
   int64_t E = 0;  // experts
   int64_t k = 0;  // experts per token (top_k)
+  // Each expert's run of sorted rows starts at a multiple of row_align and
+  // spans its row count rounded up to one (a device backend's sort, for the
+  // FP8 GEMMs' multiples of 16; the CPU reference packs them: 1). The rows
+  // between runs hold no (token, slot) pair: the gather zeroes them and the
+  // combine backward writes zeros into their gradient.
+  int64_t row_align = 1;
   int64_t rows() const { return N * k; }  // (token, slot) pairs = expert rows
+  // Sorted rows the buffers hold: every pair plus the most padding E runs can take.
+  int64_t padded_rows() const { return rows() + (row_align > 1 ? E * (row_align - 1) : 0); }
 };
 
 // Throws loom::Error naming the values when the shape is unusable:

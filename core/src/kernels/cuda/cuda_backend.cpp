@@ -435,6 +435,7 @@ class CudaBackend final : public Backend {
     d.k = r.k;
     d.h = h;
     d.f = 1;
+    d.row_align = r.row_align;
     cpu::moe_check(d);
     return d;
   }

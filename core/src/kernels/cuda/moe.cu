@@ -151,10 +151,11 @@ __global__ void sort_scan_kernel(int32_t* scratch, int64_t* counts, int E, int64
   if (lane == 0) counts[e] = carry;
 }
 
-__global__ void sort_offsets_kernel(int64_t* offsets, const int64_t* counts, int E) {
+// Each expert's run starts at a multiple of align and spans its count rounded up to one.
+__global__ void sort_offsets_kernel(int64_t* offsets, const int64_t* counts, int E, int64_t align) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   offsets[0] = 0;
-  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + counts[e];
+  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (counts[e] + align - 1) / align * align;
 }
 
 __global__ void sort_place_kernel(int32_t* perm, int32_t* row_of, int32_t* scratch, const int32_t* experts,
@@ -206,15 +207,24 @@ __device__ void sorted_slots(int32_t* s_row, float* s_w, const int32_t* row_of, 
   __syncthreads();
 }
 
+// Sorted rows [0, Rp): row r copies token perm[r] / k; a row that holds no
+// pair (perm -1: the padding between experts' runs, or past the last run
+// when some pair had an invalid expert) is zeroed, so that the expert GEMMs
+// that run over it add nothing to the weight gradients.
 template <int K, typename T>
 __global__ void __launch_bounds__(kRowThreads) gather_kernel(T* xs, const T* x, const int32_t* perm, int64_t R,
-                                                             int64_t h, int k) {
+                                                             int64_t Rp, int64_t h, int k) {
   const int64_t nvec = h / K;
-  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+  for (int64_t r = blockIdx.x; r < Rp; r += gridDim.x) {
     const int32_t pair = perm[r];
-    if (pair < 0 || pair >= R) continue;  // not placed (an invalid expert): left as it is
-    const T* src = x + static_cast<int64_t>(pair / k) * h;
     T* dst = xs + r * h;
+    if (pair < 0 || pair >= R) {  // uniform over the block
+      const float z[K] = {};
+      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) store_vec<K>(dst + v * K, z);
+      for (int64_t c = nvec * K + threadIdx.x; c < h; c += blockDim.x) dst[c] = from_f32<T>(0.f);
+      continue;
+    }
+    const T* src = x + static_cast<int64_t>(pair / k) * h;
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
       float a[K];
       load_vec<K>(src + v * K, a);
@@ -268,16 +278,22 @@ __global__ void __launch_bounds__(kRowThreads)
 template <int K, typename T>
 __global__ void __launch_bounds__(kRowThreads)
     combine_backward_kernel(T* d_eout, float* d_weights, const T* dy, const T* eout, const float* weights,
-                            const int32_t* perm, int64_t R, int64_t h, int k) {
+                            const int32_t* perm, int64_t R, int64_t Rp, int64_t h, int k) {
   __shared__ double red[32];
   const int64_t nvec = h / K;
-  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+  for (int64_t r = blockIdx.x; r < Rp; r += gridDim.x) {
     const int32_t pair = perm[r];
-    if (pair < 0 || pair >= R) continue;  // uniform over the block: no barrier is skipped by part of it
+    T* de = d_eout + r * h;
+    if (pair < 0 || pair >= R) {  // uniform over the block: no barrier is skipped by part of it
+      // A row with no pair gets a zero gradient (finite: the expert GEMMs run over it).
+      const float z[K] = {};
+      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) store_vec<K>(de + v * K, z);
+      for (int64_t c = nvec * K + threadIdx.x; c < h; c += blockDim.x) de[c] = from_f32<T>(0.f);
+      continue;
+    }
     const float wt = weights[pair];
     const T* g = dy + static_cast<int64_t>(pair / k) * h;
     const T* o = eout + r * h;
-    T* de = d_eout + r * h;
     double acc = 0.0;
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
       float gv[K], ov[K], dv[K];
@@ -378,7 +394,7 @@ int64_t moe_sort_scratch_elems(const MoeDims& d) {
 void moe_sort(int64_t* counts, int64_t* offsets, int32_t* perm, int32_t* row_of, const int32_t* experts,
               int32_t* scratch, int64_t scratch_elems, const MoeDims& d, cudaStream_t stream) {
   cpu::moe_check(d);
-  const int64_t R = d.rows(), E = d.E;
+  const int64_t R = d.rows(), Rp = d.padded_rows(), E = d.E;
   // One counter per expert and chunk. A scratch smaller than
   // moe_sort_scratch_elems(d) (many experts and many tokens: E = 4096 with
   // over a million (token, slot) pairs outgrows the backend's 16 MiB) takes
@@ -393,7 +409,7 @@ void moe_sort(int64_t* counts, int64_t* offsets, int32_t* perm, int32_t* row_of,
   const int64_t nchunks = (R + chunk - 1) / chunk;
   check_ptr(counts, E, "moe_sort counts");
   check_ptr(offsets, E + 1, "moe_sort offsets");
-  check_ptr(perm, R, "moe_sort perm");
+  check_ptr(perm, Rp, "moe_sort perm");
   check_ptr(row_of, R, "moe_sort row_of");
   check_ptr(experts, R, "moe_sort experts");
   check_ptr(scratch, E * std::max<int64_t>(nchunks, 1), "moe_sort scratch");
@@ -410,8 +426,13 @@ void moe_sort(int64_t* counts, int64_t* offsets, int32_t* perm, int32_t* row_of,
     sort_scan_kernel<<<grid, 32 * warps, 0, stream>>>(scratch, counts, e32, nchunks);
     LOOM_CUDA_LAUNCH_CHECK("moe sort_scan_kernel", "R=", R, " E=", E, " chunks=", nchunks, " grid=", grid);
   }
-  sort_offsets_kernel<<<1, 1, 0, stream>>>(offsets, counts, e32);
-  LOOM_CUDA_LAUNCH_CHECK("moe sort_offsets_kernel", "E=", E);
+  sort_offsets_kernel<<<1, 1, 0, stream>>>(offsets, counts, e32, d.row_align);
+  LOOM_CUDA_LAUNCH_CHECK("moe sort_offsets_kernel", "E=", E, " row_align=", d.row_align);
+  // Rows the placing leaves empty (the padding between runs, and the tail
+  // left by pairs with an invalid expert) read -1: they hold no pair.
+  if (Rp > 0)
+    LOOM_CUDA_CHECK(cudaMemsetAsync(perm, 0xFF, static_cast<size_t>(Rp) * sizeof(int32_t), stream),
+                    "moe_sort: cudaMemsetAsync(perm, -1, ", Rp, " rows)");
   if (nchunks > 0) {
     const unsigned grid = static_cast<unsigned>((nchunks + kSortWarps - 1) / kSortWarps);
     sort_place_kernel<<<grid, 32 * kSortWarps, 0, stream>>>(perm, row_of, scratch, experts, offsets, R, e32,
@@ -423,22 +444,22 @@ void moe_sort(int64_t* counts, int64_t* offsets, int32_t* perm, int32_t* row_of,
 
 void moe_gather(Tensor& xs, const Tensor& x, const int32_t* perm, const MoeDims& d, cudaStream_t stream) {
   cpu::moe_check(d);
-  const int64_t R = d.rows(), h = d.h;
+  const int64_t R = d.rows(), Rp = d.padded_rows(), h = d.h;
   check_rows(x, x.dtype, d.N, h, "moe_gather x");
-  check_rows(xs, x.dtype, R, h, "moe_gather xs");
-  check_ptr(perm, R, "moe_gather perm");
-  if (R == 0) return;
+  check_rows(xs, x.dtype, Rp, h, "moe_gather xs");
+  check_ptr(perm, Rp, "moe_gather perm");
+  if (Rp == 0) return;
   dispatch_float(x.dtype, "moe_gather", [&](auto tag) {
     using T = decltype(tag);
     constexpr int K = vec_width<T>();
     const bool packed = rows_packable<T, K>(h, {xs.data, x.data});
     const int threads = row_threads(packed ? h / K : h, kRowThreads);
-    const unsigned grid = row_grid(R);
+    const unsigned grid = row_grid(Rp);
     T* out = static_cast<T*>(xs.data);
     const T* in = static_cast<const T*>(x.data);
-    if (packed) gather_kernel<K, T><<<grid, threads, 0, stream>>>(out, in, perm, R, h, static_cast<int>(d.k));
-    else gather_kernel<1, T><<<grid, threads, 0, stream>>>(out, in, perm, R, h, static_cast<int>(d.k));
-    LOOM_CUDA_LAUNCH_CHECK("moe gather_kernel", "R=", R, " h=", h, " ", dtype_name(x.dtype),
+    if (packed) gather_kernel<K, T><<<grid, threads, 0, stream>>>(out, in, perm, R, Rp, h, static_cast<int>(d.k));
+    else gather_kernel<1, T><<<grid, threads, 0, stream>>>(out, in, perm, R, Rp, h, static_cast<int>(d.k));
+    LOOM_CUDA_LAUNCH_CHECK("moe gather_kernel", "R=", R, " padded to ", Rp, " h=", h, " ", dtype_name(x.dtype),
                            packed ? " packed" : " scalar", " grid=", grid, " threads=", threads);
   });
 }
@@ -472,7 +493,7 @@ void launch_token_sum(Tensor& out, const Tensor& src, const int32_t* row_of, con
 void moe_combine(Tensor& y, const Tensor& eout, const float* weights, const int32_t* row_of, const MoeDims& d,
                  cudaStream_t stream) {
   cpu::moe_check(d);
-  check_rows(eout, eout.dtype, d.rows(), d.h, "moe_combine eout");
+  check_rows(eout, eout.dtype, d.padded_rows(), d.h, "moe_combine eout");
   check_rows(y, eout.dtype, d.N, d.h, "moe_combine y");
   check_ptr(weights, d.rows(), "moe_combine weights");
   check_ptr(row_of, d.rows(), "moe_combine row_of");
@@ -482,7 +503,7 @@ void moe_combine(Tensor& y, const Tensor& eout, const float* weights, const int3
 void moe_scatter_add(Tensor& dx, const Tensor& d_xs, const int32_t* row_of, bool accumulate, const MoeDims& d,
                      cudaStream_t stream) {
   cpu::moe_check(d);
-  check_rows(d_xs, d_xs.dtype, d.rows(), d.h, "moe_scatter_add d_xs");
+  check_rows(d_xs, d_xs.dtype, d.padded_rows(), d.h, "moe_scatter_add d_xs");
   check_rows(dx, d_xs.dtype, d.N, d.h, "moe_scatter_add dx");
   check_ptr(row_of, d.rows(), "moe_scatter_add row_of");
   launch_token_sum(dx, d_xs, row_of, nullptr, accumulate, d, stream, "moe scatter_add (token_sum_kernel)");
@@ -491,27 +512,30 @@ void moe_scatter_add(Tensor& dx, const Tensor& d_xs, const int32_t* row_of, bool
 void moe_combine_backward(Tensor& d_eout, float* d_weights, const Tensor& dy, const Tensor& eout,
                           const float* weights, const int32_t* perm, const MoeDims& d, cudaStream_t stream) {
   cpu::moe_check(d);
-  const int64_t R = d.rows(), h = d.h;
-  check_rows(eout, eout.dtype, R, h, "moe_combine_backward eout");
-  check_rows(d_eout, eout.dtype, R, h, "moe_combine_backward d_eout");
+  const int64_t R = d.rows(), Rp = d.padded_rows(), h = d.h;
+  check_rows(eout, eout.dtype, Rp, h, "moe_combine_backward eout");
+  check_rows(d_eout, eout.dtype, Rp, h, "moe_combine_backward d_eout");
   check_rows(dy, eout.dtype, d.N, h, "moe_combine_backward dy");
   check_ptr(d_weights, R, "moe_combine_backward d_weights");
   check_ptr(weights, R, "moe_combine_backward weights");
-  check_ptr(perm, R, "moe_combine_backward perm");
-  if (R == 0) return;
+  check_ptr(perm, Rp, "moe_combine_backward perm");
+  if (Rp == 0) return;
   dispatch_float(eout.dtype, "moe_combine_backward", [&](auto tag) {
     using T = decltype(tag);
     constexpr int K = vec_width<T>();
     const bool packed = rows_packable<T, K>(h, {d_eout.data, dy.data, eout.data});
     const int threads = row_threads(packed ? h / K : h, kRowThreads);
-    const unsigned grid = row_grid(R);
+    const unsigned grid = row_grid(Rp);
     const int k = static_cast<int>(d.k);
     T* de = static_cast<T*>(d_eout.data);
     const T* g = static_cast<const T*>(dy.data);
     const T* o = static_cast<const T*>(eout.data);
-    if (packed) combine_backward_kernel<K, T><<<grid, threads, 0, stream>>>(de, d_weights, g, o, weights, perm, R, h, k);
-    else combine_backward_kernel<1, T><<<grid, threads, 0, stream>>>(de, d_weights, g, o, weights, perm, R, h, k);
-    LOOM_CUDA_LAUNCH_CHECK("moe combine_backward_kernel", "R=", R, " h=", h, " ", dtype_name(eout.dtype),
+    if (packed)
+      combine_backward_kernel<K, T><<<grid, threads, 0, stream>>>(de, d_weights, g, o, weights, perm, R, Rp, h, k);
+    else
+      combine_backward_kernel<1, T><<<grid, threads, 0, stream>>>(de, d_weights, g, o, weights, perm, R, Rp, h, k);
+    LOOM_CUDA_LAUNCH_CHECK("moe combine_backward_kernel", "R=", R, " padded to ", Rp, " h=", h, " ",
+                           dtype_name(eout.dtype),
                            packed ? " packed" : " scalar", " grid=", grid, " threads=", threads);
   });
 }

@@ -48,12 +48,15 @@ void moe_route(float* probs, int32_t* experts, float* weights, const Tensor& log
 // chunk of kMoeSortChunk pairs. Less (at least E) is accepted: the chunks
 // grow (multiples of kMoeSortChunk) until their counters fit, and the output
 // is the same.
-constexpr int64_t kMoeSortChunk = 1024;
+constexpr int64_t kMoeSortChunk = 256;  // 64 warps for mixtral-small's 16384 pairs (1024: 16, 21 us a pass)
 int64_t moe_sort_scratch_elems(const MoeDims& d);
 
 // The stable counting sort of the R (token, slot) pairs by expert: counts,
-// offsets (offsets[E] = R), perm and row_of, within an expert in pair (= token)
-// order. Each warp owns a chunk of kMoeSortChunk consecutive pairs: it counts
+// offsets, perm [Rp = d.padded_rows()] and row_of [R], within an expert in
+// pair (= token) order. Expert e's run starts at offsets[e], a multiple of
+// d.row_align, and spans counts[e] rounded up to one; perm is -1 on the rows
+// that hold no pair (the padding, and past offsets[E]). With row_align 1,
+// offsets[E] = R. Each warp owns a chunk of kMoeSortChunk consecutive pairs: it counts
 // its chunk per expert (longer chunks when the scratch is short, see
 // moe_sort_scratch_elems), a warp per expert turns the chunk counts into chunk
 // bases by a prefix sum over the chunks, and each warp then places its pairs,
@@ -64,18 +67,20 @@ int64_t moe_sort_scratch_elems(const MoeDims& d);
 void moe_sort(int64_t* counts, int64_t* offsets, int32_t* perm, int32_t* row_of, const int32_t* experts,
               int32_t* scratch, int64_t scratch_elems, const MoeDims& d, cudaStream_t stream);
 
-// xs[r] = x[perm[r] / k]: each expert's input rows, in sorted order. xs [R h], x [N h].
+// xs[r] = x[perm[r] / k]: each expert's input rows, in sorted order; zeros on
+// the rows that hold no pair (perm -1). xs [Rp h], x [N h].
 void moe_gather(Tensor& xs, const Tensor& x, const int32_t* perm, const MoeDims& d, cudaStream_t stream);
 
 // y[t] = sum over t's k slots, in ascending sorted row (= expert) order, of
 // weights[t k + j] * eout[row_of[t k + j]], from zero, in fp32 (rounded once to
-// bf16 for bf16 y). Written, not accumulated. y [N h], eout [R h].
+// bf16 for bf16 y). Written, not accumulated. y [N h], eout [Rp h].
 void moe_combine(Tensor& y, const Tensor& eout, const float* weights, const int32_t* row_of, const MoeDims& d,
                  cudaStream_t stream);
 
 // Backward of moe_combine: d_eout[r] = weights[p] * dy[p / k] and
 // d_weights[p] = <dy[p / k], eout[r]> (summed in double, a block reduction of
-// fixed order), p = perm[r]. Both written. d_eout, eout [R h], dy [N h].
+// fixed order), p = perm[r]. Both written; a row that holds no pair (perm -1)
+// gets zeros in d_eout. d_eout, eout [Rp h], dy [N h].
 void moe_combine_backward(Tensor& d_eout, float* d_weights, const Tensor& dy, const Tensor& eout,
                           const float* weights, const int32_t* perm, const MoeDims& d, cudaStream_t stream);
 
@@ -88,7 +93,7 @@ void moe_route_backward(float* d_logits, const float* d_weights, const float* pr
 
 // Backward of the gather: dx[t] (+)= the d_xs rows of t's k slots, added in
 // ascending sorted row (= expert) order in fp32 (rounded once to bf16 for bf16
-// dx); accumulate = false writes their sum instead. dx [N h], d_xs [R h].
+// dx); accumulate = false writes their sum instead. dx [N h], d_xs [Rp h].
 void moe_scatter_add(Tensor& dx, const Tensor& d_xs, const int32_t* row_of, bool accumulate, const MoeDims& d,
                      cudaStream_t stream);
 

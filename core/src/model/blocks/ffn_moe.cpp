@@ -44,6 +44,16 @@
 namespace loom {
 namespace {
 
+// On a device backend each expert's run of sorted rows starts at a multiple
+// of 16 rows and spans its count rounded up to 16, the padding rows zero
+// (MoeRouting::row_align): the FP8 recipes' GEMMs take row counts in
+// multiples of 16, so an expert's call then runs whole in FP8 instead of
+// splitting off a bf16 tail (a tail GEMM re-reads the whole bf16 weight and
+// its wgrad reads and writes the whole weight gradient). bf16 runs the same
+// rows: at most 15 zero rows per expert. Under expert parallelism the
+// received rows are packed (the exchange moves counts, not padded runs).
+constexpr int64_t kDeviceExpertRowAlign = 16;
+
 class MoeFfn final : public FfnBlock {
  public:
   MoeFfn(const ModelSpec& spec, int64_t layer) : FfnBlock(spec, layer) {
@@ -110,7 +120,10 @@ class MoeFfn final : public FfnBlock {
     ep_.reset();
     if (env.expert_group != nullptr && env.expert_group->size() > 1)
       ep_ = std::make_unique<ExpertExchange>(env.expert_group, env.backend, E, env.N, k, h);
-    const size_t Rx = ep_ ? static_cast<size_t>(ep_->max_recv_rows()) : R;
+    row_align_ = env.backend->device() != Device::cpu && !ep_ ? kDeviceExpertRowAlign : 1;
+    // The sorted rows: every (token, slot) pair and the padding of E runs.
+    const size_t Rp = R + (row_align_ > 1 ? EE * static_cast<size_t>(row_align_ - 1) : 0);
+    const size_t Rx = ep_ ? static_cast<size_t>(ep_->max_recv_rows()) : Rp;
     ln2_ = a.kept("ln2", l, n * H * e, full);
     rstd2_ = a.kept("rstd2", l, n * 4, full);
     if (spec_.router_jitter_noise > 0) {
@@ -121,10 +134,10 @@ class MoeFfn final : public FfnBlock {
     probs_ = a.kept("moe.probs", l, n * EE * 4, full);
     weights_ = a.kept("moe.weights", l, n * K * 4, full);
     experts_ = a.kept("moe.experts", l, n * K * 4, full);
-    perm_ = a.kept("moe.perm", l, R * 4, full);
+    perm_ = a.kept("moe.perm", l, Rp * 4, full);
     row_of_ = a.kept("moe.row_of", l, R * 4, full);
     counts_ = a.kept("moe.counts", l, (2 * EE + 1) * 8, full);
-    xs_ = a.kept("moe.xs", l, R * H * e, full);
+    xs_ = a.kept("moe.xs", l, Rp * H * e, full);
     gu_ = a.kept("moe.gate_up", l, Rx * 2 * F * e, full);
     act_ = a.kept("moe.act", l, Rx * F * e, full);
     if (ep_) {
@@ -134,19 +147,19 @@ class MoeFfn final : public FfnBlock {
       d_eout_r_ = a.shared("grad.moe.ep.eout", Rx * H * e);
       ep_counts_ = a.shared("moe.ep.counts_in", EE * 8);  // exchange 1's receive buffer
     }
-    eout_ = a.kept("moe.eout", l, R * H * e, full);
+    eout_ = a.kept("moe.eout", l, Rp * H * e, full);
     tmp_ = a.shared("scratch.h", n * H * e);  // the combine's output before the residual add
     d_ln_ = a.shared("grad.ln", n * H * e);
-    d_eout_ = a.shared("grad.moe.eout", R * H * e);
+    d_eout_ = a.shared("grad.moe.eout", Rp * H * e);
     d_act_ = a.shared("grad.moe.act", Rx * F * e);
     d_gu_ = a.shared("grad.moe.gate_up", Rx * 2 * F * e);
-    d_xs_ = a.shared("grad.moe.xs", R * H * e);
+    d_xs_ = a.shared("grad.moe.xs", Rp * H * e);
     d_weights_ = a.shared("grad.moe.weights", n * K * 4);
     d_probs_ = a.shared("grad.moe.probs", n * EE * 4);
     d_logits_ = a.shared("grad.moe.logits", n * EE * 4);
     // An expert gets at most one row per token (a token's k experts differ)
-    // from each rank that sends it rows.
-    const int64_t max_rows = ep_ ? env.N * ep_->group_size() : env.N;
+    // from each rank that sends it rows; its padded run up to a multiple of row_align.
+    const int64_t max_rows = ep_ ? env.N * ep_->group_size() : (env.N + row_align_ - 1) / row_align_ * row_align_;
     const std::string s = "layer." + std::to_string(l) + ".expert.";
     w13_.clear();
     w2_.clear();
@@ -198,7 +211,7 @@ class MoeFfn final : public FfnBlock {
         be.moe_aux_accumulate(stats, rt);
       }
     }
-    Tensor xs = act(xs_, {rt.N * rt.k, h});
+    Tensor xs = act(xs_, {padded_rows(), h});
     {
       Range r(be, "gather");
       be.moe_gather(xs, xin, rt);
@@ -208,7 +221,7 @@ class MoeFfn final : public FfnBlock {
       Range r(be, "experts");
       const int64_t Rx = expert_side_rows();
       Tensor gu = act(gu_, {Rx, 2 * f}), a = act(act_, {Rx, f});
-      Tensor eout = act(eout_, {rt.N * rt.k, h});
+      Tensor eout = act(eout_, {padded_rows(), h});
       Tensor xin_rows = xs, eout_rows = eout;  // the rows the experts run on: local, or received
       if (ep_) {
         Range x(be, "ep.dispatch");
@@ -234,7 +247,7 @@ class MoeFfn final : public FfnBlock {
     {
       Range r(be, "combine+residual");
       Tensor tmp = act(tmp_, {N, h});
-      be.moe_combine(tmp, act(eout_, {rt.N * rt.k, h}), rt);
+      be.moe_combine(tmp, act(eout_, {padded_rows(), h}), rt);
       be.add(out, x, tmp);
     }
   }
@@ -244,7 +257,7 @@ class MoeFfn final : public FfnBlock {
     Backend& be = *env_.backend;
     const ExecContext& ctx = be.ctx();
     MoeShared& ms = *env_.moe;
-    const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden, R = N * spec_.top_k;
+    const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden, R = padded_rows();
     MoeRouting rt = routing();
     Tensor d_eout = act(d_eout_, {R, h}), d_weights = f32(d_weights_, {N, spec_.top_k});
     {
@@ -330,11 +343,17 @@ class MoeFfn final : public FfnBlock {
     r.probs = f32(probs_, {r.N, r.E});
     r.weights = f32(weights_, {r.N, r.k});
     r.experts = Tensor(buf(experts_), DType::i32, dev(), {r.N, r.k});
-    r.perm = Tensor(buf(perm_), DType::i32, dev(), {r.N * r.k});
+    r.perm = Tensor(buf(perm_), DType::i32, dev(), {padded_rows()});
     r.row_of = Tensor(buf(row_of_), DType::i32, dev(), {r.N * r.k});
     r.counts = static_cast<int64_t*>(buf(counts_));
     r.offsets = r.counts + r.E;
+    r.row_align = row_align_;
     return r;
+  }
+
+  // Sorted rows the buffers hold: N k pairs plus the padding of E runs (row_align_).
+  int64_t padded_rows() const {
+    return env_.N * spec_.top_k + (row_align_ > 1 ? spec_.num_experts * (row_align_ - 1) : 0);
   }
 
   // The per-expert row counts then offsets ([2E + 1]) on the host: read in
@@ -389,16 +408,18 @@ class MoeFfn final : public FfnBlock {
   }
 
   // Rows the experts run on: the sorted local ones, or those received.
-  int64_t expert_side_rows() const { return ep_ ? ep_->max_recv_rows() : env_.N * spec_.top_k; }
+  int64_t expert_side_rows() const { return ep_ ? ep_->max_recv_rows() : padded_rows(); }
 
   // The experts' runs of rows: every expert with rows, over the sorted rows
-  // (rows: counts then offsets); under expert parallelism, the received ones.
+  // (rows: counts then offsets; a run spans its count padded to row_align_,
+  // the padding rows zero); under expert parallelism, the received ones.
   // (No allocation in the step: the list's capacity is set in plan().)
   const std::vector<ExpertExchange::Segment>& segments(const int64_t* rows) {
     if (ep_) return ep_->segments();
     local_segments_.clear();
-    for (int64_t e = 0; e < spec_.num_experts; ++e)
-      if (rows[e] > 0) local_segments_.push_back({e, rows[spec_.num_experts + e], rows[e]});
+    const int64_t E = spec_.num_experts;
+    for (int64_t e = 0; e < E; ++e)
+      if (rows[e] > 0) local_segments_.push_back({e, rows[E + e], rows[E + e + 1] - rows[E + e]});
     return local_segments_;
   }
 
@@ -419,6 +440,7 @@ class MoeFfn final : public FfnBlock {
   std::vector<int64_t> host_counts_;
   std::vector<char> expert_written_;  // per expert: its weight gradients have this micro-batch's first rows
   bool jittered_ = false;  // the last forward applied jitter (what backward inverts)
+  int64_t row_align_ = 1;  // MoeRouting::row_align of this block's sorted rows
 };
 
 }  // namespace
