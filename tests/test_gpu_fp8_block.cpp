@@ -437,6 +437,14 @@ TEST(GpuFp8Block, OneLinearMatchesTheCpuRecipe) {
       [&] { EXPECT_NE(gpu->log_summary().find("non-finite tiles 0"), std::string::npos) << gpu->log_summary(); });
 }
 
+// The row multiple the MoE block pads each expert's rows to on a device
+// (Precision::variable_row_multiple): a 1x128 tile per row on CUDA, 1 on the
+// CPU (no GPU needed).
+TEST(GpuFp8Block, VariableRowMultipleIsOneTileRow) {
+  EXPECT_EQ(make("", Device::cuda)->variable_row_multiple(), 128);
+  EXPECT_EQ(make("", Device::cpu)->variable_row_multiple(), 1);
+}
+
 // An MoE expert's row count is rarely a multiple of 128: its calls run the
 // largest multiple of 128 of their rows in FP8 and the rest in bf16
 // (check_variable_row_split: the FP8 rows bitwise a call with those rows

@@ -137,6 +137,17 @@ TEST(GpuFp8Recipes, VariableRowCallsRunTheirAlignedRowsInFp8) {
   }
 }
 
+// The row multiple the MoE block pads each expert's rows to on a device
+// (Precision::variable_row_multiple): the FP8 GEMMs' 16 on CUDA, 1 on the
+// CPU, whose emulation casts any count (no GPU needed).
+TEST(GpuFp8Recipes, VariableRowMultipleIsTheFp8GemmsRowMultiple) {
+  for (const char* plugin : {"fp8_delayed", "fp8_current"}) {
+    SCOPED_TRACE(plugin);
+    EXPECT_EQ(make(plugin, "", Device::cuda)->variable_row_multiple(), 16);
+    EXPECT_EQ(make(plugin, "", Device::cpu)->variable_row_multiple(), 1);
+  }
+}
+
 // Refused at registration, naming the linear and its dims (no GPU needed).
 TEST(GpuFp8Recipes, ShapesCublasLtCannotDoAreRefused) {
   for (const char* plugin : {"fp8_delayed", "fp8_current"}) {

@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "config/run_config.hpp"
 #include "gpu_test_util.hpp"
@@ -92,30 +94,41 @@ TEST(GpuMoe, TrainingFollowsTheCpuReference) {
 }
 
 // The FP8 recipes on the MoE block: about 64 rows per expert and call here,
-// so every expert call is split (its multiple of 16 in FP8, the rest in bf16:
-// test_gpu_fp8_recipes' VariableRowCallsRunTheirAlignedRowsInFp8). 10 steps of
-// fused layers and cuDNN against bf16 on CUDA from the same initial weights:
-// every step's LM loss within 6% of bf16's and the aux loss within 10% (the
-// FP8 quickstart curve's bound; FP8 rounding of x, W and dy also moves a few
-// routing choices, which the aux loss counts), the loss falling.
+// each expert's run padded on the device to the recipe's
+// variable_row_multiple() (16; fp8_block 128) with zero rows, so every expert
+// call runs whole in FP8. 10 steps of fused layers and cuDNN against bf16 on
+// CUDA from the same initial weights: every step's LM loss within 6% of
+// bf16's and the aux loss within 10% (the FP8 quickstart curve's bound; FP8
+// rounding of x, W and dy also moves a few routing choices, which the aux loss
+// counts), the loss falling. fp8_block needs every dimension a multiple of 128:
+// it runs at hidden 128, ffn 128, four KV heads, beside bf16 at that shape.
 TEST(GpuMoe, Fp8RecipesTrainLikeBf16) {
   LOOM_REQUIRE_GPU();
   const fs::path d = temp_dir("gpu_moe_fp8");
   const std::string base = small_moe(d / "run");
-  auto run = [&](const std::string& precision) {
-    return train(base, {"run.out_dir=\"" + (d / precision).string() + "\"", "run.device=\"cuda\"",
-                        "precision.plugin=\"" + precision + "\"", "attention.plugin=\"cudnn\"",
-                        "model.layers=\"fused\""});
+  auto run = [&](const std::string& precision, const std::string& tag, const std::vector<std::string>& extra) {
+    std::vector<std::string> sets = {"run.out_dir=\"" + (d / tag).string() + "\"", "run.device=\"cuda\"",
+                                     "precision.plugin=\"" + precision + "\"", "attention.plugin=\"cudnn\"",
+                                     "model.layers=\"fused\""};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    return train(base, sets);
   };
-  const loom::RunSummary bf16 = run("bf16");
+  const std::vector<std::string> wide = {"model.hidden=128", "model.ffn_hidden=128", "model.num_kv_heads=4"};
+  struct Case {
+    const char* recipe;
+    bool wide;
+  };
+  const loom::RunSummary bf16 = run("bf16", "bf16", {}), bf16_wide = run("bf16", "bf16_wide", wide);
   ASSERT_EQ(bf16.steps.size(), 10u);
-  for (const char* p : {"fp8_delayed", "fp8_current"}) {
-    const loom::RunSummary f = run(p);
-    ASSERT_EQ(f.steps.size(), bf16.steps.size()) << p;
+  for (const Case c : {Case{"fp8_delayed", false}, Case{"fp8_current", false}, Case{"fp8_block", true}}) {
+    const char* p = c.recipe;
+    const loom::RunSummary& ref = c.wide ? bf16_wide : bf16;
+    const loom::RunSummary f = run(p, p, c.wide ? wide : std::vector<std::string>{});
+    ASSERT_EQ(f.steps.size(), ref.steps.size()) << p;
     double worst = 0, worst_aux = 0;
     for (size_t i = 0; i < f.steps.size(); ++i) {
       const auto& a = f.steps[i];
-      const auto& b = bf16.steps[i];
+      const auto& b = ref.steps[i];
       ASSERT_TRUE(std::isfinite(a.loss) && a.has_aux) << p << " step " << i + 1;
       const double e = std::abs(a.loss - b.loss) / std::abs(b.loss);
       const double ea = std::abs(a.aux_loss - b.aux_loss) / std::abs(b.aux_loss);
@@ -126,7 +139,7 @@ TEST(GpuMoe, Fp8RecipesTrainLikeBf16) {
     }
     EXPECT_LT(f.steps.back().loss, f.steps.front().loss - 0.3) << p;
     std::printf("[gpu moe %s] loss bf16 %.5f -> %.5f, %s %.5f -> %.5f; worst rel diff loss %.2e aux %.2e\n", p,
-                bf16.steps.front().loss, bf16.steps.back().loss, p, f.steps.front().loss, f.steps.back().loss, worst,
+                ref.steps.front().loss, ref.steps.back().loss, p, f.steps.front().loss, f.steps.back().loss, worst,
                 worst_aux);
   }
 }

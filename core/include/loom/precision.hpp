@@ -164,6 +164,16 @@ class Precision : public Plugin {
   // bf16 GEMM, delayed scaling's scale from past amaxes, block scales, the LM
   // head kept in bf16). Asked after setup(). ABI 6.0.
   virtual bool current_fp8_weight(int /*id*/, Fp8WeightCast* /*cast*/) const { return false; }
+  // The row multiple the recipe runs a variable-row linear's call in whole
+  // (LinearDesc::variable_rows, the MoE experts): a call whose row count is a
+  // multiple of it takes the recipe's fast path in one piece, any other count
+  // is split or falls back. 1 for recipes that take any count (bf16); the GPU
+  // FP8 recipes answer 16 (per-tensor) and 128 (fp8_block). A block that lays
+  // out such rows itself pads each call to it (the MoE block on a device,
+  // MoeRouting::row_align), so it should stay small (at most 1024). Asked
+  // before the linears are registered, as the padded row counts set their
+  // max_rows. ABI 7.0.
+  virtual int64_t variable_row_multiple() const { return 1; }
 };
 
 template <> struct PluginInterface<PluginKind::precision> { using type = Precision; };

@@ -387,6 +387,8 @@ void Fp8BlockRecipe::state_loaded() {
   }
 }
 
+int64_t Fp8BlockRecipe::variable_row_multiple() const { return gpu_ ? blk::kBlock : 1; }
+
 std::string Fp8BlockRecipe::log_summary() const {
   if (gpu_) return gpu_->log_summary();
   std::ostringstream os;

@@ -77,6 +77,9 @@ class Fp8BlockRecipe : public Precision {
   std::vector<StateTensor> state_tensors() override;
   void state_loaded() override;
   std::string log_summary() const override;
+  // 128 on the GPU (a 1x128 tile of every row; other counts split off a bf16
+  // tail), 1 on the CPU (the emulation runs other counts whole in full precision).
+  int64_t variable_row_multiple() const override;
 
   bool on_gpu() const { return gpu_ != nullptr; }
   int64_t nonfinite_tiles() const { return nonfinite_; }

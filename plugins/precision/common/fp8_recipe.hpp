@@ -90,6 +90,9 @@ class Fp8Recipe : public Precision {
   void state_loaded() override;
   std::string log_summary() const override;
   bool current_fp8_weight(int id, Fp8WeightCast* cast) const override;
+  // 16 on the GPU (the FP8 GEMMs' row multiple; other counts split off a bf16
+  // tail), 1 on the CPU (the emulation casts any count).
+  int64_t variable_row_multiple() const override { return gpu_ ? 16 : 1; }
 
   // For tests and the log line (the CPU path's state; the GPU path keeps its
   // own on the device, read through state_tensors()).

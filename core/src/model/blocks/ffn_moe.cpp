@@ -44,16 +44,6 @@
 namespace loom {
 namespace {
 
-// On a device backend each expert's run of sorted rows starts at a multiple
-// of 16 rows and spans its count rounded up to 16, the padding rows zero
-// (MoeRouting::row_align): the FP8 recipes' GEMMs take row counts in
-// multiples of 16, so an expert's call then runs whole in FP8 instead of
-// splitting off a bf16 tail (a tail GEMM re-reads the whole bf16 weight and
-// its wgrad reads and writes the whole weight gradient). bf16 runs the same
-// rows: at most 15 zero rows per expert. Under expert parallelism the
-// received rows are packed (the exchange moves counts, not padded runs).
-constexpr int64_t kDeviceExpertRowAlign = 16;
-
 class MoeFfn final : public FfnBlock {
  public:
   MoeFfn(const ModelSpec& spec, int64_t layer) : FfnBlock(spec, layer) {
@@ -120,7 +110,20 @@ class MoeFfn final : public FfnBlock {
     ep_.reset();
     if (env.expert_group != nullptr && env.expert_group->size() > 1)
       ep_ = std::make_unique<ExpertExchange>(env.expert_group, env.backend, E, env.N, k, h);
-    row_align_ = env.backend->device() != Device::cpu && !ep_ ? kDeviceExpertRowAlign : 1;
+    // On a device each expert's run of sorted rows starts at a multiple of
+    // the recipe's variable_row_multiple() and spans its count rounded up to
+    // one, the padding rows zero (MoeRouting::row_align): an FP8 recipe's
+    // expert call then runs whole in FP8 (16 rows for the per-tensor recipes,
+    // 128 for fp8_block) instead of splitting off a bf16 tail, which re-reads
+    // the whole bf16 weight and reads and writes the whole weight gradient
+    // once more. The CPU reference packs the runs, and so does expert
+    // parallelism (the exchange moves counts, not padded runs).
+    row_align_ = 1;
+    if (env.backend->device() != Device::cpu && !ep_) {
+      row_align_ = env.precision->variable_row_multiple();
+      LOOM_CHECK(row_align_ >= 1 && row_align_ <= 1024, "ffn.moe: the precision plugin's variable_row_multiple() is ",
+                 row_align_, ", expected 1 to 1024 (the expert rows are padded to it)");
+    }
     // The sorted rows: every (token, slot) pair and the padding of E runs.
     const size_t Rp = R + (row_align_ > 1 ? EE * static_cast<size_t>(row_align_ - 1) : 0);
     const size_t Rx = ep_ ? static_cast<size_t>(ep_->max_recv_rows()) : Rp;
