@@ -5,8 +5,9 @@
 // calls forward/backward with the returned id, so a recipe can keep per-GEMM
 // state (cached descriptors, fp8 scales and amax history).
 //
-// Life of a recipe object (plugin ABI 5):
+// Life of a recipe object (plugin ABI 7):
 //   constructor(PluginInit)        reads and checks its [precision] table
+//   variable_row_multiple()        asked by blocks that pad variable rows (MoE), ABI 7.0
 //   register_linear(desc) ...      every linear, before anything is planned
 //                                  (keeps_wgrad_input(id) is known from here on)
 //   setup(PrecisionSetup)          communicator, determinism, device
