@@ -401,6 +401,72 @@ TEST(GpuFp8Block, BlockScaledGemmsAgainstFp64) {
   cublasLtDestroy(lt);
 }
 
+// A variable-row linear's calls (an MoE expert's, varying = true) build
+// their plans from the heuristic alone even under GemmAlgo::fastest: a timing
+// would run mid-training at every new row count. Each new shape builds one
+// plan, a repeat none; the same problem outside a varying call is timed, and
+// both give D within the fp64 bound of BlockScaledGemmsAgainstFp64.
+TEST(GpuFp8Block, VaryingCallsArePlannedWithoutTiming) {
+  LOOM_REQUIRE_GPU();
+  using M = blk::ScaleMode;
+  cublasLtHandle_t lt = nullptr;
+  ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
+  DevBuf ws(loom::gpu::Fp8BlockGemm::kWorkspaceBytes);
+  loom::gpu::Fp8BlockGemm g(lt, ws.p, loom::gpu::Fp8BlockGemm::kWorkspaceBytes, loom::GemmAlgo::fastest);
+  const int64_t n = 256, k = 384;
+  uint32_t seed = 40;
+  // An operand of `rows` rows cast on the device, its codes and scales read back.
+  struct Operand {
+    DevBuf q, s;
+    std::vector<uint8_t> hq;
+    std::vector<float> hs;
+    Operand(int64_t rows, int64_t cols) : q(static_cast<size_t>(rows * cols)), s(static_cast<size_t>(rows * cols / 128) * 4 + 256) {}
+  };
+  auto make_operand = [&](int64_t rows, M mode) -> std::unique_ptr<Operand> {
+    auto o = std::make_unique<Operand>(rows, k);
+    std::vector<uint16_t> b;
+    std::vector<float> f;
+    tiled_data(rows, k, seed++, b, f);
+    DevBuf dx(b.size() * 2);
+    EXPECT_EQ(cudaMemcpy(dx.p, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    Tensor tx(dx.p, DType::bf16, Device::cuda, {rows, k}), tq(o->q.p, DType::e4m3, Device::cuda, {rows, k});
+    if (mode == M::tile_1x128) loom::gpu::fp8_block_cast_rows(tx, tq, static_cast<float*>(o->s.p), nullptr, nullptr);
+    else loom::gpu::fp8_block_cast_blocks(tx, &tq, nullptr, static_cast<float*>(o->s.p), nullptr, nullptr, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    o->hq = download<uint8_t>(o->q.p, b.size());
+    o->hs = download<float>(o->s.p, static_cast<size_t>(blk::scale_floats(mode, rows, k)));
+    return o;
+  };
+  const auto w = make_operand(n, M::block_128x128);
+  Tensor tw(w->q.p, DType::e4m3, Device::cuda, {n, k});
+  auto run = [&](const Operand& x, int64_t m, bool varying) {
+    Tensor tx(x.q.p, DType::e4m3, Device::cuda, {m, k});
+    DevBuf dd(static_cast<size_t>(m * n) * 4);
+    Tensor td(dd.p, DType::f32, Device::cuda, {m, n});
+    g.gemm({&tx, static_cast<const float*>(x.s.p), M::tile_1x128}, {&tw, static_cast<const float*>(w->s.p), M::block_128x128},
+           td, nullptr, nullptr, varying);
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<float> got = download<float>(dd.p, static_cast<size_t>(m * n));
+    std::vector<double> abs_sum;
+    const std::vector<double> want = reference(x.hq, x.hs, M::tile_1x128, 0, w->hq, w->hs, M::block_128x128, 0, m, n, k, &abs_sum);
+    const double eps_k = 4.0 * static_cast<double>(k) * std::ldexp(1.0, -24) + std::ldexp(1.0, -11);
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - want[i]) / (eps_k * abs_sum[i] + 1e-30));
+    EXPECT_LE(worst, 1.0) << "m=" << m << (varying ? " varying" : "");
+  };
+  const auto x256 = make_operand(256, M::tile_1x128), x384 = make_operand(384, M::tile_1x128);
+  run(*x256, 256, true);
+  EXPECT_EQ(g.plans_built(), 1);
+  run(*x256, 256, true);
+  run(*x384, 384, true);
+  EXPECT_EQ(g.plans_built(), 2);
+  EXPECT_EQ(g.plans_timed(), 0) << "a varying call was timed";
+  run(*x256, 256, false);
+  EXPECT_EQ(g.plans_built(), 3);
+  EXPECT_EQ(g.plans_timed(), 1);
+  cublasLtDestroy(lt);
+}
+
 namespace {
 
 loom::PluginRegistry& registry() {

@@ -215,7 +215,7 @@ class Fp8BlockGpu final : public Precision {
     gpu::fp8_block_cast_rows_cols(x, qx, sx, qxt, reinterpret_cast<float*>(saved_ + l.saved_off + l.sxt_rel),
                                   counter_, stream);
     gemm(ctx).gemm({&qx, sx, ScaleMode::tile_1x128}, {&qw, weight_scales(l, false), ScaleMode::block_128x128}, y,
-                   residual, stream);
+                   residual, stream, d.variable_rows);
   }
 
   void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
@@ -277,12 +277,12 @@ class Fp8BlockGpu final : public Precision {
       // "step": the copy cast by the forward; "layer": Wᵀ cast into the scratch now (only dgrad reads it).
       const Tensor qwt = cast_weight(l, w, /*transposed=*/true, stream);
       gemm(ctx).gemm({&qdy, sdy, ScaleMode::tile_1x128}, {&qwt, weight_scales(l, true), ScaleMode::block_128x128},
-                     *dx, nullptr, stream);
+                     *dx, nullptr, stream, d.variable_rows);
     }
     const Tensor qxt(saved_ + l.saved_off, DType::e4m3, Device::cuda, {d.in, rows});
     gemm(ctx).gemm({&qdyt, sdyt, ScaleMode::tile_1x128},
                    {&qxt, reinterpret_cast<const float*>(saved_ + l.saved_off + l.sxt_rel), ScaleMode::tile_1x128}, dw,
-                   accumulate ? &dw : nullptr, stream);
+                   accumulate ? &dw : nullptr, stream, d.variable_rows);
   }
 
   void end_step(const ExecContext& ctx) override {

@@ -6,6 +6,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -70,7 +71,7 @@ void Fp8BlockGemm::set_workspace(void* workspace, size_t bytes) {
 }
 
 void Fp8BlockGemm::gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d, const Tensor* c,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, bool varying) {
   LOOM_CHECK(a.data != nullptr && b.data != nullptr, "fp8_block_gemm: an operand has no tensor");
   const Tensor& ta = *a.data;
   const Tensor& tb = *b.data;
@@ -105,10 +106,12 @@ void Fp8BlockGemm::gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d,
   LOOM_CHECK(handle_ != nullptr && workspace_bytes_ > 0, "fp8_block_gemm: no cuBLASLt handle or workspace (handle ",
              handle_, ", ", workspace_bytes_, " workspace bytes)");
   auto handle = static_cast<cublasLtHandle_t>(handle_);
+  // A varying call's plan assumes 16 bytes (what every operand is checked
+  // for above), so that row views at any offset share it.
+  auto al = [&](const void* p) { return varying ? std::min<int64_t>(alignment_of(p), 16) : alignment_of(p); };
   const std::array<int64_t, kKeySize> key{m, n, k, ma.ld, mb.ld, mc.ld, md.ld, static_cast<int64_t>(d.dtype),
                                           c != nullptr, static_cast<int64_t>(a.mode), static_cast<int64_t>(b.mode),
-                                          alignment_of(ta.data), alignment_of(tb.data),
-                                          alignment_of(c != nullptr ? c->data : d.data), alignment_of(d.data)};
+                                          al(ta.data), al(tb.data), al(c != nullptr ? c->data : d.data), al(d.data)};
   auto where = [&] {
     return cat("fp8_block_gemm D[", m, ",", n, "] (", dtype_name(d.dtype), ", ldd ", md.ld, ") = A[", m, ",", k,
                "] (e4m3, ", blk::name(a.mode), ", lda ", ma.ld, ") B[", n, ",", k, "]^T (e4m3, ", blk::name(b.mode),
@@ -178,7 +181,8 @@ void Fp8BlockGemm::gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d,
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)),
         where());
     std::array<cublasLtMatmulHeuristicResult_t, kGemmAlgoCandidates> cand{};
-    const int want = algo_ == GemmAlgo::fastest ? kGemmAlgoCandidates : 1;
+    const bool timed = algo_ == GemmAlgo::fastest && !varying;
+    const int want = timed ? kGemmAlgoCandidates : 1;
     int found = 0;
     const cublasStatus_t st =
         cublasLtMatmulAlgoGetHeuristic(handle, p->op, p->a, p->b, p->c_layout(), p->d, pref, want, cand.data(), &found);
@@ -195,12 +199,13 @@ void Fp8BlockGemm::gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d,
                       "or newer"));
     }
     int pick = 0;
-    if (algo_ == GemmAlgo::fastest) {
+    if (timed) {
       // D (and C where it has a layout of its own) in the scratch; cuBLASLt's D is n x m, leading dimension ldd.
       const size_t es = dtype_size(d.dtype);
       pick = fastest_algorithm(handle, *p, cand.data(), found, tb.data, ta.data, c != nullptr ? 1.0f : 0.0f,
                                static_cast<size_t>(md.ld * m) * es, p->c ? static_cast<size_t>(mc.ld * m) * es : 0,
                                workspace_, workspace_bytes_, stream, where());
+      ++plans_timed_;
     }
     p->algo = cand[static_cast<size_t>(pick)].algo;
     p->workspace_needed = cand[static_cast<size_t>(pick)].workspaceSize;

@@ -57,9 +57,16 @@ class Fp8BlockGemm {
   void set_workspace(void* workspace, size_t bytes);
 
   // D = A B^T (+ C when c is given: D itself or a disjoint buffer of D's shape and dtype).
-  void gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d, const Tensor* c, cudaStream_t stream);
+  // varying: a call of a variable-row linear (an MoE expert), whose row count
+  // and row-view offsets change from call to call: its plan assumes 16-byte
+  // pointer alignment (whatever the pointers' own), so views at other offsets
+  // share it, and is never timed (a timing would run mid-training at every
+  // new count); one plan per problem shape.
+  void gemm(const BlockOperand& a, const BlockOperand& b, Tensor& d, const Tensor* c, cudaStream_t stream,
+            bool varying = false);
 
   int64_t plans_built() const { return plans_built_; }
+  int64_t plans_timed() const { return plans_timed_; }  // of those, picked by timing (GemmAlgo::fastest)
 
   struct Plan;
 
@@ -70,6 +77,7 @@ class Fp8BlockGemm {
   GemmAlgo algo_ = GemmAlgo::heuristic;
   std::vector<std::unique_ptr<Plan>> plans_;
   int64_t plans_built_ = 0;
+  int64_t plans_timed_ = 0;
 };
 
 }  // namespace loom::gpu
