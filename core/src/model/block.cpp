@@ -126,6 +126,16 @@ Tensor Block::param_rows(const UnitState& u, int first, int count, bool grad) co
   return view(flat, a.offset, {rows, a.shape[1]});
 }
 
+Tensor Block::column_half(const Tensor& packed, int which) {
+  LOOM_CHECK(packed.ndim == 2 && packed.size(1) % 2 == 0 && (which == 0 || which == 1),
+             "column_half: a [rows, 2f] view and half 0 or 1, got ", packed.shape_str(), " and ", which);
+  const int64_t f = packed.size(1) / 2;
+  Tensor v(static_cast<char*>(packed.data) + which * f * static_cast<int64_t>(dtype_size(packed.dtype)), packed.dtype,
+           packed.device, {packed.size(0), f});
+  v.stride[0] = packed.stride[0];
+  return v;
+}
+
 void AttentionBlock::declare(UnitInfo& u) {
   const std::string p = "model.layers." + std::to_string(layer_) + ".";
   add_param(u, p + "input_layernorm.weight", {spec_.hidden}, ParamRole::norm_gain);

@@ -140,6 +140,10 @@ class Block {
   // Several consecutive parameters of equal row width seen as one matrix: the
   // fused blocks' [q; k; v] and [gate; up] weights.
   Tensor param_rows(const UnitState& u, int first, int count, bool grad = false) const;
+  // Half `which` (0: the first f columns, gate; 1: the last f, up) of a
+  // packed [rows, 2f] matrix view, as a [rows, f] view with its row stride:
+  // what SwiGLU reads of a [gate; up] GEMM's output and writes of its gradient.
+  static Tensor column_half(const Tensor& packed, int which);
   void* buf(int id) const { return acts_->ptr(id); }
   Device dev() const { return env_.backend->device(); }
   // An activation buffer seen as a tensor of the recipe's activation dtype, or of fp32.

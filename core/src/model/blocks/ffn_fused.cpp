@@ -59,7 +59,8 @@ class FusedFfn final : public FfnBlock {
     Tensor swi = act(swi_, {N, f});
     {
       Range r(be, "swiglu");
-      be.swiglu_forward(swi, half(gu_, 0), half(gu_, 1));
+      const Tensor gu = act(gu_, {N, 2 * f});
+      be.swiglu_forward(swi, column_half(gu, 0), column_half(gu, 1));
     }
     {
       Range r(be, "down+residual");
@@ -81,8 +82,9 @@ class FusedFfn final : public FfnBlock {
     }
     {
       Range r(be, "swiglu.grad");
-      Tensor dg = half(d_gu_, 0), du = half(d_gu_, 1);
-      be.swiglu_backward(dg, du, d_swi, half(gu_, 0), half(gu_, 1));
+      const Tensor d_gu = act(d_gu_, {N, 2 * f}), gu = act(gu_, {N, 2 * f});
+      Tensor dg = column_half(d_gu, 0), du = column_half(d_gu, 1);
+      be.swiglu_backward(dg, du, d_swi, column_half(gu, 0), column_half(gu, 1));
     }
     Tensor d_ln = act(d_ln_, {N, h});
     {
@@ -101,15 +103,6 @@ class FusedFfn final : public FfnBlock {
   }
 
  private:
-  // Half `which` (0: gate, 1: up) of a packed [N, 2f] buffer, as an [N, f] view with row stride 2f.
-  Tensor half(int id, int which) const {
-    const int64_t f = spec_.ffn_hidden;
-    Tensor t(static_cast<char*>(buf(id)) + which * f * static_cast<int64_t>(dtype_size(env_.act)), env_.act, dev(),
-             {env_.N, f});
-    t.stride[0] = 2 * f;
-    return t;
-  }
-
   int ln2_ = -1, rstd2_ = -1, gu_ = -1, swi_ = -1;
   int d_ln_ = -1, d_gu_ = -1, d_swi_ = -1;
   int wgu_ = -1, wd_ = -1;

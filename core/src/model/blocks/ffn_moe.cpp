@@ -124,8 +124,7 @@ class MoeFfn final : public FfnBlock {
       LOOM_CHECK(row_align_ >= 1 && row_align_ <= 1024, "ffn.moe: the precision plugin's variable_row_multiple() is ",
                  row_align_, ", expected 1 to 1024 (the expert rows are padded to it)");
     }
-    // The sorted rows: every (token, slot) pair and the padding of E runs.
-    const size_t Rp = R + (row_align_ > 1 ? EE * static_cast<size_t>(row_align_ - 1) : 0);
+    const size_t Rp = static_cast<size_t>(padded_rows());  // every (token, slot) pair and the padding of E runs
     const size_t Rx = ep_ ? static_cast<size_t>(ep_->max_recv_rows()) : Rp;
     ln2_ = a.kept("ln2", l, n * H * e, full);
     rstd2_ = a.kept("rstd2", l, n * 4, full);
@@ -239,7 +238,7 @@ class MoeFfn final : public FfnBlock {
         Tensor xs_e = rows_of(xin_rows, r0, m), gu_e = rows_of(gu, r0, m);
         Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout_rows, r0, m);
         env_.precision->linear_forward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), gu_e, nullptr);
-        be.swiglu_forward(act_e, half(gu_e, 0), half(gu_e, 1));
+        be.swiglu_forward(act_e, column_half(gu_e, 0), column_half(gu_e, 1));
         env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, expert(u, e, kW2), eout_e, nullptr);
       }
       if (ep_) {
@@ -298,8 +297,8 @@ class MoeFfn final : public FfnBlock {
         Tensor dW2 = expert(u, e, kW2, true), dW13 = expert_w13(u, e, true);
         env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), expert(u, e, kW2),
                                         d_eout_e, &d_act_e, dW2, acc_e);
-        Tensor d_gate_e = half(d_gu_e, 0), d_up_e = half(d_gu_e, 1);
-        be.swiglu_backward(d_gate_e, d_up_e, d_act_e, half(gu_e, 0), half(gu_e, 1));
+        Tensor d_gate_e = column_half(d_gu_e, 0), d_up_e = column_half(d_gu_e, 1);
+        be.swiglu_backward(d_gate_e, d_up_e, d_act_e, column_half(gu_e, 0), column_half(gu_e, 1));
         env_.precision->linear_backward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), d_gu_e, &d_xs_e,
                                         dW13, acc_e);
       }
@@ -399,15 +398,6 @@ class MoeFfn final : public FfnBlock {
     LOOM_CHECK(lo >= 0 && lo + numel <= x->layout.optim_numel, "ffn.moe layer ", layer_, ": expert ", e,
                " is not held on this rank (", p.name, ")");
     return view(grad ? x->grads : x->params, lo, {rows, p.shape[1]});
-  }
-
-  // Half `which` (0: gate, 1: up) of a packed [rows, 2f] view, as a [rows, f] view with its row stride.
-  static Tensor half(const Tensor& t, int which) {
-    const int64_t f = t.size(1) / 2;
-    Tensor v(static_cast<char*>(t.data) + which * f * static_cast<int64_t>(dtype_size(t.dtype)), t.dtype, t.device,
-             {t.size(0), f});
-    v.stride[0] = t.stride[0];
-    return v;
   }
 
   // Rows the experts run on: the sorted local ones, or those received.
