@@ -32,8 +32,9 @@ struct MoeRouting {
   // Each expert's run of sorted rows starts at a multiple of row_align and
   // spans its count rounded up to one; the rows between hold no pair and are
   // zero in the gathered input and in the combine's gradient. The sorted
-  // buffers hold N k + E (row_align - 1) rows. A device backend's choice (the
-  // FP8 GEMMs run row counts in multiples of 16); the CPU backend takes 1.
+  // buffers hold N k + E (row_align - 1) rows. The MoE block sets it on a
+  // device to the precision recipe's variable_row_multiple() (the FP8 GEMMs'
+  // 16, fp8_block's 128); the CPU backend takes 1 only.
   int64_t row_align = 1;
 };
 

@@ -58,8 +58,9 @@ struct MoeDims {
   int64_t E = 0;  // experts
   int64_t k = 0;  // experts per token (top_k)
   // Each expert's run of sorted rows starts at a multiple of row_align and
-  // spans its row count rounded up to one (a device backend's sort, for the
-  // FP8 GEMMs' multiples of 16; the CPU reference packs them: 1). The rows
+  // spans its row count rounded up to one (the CUDA sort, for a precision
+  // recipe's row multiple, MoeRouting::row_align; the CPU reference packs
+  // them: 1). The rows
   // between runs hold no (token, slot) pair: the gather zeroes them and the
   // combine backward writes zeros into their gradient.
   int64_t row_align = 1;

@@ -207,6 +207,15 @@ __device__ void sorted_slots(int32_t* s_row, float* s_w, const int32_t* row_of, 
   __syncthreads();
 }
 
+// Zeros into a row of h elements, the block's threads across it (K-wide where packed).
+template <int K, typename T>
+__device__ __forceinline__ void zero_row(T* dst, int64_t h) {
+  const int64_t nvec = h / K;
+  const float z[K] = {};
+  for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) store_vec<K>(dst + v * K, z);
+  for (int64_t c = nvec * K + threadIdx.x; c < h; c += blockDim.x) dst[c] = from_f32<T>(0.f);
+}
+
 // Sorted rows [0, Rp): row r copies token perm[r] / k; a row that holds no
 // pair (perm -1: the padding between experts' runs, or past the last run
 // when some pair had an invalid expert) is zeroed, so that the expert GEMMs
@@ -219,9 +228,7 @@ __global__ void __launch_bounds__(kRowThreads) gather_kernel(T* xs, const T* x, 
     const int32_t pair = perm[r];
     T* dst = xs + r * h;
     if (pair < 0 || pair >= R) {  // uniform over the block
-      const float z[K] = {};
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) store_vec<K>(dst + v * K, z);
-      for (int64_t c = nvec * K + threadIdx.x; c < h; c += blockDim.x) dst[c] = from_f32<T>(0.f);
+      zero_row<K>(dst, h);
       continue;
     }
     const T* src = x + static_cast<int64_t>(pair / k) * h;
@@ -285,10 +292,7 @@ __global__ void __launch_bounds__(kRowThreads)
     const int32_t pair = perm[r];
     T* de = d_eout + r * h;
     if (pair < 0 || pair >= R) {  // uniform over the block: no barrier is skipped by part of it
-      // A row with no pair gets a zero gradient (finite: the expert GEMMs run over it).
-      const float z[K] = {};
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) store_vec<K>(de + v * K, z);
-      for (int64_t c = nvec * K + threadIdx.x; c < h; c += blockDim.x) de[c] = from_f32<T>(0.f);
+      zero_row<K>(de, h);  // a row with no pair: a zero gradient (finite, as the expert GEMMs run over it)
       continue;
     }
     const float wt = weights[pair];
@@ -690,9 +694,7 @@ __global__ void __launch_bounds__(kRouterDwThreads)
 #pragma unroll
     for (int i = 0; i < kRouterDwGroup; ++i) {
       if (e0 + i >= eend) break;
-      float* dst = partial + (c * ne + (e0 - ebegin) + i) * h + j;
-#pragma unroll
-      for (int q = 0; q < K; ++q) dst[q] = acc[i][q];
+      store_vec<K>(partial + (c * ne + (e0 - ebegin) + i) * h + j, acc[i]);
     }
   }
 }
@@ -875,7 +877,8 @@ void moe_router_backward(Tensor& dx, Tensor& d_router, const float* d_logits, co
     dispatch_float(x.dtype, "moe_router_backward", [&](auto tag) {
       using T = decltype(tag);
       constexpr int K = vec_width<T>();
-      const bool packed = rows_packable<T, K>(d.h, {x.data});
+      // Packed: K-wide loads of x and K-wide stores of the fp32 partials (16-byte chunks).
+      const bool packed = rows_packable<T, K>(d.h, {x.data}) && aligned_bytes(partial, 16);
       const int64_t cols = packed ? d.h / K : d.h;  // threads per token chunk
       const dim3 pgrid(static_cast<unsigned>((cols + kRouterDwThreads - 1) / kRouterDwThreads),
                        static_cast<unsigned>(plan.chunks));
