@@ -75,6 +75,19 @@ void random_bf16(std::mt19937& g, std::normal_distribution<float>& nd, size_t n,
   }
 }
 
+// A GPU recipe's workspace and saved activations for its linear `id`, on the
+// device and handed to it (set_workspace, set_saved_activations) when both
+// allocations succeeded (ok()); they live as long as this object.
+struct RecipeDeviceMemory {
+  DevBuf ws, saved;
+  RecipeDeviceMemory(loom::Precision& p, int id) : ws(p.workspace_bytes()), saved(p.saved_activation_bytes(id)) {
+    if (!ok()) return;
+    p.set_workspace(ws.p, p.workspace_bytes());
+    p.set_saved_activations(saved.p, p.saved_activation_bytes(id));
+  }
+  bool ok() const { return ws.p != nullptr && saved.p != nullptr; }
+};
+
 // One FP8 linear [rows, in] x [out, in]^T through a CPU recipe (emulated
 // FP8) and a GPU recipe of the same kind, for three optimizer steps of two
 // micro-batches, with a residual on the forward. Inputs are random bf16
@@ -99,11 +112,9 @@ inline void check_linear_pair(loom::Precision& cpu, loom::Precision& gpu, int64_
   std::vector<float> cws(cpu.workspace_bytes() / 4 + 1), csaved(cpu.saved_activation_bytes(cid) / 4 + 1);
   cpu.set_workspace(cws.data(), cpu.workspace_bytes());
   cpu.set_saved_activations(csaved.data(), cpu.saved_activation_bytes(cid));
-  DevBuf gws(gpu.workspace_bytes()), gsaved(gpu.saved_activation_bytes(gid));
-  ASSERT_NE(gws.p, nullptr);
-  ASSERT_NE(gsaved.p, nullptr);
-  gpu.set_workspace(gws.p, gpu.workspace_bytes());
-  gpu.set_saved_activations(gsaved.p, gpu.saved_activation_bytes(gid));
+  const RecipeDeviceMemory gmem(gpu, gid);
+  ASSERT_NE(gmem.ws.p, nullptr);
+  ASSERT_NE(gmem.saved.p, nullptr);
   GpuCallContext call;
   ASSERT_TRUE(call.lt && call.stream);
   cudaStream_t stream = call.stream;
@@ -206,13 +217,8 @@ inline void check_variable_row_split(loom::Precision& split, loom::Precision& wh
   s.device = loom::Device::cuda;
   split.setup(s);
   whole.setup(s);
-  DevBuf sws(split.workspace_bytes()), ssaved(split.saved_activation_bytes(sid)), wws(whole.workspace_bytes()),
-      wsaved(whole.saved_activation_bytes(wid));
-  ASSERT_TRUE(sws.p && ssaved.p && wws.p && wsaved.p);
-  split.set_workspace(sws.p, split.workspace_bytes());
-  split.set_saved_activations(ssaved.p, split.saved_activation_bytes(sid));
-  whole.set_workspace(wws.p, whole.workspace_bytes());
-  whole.set_saved_activations(wsaved.p, whole.saved_activation_bytes(wid));
+  const RecipeDeviceMemory smem(split, sid), wmem(whole, wid);
+  ASSERT_TRUE(smem.ok() && wmem.ok());
   GpuCallContext call;
   ASSERT_TRUE(call.lt && call.stream);
   cudaStream_t stream = call.stream;

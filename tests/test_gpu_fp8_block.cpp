@@ -293,6 +293,32 @@ std::vector<double> reference(const std::vector<uint8_t>& qa, const std::vector<
 
 }  // namespace
 
+// An E4M3 operand [rows, k] cast on the device from tiled_data(seed), in 1x128
+// tiles or 128x128 blocks (mode), with its codes and scales read back for the
+// fp64 reference.
+struct CastOperand {
+  DevBuf q, s;
+  std::vector<uint8_t> hq;
+  std::vector<float> hs;
+  CastOperand(int64_t rows, int64_t k, blk::ScaleMode mode, uint32_t seed)
+      : q(static_cast<size_t>(rows * k)), s(static_cast<size_t>(rows * k / 128) * 4 + 256) {
+    std::vector<uint16_t> b;
+    std::vector<float> f;
+    tiled_data(rows, k, seed, b, f);
+    DevBuf dx(b.size() * 2);
+    EXPECT_EQ(cudaMemcpy(dx.p, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    Tensor tx(dx.p, DType::bf16, Device::cuda, {rows, k}), tq(q.p, DType::e4m3, Device::cuda, {rows, k});
+    if (mode == blk::ScaleMode::tile_1x128)
+      loom::gpu::fp8_block_cast_rows(tx, tq, static_cast<float*>(s.p), nullptr, nullptr);
+    else
+      loom::gpu::fp8_block_cast_blocks(tx, &tq, nullptr, static_cast<float*>(s.p), nullptr, nullptr, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    hq = download<uint8_t>(q.p, b.size());
+    hs = download<float>(s.p, static_cast<size_t>(blk::scale_floats(mode, rows, k)));
+  }
+  const float* scales() const { return static_cast<const float*>(s.p); }
+};
+
 // fprop (x 1x128, W 128x128), dgrad (dy 1x128, Wᵀ 128x128) and wgrad (dyᵀ,
 // xᵀ both 1x128, + C) shapes, operands cast on the device from data with
 // distinct tile magnitudes.
@@ -316,28 +342,7 @@ TEST(GpuFp8Block, BlockScaledGemmsAgainstFp64) {
   uint32_t seed = 1;
   for (const GemmCase& c : cases) {
     SCOPED_TRACE(std::string(c.name) + ", gemm_algo " + loom::gemm_algo_name(algo));
-    // Operands: cast on the device (rows or blocks by mode), codes and scales read back.
-    auto make_operand = [&](int64_t rows, M mode, DevBuf& q, DevBuf& s, std::vector<uint8_t>& hq,
-                            std::vector<float>& hs) {
-      std::vector<uint16_t> b;
-      std::vector<float> f;
-      tiled_data(rows, c.k, seed++, b, f);
-      DevBuf dx(b.size() * 2);
-      ASSERT_EQ(cudaMemcpy(dx.p, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-      Tensor tx(dx.p, DType::bf16, Device::cuda, {rows, c.k});
-      Tensor tq(q.p, DType::e4m3, Device::cuda, {rows, c.k});
-      if (mode == M::tile_1x128) loom::gpu::fp8_block_cast_rows(tx, tq, static_cast<float*>(s.p), nullptr, nullptr);
-      else loom::gpu::fp8_block_cast_blocks(tx, &tq, nullptr, static_cast<float*>(s.p), nullptr, nullptr, nullptr);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      hq = download<uint8_t>(q.p, b.size());
-      hs = download<float>(s.p, static_cast<size_t>(blk::scale_floats(mode, rows, c.k)));
-    };
-    DevBuf qa(static_cast<size_t>(c.m * c.k)), qb(static_cast<size_t>(c.n * c.k));
-    DevBuf sa(static_cast<size_t>(c.m * c.k / 128) * 4 + 256), sb(static_cast<size_t>(c.n * c.k / 128) * 4 + 256);
-    std::vector<uint8_t> hqa, hqb;
-    std::vector<float> hsa, hsb;
-    make_operand(c.m, c.ma, qa, sa, hqa, hsa);
-    make_operand(c.n, c.mb, qb, sb, hqb, hsb);
+    const CastOperand A(c.m, c.k, c.ma, seed++), B(c.n, c.k, c.mb, seed++);
     const size_t nd = static_cast<size_t>(c.m * c.n);
     DevBuf dd(nd * 4);
     std::vector<float> c0(nd, 0.0f);
@@ -346,14 +351,14 @@ TEST(GpuFp8Block, BlockScaledGemmsAgainstFp64) {
     if (c.with_c)
       for (auto& v : c0) v = ndist(gc);
     CUDA_OK(cudaMemcpy(dd.p, c0.data(), nd * 4, cudaMemcpyHostToDevice));
-    Tensor ta(qa.p, DType::e4m3, Device::cuda, {c.m, c.k}), tb(qb.p, DType::e4m3, Device::cuda, {c.n, c.k});
+    Tensor ta(A.q.p, DType::e4m3, Device::cuda, {c.m, c.k}), tb(B.q.p, DType::e4m3, Device::cuda, {c.n, c.k});
     Tensor td(dd.p, DType::f32, Device::cuda, {c.m, c.n});
-    g.gemm({&ta, static_cast<const float*>(sa.p), c.ma}, {&tb, static_cast<const float*>(sb.p), c.mb}, td,
+    g.gemm({&ta, A.scales(), c.ma}, {&tb, B.scales(), c.mb}, td,
            c.with_c ? &td : nullptr, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     const std::vector<float> got = download<float>(dd.p, nd);
     std::vector<double> abs_sum;
-    std::vector<double> want = reference(hqa, hsa, c.ma, 0, hqb, hsb, c.mb, 0, c.m, c.n, c.k, &abs_sum);
+    std::vector<double> want = reference(A.hq, A.hs, c.ma, 0, B.hq, B.hs, c.mb, 0, c.m, c.n, c.k, &abs_sum);
     for (size_t i = 0; i < nd; ++i) want[i] += c0[i];
     const double eps_k = 4.0 * static_cast<double>(c.k) * std::ldexp(1.0, -24) + std::ldexp(1.0, -11);
     double worst = 0, max_err = 0, max_ref = 0;
@@ -374,7 +379,7 @@ TEST(GpuFp8Block, BlockScaledGemmsAgainstFp64) {
       // its two indices swapped.
       for (int va = 0; va < 2; ++va)
         for (int vb = 0; vb < 2; ++vb) {
-          std::vector<double> alt = reference(hqa, hsa, c.ma, va, hqb, hsb, c.mb, vb, c.m, c.n, c.k, nullptr);
+          std::vector<double> alt = reference(A.hq, A.hs, c.ma, va, B.hq, B.hs, c.mb, vb, c.m, c.n, c.k, nullptr);
           double e = 0, mr = 0;
           for (size_t i = 0; i < nd; ++i) {
             e = std::max(e, std::fabs(got[i] - (alt[i] + c0[i])));
@@ -415,53 +420,30 @@ TEST(GpuFp8Block, VaryingCallsArePlannedWithoutTiming) {
   loom::gpu::Fp8BlockGemm g(lt, ws.p, loom::gpu::Fp8BlockGemm::kWorkspaceBytes, loom::GemmAlgo::fastest);
   const int64_t n = 256, k = 384;
   uint32_t seed = 40;
-  // An operand of `rows` rows cast on the device, its codes and scales read back.
-  struct Operand {
-    DevBuf q, s;
-    std::vector<uint8_t> hq;
-    std::vector<float> hs;
-    Operand(int64_t rows, int64_t cols) : q(static_cast<size_t>(rows * cols)), s(static_cast<size_t>(rows * cols / 128) * 4 + 256) {}
-  };
-  auto make_operand = [&](int64_t rows, M mode) -> std::unique_ptr<Operand> {
-    auto o = std::make_unique<Operand>(rows, k);
-    std::vector<uint16_t> b;
-    std::vector<float> f;
-    tiled_data(rows, k, seed++, b, f);
-    DevBuf dx(b.size() * 2);
-    EXPECT_EQ(cudaMemcpy(dx.p, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-    Tensor tx(dx.p, DType::bf16, Device::cuda, {rows, k}), tq(o->q.p, DType::e4m3, Device::cuda, {rows, k});
-    if (mode == M::tile_1x128) loom::gpu::fp8_block_cast_rows(tx, tq, static_cast<float*>(o->s.p), nullptr, nullptr);
-    else loom::gpu::fp8_block_cast_blocks(tx, &tq, nullptr, static_cast<float*>(o->s.p), nullptr, nullptr, nullptr);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    o->hq = download<uint8_t>(o->q.p, b.size());
-    o->hs = download<float>(o->s.p, static_cast<size_t>(blk::scale_floats(mode, rows, k)));
-    return o;
-  };
-  const auto w = make_operand(n, M::block_128x128);
-  Tensor tw(w->q.p, DType::e4m3, Device::cuda, {n, k});
-  auto run = [&](const Operand& x, int64_t m, bool varying) {
+  const CastOperand w(n, k, M::block_128x128, seed++);
+  Tensor tw(w.q.p, DType::e4m3, Device::cuda, {n, k});
+  auto run = [&](const CastOperand& x, int64_t m, bool varying) {
     Tensor tx(x.q.p, DType::e4m3, Device::cuda, {m, k});
     DevBuf dd(static_cast<size_t>(m * n) * 4);
     Tensor td(dd.p, DType::f32, Device::cuda, {m, n});
-    g.gemm({&tx, static_cast<const float*>(x.s.p), M::tile_1x128}, {&tw, static_cast<const float*>(w->s.p), M::block_128x128},
-           td, nullptr, nullptr, varying);
+    g.gemm({&tx, x.scales(), M::tile_1x128}, {&tw, w.scales(), M::block_128x128}, td, nullptr, nullptr, varying);
     CUDA_OK(cudaDeviceSynchronize());
     const std::vector<float> got = download<float>(dd.p, static_cast<size_t>(m * n));
     std::vector<double> abs_sum;
-    const std::vector<double> want = reference(x.hq, x.hs, M::tile_1x128, 0, w->hq, w->hs, M::block_128x128, 0, m, n, k, &abs_sum);
+    const std::vector<double> want = reference(x.hq, x.hs, M::tile_1x128, 0, w.hq, w.hs, M::block_128x128, 0, m, n, k, &abs_sum);
     const double eps_k = 4.0 * static_cast<double>(k) * std::ldexp(1.0, -24) + std::ldexp(1.0, -11);
     double worst = 0;
     for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - want[i]) / (eps_k * abs_sum[i] + 1e-30));
     EXPECT_LE(worst, 1.0) << "m=" << m << (varying ? " varying" : "");
   };
-  const auto x256 = make_operand(256, M::tile_1x128), x384 = make_operand(384, M::tile_1x128);
-  run(*x256, 256, true);
+  const CastOperand x256(256, k, M::tile_1x128, seed++), x384(384, k, M::tile_1x128, seed++);
+  run(x256, 256, true);
   EXPECT_EQ(g.plans_built(), 1);
-  run(*x256, 256, true);
-  run(*x384, 384, true);
+  run(x256, 256, true);
+  run(x384, 384, true);
   EXPECT_EQ(g.plans_built(), 2);
   EXPECT_EQ(g.plans_timed(), 0) << "a varying call was timed";
-  run(*x256, 256, false);
+  run(x256, 256, false);
   EXPECT_EQ(g.plans_built(), 3);
   EXPECT_EQ(g.plans_timed(), 1);
   cublasLtDestroy(lt);
