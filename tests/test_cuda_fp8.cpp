@@ -1,6 +1,8 @@
 // The FP8 device building blocks (kernels/cuda/fp8_kernels.hpp, fp8_gemm.hpp)
 // against the host FP8 code (loom/fp8.hpp, loom/fp8_scaling.hpp) and an fp64
 // CPU GEMM:
+// - the hardware encode of the tile kernels: every fp32 input's code equal
+//   to encode_fast's (itself checked against the host's encode);
 // - casts: bitwise equal to host loom::fp8::quantize (fp32 and bf16 inputs,
 //   E4M3 and E5M2, several scales, saturation, NaN, infinities, zeros, fp32
 //   and FP8 subnormals, rounding ties), the transposed copy, tile edges and
@@ -9,7 +11,11 @@
 //   negative, tiny (scale overflow) and huge with a margin (scale underflow);
 // - GEMMs: every operand format pair cuBLASLt has, fast accumulation on and
 //   off, with and without C (separate and in place), bf16 and fp32 D, the D
-//   amax, and a linear's fprop/dgrad/wgrad end to end from device casts.
+//   amax, and a linear's fprop/dgrad/wgrad end to end from device casts;
+// - SwiGLU writing FP8 (swiglu_forward_fp8, swiglu_backward_fp8): bitwise the
+//   bf16 SwiGLU kernels followed by fp8_cast, codes, transposed codes and amax,
+//   over whole and partial tiles, packed halves and separate tensors, both
+//   formats, saturation and NaN.
 // GPU cases skip without a device; the argument checks need none and run in
 // every CUDA build (nothing is launched before an argument is refused).
 #include <gtest/gtest.h>
@@ -34,6 +40,7 @@
 #include "cuda_test_util.hpp"
 #include "gpu_test_util.hpp"
 #include "hf/safetensors.hpp"
+#include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/fp8_gemm.hpp"
 #include "kernels/cuda/fp8_kernels.hpp"
 #include "loom/fp8.hpp"
@@ -170,6 +177,52 @@ TEST(CudaFp8Args, CastRefusesBadArguments) {
   Tensor q2(fake_ptr(1 << 12), DType::e4m3, Device::cuda, {32, 63});
   e = error_of([&] { loom::gpu::fp8_dequantize(y, q2, scale, nullptr); });
   EXPECT_TRUE(contains(e, "have different element counts")) << e;
+}
+
+TEST(CudaFp8Args, SwigluFp8RefusesWhatItCannotWrite) {
+  // Checked before anything is launched: bf16 operands only, rows and f
+  // multiples of 16, q [rows, outputs f] and q_t [outputs f, rows] of one FP8
+  // format, 16-byte alignment.
+  float* scale = reinterpret_cast<float*>(fake_ptr(1 << 16));
+  Tensor gu(fake_ptr(), DType::bf16, Device::cuda, {32, 128});
+  Tensor g = gu, u = gu;
+  g.shape[1] = u.shape[1] = 64;
+  u.data = fake_ptr(128);  // the second half, row stride 128
+  Tensor d(fake_ptr(1 << 14), DType::bf16, Device::cuda, {32, 64});
+  Tensor q(fake_ptr(1 << 12), DType::e4m3, Device::cuda, {32, 64});
+  Tensor qt(fake_ptr(1 << 13), DType::e4m3, Device::cuda, {64, 32});
+  Tensor q2(fake_ptr(1 << 12), DType::e5m2, Device::cuda, {32, 128});
+  Tensor qt2(fake_ptr(1 << 13), DType::e5m2, Device::cuda, {128, 32});
+  std::string e;
+  Tensor g32 = g;
+  g32.dtype = DType::f32;
+  e = error_of([&] { loom::gpu::swiglu_forward_fp8(q, qt, g32, u, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "swiglu_forward_fp8: gate, up must be bf16")) << e;
+  Tensor g24 = g, u24 = u;
+  g24.shape[1] = u24.shape[1] = 24;
+  Tensor q24(fake_ptr(1 << 12), DType::e4m3, Device::cuda, {32, 24});
+  Tensor qt24(fake_ptr(1 << 13), DType::e4m3, Device::cuda, {24, 32});
+  e = error_of([&] { loom::gpu::swiglu_forward_fp8(q24, qt24, g24, u24, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "[32, 24] SwiGLU columns: rows and columns must be multiples of 16")) << e;
+  Tensor g40 = g, u40 = u;
+  g40.shape[0] = u40.shape[0] = 40;
+  e = error_of([&] { loom::gpu::swiglu_forward_fp8(q, qt, g40, u40, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "[40, 64] SwiGLU columns")) << e;
+  e = error_of([&] { loom::gpu::swiglu_backward_fp8(q, qt, d, g, u, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "q must be a contiguous [32, 128] tensor, got [32,64]")) << e;
+  e = error_of([&] { loom::gpu::swiglu_forward_fp8(q2, qt, g, u, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "q and q_t must be one FP8 format")) << e;
+  e = error_of([&] { loom::gpu::swiglu_forward_fp8(q, q, g, u, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "q_t must be a contiguous [64, 32] tensor, got [32,64]")) << e;
+  Tensor u_off = u;
+  u_off.data = fake_ptr(130);
+  e = error_of([&] { loom::gpu::swiglu_forward_fp8(q, qt, g, u_off, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "must start 16-byte aligned")) << e;
+  e = error_of([&] { loom::gpu::swiglu_backward_fp8(q2, qt2, d, g, u, nullptr, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "swiglu_backward_fp8: scale at") && contains(e, "must be a device float")) << e;
+  Tensor d48(fake_ptr(1 << 14), DType::bf16, Device::cuda, {32, 48});
+  e = error_of([&] { loom::gpu::swiglu_backward_fp8(q2, qt2, d48, g, u, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "dout is [32, 48], gate [32, 64]")) << e;
 }
 
 TEST(CudaFp8Args, GemmRefusesWhatCublasLtCannotDo) {
@@ -338,6 +391,19 @@ TEST_F(CudaFp8, CastMatchesHostEncodeBitwise) {
     }
   }
   EXPECT_EQ(checked, 2 * 2 * kCases * 5);
+}
+
+TEST_F(CudaFp8, HardwareEncodeIsTheHostEncodeForEveryFloat) {
+  // The tile kernels encode with PTX cvt.rn.satfinite (fp8_tile.cuh): over
+  // all 2^32 fp32 bit patterns (every NaN, infinity, subnormal and tie) it
+  // must give encode_fast's code, which test_fp8 checks against the host's
+  // encode over every input.
+  for (fp8::Format f : {fp8::Format::e4m3, fp8::Format::e5m2}) {
+    uint32_t first = 0;
+    const uint64_t bad = loom::gpu::fp8_encode_mismatches(f, &first, stream_);
+    EXPECT_EQ(bad, 0u) << (f == fp8::Format::e4m3 ? "e4m3" : "e5m2") << ": first differing input bits 0x" << std::hex
+                       << first;
+  }
 }
 
 TEST_F(CudaFp8, WholeTileCastLoopsOverMoreTilesThanBlocks) {
@@ -1087,6 +1153,101 @@ TEST_F(CudaFp8Gemm, HotPathAllocatesNothing) {
   EXPECT_GT(err.ours_new, 0) << "the counting operator new does not see libloom's allocations";
 }
 
+
+// ---- SwiGLU writing FP8 ------------------------------------------------------------
+
+struct SwigluFp8Case {
+  int64_t rows, f;
+  bool packed;  // gate and up the halves of one [rows, 2f] buffer (the fused block's), else two [rows, f] tensors
+};
+
+TEST_F(CudaFp8, SwigluWritingFp8IsTheBf16KernelThenTheCast) {
+  // Against the pair it replaces on the device (both checked elsewhere:
+  // SwiGLU against the CPU in test_cuda_kernels, the cast against the host
+  // encode above): swiglu_forward into bf16 then fp8_cast into q and q_t, and
+  // swiglu_backward into the packed [dgate, dup] then fp8_cast. Bitwise,
+  // codes and amax. Shapes: one whole tile; partial tiles both ways (rows 144
+  // = 128 + 16, f 80 = 64 + 16); the smallest ([16, 16]); llama-1b's f at a
+  // few row tiles; more tiles (64 x 32) than the kernel has resident blocks,
+  // so blocks loop. Values: bf16, |gate| up to 8, a scale that saturates the
+  // largest, one NaN in one case (its amax +inf).
+  const SwigluFp8Case cases[] = {{128, 64, true},   {144, 80, true},    {16, 16, false},
+                                 {256, 5632, true}, {8192, 2048, true}, {48, 272, false}};
+  int checked = 0;
+  for (const SwigluFp8Case& cc : cases) {
+    for (DType qtype : {DType::e4m3, DType::e5m2}) {
+      for (float s : {1.0f, 60.0f}) {
+        const int64_t R = cc.rows, f = cc.f, ldg = cc.packed ? 2 * f : f;
+        const bool nan = cc.rows == 144 && qtype == DType::e5m2;
+        SCOPED_TRACE(::testing::Message() << "[" << R << ", " << f << "] " << (cc.packed ? "packed" : "separate") << " "
+                                          << loom::dtype_name(qtype) << " scale " << s << (nan ? " NaN" : ""));
+        std::mt19937 rng(static_cast<uint32_t>(R * 31 + f + checked));
+        std::uniform_real_distribution<float> wide(-8.f, 8.f), narrow(-2.f, 2.f);
+        const size_t nf = static_cast<size_t>(R * f);
+        std::vector<uint16_t> hg(static_cast<size_t>(R * ldg)), hu(hg.size()), hd(nf);
+        for (uint16_t& x : hg) x = loom::hf::f32_to_bf16(wide(rng));
+        for (uint16_t& x : hu) x = loom::hf::f32_to_bf16(narrow(rng));
+        for (uint16_t& x : hd) x = loom::hf::f32_to_bf16(narrow(rng));
+        if (nan) hg[static_cast<size_t>(5 * ldg + 7)] = 0x7FC0;
+        // gate: [R, ldg]; up: its second half (packed) or its own buffer.
+        DevBuf gb(hg.size() * 2), ub(hu.size() * 2), db(nf * 2), mid(2 * nf * 2), sb(4), ab(16);
+        DevBuf q(2 * nf), qt(2 * nf), want_q(2 * nf), want_qt(2 * nf);
+        ASSERT_TRUE(gb.p && ub.p && db.p && mid.p && sb.p && ab.p && q.p && qt.p && want_q.p && want_qt.p);
+        upload(gb, hg);
+        upload(ub, hu);
+        upload(db, hd);
+        put_float(sb, s);
+        for (size_t i = 0; i < 4; ++i) put_float(ab, 0.0f, i);
+        Tensor gate(gb.p, DType::bf16, Device::cuda, {R, f}), up = gate;
+        gate.stride[0] = up.stride[0] = ldg;
+        up.data = cc.packed ? static_cast<void*>(gb.as<uint16_t>() + f) : ub.p;
+        const Tensor dout(db.p, DType::bf16, Device::cuda, {R, f});
+        const float* scale = sb.as<float>();
+        float* amax = ab.as<float>();
+        for (int backward = 0; backward < 2; ++backward) {
+          const int64_t cols = backward ? 2 * f : f;
+          const size_t n = static_cast<size_t>(R * cols);
+          for (const DevBuf* b : {&q, &qt, &want_q, &want_qt}) CUDA_OK(cudaMemset(b->p, 0xAA, 2 * nf));
+          Tensor tq(q.p, qtype, Device::cuda, {R, cols}), tqt(qt.p, qtype, Device::cuda, {cols, R});
+          Tensor wq(want_q.p, qtype, Device::cuda, {R, cols}), wqt(want_qt.p, qtype, Device::cuda, {cols, R});
+          Tensor m(mid.p, DType::bf16, Device::cuda, {R, cols});
+          if (backward) {
+            Tensor dg = m, du = m;
+            dg.shape[1] = du.shape[1] = f;
+            du.data = mid.as<uint16_t>() + f;
+            loom::gpu::swiglu_backward(dg, du, dout, gate, up, stream_);
+            loom::gpu::swiglu_backward_fp8(tq, tqt, dout, gate, up, scale, amax + 2, stream_);
+          } else {
+            loom::gpu::swiglu_forward(m, gate, up, stream_);
+            loom::gpu::swiglu_forward_fp8(tq, tqt, gate, up, scale, amax, stream_);
+          }
+          loom::gpu::fp8_cast(m, &wq, &wqt, scale, amax + 2 * backward + 1, stream_);
+          CUDA_OK(cudaStreamSynchronize(stream_));
+          const char* what = backward ? "backward" : "forward";
+          const std::vector<uint8_t> got = download<uint8_t>(q, n), want = download<uint8_t>(want_q, n);
+          const std::vector<uint8_t> got_t = download<uint8_t>(qt, n), want_t = download<uint8_t>(want_qt, n);
+          size_t bad = 0, bad_t = 0;
+          for (size_t i = 0; i < n; ++i) {
+            if (got[i] != want[i] && bad++ < 4)
+              ADD_FAILURE() << what << " q[" << i / cols << ", " << i % cols << "] = 0x" << std::hex << int(got[i])
+                            << ", the cast's 0x" << int(want[i]) << std::dec;
+            if (got_t[i] != want_t[i] && bad_t++ < 4)
+              ADD_FAILURE() << what << " q_t[" << i / R << ", " << i % R << "] = 0x" << std::hex << int(got_t[i])
+                            << ", the cast's 0x" << int(want_t[i]) << std::dec;
+          }
+          EXPECT_EQ(bad, 0u) << what;
+          EXPECT_EQ(bad_t, 0u) << what;
+          const float a = get_float(ab, 2 * backward), a_cast = get_float(ab, 2 * backward + 1);
+          EXPECT_EQ(bits(a), bits(a_cast)) << what << " amax " << a << ", the cast's " << a_cast;
+          EXPECT_GT(a, 0.0f) << what;
+          if (nan) EXPECT_EQ(a, kInf) << what << ": a NaN counts as +inf";
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 6 * 2 * 2 * 2);
+}
 }  // namespace
 
 #else  // !LOOM_HAVE_CUDA

@@ -345,6 +345,13 @@ TEST(Fp8Recipes, ConfigErrors) {
   expect_error([] { make("fp8_delayed", "weight_cache = \"micro_batch\"\n"); },
                {"fp8.toml", "weight_cache", "auto", "step", "layer"});
   expect_error([] { make("fp8_current", "weight_cache = 1\n"); }, {"fp8.toml", "weight_cache"});
+  // fused_casts: delayed scaling's alone (current scaling measures a tensor before it can cast it).
+  EXPECT_NO_THROW(make("fp8_delayed", "fused_casts = false\n"));
+  expect_error([] { make("fp8_delayed", "fused_casts = \"yes\"\n"); }, {"fp8.toml", "fused_casts"});
+  expect_error([] { make("fp8_current", "fused_casts = true\n"); },
+               {"fp8.toml", "fused_casts", "fp8_current", "measures each tensor", "fp8_delayed"});
+  expect_error([] { make("fp8_block", "fused_casts = false\n"); },
+               {"fp8.toml", "fused_casts", "fp8_block", "1x128 tile", "fp8_delayed"});
   // gemm_algo (loom/gemm_algo.hpp): read on every device, refused when
   // "fastest" meets a deterministic run.
   for (const char* plugin : {"fp8_delayed", "fp8_current"}) {

@@ -11,6 +11,10 @@
 //   - a bf16 checkpoint resumed under fp8_delayed and the reverse;
 //   - weight_cache = "step" and "layer" give bitwise the same losses and state
 //     at the llama-125m shape;
+//   - fused_casts (the fused layers' SwiGLU writing the down projection's x
+//     and the gate_up projection's dy in FP8) gives bitwise the losses and
+//     state of the separate casts, at the llama-125m shape and at one whose
+//     rows and ffn columns leave partial tiles, with recompute;
 //   - an FP8 bench run uses no more device memory than the bf16 run of the
 //     same model (`loom bench`'s memory column: cudaMemGetInfo in use).
 // GPU cases skip without a device.
@@ -365,6 +369,56 @@ TEST(GpuFp8Recipes, WeightCacheStepAndLayerAreBitwiseEqual) {
                     layers.c_str(), accum.c_str(), a.steps.front().loss, a.steps.back().loss, b.steps.front().loss,
                     b.steps.back().loss);
       }
+}
+
+// fp8_delayed with fused layers: fused_casts = true (SwiGLU forward writes
+// the down projection's x and SwiGLU backward the gate_up projection's dy in
+// FP8, Precision::fp8_operand) against false (SwiGLU writes bf16, the recipe
+// casts it). The fused kernels round each value to bf16 before encoding, so
+// the codes, the amaxes and hence the scales, losses and validation losses
+// must be bitwise equal. Shapes: llama-125m (rows 2048, ffn 3072: whole
+// tiles), grad_accum 1 and 2; and ffn 2000 (31 column tiles and 16 columns)
+// with 3 x 400 = 1200 rows (9 row tiles and 48 rows), grad_accum 2 and
+// model.recompute = "full" (every unit's forward runs again in the
+// backward).
+TEST(GpuFp8Recipes, FusedCastsAreBitwiseTheSeparateCasts) {
+  LOOM_REQUIRE_GPU();
+  struct Case {
+    std::vector<std::string> ov;
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=1"}, "125m shape, grad_accum 1"},
+      {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=2"}, "125m shape, grad_accum 2"},
+      {{"train.micro_batch=3", "train.seq_len=400", "train.grad_accum=2", "model.ffn_hidden=2000",
+        "model.recompute=\"full\""},
+       "partial tiles, recompute full"}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::map<std::string, loom::RunSummary> runs;
+    std::map<std::string, std::map<std::string, std::vector<char>>> states;
+    for (const std::string fused : {"true", "false"}) {
+      const fs::path out = temp_dir(std::string("fused_casts_") + fused + std::to_string(&c - cases.data()));
+      std::vector<std::string> ov = {
+          "run.out_dir=\"" + out.string() + "\"", "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
+          "run.deterministic=true", "run.log_level=\"warn\"", "precision.plugin=\"fp8_delayed\"",
+          "precision.fused_casts=" + fused, "precision.amax_history_len=4", "model.layers=\"fused\"",
+          "train.steps=4", "train.log_every=2", "train.validation_every=2", "train.validation_batches=1",
+          "checkpoint.every=0", "checkpoint.resume=none"};
+      ov.insert(ov.end(), c.ov.begin(), c.ov.end());
+      loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov));
+      runs[fused] = s.train();
+      states[fused] = state_bytes(s.precision());
+    }
+    const loom::RunSummary &a = runs["false"], &b = runs["true"];
+    loom::test::expect_same_losses(a, b, 4);
+    EXPECT_EQ(states["true"], states["false"]) << "scales, history and counters";
+    bool moved = false;
+    for (float v : floats(states["true"].at("fp8.scale"))) moved = moved || v != 1.0f;
+    EXPECT_TRUE(moved) << "the scales never left 1: the amaxes were not recorded";
+    std::printf("[fp8 fused_casts] %s: separate %.6f -> %.6f, fused %.6f -> %.6f\n", c.what, a.steps.front().loss,
+                a.steps.back().loss, b.steps.front().loss, b.steps.back().loss);
+  }
 }
 
 // `loom bench` (its "mem GiB" column: cudaMemGetInfo's total - free after

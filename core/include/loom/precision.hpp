@@ -16,6 +16,7 @@
 //   state_tensors()                what a checkpoint saves and restores by name
 //   linear_forward / linear_backward ... end_step()   every step
 //   current_fp8_weight(id)         asked once after setup() (FP8 weight gathers, ABI 6.0)
+//   fp8_operand(id, role, rows)    asked in a step before a block's kernel makes x or dy (ABI 8.0)
 #pragma once
 #include <cstdint>
 #include <string>
@@ -105,6 +106,27 @@ struct Fp8WeightCast {
   int margin = 0;
 };
 
+// A linear's FP8 operand that a block's own kernel writes in place of the
+// bf16 tensor the recipe would otherwise cast (ABI 8.0): the kernel that
+// makes x (or dy) writes its codes directly, and the bf16 write and the
+// cast's read of that tensor never happen. For every element v of the operand,
+// rounded to the activation dtype first (the value the block would have
+// handed over), the kernel writes q = encode(v * *scale) in q's format (E4M3
+// or E5M2, round to nearest even, saturating; loom/fp8.hpp) into q and into
+// its transposed copy q_t, and max-accumulates |v| into *amax (a NaN as +inf;
+// atomicMax on the float's bits). Then the block hands q itself to the
+// recipe: as x to linear_forward or as dy to linear_backward.
+enum class Fp8OperandRole : uint8_t {
+  x = 0,   // the input of linear_forward
+  dy = 1,  // the output gradient of linear_backward
+};
+struct Fp8Operand {
+  Tensor q;                      // [rows, cols] contiguous, e4m3 or e5m2 (cols: in for x, out for dy)
+  Tensor q_t;                    // [cols, rows] contiguous, q's dtype
+  const float* scale = nullptr;  // device float
+  float* amax = nullptr;         // device float, max-accumulated (never cleared by the writer)
+};
+
 class Precision : public Plugin {
  public:
   virtual PrecisionDTypes dtypes() const = 0;
@@ -175,6 +197,20 @@ class Precision : public Plugin {
   // before the linears are registered, as the padded row counts set their
   // max_rows. ABI 7.0.
   virtual int64_t variable_row_multiple() const { return 1; }
+  // Offers linear `id`'s next operand of `role` (`rows` rows) in FP8, written
+  // by the block's own kernel (Fp8Operand): true and `op` filled when the
+  // recipe takes it so, false to be handed bf16 as usual. Only a recipe whose
+  // scale for that tensor is known before the tensor exists can say true
+  // (delayed scaling; current scaling measures the tensor first). Asked on
+  // the compute stream just before the block makes the operand (the recipe
+  // may queue work there, e.g. clear a pending amax); the next
+  // linear_forward (x) or linear_backward (dy) call of `id` must then pass
+  // op.q. A block asks only where it has a kernel that writes FP8 (on CUDA,
+  // the fused feed-forward block's SwiGLU). ABI 8.0.
+  virtual bool fp8_operand(const ExecContext& /*ctx*/, int /*id*/, Fp8OperandRole /*role*/, int64_t /*rows*/,
+                           Fp8Operand* /*op*/) {
+    return false;
+  }
 };
 
 template <> struct PluginInterface<PluginKind::precision> { using type = Precision; };

@@ -1,9 +1,10 @@
-// The Backend's default MoE entry points: a backend without MoE kernels
-// refuses at the first call, with one message (the CPU and CUDA backends
-// override them).
+// The Backend's default MoE and FP8-operand entry points: a backend without
+// those kernels refuses at the first call, with one message (the CPU and CUDA
+// backends override the MoE ones, the CUDA backend the FP8 ones).
 #include "model/backend.hpp"
 
 #include "loom/error.hpp"
+#include "loom/precision.hpp"
 
 namespace loom {
 namespace {
@@ -13,7 +14,20 @@ namespace {
                   "): model.ffn = \"moe\" runs on the CPU and CUDA backends"));
 }
 
+[[noreturn]] void no_fp8_operand(const Backend& b, const char* op) {
+  throw Error(cat("the ", device_name(b.device()), " backend cannot write an FP8 operand (", op,
+                  "): a precision recipe offered one (Precision::fp8_operand) on a backend without those kernels; "
+                  "FP8 operands are written on CUDA only, so the recipe should decline them here"));
+}
+
 }  // namespace
+
+void Backend::swiglu_forward_fp8(const Fp8Operand&, const Tensor&, const Tensor&) {
+  no_fp8_operand(*this, "swiglu_forward_fp8");
+}
+void Backend::swiglu_backward_fp8(const Fp8Operand&, const Tensor&, const Tensor&, const Tensor&) {
+  no_fp8_operand(*this, "swiglu_backward_fp8");
+}
 
 void Backend::moe_jitter(Tensor&, Tensor&, const Tensor&, double, uint64_t) { no_moe(*this, "moe_jitter"); }
 void Backend::moe_route(MoeRouting&, const Tensor&, const Tensor&) { no_moe(*this, "moe_route"); }

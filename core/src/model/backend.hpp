@@ -19,6 +19,9 @@
 
 namespace loom {
 
+// loom/precision.hpp's (not included: this header is also read by nvcc, in C++17).
+struct Fp8Operand;
+
 // One layer's routing in the `moe` feed-forward block (HF Mixtral's sparse MoE
 // block; kernels/cpu/moe.hpp defines every step): N tokens, E experts, top_k = k.
 struct MoeRouting {
@@ -103,6 +106,17 @@ class Backend {
   virtual void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) = 0;
   virtual void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate,
                                const Tensor& up) = 0;
+  // SwiGLU writing a linear's FP8 operand (loom/precision.hpp's Fp8Operand)
+  // instead of bf16, where the recipe offered it: the forward's out as
+  // op.q [N, f] (the down projection's x); the backward's [dgate, dup] as
+  // op.q [N, 2f] (the gate_up projection's dy, packed like its output). Each
+  // value is rounded to bf16 before it is encoded, so the codes and the amax
+  // are those of swiglu_forward/backward followed by the recipe's cast. The
+  // defaults refuse with one message (the CPU backend has none, and no recipe
+  // on the CPU offers an FP8 operand).
+  virtual void swiglu_forward_fp8(const Fp8Operand& out, const Tensor& gate, const Tensor& up);
+  virtual void swiglu_backward_fp8(const Fp8Operand& d_gate_up, const Tensor& dout, const Tensor& gate,
+                                   const Tensor& up);
   virtual void add(Tensor& out, const Tensor& a, const Tensor& b) = 0;  // out may alias a
   virtual void accumulate(Tensor& dst, const Tensor& src) = 0;          // dst += src
   // Fused softmax cross-entropy over logits [N, V]: per-row loss into losses[N] (fp32)

@@ -79,6 +79,16 @@ inline void refuse_history_keys(const ConfigTable& c, const std::string& plugin,
                       "' has no meaning here: remove it, or use precision.plugin = \"fp8_delayed\", whose key it is"));
 }
 
+// precision.fused_casts belongs to delayed scaling alone: a block's kernel can
+// write a tensor in FP8 only with a scale known before the tensor exists.
+// `why` says where the refusing recipe's scale comes from instead.
+inline void refuse_fused_casts(const ConfigTable& c, const std::string& plugin, const std::string& why) {
+  if (c.has("fused_casts"))
+    c.fail("fused_casts", cat("precision.plugin = \"", plugin, "\" ", why,
+                              ", so no kernel can write a tensor in FP8 before it exists and 'fused_casts' has no "
+                              "meaning here: remove it, or use precision.plugin = \"fp8_delayed\", whose key it is"));
+}
+
 // A linear an FP8 recipe can plan its cast copies for (max_rows > 0).
 inline void check_linear_shape(const std::string& plugin, const LinearDesc& d) {
   LOOM_CHECK(d.in > 0 && d.out > 0 && d.max_rows > 0, "precision ", plugin, ": linear '", d.name,

@@ -71,8 +71,11 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
     sc.amax_compute_algo =
         fp8::parse_amax_algo(c.get_choice("amax_compute_algo", "max", {"max", "most_recent"}));
     sc.margin = static_cast<int>(c.get_int("margin", 0, 0, 126));
+    fused_casts_ = c.get_bool("fused_casts", true);
   } else {
     fp8_options::refuse_history_keys(c, plugin, "its tensor's own amax");
+    fp8_options::refuse_fused_casts(c, plugin, "measures each tensor just before its cast");
+    fused_casts_ = false;
   }
   gemm_.fast_accum_fprop = c.get_bool("fast_accum_fprop", true);
   gemm_.fast_accum_dgrad = c.get_bool("fast_accum_dgrad", false);
@@ -94,6 +97,7 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
     o.stochastic_rounding = master.stochastic_rounding;
     o.weight_cache = weight_cache_;
     o.gemm_algo = gemm_algo;
+    o.fused_casts = fused_casts_;
     gpu_ = make_gpu_recipe(o);
     return;
   }
@@ -446,6 +450,10 @@ void Fp8Recipe::state_loaded() {
     l.weight_cast = l.w_scale_known = false;
     l.saved_rows = -1;
   }
+}
+
+bool Fp8Recipe::fp8_operand(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows, Fp8Operand* op) {
+  return gpu_ ? gpu_->fp8_operand(ctx, id, role, rows, op) : false;
 }
 
 bool Fp8Recipe::current_fp8_weight(int id, Fp8WeightCast* cast) const {

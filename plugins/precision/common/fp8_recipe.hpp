@@ -61,6 +61,9 @@ struct GpuOptions {
   bool master_bf16 = false;  // master = "bf16": bf16 parameters, gradients and AdamW state, no fp32 copy
   bool stochastic_rounding = false;
   GemmAlgo gemm_algo = GemmAlgo::heuristic;  // precision.gemm_algo, resolved (loom/gemm_algo.hpp)
+  // precision.fused_casts (delayed scaling): offer x and dy to blocks that
+  // write them in FP8 themselves (Precision::fp8_operand).
+  bool fused_casts = true;
 };
 // The recipe on CUDA (fp8_recipe_gpu.cpp); in a build without CUDA it throws
 // a loom::Error saying so.
@@ -90,6 +93,9 @@ class Fp8Recipe : public Precision {
   void state_loaded() override;
   std::string log_summary() const override;
   bool current_fp8_weight(int id, Fp8WeightCast* cast) const override;
+  // The GPU path's answer (fused_casts, delayed scaling); false on the CPU,
+  // whose backend writes no FP8 operands.
+  bool fp8_operand(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows, Fp8Operand* op) override;
   // 16 on the GPU (the FP8 GEMMs' row multiple; other counts split off a bf16
   // tail), 1 on the CPU (the emulation casts any count).
   int64_t variable_row_multiple() const override { return gpu_ ? 16 : 1; }
@@ -116,6 +122,7 @@ class Fp8Recipe : public Precision {
   fp8::Scaling scaling_;
   bool fp8_head_ = false;
   GemmOptions gemm_;
+  bool fused_casts_ = true;
   WeightCache weight_cache_ = WeightCache::automatic;
   bool per_layer_ = false;  // resolved at setup()
   int64_t max_weight_floats_ = 0;  // the largest FP8 weight: the "layer" scratch

@@ -16,6 +16,10 @@
 //   backward  dy cast into dy and dyᵀ (workspace scratch); dgrad dx = dy W
 //             (A = dy, B = Wᵀ), wgrad dW = dyᵀ x (A = dyᵀ, B = xᵀ, C = dW
 //             when accumulating).
+// With fused_casts (delayed scaling only) a block may write x or dy in FP8
+// itself (fp8_operand, ABI 8.0: the fused feed-forward block's SwiGLU): it
+// gets the same scratch, saved slot, scale and amax slot the cast would use,
+// and linear_forward/backward then skip that cast.
 // Delayed scaling casts with the scales of the steps before. The forward's
 // amaxes go to a pending buffer and enter the step's amax buffer when the
 // backward runs (a validation forward leaves the scales alone, as on the
@@ -162,7 +166,11 @@ class Fp8Gpu final : public Precision {
                  sc.formats == fp8::Formats::hybrid ? " (E4M3 x and w, E5M2 dy)" : " (E4M3 x, w and dy)", ", ", how,
                  full.empty() ? std::string() : cat("; in bf16: ", full), "; fast accumulation fprop ",
                  o_.gemm.fast_accum_fprop ? "on" : "off", ", dgrad ", o_.gemm.fast_accum_dgrad ? "on" : "off",
-                 ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off", "; ",
+                 ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off",
+                 sc.scaling != fp8::Scaling::delayed ? ""
+                 : o_.fused_casts ? "; fused_casts on (fused layers' SwiGLU writes FP8)"
+                                  : "; fused_casts off",
+                 "; ",
                  fp8_options::weight_cache_summary(o_.weight_cache, per_layer_),
                  " (cast weights ", weight_region(), " bytes)", "; master ",
                  o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32",
@@ -226,10 +234,14 @@ class Fp8Gpu final : public Precision {
   void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
                       const Tensor* residual) override {
     Linear& l = lookup(ctx, id);
+    const bool given = is_fp8(x.dtype);  // written by the block (fp8_operand)
+    const int64_t offered = l.offered_x;
+    l.offered_x = -1;
+    if (given) take_operand(l, x, offered, Fp8OperandRole::x);
     if (!l.fp8) return lt_.forward(ctx, l.lt_id, x, w, y, residual);
     const LinearDesc& d = l.desc;
     auto stream = static_cast<cudaStream_t>(ctx.stream);
-    const RowMatrix mx = matrix(x, d, "x", DType::bf16);
+    const RowMatrix mx = given ? RowMatrix{x.shape[0], d.in, d.in} : matrix(x, d, "x", DType::bf16);
     matrix(y, d, "y", DType::bf16);
     check_weight(w, d, "w", param_dtype());
     const int64_t rows = check_rows(d, mx, "x");
@@ -256,7 +268,7 @@ class Fp8Gpu final : public Precision {
     const DType tx = fp8_dtype(host_.format(Role::x));
     Tensor qx(ws_ + x_off(), tx, Device::cuda, {rows, d.in});
     Tensor qxt(saved_ + l.saved_off, tx, Device::cuda, {d.in, rows});
-    cast(x, &qx, &qxt, xs, /*pending=*/true, stream);
+    if (!given) cast(x, &qx, &qxt, xs, /*pending=*/true, stream);
     gpu::Fp8GemmOptions opt;
     opt.c = residual;
     opt.fast_accum = o_.gemm.fast_accum_fprop;
@@ -268,10 +280,14 @@ class Fp8Gpu final : public Precision {
   void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
                        Tensor& dw, bool accumulate) override {
     Linear& l = lookup(ctx, id);
+    const bool given = is_fp8(dy.dtype);  // written by the block (fp8_operand)
+    const int64_t offered = l.offered_dy;
+    l.offered_dy = -1;
+    if (given) take_operand(l, dy, offered, Fp8OperandRole::dy);
     if (!l.fp8) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
     const LinearDesc& d = l.desc;
     auto stream = static_cast<cudaStream_t>(ctx.stream);
-    const RowMatrix mdy = matrix(dy, d, "dy", DType::bf16);
+    const RowMatrix mdy = given ? RowMatrix{dy.shape[0], d.out, d.out} : matrix(dy, d, "dy", DType::bf16);
     check_weight(w, d, "w", param_dtype());
     check_weight(dw, d, "dw", grad_dtype());
     // x is read only by the bf16 fallback (rows not a multiple of 16); an
@@ -321,7 +337,7 @@ class Fp8Gpu final : public Precision {
     const DType tdy = fp8_dtype(host_.format(Role::dy));
     Tensor qdy(ws_ + dy_off(), tdy, Device::cuda, {rows, d.out});
     Tensor qdyt(ws_ + dy_off() + dy_scratch_, tdy, Device::cuda, {d.out, rows});
-    cast(dy, &qdy, &qdyt, ds, /*pending=*/false, stream);
+    if (!given) cast(dy, &qdy, &qdyt, ds, /*pending=*/false, stream);
     if (o_.scaling.scaling == fp8::Scaling::delayed) {
       // The forward's amaxes count now that it is part of a training step.
       merge_pending(xs, stream);
@@ -340,6 +356,41 @@ class Fp8Gpu final : public Precision {
     opt.fast_accum = o_.gemm.fast_accum_wgrad;
     vary(opt, d, gpu::Fp8Varying::k);  // the tokens are the contracted dim
     gemm(ctx).gemm(qdyt, scale_inv_ + ds, qxt, scale_inv_ + xs, dw, opt, stream);
+  }
+
+  // Delayed scaling knows a tensor's scale before the tensor exists, so a
+  // block's kernel may write x or dy in FP8 itself: into the scratch, saved
+  // slot, scale and amax slot that cast() would use (a forward's x into the
+  // pending amax, cleared here as cast() clears it). Not for the bf16 LM head,
+  // a variable-row linear (an MoE expert), or rows the FP8 GEMMs cannot take;
+  // dy only for the rows the forward before it cast.
+  bool fp8_operand(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows, Fp8Operand* op) override {
+    if (!o_.fused_casts || o_.scaling.scaling != fp8::Scaling::delayed || op == nullptr) return false;
+    Linear& l = lookup(ctx, id);
+    const LinearDesc& d = l.desc;
+    if (!l.fp8 || d.variable_rows || rows <= 0 || rows % 16 != 0 || rows > d.max_rows) return false;
+    auto stream = static_cast<cudaStream_t>(ctx.stream);
+    if (role == Fp8OperandRole::x) {
+      const int64_t t = fp8::ScalingState::slot(l.slot, Role::x);
+      const DType tx = fp8_dtype(host_.format(Role::x));
+      LOOM_CUDA_CHECK(cudaMemsetAsync(pend_ + t, 0, sizeof(float), stream), "precision ", o_.plugin,
+                      ": clearing the pending amax of slot ", t);
+      op->q = Tensor(ws_ + x_off(), tx, Device::cuda, {rows, d.in});
+      op->q_t = Tensor(saved_ + l.saved_off, tx, Device::cuda, {d.in, rows});
+      op->scale = scale_ + t;
+      op->amax = pend_ + t;
+      l.offered_x = rows;
+      return true;
+    }
+    if (l.saved_rows != rows) return false;  // linear_backward reports the mismatch
+    const int64_t t = fp8::ScalingState::slot(l.slot, Role::dy);
+    const DType tdy = fp8_dtype(host_.format(Role::dy));
+    op->q = Tensor(ws_ + dy_off(), tdy, Device::cuda, {rows, d.out});
+    op->q_t = Tensor(ws_ + dy_off() + dy_scratch_, tdy, Device::cuda, {d.out, rows});
+    op->scale = scale_ + t;
+    op->amax = step_amax_ + t;
+    l.offered_dy = rows;
+    return true;
   }
 
   void end_step(const ExecContext& ctx) override {
@@ -394,7 +445,7 @@ class Fp8Gpu final : public Precision {
   void state_loaded() override {
     for (Linear& l : linears_) {
       l.weight_cast = l.w_scale_known = false;
-      l.saved_rows = -1;
+      l.saved_rows = l.offered_x = l.offered_dy = -1;
     }
     if (T_ == 0 || dev_ == nullptr) return;
     // The core uploaded the device tensors; check them on the host (ScalingState's
@@ -482,7 +533,30 @@ class Fp8Gpu final : public Precision {
     bool weight_cast = false;                // "step": this step's W and Wᵀ are in the workspace
     bool w_scale_known = false;              // "layer": W was measured (and its amax kept) this step
     int64_t saved_rows = -1;                 // rows the last forward cast (-1: none since the last backward)
+    int64_t offered_x = -1, offered_dy = -1;  // rows of the FP8 operand fp8_operand handed out for the next call
   };
+
+  static bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
+
+  // An x or dy in FP8 is the operand fp8_operand handed out for this very
+  // call: the same memory, dtype and shape, and never a second use.
+  void take_operand(const Linear& l, const Tensor& t, int64_t offered, Fp8OperandRole role) const {
+    const LinearDesc& d = l.desc;
+    const bool is_x = role == Fp8OperandRole::x;
+    const char* what = is_x ? "x" : "dy";
+    LOOM_CHECK(offered > 0, "precision ", o_.plugin, ": ", d.name, ": ", what, " is ", dtype_name(t.dtype),
+               " ", t.shape_str(), ", but fp8_operand did not hand out an FP8 ", what,
+               " for this call of the linear (each one serves exactly the next ",
+               is_x ? "linear_forward" : "linear_backward", "; otherwise pass ", what, " in bf16)");
+    const int64_t cols = is_x ? d.in : d.out;
+    const void* at = is_x ? static_cast<const void*>(ws_ + x_off()) : static_cast<const void*>(ws_ + dy_off());
+    const DType want = fp8_dtype(host_.format(is_x ? Role::x : Role::dy));
+    LOOM_CHECK(t.data == at && t.dtype == want && t.ndim == 2 && t.shape[0] == offered && t.shape[1] == cols &&
+                   t.is_contiguous(),
+               "precision ", o_.plugin, ": ", d.name, ": the FP8 ", what, " passed (", dtype_name(t.dtype), " ",
+               t.shape_str(), " at ", t.data, ") is not the operand fp8_operand handed out (", dtype_name(want),
+               " [", offered, ", ", cols, "] at ", at, "); pass op.q itself");
+  }
 
   DType param_dtype() const { return DType::bf16; }
   DType grad_dtype() const { return o_.master_bf16 ? DType::bf16 : DType::f32; }

@@ -33,6 +33,7 @@
 #include "kernels/cuda/fp8_kernels.hpp"
 #include "kernels/cuda/moe_kernels.hpp"
 #include "loom/error.hpp"
+#include "loom/precision.hpp"
 #include "model/backend.hpp"
 
 namespace loom {
@@ -257,6 +258,15 @@ class CudaBackend final : public Backend {
   }
   void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up) override {
     gpu::swiglu_backward(dgate, dup, dout, gate, up, stream_);
+  }
+  void swiglu_forward_fp8(const Fp8Operand& out, const Tensor& gate, const Tensor& up) override {
+    Tensor q = out.q, qt = out.q_t;
+    gpu::swiglu_forward_fp8(q, qt, gate, up, out.scale, out.amax, stream_);
+  }
+  void swiglu_backward_fp8(const Fp8Operand& d_gate_up, const Tensor& dout, const Tensor& gate,
+                           const Tensor& up) override {
+    Tensor q = d_gate_up.q, qt = d_gate_up.q_t;
+    gpu::swiglu_backward_fp8(q, qt, dout, gate, up, d_gate_up.scale, d_gate_up.amax, stream_);
   }
   void add(Tensor& out, const Tensor& a, const Tensor& b) override { gpu::add(out, a, b, stream_); }
   void accumulate(Tensor& dst, const Tensor& src) override { gpu::accumulate(dst, src, cur_); }

@@ -41,6 +41,19 @@ void rope_apply(Tensor& x, const float* cos_table, const float* sin_table, int s
 void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up, cudaStream_t stream);
 void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
                      cudaStream_t stream);
+// SwiGLU writing a linear's FP8 operand instead of bf16 (Fp8Operand,
+// loom/precision.hpp): forward v = silu(gate) up into q [rows, f] and q_t
+// [f, rows]; backward v = [dgate, dup] into q [rows, 2f] and q_t [2f, rows]
+// (dgate in columns [0, f), dup in [f, 2f): the packed gate_up gradient).
+// Each v is rounded to bf16, then q = encode(v * *scale) in q's format, and
+// max |v| is max-accumulated into *amax (may be null; NaN as +inf): bitwise
+// swiglu_forward/backward followed by fp8_cast. gate, up, dout: bf16 row
+// views as above, 16-byte aligned, row strides multiples of 8; rows and f
+// multiples of 16; q and q_t contiguous, 16-byte aligned.
+void swiglu_forward_fp8(Tensor& q, Tensor& q_t, const Tensor& gate, const Tensor& up, const float* scale,
+                        float* amax, cudaStream_t stream);
+void swiglu_backward_fp8(Tensor& q, Tensor& q_t, const Tensor& dout, const Tensor& gate, const Tensor& up,
+                         const float* scale, float* amax, cudaStream_t stream);
 
 // residual.cu
 void add(Tensor& out, const Tensor& a, const Tensor& b, cudaStream_t stream);

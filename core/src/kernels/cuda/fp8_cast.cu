@@ -4,17 +4,11 @@
 // over every input in test_fp8): with encode itself the cast is bound by
 // integer throughput, not by memory.
 //
-// Fast path (cast_tiles_kernel): 128 x 64 tiles of x, grid-stride, 256
-// threads. Each thread reads 8 consecutive elements (16 bytes of bf16) of 4
-// consecutive rows; a warp's loads cover 4 rows x 128 bytes. It stores 8
-// bytes per row of q, and builds q_t's words (4 rows of one column) with 4 x 4
-// byte transposes in registers (__byte_perm), so the shared tile is written and
-// read in whole words: 32-bit writes, then 16-byte reads that store 128
-// contiguous bytes of a q_t row per 8 threads. The shared tile is swizzled
-// (16-byte group g of q_t row c at g ^ (c / 8 % 8)) so that neither side has
-// bank conflicts. It takes the whole tiles of x when x, q and q_t allow the
-// packed accesses; the rest (a right and a bottom strip, or everything) goes
-// through cast_kernel.
+// Fast path (cast_tiles_kernel): fp8_tile.cuh's 128 x 64 tiles of x,
+// grid-stride, 256 threads; each thread reads 8 consecutive elements (16 bytes
+// of bf16) of 4 consecutive rows. It takes the whole tiles of x when x, q and
+// q_t allow the packed accesses; the rest (a right and a bottom strip, or
+// everything) goes through cast_kernel.
 //
 // General path (cast_kernel): 64 x 64 tiles of a region of x, one tile per
 // block of 256 threads at a time (grid-stride over tiles). Each thread reads 8
@@ -31,6 +25,7 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/fp8_kernels.hpp"
+#include "kernels/cuda/fp8_tile.cuh"
 #include "loom/fp8.hpp"
 
 namespace loom::gpu {
@@ -39,25 +34,12 @@ namespace {
 constexpr int kTile = 64;          // rows and columns of x per tile
 constexpr int kCastThreads = 256;  // 8 column groups of 8 x 32 rows, twice
 constexpr int kTileStride = 68;    // bytes per shared tile row (4-aligned, staggers banks)
-constexpr uint32_t kInfBits = 0x7F800000u;
+using fp8_tile::block_amax_to;
+using fp8_tile::kInfBits;
 
 __device__ __forceinline__ float abs_or_inf(float v) {
   // NaN is recorded as +inf (fp8_scaling.hpp); fmaxf alone would drop it.
   return fp8::is_nan(v) ? __uint_as_float(kInfBits) : fabsf(v);
-}
-
-// Block-wide max of non-negative, non-NaN values, then one atomicMax on the bits.
-__device__ void block_amax_to(float m, float* amax) {
-  __shared__ float part[32];
-  m = warp_max(m);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) part[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    float v = lane < static_cast<int>(blockDim.x / 32) ? part[lane] : 0.0f;
-    v = warp_max(v);
-    if (lane == 0 && v > 0.0f) atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(v));
-  }
 }
 
 template <typename T, fp8::Format F, bool kRow, bool kTrans>
@@ -139,9 +121,9 @@ __global__ void __launch_bounds__(kCastThreads)
   if (amax != nullptr) block_amax_to(m, amax);
 }
 
-constexpr int kFastRows = 128;     // rows of x per fast tile: a q_t row segment of 128 bytes
-constexpr int kFastCols = 64;      // columns of x per fast tile: a bf16 row segment of 128 bytes
-constexpr int kFastThreads = 256;  // 8 warps x 16 rows; a thread: 4 rows x 8 columns
+constexpr int kFastRows = fp8_tile::kRows;
+constexpr int kFastCols = fp8_tile::kCols;
+constexpr int kFastThreads = fp8_tile::kThreads;
 
 // 8 elements of x at p (16-byte aligned) as floats, their |x| bits
 // max-accumulated into m. bf16: the floats are the bits moved up (exact, as
@@ -186,63 +168,22 @@ __global__ void __launch_bounds__(kFastThreads)
     cast_tiles_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t ldx, int64_t tiles_r,
                       int64_t tiles_c, uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
                       const float* __restrict__ scale_ptr, float* amax) {
-  // q_t's bytes of one tile: 64 rows (x's columns) of 128 bytes (x's rows) = 8
-  // groups of 4 words; group g of row c sits at group g ^ (c / 8 % 8).
-  __shared__ uint4 tile_t[kFastCols * kFastRows / 16];
-  uint32_t* tile_w = reinterpret_cast<uint32_t*>(tile_t);
+  __shared__ fp8_tile::Shared sh;
   const float s = (kRow || kTrans) ? *scale_ptr : 1.0f;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int cg = lane % 8;                    // this thread's columns: 8 cg .. 8 cg + 7
-  const int rq = lane / 8;                    // and rows 16 warp + 4 rq .. + 3, i.e. word rq of group warp
-  const int rl0 = warp * 16 + rq * 4;
-  const int slot = ((warp ^ cg) * 4 + rq);    // that word's swizzled place in each of its 8 q_t rows
+  const fp8_tile::Lane ln = fp8_tile::lane();
   uint32_t m = 0;  // see load8_amax
   for (int64_t t = blockIdx.x; t < tiles_r * tiles_c; t += gridDim.x) {
     const int64_t r0 = (t / tiles_c) * kFastRows, c0 = (t % tiles_c) * kFastCols;
     float v[4][8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) load8_amax(x + (r0 + rl0 + i) * ldx + c0 + cg * 8, v[i], m);
-    // Codes of row i, columns 4h .. 4h + 3, lowest byte first; packed with
-    // multiply-adds (the bytes do not overlap), which run beside the encode's
-    // shifts and logic instead of on the same pipe.
+    for (int i = 0; i < 4; ++i) load8_amax(x + (r0 + ln.rl0 + i) * ldx + c0 + ln.cg * 8, v[i], m);
     uint32_t w[4][2] = {};
-    if constexpr (kRow || kTrans) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          w[i][j / 4] += static_cast<uint32_t>(fp8::encode_fast(v[i][j] * s, F)) * (1u << (8 * (j % 4)));
-    }
-    if constexpr (kRow) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        *reinterpret_cast<uint2*>(q + (r0 + rl0 + i) * cols + c0 + cg * 8) = make_uint2(w[i][0], w[i][1]);
-    }
-    if constexpr (kTrans) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        // 4 x 4 byte transpose: word k gets byte k of rows 0..3 (column 4h + k).
-        const uint32_t lo01 = __byte_perm(w[0][h], w[1][h], 0x5140), hi01 = __byte_perm(w[0][h], w[1][h], 0x7362);
-        const uint32_t lo23 = __byte_perm(w[2][h], w[3][h], 0x5140), hi23 = __byte_perm(w[2][h], w[3][h], 0x7362);
-        const int c = cg * 8 + 4 * h;
-        tile_w[(c + 0) * 32 + slot] = __byte_perm(lo01, lo23, 0x5410);
-        tile_w[(c + 1) * 32 + slot] = __byte_perm(lo01, lo23, 0x7632);
-        tile_w[(c + 2) * 32 + slot] = __byte_perm(hi01, hi23, 0x5410);
-        tile_w[(c + 3) * 32 + slot] = __byte_perm(hi01, hi23, 0x7632);
-      }
-      __syncthreads();
-      // 8 threads per q_t row: 16 bytes each, 128 contiguous bytes in all.
-#pragma unroll
-      for (int k = 0; k < kFastCols * kFastRows / 16 / kFastThreads; ++k) {
-        const int idx = threadIdx.x + k * kFastThreads, c = idx / 8, g = idx % 8;
-        const uint4 val = tile_t[c * 8 + (g ^ (c / 8 % 8))];
-        *reinterpret_cast<uint4*>(qt + (c0 + c) * rows + r0 + g * 16) = val;
-      }
-      __syncthreads();  // the next tile overwrites the shared tile
-    }
+    if constexpr (kRow || kTrans) fp8_tile::encode<F>(v, s, w);
+    if constexpr (kRow) fp8_tile::store_rows(q + (r0 + ln.rl0) * cols + c0 + ln.cg * 8, cols, w);
+    if constexpr (kTrans) fp8_tile::store_transposed<false>(sh, ln, w, qt + c0 * rows + r0, rows, kFastRows, kFastCols);
   }
   m = amax_bits(x, m);
-  if (amax != nullptr) block_amax_to(__uint_as_float(m > kInfBits ? kInfBits : m), amax);  // NaN counts as +inf
+  if (amax != nullptr) block_amax_to(fp8_tile::amax_value(m), amax);  // NaN counts as +inf
 }
 
 template <typename T, fp8::Format F, bool kRow, bool kTrans>
@@ -263,24 +204,13 @@ void launch_general(const T* x, int64_t rows, int64_t cols, int64_t ldx, int64_t
                          vec_t);
 }
 
-// Blocks of cast_tiles_kernel<T, F, kRow, kTrans> resident at once on the
-// current device: SMs times blocks per SM. The per-SM count depends on the
-// kernel alone (one static per instantiation; their registers differ), so it
-// is computed once; the SM count is read per call (cheap, and right for
-// whichever device is current).
+// Blocks of cast_tiles_kernel<T, F, kRow, kTrans> resident per SM: it
+// depends on the kernel alone (one static per instantiation; their registers
+// differ), so it is computed once.
 template <typename T, fp8::Format F, bool kRow, bool kTrans>
-int64_t fast_slots(const char* name) {
-  static const int per_sm = [&] {
-    int n = 0;
-    LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cast_tiles_kernel<T, F, kRow, kTrans>,
-                                                                  kFastThreads, 0),
-                    name, ": occupancy of the whole-tile cast kernel, ", kFastThreads, " threads");
-    return n < 1 ? 1 : n;
-  }();
-  int dev = 0, sms = 0;
-  LOOM_CUDA_CHECK(cudaGetDevice(&dev), name);
-  LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), name, ": device ", dev);
-  return static_cast<int64_t>(per_sm) * (sms < 1 ? 1 : sms);
+int fast_per_sm(const char* name) {
+  static const int per_sm = fp8_tile::blocks_per_sm(cast_tiles_kernel<T, F, kRow, kTrans>, name);
+  return per_sm;
 }
 
 template <typename T, fp8::Format F, bool kRow, bool kTrans>
@@ -296,13 +226,8 @@ void launch_cast(const T* x, int64_t rows, int64_t cols, int64_t ldx, uint8_t* q
     return;
   }
   const int64_t tiles_r = rows_f / kFastRows, tiles_c = cols_f / kFastCols, tiles = tiles_r * tiles_c;
-  // At most the blocks that are resident at once, so no block of a second wave
-  // runs its whole share of tiles alone at the end; and the tiles spread evenly
-  // over waves of them (4096 tiles on 792 slots: 683 blocks of 6, not 792
-  // blocks of which 136 cast a sixth tile while the rest wait).
-  const int64_t slots = fast_slots<T, F, kRow, kTrans>(name);
-  const int64_t waves = (tiles + slots - 1) / slots;
-  const unsigned grid = static_cast<unsigned>((tiles + waves - 1) / waves);
+  int64_t slots = 0;
+  const unsigned grid = fp8_tile::grid_for_tiles(tiles, fast_per_sm<T, F, kRow, kTrans>(name), name, &slots);
   cast_tiles_kernel<T, F, kRow, kTrans>
       <<<grid, kFastThreads, 0, stream>>>(x, rows, cols, ldx, tiles_r, tiles_c, q, qt, scale, amax);
   LOOM_CUDA_LAUNCH_CHECK(name, " (tiles) rows=", rows, " cols=", cols, " ld=", ldx, " whole tiles ", tiles_r, " x ",
@@ -400,7 +325,62 @@ struct DequantOp {
   }
 };
 
+// ---- the hardware encode against encode_fast ------------------------------------------
+
+// Every bit pattern u = 4 i .. 4 i + 3 for i in [0, 2^30), grid-stride.
+template <fp8::Format F>
+__global__ void encode_check_kernel(unsigned long long* bad, unsigned int* first_bad) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  unsigned long long mine = 0;
+  unsigned int first = 0xFFFFFFFFu;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (uint64_t{1} << 30);
+       i += stride) {
+    const uint32_t u0 = static_cast<uint32_t>(4 * i);
+    const float v[4] = {__uint_as_float(u0), __uint_as_float(u0 + 1), __uint_as_float(u0 + 2),
+                        __uint_as_float(u0 + 3)};
+    const uint32_t hw = fp8_tile::encode4<F>(v[0], v[1], v[2], v[3]);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (((hw >> (8 * k)) & 0xFFu) == fp8::encode_fast(v[k], F)) continue;
+      ++mine;
+      if (u0 + k < first) first = u0 + k;
+    }
+  }
+  if (mine != 0) {
+    atomicAdd(bad, mine);
+    atomicMin(first_bad, first);
+  }
+}
+
 }  // namespace
+
+uint64_t fp8_encode_mismatches(fp8::Format f, uint32_t* first_bad, cudaStream_t stream) {
+  const char* fn = "fp8_encode_mismatches";
+  void* mem = nullptr;
+  LOOM_CUDA_CHECK(cudaMalloc(&mem, 16), fn, ": 16 bytes of counters");
+  auto* bad = static_cast<unsigned long long*>(mem);
+  auto* first = reinterpret_cast<unsigned int*>(static_cast<char*>(mem) + 8);
+  uint64_t host_bad = 0;
+  uint32_t host_first = 0xFFFFFFFFu;
+  try {
+    LOOM_CUDA_CHECK(cudaMemsetAsync(bad, 0, 8, stream), fn, ": clearing the count");
+    LOOM_CUDA_CHECK(cudaMemsetAsync(first, 0xFF, 4, stream), fn, ": setting the first bad input");
+    const unsigned grid = static_cast<unsigned>(kMaxGridBlocks);
+    if (f == fp8::Format::e4m3) encode_check_kernel<fp8::Format::e4m3><<<grid, 256, 0, stream>>>(bad, first);
+    else encode_check_kernel<fp8::Format::e5m2><<<grid, 256, 0, stream>>>(bad, first);
+    LOOM_CUDA_LAUNCH_CHECK(fn, "format=", f == fp8::Format::e4m3 ? "e4m3" : "e5m2", " grid=", grid);
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(&host_bad, bad, 8, cudaMemcpyDeviceToHost, stream), fn, ": reading the count");
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(&host_first, first, 4, cudaMemcpyDeviceToHost, stream), fn,
+                    ": reading the first bad input");
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream), fn, ": waiting for the check");
+  } catch (...) {
+    cudaFree(mem);
+    throw;
+  }
+  LOOM_CUDA_CHECK(cudaFree(mem), fn, ": freeing the counters");
+  if (first_bad != nullptr) *first_bad = host_first;
+  return host_bad;
+}
 
 void fp8_cast(const Tensor& x, Tensor* q, Tensor* q_t, const float* scale, float* amax, cudaStream_t stream) {
   const char* fn = "fp8_cast";

@@ -72,4 +72,13 @@ void fp8_delayed_update(float* step_amax, float* history, int history_len, int h
 // q e4m3 or e5m2, y fp32 or bf16 (bitwise loom::fp8::dequantize for fp32).
 void fp8_dequantize(Tensor& y, const Tensor& q, const float* scale, cudaStream_t stream);
 
+// The hardware conversion the tile kernels encode with (fp8_tile.cuh's
+// encode4: PTX cvt.rn.satfinite, NaN made kNaNCode) against
+// loom::fp8::encode_fast, which test_fp8 checks against the host's encode
+// over every input, here over every one of the 2^32 fp32 bit patterns in
+// format f: returns how many give different codes, and the smallest such
+// bit pattern in *first_bad (0xFFFFFFFF when none). A self-check for tests:
+// it allocates and waits for the device.
+uint64_t fp8_encode_mismatches(fp8::Format f, uint32_t* first_bad, cudaStream_t stream);
+
 }  // namespace loom::gpu

@@ -12,8 +12,20 @@
 // every base pointer aligned for 16-byte accesses and every row stride a
 // multiple of K (so each row's start stays aligned); when any is not (odd f,
 // an unaligned half), the whole call is scalar.
+//
+// The *_fp8 entry points write a linear's FP8 operand instead of the bf16
+// tensor (loom/precision.hpp's Fp8Operand): the down projection's x in the
+// forward, the gate_up projection's dy ([dgate, dup], packed) in the
+// backward. They run fp8_tile.cuh's 128 x 64 tiles over the SwiGLU columns:
+// each thread computes 4 rows x 8 columns with the same math as the bf16
+// kernels, rounds every value to bf16 (the value the bf16 kernel stores and
+// the cast would read), and encodes it into q and q_t. So they are bitwise
+// the bf16 kernel followed by fp8_cast, codes and amax alike, and skip that
+// pair's bf16 write and read: 4 of 10 bytes per forward output element, 8 of
+// 18 in the backward.
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/fp8_tile.cuh"
 
 namespace loom::gpu {
 namespace {
@@ -26,6 +38,18 @@ struct RowPtr {
   __device__ __forceinline__ P* at(int64_t row, int64_t col) const { return p + row * ld + col; }
 };
 
+// The math of both paths, fp32.
+__device__ __forceinline__ float swiglu_value(float g, float u) {
+  const float sg = 1.f / (1.f + expf(-g));
+  return g * sg * u;
+}
+// d silu(g)/dg = sig(g) (1 + g (1 - sig(g)))
+__device__ __forceinline__ void swiglu_grads(float d, float g, float u, float& dg, float& du) {
+  const float sg = 1.f / (1.f + expf(-g));
+  dg = d * u * sg * (1.f + g * (1.f - sg));
+  du = d * g * sg;
+}
+
 template <typename T>
 struct SwigluForward {
   RowPtr<T> out;
@@ -36,15 +60,11 @@ struct SwigluForward {
     load_vec<K>(gate.at(row, col), g);
     load_vec<K>(up.at(row, col), u);
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const float sg = 1.f / (1.f + expf(-g[k]));
-      o[k] = g[k] * sg * u[k];
-    }
+    for (int k = 0; k < K; ++k) o[k] = swiglu_value(g[k], u[k]);
     store_vec<K>(out.at(row, col), o);
   }
 };
 
-// d silu(g)/dg = sig(g) (1 + g (1 - sig(g)))
 template <typename T>
 struct SwigluBackward {
   RowPtr<T> dgate, dup;
@@ -56,11 +76,7 @@ struct SwigluBackward {
     load_vec<K>(gate.at(row, col), g);
     load_vec<K>(up.at(row, col), u);
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const float sg = 1.f / (1.f + expf(-g[k]));
-      dg[k] = d[k] * u[k] * sg * (1.f + g[k] * (1.f - sg));
-      du[k] = d[k] * g[k] * sg;
-    }
+    for (int k = 0; k < K; ++k) swiglu_grads(d[k], g[k], u[k], dg[k], du[k]);
     store_vec<K>(dgate.at(row, col), dg);
     store_vec<K>(dup.at(row, col), du);
   }
@@ -163,6 +179,177 @@ void launch_rows(const Op& op, const Shape& s, bool vectorise, cudaStream_t stre
                          s.flat ? " flat" : " row-strided");
 }
 
+// ---- writing the FP8 operand ----------------------------------------------------
+
+// v rounded to bf16, as a float (what the bf16 kernel stores, read back exactly).
+__device__ __forceinline__ float bf16_value(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// 8 bf16 (one 16-byte load) as floats: the bits moved up, exact.
+__device__ __forceinline__ void unpack8(const uint4& r, float (&v)[8]) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    v[2 * k] = __uint_as_float(w[k] << 16);
+    v[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+  }
+}
+
+// Where a tile kernel writes: q [rows, ldq] (ldq = outputs x cols) and q_t [ldq, rows].
+struct Fp8Dest {
+  uint8_t* q;
+  uint8_t* qt;
+  int64_t ldq;
+  const float* scale;
+  float* amax;
+};
+
+// The tiles of [rows, cols] SwiGLU columns, grid-stride; registers capped for
+// 4 (forward) or 3 (backward) resident blocks an SM, so that enough loads are
+// in flight to keep the memory busy. Forward: one output,
+// silu(g) u, at q's column c. Backward: two, dgate at column c and dup at
+// column cols + c. rows and cols are multiples of 16, so a thread's 4 rows x 8
+// columns lie wholly inside or wholly outside the matrix.
+template <fp8::Format F, bool kBackward>
+__global__ void __launch_bounds__(fp8_tile::kThreads, kBackward ? 3 : 4)
+    swiglu_fp8_kernel(const bf16* __restrict__ dout, int64_t ldd, const bf16* __restrict__ gate,
+                      const bf16* __restrict__ up, int64_t ldg, int64_t rows, int64_t cols, int64_t tiles_c,
+                      int64_t tiles, Fp8Dest o) {
+  __shared__ fp8_tile::Shared sh;
+  const float s = *o.scale;
+  const fp8_tile::Lane ln = fp8_tile::lane();
+  uint32_t m = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = (t / tiles_c) * fp8_tile::kRows, c0 = (t % tiles_c) * fp8_tile::kCols;
+    const int64_t r = r0 + ln.rl0, c = c0 + ln.cg * 8;
+    const bool live = r < rows && c < cols;
+    // Codes, as fp8_tile::encode lays them out: forward wa = out; backward wa = dgate, wb = dup.
+    uint32_t wa[4][2] = {}, wb[4][2] = {};
+    if (live) {
+      // Every load of the 4 rows first (16 bytes each, 8 or 12 in flight),
+      // then the math a row at a time, encoded at once (few registers live).
+      uint4 gr[4], ur[4], dr[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        gr[i] = *reinterpret_cast<const uint4*>(gate + (r + i) * ldg + c);
+        ur[i] = *reinterpret_cast<const uint4*>(up + (r + i) * ldg + c);
+        if constexpr (kBackward) dr[i] = *reinterpret_cast<const uint4*>(dout + (r + i) * ldd + c);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float g[8], u[8], va[8], vb[8];
+        unpack8(gr[i], g);
+        unpack8(ur[i], u);
+        if constexpr (kBackward) {
+          float d[8];
+          unpack8(dr[i], d);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            float dg, du;
+            swiglu_grads(d[j], g[j], u[j], dg, du);
+            va[j] = bf16_value(dg);
+            vb[j] = bf16_value(du);
+            fp8_tile::amax_add(m, va[j]);
+            fp8_tile::amax_add(m, vb[j]);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            va[j] = bf16_value(swiglu_value(g[j], u[j]));
+            fp8_tile::amax_add(m, va[j]);
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          wa[i][h] = fp8_tile::encode4<F>(va[4 * h] * s, va[4 * h + 1] * s, va[4 * h + 2] * s, va[4 * h + 3] * s);
+          if constexpr (kBackward)
+            wb[i][h] = fp8_tile::encode4<F>(vb[4 * h] * s, vb[4 * h + 1] * s, vb[4 * h + 2] * s, vb[4 * h + 3] * s);
+        }
+      }
+    }
+    const int64_t rows_left = rows - r0, cols_left = cols - c0;
+    if (live) fp8_tile::store_rows(o.q + r * o.ldq + c, o.ldq, wa);
+    fp8_tile::store_transposed<true>(sh, ln, wa, o.qt + c0 * rows + r0, rows, rows_left, cols_left);
+    if constexpr (kBackward) {
+      if (live) fp8_tile::store_rows(o.q + r * o.ldq + cols + c, o.ldq, wb);
+      fp8_tile::store_transposed<true>(sh, ln, wb, o.qt + (cols + c0) * rows + r0, rows, rows_left, cols_left);
+    }
+  }
+  if (o.amax != nullptr) fp8_tile::block_amax_to(fp8_tile::amax_value(m), o.amax);
+}
+
+template <fp8::Format F, bool kBackward>
+int fp8_per_sm(const char* name) {
+  static const int per_sm = fp8_tile::blocks_per_sm(swiglu_fp8_kernel<F, kBackward>, name);
+  return per_sm;
+}
+
+// The checks and the launch of both *_fp8 entry points: dout (backward only),
+// gate and up bf16 [rows, f] row views; q [rows, outputs f] and q_t
+// [outputs f, rows] contiguous FP8 of one format.
+void launch_swiglu_fp8(bool backward, Tensor& q, Tensor& q_t, const Tensor* dout, const Tensor& gate,
+                       const Tensor& up, const float* scale, float* amax, cudaStream_t stream, const char* fn) {
+  const Operand g = operand(gate, "swiglu_fp8 gate"), u = operand(up, "swiglu_fp8 up");
+  const int64_t rows = g.m.rows, cols = g.m.cols, outputs = backward ? 2 : 1;
+  const char* tails = backward ? "the gate_up projection's gradient" : "the down projection's input";
+  LOOM_CHECK(gate.dtype == DType::bf16 && up.dtype == DType::bf16 && (dout == nullptr || dout->dtype == DType::bf16),
+             fn, ": gate, up", backward ? " and dout" : "", " must be bf16 (the FP8 recipes' activations), got ",
+             dtype_name(gate.dtype), ", ", dtype_name(up.dtype), dout != nullptr ? ", " : "",
+             dout != nullptr ? dtype_name(dout->dtype) : "");
+  LOOM_CHECK(u.m.rows == rows && u.m.cols == cols && u.m.ld == g.m.ld, fn, ": up is [", u.m.rows, ", ", u.m.cols,
+             "] with row stride ", u.m.ld, ", gate [", rows, ", ", cols, "] with row stride ", g.m.ld,
+             " (the two halves of one packed gate_up buffer, or two tensors of one layout)");
+  RowMatrix d{rows, cols, cols};
+  if (dout != nullptr) {
+    d = operand(*dout, "swiglu_fp8 dout").m;
+    LOOM_CHECK(d.rows == rows && d.cols == cols, fn, ": dout is [", d.rows, ", ", d.cols, "], gate [", rows, ", ",
+               cols, "]");
+  }
+  LOOM_CHECK(rows % 16 == 0 && cols % 16 == 0, fn, ": [", rows, ", ", cols,
+             "] SwiGLU columns: rows and columns must be multiples of 16 (the FP8 GEMMs' own multiple, which ", tails,
+             " has when the recipe hands it out in FP8)");
+  const bool packed = aligned_bytes(gate.data, 16) && aligned_bytes(up.data, 16) && g.m.ld % 8 == 0 &&
+                      (dout == nullptr || (aligned_bytes(dout->data, 16) && d.ld % 8 == 0));
+  LOOM_CHECK(packed, fn, ": gate, up", backward ? " and dout" : "",
+             " must start 16-byte aligned with row strides that are multiples of 8 elements (row strides ", g.m.ld,
+             backward ? ", " : "", backward ? std::to_string(d.ld) : std::string(), ")");
+  check_device(q, "swiglu_fp8 q");
+  check_device(q_t, "swiglu_fp8 q_t");
+  LOOM_CHECK((q.dtype == DType::e4m3 || q.dtype == DType::e5m2) && q_t.dtype == q.dtype, fn,
+             ": q and q_t must be one FP8 format (fp8_e4m3 or fp8_e5m2), got ", dtype_name(q.dtype), " and ",
+             dtype_name(q_t.dtype));
+  LOOM_CHECK(q.ndim == 2 && q.shape[0] == rows && q.shape[1] == outputs * cols && q.is_contiguous(), fn,
+             ": q must be a contiguous [", rows, ", ", outputs * cols, "] tensor, got ", q.shape_str());
+  LOOM_CHECK(q_t.ndim == 2 && q_t.shape[0] == outputs * cols && q_t.shape[1] == rows && q_t.is_contiguous(), fn,
+             ": q_t must be a contiguous [", outputs * cols, ", ", rows, "] tensor, got ", q_t.shape_str());
+  LOOM_CHECK(aligned_bytes(q.data, 16) && aligned_bytes(q_t.data, 16), fn, ": q at ", q.data, " and q_t at ",
+             q_t.data, " must be 16-byte aligned");
+  LOOM_CHECK(scale != nullptr && aligned_bytes(scale, 4) && aligned_bytes(amax, 4), fn, ": scale at ",
+             static_cast<const void*>(scale), " must be a device float, amax at ", static_cast<void*>(amax),
+             " a device float or null");
+  if (rows == 0) return;
+  const int64_t tiles_c = (cols + fp8_tile::kCols - 1) / fp8_tile::kCols;
+  const int64_t tiles = (rows + fp8_tile::kRows - 1) / fp8_tile::kRows * tiles_c;
+  const Fp8Dest o{q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), outputs * cols, scale, amax};
+  const bf16* dp = dout != nullptr ? dout->ptr<const bf16>() : nullptr;
+  auto go = [&](auto fmt, auto bwd) {
+    constexpr fp8::Format F = decltype(fmt)::value;
+    constexpr bool B = decltype(bwd)::value;
+    const unsigned grid = fp8_tile::grid_for_tiles(tiles, fp8_per_sm<F, B>(fn), fn);
+    swiglu_fp8_kernel<F, B><<<grid, fp8_tile::kThreads, 0, stream>>>(
+        dp, d.ld, gate.ptr<const bf16>(), up.ptr<const bf16>(), g.m.ld, rows, cols, tiles_c, tiles, o);
+    LOOM_CUDA_LAUNCH_CHECK(fn, " rows=", rows, " cols=", cols, " ld=", g.m.ld, " tiles=", tiles, " grid=", grid);
+  };
+  using E4 = std::integral_constant<fp8::Format, fp8::Format::e4m3>;
+  using E5 = std::integral_constant<fp8::Format, fp8::Format::e5m2>;
+  if (q.dtype == DType::e4m3) {
+    if (backward) go(E4{}, std::true_type{});
+    else go(E4{}, std::false_type{});
+  } else {
+    if (backward) go(E5{}, std::true_type{});
+    else go(E5{}, std::false_type{});
+  }
+}
+
 }  // namespace
 
 void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up, cudaStream_t stream) {
@@ -193,6 +380,16 @@ void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tenso
                                row_ptr<const T>(ops[4], s.flat)};
     launch_rows<K>(op, s, can_pack<T, K>(ops, s.flat), stream, "swiglu_backward");
   });
+}
+
+void swiglu_forward_fp8(Tensor& q, Tensor& q_t, const Tensor& gate, const Tensor& up, const float* scale,
+                        float* amax, cudaStream_t stream) {
+  launch_swiglu_fp8(false, q, q_t, nullptr, gate, up, scale, amax, stream, "swiglu_forward_fp8");
+}
+
+void swiglu_backward_fp8(Tensor& q, Tensor& q_t, const Tensor& dout, const Tensor& gate, const Tensor& up,
+                         const float* scale, float* amax, cudaStream_t stream) {
+  launch_swiglu_fp8(true, q, q_t, &dout, gate, up, scale, amax, stream, "swiglu_backward_fp8");
 }
 
 }  // namespace loom::gpu

@@ -9,6 +9,11 @@
 // Backward: SwiGLU writes its gradient into one packed [N, 2f] buffer, so one
 // dgrad GEMM (K = 2f) and one wgrad GEMM (into the [gate; up] gradient)
 // replace two of each and the add between them.
+//
+// When the recipe takes them in FP8 (Precision::fp8_operand: fp8_delayed on
+// CUDA), SwiGLU writes m (the down projection's x) and its packed gradient
+// (the gate_up projection's dy) as FP8 codes directly, and the bf16 copies
+// that the recipe would read only to cast them are never written.
 #include "loom/error.hpp"
 #include "model/blocks/blocks.hpp"
 
@@ -56,11 +61,14 @@ class FusedFfn final : public FfnBlock {
       Tensor gu = act(gu_, {N, 2 * f});
       env_.precision->linear_forward(ctx, wgu_, ln2, param_rows(u, kWgate, 2), gu, nullptr);
     }
-    Tensor swi = act(swi_, {N, f});
+    Fp8Operand q;
+    const bool fp8_swi = env_.precision->fp8_operand(ctx, wd_, Fp8OperandRole::x, N, &q);
+    Tensor swi = fp8_swi ? q.q : act(swi_, {N, f});
     {
       Range r(be, "swiglu");
       const Tensor gu = act(gu_, {N, 2 * f});
-      be.swiglu_forward(swi, column_half(gu, 0), column_half(gu, 1));
+      if (fp8_swi) be.swiglu_forward_fp8(q, column_half(gu, 0), column_half(gu, 1));
+      else be.swiglu_forward(swi, column_half(gu, 0), column_half(gu, 1));
     }
     {
       Range r(be, "down+residual");
@@ -80,19 +88,25 @@ class FusedFfn final : public FfnBlock {
       const Tensor swi = swi_transient_ ? Tensor() : act(swi_, {N, f});
       env_.precision->linear_backward(ctx, wd_, swi, param(u, kWdown), d, &d_swi, dWd, acc);
     }
+    Fp8Operand q;
+    const bool fp8_dgu = env_.precision->fp8_operand(ctx, wgu_, Fp8OperandRole::dy, N, &q);
+    const Tensor d_gu = fp8_dgu ? q.q : act(d_gu_, {N, 2 * f});
     {
       Range r(be, "swiglu.grad");
-      const Tensor d_gu = act(d_gu_, {N, 2 * f}), gu = act(gu_, {N, 2 * f});
-      Tensor dg = column_half(d_gu, 0), du = column_half(d_gu, 1);
-      be.swiglu_backward(dg, du, d_swi, column_half(gu, 0), column_half(gu, 1));
+      const Tensor gu = act(gu_, {N, 2 * f});
+      if (fp8_dgu) {
+        be.swiglu_backward_fp8(q, d_swi, column_half(gu, 0), column_half(gu, 1));
+      } else {
+        Tensor dg = column_half(d_gu, 0), du = column_half(d_gu, 1);
+        be.swiglu_backward(dg, du, d_swi, column_half(gu, 0), column_half(gu, 1));
+      }
     }
     Tensor d_ln = act(d_ln_, {N, h});
     {
       Range r(be, "gate_up.grad");
       Tensor dWgu = param_rows(u, kWgate, 2, true);
       const Tensor ln2 = ln2_transient_ ? Tensor() : act(ln2_, {N, h});
-      env_.precision->linear_backward(ctx, wgu_, ln2, param_rows(u, kWgate, 2),
-                                      act(d_gu_, {N, 2 * f}), &d_ln, dWgu, acc);
+      env_.precision->linear_backward(ctx, wgu_, ln2, param_rows(u, kWgate, 2), d_gu, &d_ln, dWgu, acc);
     }
     {
       Range r(be, "rmsnorm.grad");
