@@ -342,6 +342,27 @@ TEST(GpuFp8Recipes, ResumeAcrossBf16AndFp8Delayed) {
 // 768, 12 layers, ffn 2048) at 4 x 512 tokens, both scalings, both layer
 // variants, one and two micro-batches per step (two: "layer" recasts per
 // micro-batch).
+// Four deterministic steps of configs/bench/llama-125m.toml in its own out
+// dir (validation and a log line every two), with `ov` on top: the summary
+// and the recipe's state tensors.
+struct Run125m {
+  loom::RunSummary summary;
+  std::map<std::string, std::vector<char>> state;
+};
+Run125m run_125m(const std::string& name, const std::vector<std::string>& ov) {
+  std::vector<std::string> all = {"run.out_dir=\"" + temp_dir(name).string() + "\"",
+                                  "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
+                                  "run.deterministic=true", "run.log_level=\"warn\"", "train.micro_batch=4",
+                                  "train.seq_len=512", "train.steps=4", "train.log_every=2", "train.validation_every=2",
+                                  "train.validation_batches=1", "checkpoint.every=0", "checkpoint.resume=none"};
+  all.insert(all.end(), ov.begin(), ov.end());  // later overrides win
+  loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", all));
+  Run125m r;
+  r.summary = s.train();
+  r.state = state_bytes(s.precision());
+  return r;
+}
+
 TEST(GpuFp8Recipes, WeightCacheStepAndLayerAreBitwiseEqual) {
   LOOM_REQUIRE_GPU();
   for (const std::string plugin : {"fp8_delayed", "fp8_current"})
@@ -351,16 +372,11 @@ TEST(GpuFp8Recipes, WeightCacheStepAndLayerAreBitwiseEqual) {
         std::map<std::string, loom::RunSummary> runs;
         std::map<std::string, std::map<std::string, std::vector<char>>> states;
         for (const std::string mode : {"step", "layer"}) {
-          const fs::path out = temp_dir("wcache_" + plugin + layers + accum + mode);
-          const std::vector<std::string> ov = {
-              "run.out_dir=\"" + out.string() + "\"", "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
-              "run.deterministic=true", "run.log_level=\"warn\"", "precision.plugin=" + plugin,
-              "precision.weight_cache=" + mode, "model.layers=" + layers, "train.micro_batch=4", "train.seq_len=512",
-              "train.grad_accum=" + accum, "train.steps=4", "train.log_every=2", "train.validation_every=2",
-              "train.validation_batches=1", "checkpoint.every=0", "checkpoint.resume=none"};
-          loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov));
-          runs[mode] = s.train();
-          states[mode] = state_bytes(s.precision());
+          Run125m r = run_125m("wcache_" + plugin + layers + accum + mode,
+                               {"precision.plugin=" + plugin, "precision.weight_cache=" + mode,
+                                "model.layers=" + layers, "train.grad_accum=" + accum});
+          runs[mode] = std::move(r.summary);
+          states[mode] = std::move(r.state);
         }
         const loom::RunSummary &a = runs["step"], &b = runs["layer"];
         loom::test::expect_same_losses(a, b, 4);
@@ -398,17 +414,12 @@ TEST(GpuFp8Recipes, FusedCastsAreBitwiseTheSeparateCasts) {
     std::map<std::string, loom::RunSummary> runs;
     std::map<std::string, std::map<std::string, std::vector<char>>> states;
     for (const std::string fused : {"true", "false"}) {
-      const fs::path out = temp_dir(std::string("fused_casts_") + fused + std::to_string(&c - cases.data()));
-      std::vector<std::string> ov = {
-          "run.out_dir=\"" + out.string() + "\"", "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
-          "run.deterministic=true", "run.log_level=\"warn\"", "precision.plugin=\"fp8_delayed\"",
-          "precision.fused_casts=" + fused, "precision.amax_history_len=4", "model.layers=\"fused\"",
-          "train.steps=4", "train.log_every=2", "train.validation_every=2", "train.validation_batches=1",
-          "checkpoint.every=0", "checkpoint.resume=none"};
+      std::vector<std::string> ov = {"precision.plugin=\"fp8_delayed\"", "precision.fused_casts=" + fused,
+                                     "precision.amax_history_len=4", "model.layers=\"fused\""};
       ov.insert(ov.end(), c.ov.begin(), c.ov.end());
-      loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov));
-      runs[fused] = s.train();
-      states[fused] = state_bytes(s.precision());
+      Run125m r = run_125m(std::string("fused_casts_") + fused + std::to_string(&c - cases.data()), ov);
+      runs[fused] = std::move(r.summary);
+      states[fused] = std::move(r.state);
     }
     const loom::RunSummary &a = runs["false"], &b = runs["true"];
     loom::test::expect_same_losses(a, b, 4);
