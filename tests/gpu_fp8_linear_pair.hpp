@@ -80,10 +80,18 @@ void random_bf16(std::mt19937& g, std::normal_distribution<float>& nd, size_t n,
 // allocations succeeded (ok()); they live as long as this object.
 struct RecipeDeviceMemory {
   DevBuf ws, saved;
-  RecipeDeviceMemory(loom::Precision& p, int id) : ws(p.workspace_bytes()), saved(p.saved_activation_bytes(id)) {
+  RecipeDeviceMemory(loom::Precision& p, int id) : RecipeDeviceMemory(p, std::vector<int>{id}) {}
+  // Every linear of `ids` (the sum of their saved activations).
+  RecipeDeviceMemory(loom::Precision& p, const std::vector<int>& ids)
+      : ws(p.workspace_bytes()), saved(saved_bytes(p, ids)) {
     if (!ok()) return;
     p.set_workspace(ws.p, p.workspace_bytes());
-    p.set_saved_activations(saved.p, p.saved_activation_bytes(id));
+    p.set_saved_activations(saved.p, saved_bytes(p, ids));
+  }
+  static size_t saved_bytes(const loom::Precision& p, const std::vector<int>& ids) {
+    size_t n = 0;
+    for (int id : ids) n += p.saved_activation_bytes(id);
+    return n;
   }
   bool ok() const { return ws.p != nullptr && saved.p != nullptr; }
 };

@@ -11,6 +11,10 @@
 //   - a bf16 checkpoint resumed under fp8_delayed and the reverse;
 //   - weight_cache = "step" and "layer" give bitwise the same losses and state
 //     at the llama-125m shape;
+//   - Precision::fp8_operand: handed out only where a block can write it
+//     (fp8_delayed with fused_casts; not the bf16 head, an MoE expert, rows
+//     the FP8 GEMMs cannot take, or a dy without its forward), once per call,
+//     and nothing else passes for it;
 //   - fused_casts (the fused layers' SwiGLU writing the down projection's x
 //     and the gate_up projection's dy in FP8) gives bitwise the losses and
 //     state of the separate casts, at the llama-125m shape and at one whose
@@ -40,6 +44,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config/run_config.hpp"
+#include "fp8_recipe_rig.hpp"
 #include "gpu_fp8_linear_pair.hpp"
 #include "gpu_test_util.hpp"
 #include "loom/comm.hpp"
@@ -385,6 +390,84 @@ TEST(GpuFp8Recipes, WeightCacheStepAndLayerAreBitwiseEqual) {
                     layers.c_str(), accum.c_str(), a.steps.front().loss, a.steps.back().loss, b.steps.front().loss,
                     b.steps.back().loss);
       }
+}
+
+// Precision::fp8_operand on CUDA, the contract the fused blocks rely on.
+// Declined: by fp8_current (it measures a tensor before its cast), with
+// fused_casts = false, for the bf16 LM head, a variable-row linear (an MoE
+// expert, whose calls may split), rows not a multiple of 16 or above
+// max_rows, and a dy before its forward. Handed out: x as [rows, in] and xᵀ,
+// dy as [rows, out] and dyᵀ, in the recipe's formats (hybrid: E4M3 x, E5M2
+// dy), with device scale and amax. An FP8 x or dy that is not the operand
+// handed out for that very call is refused, naming both; the operand serves
+// one call only; and the handed-out operands run the linear's forward and
+// backward.
+TEST(GpuFp8Recipes, Fp8OperandsAreHandedOutOnlyWhereABlockCanWriteThem) {
+  LOOM_REQUIRE_GPU();
+  using loom::Fp8Operand;
+  using loom::Fp8OperandRole;
+  const loom::LinearDesc hid{"layer.0.down_proj", 64, 96, 48, loom::LinearRole::hidden};
+  const loom::LinearDesc head{"lm_head", 64, 128, 48, loom::LinearRole::lm_head};
+  const loom::LinearDesc expert{"layer.0.expert.0.w2", 64, 96, 48, loom::LinearRole::hidden, true};
+  loom_test::GpuCallContext call;
+  ASSERT_TRUE(call.lt && call.stream);
+  const loom::ExecContext& ctx = call.ctx;
+  for (const auto& [plugin, body] : std::vector<std::pair<std::string, std::string>>{
+           {"fp8_current", ""}, {"fp8_delayed", "fused_casts = false\n"}}) {
+    SCOPED_TRACE(plugin + " " + body);
+    loom::test::RecipeRig r(make(plugin, body, Device::cuda), {hid}, Device::cuda);
+    const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
+    ASSERT_TRUE(mem.ok());
+    Fp8Operand op;
+    EXPECT_FALSE(r.p->fp8_operand(ctx, r.ids[0], Fp8OperandRole::x, 48, &op));
+  }
+  loom::test::RecipeRig r(make("fp8_delayed", "", Device::cuda), {hid, head, expert}, Device::cuda);
+  const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
+  ASSERT_TRUE(mem.ok());
+  const int id = r.ids[0];
+  Fp8Operand op;
+  EXPECT_FALSE(r.p->fp8_operand(ctx, r.ids[1], Fp8OperandRole::x, 48, &op)) << "the LM head stays bf16";
+  EXPECT_FALSE(r.p->fp8_operand(ctx, r.ids[2], Fp8OperandRole::x, 48, &op)) << "variable rows";
+  EXPECT_FALSE(r.p->fp8_operand(ctx, id, Fp8OperandRole::x, 40, &op)) << "40 rows";
+  EXPECT_FALSE(r.p->fp8_operand(ctx, id, Fp8OperandRole::x, 64, &op)) << "above max_rows";
+  EXPECT_FALSE(r.p->fp8_operand(ctx, id, Fp8OperandRole::dy, 48, &op)) << "dy before any forward";
+
+  loom_test::DevBuf w(96 * 64 * 2), y(48 * 96 * 2), dx(48 * 64 * 2), dw(96 * 64 * 4), other(48 * 96);
+  ASSERT_TRUE(w.p && y.p && dx.p && dw.p && other.p);
+  CUDA_OK(cudaMemset(w.p, 0, 96 * 64 * 2));
+  const Tensor tw(w.p, DType::bf16, Device::cuda, {96, 64});
+  Tensor ty(y.p, DType::bf16, Device::cuda, {48, 96}), tdx(dx.p, DType::bf16, Device::cuda, {48, 64});
+  Tensor tdw(dw.p, DType::f32, Device::cuda, {96, 64});
+  ASSERT_TRUE(r.p->fp8_operand(ctx, id, Fp8OperandRole::x, 48, &op));
+  EXPECT_EQ(op.q.dtype, DType::e4m3);
+  EXPECT_EQ(op.q.shape_str(), "[48,64]");
+  EXPECT_EQ(op.q_t.dtype, DType::e4m3);
+  EXPECT_EQ(op.q_t.shape_str(), "[64,48]");
+  EXPECT_TRUE(op.q.is_contiguous() && op.q_t.is_contiguous());
+  EXPECT_TRUE(op.scale != nullptr && op.amax != nullptr);
+  const Tensor not_it(other.p, DType::e4m3, Device::cuda, {48, 64});
+  loom::test::expect_error([&] { r.p->linear_forward(ctx, id, not_it, tw, ty, nullptr); },
+                           {"layer.0.down_proj", "the FP8 x passed", "is not the operand fp8_operand handed out",
+                            "pass op.q itself"});
+  loom::test::expect_error([&] { r.p->linear_forward(ctx, id, op.q, tw, ty, nullptr); },
+                           {"layer.0.down_proj", "fp8_operand did not hand out an FP8 x for this call"});
+  ASSERT_TRUE(r.p->fp8_operand(ctx, id, Fp8OperandRole::x, 48, &op));
+  CUDA_OK(cudaMemsetAsync(op.q.data, 0, 48 * 64, call.stream));
+  CUDA_OK(cudaMemsetAsync(op.q_t.data, 0, 48 * 64, call.stream));
+  EXPECT_NO_THROW(r.p->linear_forward(ctx, id, op.q, tw, ty, nullptr));
+  Fp8Operand dop;
+  ASSERT_TRUE(r.p->fp8_operand(ctx, id, Fp8OperandRole::dy, 48, &dop));
+  EXPECT_EQ(dop.q.dtype, DType::e5m2) << "hybrid: dy in E5M2";
+  EXPECT_EQ(dop.q.shape_str(), "[48,96]");
+  EXPECT_EQ(dop.q_t.shape_str(), "[96,48]");
+  CUDA_OK(cudaMemsetAsync(dop.q.data, 0, 48 * 96, call.stream));
+  CUDA_OK(cudaMemsetAsync(dop.q_t.data, 0, 48 * 96, call.stream));
+  EXPECT_NO_THROW(r.p->linear_backward(ctx, id, Tensor(), tw, dop.q, &tdx, tdw, false));
+  CUDA_OK(cudaStreamSynchronize(call.stream));
+  std::vector<float> hdw(96 * 64, 1.0f);
+  CUDA_OK(cudaMemcpy(hdw.data(), dw.p, hdw.size() * 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(*std::max_element(hdw.begin(), hdw.end()), 0.0f) << "dW of zero codes";
+  EXPECT_EQ(*std::min_element(hdw.begin(), hdw.end()), 0.0f) << "dW of zero codes";
 }
 
 // fp8_delayed with fused layers: fused_casts = true (SwiGLU forward writes
