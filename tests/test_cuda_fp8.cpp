@@ -12,10 +12,11 @@
 // - GEMMs: every operand format pair cuBLASLt has, fast accumulation on and
 //   off, with and without C (separate and in place), bf16 and fp32 D, the D
 //   amax, and a linear's fprop/dgrad/wgrad end to end from device casts;
-// - SwiGLU writing FP8 (swiglu_forward_fp8, swiglu_backward_fp8): bitwise the
-//   bf16 SwiGLU kernels followed by fp8_cast, codes, transposed codes and amax,
-//   over whole and partial tiles, packed halves and separate tensors, both
-//   formats, saturation and NaN.
+// - SwiGLU and RMSNorm writing FP8 (swiglu_forward_fp8, swiglu_backward_fp8,
+//   rmsnorm_forward_fp8): bitwise the bf16 kernels followed by fp8_cast,
+//   codes, transposed codes, amax and rstd, over whole and partial tiles,
+//   packed halves and separate tensors, narrow and wide rows, both formats,
+//   saturation and NaN.
 // GPU cases skip without a device; the argument checks need none and run in
 // every CUDA build (nothing is launched before an argument is refused).
 #include <gtest/gtest.h>
@@ -223,6 +224,42 @@ TEST(CudaFp8Args, SwigluFp8RefusesWhatItCannotWrite) {
   Tensor d48(fake_ptr(1 << 14), DType::bf16, Device::cuda, {32, 48});
   e = error_of([&] { loom::gpu::swiglu_backward_fp8(q2, qt2, d48, g, u, scale, nullptr, nullptr); });
   EXPECT_TRUE(contains(e, "dout is [32, 48], gate [32, 64]")) << e;
+}
+
+TEST(CudaFp8Args, RmsnormFp8RefusesWhatItCannotWrite) {
+  float* scale = reinterpret_cast<float*>(fake_ptr(1 << 16));
+  Tensor x(fake_ptr(), DType::bf16, Device::cuda, {32, 64});
+  Tensor w(fake_ptr(1 << 14), DType::bf16, Device::cuda, {64});
+  Tensor rstd(fake_ptr(1 << 15), DType::f32, Device::cuda, {32});
+  Tensor q(fake_ptr(1 << 12), DType::e4m3, Device::cuda, {32, 64});
+  Tensor qt(fake_ptr(1 << 13), DType::e4m3, Device::cuda, {64, 32});
+  std::string e;
+  Tensor x32 = x;
+  x32.dtype = DType::f32;
+  e = error_of([&] { loom::gpu::rmsnorm_forward_fp8(q, qt, rstd, x32, w, 1e-5f, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "rmsnorm_forward_fp8: x and w must be bf16")) << e;
+  Tensor x40(fake_ptr(), DType::bf16, Device::cuda, {40, 64});
+  Tensor r40(fake_ptr(1 << 15), DType::f32, Device::cuda, {40});
+  e = error_of([&] { loom::gpu::rmsnorm_forward_fp8(q, qt, r40, x40, w, 1e-5f, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "[40, 64]: rows and h must be multiples of 16")) << e;
+  Tensor x56(fake_ptr(), DType::bf16, Device::cuda, {32, 56}), w56(fake_ptr(1 << 14), DType::bf16, Device::cuda, {56});
+  e = error_of([&] { loom::gpu::rmsnorm_forward_fp8(q, qt, rstd, x56, w56, 1e-5f, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "[32, 56]: rows and h must be multiples of 16")) << e;
+  e = error_of([&] { loom::gpu::rmsnorm_forward_fp8(qt, q, rstd, x, w, 1e-5f, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "q must be [32, 64], got [64,32]")) << e;
+  Tensor qt5 = qt;
+  qt5.dtype = DType::e5m2;
+  e = error_of([&] { loom::gpu::rmsnorm_forward_fp8(q, qt5, rstd, x, w, 1e-5f, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "q and q_t must be one FP8 format")) << e;
+  Tensor r16(fake_ptr(1 << 15), DType::f32, Device::cuda, {16});
+  e = error_of([&] { loom::gpu::rmsnorm_forward_fp8(q, qt, r16, x, w, 1e-5f, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "rstd [16] must hold one value per row (32)")) << e;
+  Tensor xo = x;
+  xo.data = fake_ptr(8);
+  e = error_of([&] { loom::gpu::rmsnorm_forward_fp8(q, qt, rstd, xo, w, 1e-5f, scale, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "must be 16-byte aligned")) << e;
+  e = error_of([&] { loom::gpu::rmsnorm_forward_fp8(q, qt, rstd, x, w, 1e-5f, nullptr, nullptr, nullptr); });
+  EXPECT_TRUE(contains(e, "must be a device float")) << e;
 }
 
 TEST(CudaFp8Args, GemmRefusesWhatCublasLtCannotDo) {
@@ -1153,6 +1190,71 @@ TEST_F(CudaFp8Gemm, HotPathAllocatesNothing) {
   EXPECT_GT(err.ours_new, 0) << "the counting operator new does not see libloom's allocations";
 }
 
+
+TEST_F(CudaFp8, RmsnormWritingFp8IsTheBf16KernelThenTheCast) {
+  // Against rmsnorm_forward (checked against the CPU in test_cuda_kernels)
+  // then fp8_cast: codes, transposed codes, amax and rstd bitwise. Widths:
+  // 16 (one warp, 2 of its threads busy), 768 (96 threads: llama-125m), 2048
+  // (256 threads, one vector each: llama-1b), 4096 (two each: llama2-7b),
+  // 5632 (2.75 each: threads with fewer vectors); rows 16 to 4096. Values:
+  // bf16, gains around 1 with some large, a scale that saturates the
+  // largest, and one row holding a NaN in one case (its whole row NaN, the
+  // amax +inf).
+  struct Case {
+    int64_t rows, h;
+  };
+  const Case cases[] = {{16, 16}, {48, 768}, {4096, 2048}, {32, 4096}, {64, 5632}};
+  int checked = 0;
+  for (const Case& cc : cases) {
+    for (DType qtype : {DType::e4m3, DType::e5m2}) {
+      for (float s : {1.0f, 200.0f}) {
+        const int64_t R = cc.rows, h = cc.h;
+        const bool nan = cc.h == 768 && qtype == DType::e4m3 && s == 1.0f;
+        SCOPED_TRACE(::testing::Message() << "[" << R << ", " << h << "] " << loom::dtype_name(qtype) << " scale " << s
+                                          << (nan ? " NaN" : ""));
+        std::mt19937 rng(static_cast<uint32_t>(R * 13 + h + checked));
+        std::normal_distribution<float> nd(0.f, 1.f);
+        std::uniform_real_distribution<float> gain(0.5f, 1.5f);
+        const size_t n = static_cast<size_t>(R * h);
+        std::vector<uint16_t> hx(n), hw(static_cast<size_t>(h));
+        for (uint16_t& v : hx) v = loom::hf::f32_to_bf16(nd(rng) * 3.f);
+        for (size_t j = 0; j < hw.size(); ++j) hw[j] = loom::hf::f32_to_bf16(j % 97 == 0 ? 40.f : gain(rng));
+        if (nan) hx[static_cast<size_t>(7 * h + 3)] = 0x7FC0;
+        DevBuf xb(n * 2), wb(hw.size() * 2), mid(n * 2), r_ref(R * 4), r_got(R * 4), sb(4), ab(8);
+        DevBuf q(n), qt(n), want_q(n), want_qt(n);
+        ASSERT_TRUE(xb.p && wb.p && mid.p && r_ref.p && r_got.p && sb.p && ab.p && q.p && qt.p && want_q.p &&
+                    want_qt.p);
+        upload(xb, hx);
+        upload(wb, hw);
+        put_float(sb, s);
+        put_float(ab, 0.0f);
+        put_float(ab, 0.0f, 1);
+        for (const DevBuf* b : {&q, &qt, &want_q, &want_qt}) CUDA_OK(cudaMemset(b->p, 0xAA, n));
+        CUDA_OK(cudaMemset(r_got.p, 0xFF, R * 4));
+        const Tensor x(xb.p, DType::bf16, Device::cuda, {R, h}), w(wb.p, DType::bf16, Device::cuda, {h});
+        Tensor m(mid.p, DType::bf16, Device::cuda, {R, h});
+        Tensor rr(r_ref.p, DType::f32, Device::cuda, {R}), rg(r_got.p, DType::f32, Device::cuda, {R});
+        Tensor tq(q.p, qtype, Device::cuda, {R, h}), tqt(qt.p, qtype, Device::cuda, {h, R});
+        Tensor wq(want_q.p, qtype, Device::cuda, {R, h}), wqt(want_qt.p, qtype, Device::cuda, {h, R});
+        loom::gpu::rmsnorm_forward(m, rr, x, w, 1e-5f, stream_);
+        loom::gpu::fp8_cast(m, &wq, &wqt, sb.as<float>(), ab.as<float>() + 1, stream_);
+        loom::gpu::rmsnorm_forward_fp8(tq, tqt, rg, x, w, 1e-5f, sb.as<float>(), ab.as<float>(), stream_);
+        CUDA_OK(cudaStreamSynchronize(stream_));
+        EXPECT_TRUE(download<uint8_t>(q, n) == download<uint8_t>(want_q, n)) << "q";
+        EXPECT_TRUE(download<uint8_t>(qt, n) == download<uint8_t>(want_qt, n)) << "q_t";
+        const std::vector<float> a = download<float>(r_ref, R), b = download<float>(r_got, R);
+        size_t bad = 0;
+        for (size_t i = 0; i < a.size(); ++i)
+          if (bits(a[i]) != bits(b[i]) && bad++ < 4) ADD_FAILURE() << "rstd[" << i << "] " << b[i] << " vs " << a[i];
+        EXPECT_EQ(bad, 0u);
+        EXPECT_EQ(bits(get_float(ab, 0)), bits(get_float(ab, 1))) << "amax " << get_float(ab, 0);
+        if (nan) EXPECT_EQ(get_float(ab, 0), kInf);
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 5 * 2 * 2);
+}
 
 // ---- SwiGLU writing FP8 ------------------------------------------------------------
 

@@ -15,8 +15,9 @@
 //     (fp8_delayed with fused_casts; not the bf16 head, an MoE expert, rows
 //     the FP8 GEMMs cannot take, or a dy without its forward), once per call,
 //     and nothing else passes for it;
-//   - fused_casts (the fused layers' SwiGLU writing the down projection's x
-//     and the gate_up projection's dy in FP8) gives bitwise the losses and
+//   - fused_casts (the fused layers' RMSNorm writing the qkv and gate_up
+//     projections' x, SwiGLU the down projection's x and the gate_up
+//     projection's dy, in FP8) gives bitwise the losses and
 //     state of the separate casts, at the llama-125m shape and at one whose
 //     rows and ffn columns leave partial tiles, with recompute;
 //   - an FP8 bench run uses no more device memory than the bf16 run of the
@@ -470,10 +471,11 @@ TEST(GpuFp8Recipes, Fp8OperandsAreHandedOutOnlyWhereABlockCanWriteThem) {
   EXPECT_EQ(*std::min_element(hdw.begin(), hdw.end()), 0.0f) << "dW of zero codes";
 }
 
-// fp8_delayed with fused layers: fused_casts = true (SwiGLU forward writes
-// the down projection's x and SwiGLU backward the gate_up projection's dy in
-// FP8, Precision::fp8_operand) against false (SwiGLU writes bf16, the recipe
-// casts it). The fused kernels round each value to bf16 before encoding, so
+// fp8_delayed with fused layers: fused_casts = true (the norms write the qkv
+// and gate_up projections' x, SwiGLU forward the down projection's x and
+// SwiGLU backward the gate_up projection's dy in FP8, Precision::fp8_operand)
+// against false (bf16 written, the recipe casts it). The fused kernels round
+// each value to bf16 before encoding, so
 // the codes, the amaxes and hence the scales, losses and validation losses
 // must be bitwise equal. Shapes: llama-125m (rows 2048, ffn 3072: whole
 // tiles), grad_accum 1 and 2; and ffn 2000 (31 column tiles and 16 columns)

@@ -205,8 +205,10 @@ class Precision : public Plugin {
   // the compute stream just before the block makes the operand (the recipe
   // may queue work there, e.g. clear a pending amax); the next
   // linear_forward (x) or linear_backward (dy) call of `id` must then pass
-  // op.q. A block asks only where it has a kernel that writes FP8 (on CUDA,
-  // the fused feed-forward block's SwiGLU). ABI 8.0.
+  // op.q. An x may be offered only for a linear whose wgrad input the recipe
+  // keeps itself (keeps_wgrad_input(id)): the block then writes no bf16 x.
+  // A block asks only where it has a kernel that writes FP8 (on CUDA, the
+  // fused blocks' RMSNorm and SwiGLU). ABI 8.0.
   virtual bool fp8_operand(const ExecContext& /*ctx*/, int /*id*/, Fp8OperandRole /*role*/, int64_t /*rows*/,
                            Fp8Operand* /*op*/) {
     return false;

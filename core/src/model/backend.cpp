@@ -25,6 +25,9 @@ namespace {
 void Backend::swiglu_forward_fp8(const Fp8Operand&, const Tensor&, const Tensor&) {
   no_fp8_operand(*this, "swiglu_forward_fp8");
 }
+void Backend::rmsnorm_forward_fp8(const Fp8Operand&, Tensor&, const Tensor&, const Tensor&, float) {
+  no_fp8_operand(*this, "rmsnorm_forward_fp8");
+}
 void Backend::swiglu_backward_fp8(const Fp8Operand&, const Tensor&, const Tensor&, const Tensor&) {
   no_fp8_operand(*this, "swiglu_backward_fp8");
 }

@@ -107,7 +107,7 @@ class Backend {
   virtual void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate,
                                const Tensor& up) = 0;
   // SwiGLU writing a linear's FP8 operand (loom/precision.hpp's Fp8Operand)
-  // instead of bf16, where the recipe offered it: the forward's out as
+  // instead of bf16, where the recipe offered it (Precision::fp8_operand): the forward's out as
   // op.q [N, f] (the down projection's x); the backward's [dgate, dup] as
   // op.q [N, 2f] (the gate_up projection's dy, packed like its output). Each
   // value is rounded to bf16 before it is encoded, so the codes and the amax
@@ -115,6 +115,10 @@ class Backend {
   // defaults refuse with one message (the CPU backend has none, and no recipe
   // on the CPU offers an FP8 operand).
   virtual void swiglu_forward_fp8(const Fp8Operand& out, const Tensor& gate, const Tensor& up);
+  // RMSNorm writing the next linear's x as an FP8 operand (op.q [N, h]) and
+  // rstd, bitwise rmsnorm_forward followed by the recipe's cast (the fused
+  // blocks' norms before qkv and gate_up). Refused by default, as above.
+  virtual void rmsnorm_forward_fp8(const Fp8Operand& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps);
   virtual void swiglu_backward_fp8(const Fp8Operand& d_gate_up, const Tensor& dout, const Tensor& gate,
                                    const Tensor& up);
   virtual void add(Tensor& out, const Tensor& a, const Tensor& b) = 0;  // out may alias a

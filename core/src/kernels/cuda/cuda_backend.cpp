@@ -259,6 +259,11 @@ class CudaBackend final : public Backend {
   void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up) override {
     gpu::swiglu_backward(dgate, dup, dout, gate, up, stream_);
   }
+  void rmsnorm_forward_fp8(const Fp8Operand& out, Tensor& rstd, const Tensor& x, const Tensor& w,
+                           float eps) override {
+    Tensor q = out.q, qt = out.q_t;
+    gpu::rmsnorm_forward_fp8(q, qt, rstd, x, w, eps, out.scale, out.amax, stream_);
+  }
   void swiglu_forward_fp8(const Fp8Operand& out, const Tensor& gate, const Tensor& up) override {
     Tensor q = out.q, qt = out.q_t;
     gpu::swiglu_forward_fp8(q, qt, gate, up, out.scale, out.amax, stream_);

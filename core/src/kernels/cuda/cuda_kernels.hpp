@@ -28,6 +28,14 @@ void embedding_backward(Tensor& dwte, const Tensor& dout, const Tensor& tokens, 
 
 // rmsnorm.cu
 void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, cudaStream_t stream);
+// RMSNorm writing a linear's FP8 operand instead of its bf16 output
+// (Fp8Operand, loom/precision.hpp): every value as rmsnorm_forward stores it
+// (bf16), encoded as q = encode(v * *scale) into q [N, h] and q_t [h, N], max
+// |v| max-accumulated into *amax (may be null), rstd as rmsnorm_forward
+// writes it: bitwise rmsnorm_forward followed by fp8_cast. x, w bf16, 16-byte
+// aligned; N and h multiples of 16; q and q_t contiguous, 16-byte aligned.
+void rmsnorm_forward_fp8(Tensor& q, Tensor& q_t, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
+                         const float* scale, float* amax, cudaStream_t stream);
 void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
                       const Tensor& rstd, const Scratch& scratch, cudaStream_t stream);
 

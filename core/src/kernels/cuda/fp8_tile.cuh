@@ -87,6 +87,21 @@ __device__ __forceinline__ void store_rows(uint8_t* q, int64_t ldq, const uint32
   for (int i = 0; i < 4; ++i) *reinterpret_cast<uint2*>(q + i * ldq) = make_uint2(w[i][0], w[i][1]);
 }
 
+// 4 rows x 8 columns of codes (w as encode lays them out) turned into 8
+// column words: col[c] holds rows 0..3 of column c, row 0 in the lowest
+// byte, by 4 x 4 byte transposes in registers.
+__device__ __forceinline__ void transpose4x8(const uint32_t (&w)[4][2], uint32_t (&col)[8]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t lo01 = __byte_perm(w[0][h], w[1][h], 0x5140), hi01 = __byte_perm(w[0][h], w[1][h], 0x7362);
+    const uint32_t lo23 = __byte_perm(w[2][h], w[3][h], 0x5140), hi23 = __byte_perm(w[2][h], w[3][h], 0x7362);
+    col[4 * h + 0] = __byte_perm(lo01, lo23, 0x5410);
+    col[4 * h + 1] = __byte_perm(lo01, lo23, 0x7632);
+    col[4 * h + 2] = __byte_perm(hi01, hi23, 0x5410);
+    col[4 * h + 3] = __byte_perm(hi01, hi23, 0x7632);
+  }
+}
+
 // The tile's codes into q_t (qt at q_t row c0, column r0; ldt = x's rows),
 // through the shared tile. Every thread of the block calls it (it
 // synchronises the block twice). When kBounded, only the first rows_left x
@@ -96,17 +111,10 @@ template <bool kBounded>
 __device__ __forceinline__ void store_transposed(Shared& sh, const Lane& ln, const uint32_t (&w)[4][2], uint8_t* qt,
                                                  int64_t ldt, int64_t rows_left, int64_t cols_left) {
   uint32_t* words = reinterpret_cast<uint32_t*>(sh.t);
+  uint32_t col[8];
+  transpose4x8(w, col);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    // 4 x 4 byte transpose: word k gets byte k of rows 0..3 (column 4h + k).
-    const uint32_t lo01 = __byte_perm(w[0][h], w[1][h], 0x5140), hi01 = __byte_perm(w[0][h], w[1][h], 0x7362);
-    const uint32_t lo23 = __byte_perm(w[2][h], w[3][h], 0x5140), hi23 = __byte_perm(w[2][h], w[3][h], 0x7362);
-    const int c = ln.cg * 8 + 4 * h;
-    words[(c + 0) * 32 + ln.slot] = __byte_perm(lo01, lo23, 0x5410);
-    words[(c + 1) * 32 + ln.slot] = __byte_perm(lo01, lo23, 0x7632);
-    words[(c + 2) * 32 + ln.slot] = __byte_perm(hi01, hi23, 0x5410);
-    words[(c + 3) * 32 + ln.slot] = __byte_perm(hi01, hi23, 0x7632);
-  }
+  for (int c = 0; c < 8; ++c) words[(ln.cg * 8 + c) * 32 + ln.slot] = col[c];
   __syncthreads();
   // 8 threads per q_t row: 16 bytes each, 128 contiguous bytes in all.
 #pragma unroll

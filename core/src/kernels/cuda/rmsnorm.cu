@@ -17,11 +17,21 @@
 // rows that cannot be packed, and fewer than 4096 rows take the general
 // path: one block per row for dx, then blocks of (column tile, row chunk)
 // for the partial sums.
+//
+// Forward into a linear's FP8 operand (rmsnorm_forward_fp8, loom/precision.hpp's
+// Fp8Operand): a block takes 16 rows with the threads the row kernel would
+// have, sums each row's squares exactly as the row kernel does (same thread,
+// same order, block_sum_rows: the same rstd bits), then reads the rows again
+// (from L2) and encodes each normalised value, rounded to bf16 as the row
+// kernel stores it, into q and its transposed copy: a thread holds 16 rows x 8
+// columns, so each of its 8 q_t rows gets one 16-byte store, with no shared
+// tile. The bf16 output the cast would read is never written.
 #include <algorithm>
 #include <cmath>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.hpp"
+#include "kernels/cuda/fp8_tile.cuh"
 
 namespace loom::gpu {
 namespace {
@@ -125,6 +135,72 @@ __device__ void block_sum_rows(float (&v)[R], float (*red)[32]) {
   __syncthreads();
 #pragma unroll
   for (int r = 0; r < R; ++r) v[r] = red[r][0];
+}
+
+constexpr int kFp8Rows = 16;  // rows of an FP8 forward block: one 16-byte q_t store per column
+
+// See the top of the file. rows % 16 == 0, h % 8 == 0, x and w 16-byte aligned.
+template <fp8::Format F>
+__global__ void rmsnorm_fp8_kernel(uint8_t* __restrict__ q, uint8_t* __restrict__ qt, float* __restrict__ rstd,
+                                   const bf16* __restrict__ x, const bf16* __restrict__ w, int64_t rows, int64_t h,
+                                   float eps, const float* __restrict__ scale_ptr, float* amax) {
+  __shared__ float red[kFp8Rows][32];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kFp8Rows;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * 8;
+  const int64_t j0 = static_cast<int64_t>(threadIdx.x) * 8;
+  float r[kFp8Rows];
+#pragma unroll
+  for (int i = 0; i < kFp8Rows; ++i) r[i] = 0.f;
+  for (int64_t j = j0; j < h; j += step) {
+#pragma unroll
+    for (int i = 0; i < kFp8Rows; ++i) {
+      float v[8];
+      load_vec<8>(x + (r0 + i) * h + j, v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) r[i] += v[k] * v[k];
+    }
+  }
+  block_sum_rows<kFp8Rows>(r, red);
+#pragma unroll
+  for (int i = 0; i < kFp8Rows; ++i) r[i] = 1.0f / sqrtf(r[i] / static_cast<float>(h) + eps);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int i = 0; i < kFp8Rows; ++i) rstd[r0 + i] = r[i];
+  }
+  const float s = *scale_ptr;
+  uint32_t m = 0;
+  for (int64_t j = j0; j < h; j += step) {
+    float wv[8];
+    load_vec<8>(w + j, wv);
+    uint32_t cols[8][4];  // [column][row quad]: rows 4k..4k+3 of column j + c
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint32_t cw[4][2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = 4 * k + i;
+        float v[8];
+        load_vec<8>(x + (r0 + row) * h + j, v);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          // The row kernel's value: (x * rstd) rounded to bf16, times w, rounded to bf16.
+          v[c] = __bfloat162float(__float2bfloat16_rn(__bfloat162float(__float2bfloat16_rn(v[c] * r[row])) * wv[c]));
+          fp8_tile::amax_add(m, v[c]);
+        }
+        cw[i][0] = fp8_tile::encode4<F>(v[0] * s, v[1] * s, v[2] * s, v[3] * s);
+        cw[i][1] = fp8_tile::encode4<F>(v[4] * s, v[5] * s, v[6] * s, v[7] * s);
+        *reinterpret_cast<uint2*>(q + (r0 + row) * h + j) = make_uint2(cw[i][0], cw[i][1]);
+      }
+      uint32_t col[8];
+      fp8_tile::transpose4x8(cw, col);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) cols[c][k] = col[c];
+    }
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      *reinterpret_cast<uint4*>(qt + (j + c) * rows + r0) = make_uint4(cols[c][0], cols[c][1], cols[c][2], cols[c][3]);
+  }
+  if (amax != nullptr) fp8_tile::block_amax_to(fp8_tile::amax_value(m), amax);
 }
 
 // The one-pass backward (see the top of the file): block b takes rows
@@ -396,6 +472,52 @@ void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& 
     rmsnorm_dw_finish_kernel<TG><<<fin_blocks, kFinishWarps * 32, 0, stream>>>(dw.ptr<TG>(), partial, chunks, h);
     LOOM_CUDA_LAUNCH_CHECK("rmsnorm_dw_finish_kernel", "h=", h, " chunks=", chunks, " blocks=", fin_blocks);
   });
+}
+
+void rmsnorm_forward_fp8(Tensor& q, Tensor& q_t, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
+                         const float* scale, float* amax, cudaStream_t stream) {
+  const char* fn = "rmsnorm_forward_fp8";
+  check_device(q, "rmsnorm_forward_fp8 q");
+  check_device(q_t, "rmsnorm_forward_fp8 q_t");
+  check_device(rstd, "rmsnorm_forward_fp8 rstd");
+  check_device(x, "rmsnorm_forward_fp8 x");
+  check_device(w, "rmsnorm_forward_fp8 w");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &q_t, &rstd, &x, &w}) check_contiguous(*t, fn);
+  LOOM_CHECK(x.dtype == DType::bf16 && w.dtype == DType::bf16, fn, ": x and w must be bf16 (the FP8 recipes' "
+             "activations and parameters), got ", dtype_name(x.dtype), " and ", dtype_name(w.dtype));
+  LOOM_CHECK(rstd.dtype == DType::f32, fn, ": rstd must be fp32, got ", dtype_name(rstd.dtype));
+  const int64_t h = w.numel();
+  LOOM_CHECK(h > 0 && x.numel() % h == 0, fn, ": x ", x.shape_str(), " is not rows of w's ", h, " elements");
+  const int64_t N = x.numel() / h;
+  LOOM_CHECK(N % kFp8Rows == 0 && h % 16 == 0, fn, ": [", N, ", ", h,
+             "]: rows and h must be multiples of 16 (the FP8 GEMMs' own multiple)");
+  LOOM_CHECK(aligned_bytes(x.data, 16) && aligned_bytes(w.data, 16), fn, ": x at ", x.data, " and w at ", w.data,
+             " must be 16-byte aligned");
+  LOOM_CHECK(rstd.numel() == N, fn, ": rstd ", rstd.shape_str(), " must hold one value per row (", N, ")");
+  LOOM_CHECK((q.dtype == DType::e4m3 || q.dtype == DType::e5m2) && q_t.dtype == q.dtype, fn,
+             ": q and q_t must be one FP8 format (fp8_e4m3 or fp8_e5m2), got ", dtype_name(q.dtype), " and ",
+             dtype_name(q_t.dtype));
+  LOOM_CHECK(q.ndim == 2 && q.shape[0] == N && q.shape[1] == h, fn, ": q must be [", N, ", ", h, "], got ",
+             q.shape_str());
+  LOOM_CHECK(q_t.ndim == 2 && q_t.shape[0] == h && q_t.shape[1] == N, fn, ": q_t must be [", h, ", ", N, "], got ",
+             q_t.shape_str());
+  LOOM_CHECK(aligned_bytes(q.data, 16) && aligned_bytes(q_t.data, 16), fn, ": q at ", q.data, " and q_t at ",
+             q_t.data, " must be 16-byte aligned");
+  LOOM_CHECK(scale != nullptr && aligned_bytes(scale, 4) && aligned_bytes(amax, 4), fn, ": scale at ",
+             static_cast<const void*>(scale), " must be a device float, amax at ", static_cast<void*>(amax),
+             " a device float or null");
+  if (N == 0) return;
+  LOOM_CHECK(N / kFp8Rows <= 0x7fffffff, fn, ": ", N, " rows exceed the grid limit");
+  // The row kernel's threads for these rows (its packed path), so that the sums match it.
+  const int threads = row_threads(h / 8, kRowThreads);
+  const unsigned grid = static_cast<unsigned>(N / kFp8Rows);
+  if (q.dtype == DType::e4m3)
+    rmsnorm_fp8_kernel<fp8::Format::e4m3><<<grid, threads, 0, stream>>>(
+        q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), rstd.ptr<float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), N, h, eps, scale, amax);
+  else
+    rmsnorm_fp8_kernel<fp8::Format::e5m2><<<grid, threads, 0, stream>>>(
+        q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), rstd.ptr<float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), N, h, eps, scale, amax);
+  LOOM_CUDA_LAUNCH_CHECK(fn, " N=", N, " h=", h, " threads=", threads, " grid=", grid);
 }
 
 }  // namespace loom::gpu

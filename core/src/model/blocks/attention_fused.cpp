@@ -8,6 +8,10 @@
 //   a = attention(q, k, v views of qkv)  no copies: the kernel reads strides
 //   out = x + a Wo^T                     the residual is the GEMM's C input (beta = 1)
 //
+// When the recipe takes the qkv GEMM's input in FP8 (Precision::fp8_operand:
+// fp8_delayed on CUDA), the norm writes its FP8 codes directly: the cast to
+// the GEMM's input type is the norm's own store.
+//
 // Backward mirrors it: attention writes dq/dk/dv as views of one packed
 // gradient buffer, RoPE's inverse runs once over dq and dk, one dgrad GEMM
 // (K = (H + 2 Hkv) D) gives the norm's input gradient and one wgrad GEMM the
@@ -57,9 +61,20 @@ class FusedAttention final : public AttentionBlock {
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, qd = spec_.q_dim();
     Tensor ln1 = act(ln1_, {N, h}), rstd1 = f32(rstd1_, {N});
+    Fp8Operand q;
+    const bool fp8_ln = env_.precision->fp8_operand(ctx, wqkv_, Fp8OperandRole::x, N, &q);
+    // An FP8 x leaves no bf16 ln1 for the wgrad: the recipe must keep its own copy.
+    LOOM_CHECK(!fp8_ln || ln1_transient_, "precision recipe handed out an FP8 x for layer ", layer_,
+               "'s qkv_proj but does not keep its wgrad input (keeps_wgrad_input): "
+               "Precision::fp8_operand may offer x only for linears whose x it keeps itself");
     {
       Range r(be, "rmsnorm");
-      be.rmsnorm_forward(ln1, rstd1, x, param(u, kLn1), static_cast<float>(spec_.norm_eps));
+      if (fp8_ln) {
+        ln1 = q.q;
+        be.rmsnorm_forward_fp8(q, rstd1, x, param(u, kLn1), static_cast<float>(spec_.norm_eps));
+      } else {
+        be.rmsnorm_forward(ln1, rstd1, x, param(u, kLn1), static_cast<float>(spec_.norm_eps));
+      }
     }
     {
       Range r(be, "qkv");

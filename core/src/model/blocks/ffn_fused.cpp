@@ -11,9 +11,10 @@
 // replace two of each and the add between them.
 //
 // When the recipe takes them in FP8 (Precision::fp8_operand: fp8_delayed on
-// CUDA), SwiGLU writes m (the down projection's x) and its packed gradient
-// (the gate_up projection's dy) as FP8 codes directly, and the bf16 copies
-// that the recipe would read only to cast them are never written.
+// CUDA), the norm writes h (the gate_up projection's x), SwiGLU m (the down
+// projection's x) and its packed gradient (the gate_up projection's dy) as
+// FP8 codes directly, and the bf16 copies that the recipe would read only to
+// cast them are never written.
 #include "loom/error.hpp"
 #include "model/blocks/blocks.hpp"
 
@@ -52,9 +53,20 @@ class FusedFfn final : public FfnBlock {
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
     Tensor ln2 = act(ln2_, {N, h}), rstd2 = f32(rstd2_, {N});
+    Fp8Operand qn;
+    const bool fp8_ln = env_.precision->fp8_operand(ctx, wgu_, Fp8OperandRole::x, N, &qn);
+    // An FP8 x leaves no bf16 ln2 for the wgrad: the recipe must keep its own copy.
+    LOOM_CHECK(!fp8_ln || ln2_transient_, "precision recipe handed out an FP8 x for layer ", layer_,
+               "'s gate_up_proj but does not keep its wgrad input (keeps_wgrad_input): "
+               "Precision::fp8_operand may offer x only for linears whose x it keeps itself");
     {
       Range r(be, "rmsnorm");
-      be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), static_cast<float>(spec_.norm_eps));
+      if (fp8_ln) {
+        ln2 = qn.q;
+        be.rmsnorm_forward_fp8(qn, rstd2, x, param(u, kLn2), static_cast<float>(spec_.norm_eps));
+      } else {
+        be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), static_cast<float>(spec_.norm_eps));
+      }
     }
     {
       Range r(be, "gate_up");
@@ -63,6 +75,9 @@ class FusedFfn final : public FfnBlock {
     }
     Fp8Operand q;
     const bool fp8_swi = env_.precision->fp8_operand(ctx, wd_, Fp8OperandRole::x, N, &q);
+    LOOM_CHECK(!fp8_swi || swi_transient_, "precision recipe handed out an FP8 x for layer ", layer_,
+               "'s down_proj but does not keep its wgrad input (keeps_wgrad_input): Precision::fp8_operand may "
+               "offer x only for linears whose x it keeps itself");
     Tensor swi = fp8_swi ? q.q : act(swi_, {N, f});
     {
       Range r(be, "swiglu");
