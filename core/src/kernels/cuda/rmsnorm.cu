@@ -19,13 +19,13 @@
 // for the partial sums.
 //
 // Forward into a linear's FP8 operand (rmsnorm_forward_fp8, loom/precision.hpp's
-// Fp8Operand): a block takes 16 rows with the threads the row kernel would
-// have, sums each row's squares exactly as the row kernel does (same thread,
-// same order, block_sum_rows: the same rstd bits), then reads the rows again
-// (from L2) and encodes each normalised value, rounded to bf16 as the row
-// kernel stores it, into q and its transposed copy: a thread holds 16 rows x 8
-// columns, so each of its 8 q_t rows gets one 16-byte store, with no shared
-// tile. The bf16 output the cast would read is never written.
+// Fp8Operand), two passes: the row kernel writes rstd alone (its own sums,
+// so the same bits), then fp8_tile.cuh's 128 x 64 tiles read x, rstd and w,
+// form each normalised value as the row kernel stores it (bf16) and encode it
+// into q and its transposed copy. The bf16 output the cast would read is
+// never written: 6 bytes an element move instead of 8. (One kernel doing both
+// passes per 16 rows read x back from L2 but ran latency-bound, slower than
+// the norm and the cast apart.)
 #include <algorithm>
 #include <cmath>
 
@@ -48,7 +48,8 @@ constexpr int64_t kMaxFusedChunks = 1024;
 constexpr int64_t kMinFusedChunkRows = 4;
 constexpr int kMaxVecsPerThread = 4;  // the one-pass backward keeps 3 * 4 * K floats a thread
 
-template <int K, typename T>
+// kOut = false: rstd only (the FP8 forward's first pass; the same sums, so the same bits).
+template <int K, typename T, bool kOut = true>
 __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T* w, int64_t h, float eps) {
   __shared__ float red[32];
   const int64_t n = blockIdx.x;
@@ -64,6 +65,7 @@ __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T*
   ss = block_sum(ss, red);
   const float r = 1.0f / sqrtf(ss / static_cast<float>(h) + eps);
   if (threadIdx.x == 0) rstd[n] = r;
+  if constexpr (!kOut) return;
   T* o = out + n * h;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * K; j < h; j += step) {
     float v[K], wv[K], y[K];
@@ -137,70 +139,51 @@ __device__ void block_sum_rows(float (&v)[R], float (*red)[32]) {
   for (int r = 0; r < R; ++r) v[r] = red[r][0];
 }
 
-constexpr int kFp8Rows = 16;  // rows of an FP8 forward block: one 16-byte q_t store per column
-
-// See the top of the file. rows % 16 == 0, h % 8 == 0, x and w 16-byte aligned.
+// The FP8 forward's second pass (see the top of the file): fp8_tile.cuh's
+// 128 x 64 tiles of [rows, h], grid-stride; a thread's 4 rows x 8 columns
+// lie wholly inside or outside (rows % 16 == 0, h % 16 == 0). Each value is
+// the row kernel's stored one: (x * rstd) rounded to bf16, times w, rounded
+// to bf16.
 template <fp8::Format F>
-__global__ void rmsnorm_fp8_kernel(uint8_t* __restrict__ q, uint8_t* __restrict__ qt, float* __restrict__ rstd,
-                                   const bf16* __restrict__ x, const bf16* __restrict__ w, int64_t rows, int64_t h,
-                                   float eps, const float* __restrict__ scale_ptr, float* amax) {
-  __shared__ float red[kFp8Rows][32];
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kFp8Rows;
-  const int64_t step = static_cast<int64_t>(blockDim.x) * 8;
-  const int64_t j0 = static_cast<int64_t>(threadIdx.x) * 8;
-  float r[kFp8Rows];
-#pragma unroll
-  for (int i = 0; i < kFp8Rows; ++i) r[i] = 0.f;
-  for (int64_t j = j0; j < h; j += step) {
-#pragma unroll
-    for (int i = 0; i < kFp8Rows; ++i) {
-      float v[8];
-      load_vec<8>(x + (r0 + i) * h + j, v);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) r[i] += v[k] * v[k];
-    }
-  }
-  block_sum_rows<kFp8Rows>(r, red);
-#pragma unroll
-  for (int i = 0; i < kFp8Rows; ++i) r[i] = 1.0f / sqrtf(r[i] / static_cast<float>(h) + eps);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int i = 0; i < kFp8Rows; ++i) rstd[r0 + i] = r[i];
-  }
+__global__ void __launch_bounds__(fp8_tile::kThreads)
+    rmsnorm_fp8_kernel(uint8_t* __restrict__ q, uint8_t* __restrict__ qt, const float* __restrict__ rstd,
+                       const bf16* __restrict__ x, const bf16* __restrict__ w, int64_t rows, int64_t h,
+                       int64_t tiles_c, int64_t tiles, const float* __restrict__ scale_ptr, float* amax) {
+  __shared__ fp8_tile::Shared sh;
   const float s = *scale_ptr;
+  const fp8_tile::Lane ln = fp8_tile::lane();
   uint32_t m = 0;
-  for (int64_t j = j0; j < h; j += step) {
-    float wv[8];
-    load_vec<8>(w + j, wv);
-    uint32_t cols[8][4];  // [column][row quad]: rows 4k..4k+3 of column j + c
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = (t / tiles_c) * fp8_tile::kRows, c0 = (t % tiles_c) * fp8_tile::kCols;
+    const int64_t r = r0 + ln.rl0, c = c0 + ln.cg * 8;
+    const bool live = r < rows && c < h;
+    uint32_t wc[4][2] = {};
+    if (live) {
+      float wv[8], v[4][8];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      uint32_t cw[4][2];
+      for (int i = 0; i < 4; ++i) load_vec<8>(x + (r + i) * h + c, v[i]);
+      load_vec<8>(w + c, wv);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int row = 4 * k + i;
-        float v[8];
-        load_vec<8>(x + (r0 + row) * h + j, v);
+        const float ri = rstd[r + i];
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          // The row kernel's value: (x * rstd) rounded to bf16, times w, rounded to bf16.
-          v[c] = __bfloat162float(__float2bfloat16_rn(__bfloat162float(__float2bfloat16_rn(v[c] * r[row])) * wv[c]));
-          fp8_tile::amax_add(m, v[c]);
+        for (int k = 0; k < 8; ++k) {
+          v[i][k] = __bfloat162float(__float2bfloat16_rn(__bfloat162float(__float2bfloat16_rn(v[i][k] * ri)) * wv[k]));
+          fp8_tile::amax_add(m, v[i][k]);
         }
-        cw[i][0] = fp8_tile::encode4<F>(v[0] * s, v[1] * s, v[2] * s, v[3] * s);
-        cw[i][1] = fp8_tile::encode4<F>(v[4] * s, v[5] * s, v[6] * s, v[7] * s);
-        *reinterpret_cast<uint2*>(q + (r0 + row) * h + j) = make_uint2(cw[i][0], cw[i][1]);
       }
-      uint32_t col[8];
-      fp8_tile::transpose4x8(cw, col);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) cols[c][k] = col[c];
+      fp8_tile::encode<F>(v, s, wc);
+      fp8_tile::store_rows(q + r * h + c, h, wc);
     }
-#pragma unroll
-    for (int c = 0; c < 8; ++c)
-      *reinterpret_cast<uint4*>(qt + (j + c) * rows + r0) = make_uint4(cols[c][0], cols[c][1], cols[c][2], cols[c][3]);
+    fp8_tile::store_transposed<true>(sh, ln, wc, qt + c0 * rows + r0, rows, rows - r0, h - c0);
   }
   if (amax != nullptr) fp8_tile::block_amax_to(fp8_tile::amax_value(m), amax);
+}
+
+template <fp8::Format F>
+int fp8_per_sm() {
+  static const int per_sm = fp8_tile::blocks_per_sm(rmsnorm_fp8_kernel<F>, "rmsnorm_forward_fp8");
+  return per_sm;
 }
 
 // The one-pass backward (see the top of the file): block b takes rows
@@ -489,7 +472,7 @@ void rmsnorm_forward_fp8(Tensor& q, Tensor& q_t, Tensor& rstd, const Tensor& x, 
   const int64_t h = w.numel();
   LOOM_CHECK(h > 0 && x.numel() % h == 0, fn, ": x ", x.shape_str(), " is not rows of w's ", h, " elements");
   const int64_t N = x.numel() / h;
-  LOOM_CHECK(N % kFp8Rows == 0 && h % 16 == 0, fn, ": [", N, ", ", h,
+  LOOM_CHECK(N % 16 == 0 && h % 16 == 0, fn, ": [", N, ", ", h,
              "]: rows and h must be multiples of 16 (the FP8 GEMMs' own multiple)");
   LOOM_CHECK(aligned_bytes(x.data, 16) && aligned_bytes(w.data, 16), fn, ": x at ", x.data, " and w at ", w.data,
              " must be 16-byte aligned");
@@ -507,17 +490,28 @@ void rmsnorm_forward_fp8(Tensor& q, Tensor& q_t, Tensor& rstd, const Tensor& x, 
              static_cast<const void*>(scale), " must be a device float, amax at ", static_cast<void*>(amax),
              " a device float or null");
   if (N == 0) return;
-  LOOM_CHECK(N / kFp8Rows <= 0x7fffffff, fn, ": ", N, " rows exceed the grid limit");
-  // The row kernel's threads for these rows (its packed path), so that the sums match it.
+  LOOM_CHECK(N <= 0x7fffffff, fn, ": ", N, " rows exceed the grid limit");
+  // Pass 1: rstd from the row kernel's own sums (its packed path, as
+  // rmsnorm_forward takes it for these aligned rows).
   const int threads = row_threads(h / 8, kRowThreads);
-  const unsigned grid = static_cast<unsigned>(N / kFp8Rows);
-  if (q.dtype == DType::e4m3)
-    rmsnorm_fp8_kernel<fp8::Format::e4m3><<<grid, threads, 0, stream>>>(
-        q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), rstd.ptr<float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), N, h, eps, scale, amax);
+  rmsnorm_forward_kernel<8, bf16, false><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+      nullptr, rstd.ptr<float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), h, eps);
+  LOOM_CUDA_LAUNCH_CHECK(fn, " (rstd) N=", N, " h=", h, " threads=", threads);
+  // Pass 2: the normalised values into q and q_t.
+  const int64_t tiles_c = (h + fp8_tile::kCols - 1) / fp8_tile::kCols;
+  const int64_t tiles = (N + fp8_tile::kRows - 1) / fp8_tile::kRows * tiles_c;
+  const bool e4 = q.dtype == DType::e4m3;
+  const unsigned grid = fp8_tile::grid_for_tiles(
+      tiles, e4 ? fp8_per_sm<fp8::Format::e4m3>() : fp8_per_sm<fp8::Format::e5m2>(), fn);
+  if (e4)
+    rmsnorm_fp8_kernel<fp8::Format::e4m3><<<grid, fp8_tile::kThreads, 0, stream>>>(
+        q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), rstd.ptr<const float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), N, h,
+        tiles_c, tiles, scale, amax);
   else
-    rmsnorm_fp8_kernel<fp8::Format::e5m2><<<grid, threads, 0, stream>>>(
-        q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), rstd.ptr<float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), N, h, eps, scale, amax);
-  LOOM_CUDA_LAUNCH_CHECK(fn, " N=", N, " h=", h, " threads=", threads, " grid=", grid);
+    rmsnorm_fp8_kernel<fp8::Format::e5m2><<<grid, fp8_tile::kThreads, 0, stream>>>(
+        q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), rstd.ptr<const float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), N, h,
+        tiles_c, tiles, scale, amax);
+  LOOM_CUDA_LAUNCH_CHECK(fn, " (codes) N=", N, " h=", h, " tiles=", tiles, " grid=", grid);
 }
 
 }  // namespace loom::gpu
