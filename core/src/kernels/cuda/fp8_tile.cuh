@@ -43,6 +43,26 @@ __device__ __forceinline__ Lane lane() {
   return {cg, warp * 16 + rq * 4, (warp ^ cg) * 4 + rq};
 }
 
+// Tile t of a [rows, cols] matrix (tiles_c tiles a row of tiles) as this
+// thread sees it: the tile's first row and column, the thread's first row
+// and column, and whether its 4 x 8 elements lie inside the matrix (the
+// producer kernels take rows % 16 == 0 and cols % 8 == 0, so they lie wholly
+// inside or outside).
+struct TilePos {
+  int64_t r0, c0, r, c;
+  bool live;
+};
+
+__device__ __forceinline__ TilePos tile_pos(int64_t t, int64_t tiles_c, const Lane& ln, int64_t rows, int64_t cols) {
+  TilePos p;
+  p.r0 = (t / tiles_c) * kRows;
+  p.c0 = (t % tiles_c) * kCols;
+  p.r = p.r0 + ln.rl0;
+  p.c = p.c0 + ln.cg * 8;
+  p.live = p.r < rows && p.c < cols;
+  return p;
+}
+
 // One tile's transposed codes: 64 rows (x's columns) of 128 bytes (x's rows).
 struct Shared {
   uint4 t[kCols * kRows / 16];
@@ -164,6 +184,28 @@ inline unsigned grid_for_tiles(int64_t tiles, int per_sm, const char* name, int6
   if (tiles < 1) return 1;
   const int64_t waves = (tiles + resident - 1) / resident;
   return static_cast<unsigned>((tiles + waves - 1) / waves);
+}
+
+// The checks every producer of an FP8 operand makes on where it writes: q
+// [rows, cols] and q_t [cols, rows] contiguous on the device, one FP8 format,
+// 16-byte aligned; scale a device float, amax one or null. `fn` names the
+// entry point in the message.
+inline void check_fp8_dest(const char* fn, const Tensor& q, const Tensor& q_t, int64_t rows, int64_t cols,
+                           const float* scale, const float* amax) {
+  check_device(q, fn);
+  check_device(q_t, fn);
+  LOOM_CHECK((q.dtype == DType::e4m3 || q.dtype == DType::e5m2) && q_t.dtype == q.dtype, fn,
+             ": q and q_t must be one FP8 format (fp8_e4m3 or fp8_e5m2), got ", dtype_name(q.dtype), " and ",
+             dtype_name(q_t.dtype));
+  LOOM_CHECK(q.ndim == 2 && q.shape[0] == rows && q.shape[1] == cols && q.is_contiguous(), fn,
+             ": q must be a contiguous [", rows, ", ", cols, "] tensor, got ", q.shape_str());
+  LOOM_CHECK(q_t.ndim == 2 && q_t.shape[0] == cols && q_t.shape[1] == rows && q_t.is_contiguous(), fn,
+             ": q_t must be a contiguous [", cols, ", ", rows, "] tensor, got ", q_t.shape_str());
+  LOOM_CHECK(aligned_bytes(q.data, 16) && aligned_bytes(q_t.data, 16), fn, ": q at ", q.data, " and q_t at ",
+             q_t.data, " must be 16-byte aligned");
+  LOOM_CHECK(scale != nullptr && aligned_bytes(scale, 4) && aligned_bytes(amax, 4), fn, ": scale at ",
+             static_cast<const void*>(scale), " must be a device float, amax at ", static_cast<const void*>(amax),
+             " a device float or null");
 }
 
 // Blocks of kThreads threads of `kernel` resident per SM (at least 1).

@@ -154,11 +154,10 @@ __global__ void __launch_bounds__(fp8_tile::kThreads)
   const fp8_tile::Lane ln = fp8_tile::lane();
   uint32_t m = 0;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_c) * fp8_tile::kRows, c0 = (t % tiles_c) * fp8_tile::kCols;
-    const int64_t r = r0 + ln.rl0, c = c0 + ln.cg * 8;
-    const bool live = r < rows && c < h;
+    const fp8_tile::TilePos p = fp8_tile::tile_pos(t, tiles_c, ln, rows, h);
+    const int64_t r = p.r, c = p.c;
     uint32_t wc[4][2] = {};
-    if (live) {
+    if (p.live) {
       float wv[8], v[4][8];
 #pragma unroll
       for (int i = 0; i < 4; ++i) load_vec<8>(x + (r + i) * h + c, v[i]);
@@ -175,7 +174,7 @@ __global__ void __launch_bounds__(fp8_tile::kThreads)
       fp8_tile::encode<F>(v, s, wc);
       fp8_tile::store_rows(q + r * h + c, h, wc);
     }
-    fp8_tile::store_transposed<true>(sh, ln, wc, qt + c0 * rows + r0, rows, rows - r0, h - c0);
+    fp8_tile::store_transposed<true>(sh, ln, wc, qt + p.c0 * rows + p.r0, rows, rows - p.r0, h - p.c0);
   }
   if (amax != nullptr) fp8_tile::block_amax_to(fp8_tile::amax_value(m), amax);
 }
@@ -460,12 +459,10 @@ void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& 
 void rmsnorm_forward_fp8(Tensor& q, Tensor& q_t, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
                          const float* scale, float* amax, cudaStream_t stream) {
   const char* fn = "rmsnorm_forward_fp8";
-  check_device(q, "rmsnorm_forward_fp8 q");
-  check_device(q_t, "rmsnorm_forward_fp8 q_t");
   check_device(rstd, "rmsnorm_forward_fp8 rstd");
   check_device(x, "rmsnorm_forward_fp8 x");
   check_device(w, "rmsnorm_forward_fp8 w");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&q, &q_t, &rstd, &x, &w}) check_contiguous(*t, fn);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&rstd, &x, &w}) check_contiguous(*t, fn);
   LOOM_CHECK(x.dtype == DType::bf16 && w.dtype == DType::bf16, fn, ": x and w must be bf16 (the FP8 recipes' "
              "activations and parameters), got ", dtype_name(x.dtype), " and ", dtype_name(w.dtype));
   LOOM_CHECK(rstd.dtype == DType::f32, fn, ": rstd must be fp32, got ", dtype_name(rstd.dtype));
@@ -477,18 +474,7 @@ void rmsnorm_forward_fp8(Tensor& q, Tensor& q_t, Tensor& rstd, const Tensor& x, 
   LOOM_CHECK(aligned_bytes(x.data, 16) && aligned_bytes(w.data, 16), fn, ": x at ", x.data, " and w at ", w.data,
              " must be 16-byte aligned");
   LOOM_CHECK(rstd.numel() == N, fn, ": rstd ", rstd.shape_str(), " must hold one value per row (", N, ")");
-  LOOM_CHECK((q.dtype == DType::e4m3 || q.dtype == DType::e5m2) && q_t.dtype == q.dtype, fn,
-             ": q and q_t must be one FP8 format (fp8_e4m3 or fp8_e5m2), got ", dtype_name(q.dtype), " and ",
-             dtype_name(q_t.dtype));
-  LOOM_CHECK(q.ndim == 2 && q.shape[0] == N && q.shape[1] == h, fn, ": q must be [", N, ", ", h, "], got ",
-             q.shape_str());
-  LOOM_CHECK(q_t.ndim == 2 && q_t.shape[0] == h && q_t.shape[1] == N, fn, ": q_t must be [", h, ", ", N, "], got ",
-             q_t.shape_str());
-  LOOM_CHECK(aligned_bytes(q.data, 16) && aligned_bytes(q_t.data, 16), fn, ": q at ", q.data, " and q_t at ",
-             q_t.data, " must be 16-byte aligned");
-  LOOM_CHECK(scale != nullptr && aligned_bytes(scale, 4) && aligned_bytes(amax, 4), fn, ": scale at ",
-             static_cast<const void*>(scale), " must be a device float, amax at ", static_cast<void*>(amax),
-             " a device float or null");
+  fp8_tile::check_fp8_dest(fn, q, q_t, N, h, scale, amax);
   if (N == 0) return;
   LOOM_CHECK(N <= 0x7fffffff, fn, ": ", N, " rows exceed the grid limit");
   // Pass 1: rstd from the row kernel's own sums (its packed path, as

@@ -219,9 +219,9 @@ __global__ void __launch_bounds__(fp8_tile::kThreads, kBackward ? 3 : 4)
   const fp8_tile::Lane ln = fp8_tile::lane();
   uint32_t m = 0;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t r0 = (t / tiles_c) * fp8_tile::kRows, c0 = (t % tiles_c) * fp8_tile::kCols;
-    const int64_t r = r0 + ln.rl0, c = c0 + ln.cg * 8;
-    const bool live = r < rows && c < cols;
+    const fp8_tile::TilePos p = fp8_tile::tile_pos(t, tiles_c, ln, rows, cols);
+    const int64_t r0 = p.r0, c0 = p.c0, r = p.r, c = p.c;
+    const bool live = p.live;
     // Codes, as fp8_tile::encode lays them out: forward wa = out; backward wa = dgate, wb = dup.
     uint32_t wa[4][2] = {}, wb[4][2] = {};
     if (live) {
@@ -312,20 +312,7 @@ void launch_swiglu_fp8(bool backward, Tensor& q, Tensor& q_t, const Tensor* dout
   LOOM_CHECK(packed, fn, ": gate, up", backward ? " and dout" : "",
              " must start 16-byte aligned with row strides that are multiples of 8 elements (row strides ", g.m.ld,
              backward ? ", " : "", backward ? std::to_string(d.ld) : std::string(), ")");
-  check_device(q, "swiglu_fp8 q");
-  check_device(q_t, "swiglu_fp8 q_t");
-  LOOM_CHECK((q.dtype == DType::e4m3 || q.dtype == DType::e5m2) && q_t.dtype == q.dtype, fn,
-             ": q and q_t must be one FP8 format (fp8_e4m3 or fp8_e5m2), got ", dtype_name(q.dtype), " and ",
-             dtype_name(q_t.dtype));
-  LOOM_CHECK(q.ndim == 2 && q.shape[0] == rows && q.shape[1] == outputs * cols && q.is_contiguous(), fn,
-             ": q must be a contiguous [", rows, ", ", outputs * cols, "] tensor, got ", q.shape_str());
-  LOOM_CHECK(q_t.ndim == 2 && q_t.shape[0] == outputs * cols && q_t.shape[1] == rows && q_t.is_contiguous(), fn,
-             ": q_t must be a contiguous [", outputs * cols, ", ", rows, "] tensor, got ", q_t.shape_str());
-  LOOM_CHECK(aligned_bytes(q.data, 16) && aligned_bytes(q_t.data, 16), fn, ": q at ", q.data, " and q_t at ",
-             q_t.data, " must be 16-byte aligned");
-  LOOM_CHECK(scale != nullptr && aligned_bytes(scale, 4) && aligned_bytes(amax, 4), fn, ": scale at ",
-             static_cast<const void*>(scale), " must be a device float, amax at ", static_cast<void*>(amax),
-             " a device float or null");
+  fp8_tile::check_fp8_dest(fn, q, q_t, rows, outputs * cols, scale, amax);
   if (rows == 0) return;
   const int64_t tiles_c = (cols + fp8_tile::kCols - 1) / fp8_tile::kCols;
   const int64_t tiles = (rows + fp8_tile::kRows - 1) / fp8_tile::kRows * tiles_c;
