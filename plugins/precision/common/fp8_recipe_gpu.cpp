@@ -17,7 +17,7 @@
 //             (A = dy, B = Wᵀ), wgrad dW = dyᵀ x (A = dyᵀ, B = xᵀ, C = dW
 //             when accumulating).
 // With fused_casts (delayed scaling only) a block may write x or dy in FP8
-// itself (fp8_operand, ABI 8.0: the fused feed-forward block's SwiGLU): it
+// itself (fp8_operand, ABI 8.0: the fused blocks' RMSNorm and SwiGLU): it
 // gets the same scratch, saved slot, scale and amax slot the cast would use,
 // and linear_forward/backward then skip that cast.
 // Delayed scaling casts with the scales of the steps before. The forward's
@@ -168,7 +168,7 @@ class Fp8Gpu final : public Precision {
                  o_.gemm.fast_accum_fprop ? "on" : "off", ", dgrad ", o_.gemm.fast_accum_dgrad ? "on" : "off",
                  ", wgrad ", o_.gemm.fast_accum_wgrad ? "on" : "off",
                  sc.scaling != fp8::Scaling::delayed ? ""
-                 : o_.fused_casts ? "; fused_casts on (fused layers' SwiGLU writes FP8)"
+                 : o_.fused_casts ? "; fused_casts on (fused layers' norms and SwiGLU write FP8)"
                                   : "; fused_casts off",
                  "; ",
                  fp8_options::weight_cache_summary(o_.weight_cache, per_layer_),
