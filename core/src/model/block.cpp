@@ -126,6 +126,14 @@ Tensor Block::param_rows(const UnitState& u, int first, int count, bool grad) co
   return view(flat, a.offset, {rows, a.shape[1]});
 }
 
+bool Block::fp8_input(int linear, bool x_kept_by_recipe, Fp8Operand* op) const {
+  const bool fp8 = env_.precision->fp8_operand(env_.backend->ctx(), linear, Fp8OperandRole::x, env_.N, op);
+  LOOM_CHECK(!fp8 || x_kept_by_recipe, "precision recipe handed out an FP8 x for linear ", linear, " of ", unit_name_,
+             " (", kind(), ") but does not keep that linear's wgrad input (keeps_wgrad_input): "
+             "Precision::fp8_operand may offer x only for linears whose x it keeps itself");
+  return fp8;
+}
+
 Tensor Block::column_half(const Tensor& packed, int which) {
   LOOM_CHECK(packed.ndim == 2 && packed.size(1) % 2 == 0 && (which == 0 || which == 1),
              "column_half: a [rows, 2f] view and half 0 or 1, got ", packed.shape_str(), " and ", which);

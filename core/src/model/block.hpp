@@ -144,6 +144,12 @@ class Block {
   // packed [rows, 2f] matrix view, as a [rows, f] view with its row stride:
   // what SwiGLU reads of a [gate; up] GEMM's output and writes of its gradient.
   static Tensor column_half(const Tensor& packed, int which);
+  // Linear `linear`'s next x (this micro-batch's rows) as an FP8 operand,
+  // when the recipe offers it (Precision::fp8_operand): the block's kernel
+  // then writes *op instead of a bf16 x. x_kept_by_recipe: the block planned
+  // no bf16 x for the linear's wgrad (BlockEnv::keeps_wgrad_input), which an
+  // FP8 x requires; a recipe that offers one otherwise is refused.
+  bool fp8_input(int linear, bool x_kept_by_recipe, Fp8Operand* op) const;
   void* buf(int id) const { return acts_->ptr(id); }
   Device dev() const { return env_.backend->device(); }
   // An activation buffer seen as a tensor of the recipe's activation dtype, or of fp32.

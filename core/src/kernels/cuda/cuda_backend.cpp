@@ -261,17 +261,14 @@ class CudaBackend final : public Backend {
   }
   void rmsnorm_forward_fp8(const Fp8Operand& out, Tensor& rstd, const Tensor& x, const Tensor& w,
                            float eps) override {
-    Tensor q = out.q, qt = out.q_t;
-    gpu::rmsnorm_forward_fp8(q, qt, rstd, x, w, eps, out.scale, out.amax, stream_);
+    gpu::rmsnorm_forward_fp8(out.q, out.q_t, rstd, x, w, eps, out.scale, out.amax, stream_);
   }
   void swiglu_forward_fp8(const Fp8Operand& out, const Tensor& gate, const Tensor& up) override {
-    Tensor q = out.q, qt = out.q_t;
-    gpu::swiglu_forward_fp8(q, qt, gate, up, out.scale, out.amax, stream_);
+    gpu::swiglu_forward_fp8(out.q, out.q_t, gate, up, out.scale, out.amax, stream_);
   }
   void swiglu_backward_fp8(const Fp8Operand& d_gate_up, const Tensor& dout, const Tensor& gate,
                            const Tensor& up) override {
-    Tensor q = d_gate_up.q, qt = d_gate_up.q_t;
-    gpu::swiglu_backward_fp8(q, qt, dout, gate, up, d_gate_up.scale, d_gate_up.amax, stream_);
+    gpu::swiglu_backward_fp8(d_gate_up.q, d_gate_up.q_t, dout, gate, up, d_gate_up.scale, d_gate_up.amax, stream_);
   }
   void add(Tensor& out, const Tensor& a, const Tensor& b) override { gpu::add(out, a, b, stream_); }
   void accumulate(Tensor& dst, const Tensor& src) override { gpu::accumulate(dst, src, cur_); }

@@ -34,7 +34,7 @@ void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w
 // |v| max-accumulated into *amax (may be null), rstd as rmsnorm_forward
 // writes it: bitwise rmsnorm_forward followed by fp8_cast. x, w bf16, 16-byte
 // aligned; N and h multiples of 16; q and q_t contiguous, 16-byte aligned.
-void rmsnorm_forward_fp8(Tensor& q, Tensor& q_t, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
+void rmsnorm_forward_fp8(const Tensor& q, const Tensor& q_t, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
                          const float* scale, float* amax, cudaStream_t stream);
 void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
                       const Tensor& rstd, const Scratch& scratch, cudaStream_t stream);
@@ -58,9 +58,9 @@ void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tenso
 // swiglu_forward/backward followed by fp8_cast. gate, up, dout: bf16 row
 // views as above, 16-byte aligned, row strides multiples of 8; rows and f
 // multiples of 16; q and q_t contiguous, 16-byte aligned.
-void swiglu_forward_fp8(Tensor& q, Tensor& q_t, const Tensor& gate, const Tensor& up, const float* scale,
+void swiglu_forward_fp8(const Tensor& q, const Tensor& q_t, const Tensor& gate, const Tensor& up, const float* scale,
                         float* amax, cudaStream_t stream);
-void swiglu_backward_fp8(Tensor& q, Tensor& q_t, const Tensor& dout, const Tensor& gate, const Tensor& up,
+void swiglu_backward_fp8(const Tensor& q, const Tensor& q_t, const Tensor& dout, const Tensor& gate, const Tensor& up,
                          const float* scale, float* amax, cudaStream_t stream);
 
 // residual.cu

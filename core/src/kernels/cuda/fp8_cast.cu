@@ -204,15 +204,6 @@ void launch_general(const T* x, int64_t rows, int64_t cols, int64_t ldx, int64_t
                          vec_t);
 }
 
-// Blocks of cast_tiles_kernel<T, F, kRow, kTrans> resident per SM: it
-// depends on the kernel alone (one static per instantiation; their registers
-// differ), so it is computed once.
-template <typename T, fp8::Format F, bool kRow, bool kTrans>
-int fast_per_sm(const char* name) {
-  static const int per_sm = fp8_tile::blocks_per_sm(cast_tiles_kernel<T, F, kRow, kTrans>, name);
-  return per_sm;
-}
-
 template <typename T, fp8::Format F, bool kRow, bool kTrans>
 void launch_cast(const T* x, int64_t rows, int64_t cols, int64_t ldx, uint8_t* q, uint8_t* qt, const float* scale,
                  float* amax, cudaStream_t stream, const char* name) {
@@ -227,7 +218,8 @@ void launch_cast(const T* x, int64_t rows, int64_t cols, int64_t ldx, uint8_t* q
   }
   const int64_t tiles_r = rows_f / kFastRows, tiles_c = cols_f / kFastCols, tiles = tiles_r * tiles_c;
   int64_t slots = 0;
-  const unsigned grid = fp8_tile::grid_for_tiles(tiles, fast_per_sm<T, F, kRow, kTrans>(name), name, &slots);
+  const int per_sm = fp8_tile::blocks_per_sm<cast_tiles_kernel<T, F, kRow, kTrans>>(name);
+  const unsigned grid = fp8_tile::grid_for_tiles(tiles, per_sm, name, &slots);
   cast_tiles_kernel<T, F, kRow, kTrans>
       <<<grid, kFastThreads, 0, stream>>>(x, rows, cols, ldx, tiles_r, tiles_c, q, qt, scale, amax);
   LOOM_CUDA_LAUNCH_CHECK(name, " (tiles) rows=", rows, " cols=", cols, " ld=", ldx, " whole tiles ", tiles_r, " x ",

@@ -167,7 +167,9 @@ __device__ __forceinline__ void block_amax_to(float m, float* amax) {
 }
 
 // The amax bits of a thread as a float for block_amax_to: a NaN counts as +inf.
-__device__ __forceinline__ float amax_value(uint32_t bits) { return __uint_as_float(bits > kInfBits ? kInfBits : bits); }
+__device__ __forceinline__ float amax_value(uint32_t bits) {
+  return __uint_as_float(bits > kInfBits ? kInfBits : bits);
+}
 
 // Blocks for `tiles` tiles of a kernel with `per_sm` resident blocks per SM
 // (its occupancy): at most the blocks resident at once on the current
@@ -208,13 +210,18 @@ inline void check_fp8_dest(const char* fn, const Tensor& q, const Tensor& q_t, i
              " a device float or null");
 }
 
-// Blocks of kThreads threads of `kernel` resident per SM (at least 1).
-template <typename Kernel>
-int blocks_per_sm(Kernel kernel, const char* name) {
-  int n = 0;
-  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0), name,
-                  ": occupancy of the tile kernel, ", kThreads, " threads");
-  return n < 1 ? 1 : n;
+// Blocks of kThreads threads of `Kernel` resident per SM (at least 1): it
+// depends on the kernel alone (its registers and shared memory), so each
+// instantiation asks once.
+template <auto Kernel>
+int blocks_per_sm(const char* name) {
+  static const int per_sm = [name] {
+    int n = 0;
+    LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0), name,
+                    ": occupancy of the tile kernel, ", kThreads, " threads");
+    return n < 1 ? 1 : n;
+  }();
+  return per_sm;
 }
 
 }  // namespace loom::gpu::fp8_tile

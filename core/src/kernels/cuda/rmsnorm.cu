@@ -179,12 +179,6 @@ __global__ void __launch_bounds__(fp8_tile::kThreads)
   if (amax != nullptr) fp8_tile::block_amax_to(fp8_tile::amax_value(m), amax);
 }
 
-template <fp8::Format F>
-int fp8_per_sm() {
-  static const int per_sm = fp8_tile::blocks_per_sm(rmsnorm_fp8_kernel<F>, "rmsnorm_forward_fp8");
-  return per_sm;
-}
-
 // The one-pass backward (see the top of the file): block b takes rows
 // [b * chunk_rows, (b + 1) * chunk_rows), R at a time (twice the loads in
 // flight for narrow rows, one round of barriers for R rows); thread t owns
@@ -456,7 +450,7 @@ void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& 
   });
 }
 
-void rmsnorm_forward_fp8(Tensor& q, Tensor& q_t, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
+void rmsnorm_forward_fp8(const Tensor& q, const Tensor& q_t, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
                          const float* scale, float* amax, cudaStream_t stream) {
   const char* fn = "rmsnorm_forward_fp8";
   check_device(rstd, "rmsnorm_forward_fp8 rstd");
@@ -488,7 +482,10 @@ void rmsnorm_forward_fp8(Tensor& q, Tensor& q_t, Tensor& rstd, const Tensor& x, 
   const int64_t tiles = (N + fp8_tile::kRows - 1) / fp8_tile::kRows * tiles_c;
   const bool e4 = q.dtype == DType::e4m3;
   const unsigned grid = fp8_tile::grid_for_tiles(
-      tiles, e4 ? fp8_per_sm<fp8::Format::e4m3>() : fp8_per_sm<fp8::Format::e5m2>(), fn);
+      tiles,
+      e4 ? fp8_tile::blocks_per_sm<rmsnorm_fp8_kernel<fp8::Format::e4m3>>(fn)
+         : fp8_tile::blocks_per_sm<rmsnorm_fp8_kernel<fp8::Format::e5m2>>(fn),
+      fn);
   if (e4)
     rmsnorm_fp8_kernel<fp8::Format::e4m3><<<grid, fp8_tile::kThreads, 0, stream>>>(
         q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), rstd.ptr<const float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), N, h,

@@ -277,16 +277,10 @@ __global__ void __launch_bounds__(fp8_tile::kThreads, kBackward ? 3 : 4)
   if (o.amax != nullptr) fp8_tile::block_amax_to(fp8_tile::amax_value(m), o.amax);
 }
 
-template <fp8::Format F, bool kBackward>
-int fp8_per_sm(const char* name) {
-  static const int per_sm = fp8_tile::blocks_per_sm(swiglu_fp8_kernel<F, kBackward>, name);
-  return per_sm;
-}
-
 // The checks and the launch of both *_fp8 entry points: dout (backward only),
 // gate and up bf16 [rows, f] row views; q [rows, outputs f] and q_t
 // [outputs f, rows] contiguous FP8 of one format.
-void launch_swiglu_fp8(bool backward, Tensor& q, Tensor& q_t, const Tensor* dout, const Tensor& gate,
+void launch_swiglu_fp8(bool backward, const Tensor& q, const Tensor& q_t, const Tensor* dout, const Tensor& gate,
                        const Tensor& up, const float* scale, float* amax, cudaStream_t stream, const char* fn) {
   const Operand g = operand(gate, "swiglu_fp8 gate"), u = operand(up, "swiglu_fp8 up");
   const int64_t rows = g.m.rows, cols = g.m.cols, outputs = backward ? 2 : 1;
@@ -321,7 +315,7 @@ void launch_swiglu_fp8(bool backward, Tensor& q, Tensor& q_t, const Tensor* dout
   auto go = [&](auto fmt, auto bwd) {
     constexpr fp8::Format F = decltype(fmt)::value;
     constexpr bool B = decltype(bwd)::value;
-    const unsigned grid = fp8_tile::grid_for_tiles(tiles, fp8_per_sm<F, B>(fn), fn);
+    const unsigned grid = fp8_tile::grid_for_tiles(tiles, fp8_tile::blocks_per_sm<swiglu_fp8_kernel<F, B>>(fn), fn);
     swiglu_fp8_kernel<F, B><<<grid, fp8_tile::kThreads, 0, stream>>>(
         dp, d.ld, gate.ptr<const bf16>(), up.ptr<const bf16>(), g.m.ld, rows, cols, tiles_c, tiles, o);
     LOOM_CUDA_LAUNCH_CHECK(fn, " rows=", rows, " cols=", cols, " ld=", g.m.ld, " tiles=", tiles, " grid=", grid);
@@ -369,12 +363,12 @@ void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tenso
   });
 }
 
-void swiglu_forward_fp8(Tensor& q, Tensor& q_t, const Tensor& gate, const Tensor& up, const float* scale,
+void swiglu_forward_fp8(const Tensor& q, const Tensor& q_t, const Tensor& gate, const Tensor& up, const float* scale,
                         float* amax, cudaStream_t stream) {
   launch_swiglu_fp8(false, q, q_t, nullptr, gate, up, scale, amax, stream, "swiglu_forward_fp8");
 }
 
-void swiglu_backward_fp8(Tensor& q, Tensor& q_t, const Tensor& dout, const Tensor& gate, const Tensor& up,
+void swiglu_backward_fp8(const Tensor& q, const Tensor& q_t, const Tensor& dout, const Tensor& gate, const Tensor& up,
                          const float* scale, float* amax, cudaStream_t stream) {
   launch_swiglu_fp8(true, q, q_t, &dout, gate, up, scale, amax, stream, "swiglu_backward_fp8");
 }

@@ -62,11 +62,7 @@ class FusedAttention final : public AttentionBlock {
     const int64_t N = env_.N, h = spec_.hidden, qd = spec_.q_dim();
     Tensor ln1 = act(ln1_, {N, h}), rstd1 = f32(rstd1_, {N});
     Fp8Operand q;
-    const bool fp8_ln = env_.precision->fp8_operand(ctx, wqkv_, Fp8OperandRole::x, N, &q);
-    // An FP8 x leaves no bf16 ln1 for the wgrad: the recipe must keep its own copy.
-    LOOM_CHECK(!fp8_ln || ln1_transient_, "precision recipe handed out an FP8 x for layer ", layer_,
-               "'s qkv_proj but does not keep its wgrad input (keeps_wgrad_input): "
-               "Precision::fp8_operand may offer x only for linears whose x it keeps itself");
+    const bool fp8_ln = fp8_input(wqkv_, ln1_transient_, &q);
     {
       Range r(be, "rmsnorm");
       if (fp8_ln) {

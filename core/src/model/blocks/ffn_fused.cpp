@@ -54,11 +54,7 @@ class FusedFfn final : public FfnBlock {
     const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
     Tensor ln2 = act(ln2_, {N, h}), rstd2 = f32(rstd2_, {N});
     Fp8Operand qn;
-    const bool fp8_ln = env_.precision->fp8_operand(ctx, wgu_, Fp8OperandRole::x, N, &qn);
-    // An FP8 x leaves no bf16 ln2 for the wgrad: the recipe must keep its own copy.
-    LOOM_CHECK(!fp8_ln || ln2_transient_, "precision recipe handed out an FP8 x for layer ", layer_,
-               "'s gate_up_proj but does not keep its wgrad input (keeps_wgrad_input): "
-               "Precision::fp8_operand may offer x only for linears whose x it keeps itself");
+    const bool fp8_ln = fp8_input(wgu_, ln2_transient_, &qn);
     {
       Range r(be, "rmsnorm");
       if (fp8_ln) {
@@ -74,10 +70,7 @@ class FusedFfn final : public FfnBlock {
       env_.precision->linear_forward(ctx, wgu_, ln2, param_rows(u, kWgate, 2), gu, nullptr);
     }
     Fp8Operand q;
-    const bool fp8_swi = env_.precision->fp8_operand(ctx, wd_, Fp8OperandRole::x, N, &q);
-    LOOM_CHECK(!fp8_swi || swi_transient_, "precision recipe handed out an FP8 x for layer ", layer_,
-               "'s down_proj but does not keep its wgrad input (keeps_wgrad_input): Precision::fp8_operand may "
-               "offer x only for linears whose x it keeps itself");
+    const bool fp8_swi = fp8_input(wd_, swi_transient_, &q);
     Tensor swi = fp8_swi ? q.q : act(swi_, {N, f});
     {
       Range r(be, "swiglu");
