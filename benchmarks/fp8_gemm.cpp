@@ -2,7 +2,8 @@
 // llama-1b and llama2-7b, the FP8 cast kernels, and a probe of block-scaled
 // FP8 (DeepSeek-V3 style 1x128 / 128x128 scales) in cuBLASLt.
 //
-//   build/bin/fp8_gemm_bench [--model=llama-1b|llama2-7b|all] [--iters=N] [--warmup=N] [--probe-only] [--algos]
+//   build/bin/fp8_gemm_bench [--model=llama-1b|llama2-7b|all] [--iters=N] [--warmup=N]
+//                            [--gemm-algo=fastest|heuristic] [--probe-only] [--algos]
 //
 // For every linear of a layer (qkv, o_proj, gate_up packed [2 ffn, hidden],
 // down) and each of its GEMMs (fprop y = x W^T, dgrad dx = dy W, wgrad
@@ -11,7 +12,11 @@
 // GEMM as kernels/cuda/fp8_gemm.hpp maps it (all TN on transposed FP8 copies,
 // E4M3 x/W, E5M2 dy, fast accumulation for fprop only, dW fp32 accumulated),
 // each timed with CUDA events around every call: `warmup` calls, then the
-// median of `iters` (>= 20). TFLOP/s counts 2 m n k. The casts (x, W, dy to
+// median of `iters` (>= 20). Every GEMM runs on the algorithm the recipes pick
+// under `--gemm-algo` (default "fastest", what precision.gemm_algo = "auto"
+// runs: the fastest of the heuristic's first 8 answers, timed once per
+// problem by loom/gemm_algo.hpp during the warm-up calls; "heuristic": its
+// first answer), for bf16 and FP8 alike. TFLOP/s counts 2 m n k. The casts (x, W, dy to
 // FP8 with their transposed copies and amax, fp8_cast) are timed the same way
 // and reported apart; the W cast runs once per optimizer step, so with
 // gradient accumulation its share per micro-batch shrinks. Beside them, the
@@ -45,6 +50,7 @@
 #include "kernels/cuda/fp8_gemm.hpp"
 #include "kernels/cuda/fp8_kernels.hpp"
 #include "loom/error.hpp"
+#include "loom/gemm_algo.hpp"
 
 namespace {
 
@@ -183,6 +189,7 @@ struct Args {
   int iters = 25, warmup = 5;
   bool probe_only = false;
   bool algos = false;
+  loom::GemmAlgo gemm_algo = loom::GemmAlgo::fastest;
 };
 
 void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* ws, size_t ws_bytes, cudaStream_t s,
@@ -210,11 +217,11 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
   float* amax = static_cast<float*>(am.p);
   float* scale = static_cast<float*>(sc.p);
   float* scale_inv = static_cast<float*>(inv.p);
-  loom::gpu::Fp8Gemm fp8(lt, ws, ws_bytes);
+  loom::gpu::Fp8Gemm fp8(lt, ws, ws_bytes, args.gemm_algo);
   // Block-scaled: one scale inverse per 128 elements (tiles) or 128x128 (blocks), 16-byte aligned.
   const size_t tile_scales = static_cast<size_t>(T * std::max(max_in, max_out) / 128) * 4 + 256;
   DevMem sx(tile_scales), sxt(tile_scales), sdy(tile_scales), sdyt(tile_scales), sw(tile_scales), swt(tile_scales);
-  loom::gpu::Fp8BlockGemm blockgemm(lt, ws, ws_bytes);
+  loom::gpu::Fp8BlockGemm blockgemm(lt, ws, ws_bytes, args.gemm_algo);
   using BM = loom::fp8::block::ScaleMode;
 
   for (const Linear& l : lins) {
@@ -245,10 +252,30 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
 
     // bf16, as plugins/precision/common/cublaslt_linear.cpp maps the three GEMMs.
     LtPlan pf, pd, pw;
-    bf16_plan(pf, lt, CUBLAS_OP_T, CUBLAS_OP_N, l.out, T, l.in, l.in, l.in, CUDA_R_16BF, l.out, ws_bytes);
-    bf16_plan(pd, lt, CUBLAS_OP_N, CUBLAS_OP_N, l.in, T, l.out, l.in, l.out, CUDA_R_16BF, l.in, ws_bytes);
-    bf16_plan(pw, lt, CUBLAS_OP_N, CUBLAS_OP_T, l.in, l.out, T, l.in, l.out, CUDA_R_32F, l.in, ws_bytes);
     const float one = 1.0f, zero = 0.0f;
+    // The heuristic's first answers; under "fastest" the quickest of them on
+    // these operands (D, and the accumulated dW's C, in the timing's scratch),
+    // as the bf16 recipes' plans pick (cublaslt_linear.cpp).
+    auto plan = [&](LtPlan& p, cublasOperation_t ta, cublasOperation_t tb, int64_t M, int64_t N, int64_t K,
+                    int64_t lda, int64_t ldb, cudaDataType_t td, const void* a, const void* b, const float* beta,
+                    const char* gemm) {
+      cublasLtMatmulHeuristicResult_t cand[loom::kGemmAlgoCandidates]{};
+      int found = 0;
+      bf16_plan(p, lt, ta, tb, M, N, K, lda, ldb, td, M, ws_bytes, cand, loom::kGemmAlgoCandidates, &found);
+      if (args.gemm_algo != loom::GemmAlgo::fastest) return;
+      const size_t d_bytes = static_cast<size_t>(M * N) * (td == CUDA_R_32F ? 4 : 2);
+      const int pick = loom::time_gemm_candidates(
+          s, found, d_bytes,
+          [&](int i, void* d) {
+            return cublasLtMatmul(lt, p.op, &one, a, p.a, b, p.b, beta, d, p.d, d, p.d, &cand[i].algo, ws, ws_bytes,
+                                  s) == CUBLAS_STATUS_SUCCESS;
+          },
+          loom::cat("fp8_gemm_bench ", md.name, " ", lname, " bf16 ", gemm));
+      p.algo = cand[pick].algo;
+    };
+    plan(pf, CUBLAS_OP_T, CUBLAS_OP_N, l.out, T, l.in, l.in, l.in, CUDA_R_16BF, w.p, x.p, &zero, "fprop");
+    plan(pd, CUBLAS_OP_N, CUBLAS_OP_N, l.in, T, l.out, l.in, l.out, CUDA_R_16BF, w.p, dy.p, &zero, "dgrad");
+    plan(pw, CUBLAS_OP_N, CUBLAS_OP_T, l.in, l.out, T, l.in, l.out, CUDA_R_32F, x.p, dy.p, &one, "wgrad");
     auto run_bf16 = [&](LtPlan& p, const void* a, const void* b, void* d, const float* beta) {
       LT_CHECK(cublasLtMatmul(lt, p.op, &one, a, p.a, b, p.b, beta, d, p.d, d, p.d, &p.algo, ws, ws_bytes, s), md.name,
                " ", lname, " bf16");
@@ -505,16 +532,25 @@ int run(int argc, char** argv) {
       args.probe_only = true;
     else if (a == "--algos")
       args.algos = true;
+    else if (a == "--gemm-algo=fastest")
+      args.gemm_algo = loom::GemmAlgo::fastest;
+    else if (a == "--gemm-algo=heuristic")
+      args.gemm_algo = loom::GemmAlgo::heuristic;
     else {
       std::fprintf(stderr,
                    "fp8_gemm_bench: unknown argument '%s'\nusage: fp8_gemm_bench [--model=llama-1b|llama2-7b|all] "
-                   "[--iters=N (>= 20)] [--warmup=N] [--probe-only] [--algos]\n",
+                   "[--iters=N (>= 20)] [--warmup=N] [--gemm-algo=fastest|heuristic] [--probe-only] [--algos]\n",
                    a.c_str());
       return 2;
     }
   }
   if (args.iters < 20) {
     std::fprintf(stderr, "fp8_gemm_bench: --iters=%d: the median needs at least 20 timed calls\n", args.iters);
+    return 2;
+  }
+  if (args.warmup < 1) {
+    std::fprintf(stderr, "fp8_gemm_bench: --warmup=%d: at least 1 (a problem's first call picks its algorithm)\n",
+                 args.warmup);
     return 2;
   }
   if (args.model != "all" && args.model != "llama-1b" && args.model != "llama2-7b") {
@@ -532,8 +568,10 @@ int run(int argc, char** argv) {
   LOOM_CUDA_CHECK(cudaRuntimeGetVersion(&rt), "runtime version");
   std::printf(
       "# FP8 GEMM benchmark\n\nGPU: %s (sm_%d%d), CUDA runtime %d, cuBLASLt %zu; median of %d calls after %d "
-      "warm-up\n",
-      prop.name, prop.major, prop.minor, rt, cublasLtGetVersion(), args.iters, args.warmup);
+      "warm-up; algorithms: %s\n",
+      prop.name, prop.major, prop.minor, rt, cublasLtGetVersion(), args.iters, args.warmup,
+      args.gemm_algo == loom::GemmAlgo::fastest ? "the fastest of the heuristic's first 8 (gemm_algo = \"auto\")"
+                                                : "the heuristic's first answer");
   cudaStream_t s;
   LOOM_CUDA_CHECK(cudaStreamCreate(&s), "stream");
   cublasLtHandle_t lt;
