@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.hpp"
+#include "loom/token_shard.hpp"
 #include "reliability_util.hpp"
 
 namespace fs = std::filesystem;
@@ -172,6 +173,80 @@ TEST(ReliabilityOutputs, PreviousRunIsNeverOverwrittenWithoutRunOverwrite) {
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 3);
   EXPECT_TRUE(loom::ckpt::list_checkpoints((dir / "run" / "checkpoints").string()).empty());
+}
+
+// run.overwrite = true replaces the previous run only once the new run has
+// something of its own: an error before its first checkpoint (here the step-0
+// validation reading a damaged val shard) leaves the previous run as it was,
+// and a replacing run killed before its first checkpoint leaves it too (its
+// metrics put back by the next run in the folder).
+TEST(ReliabilityOutputs, RunOverwriteKeepsThePreviousRunUntilTheNewOneHasACheckpoint) {
+  const fs::path dir = fresh_dir("outputs_overwrite_late");
+  const fs::path cfg = write_config(dir, dir / "run", 4);
+  ASSERT_EQ(run_train(cfg, "--set checkpoint.every=2").code, 0);
+  const fs::path ck = dir / "run" / "checkpoints";
+  auto checkpoints = [&] {
+    std::string all;
+    for (const char* step : {"step_00000002", "step_00000004"})
+      for (const char* f : {"meta.json", "COMPLETE", "rank_00000.bin"}) all += read_text(ck / step / f);
+    return all;
+  };
+  auto snapshot = [&] { return read_text(dir / "run" / "metrics.jsonl") + checkpoints(); };
+  const std::string metrics_before = read_text(dir / "run" / "metrics.jsonl");
+  const std::string before = snapshot();
+  ASSERT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 4);
+  // Token shards for the replacing run: a good train shard, a val shard holding a token past its vocab (96).
+  std::vector<uint32_t> t(4000);
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint32_t>(i * 7 % 96);
+  loom::write_token_shard((dir / "train.bin").string(), t.data(), t.size(), 2, 96);
+  loom::write_token_shard((dir / "val.bin").string(), t.data(), t.size(), 2, 96);
+  {  // damaged in place: token 100 becomes 150, found when the step-0 validation reads it
+    std::fstream f(dir / "val.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(loom::kTokenShardHeaderBytes + 2 * 100));
+    const uint16_t bad = 150;
+    f.write(reinterpret_cast<const char*>(&bad), 2);
+  }
+  const fs::path tokens_cfg = dir / "tokens.toml";
+  {
+    std::string text = tiny_config(dir / "run", 6);
+    text.replace(text.find("plugin = \"synthetic\"\npattern = \"ramp\""), 37, "plugin = \"tokens\"");
+    std::ofstream(tokens_cfg) << text << "train = \"" << (dir / "train.bin").string() << "\"\nval = \""
+                              << (dir / "val.bin").string() << "\"\n";
+  }
+  const std::string replace = " --set checkpoint.resume=none --set run.overwrite=true --set checkpoint.every=2";
+  ProcResult r = run_train(tokens_cfg, replace + " --set train.validation_every=2 --set train.seq_len=30");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, (dir / "val.bin").string());
+  EXPECT_CONTAINS(r.out, "is left as it was (2 checkpoint(s), metrics.jsonl)");
+  EXPECT_FALSE(has(r.out, "replaced the previous run")) << r.out;
+  EXPECT_EQ(snapshot(), before);
+  EXPECT_FALSE(fs::exists(dir / "run" / "metrics.jsonl.replaced"));
+  // Killed before its first checkpoint: the previous run's metrics wait aside; the next run puts them back.
+  Background p(train_cmd(cfg, replace + " --set checkpoint.every=1000 --set train.steps=1000000"), dir / "log.txt");
+  ASSERT_TRUE(wait_for(
+      [&] {
+        return fs::exists(dir / "run" / "metrics.jsonl.replaced") && count_lines(dir / "run" / "metrics.jsonl") >= 2;
+      },
+      120))
+      << p.output();
+  p.signal(SIGKILL);
+  (void)p.wait(30);
+  EXPECT_EQ(read_text(dir / "run" / "metrics.jsonl.replaced"), metrics_before);
+  EXPECT_EQ(checkpoints(), before.substr(metrics_before.size()));
+  r = run_train(cfg, "--set checkpoint.every=2 --set train.steps=6");  // resume = "auto": step 4 of the previous run
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_CONTAINS(r.out, "metrics.jsonl.replaced back to metrics.jsonl");
+  EXPECT_CONTAINS(r.out, "step_00000004");
+  EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 6);
+  EXPECT_FALSE(fs::exists(dir / "run" / "metrics.jsonl.replaced"));
+  // A replacing run that writes its first checkpoint replaces the previous run, as asked.
+  r = run_train(cfg, replace + " --set train.steps=3");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_CONTAINS(r.out, "replaced the previous run");
+  const auto left = loom::ckpt::list_checkpoints(ck.string());  // steps 2 and 3 (the last) of the new run only
+  ASSERT_EQ(left.size(), 2u);
+  EXPECT_EQ(left[0].step + left[1].step, 5);
+  EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 3);
 }
 
 // One run per folder at a time; the lock goes with the process, even on kill -9.

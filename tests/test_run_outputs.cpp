@@ -358,6 +358,28 @@ TEST(Progress, MemoryInEveryLogLine) {
   EXPECT_GT(loom::peak_resident_bytes(), size_t{1} << 20);
 }
 
+// Every log step gets its console line, also the one queued just before a
+// step whose read is forced (validation every 4, a checkpoint every 3, the
+// last step): those reads return two steps at once.
+TEST(Progress, EveryLogStepIsPrintedAlsoBeforeAForcedRead) {
+  TmpDir d;
+  for (const int log_every : {1, 2}) {
+    SCOPED_TRACE(log_every);
+    const std::string cfg = (d.path / "c.toml").string();
+    std::ofstream(cfg) << config(d.path / "run", "overwrite = true\n", loom::cat("log_every = ", log_every, "\n"));
+    int rc = 0;
+    const std::string out = run_cmd(loom::cat(LOOM_CLI, " train ", cfg, " --set checkpoint.every=3"), &rc);
+    ASSERT_EQ(rc, 0) << out;
+    for (int step = 1; step <= 8; ++step) {
+      const std::string line = loom::cat("step ", step, "/8 |");
+      const bool want = step % log_every == 0 || step == 8 || step % 4 == 0;
+      size_t n = 0;
+      for (size_t at = out.find(line); at != std::string::npos; at = out.find(line, at + 1)) ++n;
+      EXPECT_EQ(n, want ? 1u : 0u) << line << "\n" << out;
+    }
+  }
+}
+
 TEST(Progress, BarOnlyOnATerminalNoLauncherOwns) {
   TmpDir d;
   const std::string cfg = (d.path / "c.toml").string();

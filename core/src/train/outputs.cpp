@@ -318,23 +318,23 @@ OutputLock::~OutputLock() = default;
 
 namespace {
 
-// Removes every step_* folder of root (rename, then delete, as pruning does,
-// so a crash never leaves one that looks complete with shards missing).
-size_t remove_checkpoints(const std::string& root) {
-  size_t n = 0;
-  for (const ckpt::CheckpointInfo& c : ckpt::list_checkpoints(root)) {
-    const fs::path victim(c.dir);
+// Removes step folders (rename, then delete, as pruning does, so a crash
+// never leaves one that looks complete with shards missing).
+void remove_checkpoints(const std::vector<std::string>& dirs) {
+  for (const std::string& d : dirs) {
+    const fs::path victim(d);
     const fs::path trash = victim.parent_path() / ("." + victim.filename().string() + ".deleting");
     std::error_code ec;
     fs::remove_all(trash, ec);
     fs::rename(victim, trash, ec);
-    if (ec) throw Error(cat("run.overwrite = true: cannot remove the previous run's checkpoint ", c.dir, ": ", ec.message()));
+    if (ec) throw Error(cat("run.overwrite = true: cannot remove the previous run's checkpoint ", d, ": ", ec.message()));
     fs::remove_all(trash, ec);
     if (ec) throw Error(cat("run.overwrite = true: cannot remove ", trash.string(), ": ", ec.message()));
-    ++n;
   }
-  return n;
 }
+
+// Where the previous run's metrics wait while a replacing run has nothing of its own.
+fs::path replaced_metrics(const fs::path& out) { return out / "metrics.jsonl.replaced"; }
 
 // Keeps the lines of metrics.jsonl up to `step` (a resumed run continues
 // there; lines of steps after the checkpoint belong to a timeline that was lost).
@@ -366,21 +366,76 @@ void trim_metrics(const fs::path& file, int64_t step) {
 
 }  // namespace
 
-void prepare_run_files(const Config& cfg, std::optional<int64_t> resume_step) {
+ReplacedRun::ReplacedRun(const Config& cfg, std::vector<std::string> checkpoints, bool had_metrics)
+    : out_dir_(cfg.run.out_dir), checkpoints_(std::move(checkpoints)), had_metrics_(had_metrics) {
+  if (had_metrics_) {
+    const fs::path out(out_dir_);
+    std::error_code ec;
+    fs::rename(out / "metrics.jsonl", replaced_metrics(out), ec);
+    if (ec)
+      throw Error(cat("run.overwrite = true: cannot move ", (out / "metrics.jsonl").string(), " aside to ",
+                      replaced_metrics(out).string(), ": ", ec.message()));
+  }
+  log_info(cat("run.overwrite = true: the previous run in ", out_dir_, " (", checkpoints_.size(), " checkpoint(s)",
+               had_metrics_ ? ", metrics.jsonl" : "",
+               ") is removed when this run writes its first checkpoint or ends; until then an error leaves it as it is"));
+}
+
+void ReplacedRun::remove() {
+  if (removed_) return;
+  removed_ = true;
+  remove_checkpoints(checkpoints_);
+  std::error_code ec;
+  if (had_metrics_) fs::remove(replaced_metrics(out_dir_), ec);
+  log_warn(cat("run.overwrite = true: replaced the previous run in ", out_dir_, " (", checkpoints_.size(),
+               " checkpoint(s)", had_metrics_ ? ", metrics.jsonl" : "", " removed)"));
+}
+
+ReplacedRun::~ReplacedRun() {
+  if (removed_) return;
+  // This run ends with nothing of its own to keep: the previous run stays.
+  try {
+    const fs::path out(out_dir_);
+    std::error_code ec;
+    if (had_metrics_) fs::rename(replaced_metrics(out), out / "metrics.jsonl", ec);
+    else fs::remove(out / "metrics.jsonl", ec);
+    log_warn(cat("run.overwrite = true: this run ended before it wrote a checkpoint, so the previous run in ",
+                 out_dir_, " is left as it was (", checkpoints_.size(), " checkpoint(s)",
+                 had_metrics_ ? ", metrics.jsonl" : "", ")",
+                 ec ? cat("; putting its metrics.jsonl back failed: ", ec.message(), " (it is ",
+                          replaced_metrics(out).string(), ")")
+                    : std::string()));
+  } catch (...) {  // a destructor: nothing may escape (logging itself can throw on a full disk)
+  }
+}
+
+std::unique_ptr<ReplacedRun> prepare_run_files(const Config& cfg, std::optional<int64_t> resume_step) {
   const fs::path out(cfg.run.out_dir);
   check_checkpoint_names(cfg);  // before metrics.jsonl is trimmed or anything replaced
+  // A replacing run killed before its first checkpoint left the previous
+  // run's metrics aside (ReplacedRun): they belong to the checkpoints still here.
+  std::error_code ec;
+  if (fs::is_regular_file(replaced_metrics(out), ec)) {
+    fs::rename(replaced_metrics(out), out / "metrics.jsonl", ec);
+    if (ec)
+      throw Error(cat("cannot put ", replaced_metrics(out).string(), " back to ", (out / "metrics.jsonl").string(),
+                      ": ", ec.message(), ". It holds the metrics of the run a killed run.overwrite = true run was "
+                      "replacing: move it there yourself, or remove it"));
+    log_warn(cat("put ", replaced_metrics(out).string(), " back to metrics.jsonl: a run with run.overwrite = true "
+                 "ended before its first checkpoint, so the run it was replacing is still here"));
+  }
   check_no_overwrite(cfg, resume_step);
+  std::unique_ptr<ReplacedRun> replaced;
   if (!resume_step && cfg.run.overwrite) {
-    const size_t removed = remove_checkpoints(checkpoint_root(cfg).string());
-    std::error_code ec;
-    const bool had_metrics = fs::remove(out / "metrics.jsonl", ec);
-    if (removed || had_metrics)
-      log_warn(cat("run.overwrite = true: replaced the previous run in ", cfg.run.out_dir, " (",
-                   removed, " checkpoint(s)", had_metrics ? ", metrics.jsonl" : "", " removed)"));
+    std::vector<std::string> dirs;
+    for (const ckpt::CheckpointInfo& c : ckpt::list_checkpoints(checkpoint_root(cfg).string())) dirs.push_back(c.dir);
+    const bool had_metrics = fs::is_regular_file(out / "metrics.jsonl", ec);
+    if (!dirs.empty() || had_metrics) replaced = std::make_unique<ReplacedRun>(cfg, std::move(dirs), had_metrics);
   }
   if (resume_step) trim_metrics(out / "metrics.jsonl", *resume_step);
   probe_writable("run.out_dir", cfg.run.out_dir, ".loom.write_test");
   ckpt::write_file_atomic((out / "config.toml").string(), cfg.effective_toml);
+  return replaced;
 }
 
 }  // namespace loom

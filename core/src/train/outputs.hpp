@@ -18,8 +18,13 @@
 //                         The kernel drops it when the process ends, even on
 //                         kill -9, so there is never a stale lock to clean.
 //   prepare_run_files     what rank 0 does to the folder before step 1:
-//                         replace the previous run (run.overwrite), trim
-//                         metrics.jsonl to the resumed step, write config.toml.
+//                         set the previous run aside (run.overwrite: a
+//                         ReplacedRun), trim metrics.jsonl to the resumed
+//                         step, write config.toml.
+//   ReplacedRun           run.overwrite = true on a fresh start: the previous
+//                         run is removed only once this run has something of
+//                         its own (its first checkpoint, or its end); a run
+//                         that fails before puts it back as it was.
 //   probe_writable        a real write (create, write, fsync, remove) into a
 //                         folder: a full disk or a read-only mount fails here,
 //                         before any step, instead of at the first save.
@@ -61,7 +66,35 @@ class OutputLock {
   std::vector<std::shared_ptr<Held>> held_;
 };
 
-void prepare_run_files(const Config& cfg, std::optional<int64_t> resume_step);
+// The previous run that run.overwrite = true replaces, on a fresh start. Its
+// checkpoints stay in checkpoint.dir and its metrics.jsonl is moved to
+// metrics.jsonl.replaced until remove(), which the session calls just before
+// its first checkpoint is written, or at the end of a run that writes none.
+// If the object dies without remove() (a config, data or numeric error at
+// step 0 or 1, a stop before any step), the new run's metrics.jsonl gives way
+// to the previous one again and nothing of the previous run is lost. A
+// process killed in between leaves metrics.jsonl.replaced beside the previous
+// run's checkpoints; the next run in the folder puts it back first
+// (prepare_run_files) and says so.
+class ReplacedRun {
+ public:
+  ReplacedRun(const Config& cfg, std::vector<std::string> checkpoints, bool had_metrics);
+  ~ReplacedRun();
+  ReplacedRun(const ReplacedRun&) = delete;
+  ReplacedRun& operator=(const ReplacedRun&) = delete;
+  // Removes the previous run's checkpoints and metrics (once; later calls do nothing).
+  void remove();
+
+ private:
+  std::string out_dir_;
+  std::vector<std::string> checkpoints_;  // the previous run's step folders
+  bool had_metrics_ = false;
+  bool removed_ = false;
+};
+
+// Returns the previous run that this run replaces (run.overwrite = true on a
+// fresh start over one), or null.
+std::unique_ptr<ReplacedRun> prepare_run_files(const Config& cfg, std::optional<int64_t> resume_step);
 
 // Creates, writes, fsyncs and removes a small file in `dir`; throws naming
 // `key`, the path and the system's reason.

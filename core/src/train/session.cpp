@@ -344,6 +344,11 @@ double Session::evaluate() {
 }
 
 void Session::save_checkpoint(int64_t step) {
+  if (replace_before_save_) {  // run.overwrite: the previous run goes just before this run's first checkpoint
+    if (replaced_run_) replaced_run_->remove();
+    rt_.host->barrier();  // no rank writes a step folder the previous run still holds
+    replace_before_save_ = false;
+  }
   loom::save_checkpoint(cfg_, rt_, *state_, *model_, step);
   stager_->device_caught_up();
 }
@@ -375,9 +380,12 @@ int Session::agreed_stop_signal() {
 }
 
 void Session::claim_outputs() {
+  if (outputs_claimed_) return;  // a later train() call continues in the folder this one prepared
+  outputs_claimed_ = true;
+  replace_before_save_ = !resumed_ && cfg_.run.overwrite;
   if (rank() == 0) {
     output_lock_ = OutputLock::acquire(cfg_);
-    prepare_run_files(cfg_, resumed_ ? std::optional<int64_t>(step_) : std::nullopt);
+    replaced_run_ = prepare_run_files(cfg_, resumed_ ? std::optional<int64_t>(step_) : std::nullopt);
   }
   rt_.host->barrier();  // checkpoint.dir exists before the other ranks look at it
   // Every rank writes its shard there: a full disk or a read-only mount on any
@@ -440,12 +448,19 @@ RunSummary Session::train(int64_t stop_at) {
       if (s.skipped) log_warn(cat("step ", s.step, ": gradient norm is not finite; update skipped"));
     }
     health.observe(logs);  // too many skipped steps in a row: stops with an error
-    const StepLog& s = logs.back();
-    if (s.step % t.log_every == 0 || s.step == t.steps || s.has_val) {
+    // A line for every log step read, not only the newest: a read forced by a
+    // checkpoint, validation or the last step also returns the ordinary log
+    // step queued before it, which would otherwise never reach the console.
+    bool printed = false;
+    for (const StepLog& s : logs) {
+      if (s.step % t.log_every != 0 && s.step != t.steps && !s.has_val) continue;
       log_info(log_line(s, t.steps));
-      // The recipe's own state (FP8: scales, amax, skipped updates), as of the newest step queued.
-      if (const std::string p = rt_.precision->log_summary(); !p.empty()) log_info(cat("precision: ", p));
+      printed = true;
     }
+    // The recipe's own state (FP8: scales, amax, skipped updates), as of the newest step queued.
+    if (printed)
+      if (const std::string p = rt_.precision->log_summary(); !p.empty()) log_info(cat("precision: ", p));
+    const StepLog& s = logs.back();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
     const double per_step = elapsed / static_cast<double>(step_ - sum.first_step);
     bar.draw(s.step, s.loss, per_step * static_cast<double>(t.steps - step_));
@@ -506,6 +521,8 @@ RunSummary Session::train(int64_t stop_at) {
     return sum;
   }
   health.finish();
+  if (replaced_run_) replaced_run_->remove();  // finished without a checkpoint: the replacement stands
+  replace_before_save_ = false;
   std::ostringstream fin;
   fin << "done: " << (step_ - sum.first_step) << " steps in " << duration(sum.wall_s) << " | final loss "
       << std::fixed << std::setprecision(4) << (sum.steps.empty() ? 0.0 : sum.steps.back().loss);

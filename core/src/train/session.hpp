@@ -181,6 +181,14 @@ class Session {
   bool initialised_ = false;
   bool resumed_ = false;    // initialise() loaded a checkpoint
   std::shared_ptr<OutputLock> output_lock_;
+  bool outputs_claimed_ = false;  // claim_outputs() ran (once per session)
+  // run.overwrite = true on a fresh start: the previous run, removed just
+  // before the first checkpoint (or at the end), put back if this run fails
+  // first (outputs.hpp). Declared after the lock: it is restored while the
+  // folder is still locked. On every rank (the same on all): whether the
+  // first save waits for rank 0 to remove it.
+  std::unique_ptr<ReplacedRun> replaced_run_;
+  bool replace_before_save_ = false;
 };
 
 }  // namespace loom
