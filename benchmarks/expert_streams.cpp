@@ -31,18 +31,10 @@
 #include <string>
 #include <vector>
 
-#include "hf/safetensors.hpp"
-#include "kernels/cuda/cuda_check.hpp"
-#include "loom/error.hpp"
+#include "bench_util.hpp"
 
 namespace {
 
-#define LT_CHECK(call, ...)                                                                                     \
-  do {                                                                                                          \
-    const cublasStatus_t st_ = (call);                                                                          \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                                           \
-      throw ::loom::Error(::loom::cat(#call, " failed: ", cublasLtGetStatusName(st_), " [", __VA_ARGS__, "]")); \
-  } while (0)
 
 constexpr size_t kWorkspace = size_t{32} << 20;
 
@@ -83,32 +75,11 @@ Gemm make_gemm(cublasLtHandle_t lt, cublasOperation_t ta, cublasOperation_t tb, 
   return g;
 }
 
-// Fills n bf16 values ~ N(0, sd): a GEMM's power draw, and so its clock on a
-// power-capped GPU, depends on the data (zeros would run cooler than training).
-void fill_bf16(void* dst, size_t n, float sd, uint32_t seed) {
-  constexpr size_t kPattern = size_t{1} << 22;
-  std::vector<uint16_t> pattern(kPattern);
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.f, sd);
-  for (auto& v : pattern) v = loom::hf::f32_to_bf16(nd(rng));
-  for (size_t off = 0; off < n; off += kPattern) {
-    const size_t k = std::min(kPattern, n - off);
-    LOOM_CUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(dst) + off, pattern.data(), k * 2, cudaMemcpyHostToDevice),
-                    "fill ", k, " bf16 values");
+// A device buffer of n bytes, with random bf16 values ~ N(0, sd) when sd > 0.
+struct DevMem : loom::bench::DevMem {
+  explicit DevMem(size_t n, float sd = 0.f, uint32_t seed = 0) : loom::bench::DevMem(n) {
+    if (sd > 0.f) loom::bench::fill_bf16(p, n / 2, sd, seed);
   }
-}
-
-struct DevMem {
-  void* p = nullptr;
-  explicit DevMem(size_t n, float sd = 0.f, uint32_t seed = 0) {
-    LOOM_CUDA_CHECK(cudaMalloc(&p, n), "bench buffer of ", n, " bytes");
-    if (sd > 0.f) fill_bf16(p, n / 2, sd, seed);
-  }
-  ~DevMem() {
-    if (p) cudaFree(p);
-  }
-  DevMem(const DevMem&) = delete;
-  DevMem& operator=(const DevMem&) = delete;
 };
 
 std::vector<int64_t> parse_list(const std::string& s) {
@@ -271,11 +242,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "expert_streams_bench: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return loom::bench::main_of("expert_streams_bench", run, argc, argv); }

@@ -51,19 +51,16 @@
 #include "kernels/cuda/fp8_kernels.hpp"
 #include "loom/error.hpp"
 #include "loom/gemm_algo.hpp"
+#include "bench_util.hpp"
 
 namespace {
 
 using loom::Device;
 using loom::DType;
 using loom::Tensor;
+using loom::bench::DevMem;
+using loom::bench::fill_bf16;
 
-#define LT_CHECK(call, ...)                                                                                     \
-  do {                                                                                                          \
-    const cublasStatus_t st_ = (call);                                                                          \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                                           \
-      throw ::loom::Error(::loom::cat(#call, " failed: ", cublasLtGetStatusName(st_), " [", __VA_ARGS__, "]")); \
-  } while (0)
 
 struct Model {
   const char* name;
@@ -85,31 +82,7 @@ std::vector<Linear> linears_of(const Model& m) {
           {"down", m.hidden, m.ffn}};
 }
 
-struct DevMem {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit DevMem(size_t n) : bytes(n) { LOOM_CUDA_CHECK(cudaMalloc(&p, n), "bench buffer of ", n, " bytes"); }
-  ~DevMem() {
-    if (p) cudaFree(p);
-  }
-  DevMem(const DevMem&) = delete;
-  DevMem& operator=(const DevMem&) = delete;
-};
 
-// Fills `elems` bf16 values ~ N(0, sd) (a 4 Mi-value host pattern, repeated).
-void fill_bf16(void* dst, size_t elems, float sd, uint32_t seed) {
-  static std::vector<uint16_t> pattern;
-  constexpr size_t kPattern = size_t{1} << 22;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.f, sd);
-  pattern.resize(kPattern);
-  for (auto& h : pattern) h = loom::hf::f32_to_bf16(nd(rng));
-  for (size_t off = 0; off < elems; off += kPattern) {
-    const size_t n = std::min(kPattern, elems - off);
-    LOOM_CUDA_CHECK(cudaMemcpy(static_cast<uint16_t*>(dst) + off, pattern.data(), n * 2, cudaMemcpyHostToDevice),
-                    "fill ", n, " bf16 values");
-  }
-}
 
 // Median of `iters` event-timed calls after `warmup` untimed ones, in ms.
 template <typename F>
@@ -650,11 +623,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fp8_gemm_bench: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return loom::bench::main_of("fp8_gemm_bench", run, argc, argv); }
