@@ -109,7 +109,7 @@ void MegatronSource::open(const DataSpec& spec) {
     s->dataset = index;
     s->begin = b;
     s->end = e;
-    for (uint64_t i = b; i < e; ++i) s->tokens += ds->length(i);
+    s->tokens = ds->tokens(b, e);
     s->samples = s->tokens >= 1 ? (s->tokens - 1) / S : 0;
     s->doc_seed = hash_of(seed_, 0x444f4353ull /* "DOCS" */, index);
     s->sample_seed = hash_of(seed_, 0x53414d50ull /* "SAMP" */, index);
@@ -168,6 +168,9 @@ void MegatronSource::read_sample(Stream& s, uint64_t k, bool shuffle, int32_t* o
   const IndexPermutation doc_order(s.docs(), s.doc_seed, epoch);
   auto doc = [&](uint64_t i) { return s.begin + (shuffle ? doc_order(i) : i); };
   if (s.epoch != static_cast<int64_t>(epoch)) {
+    // A new pass over the files: they must still be the ones this run opened
+    // (a .bin rewritten in place would be read as new tokens unnoticed).
+    s.ds->verify_unchanged();
     s.cum.assign(s.docs() + 1, 0);
     for (uint64_t i = 0; i < s.docs(); ++i) s.cum[i + 1] = s.cum[i] + s.ds->length(doc(i));
     s.epoch = static_cast<int64_t>(epoch);
@@ -232,11 +235,14 @@ void MegatronSource::reset(Split split) {
   if (split == Split::train)
     throw Error("data plugin 'megatron': reset() restarts the validation split only; the train position is set through "
                 "restore()");
+  for (auto& s : val_) s->ds->verify_unchanged();  // each evaluation is a new pass over the validation files
   val_cursor_ = 0;
 }
 
 std::string MegatronSource::state() const {
   require_open("state()");
+  // A checkpoint records a position in these files: they must be the ones opened.
+  for (auto& s : train_) s->ds->verify_unchanged();
   nlohmann::json ds = nlohmann::json::array();
   for (auto& s : train_)
     ds.push_back({{"prefix", s->ds->prefix()}, {"sequences", s->ds->sequences()}, {"tokens", s->ds->tokens()},

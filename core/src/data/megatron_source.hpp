@@ -19,6 +19,11 @@
 // and each dataset's count, so resume is exact under any world size.
 // Validation: the split's documents in file order, unshuffled, datasets one
 // after another, wrapping around.
+// Files changed under the run are refused: each dataset's .idx and .bin are
+// compared with the opened files (IndexedDataset::verify_unchanged) at every
+// train epoch of that dataset, every validation pass and every state()
+// (checkpoint); a read that faults because one was truncated in place is an
+// error naming the file.
 #pragma once
 #include <cstdint>
 #include <memory>
