@@ -255,6 +255,49 @@ TEST(TokenShard, CopyChecksRangeAndVocabulary) {
   EXPECT_NE(m.find("outside the shard"), std::string::npos) << m;
 }
 
+// A shard's header states its tokenizer's vocabulary: a token at or beyond
+// it means the shard is damaged, whatever model.vocab_size is — refused
+// naming the shard, the index, the token and the header's vocabulary, and
+// never with advice to raise model.vocab_size (no value would make it right).
+// A shard whose header gives no vocabulary is held to the model's, and then
+// the advice is right.
+TEST(TokenShard, TokenBeyondTheHeadersVocabularyIsDamage) {
+  TempDir d;
+  std::vector<uint32_t> t(64, 5);
+  t[37] = 300;
+  const std::string p = d / "damaged.bin";
+  loom::write_token_shard(p, t.data(), t.size(), 2, 0);
+  const uint32_t header_vocab = 258;
+  patch(p, 24, &header_vocab, 4);  // as if written for vocabulary 258
+  TokenShard s(p);
+  ASSERT_EQ(s.vocab(), 258u);
+  std::vector<int32_t> out(64);
+  for (const int64_t limit : {int64_t{512}, int64_t{1} << 31, int64_t{301}}) {
+    SCOPED_TRACE(limit);
+    const std::string m = error_of([&] { s.copy(0, 64, out.data(), limit); });
+    for (const std::string part : {p, std::string("index 37 is 300"), std::string("vocabulary of 258"),
+                                   std::string("its header declares"), std::string("damaged")})
+      EXPECT_NE(m.find(part), std::string::npos) << "missing '" << part << "' in: " << m;
+    EXPECT_EQ(m.find("model.vocab_size is too small"), std::string::npos) << m;
+    EXPECT_EQ(m.find("set it >="), std::string::npos) << m;
+  }
+  EXPECT_NO_THROW(s.copy(0, 37, out.data(), 512));  // the tokens before it are fine
+  // Through the tokens plugin, with a model vocabulary larger than the header's.
+  TokensOptions o;
+  o.train = {p};
+  o.shuffle = false;
+  auto src = tokens_source(o, spec(1, 63, 0, 1, 1, 512));
+  Batch b(64);
+  const std::string m = error_of([&] { src->next(Split::train, b.data()); });
+  EXPECT_NE(m.find("index 37 is 300, not below the vocabulary of 258 its header declares"), std::string::npos) << m;
+  // No vocabulary in the header: the model's decides, and the advice fits.
+  const std::string q = d / "unknown.bin";
+  loom::write_token_shard(q, t.data(), t.size(), 2, 0);
+  const std::string m2 = error_of([&] { TokenShard(q).copy(0, 64, out.data(), 258); });
+  EXPECT_NE(m2.find("index 37 is 300, not below the model vocabulary 258"), std::string::npos) << m2;
+  EXPECT_NE(m2.find("set it >= 301"), std::string::npos) << m2;
+}
+
 TEST(IndexPermutation, IsABijectionAndDependsOnSeedAndEpoch) {
   for (uint64_t n : {1ull, 2ull, 3ull, 17ull, 64ull, 1000ull, 4097ull}) {
     loom::data::IndexPermutation p(n, 42, 0);

@@ -2,6 +2,7 @@
 // documented in loom/token_shard.hpp.
 #include "loom/token_shard.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cstring>
@@ -227,10 +228,37 @@ uint32_t TokenShard::operator[](uint64_t i) const {
   return t;
 }
 
+namespace {
+
+// The error for token `t` at `index` of shard `path`, outside [0, limit) or
+// the header's vocabulary. Which limit it breaks decides what to do: a token
+// the shard's own header says cannot exist means the shard is damaged (no
+// model.vocab_size would make it right); one beyond the model's vocabulary in
+// a shard that declares none asks for the model or the tokenizer to change.
+[[noreturn]] void throw_bad_token(const std::string& path, uint64_t index, uint32_t t, uint32_t header_vocab,
+                                  int64_t limit) {
+  if (header_vocab > 0 && t >= header_vocab)
+    throw Error(cat("token shard '", path, "': token at index ", index, " is ", t, ", not below the vocabulary of ",
+                    header_vocab, " its header declares: the shard is damaged (its tokens or its header were "
+                    "overwritten), whatever model.vocab_size is. Re-run loom prepare, or copy the shard again"));
+  if (static_cast<int64_t>(t) >= kMaxVocabSize)  // no model.vocab_size can hold it: token ids are int32
+    throw Error(cat("token shard '", path, "': token at index ", index, " is ", t,
+                    ", beyond any vocabulary Loom supports (model.vocab_size is at most ", kMaxVocabSize,
+                    ": token ids are int32); the shard is damaged or was made with another tokenizer"));
+  throw Error(cat("token shard '", path, "': token at index ", index, " is ", t, ", not below the model vocabulary ",
+                  limit, " (the shard's header gives no vocabulary); the shard was made with another tokenizer, or "
+                  "model.vocab_size is too small (set it >= ", static_cast<int64_t>(t) + 1, ")"));
+}
+
+}  // namespace
+
 void TokenShard::copy(uint64_t begin, uint64_t n, int32_t* out, int64_t limit) const {
   if (begin > count_ || n > count_ - begin)
     throw Error(cat("token shard '", path_, "': read of tokens [", begin, ", ", begin + n,
                     ") is outside the shard (", count_, " tokens)"));
+  // A header that declares a vocabulary bounds every token too: one at or
+  // beyond it is damage, even when the model's vocabulary is larger.
+  if (vocab_ > 0) limit = std::min<int64_t>(limit, vocab_);
   uint64_t bad = n;  // index of the first token outside the vocabulary, n if none
   uint32_t bad_token = 0;
   const unsigned char* p = map_ + kTokenShardHeaderBytes + begin * static_cast<uint64_t>(width_);
@@ -246,17 +274,7 @@ void TokenShard::copy(uint64_t begin, uint64_t n, int32_t* out, int64_t limit) c
     }
   });
   if (!read) throw_changed_while_reading();
-  if (bad < n) {
-    const uint32_t t = bad_token;
-    if (static_cast<int64_t>(t) >= kMaxVocabSize)  // no model.vocab_size can hold it: token ids are int32
-      throw Error(cat("token shard '", path_, "': token at index ", begin + bad, " is ", t,
-                      ", beyond any vocabulary Loom supports (model.vocab_size is at most ", kMaxVocabSize,
-                      ": token ids are int32); the shard is damaged or was made with another tokenizer"));
-    throw Error(cat("token shard '", path_, "': token at index ", begin + bad, " is ", t,
-                    ", not below the model vocabulary ", limit,
-                    "; the shard was made with another tokenizer, or model.vocab_size is too small (set it >= ",
-                    static_cast<int64_t>(t) + 1, ")"));
-  }
+  if (bad < n) throw_bad_token(path_, begin + bad, bad_token, vocab_, limit);
 }
 
 void TokenShard::throw_changed_while_reading() const {
