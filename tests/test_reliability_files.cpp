@@ -199,6 +199,7 @@ TEST(ReliabilityFiles, MegatronFileTruncatedInPlaceIsAnErrorNotSigbus) {
   ds.read(1900, 0, 64, out.data(), 96);  // fine before
   ASSERT_EQ(::truncate(bin.c_str(), 4096), 0);
   expect_error([&] { ds.read(1900, 0, 64, out.data(), 96); }, {bin, "SIGBUS", "truncated or rewritten in place"});
+  expect_error([&] { (void)ds.scan(0, 2000, 96); }, {bin, "SIGBUS"});
   EXPECT_NO_THROW(ds.read(0, 0, 64, out.data(), 96));  // what is left still reads
   expect_error([&] { ds.verify_unchanged(); }, {bin, "size changed from 400000 to 4096 bytes"});
   // The index's sizes and pointers are read through its mapping too.

@@ -37,7 +37,8 @@ void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t
 // A read-only, memory-mapped shard. The header and the file size are checked
 // at open; each failure is a loom::Error naming the file, what was expected
 // and what was found. Tokens themselves are checked when they are read
-// (copy()), so opening a large shard costs no scan.
+// (copy()), so opening a large shard costs no scan; scan() reads them all
+// (what `loom check` does before a run).
 //
 // The file must not change while it is mapped. Reads that fault because it
 // was truncated in place (SIGBUS) become a loom::Error naming the file, and
@@ -69,6 +70,11 @@ class TokenShard {
   // the shard is damaged, and the message says so rather than asking for a
   // larger model.vocab_size).
   void copy(uint64_t begin, uint64_t n, int32_t* out, int64_t limit = int64_t{1} << 31) const;
+
+  // Reads every token and throws as copy() does at the first one outside the
+  // vocabulary (`limit` and the header's); returns the number of tokens read.
+  // A max-reduction over the mapping, at memory bandwidth.
+  uint64_t scan(int64_t limit = int64_t{1} << 31) const;
 
   // Throws loom::Error naming the file and what differs when the file at
   // path() is no longer the one opened (a stat of the path; reads nothing).

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "config/run_config.hpp"
+#include "data/token_scan.hpp"
 #include "loom/error.hpp"
 
 namespace loom::data {
@@ -204,6 +205,44 @@ void IndexedDataset::read(uint64_t seq, uint64_t offset, uint64_t n, int32_t* ou
   });
   if (!read) throw_read_fault();
   if (bad < n) throw_bad_token(seq, offset + bad, bad_token, limit);
+}
+
+uint64_t IndexedDataset::scan(uint64_t begin, uint64_t end, int64_t limit) const {
+  if (begin >= end) return 0;
+  const uint64_t count = tokens(begin, end);
+  uint64_t bad = count, first = 0;
+  const bool read = read_guarded([&] {
+    // The sequences lie back to back in whole tokens from byte 0 of a
+    // page-aligned mapping: one run of tokens, each aligned to its size.
+    first = pointer(begin);
+    const unsigned char* p = bin_.data() + first;
+    switch (dtype_) {
+      case 1: bad = first_token_outside(reinterpret_cast<const uint8_t*>(p), count, limit); break;
+      case 2: bad = first_token_outside(reinterpret_cast<const int8_t*>(p), count, limit); break;
+      case 3: bad = first_token_outside(reinterpret_cast<const int16_t*>(p), count, limit); break;
+      case 4: bad = first_token_outside(reinterpret_cast<const int32_t*>(p), count, limit); break;
+      case 5: bad = first_token_outside(reinterpret_cast<const int64_t*>(p), count, limit); break;
+      default: bad = first_token_outside(reinterpret_cast<const uint16_t*>(p), count, limit); break;
+    }
+  });
+  if (!read) throw_read_fault();
+  if (bad == count) return count;
+  // Which sequence holds it: the last in [begin, end) that starts at or
+  // before its byte (sequences of length 0 start where the next one does).
+  const uint64_t byte = first + bad * static_cast<uint64_t>(item_);
+  uint64_t lo = begin, hi = end, seq_start = 0;
+  int64_t t = 0;
+  if (!read_guarded([&] {
+        while (hi - lo > 1) {
+          const uint64_t mid = lo + (hi - lo) / 2;
+          if (pointer(mid) <= byte) lo = mid;
+          else hi = mid;
+        }
+        seq_start = pointer(lo);
+        t = token_at(bin_.data() + byte, dtype_);
+      }))
+    throw_read_fault();
+  throw_bad_token(lo, (byte - seq_start) / static_cast<uint64_t>(item_), t, limit);
 }
 
 void IndexedDataset::verify_unchanged() const {

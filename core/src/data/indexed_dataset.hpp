@@ -53,6 +53,11 @@ class IndexedDataset {
   // a token < 0 or >= limit is an error naming the file, sequence and token.
   void read(uint64_t seq, uint64_t offset, uint64_t n, int32_t* out, int64_t limit) const;
 
+  // Reads every token of sequences [begin, end) and throws as read() does at
+  // the first one < 0 or >= limit; returns the number of tokens read. A
+  // min/max reduction over the mapping, at memory bandwidth.
+  uint64_t scan(uint64_t begin, uint64_t end, int64_t limit) const;
+
   // Throws loom::Error naming the file and what changed when PREFIX.idx or
   // PREFIX.bin is no longer the file opened (a stat of each; reads nothing).
   void verify_unchanged() const;

@@ -254,6 +254,22 @@ std::string MegatronSource::state() const {
   return j.dump();
 }
 
+TokenScanReport MegatronSource::scan_tokens() const {
+  require_open("scan_tokens()");
+  // The documents each split reads (the test share of data.split never is).
+  TokenScanReport r;
+  std::vector<const IndexedDataset*> seen;
+  for (const auto* streams : {&train_, &val_})
+    for (const auto& s : *streams) {
+      r.tokens += s->ds->scan(s->begin, s->end, spec_.vocab_size);
+      if (std::find(seen.begin(), seen.end(), s->ds) == seen.end()) seen.push_back(s->ds);
+    }
+  r.files = 2 * seen.size();
+  r.what = cat(seen.size(), " Megatron dataset(s): the train", val_.empty() ? "" : " and validation",
+               " documents");
+  return r;
+}
+
 void MegatronSource::restore(const std::string& state) {
   require_open("restore()");
   nlohmann::json j;

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "config/run_config.hpp"
+#include "data/token_scan.hpp"
 #include "loom/error.hpp"
 #include "util/files.hpp"
 #include "util/mapped_file.hpp"
@@ -275,6 +276,20 @@ void TokenShard::copy(uint64_t begin, uint64_t n, int32_t* out, int64_t limit) c
   });
   if (!read) throw_changed_while_reading();
   if (bad < n) throw_bad_token(path_, begin + bad, bad_token, vocab_, limit);
+}
+
+uint64_t TokenShard::scan(int64_t limit) const {
+  if (vocab_ > 0) limit = std::min<int64_t>(limit, vocab_);
+  const unsigned char* p = map_ + kTokenShardHeaderBytes;
+  uint64_t bad = count_;
+  const bool read = read_guarded([&] {
+    // The tokens start 1024 bytes into a page-aligned mapping: aligned to their width.
+    bad = width_ == 2 ? data::first_token_outside(reinterpret_cast<const uint16_t*>(p), count_, limit)
+                      : data::first_token_outside(reinterpret_cast<const uint32_t*>(p), count_, limit);
+  });
+  if (!read) throw_changed_while_reading();
+  if (bad < count_) throw_bad_token(path_, bad, (*this)[bad], vocab_, limit);
+  return count_;
 }
 
 void TokenShard::throw_changed_while_reading() const {
