@@ -7,6 +7,7 @@
 // fixture run before this suite) on files fetched by scripts/setup.sh; a
 // missing file fails the suite, it does not skip it.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
@@ -322,6 +323,42 @@ TEST(Tokenizers, BadFilesAreRefusedByName) {
                                                  "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})"));
       },
       {"nobytes.json", "no token for the byte 0x00"});
+}
+
+// A tokenizer path is read as every file a user names: a regular file
+// (symlinks followed) of bounded size. A FIFO (which would block the open for
+// ever), a device (/dev/zero never ends) or a file of many GB is refused at
+// once, naming the path; so is a tokenizer_config.json beside a tokenizer.json
+// that is one of those.
+TEST(Tokenizers, TokenizerFilesThatAreNotRegularOrHugeAreRefusedAtOnce) {
+  TmpDir d;
+  const std::string fifo = (d.path / "tok.json").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  expect_error([&] { load_tokenizer(fifo); }, {"tokenizer '" + fifo + "' is a FIFO (named pipe), not a regular file"});
+  fs::create_symlink(fifo, d.path / "link.json");
+  expect_error([&] { load_tokenizer((d.path / "link.json").string()); }, {"link.json", "is a FIFO"});
+  expect_error([&] { load_tokenizer("/dev/zero"); }, {"tokenizer '/dev/zero' is a character device"});
+  // A sparse file of 4 GiB: refused from its size, before anything is read.
+  const std::string huge = (d.path / "huge.model").string();
+  std::ofstream(huge).close();
+  fs::resize_file(huge, uintmax_t{4} << 30);
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_error([&] { load_tokenizer(huge); }, {"tokenizer '" + huge + "' is larger than 1024 MiB"});
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  // tokenizer_config.json beside a tokenizer.json (read for BOS and EOS).
+  const fs::path src = kFiles / "gpt2-hf" / "tokenizer.json";
+  ASSERT_TRUE(fs::exists(src)) << src << " is missing: run scripts/setup.sh";
+  fs::create_directories(d.path / "hf");
+  fs::copy_file(src, d.path / "hf" / "tokenizer.json");
+  const std::string cfg = (d.path / "hf" / "tokenizer_config.json").string();
+  ASSERT_EQ(::mkfifo(cfg.c_str(), 0644), 0);
+  expect_error([&] { load_tokenizer((d.path / "hf" / "tokenizer.json").string()); },
+               {"tokenizer_config.json (read for bos_token/eos_token) '" + cfg + "' is a FIFO"});
+  fs::remove(cfg);
+  fs::create_symlink("/dev/zero", cfg);
+  expect_error([&] { load_tokenizer((d.path / "hf" / "tokenizer.json").string()); }, {cfg, "is a character device"});
+  fs::remove(cfg);
+  EXPECT_NO_THROW(load_tokenizer((d.path / "hf" / "tokenizer.json").string()));
 }
 
 TEST(Tokenizers, WhitespaceClassesAreUnicodeWhiteSpace) {

@@ -3,10 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <system_error>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -18,6 +22,7 @@
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "loom/token_shard.hpp"
+#include "util/files.hpp"
 
 namespace fs = std::filesystem;
 
@@ -66,13 +71,25 @@ struct Collector {
 };
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(cat("cannot read input '", path, "'; check its permissions"));
-  in.seekg(0, std::ios::end);
-  std::string s(static_cast<std::size_t>(in.tellg()), '\0');
-  in.seekg(0);
-  in.read(s.data(), static_cast<std::streamsize>(s.size()));
-  if (!in) throw Error(cat("error reading input '", path, "'"));
+  // Collector let only regular files through; opened as one all the same, so
+  // that a file swapped for a FIFO since cannot block the read.
+  const int fd = open_regular_file(path, "input");
+  struct stat st {};
+  std::string s;
+  if (::fstat(fd, &st) == 0) s.resize(static_cast<std::size_t>(st.st_size));
+  std::size_t got = 0;
+  while (got < s.size()) {
+    const ssize_t n = ::read(fd, s.data() + got, s.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n < 0 ? std::strerror(errno) : "it is shorter than its size said";
+      ::close(fd);
+      throw Error(cat("error reading input '", path, "': ", why, "; check that nothing changes it while loom prepare "
+                      "runs"));
+    }
+    got += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
   return s;
 }
 

@@ -5,7 +5,6 @@
 // tokenized differently from the reference.
 #include <cctype>
 #include <filesystem>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -13,6 +12,7 @@
 #include "data/tokenizers/formats.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
+#include "util/files.hpp"
 
 namespace loom::data {
 namespace {
@@ -209,9 +209,12 @@ class HfBpeTokenizer final : public Tokenizer {
     const auto cfg_path = std::filesystem::path(path_).parent_path() / "tokenizer_config.json";
     std::error_code ec;
     if ((bos.empty() || eos.empty()) && std::filesystem::exists(cfg_path, ec)) {
-      std::ifstream in(cfg_path);
+      // Read as every file a user names: a regular file of bounded size (a
+      // FIFO or device in its place is refused at once, naming it).
+      const std::string text =
+          read_bounded_file(cfg_path.string(), "tokenizer_config.json (read for bos_token/eos_token)", 64 << 20);
       try {
-        const json c = json::parse(in);
+        const json c = json::parse(text);
         if (bos.empty() && c.contains("bos_token")) bos = token_content(c["bos_token"]);
         if (eos.empty() && c.contains("eos_token")) eos = token_content(c["eos_token"]);
       } catch (const json::exception& e) {
