@@ -904,6 +904,69 @@ TEST(PrepareText, InputErrors) {
   EXPECT_THROW(loom::data::prepare_text(o), loom::Error);
 }
 
+// --force replaces an earlier prepare's outputs only once the new ones are
+// written: a prepare refused or failed at any point (a bad tokenizer, a
+// missing input, a bad --bos, inputs without text) leaves the old shards and
+// manifest byte for byte, and no staging folder; a prepare into a folder it
+// had to create leaves nothing. A successful one leaves exactly its own
+// outputs (no stale shard of the old set).
+TEST(PrepareText, ForceReplacesTheOldOutputsOnlyAfterSuccess) {
+  TempDir d;
+  make_inputs(d);
+  loom::data::PrepareTextOptions o;
+  o.out_dir = d / "out";
+  o.inputs = {d / "in"};
+  o.val_fraction = 0.25;
+  o.shard_tokens = 100;
+  const auto first = loom::data::prepare_text(o);
+  ASSERT_GE(first.train_shards.size(), 3u);
+  auto contents = [&](const std::string& dir) {
+    std::map<std::string, std::string> m;
+    for (auto& e : fs::directory_iterator(dir)) {
+      std::ifstream in(e.path(), std::ios::binary);
+      m[e.path().filename().string()] = e.is_directory() ? "<dir>" : std::string(std::istreambuf_iterator<char>(in), {});
+    }
+    return m;
+  };
+  const auto before = contents(d / "out");
+  write_file(d / "empty_tokenizer.json", "");
+  write_file(d / "notext/x.bin", std::string("\0\1", 2));
+  auto failing = [&](const std::string& what) {
+    loom::data::PrepareTextOptions f = o;
+    f.force = true;
+    if (what == "tokenizer") f.tokenizer = d / "empty_tokenizer.json";
+    if (what == "input") f.inputs = {d / "in", d / "nonexistent"};
+    if (what == "bos") f.bos = "<s>";  // the byte-level tokenizer has no named tokens
+    if (what == "no text") f.inputs = {d / "notext"};
+    return f;
+  };
+  for (const std::string what : {"tokenizer", "input", "bos", "no text"}) {
+    SCOPED_TRACE(what);
+    EXPECT_THROW(loom::data::prepare_text(failing(what)), loom::Error);
+    EXPECT_EQ(contents(d / "out"), before) << "a refused prepare --force changed the old outputs";
+    // Into a folder it had to make: nothing is left behind.
+    loom::data::PrepareTextOptions f = failing(what);
+    f.out_dir = d / "new/out";
+    EXPECT_THROW(loom::data::prepare_text(f), loom::Error);
+    EXPECT_FALSE(fs::exists(d / "new/out"));
+  }
+  // A staging folder a killed prepare left is cleared; success replaces the
+  // whole set: fewer shards and no val.bin leave no stale file behind.
+  write_file(d / "out/.prepare.tmp/train_000.bin", "left over");
+  o.force = true;
+  o.shard_tokens = 100000;
+  o.val_fraction = 0;
+  const auto second = loom::data::prepare_text(o);
+  ASSERT_EQ(second.train_shards.size(), 1u);
+  const auto after = contents(d / "out");
+  std::set<std::string> names;
+  for (auto& [name, bytes] : after) names.insert(name);
+  EXPECT_EQ(names, (std::set<std::string>{"prepare.json", fs::path(second.train_shards[0]).filename().string()}));
+  EXPECT_EQ(second.manifest, d / "out/prepare.json");
+  EXPECT_EQ(TokenShard(second.train_shards[0]).size(), second.train_tokens);
+  EXPECT_EQ(nlohmann::json::parse(after.at("prepare.json")).at("val"), nullptr);
+}
+
 TEST(PrepareText, CommandLine) {
   TempDir d;
   make_inputs(d);

@@ -78,7 +78,7 @@ TEST(ReliabilityReads, DataShardThatIsAFifoIsRefusedAtOnce) {
 
 // loom prepare --tokenizer naming a FIFO (open() would block for ever) or a
 // device (/dev/zero: read until memory runs out): one error naming it, at
-// once.
+// once, and the output folder is not left behind.
 TEST(ReliabilityReads, TokenizerThatIsNotARegularFileIsRefusedAtOnce) {
   const fs::path dir = fresh_dir("reads_tokenizer");
   make_fifo(dir / "tok.json");
@@ -91,6 +91,7 @@ TEST(ReliabilityReads, TokenizerThatIsNotARegularFileIsRefusedAtOnce) {
                                   "' --tokenizer '" + path + "'");
     EXPECT_EQ(r.code, 1) << r.out;
     EXPECT_CONTAINS(r.out, "tokenizer '" + path + "' " + says);
+    EXPECT_FALSE(fs::exists(dir / "out"));
   }
 }
 
