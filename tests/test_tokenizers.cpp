@@ -361,6 +361,38 @@ TEST(Tokenizers, TokenizerFilesThatAreNotRegularOrHugeAreRefusedAtOnce) {
   EXPECT_NO_THROW(load_tokenizer((d.path / "hf" / "tokenizer.json").string()));
 }
 
+// Two tokens with one id encode to the same id: an HF tokenizer.json whose
+// model.vocab does that, or whose added token gets (as the tokenizers library
+// gives it) an id model.vocab already gives another token, is damaged and
+// refused naming the file, the id and both tokens.
+TEST(Tokenizers, TokenizerJsonWithTwoTokensOfOneIdIsRefused) {
+  TmpDir d;
+  const fs::path src = kFiles / "gpt2-hf" / "tokenizer.json";
+  ASSERT_TRUE(fs::exists(src)) << src << " is missing: run scripts/setup.sh";
+  const nlohmann::json good = nlohmann::json::parse(std::ifstream(src));
+  auto write = [&](const std::string& name, const nlohmann::json& j) {
+    const std::string p = (d.path / name).string();
+    std::ofstream(p) << j.dump();
+    return p;
+  };
+  nlohmann::json dup = good;
+  dup["model"]["vocab"]["!"] = dup["model"]["vocab"]["\""];
+  const std::string id = dup["model"]["vocab"]["!"].dump();
+  expect_error([&] { load_tokenizer(write("dup.json", dup)); },
+               {"dup.json", "model.vocab gives \"!\" and \"\\\"\" the same id " + id, "damaged"});
+  // A gap in model.vocab's ids: "ĠThe" moved to the id after the vocabulary's
+  // size, which a new added token then also gets.
+  nlohmann::json gap = good;
+  const auto size = gap["model"]["vocab"].size();
+  gap["model"]["vocab"]["\u0120The"] = size;
+  gap["added_tokens"].push_back({{"id", size}, {"content", "<new>"}, {"special", true}, {"single_word", false},
+                                 {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
+  expect_error([&] { load_tokenizer(write("gap.json", gap)); },
+               {"gap.json", "added token \"<new>\" gets id " + std::to_string(size),
+                "which model.vocab already gives \"\u0120The\""});
+  EXPECT_NO_THROW(load_tokenizer(write("good.json", good)));
+}
+
 TEST(Tokenizers, WhitespaceClassesAreUnicodeWhiteSpace) {
   using loom::data::rewrite_whitespace_classes;
   const std::string r = rewrite_whitespace_classes(R"(a\s+[^\s\p{L}]\S\\s)", "t");
