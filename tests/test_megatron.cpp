@@ -262,6 +262,25 @@ TEST(Megatron, DamagedIndexesAreRefusedByName) {
   std::ofstream((d.path / "dirbin.idx").string(), std::ios::binary) << idx;
   expect_error([&] { open((d.path / "dirbin").string()); }, {"dirbin.bin", "not a regular file"});
   expect_error([&] { open((d.path / "missing").string()); }, {"missing.idx", "does not exist", "PREFIX.bin"});
+  // A missing validation dataset is named by its own key, not data.prefix.
+  {
+    MegatronOptions o;
+    o.prefixes = {a.string()};
+    o.val_prefixes = {(d.path / "missing").string()};
+    MegatronData m(loom::PluginInit{}, o);
+    DataSpec spec;
+    spec.batch = 1;
+    spec.seq_len = 8;
+    spec.vocab_size = 50000;
+    try {
+      m.open(spec);
+      ADD_FAILURE() << "a missing data.val_prefix was accepted";
+    } catch (const loom::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("missing.idx' does not exist; data.val_prefix names PREFIX"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("data.prefix"), std::string::npos) << msg;
+    }
+  }
   expect_error([&] { open((d.path / "a.bin").string()); }, {"a.bin' ends with .bin", "write \"" + a.string() + "\""});
   expect_error([&] { open((d.path / "a.idx").string()); }, {"a.idx' ends with .idx"});
   std::ofstream((d.path / "nobin.idx").string(), std::ios::binary) << idx;

@@ -393,6 +393,27 @@ TEST(Tokenizers, TokenizerJsonWithTwoTokensOfOneIdIsRefused) {
   EXPECT_NO_THROW(load_tokenizer(write("good.json", good)));
 }
 
+// A tiktoken file whose first line is damaged gets the same exact message as
+// one damaged further on (not "none of the formats loom reads"); a file that
+// is not tiktoken after its first line either is still none of the formats.
+TEST(Tokenizers, TiktokenWithADamagedFirstLineNamesTheLine) {
+  TmpDir d;
+  auto write = [&](const std::string& name, const std::string& bytes) {
+    const std::string p = (d.path / name).string();
+    std::ofstream(p, std::ios::binary) << bytes;
+    return p;
+  };
+  const std::string rest = "Ig== 1\nIw== 2\nJA== 3\n";
+  expect_error([&] { load_tokenizer(write("first.tiktoken", "IQ==0\n" + rest)); },
+               {"tiktoken file '", "first.tiktoken' line 1 is not \"<base64 token> <rank>\": 'IQ==0'"});
+  expect_error([&] { load_tokenizer(write("first2.tiktoken", "I!== 0\n" + rest)); }, {"line 1", "'I!== 0'"});
+  expect_error([&] { load_tokenizer(write("second.tiktoken", "IQ== 0\nIg==1\nIw== 2\n")); },
+               {"second.tiktoken' line 2 is not"});
+  expect_error([&] { load_tokenizer(write("prose.txt", "hello there\nthis is text\n")); },
+               {"prose.txt", "none of the formats"});
+  expect_error([&] { load_tokenizer(write("one.txt", "IQ==0\nIg== 1\n")); }, {"one.txt", "none of the formats"});
+}
+
 TEST(Tokenizers, WhitespaceClassesAreUnicodeWhiteSpace) {
   using loom::data::rewrite_whitespace_classes;
   const std::string r = rewrite_whitespace_classes(R"(a\s+[^\s\p{L}]\S\\s)", "t");

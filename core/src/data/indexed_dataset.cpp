@@ -24,10 +24,10 @@ T get(const unsigned char* p) {
   return v;
 }
 
-MappedFile map_file(const std::string& path, const char* what) {
+MappedFile map_file(const std::string& path, const char* what, const std::string& key) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0 && errno == ENOENT)
-    throw Error(cat("Megatron dataset ", what, " '", path, "' does not exist; data.prefix names PREFIX of PREFIX.bin ",
+    throw Error(cat("Megatron dataset ", what, " '", path, "' does not exist; ", key, " names PREFIX of PREFIX.bin ",
                     "and PREFIX.idx (as written by preprocess_data.py --output-prefix, plus _text_document)"));
   // The type is checked before open(): a FIFO would block it for ever.
   return MappedFile(path, cat("Megatron dataset ", what));
@@ -47,18 +47,18 @@ inline int64_t token_at(const unsigned char* p, int code) {
 
 }  // namespace
 
-IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
+IndexedDataset::IndexedDataset(const std::string& prefix, const std::string& key) : prefix_(prefix) {
   const std::string ip = prefix + ".idx", bp = prefix + ".bin";
   // The usual slip: the prefix given with the file's extension.
   for (const char* ext : {".bin", ".idx"})
     if (prefix.size() > 4 && prefix.ends_with(ext) && ::access(ip.c_str(), F_OK) != 0) {
       const std::string bare = prefix.substr(0, prefix.size() - 4);
       if (::access((bare + ".idx").c_str(), F_OK) == 0)
-        throw Error(cat("Megatron dataset prefix '", prefix, "' ends with ", ext, "; data.prefix names PREFIX of PREFIX.bin ",
+        throw Error(cat("Megatron dataset prefix '", prefix, "' ends with ", ext, "; ", key, " names PREFIX of PREFIX.bin ",
                         "and PREFIX.idx: write \"", bare, "\""));
     }
-  idx_ = map_file(ip, "index");
-  bin_ = map_file(bp, "data file");
+  idx_ = map_file(ip, "index", key);
+  bin_ = map_file(bp, "data file", key);
   auto bad = [&](const std::string& what) {
     return Error(cat("Megatron index '", ip, "' ", what, "; re-run preprocess_data.py or copy the file again"));
   };

@@ -32,7 +32,9 @@ namespace loom::data {
 
 class IndexedDataset {
  public:
-  explicit IndexedDataset(const std::string& prefix);
+  // `key` is the config key that named the prefix ("data.prefix",
+  // "data.val_prefix"), for the messages about a missing file.
+  explicit IndexedDataset(const std::string& prefix, const std::string& key = "data.prefix");
   IndexedDataset(IndexedDataset&&) noexcept = default;
   IndexedDataset& operator=(IndexedDataset&&) = delete;
   IndexedDataset(const IndexedDataset&) = delete;

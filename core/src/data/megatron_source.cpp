@@ -128,7 +128,7 @@ void MegatronSource::open(const DataSpec& spec) {
     if (!separate_val && idx[2] > idx[1]) val_.push_back(make_stream(&ds, i, idx[1], idx[2]));
   }
   for (std::size_t i = 0; i < opt_.val_prefixes.size(); ++i) {
-    datasets_.push_back(std::make_unique<IndexedDataset>(opt_.val_prefixes[i]));
+    datasets_.push_back(std::make_unique<IndexedDataset>(opt_.val_prefixes[i], "data.val_prefix"));
     const IndexedDataset& ds = *datasets_.back();
     val_.push_back(make_stream(&ds, opt_.prefixes.size() + i, 0, ds.sequences()));
   }

@@ -121,6 +121,9 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path, const Tokeniz
   // A SentencePiece model is a serialized ModelProto whose first field is the
   // repeated `pieces` (field 1, length-delimited: tag byte 0x0a).
   if (static_cast<unsigned char>(bytes[0]) == 0x0a) return load_sentencepiece(path, bytes, opt);
+  // A tiktoken file whose first line is damaged: its loader names that line,
+  // as it names a bad line further on.
+  if (looks_like_tiktoken_after_first_line(bytes)) return load_tiktoken(path, bytes, opt);
   throw Error(cat("tokenizer '", path, "' is none of the formats loom reads: not JSON (an HF tokenizer.json), ",
                   "not lines of \"<base64 token> <rank>\" (a tiktoken file such as Llama 3's tokenizer.model), ",
                   "and not a SentencePiece model (Llama 2's tokenizer.model)"));
