@@ -67,6 +67,11 @@ void patch(const std::string& path, std::size_t offset, const void* bytes, std::
   f.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(n));
 }
 
+// Expects every one of `parts` in message `m`.
+void expect_error_parts(const std::string& m, std::initializer_list<std::string> parts) {
+  for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
+}
+
 // Runs `fn`, expects a loom::Error, returns its message.
 template <typename F>
 std::string error_of(F&& fn) {
@@ -253,6 +258,154 @@ TEST(TokenShard, CopyChecksRangeAndVocabulary) {
   EXPECT_NE(m.find("index 50"), std::string::npos) << m;
   m = error_of([&] { s.copy(90, 11, out.data()); });
   EXPECT_NE(m.find("outside the shard"), std::string::npos) << m;
+}
+
+// A shard's header states its tokenizer's vocabulary: a token at or beyond
+// it means the shard is damaged, whatever model.vocab_size is — refused
+// naming the shard, the index, the token and the header's vocabulary, and
+// never with advice to raise model.vocab_size (no value would make it right).
+// A shard whose header gives no vocabulary is held to the model's, and then
+// the advice is right.
+TEST(TokenShard, TokenBeyondTheHeadersVocabularyIsDamage) {
+  TempDir d;
+  std::vector<uint32_t> t(64, 5);
+  t[37] = 300;
+  const std::string p = d / "damaged.bin";
+  loom::write_token_shard(p, t.data(), t.size(), 2, 0);
+  const uint32_t header_vocab = 258;
+  patch(p, 24, &header_vocab, 4);  // as if written for vocabulary 258
+  TokenShard s(p);
+  ASSERT_EQ(s.vocab(), 258u);
+  std::vector<int32_t> out(64);
+  for (const int64_t limit : {int64_t{512}, int64_t{1} << 31, int64_t{301}}) {
+    SCOPED_TRACE(limit);
+    const std::string m = error_of([&] { s.copy(0, 64, out.data(), limit); });
+    for (const std::string part : {p, std::string("index 37 is 300"), std::string("vocabulary of 258"),
+                                   std::string("its header declares"), std::string("damaged")})
+      EXPECT_NE(m.find(part), std::string::npos) << "missing '" << part << "' in: " << m;
+    EXPECT_EQ(m.find("model.vocab_size is too small"), std::string::npos) << m;
+    EXPECT_EQ(m.find("set it >="), std::string::npos) << m;
+    EXPECT_EQ(error_of([&] { (void)s.scan(limit); }), m);
+  }
+  EXPECT_NO_THROW(s.copy(0, 37, out.data(), 512));  // the tokens before it are fine
+  // Through the tokens plugin, with a model vocabulary larger than the header's.
+  TokensOptions o;
+  o.train = {p};
+  o.shuffle = false;
+  auto src = tokens_source(o, spec(1, 63, 0, 1, 1, 512));
+  Batch b(64);
+  const std::string m = error_of([&] { src->next(Split::train, b.data()); });
+  EXPECT_NE(m.find("index 37 is 300, not below the vocabulary of 258 its header declares"), std::string::npos) << m;
+  // No vocabulary in the header: the model's decides, and the advice fits.
+  const std::string q = d / "unknown.bin";
+  loom::write_token_shard(q, t.data(), t.size(), 2, 0);
+  const std::string m2 = error_of([&] { TokenShard(q).copy(0, 64, out.data(), 258); });
+  EXPECT_NE(m2.find("index 37 is 300, not below the model vocabulary 258"), std::string::npos) << m2;
+  EXPECT_NE(m2.find("set it >= 301"), std::string::npos) << m2;
+}
+
+// scan() reads every token (loom check): the first bad one is found wherever
+// it is — around the 4096-token blocks the scan reduces, at the ends — for
+// both token widths and both limits (the header's and the model's).
+TEST(TokenShard, ScanFindsTheFirstBadTokenAnywhere) {
+  TempDir d;
+  const uint64_t n = 3 * 4096 + 17;
+  for (const int width : {2, 4}) {
+    std::vector<uint32_t> t(n);
+    for (uint64_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(i % 250);
+    const std::string clean = d / ("clean" + std::to_string(width) + ".bin");
+    loom::write_token_shard(clean, t.data(), n, width, 258);
+    EXPECT_EQ(TokenShard(clean).scan(258), n);
+    for (const uint64_t at : {uint64_t{0}, uint64_t{4095}, uint64_t{4096}, uint64_t{8191}, uint64_t{12287}, n - 1}) {
+      for (const uint32_t bad : {258u, width == 2 ? 65535u : 4294967295u}) {
+        SCOPED_TRACE(width * 1000000 + at);
+        auto u = t;
+        u[at] = bad;
+        if (at + 1 < n) u[n - 1] = 300;  // a later bad token: the first one is named
+        const std::string p = d / "bad.bin";
+        loom::write_token_shard(p, u.data(), n, width, 0);
+        const uint32_t vocab = 258;
+        patch(p, 24, &vocab, 4);
+        const std::string m = error_of([&] { (void)TokenShard(p).scan(100000); });
+        EXPECT_NE(m.find("index " + std::to_string(at) + " is " + std::to_string(bad)), std::string::npos) << m;
+      }
+      // Below the header's vocabulary but not below the model's: the model's limit.
+      auto u = t;
+      u[at] = 255;
+      const std::string p = d / "model.bin";
+      loom::write_token_shard(p, u.data(), n, width, 0);
+      const std::string m = error_of([&] { (void)TokenShard(p).scan(250); });
+      EXPECT_NE(m.find("index " + std::to_string(at) + " is 255, not below the model vocabulary 250"), std::string::npos)
+          << m;
+    }
+  }
+}
+
+// The tokens plugin's scan (loom::TokenScan, what `loom check` runs): every
+// train and validation shard, the first bad token named; the count of tokens
+// read when all are good.
+TEST(TokensData, ScanReadsEveryTrainAndValidationToken) {
+  Corpus c;
+  auto src = tokens_source(c.options(), spec(1, 4));
+  const loom::TokenScanReport r = src->scan_tokens();
+  EXPECT_EQ(r.tokens, 41u + 30 + 23 + 21);
+  EXPECT_EQ(r.files, 4u);
+  EXPECT_EQ(r.what, "3 train shard(s), 1 validation shard(s)");
+  // A bad token in the last token of a train shard, then in the validation shard.
+  const uint16_t bad = 1000;
+  patch(c.shards[2], loom::kTokenShardHeaderBytes + 2 * 22, &bad, 2);
+  expect_error_parts(error_of([&] { (void)tokens_source(c.options(), spec(1, 4))->scan_tokens(); }),
+                     {c.shards[2], "index 22 is 1000"});
+  const uint16_t fine = 7;
+  patch(c.shards[2], loom::kTokenShardHeaderBytes + 2 * 22, &fine, 2);
+  patch(c.dir / "val.bin", loom::kTokenShardHeaderBytes + 2 * 3, &bad, 2);
+  expect_error_parts(error_of([&] { (void)tokens_source(c.options(), spec(1, 4))->scan_tokens(); }),
+                     {c.dir / "val.bin", "index 3 is 1000"});
+  // A shard too short for a window is read by no run, but scanned all the same (it is damaged).
+  EXPECT_EQ(tokens_source(c.options(true, false), spec(1, 4))->scan_tokens().tokens, 41u + 30 + 23);
+}
+
+// End to end: `loom check` reads every token before a run and names a bad
+// one far into the data, which training would meet only when a window
+// reaches it (after steps and checkpoints).
+TEST(TokensData, CheckFindsABadTokenBeforeTraining) {
+  TempDir d;
+  std::vector<uint32_t> t(200000);
+  for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint32_t>(i % 250);
+  loom::write_token_shard(d / "train_000.bin", t.data(), t.size(), 2, 258);
+  loom::write_token_shard(d / "val.bin", t.data(), 5000, 2, 258);
+  const std::string cfg = d / "c.toml";
+  write_file(cfg, "[run]\nout_dir = \"" + d / "run" + "\"\ndevice = \"cpu\"\n"
+                  "[model]\nhidden = 32\nnum_layers = 1\nnum_heads = 2\nnum_kv_heads = 2\nffn_hidden = 64\n"
+                  "vocab_size = 258\nmax_seq_len = 16\n"
+                  "[train]\nsteps = 3\nmicro_batch = 2\nseq_len = 16\nvalidation_every = 1\n"
+                  "[data]\nplugin = \"tokens\"\ntrain = \"" + d / "train_*.bin" + "\"\nval = \"" + d / "val.bin" + "\"\n");
+  const std::string log = d / "check.log";
+  auto check = [&] {
+    const int rc = std::system((std::string("'") + LOOM_CLI + "' check '" + cfg + "' > '" + log + "' 2>&1").c_str());
+    std::ifstream in(log);
+    return std::make_pair(WEXITSTATUS(rc), std::string(std::istreambuf_iterator<char>(in), {}));
+  };
+  auto [rc, out] = check();
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("data: 205000 tokens of 1 train shard(s), 1 validation shard(s) scanned in "), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("every one is below model.vocab_size = 258"), std::string::npos) << out;
+  const uint16_t bad = 65535;
+  patch(d / "train_000.bin", loom::kTokenShardHeaderBytes + 2 * 150001, &bad, 2);
+  std::tie(rc, out) = check();
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find(d / "train_000.bin" + "': token at index 150001 is 65535, not below the vocabulary of 258"),
+            std::string::npos)
+      << out;
+  EXPECT_FALSE(fs::exists(d / "run/metrics.jsonl"));
+  // --no-scan leaves the scan out (the plan of a run on a corpus too large to read now).
+  const int no_scan =
+      std::system((std::string("'") + LOOM_CLI + "' check '" + cfg + "' --no-scan > '" + log + "' 2>&1").c_str());
+  std::ifstream in(log);
+  out.assign(std::istreambuf_iterator<char>(in), {});
+  EXPECT_EQ(WEXITSTATUS(no_scan), 0) << out;
+  EXPECT_NE(out.find("data: tokens not scanned (--no-scan)"), std::string::npos) << out;
 }
 
 TEST(IndexPermutation, IsABijectionAndDependsOnSeedAndEpoch) {
@@ -749,6 +902,69 @@ TEST(PrepareText, InputErrors) {
   o.inputs = {d / "only.bin"};
   o.val_fraction = 1.0;
   EXPECT_THROW(loom::data::prepare_text(o), loom::Error);
+}
+
+// --force replaces an earlier prepare's outputs only once the new ones are
+// written: a prepare refused or failed at any point (a bad tokenizer, a
+// missing input, a bad --bos, inputs without text) leaves the old shards and
+// manifest byte for byte, and no staging folder; a prepare into a folder it
+// had to create leaves nothing. A successful one leaves exactly its own
+// outputs (no stale shard of the old set).
+TEST(PrepareText, ForceReplacesTheOldOutputsOnlyAfterSuccess) {
+  TempDir d;
+  make_inputs(d);
+  loom::data::PrepareTextOptions o;
+  o.out_dir = d / "out";
+  o.inputs = {d / "in"};
+  o.val_fraction = 0.25;
+  o.shard_tokens = 100;
+  const auto first = loom::data::prepare_text(o);
+  ASSERT_GE(first.train_shards.size(), 3u);
+  auto contents = [&](const std::string& dir) {
+    std::map<std::string, std::string> m;
+    for (auto& e : fs::directory_iterator(dir)) {
+      std::ifstream in(e.path(), std::ios::binary);
+      m[e.path().filename().string()] = e.is_directory() ? "<dir>" : std::string(std::istreambuf_iterator<char>(in), {});
+    }
+    return m;
+  };
+  const auto before = contents(d / "out");
+  write_file(d / "empty_tokenizer.json", "");
+  write_file(d / "notext/x.bin", std::string("\0\1", 2));
+  auto failing = [&](const std::string& what) {
+    loom::data::PrepareTextOptions f = o;
+    f.force = true;
+    if (what == "tokenizer") f.tokenizer = d / "empty_tokenizer.json";
+    if (what == "input") f.inputs = {d / "in", d / "nonexistent"};
+    if (what == "bos") f.bos = "<s>";  // the byte-level tokenizer has no named tokens
+    if (what == "no text") f.inputs = {d / "notext"};
+    return f;
+  };
+  for (const std::string what : {"tokenizer", "input", "bos", "no text"}) {
+    SCOPED_TRACE(what);
+    EXPECT_THROW(loom::data::prepare_text(failing(what)), loom::Error);
+    EXPECT_EQ(contents(d / "out"), before) << "a refused prepare --force changed the old outputs";
+    // Into a folder it had to make: nothing is left behind.
+    loom::data::PrepareTextOptions f = failing(what);
+    f.out_dir = d / "new/out";
+    EXPECT_THROW(loom::data::prepare_text(f), loom::Error);
+    EXPECT_FALSE(fs::exists(d / "new/out"));
+  }
+  // A staging folder a killed prepare left is cleared; success replaces the
+  // whole set: fewer shards and no val.bin leave no stale file behind.
+  write_file(d / "out/.prepare.tmp/train_000.bin", "left over");
+  o.force = true;
+  o.shard_tokens = 100000;
+  o.val_fraction = 0;
+  const auto second = loom::data::prepare_text(o);
+  ASSERT_EQ(second.train_shards.size(), 1u);
+  const auto after = contents(d / "out");
+  std::set<std::string> names;
+  for (auto& [name, bytes] : after) names.insert(name);
+  EXPECT_EQ(names, (std::set<std::string>{"prepare.json", fs::path(second.train_shards[0]).filename().string()}));
+  EXPECT_EQ(second.manifest, d / "out/prepare.json");
+  EXPECT_EQ(TokenShard(second.train_shards[0]).size(), second.train_tokens);
+  EXPECT_EQ(nlohmann::json::parse(after.at("prepare.json")).at("val"), nullptr);
 }
 
 TEST(PrepareText, CommandLine) {

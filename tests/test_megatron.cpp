@@ -7,6 +7,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <tuple>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -18,6 +20,7 @@
 #include "data/megatron_source.hpp"
 #include "loom/config.hpp"
 #include "loom/error.hpp"
+#include "megatron_writer.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -259,6 +262,25 @@ TEST(Megatron, DamagedIndexesAreRefusedByName) {
   std::ofstream((d.path / "dirbin.idx").string(), std::ios::binary) << idx;
   expect_error([&] { open((d.path / "dirbin").string()); }, {"dirbin.bin", "not a regular file"});
   expect_error([&] { open((d.path / "missing").string()); }, {"missing.idx", "does not exist", "PREFIX.bin"});
+  // A missing validation dataset is named by its own key, not data.prefix.
+  {
+    MegatronOptions o;
+    o.prefixes = {a.string()};
+    o.val_prefixes = {(d.path / "missing").string()};
+    MegatronData m(loom::PluginInit{}, o);
+    DataSpec spec;
+    spec.batch = 1;
+    spec.seq_len = 8;
+    spec.vocab_size = 50000;
+    try {
+      m.open(spec);
+      ADD_FAILURE() << "a missing data.val_prefix was accepted";
+    } catch (const loom::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("missing.idx' does not exist; data.val_prefix names PREFIX"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("data.prefix"), std::string::npos) << msg;
+    }
+  }
   expect_error([&] { open((d.path / "a.bin").string()); }, {"a.bin' ends with .bin", "write \"" + a.string() + "\""});
   expect_error([&] { open((d.path / "a.idx").string()); }, {"a.idx' ends with .idx"});
   std::ofstream((d.path / "nobin.idx").string(), std::ios::binary) << idx;
@@ -355,4 +377,112 @@ TEST(Megatron, TrainsThroughTheCommand) {
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("megatron: '"), std::string::npos) << out;
   EXPECT_NE(out.find("val loss"), std::string::npos) << out;
+}
+
+namespace {
+
+// A Megatron source on `prefix`, opened for a model of vocabulary `vocab`.
+std::unique_ptr<MegatronData> open_megatron(const std::string& prefix, int64_t vocab, const std::string& split = "1",
+                                            const std::vector<std::string>& val = {}) {
+  MegatronOptions o;
+  o.prefixes = {prefix};
+  o.split = split;
+  o.val_prefixes = val;
+  auto m = std::make_unique<MegatronData>(loom::PluginInit{}, o);
+  DataSpec spec;
+  spec.batch = 1;
+  spec.seq_len = 8;
+  spec.vocab_size = vocab;
+  m->open(spec);
+  return m;
+}
+
+// Every token type: a bad token at each place of the data (around the scan's
+// 4096-token blocks, the last token) is found, named by sequence and offset.
+template <typename T>
+void check_scan_of_type(const fs::path& dir, const std::string& type) {
+  SCOPED_TRACE(type);
+  const int64_t vocab = 100;
+  auto docs = loom::test::megatron_docs<T>(300, 50, vocab);  // 15000 tokens
+  const std::string prefix = (dir / ("s_" + type)).string();
+  loom::test::write_megatron<T>(prefix, docs);
+  const loom::TokenScanReport clean = open_megatron(prefix, vocab)->scan_tokens();
+  EXPECT_EQ(clean.tokens, 15000u);
+  std::vector<int64_t> bad_values = {vocab, std::numeric_limits<T>::max()};
+  if (std::is_signed_v<T>) bad_values.push_back(-1);
+  for (const uint64_t at : {uint64_t{0}, uint64_t{4095}, uint64_t{4096}, uint64_t{8200}, uint64_t{14999}})
+    for (const int64_t v : bad_values) {
+      auto damaged = docs;
+      damaged[at / 50][at % 50] = static_cast<T>(v);
+      loom::test::write_megatron<T>(prefix, damaged);
+      auto m = open_megatron(prefix, vocab);
+      expect_error([&] { (void)m->scan_tokens(); },
+                   {prefix + ".bin", loom::cat("token ", at % 50, " of sequence ", at / 50, " is ", v), "not in [0, 100)"});
+    }
+}
+
+}  // namespace
+
+// `loom check`'s scan (loom::TokenScan): every token of the documents the run
+// reads, of every token type, against the model's vocabulary — negative ones
+// too — found wherever it is, before a step.
+TEST(Megatron, ScanFindsEveryBadTokenOfTheDocumentsARunReads) {
+  TmpDir d;
+  check_scan_of_type<uint8_t>(d.path, "uint8");
+  check_scan_of_type<int8_t>(d.path, "int8");
+  check_scan_of_type<int16_t>(d.path, "int16");
+  check_scan_of_type<uint16_t>(d.path, "uint16");
+  check_scan_of_type<int32_t>(d.path, "int32");
+  check_scan_of_type<int64_t>(d.path, "int64");
+  // Huge int64 tokens, beyond any vocabulary: named as such.
+  auto docs = loom::test::megatron_docs<int64_t>(10, 20, 100);
+  docs[7][3] = int64_t{1} << 40;
+  const std::string big = (d.path / "big").string();
+  loom::test::write_megatron(big, docs);
+  expect_error([&] { (void)open_megatron(big, 100)->scan_tokens(); },
+               {"token 3 of sequence 7 is 1099511627776", "no model.vocab_size can hold it"});
+  // Only the documents the splits read: damage in the test share is never read.
+  docs = loom::test::megatron_docs<int64_t>(100, 20, 100);
+  docs[99][5] = -7;  // split "90,9,1": document 99 is the test share
+  loom::test::write_megatron(big, docs);
+  const loom::TokenScanReport r = open_megatron(big, 100, "90,9,1")->scan_tokens();
+  EXPECT_EQ(r.tokens, 99u * 20);
+  docs[95][5] = -7;  // a validation document
+  loom::test::write_megatron(big, docs);
+  expect_error([&] { (void)open_megatron(big, 100, "90,9,1")->scan_tokens(); }, {"token 5 of sequence 95 is -7"});
+  // A separate validation dataset is scanned too.
+  const std::string train = (d.path / "train").string();
+  loom::test::write_megatron(train, loom::test::megatron_docs<int64_t>(10, 20, 100));
+  expect_error([&] { (void)open_megatron(train, 100, "", {big})->scan_tokens(); }, {big + ".bin", "sequence 95"});
+}
+
+// End to end: `loom check` reads every token and says how many, and refuses
+// a dataset with a bad token far into it, naming it, before any training.
+TEST(Megatron, CheckScansEveryTokenBeforeARun) {
+  TmpDir d;
+  auto docs = loom::test::megatron_docs<int32_t>(2000, 100, 500);
+  const std::string prefix = (d.path / "mg").string();
+  loom::test::write_megatron(prefix, docs);
+  const std::string cfg = (d.path / "m.toml").string();
+  std::ofstream(cfg) << "[run]\nname = \"m\"\nout_dir = \"" << (d.path / "run").string() << "\"\ndevice = \"cpu\"\n"
+                     << "[model]\nhidden = 32\nnum_layers = 1\nnum_heads = 2\nnum_kv_heads = 2\nffn_hidden = 64\n"
+                     << "vocab_size = 500\nmax_seq_len = 16\n"
+                     << "[train]\nsteps = 3\nmicro_batch = 2\nseq_len = 16\nvalidation_every = 0\n"
+                     << "[data]\nplugin = \"megatron\"\nprefix = \"" << prefix << "\"\nsplit = \"1\"\n";
+  auto check = [&] {
+    const std::string cmd = loom::cat(LOOM_CLI, " check ", cfg, " > ", (d.path / "out.txt").string(), " 2>&1");
+    const int rc = std::system(cmd.c_str());
+    std::ifstream in(d.path / "out.txt");
+    return std::make_pair(rc, std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()));
+  };
+  auto [rc, out] = check();
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("data: 200000 tokens of 1 Megatron dataset(s): the train documents scanned in "), std::string::npos)
+      << out;
+  docs[1700][42] = -2;
+  loom::test::write_megatron(prefix, docs);
+  std::tie(rc, out) = check();
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find(prefix + ".bin': token 42 of sequence 1700 is -2"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(d.path / "run" / "metrics.jsonl"));
 }

@@ -11,6 +11,9 @@
 #include <optional>
 #include <regex>
 
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/checkpoint.hpp"
 #include "config/run_config.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "reliability_util.hpp"
@@ -255,4 +258,33 @@ TEST(ReliabilityMessages, NumbersBeyondWhatTomlHoldsAreToldSo) {
                  {"m.toml:2:", "TOML syntax error"});
   }
   EXPECT_EQ(loom::parse_config_string("", "m.toml", {"run.name=1st_run"}).run.name, "1st_run");
+}
+
+// A data position the data plugin refuses at resume (damaged, or from other
+// data) is told with the checkpoint file that holds it: the plugin sees only
+// the text of its state, so the core names meta.json and its "data_state".
+TEST(ReliabilityMessages, RefusedDataStateNamesTheCheckpointFile) {
+  const fs::path dir = fresh_dir("messages_data_state");
+  {
+    loom::Session s(loom::parse_config_string(tiny_config(dir / "run", 2), "m.toml", {"checkpoint.every=2"}));
+    s.train();
+  }
+  const fs::path root = dir / "run" / "checkpoints", meta = root / "step_00000002" / "meta.json";
+  nlohmann::json j = nlohmann::json::parse(read_text(meta));
+  // Text that is not JSON, and the state of another plugin.
+  for (const std::string state : {"{oops", "{\"source\": \"tokens\"}"}) {
+    SCOPED_TRACE(state);
+    j["data_state"] = state;
+    // Certified again, as a checkpoint written with this state would be.
+    fs::remove(root / "step_00000002" / "COMPLETE");
+    loom::ckpt::CheckpointWriter::write_meta(root.string(), 2, j.dump(2));
+    loom::ckpt::CheckpointWriter::mark_complete(root.string(), 2);
+    expect_error(
+        [&] {
+          loom::Session s(loom::parse_config_string(tiny_config(dir / "run", 4), "m.toml", {}));
+          s.initialise();
+        },
+        {"cannot resume from " + meta.string() + ": its \"data_state\" (the position of data plugin 'synthetic')",
+         "data state"});
+  }
 }

@@ -76,6 +76,25 @@ TEST(ReliabilityReads, DataShardThatIsAFifoIsRefusedAtOnce) {
   }
 }
 
+// loom prepare --tokenizer naming a FIFO (open() would block for ever) or a
+// device (/dev/zero: read until memory runs out): one error naming it, at
+// once, and the output folder is not left behind.
+TEST(ReliabilityReads, TokenizerThatIsNotARegularFileIsRefusedAtOnce) {
+  const fs::path dir = fresh_dir("reads_tokenizer");
+  make_fifo(dir / "tok.json");
+  std::ofstream(dir / "in.txt") << "some text\n";
+  for (const auto& [path, says] : std::vector<std::pair<std::string, std::string>>{
+           {(dir / "tok.json").string(), "is a FIFO (named pipe), not a regular file"},
+           {"/dev/zero", "is a character device, not a regular file"}}) {
+    SCOPED_TRACE(path);
+    const ProcResult r = loom_cmd("prepare text '" + (dir / "out").string() + "' '" + (dir / "in.txt").string() +
+                                  "' --tokenizer '" + path + "'");
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, "tokenizer '" + path + "' " + says);
+    EXPECT_FALSE(fs::exists(dir / "out"));
+  }
+}
+
 // Metadata files a run reads: an HF folder's config.json, a checkpoint's meta.json.
 TEST(ReliabilityReads, MetadataFilesThatAreFifosAreRefusedAtOnce) {
   const fs::path dir = fresh_dir("reads_meta");

@@ -7,6 +7,7 @@
 // fixture run before this suite) on files fetched by scripts/setup.sh; a
 // missing file fails the suite, it does not skip it.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
@@ -322,6 +323,95 @@ TEST(Tokenizers, BadFilesAreRefusedByName) {
                                                  "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})"));
       },
       {"nobytes.json", "no token for the byte 0x00"});
+}
+
+// A tokenizer path is read as every file a user names: a regular file
+// (symlinks followed) of bounded size. A FIFO (which would block the open for
+// ever), a device (/dev/zero never ends) or a file of many GB is refused at
+// once, naming the path; so is a tokenizer_config.json beside a tokenizer.json
+// that is one of those.
+TEST(Tokenizers, TokenizerFilesThatAreNotRegularOrHugeAreRefusedAtOnce) {
+  TmpDir d;
+  const std::string fifo = (d.path / "tok.json").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  expect_error([&] { load_tokenizer(fifo); }, {"tokenizer '" + fifo + "' is a FIFO (named pipe), not a regular file"});
+  fs::create_symlink(fifo, d.path / "link.json");
+  expect_error([&] { load_tokenizer((d.path / "link.json").string()); }, {"link.json", "is a FIFO"});
+  expect_error([&] { load_tokenizer("/dev/zero"); }, {"tokenizer '/dev/zero' is a character device"});
+  // A sparse file of 4 GiB: refused from its size, before anything is read.
+  const std::string huge = (d.path / "huge.model").string();
+  std::ofstream(huge).close();
+  fs::resize_file(huge, uintmax_t{4} << 30);
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_error([&] { load_tokenizer(huge); }, {"tokenizer '" + huge + "' is larger than 1024 MiB"});
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  // tokenizer_config.json beside a tokenizer.json (read for BOS and EOS).
+  const fs::path src = kFiles / "gpt2-hf" / "tokenizer.json";
+  ASSERT_TRUE(fs::exists(src)) << src << " is missing: run scripts/setup.sh";
+  fs::create_directories(d.path / "hf");
+  fs::copy_file(src, d.path / "hf" / "tokenizer.json");
+  const std::string cfg = (d.path / "hf" / "tokenizer_config.json").string();
+  ASSERT_EQ(::mkfifo(cfg.c_str(), 0644), 0);
+  expect_error([&] { load_tokenizer((d.path / "hf" / "tokenizer.json").string()); },
+               {"tokenizer_config.json (read for bos_token/eos_token) '" + cfg + "' is a FIFO"});
+  fs::remove(cfg);
+  fs::create_symlink("/dev/zero", cfg);
+  expect_error([&] { load_tokenizer((d.path / "hf" / "tokenizer.json").string()); }, {cfg, "is a character device"});
+  fs::remove(cfg);
+  EXPECT_NO_THROW(load_tokenizer((d.path / "hf" / "tokenizer.json").string()));
+}
+
+// Two tokens with one id encode to the same id: an HF tokenizer.json whose
+// model.vocab does that, or whose added token gets (as the tokenizers library
+// gives it) an id model.vocab already gives another token, is damaged and
+// refused naming the file, the id and both tokens.
+TEST(Tokenizers, TokenizerJsonWithTwoTokensOfOneIdIsRefused) {
+  TmpDir d;
+  const fs::path src = kFiles / "gpt2-hf" / "tokenizer.json";
+  ASSERT_TRUE(fs::exists(src)) << src << " is missing: run scripts/setup.sh";
+  const nlohmann::json good = nlohmann::json::parse(std::ifstream(src));
+  auto write = [&](const std::string& name, const nlohmann::json& j) {
+    const std::string p = (d.path / name).string();
+    std::ofstream(p) << j.dump();
+    return p;
+  };
+  nlohmann::json dup = good;
+  dup["model"]["vocab"]["!"] = dup["model"]["vocab"]["\""];
+  const std::string id = dup["model"]["vocab"]["!"].dump();
+  expect_error([&] { load_tokenizer(write("dup.json", dup)); },
+               {"dup.json", "model.vocab gives \"!\" and \"\\\"\" the same id " + id, "damaged"});
+  // A gap in model.vocab's ids: "ĠThe" moved to the id after the vocabulary's
+  // size, which a new added token then also gets.
+  nlohmann::json gap = good;
+  const auto size = gap["model"]["vocab"].size();
+  gap["model"]["vocab"]["\u0120The"] = size;
+  gap["added_tokens"].push_back({{"id", size}, {"content", "<new>"}, {"special", true}, {"single_word", false},
+                                 {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
+  expect_error([&] { load_tokenizer(write("gap.json", gap)); },
+               {"gap.json", "added token \"<new>\" gets id " + std::to_string(size),
+                "which model.vocab already gives \"\u0120The\""});
+  EXPECT_NO_THROW(load_tokenizer(write("good.json", good)));
+}
+
+// A tiktoken file whose first line is damaged gets the same exact message as
+// one damaged further on (not "none of the formats loom reads"); a file that
+// is not tiktoken after its first line either is still none of the formats.
+TEST(Tokenizers, TiktokenWithADamagedFirstLineNamesTheLine) {
+  TmpDir d;
+  auto write = [&](const std::string& name, const std::string& bytes) {
+    const std::string p = (d.path / name).string();
+    std::ofstream(p, std::ios::binary) << bytes;
+    return p;
+  };
+  const std::string rest = "Ig== 1\nIw== 2\nJA== 3\n";
+  expect_error([&] { load_tokenizer(write("first.tiktoken", "IQ==0\n" + rest)); },
+               {"tiktoken file '", "first.tiktoken' line 1 is not \"<base64 token> <rank>\": 'IQ==0'"});
+  expect_error([&] { load_tokenizer(write("first2.tiktoken", "I!== 0\n" + rest)); }, {"line 1", "'I!== 0'"});
+  expect_error([&] { load_tokenizer(write("second.tiktoken", "IQ== 0\nIg==1\nIw== 2\n")); },
+               {"second.tiktoken' line 2 is not"});
+  expect_error([&] { load_tokenizer(write("prose.txt", "hello there\nthis is text\n")); },
+               {"prose.txt", "none of the formats"});
+  expect_error([&] { load_tokenizer(write("one.txt", "IQ==0\nIg== 1\n")); }, {"one.txt", "none of the formats"});
 }
 
 TEST(Tokenizers, WhitespaceClassesAreUnicodeWhiteSpace) {

@@ -37,6 +37,31 @@ class DataSource : public Plugin {
   virtual int64_t vocab_hint() const { return 0; }
 };
 
+// What a token scan read.
+struct TokenScanReport {
+  uint64_t tokens = 0;  // tokens read
+  uint64_t files = 0;   // files they were read from
+  std::string what;     // those files in a few words ("3 train shard(s), 1 validation shard(s)")
+};
+
+// Optional second interface of a data source (ABI 8.1) whose tokens lie in
+// files: read every token the run could ever be given, ahead of the run, and
+// check each against the vocabulary. Training checks tokens only as it reads
+// them (a scan of a large corpus at every start would be slow), so damage in
+// the data is otherwise found only when a window reaches it; `loom check`
+// scans through this interface, found with dynamic_cast on the DataSource. A
+// separate class, so that DataSource and the vtable of every data plugin
+// built without it stay as they were.
+class TokenScan {
+ public:
+  virtual ~TokenScan();
+  // Called after open(). Reads every token of every split (the files of each
+  // split, or the part of them the split uses) and throws loom::Error at the
+  // first one outside [0, spec.vocab_size) or outside the vocabulary the file
+  // itself declares, naming the file, the token's position and its value.
+  virtual TokenScanReport scan_tokens() const = 0;
+};
+
 template <> struct PluginInterface<PluginKind::data> { using type = DataSource; };
 
 }  // namespace loom

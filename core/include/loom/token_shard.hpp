@@ -36,8 +36,9 @@ void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t
 
 // A read-only, memory-mapped shard. The header and the file size are checked
 // at open; each failure is a loom::Error naming the file, what was expected
-// and what was found. Tokens themselves are checked against a vocabulary only
-// when they are read (copy()), so opening a large shard costs no scan.
+// and what was found. Tokens themselves are checked when they are read
+// (copy()), so opening a large shard costs no scan; scan() reads them all
+// (what `loom check` does before a run).
 //
 // The file must not change while it is mapped. Reads that fault because it
 // was truncated in place (SIGBUS) become a loom::Error naming the file, and
@@ -62,10 +63,18 @@ class TokenShard {
   uint32_t operator[](uint64_t i) const;
 
   // Copies tokens [begin, begin + n) into `out` as int32. Throws loom::Error
-  // naming the file if the range is outside the shard, and naming the file
-  // and the token index if a token is >= `limit` (the model vocabulary; the
-  // default only rejects ids that do not fit an int32).
+  // naming the file if the range is outside the shard, and naming the file,
+  // the token index and the token if a token is >= `limit` (the model
+  // vocabulary; the default only rejects ids that do not fit an int32) or >=
+  // the vocabulary the header declares (when vocab() > 0: such a token means
+  // the shard is damaged, and the message says so rather than asking for a
+  // larger model.vocab_size).
   void copy(uint64_t begin, uint64_t n, int32_t* out, int64_t limit = int64_t{1} << 31) const;
+
+  // Reads every token and throws as copy() does at the first one outside the
+  // vocabulary (`limit` and the header's); returns the number of tokens read.
+  // A max-reduction over the mapping, at memory bandwidth.
+  uint64_t scan(int64_t limit = int64_t{1} << 31) const;
 
   // Throws loom::Error naming the file and what differs when the file at
   // path() is no longer the one opened (a stat of the path; reads nothing).

@@ -17,17 +17,25 @@
 //
 // Everything is checked at open (sizes, pointers back to back filling PREFIX.bin, document
 // indices), so a damaged file is refused by name before training starts.
+//
+// Both files are memory-mapped and must not change while they are: a read
+// that faults because one was truncated in place (SIGBUS) is an error naming
+// that file, and verify_unchanged() refuses a file rewritten in place or
+// replaced (util/mapped_file.hpp).
 #pragma once
 #include <cstdint>
 #include <string>
+
+#include "util/mapped_file.hpp"
 
 namespace loom::data {
 
 class IndexedDataset {
  public:
-  explicit IndexedDataset(const std::string& prefix);
-  ~IndexedDataset();
-  IndexedDataset(IndexedDataset&&) noexcept;
+  // `key` is the config key that named the prefix ("data.prefix",
+  // "data.val_prefix"), for the messages about a missing file.
+  explicit IndexedDataset(const std::string& prefix, const std::string& key = "data.prefix");
+  IndexedDataset(IndexedDataset&&) noexcept = default;
   IndexedDataset& operator=(IndexedDataset&&) = delete;
   IndexedDataset(const IndexedDataset&) = delete;
   IndexedDataset& operator=(const IndexedDataset&) = delete;
@@ -36,6 +44,8 @@ class IndexedDataset {
   uint64_t sequences() const { return n_; }
   uint64_t documents() const { return d_ > 0 ? d_ - 1 : 0; }
   uint32_t length(uint64_t seq) const;    // tokens of a sequence
+  // Tokens of sequences [begin, end).
+  uint64_t tokens(uint64_t begin, uint64_t end) const;
   uint64_t tokens() const { return total_; }
   int dtype_code() const { return dtype_; }
   int item_size() const { return item_; }
@@ -45,17 +55,23 @@ class IndexedDataset {
   // a token < 0 or >= limit is an error naming the file, sequence and token.
   void read(uint64_t seq, uint64_t offset, uint64_t n, int32_t* out, int64_t limit) const;
 
+  // Reads every token of sequences [begin, end) and throws as read() does at
+  // the first one < 0 or >= limit; returns the number of tokens read. A
+  // min/max reduction over the mapping, at memory bandwidth.
+  uint64_t scan(uint64_t begin, uint64_t end, int64_t limit) const;
+
+  // Throws loom::Error naming the file and what changed when PREFIX.idx or
+  // PREFIX.bin is no longer the file opened (a stat of each; reads nothing).
+  void verify_unchanged() const;
+
  private:
-  struct Map {
-    const unsigned char* data = nullptr;
-    std::size_t bytes = 0;
-  };
-  static Map map_file(const std::string& path, const char* what);
   uint64_t pointer(uint64_t seq) const;
-  void unmap() noexcept;
+  // The error for a read that faulted: names whichever file shrank.
+  [[noreturn]] void throw_read_fault() const;
+  [[noreturn]] void throw_bad_token(uint64_t seq, uint64_t offset, int64_t t, int64_t limit) const;
 
   std::string prefix_;
-  Map idx_, bin_;
+  MappedFile idx_, bin_;
   uint64_t n_ = 0, d_ = 0, total_ = 0;
   int dtype_ = 0, item_ = 0;
 };

@@ -109,7 +109,7 @@ void MegatronSource::open(const DataSpec& spec) {
     s->dataset = index;
     s->begin = b;
     s->end = e;
-    for (uint64_t i = b; i < e; ++i) s->tokens += ds->length(i);
+    s->tokens = ds->tokens(b, e);
     s->samples = s->tokens >= 1 ? (s->tokens - 1) / S : 0;
     s->doc_seed = hash_of(seed_, 0x444f4353ull /* "DOCS" */, index);
     s->sample_seed = hash_of(seed_, 0x53414d50ull /* "SAMP" */, index);
@@ -128,7 +128,7 @@ void MegatronSource::open(const DataSpec& spec) {
     if (!separate_val && idx[2] > idx[1]) val_.push_back(make_stream(&ds, i, idx[1], idx[2]));
   }
   for (std::size_t i = 0; i < opt_.val_prefixes.size(); ++i) {
-    datasets_.push_back(std::make_unique<IndexedDataset>(opt_.val_prefixes[i]));
+    datasets_.push_back(std::make_unique<IndexedDataset>(opt_.val_prefixes[i], "data.val_prefix"));
     const IndexedDataset& ds = *datasets_.back();
     val_.push_back(make_stream(&ds, opt_.prefixes.size() + i, 0, ds.sequences()));
   }
@@ -168,6 +168,9 @@ void MegatronSource::read_sample(Stream& s, uint64_t k, bool shuffle, int32_t* o
   const IndexPermutation doc_order(s.docs(), s.doc_seed, epoch);
   auto doc = [&](uint64_t i) { return s.begin + (shuffle ? doc_order(i) : i); };
   if (s.epoch != static_cast<int64_t>(epoch)) {
+    // A new pass over the files: they must still be the ones this run opened
+    // (a .bin rewritten in place would be read as new tokens unnoticed).
+    s.ds->verify_unchanged();
     s.cum.assign(s.docs() + 1, 0);
     for (uint64_t i = 0; i < s.docs(); ++i) s.cum[i + 1] = s.cum[i] + s.ds->length(doc(i));
     s.epoch = static_cast<int64_t>(epoch);
@@ -232,11 +235,14 @@ void MegatronSource::reset(Split split) {
   if (split == Split::train)
     throw Error("data plugin 'megatron': reset() restarts the validation split only; the train position is set through "
                 "restore()");
+  for (auto& s : val_) s->ds->verify_unchanged();  // each evaluation is a new pass over the validation files
   val_cursor_ = 0;
 }
 
 std::string MegatronSource::state() const {
   require_open("state()");
+  // A checkpoint records a position in these files: they must be the ones opened.
+  for (auto& s : train_) s->ds->verify_unchanged();
   nlohmann::json ds = nlohmann::json::array();
   for (auto& s : train_)
     ds.push_back({{"prefix", s->ds->prefix()}, {"sequences", s->ds->sequences()}, {"tokens", s->ds->tokens()},
@@ -246,6 +252,22 @@ std::string MegatronSource::state() const {
                       {"world", spec_.world}, {"batch", spec_.batch}, {"seq_len", spec_.seq_len},
                       {"shuffle", opt_.shuffle}, {"datasets", ds}};
   return j.dump();
+}
+
+TokenScanReport MegatronSource::scan_tokens() const {
+  require_open("scan_tokens()");
+  // The documents each split reads (the test share of data.split never is).
+  TokenScanReport r;
+  std::vector<const IndexedDataset*> seen;
+  for (const auto* streams : {&train_, &val_})
+    for (const auto& s : *streams) {
+      r.tokens += s->ds->scan(s->begin, s->end, spec_.vocab_size);
+      if (std::find(seen.begin(), seen.end(), s->ds) == seen.end()) seen.push_back(s->ds);
+    }
+  r.files = 2 * seen.size();
+  r.what = cat(seen.size(), " Megatron dataset(s): the train", val_.empty() ? "" : " and validation",
+               " documents");
+  return r;
 }
 
 void MegatronSource::restore(const std::string& state) {

@@ -19,6 +19,12 @@
 // and each dataset's count, so resume is exact under any world size.
 // Validation: the split's documents in file order, unshuffled, datasets one
 // after another, wrapping around.
+// Files changed under the run are refused: each dataset's .idx and .bin are
+// compared with the opened files (IndexedDataset::verify_unchanged) at every
+// train epoch of that dataset, every validation pass and every state()
+// (checkpoint); a read that faults because one was truncated in place is an
+// error naming the file. Tokens are checked against the model's vocabulary
+// as they are read; scan_tokens() (TokenScan, for `loom check`) reads them all.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -43,7 +49,7 @@ struct MegatronOptions {
 // the last one moved to `documents`. Returns 4 boundaries.
 std::vector<uint64_t> megatron_split_indices(const std::string& split, uint64_t documents, const std::string& key);
 
-class MegatronSource : public DataSource {
+class MegatronSource : public DataSource, public TokenScan {
  public:
   explicit MegatronSource(MegatronOptions opt);
   ~MegatronSource() override;
@@ -54,6 +60,7 @@ class MegatronSource : public DataSource {
   void reset(Split split) override;
   std::string state() const override;
   void restore(const std::string& state) override;
+  TokenScanReport scan_tokens() const override;
 
   uint64_t cursor() const { return cursor_; }
   const std::vector<uint64_t>& counts() const { return counts_; }

@@ -3,10 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <system_error>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -18,6 +22,7 @@
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "loom/token_shard.hpp"
+#include "util/files.hpp"
 
 namespace fs = std::filesystem;
 
@@ -66,13 +71,25 @@ struct Collector {
 };
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(cat("cannot read input '", path, "'; check its permissions"));
-  in.seekg(0, std::ios::end);
-  std::string s(static_cast<std::size_t>(in.tellg()), '\0');
-  in.seekg(0);
-  in.read(s.data(), static_cast<std::streamsize>(s.size()));
-  if (!in) throw Error(cat("error reading input '", path, "'"));
+  // Collector let only regular files through; opened as one all the same, so
+  // that a file swapped for a FIFO since cannot block the read.
+  const int fd = open_regular_file(path, "input");
+  struct stat st {};
+  std::string s;
+  if (::fstat(fd, &st) == 0) s.resize(static_cast<std::size_t>(st.st_size));
+  std::size_t got = 0;
+  while (got < s.size()) {
+    const ssize_t n = ::read(fd, s.data() + got, s.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n < 0 ? std::strerror(errno) : "it is shorter than its size said";
+      ::close(fd);
+      throw Error(cat("error reading input '", path, "': ", why, "; check that nothing changes it while loom prepare "
+                      "runs"));
+    }
+    got += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
   return s;
 }
 
@@ -89,6 +106,40 @@ constexpr uint64_t kBatchBytes = uint64_t{64} << 20;
 bool is_prepare_output(const std::string& name) {
   return name == "val.bin" || name == "prepare.json" ||
          (name.starts_with("train_") && (name.ends_with(".bin") || name.ends_with(".bin.tmp")));
+}
+
+// The folder inside OUT_DIR where a prepare writes its outputs before they
+// replace the old ones. Hidden: a `train_*.bin` glob does not look inside it.
+constexpr const char* kStagingName = ".prepare.tmp";
+
+// Moves the new outputs (every file in `stage`, prepare.json last) into
+// `out`, after removing the old ones the new set does not replace. Each
+// rename replaces a file of the same name whole; the old prepare.json goes
+// first, so a folder caught half-way has none.
+void install_outputs(const fs::path& out, const fs::path& stage, const std::vector<fs::path>& old_outputs) {
+  std::error_code ec;
+  std::set<std::string> fresh;
+  for (auto& e : fs::directory_iterator(stage, ec)) fresh.insert(e.path().filename().string());
+  if (ec) throw Error(cat("cannot list '", stage.string(), "': ", ec.message()));
+  auto remove_old = [&](const fs::path& p) {
+    if (!fs::remove(p, ec) && ec)
+      throw Error(cat("cannot remove the old output '", p.string(), "': ", ec.message(), "; the new outputs are in '",
+                      stage.string(), "'"));
+  };
+  for (const fs::path& p : old_outputs)
+    if (p.filename() == "prepare.json") remove_old(p);
+  for (const fs::path& p : old_outputs)
+    if (p.filename() != "prepare.json" && !fresh.count(p.filename().string())) remove_old(p);
+  auto move_in = [&](const std::string& name) {
+    fs::rename(stage / name, out / name, ec);
+    if (ec)
+      throw Error(cat("cannot move '", (stage / name).string(), "' to '", (out / name).string(), "': ", ec.message(),
+                      "; the new outputs are in '", stage.string(), "'"));
+  };
+  for (const std::string& name : fresh)
+    if (name != "prepare.json") move_in(name);
+  if (fresh.count("prepare.json")) move_in("prepare.json");
+  fs::remove(stage, ec);
 }
 
 // A validation window is seq_len + 1 tokens: this many serve a run at the
@@ -126,6 +177,11 @@ std::string small_val_warning(double fraction, const PrepareTextResult& r) {
              "text, or --val-fraction 0 for no val.bin (and train.validation_every = 0)");
 }
 
+// Everything of prepare_text after the output folder's checks: loads the
+// tokenizer, reads the inputs and writes the outputs into `stage`; the
+// result names them where install_outputs puts them (in `out`).
+PrepareTextResult prepare_into(const PrepareTextOptions& opt, const fs::path& out, const fs::path& stage);
+
 }  // namespace
 
 PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
@@ -135,26 +191,58 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
   if (opt.inputs.empty()) throw Error("no inputs: give at least one text file or directory");
   if (opt.out_dir.empty()) throw Error("no output directory given");
 
-  // Refuse to mix with an earlier run's shards: a train_*.bin glob would pick up stale files.
+  // Refuse to mix with an earlier run's shards: a train_*.bin glob would pick
+  // up stale files. With --force they are replaced, but only at the end: the
+  // new outputs are written to a staging folder inside OUT_DIR and moved over
+  // the old ones once everything succeeded, so a refused or failed prepare (a
+  // bad tokenizer, a missing input, a full disk) leaves the old data as it was.
   std::error_code ec;
   const fs::path out(opt.out_dir);
+  std::vector<fs::path> old_outputs;
+  bool made_out = false;
   if (fs::exists(out, ec)) {
     if (!fs::is_directory(out, ec))
       throw Error(cat("output '", opt.out_dir, "' exists and is not a directory; choose a directory"));
-    std::vector<fs::path> stale;
     for (auto& e : fs::directory_iterator(out, ec))
-      if (is_prepare_output(e.path().filename().string())) stale.push_back(e.path());
-    if (!stale.empty()) {
-      if (!opt.force)
-        throw Error(cat("output directory '", opt.out_dir, "' already holds prepared data ('",
-                        stale.front().filename().string(), "'); pass --force to replace it or choose another directory"));
-      for (auto& p : stale) fs::remove(p, ec);
-    }
+      if (is_prepare_output(e.path().filename().string())) old_outputs.push_back(e.path());
+    std::sort(old_outputs.begin(), old_outputs.end());
+    if (!old_outputs.empty() && !opt.force)
+      throw Error(cat("output directory '", opt.out_dir, "' already holds prepared data ('",
+                      old_outputs.front().filename().string(), "'); pass --force to replace it or choose another directory"));
   } else {
     fs::create_directories(out, ec);
     if (ec) throw Error(cat("cannot create output directory '", opt.out_dir, "': ", ec.message()));
+    made_out = true;
   }
+  const fs::path stage = out / kStagingName;
+  if (fs::exists(fs::symlink_status(stage, ec))) {
+    log_info(cat("prepare: removing '", stage.string(), "', left by a prepare that did not finish"));
+    fs::remove_all(stage, ec);
+  }
+  fs::create_directory(stage, ec);
+  if (ec)
+    throw Error(cat("cannot create the staging folder '", stage.string(), "': ", ec.message(),
+                    "; check that the output directory is writable"));
+  bool installing = false;
+  try {
+    PrepareTextResult res = prepare_into(opt, out, stage);
+    installing = true;
+    install_outputs(out, stage, old_outputs);
+    return res;
+  } catch (...) {
+    // Nothing of the old outputs was touched before install_outputs; a
+    // failure inside it keeps the staging folder (its message names it).
+    if (!installing) {
+      fs::remove_all(stage, ec);
+      if (made_out) fs::remove(out, ec);  // only if empty
+    }
+    throw;
+  }
+}
 
+namespace {
+
+PrepareTextResult prepare_into(const PrepareTextOptions& opt, const fs::path& out, const fs::path& stage) {
   if (opt.tokenizer == "bytes" && !(opt.bos.empty() && opt.eos.empty()))
     throw Error("--bos and --eos name tokens of a tokenizer file; the byte-level tokenizer's are fixed (256, 257)");
   const std::unique_ptr<Tokenizer> tok = load_tokenizer(opt.tokenizer, {opt.bos, opt.eos});
@@ -251,9 +339,8 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
       const uint64_t n = std::min<uint64_t>(train_buf.size(), opt.shard_tokens);
       char name[64];
       std::snprintf(name, sizeof name, "train_%0*llu.bin", digits, static_cast<unsigned long long>(res.train_shards.size()));
-      const std::string path = (out / name).string();
-      write_token_shard(path, train_buf.data(), n, width, vocab);
-      res.train_shards.push_back(path);
+      write_token_shard((stage / name).string(), train_buf.data(), n, width, vocab);
+      res.train_shards.push_back((out / name).string());
       res.train_tokens += n;
       shard_list.push_back({{"file", name}, {"tokens", n}});
       train_buf.erase(train_buf.begin(), train_buf.begin() + static_cast<std::ptrdiff_t>(n));
@@ -299,7 +386,7 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
   res.val_tokens = val_buf.size();
   if (opt.val_fraction > 0) {
     res.val_shard = (out / "val.bin").string();
-    write_token_shard(res.val_shard, val_buf.data(), val_buf.size(), width, vocab);
+    write_token_shard((stage / "val.bin").string(), val_buf.data(), val_buf.size(), width, vocab);
     res.val_warning = small_val_warning(opt.val_fraction, res);
     if (!res.val_warning.empty()) log_warn(cat("prepare: ", res.val_warning));
   }
@@ -335,8 +422,10 @@ PrepareTextResult prepare_text(const PrepareTextOptions& opt) {
   };
   res.manifest = (out / "prepare.json").string();
   // tmp + fsync + rename, never writing through a link planted under the tmp name.
-  ckpt::write_file_atomic(res.manifest, manifest.dump(2) + "\n");
+  ckpt::write_file_atomic((stage / "prepare.json").string(), manifest.dump(2) + "\n");
   return res;
 }
+
+}  // namespace
 
 }  // namespace loom::data

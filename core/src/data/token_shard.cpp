@@ -2,12 +2,10 @@
 // documented in loom/token_shard.hpp.
 #include "loom/token_shard.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
-#include <csetjmp>
-#include <csignal>
 #include <cstring>
-#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -17,8 +15,10 @@
 #include <unistd.h>
 
 #include "config/run_config.hpp"
+#include "data/token_scan.hpp"
 #include "loom/error.hpp"
 #include "util/files.hpp"
+#include "util/mapped_file.hpp"
 
 namespace loom {
 
@@ -55,46 +55,6 @@ void write_all(int fd, const void* buf, std::size_t n, const std::string& path) 
     n -= static_cast<std::size_t>(w);
   }
 }
-
-// Reads of a mapping whose file was truncated in place fault with SIGBUS. A
-// reader arms a jump buffer for its thread; the handler jumps back there and
-// the reader throws an error naming the file. SIGBUS is synchronous, so the
-// handler runs on the faulting thread, whose buffer is armed. Initial-exec TLS
-// so that the handler never allocates the variable (libloom is linked, not
-// dlopened). Volatile: the reader's stores to it are read only by the
-// handler, so the compiler would otherwise drop them as dead.
-__attribute__((tls_model("initial-exec"))) thread_local sigjmp_buf* volatile t_bus_jump = nullptr;
-struct sigaction g_prev_bus {};
-
-void on_sigbus(int sig, siginfo_t* info, void* uctx) {
-  if (sigjmp_buf* j = t_bus_jump) siglongjmp(*j, 1);
-  // Not a guarded read: behave as if this handler did not exist.
-  if (g_prev_bus.sa_flags & SA_SIGINFO) {
-    if (g_prev_bus.sa_sigaction) return g_prev_bus.sa_sigaction(sig, info, uctx);
-  } else if (g_prev_bus.sa_handler != SIG_DFL && g_prev_bus.sa_handler != SIG_IGN) {
-    return g_prev_bus.sa_handler(sig);
-  }
-  ::signal(SIGBUS, SIG_DFL);  // returning re-runs the faulting access, which now ends the process as before
-}
-
-void install_bus_handler() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    struct sigaction sa {};
-    sa.sa_sigaction = on_sigbus;
-    // NODEFER: SIGBUS stays unblocked after the jump, which then needs no
-    // signal-mask system call (sigsetjmp(..., 0) below).
-    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
-    sigemptyset(&sa.sa_mask);
-    if (::sigaction(SIGBUS, &sa, &g_prev_bus) != 0)
-      throw Error(cat("cannot install the SIGBUS handler that guards token shard reads: ", std::strerror(errno)));
-  });
-}
-
-// Clears the thread's jump buffer on every way out of a guarded read.
-struct BusGuard {
-  ~BusGuard() { t_bus_jump = nullptr; }
-};
 
 std::string magic_text(const unsigned char* m) {
   std::string s;
@@ -189,11 +149,10 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
     ::close(fd);
     throw Error(cat("cannot stat token shard '", path, "': ", why));
   }
-  id_.dev = static_cast<uint64_t>(st.st_dev);
-  id_.ino = static_cast<uint64_t>(st.st_ino);
-  id_.size = static_cast<uint64_t>(st.st_size);
-  id_.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-  id_.ctime_ns = static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
+  {
+    const FileIdentity id = FileIdentity::of(st);
+    id_ = {id.dev, id.ino, id.size, id.mtime_ns, id.ctime_ns};
+  }
   const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
   if (file_bytes < kTokenShardHeaderBytes) {
     ::close(fd);
@@ -264,79 +223,83 @@ void TokenShard::close() noexcept {
 }
 
 uint32_t TokenShard::operator[](uint64_t i) const {
-  install_bus_handler();
-  BusGuard guard;
-  sigjmp_buf jump;
-  if (sigsetjmp(jump, 0) != 0) throw_changed_while_reading();
-  t_bus_jump = &jump;
   const unsigned char* p = map_ + kTokenShardHeaderBytes + i * static_cast<uint64_t>(width_);
-  return width_ == 2 ? get<uint16_t>(p) : get<uint32_t>(p);
+  uint32_t t = 0;
+  if (!read_guarded([&] { t = width_ == 2 ? get<uint16_t>(p) : get<uint32_t>(p); })) throw_changed_while_reading();
+  return t;
 }
+
+namespace {
+
+// The error for token `t` at `index` of shard `path`, outside [0, limit) or
+// the header's vocabulary. Which limit it breaks decides what to do: a token
+// the shard's own header says cannot exist means the shard is damaged (no
+// model.vocab_size would make it right); one beyond the model's vocabulary in
+// a shard that declares none asks for the model or the tokenizer to change.
+[[noreturn]] void throw_bad_token(const std::string& path, uint64_t index, uint32_t t, uint32_t header_vocab,
+                                  int64_t limit) {
+  if (header_vocab > 0 && t >= header_vocab)
+    throw Error(cat("token shard '", path, "': token at index ", index, " is ", t, ", not below the vocabulary of ",
+                    header_vocab, " its header declares: the shard is damaged (its tokens or its header were "
+                    "overwritten), whatever model.vocab_size is. Re-run loom prepare, or copy the shard again"));
+  if (static_cast<int64_t>(t) >= kMaxVocabSize)  // no model.vocab_size can hold it: token ids are int32
+    throw Error(cat("token shard '", path, "': token at index ", index, " is ", t,
+                    ", beyond any vocabulary Loom supports (model.vocab_size is at most ", kMaxVocabSize,
+                    ": token ids are int32); the shard is damaged or was made with another tokenizer"));
+  throw Error(cat("token shard '", path, "': token at index ", index, " is ", t, ", not below the model vocabulary ",
+                  limit, " (the shard's header gives no vocabulary); the shard was made with another tokenizer, or "
+                  "model.vocab_size is too small (set it >= ", static_cast<int64_t>(t) + 1, ")"));
+}
+
+}  // namespace
 
 void TokenShard::copy(uint64_t begin, uint64_t n, int32_t* out, int64_t limit) const {
   if (begin > count_ || n > count_ - begin)
     throw Error(cat("token shard '", path_, "': read of tokens [", begin, ", ", begin + n,
                     ") is outside the shard (", count_, " tokens)"));
-  install_bus_handler();
+  // A header that declares a vocabulary bounds every token too: one at or
+  // beyond it is damage, even when the model's vocabulary is larger.
+  if (vocab_ > 0) limit = std::min<int64_t>(limit, vocab_);
   uint64_t bad = n;  // index of the first token outside the vocabulary, n if none
-  {
-    BusGuard guard;
-    sigjmp_buf jump;
-    // Nothing below needs destroying when the handler jumps back here.
-    if (sigsetjmp(jump, 0) != 0) throw_changed_while_reading();
-    t_bus_jump = &jump;
-    const unsigned char* p = map_ + kTokenShardHeaderBytes + begin * static_cast<uint64_t>(width_);
+  uint32_t bad_token = 0;
+  const unsigned char* p = map_ + kTokenShardHeaderBytes + begin * static_cast<uint64_t>(width_);
+  const bool read = read_guarded([&] {
     for (uint64_t i = 0; i < n; ++i) {
       const uint32_t t = width_ == 2 ? get<uint16_t>(p + 2 * i) : get<uint32_t>(p + 4 * i);
       if (static_cast<int64_t>(t) >= limit) {
         bad = i;
+        bad_token = t;
         break;
       }
       out[i] = static_cast<int32_t>(t);
     }
-  }
-  if (bad < n) {
-    const unsigned char* p = map_ + kTokenShardHeaderBytes + (begin + bad) * static_cast<uint64_t>(width_);
-    const uint32_t t = width_ == 2 ? get<uint16_t>(p) : get<uint32_t>(p);
-    if (static_cast<int64_t>(t) >= kMaxVocabSize)  // no model.vocab_size can hold it: token ids are int32
-      throw Error(cat("token shard '", path_, "': token at index ", begin + bad, " is ", t,
-                      ", beyond any vocabulary Loom supports (model.vocab_size is at most ", kMaxVocabSize,
-                      ": token ids are int32); the shard is damaged or was made with another tokenizer"));
-    throw Error(cat("token shard '", path_, "': token at index ", begin + bad, " is ", t,
-                    ", not below the model vocabulary ", limit,
-                    "; the shard was made with another tokenizer, or model.vocab_size is too small (set it >= ",
-                    static_cast<int64_t>(t) + 1, ")"));
-  }
+  });
+  if (!read) throw_changed_while_reading();
+  if (bad < n) throw_bad_token(path_, begin + bad, bad_token, vocab_, limit);
+}
+
+uint64_t TokenShard::scan(int64_t limit) const {
+  if (vocab_ > 0) limit = std::min<int64_t>(limit, vocab_);
+  const unsigned char* p = map_ + kTokenShardHeaderBytes;
+  uint64_t bad = count_;
+  const bool read = read_guarded([&] {
+    // The tokens start 1024 bytes into a page-aligned mapping: aligned to their width.
+    bad = width_ == 2 ? data::first_token_outside(reinterpret_cast<const uint16_t*>(p), count_, limit)
+                      : data::first_token_outside(reinterpret_cast<const uint32_t*>(p), count_, limit);
+  });
+  if (!read) throw_changed_while_reading();
+  if (bad < count_) throw_bad_token(path_, bad, (*this)[bad], vocab_, limit);
+  return count_;
 }
 
 void TokenShard::throw_changed_while_reading() const {
-  struct stat st {};
-  const std::string now = ::stat(path_.c_str(), &st) == 0 ? cat("; it now has ", st.st_size, " bytes") : std::string();
-  throw Error(cat("token shard '", path_, "' could not be read (SIGBUS on its memory mapping): the file was "
-                  "truncated or rewritten in place while this run was reading it (it had ", id_.size, " bytes when "
-                  "opened", now, "). Data files must not change under a running job: restore the original file, or "
-                  "start a fresh run on the new data"));
+  throw Error(read_fault_message("token shard", path_, id_.size));
 }
 
 void TokenShard::verify_unchanged() const {
-  struct stat st {};
-  std::string what;
-  if (::stat(path_.c_str(), &st) != 0) {
-    what = cat("it can no longer be found (", errno_text(), ")");
-  } else {
-    const int64_t mtime = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-    const int64_t ctime = static_cast<int64_t>(st.st_ctim.tv_sec) * 1000000000 + st.st_ctim.tv_nsec;
-    if (static_cast<uint64_t>(st.st_dev) != id_.dev || static_cast<uint64_t>(st.st_ino) != id_.ino)
-      what = "it was replaced by another file (a new inode at the same path)";
-    else if (static_cast<uint64_t>(st.st_size) != id_.size)
-      what = cat("its size changed from ", id_.size, " to ", st.st_size, " bytes");
-    else if (mtime != id_.mtime_ns || ctime != id_.ctime_ns)
-      what = "it was rewritten in place (same size, new modification time)";
-  }
-  if (what.empty()) return;
-  throw Error(cat("token shard '", path_, "' changed on disk while this run was using it: ", what,
-                  ". The run's window order, data position and checkpoints refer to the file as it was opened, so it "
-                  "stops here. Restore the original file, or start a fresh run on the new data"));
+  const FileIdentity id{id_.dev, id_.ino, id_.size, id_.mtime_ns, id_.ctime_ns};
+  const std::string what = id.change_at(path_);
+  if (!what.empty()) throw Error(changed_on_disk_message("token shard", path_, what, "window order"));
 }
 
 }  // namespace loom

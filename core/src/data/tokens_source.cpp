@@ -228,6 +228,19 @@ void TokensSource::restore(const std::string& state) {
   val_cursor_ = 0;
 }
 
+TokenScanReport TokensSource::scan_tokens() const {
+  require_open("scan_tokens()");
+  TokenScanReport r;
+  for (const Stream* s : {&train_, &val_})
+    for (const TokenShard& shard : s->shards) {
+      r.tokens += shard.scan(spec_.vocab_size);
+      ++r.files;
+    }
+  r.what = cat(train_.shards.size(), " train shard(s)",
+               val_.shards.empty() ? std::string() : cat(", ", val_.shards.size(), " validation shard(s)"));
+  return r;
+}
+
 int64_t TokensSource::vocab_hint() const {
   int64_t v = 0;
   for (const Stream* s : {&train_, &val_})

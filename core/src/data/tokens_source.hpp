@@ -37,7 +37,9 @@ std::vector<std::string> expand_patterns(const std::vector<std::string>& pattern
 // inode, times) is compared with the opened file at every train epoch, every
 // validation pass and every state() (checkpoint); a read that faults because a
 // shard was truncated in place is an error naming the file.
-class TokensSource : public DataSource {
+// Tokens are checked against the model's vocabulary and the shard header's as
+// windows are read; scan_tokens() (TokenScan, for `loom check`) reads them all.
+class TokensSource : public DataSource, public TokenScan {
  public:
   explicit TokensSource(TokensOptions opt);
 
@@ -48,6 +50,7 @@ class TokensSource : public DataSource {
   std::string state() const override;
   void restore(const std::string& state) override;
   int64_t vocab_hint() const override;
+  TokenScanReport scan_tokens() const override;
 
   // Windows of one epoch of the train split and of the validation split.
   uint64_t train_windows() const { return train_.windows; }

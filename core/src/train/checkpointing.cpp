@@ -390,7 +390,13 @@ std::optional<int64_t> resume_checkpoint(const Config& cfg, Runtime& rt, TrainSt
       load_unit_range(set, "adam_v", p, olo, ohi, u.adam_v, u.layout.optim_begin, be, staging);
     }
   }
-  rt.data->restore(m.data_state);
+  try {
+    rt.data->restore(m.data_state);
+  } catch (const Error& e) {
+    // The plugin sees only the text of its state: name the file it came from.
+    throw Error(cat("cannot resume from ", info->dir, "/meta.json: its \"data_state\" (the position of data plugin '",
+                    cfg.data.plugin, "') is refused: ", e.what()));
+  }
   restore_precision_state(set, cfg, rt);
   log_info(cat("resumed from ", info->dir, " at step ", m.step));
   return m.step;

@@ -48,6 +48,12 @@ Session::Session(Config cfg, SessionOptions opts)
 
 Session::~Session() = default;
 
+std::optional<TokenScanReport> Session::scan_data_tokens() const {
+  const auto* scan = dynamic_cast<const TokenScan*>(rt_.data.get());
+  if (!scan) return std::nullopt;
+  return scan->scan_tokens();
+}
+
 void Session::initialise() {
   LOOM_CHECK(!initialised_, "session initialised twice");
   // A step_N in checkpoint.dir that is no folder would only fail at the save of step N.

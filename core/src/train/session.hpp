@@ -19,6 +19,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,11 @@ class Session {
   // Throws loom::Error with the plan and what to change when it does not fit
   // the memory available (initialise() calls it before allocating).
   void check_memory_fits() const { state_->check_memory_fits(); }
+  // Every token the data plugin could give the run, read and checked against
+  // the vocabulary (loom/data.hpp TokenScan; `loom check`): throws loom::Error
+  // naming the file and the first bad token. Empty when the plugin cannot
+  // scan ahead (it checks its tokens only as they are read).
+  std::optional<TokenScanReport> scan_data_tokens() const;
 
   // Allocates the arena and initialises weights (random, HF, or from a checkpoint when resuming).
   void initialise();

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include "loom/error.hpp"
@@ -65,6 +66,15 @@ int open_regular_file(const std::string& path, const std::string& what) {
 
 std::string read_bounded_file(const std::string& path, const std::string& what, size_t max_bytes) {
   const int fd = open_regular_file(path, what);
+  auto too_large = [&] {
+    return Error(cat(what, " '", path, "' is larger than ", max_bytes >> 20, " MiB, far beyond what such a file "
+                     "holds: check that the path names the right file"));
+  };
+  // A file that says it is too large is refused before a byte is read.
+  if (struct stat st {}; ::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) > max_bytes) {
+    ::close(fd);
+    throw too_large();
+  }
   std::string out;
   char buf[1 << 16];
   for (;;) {
@@ -79,8 +89,7 @@ std::string read_bounded_file(const std::string& path, const std::string& what, 
     // Checked while reading, not from st_size: files under /proc report size 0.
     if (out.size() + static_cast<size_t>(n) > max_bytes) {
       ::close(fd);
-      throw Error(cat(what, " '", path, "' is larger than ", max_bytes >> 20, " MiB, far beyond what such a file "
-                      "holds: check that the path names the right file"));
+      throw too_large();
     }
     out.append(buf, static_cast<size_t>(n));
   }

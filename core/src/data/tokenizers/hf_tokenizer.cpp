@@ -5,7 +5,6 @@
 // tokenized differently from the reference.
 #include <cctype>
 #include <filesystem>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -13,6 +12,7 @@
 #include "data/tokenizers/formats.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
+#include "util/files.hpp"
 
 namespace loom::data {
 namespace {
@@ -128,6 +128,7 @@ class HfBpeTokenizer final : public Tokenizer {
     if (!vocab.is_object()) fail("model.vocab is not an object of token -> id");
     std::string raw;
     std::unordered_map<std::string, uint32_t> ids;  // the vocabulary's own strings
+    std::unordered_map<uint32_t, std::string> owner;  // and back: which string holds each id
     uint32_t max_id = 0;
     for (auto it = vocab.begin(); it != vocab.end(); ++it) {
       // Checked before use: a negative or huge id would size the piece table from it.
@@ -135,6 +136,12 @@ class HfBpeTokenizer final : public Tokenizer {
         fail(cat("model.vocab gives \"", it.key(), "\" the id ", it.value().dump(), "; ids are integers in [0, ", kMaxId,
                  ")"));
       const auto id = it.value().get<uint32_t>();
+      // Two tokens with one id would encode to the same id and decode to
+      // only one of them: the file is damaged (the tiktoken loader refuses
+      // the same, a rank given twice).
+      if (const auto [o, fresh] = owner.emplace(id, it.key()); !fresh)
+        fail(cat("model.vocab gives ", json(o->second).dump(), " and ", json(it.key()).dump(), " the same id ", id,
+                 "; every token needs an id of its own (the file is damaged: fetch it again)"));
       ids.emplace(it.key(), id);
       max_id = std::max(max_id, id);
       if (decode_byte_level(it.key(), map, raw)) bpe_.add_token(raw, id);
@@ -184,6 +191,14 @@ class HfBpeTokenizer final : public Tokenizer {
         if (auto a = added_ids.find(content); a != added_ids.end()) id = a->second;
         else if (auto v = ids.find(content); v != ids.end()) id = v->second;
         else id = !any_added ? model_size : (max_added >= model_size || model_size == 0) ? max_added + 1 : model_size;
+        // A new added token takes the id after the vocabulary's size; when
+        // model.vocab's ids have gaps, that id can already be a vocabulary
+        // token's, and the two would share it.
+        if (const auto o = owner.find(id); o != owner.end() && o->second != content)
+          fail(cat("added token ", json(content).dump(), " gets id ", id, " (the tokenizers library gives a new added token ",
+                   "the id after model.vocab's size), which model.vocab already gives ", json(o->second).dump(),
+                   "; every token needs an id of its own (the file is damaged: fetch it again)"));
+        owner.emplace(id, content);
         added_ids.emplace(content, id);
         max_added = any_added ? std::max(max_added, id) : id;
         any_added = true;
@@ -209,9 +224,12 @@ class HfBpeTokenizer final : public Tokenizer {
     const auto cfg_path = std::filesystem::path(path_).parent_path() / "tokenizer_config.json";
     std::error_code ec;
     if ((bos.empty() || eos.empty()) && std::filesystem::exists(cfg_path, ec)) {
-      std::ifstream in(cfg_path);
+      // Read as every file a user names: a regular file of bounded size (a
+      // FIFO or device in its place is refused at once, naming it).
+      const std::string text =
+          read_bounded_file(cfg_path.string(), "tokenizer_config.json (read for bos_token/eos_token)", 64 << 20);
       try {
-        const json c = json::parse(in);
+        const json c = json::parse(text);
         if (bos.empty() && c.contains("bos_token")) bos = token_content(c["bos_token"]);
         if (eos.empty() && c.contains("eos_token")) eos = token_content(c["eos_token"]);
       } catch (const json::exception& e) {

@@ -152,16 +152,39 @@ class TiktokenTokenizer final : public Tokenizer {
 
 }  // namespace
 
-bool looks_like_tiktoken(const std::string& bytes) {
-  // The first line: base64, one space, a decimal rank.
-  const std::size_t end = std::min(bytes.find('\n'), bytes.size());
-  const std::size_t sp = bytes.find(' ');
-  if (sp == std::string::npos || sp == 0 || sp >= end || sp + 1 == end) return false;
+namespace {
+
+// "<base64> <rank>", an optional '\r' at its end.
+bool is_tiktoken_line(std::string_view line) {
+  if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+  const std::size_t sp = line.find(' ');
+  if (sp == std::string_view::npos || sp == 0 || sp + 1 == line.size()) return false;
   for (std::size_t i = 0; i < sp; ++i)
-    if (b64_value(static_cast<unsigned char>(bytes[i])) < 0 && bytes[i] != '=') return false;
-  for (std::size_t i = sp + 1; i < end; ++i)
-    if (!(bytes[i] >= '0' && bytes[i] <= '9') && !(bytes[i] == '\r' && i + 1 == end)) return false;
+    if (b64_value(static_cast<unsigned char>(line[i])) < 0 && line[i] != '=') return false;
+  for (std::size_t i = sp + 1; i < line.size(); ++i)
+    if (!(line[i] >= '0' && line[i] <= '9')) return false;
   return true;
+}
+
+}  // namespace
+
+bool looks_like_tiktoken(const std::string& bytes) {
+  return is_tiktoken_line(std::string_view(bytes).substr(0, bytes.find('\n')));
+}
+
+bool looks_like_tiktoken_after_first_line(const std::string& bytes) {
+  const std::string_view all(bytes);
+  std::size_t pos = all.find('\n');
+  int lines = 0;
+  while (pos != std::string_view::npos && pos + 1 < all.size() && lines < 3) {
+    const std::size_t end = all.find('\n', pos + 1);
+    if (!is_tiktoken_line(all.substr(pos + 1, end == std::string_view::npos ? std::string_view::npos : end - pos - 1)))
+      return false;
+    ++lines;
+    pos = end;
+  }
+  // Two good lines at least: one could be chance.
+  return lines >= 2;
 }
 
 std::unique_ptr<Tokenizer> load_tiktoken(const std::string& path, const std::string& bytes,

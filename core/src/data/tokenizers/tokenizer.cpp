@@ -5,11 +5,13 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
+
+#include <sys/stat.h>
 
 #include "data/byte_tokenizer.hpp"
 #include "data/tokenizers/formats.hpp"
 #include "loom/error.hpp"
+#include "util/files.hpp"
 
 namespace loom::data {
 
@@ -87,8 +89,7 @@ class BytesTokenizer final : public Tokenizer {
 std::unique_ptr<Tokenizer> make_byte_tokenizer() { return std::make_unique<BytesTokenizer>(); }
 
 std::string read_tokenizer_file(const std::string& path) {
-  // A directory opens as a stream and fails on the first read; name it instead,
-  // and the tokenizer file it holds when there is one.
+  // A directory is named, with the tokenizer file it holds when there is one.
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     std::string hint;
@@ -98,13 +99,14 @@ std::string read_tokenizer_file(const std::string& path) {
     throw Error(cat("tokenizer '", path, "' is a directory; give the tokenizer file itself (a SentencePiece or tiktoken ",
                     "tokenizer.model, or an HF tokenizer.json)", hint));
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
     throw Error(cat("cannot read tokenizer '", path, "': ", std::strerror(errno),
                     "; give a SentencePiece tokenizer.model, a tiktoken BPE file or an HF tokenizer.json"));
-  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw Error(cat("error reading tokenizer '", path, "'"));
-  return s;
+  // A regular file only (a FIFO would block the open for ever, /dev/zero
+  // never ends), and a bounded read: a path that names something else fails
+  // at once, naming it, instead of hanging or running out of memory.
+  return read_bounded_file(path, "tokenizer", kMaxTokenizerFileBytes);
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path, const TokenizerOptions& opt) {
@@ -119,6 +121,9 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path, const Tokeniz
   // A SentencePiece model is a serialized ModelProto whose first field is the
   // repeated `pieces` (field 1, length-delimited: tag byte 0x0a).
   if (static_cast<unsigned char>(bytes[0]) == 0x0a) return load_sentencepiece(path, bytes, opt);
+  // A tiktoken file whose first line is damaged: its loader names that line,
+  // as it names a bad line further on.
+  if (looks_like_tiktoken_after_first_line(bytes)) return load_tiktoken(path, bytes, opt);
   throw Error(cat("tokenizer '", path, "' is none of the formats loom reads: not JSON (an HF tokenizer.json), ",
                   "not lines of \"<base64 token> <rank>\" (a tiktoken file such as Llama 3's tokenizer.model), ",
                   "and not a SentencePiece model (Llama 2's tokenizer.model)"));
