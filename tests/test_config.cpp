@@ -438,6 +438,71 @@ TEST(Config, ExpertParallel) {
   EXPECT_NE(zero.find("expert_parallel"), std::string::npos) << zero;
 }
 
+// Every size key may be anywhere in its documented range, but their products
+// (parameters, experts in the model, tokens of a step) can leave 64 bits:
+// over the corners of those ranges, a config is either refused naming the keys
+// or its int64 counts are exact (the long double count, non-negative, active
+// at most total) and inside the documented bounds.
+TEST(Config, CountsOfEverySizeInRangeAreExactOrRefusedNamingTheKeys) {
+  int accepted = 0, refused = 0;
+  for (int64_t hidden : {int64_t{2}, int64_t{4096}, int64_t{1} << 20})
+    for (int64_t ffn : {int64_t{1}, int64_t{1} << 20})
+      for (int64_t layers : {1, 64, 4096})
+        for (int64_t experts : {0, 8, 4096})
+          for (int64_t top_k : {1, 64})
+            for (int64_t vocab : {int64_t{2}, int64_t{2147483647}})
+              for (bool tied : {false, true}) {
+                if (top_k > std::max<int64_t>(experts, 1) || (experts == 0 && top_k != 1)) continue;
+                std::ostringstream t;
+                t << "[model]\nhidden = " << hidden << "\nnum_heads = 1\nnum_kv_heads = 1\nffn_hidden = " << ffn
+                  << "\nnum_layers = " << layers << "\nvocab_size = " << vocab
+                  << "\ntied_embeddings = " << (tied ? "true" : "false") << "\n";
+                if (experts > 0) t << "ffn = \"moe\"\nnum_experts = " << experts << "\ntop_k = " << top_k << "\n";
+                SCOPED_TRACE(t.str());
+                try {
+                  const loom::ModelSpec s = parse(t.str()).model.spec;
+                  ++accepted;
+                  EXPECT_EQ(static_cast<long double>(s.total_params()), s.total_params_ld());
+                  EXPECT_GT(s.total_params(), 0);
+                  EXPECT_LE(s.total_params(), loom::kMaxParams);
+                  EXPECT_GT(s.active_params(), 0);
+                  EXPECT_LE(s.active_params(), s.total_params());
+                  EXPECT_GT(s.matmul_params(), 0);
+                  EXPECT_LE(s.matmul_params(), s.total_matmul_params());
+                  EXPECT_LE(s.total_matmul_params(), s.total_params());
+                  EXPECT_GT(s.flops_per_token(2048), 0.0);
+                } catch (const loom::Error& e) {
+                  ++refused;
+                  const std::string msg = e.what();
+                  EXPECT_EQ(msg.rfind("q.toml:", 0), 0u) << msg;
+                  const bool params = msg.find("parameters, more than Loom plans for (at most 2^50") != std::string::npos;
+                  const bool experts_total = msg.find("experts, more than Loom plans for (at most 2^20") != std::string::npos;
+                  EXPECT_TRUE(params || experts_total) << msg;
+                  for (const char* key : {"model.num_layers = ", "model.hidden = "})
+                    if (params) EXPECT_NE(msg.find(key), std::string::npos) << msg;
+                  if (experts_total) EXPECT_NE(msg.find("model.num_experts = "), std::string::npos) << msg;
+                }
+              }
+  EXPECT_GT(accepted, 0);
+  EXPECT_GT(refused, 0);
+  // 1024 layers of 4096 experts of 2^20 x 2^20: an int64 count of them reads -4.6e18.
+  const std::string msg = parse_error("[model]\nhidden = 1048576\nnum_heads = 2\nnum_kv_heads = 2\nnum_layers = 1024\n"
+                                      "ffn_hidden = 1048576\nffn = \"moe\"\nnum_experts = 4096\ntop_k = 2\n");
+  EXPECT_EQ(msg.rfind("q.toml:5:14: the model would have 1.38e+19 parameters", 0), 0u) << msg;
+  // Tokens of a step: each key in range, the product beyond 2^40.
+  for (int64_t accum : {int64_t{1}, int64_t{1} << 20}) {
+    const std::string text = "[model]\nmax_seq_len = 1048576\n[train]\nmicro_batch = 1048576\nseq_len = 1048576\n"
+                             "grad_accum = " + std::to_string(accum) + "\n";
+    if (accum == 1) {
+      EXPECT_EQ(parse(text).train.micro_batch * parse(text).train.seq_len, int64_t{1} << 40);
+    } else {
+      EXPECT_EQ(parse_error(text), "q.toml:6:14: train.micro_batch = 1048576 x train.seq_len = 1048576 x "
+                                   "train.grad_accum = 1048576 = 1.15e+18 tokens per rank and step, more than Loom "
+                                   "plans for (at most 2^40 = 1.1e+12); lower them");
+    }
+  }
+}
+
 TEST(Config, TypoReportedBeforeCrossFieldError) {
   // max_seq_lne is misspelt, so max_seq_len keeps its default 2048 and
   // seq_len 4096 exceeds it: the typo is the real problem and comes first.

@@ -33,6 +33,7 @@
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
+#include "train/memory_budget.hpp"
 #include "train/session.hpp"
 #include "util/files.hpp"
 
@@ -226,11 +227,16 @@ int cmd_compare(const Args& args) {
   // the run's own message, instead of costing the runs before it. Each job
   // builds its session as `loom check` does (plugins and their tables, data
   // files, the memory plan; nothing allocated, nothing run) and drops it.
-  // Only what the run itself finds (a plan that does not fit the memory) is
+  // Only what the run itself finds (a plan that does not fit the memory,
+  // found here from the config's numbers or later from its detailed plan) is
   // still a failed row rather than the end.
-  for (const Job& j : jobs) {
+  std::vector<std::string> unfit(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const Job& j = jobs[i];
     try {
       Session probe(load_config(j.file, j.overrides));
+    } catch (const MemoryPlanError& e) {
+      unfit[i] = e.what();
     } catch (const Error& e) {
       throw Error(cat("'", j.label, "' cannot start, so nothing was run: ", e.what()));
     }
@@ -243,10 +249,12 @@ int cmd_compare(const Args& args) {
 
   std::vector<report::CompareRow> rows;
   int rank = 0;
-  for (const Job& j : jobs) {
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const Job& j = jobs[i];
     log_info(cat("compare: ", j.label, " (", steps, " steps after ", warmup, " warm-up)"));
     report::CompareRow row;
     try {
+      if (!unfit[i].empty()) throw MemoryPlanError(unfit[i]);
       row = run_one(j, steps, warmup);
     } catch (const Error& e) {
       // A run that every check above let through but that cannot go on (a plan that does not fit) is a row, not the end.

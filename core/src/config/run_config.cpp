@@ -6,6 +6,7 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -205,6 +206,56 @@ void check_cross_fields(const Config& c, const ConfigTable& model, const ConfigT
                                    c.train.steps));
 }
 
+// A count for a message: "5.63e+22", "1.13e+15", "25824".
+std::string approx(long double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3Lg", v);
+  return buf;
+}
+
+// The counts a run computes in int64, bounded before anything uses them
+// (kMaxParams, kMaxTokensPerStep): each key may be inside its range while the
+// products leave 64 bits, which would print negative parameter counts and
+// size the memory plan with wrapped numbers. `origin` says where the sizes
+// come from when the [model] keys do not (an HF folder's config.json).
+void check_counts(const Config& c, const ConfigTable& model, const ConfigTable& train, const std::string& origin) {
+  const ModelSpec& s = c.model.spec;
+  const long double total = s.total_params_ld();
+  if (total > static_cast<long double>(kMaxParams)) {
+    using LD = long double;
+    const LD h = static_cast<LD>(s.hidden);
+    const LD ffn = s.moe() ? static_cast<LD>(s.num_experts) * (h + 3 * h * static_cast<LD>(s.ffn_hidden))
+                           : 3 * h * static_cast<LD>(s.ffn_hidden);
+    const LD embed = static_cast<LD>(s.vocab_size) * h * (s.tied_embeddings ? 1 : 2);
+    const LD layer = (total - embed - h) / static_cast<LD>(s.num_layers);
+    const std::string ffn_text =
+        s.moe() ? cat("model.num_experts = ", s.num_experts, " experts of 3 x model.hidden = ", s.hidden,
+                      " x model.ffn_hidden = ", s.ffn_hidden)
+                : cat("3 x model.hidden = ", s.hidden, " x model.ffn_hidden = ", s.ffn_hidden);
+    model.fail(model.has("num_layers") || !origin.empty() ? "num_layers" : "hidden",
+               cat(origin, "the model would have ", approx(total), " parameters, more than Loom plans for (at most 2^50 = ",
+                   approx(static_cast<LD>(kMaxParams)), ": no machine holds that, and its counts would leave 64 bits): ",
+                   "model.num_layers = ", s.num_layers, " layers of ", approx(layer), " (the feed-forward block ",
+                   approx(ffn), ": ", ffn_text, "; the attention ", approx(layer - ffn), "), and ", approx(embed),
+                   " in the embeddings (model.vocab_size = ", s.vocab_size, " x model.hidden",
+                   s.tied_embeddings ? "" : ", twice: untied", "). Lower these sizes"));
+  }
+  if (s.moe() && s.num_layers * s.num_experts > kMaxModelExperts)
+    model.fail(model.has("num_experts") || !origin.empty() ? "num_experts" : "num_layers",
+               cat(origin, "model.num_layers = ", s.num_layers, " x model.num_experts = ", s.num_experts, " = ",
+                   s.num_layers * s.num_experts, " experts, more than Loom plans for (at most 2^20 = ", kMaxModelExperts,
+                   " in the whole model: each is described on the host before anything is planned, and past a million "
+                   "that alone takes gigabytes and minutes). Lower model.num_layers or model.num_experts"));
+  const long double tokens = static_cast<long double>(c.train.micro_batch) * static_cast<long double>(c.train.seq_len) *
+                             static_cast<long double>(c.train.grad_accum);
+  if (tokens > static_cast<long double>(kMaxTokensPerStep))
+    train.fail(train.has("grad_accum") ? "grad_accum" : train.has("micro_batch") ? "micro_batch" : "seq_len",
+               cat("train.micro_batch = ", c.train.micro_batch, " x train.seq_len = ", c.train.seq_len,
+                   " x train.grad_accum = ", c.train.grad_accum, " = ", approx(tokens),
+                   " tokens per rank and step, more than Loom plans for (at most 2^40 = ",
+                   approx(static_cast<long double>(kMaxTokensPerStep)), "); lower them"));
+}
+
 // sharding.expert_parallel against the model; the world size is checked
 // when the ranks exist (TrainState).
 void check_expert_parallel(const Config& c) {
@@ -257,6 +308,7 @@ Config parse_config_string(std::string_view toml_text, const std::string& source
   checkpoint.finish();
   profile.finish();
   check_cross_fields(c, model, train);
+  check_counts(c, model, train, "");
   check_expert_parallel(c);
   return c;
 }

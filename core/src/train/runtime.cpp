@@ -17,6 +17,7 @@
 #include "loom/log.hpp"
 #include "model/block.hpp"
 #include "train/rank_agreement.hpp"
+#include "train/train_state.hpp"
 #include "util/files.hpp"
 
 namespace loom {
@@ -69,6 +70,10 @@ void load_plugins(Runtime& rt, const Config& cfg, const ModelSpec& spec) {
                                                              cfg.sharding.path);
   rt.data = rt.registry->create_as<PluginKind::data>(cfg.data.plugin, init_for(cfg.data), cfg.data.path);
   rt.dtypes = rt.precision->dtypes();
+  // Before any layer or expert is built (Model, TrainState): a config whose
+  // smallest plan cannot fit is refused from its numbers alone, instead of
+  // after gigabytes of per-expert bookkeeping.
+  check_memory_can_fit(cfg, spec, rt);
 
   // Refuse shapes the attention kernel cannot do before anything is allocated.
   BlockEnv probe;
