@@ -593,6 +593,33 @@ TEST(ConfigOverrides, ErrorsLocatedAtTheOverride) {
             "--set run.device=gpu: run.device = \"gpu\" is not one of: cpu, cuda (did you mean \"cpu\"?)");
 }
 
+// A table (or an array of tables) as a --set value would replace the whole
+// table at that key and drop what the file sets there: refused, at any depth,
+// naming the keys to set one by one; dotted keys merge into the file's table.
+TEST(ConfigOverrides, TablesAreRefusedAsValuesAndDottedKeysMerge) {
+  const std::string file = "[run]\nname = \"a\"\nseed = 1\nthreads = 1\n[data]\nplugin = \"synthetic\"\n";
+  EXPECT_EQ(parse_error(file, {"run={name=\"zz\", out_dir=\"/tmp/o\"}"}),
+            "--set run={name=\"zz\", out_dir=\"/tmp/o\"}: a table cannot be a --set value: it would replace all of "
+            "run, dropping the keys the file sets there. Set its keys one by one: --set run.name=\"zz\" --set "
+            "run.out_dir=\"/tmp/o\"");
+  EXPECT_EQ(parse_error(file, {"model = { hidden = 64 }"}),
+            "--set model = { hidden = 64 }: a table cannot be a --set value: it would replace all of model, dropping "
+            "the keys the file sets there. Set its keys one by one: --set model.hidden=64");
+  EXPECT_EQ(parse_error(file, {"data.sub={}"}),
+            "--set data.sub={}: a table cannot be a --set value: it would replace all of data.sub, dropping the keys "
+            "the file sets there. Set its keys one by one (--set data.sub.key=value)");
+  EXPECT_EQ(parse_error(file, {"run.list=[{a=1}, {a=2}]"}),
+            "--set run.list=[{a=1}, {a=2}]: an array of tables cannot be a --set value; write run.list in the config "
+            "file ([[run.list]] tables)");
+  // Arrays of values are values.
+  EXPECT_EQ(parse(file, {"run.plugin_path=[\"/x\"]"}).run.plugin_path, std::vector<std::string>{"/x"});
+  const Config c = parse(file, {"run.name=\"zz\"", "run.out_dir=\"/tmp/o\""});
+  EXPECT_EQ(c.run.name, "zz");
+  EXPECT_EQ(c.run.out_dir, "/tmp/o");
+  EXPECT_EQ(c.run.seed, 1u);
+  EXPECT_EQ(c.run.threads, 1);
+}
+
 TEST(ConfigOverrides, MalformedOverrides) {
   EXPECT_EQ(parse_error("", {"train.steps"}),
             "--set train.steps: expected section.key=value (e.g. --set train.steps=100)");

@@ -491,6 +491,22 @@ void apply_override(ConfigShared& shared, const std::string& text, size_t order)
     snippet.insert("v", value);
   }
 
+  // A table would replace the whole table at that key, silently dropping
+  // every key the file sets there ([run]'s seed and threads under
+  // --set run={name="x"}); one key at a time merges into it instead.
+  const toml::node* parsed = snippet.get("v");
+  if (parsed->is_table()) {
+    std::string keys;
+    for (auto&& [k, v] : *parsed->as_table())
+      keys += cat(keys.empty() ? "" : " ", "--set ", dotted, ".", key_text(k.str()), "=", value_text(v, true));
+    throw Error(cat(where, ": a table cannot be a --set value: it would replace all of ", dotted,
+                    ", dropping the keys the file sets there. Set its keys one by one",
+                    keys.empty() ? cat(" (--set ", dotted, ".key=value)") : cat(": ", keys)));
+  }
+  if (is_array_of_tables(*parsed))
+    throw Error(cat(where, ": an array of tables cannot be a --set value; write ", dotted,
+                    " in the config file ([[", dotted, "]] tables)"));
+
   toml::table* t = &shared.root;
   std::string path;
   for (size_t i = 0; i + 1 < parts.size(); ++i) {
