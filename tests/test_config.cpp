@@ -62,7 +62,9 @@ class ConfigFiles : public ::testing::Test {
   fs::path dir_;
 };
 
-// Every core key set away from its default, plus plugin keys for the plugins.
+// Every core key set away from its default (but model.init: an HF folder's
+// config.json would define the sizes; Config.HfInit*), plus plugin keys for
+// the plugins.
 const char* kFullConfig = R"([run]
 name = "llama-test"
 out_dir = "/tmp/out"
@@ -74,7 +76,7 @@ threads = 4
 plugin_path = ["/opt/a", "/opt/b"]
 
 [model]
-init = "hf:/models/llama"
+init = "random"
 layers = "fused"
 hidden = 512
 num_layers = 6
@@ -145,7 +147,7 @@ TEST(Config, FullConfigReadsEveryField) {
   EXPECT_EQ(c.run.threads, 4);
   EXPECT_EQ(c.run.plugin_path, (std::vector<std::string>{"/opt/a", "/opt/b"}));
 
-  EXPECT_EQ(c.model.init, "hf:/models/llama");
+  EXPECT_EQ(c.model.init, "random");
   EXPECT_EQ(c.model.layers, "fused");
   EXPECT_EQ(c.model.spec.hidden, 512);
   EXPECT_EQ(c.model.spec.num_layers, 6);
@@ -539,6 +541,103 @@ TEST_F(ConfigFiles, LoadsFileAndLocatesErrorsByPath) {
             bad.string() + ":3:6: train.lr = -1 is out of range: must be in [0, 10]");
 }
 
+// model.init = "hf:DIR": the folder's config.json defines the model. Its
+// sizes become the config's (the cross-field rules, the counts and the saved
+// config see the model that is trained); every [model] key it determines,
+// set by the user to another value, is refused naming both values and the
+// file; the same value is accepted, and the effective config reads back.
+TEST_F(ConfigFiles, HfInitSizesAreTheFoldersAndAKeyThatDiffersIsRefused) {
+  const fs::path llama = dir_ / "llama";
+  fs::create_directories(llama);
+  std::ofstream(llama / "config.json") << R"({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 160, "vocab_size": 96,
+    "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "tie_word_embeddings": true})";
+  const std::string head = "[model]\ninit = \"hf:" + llama.string() + "\"\n";
+  const Config c = parse(head + "[train]\nseq_len = 32\n");
+  const loom::ModelSpec& s = c.model.spec;
+  EXPECT_EQ(s.hidden, 64);
+  EXPECT_EQ(s.num_layers, 2);
+  EXPECT_EQ(s.num_heads, 4);
+  EXPECT_EQ(s.num_kv_heads, 2);
+  EXPECT_EQ(s.ffn_hidden, 160);
+  EXPECT_EQ(s.vocab_size, 96);
+  EXPECT_EQ(s.max_seq_len, 64);
+  EXPECT_DOUBLE_EQ(s.norm_eps, 1e-6);
+  EXPECT_DOUBLE_EQ(s.rope_theta, 500000.0);
+  EXPECT_TRUE(s.tied_embeddings);
+  EXPECT_FALSE(s.moe());
+  for (const char* line : {"hidden = 64\n", "num_layers = 2\n", "num_kv_heads = 2\n", "ffn_hidden = 160\n",
+                           "vocab_size = 96\n", "max_seq_len = 64\n", "norm_eps = 1e-6\n", "rope_theta = 500000.0\n",
+                           "tied_embeddings = true\n", "ffn = \"dense\"\n"})
+    EXPECT_NE(c.effective_toml.find(line), std::string::npos) << line << " not in:\n" << c.effective_toml;
+  const Config again = parse(c.effective_toml);
+  EXPECT_EQ(again.model.spec.hidden, 64);
+  EXPECT_EQ(again.model.spec.max_seq_len, 64);
+
+  // Every key the folder determines: the folder's value is accepted, another is refused.
+  struct Case { const char* key; const char* same; const char* other; const char* hf_key; const char* theirs; };
+  for (const Case& k : std::vector<Case>{{"hidden", "64", "128", "hidden_size", "64"},
+                                        {"num_layers", "2", "3", "num_hidden_layers", "2"},
+                                        {"num_heads", "4", "8", "num_attention_heads", "4"},
+                                        {"num_kv_heads", "2", "4", "num_key_value_heads", "2"},
+                                        {"ffn_hidden", "160", "256", "intermediate_size", "160"},
+                                        {"vocab_size", "96", "258", "vocab_size", "96"},
+                                        {"max_seq_len", "64", "2048", "max_position_embeddings", "64"},
+                                        {"rope_theta", "500000.0", "20000", "rope_theta", "500000"},
+                                        {"norm_eps", "1e-6", "1e-5", "rms_norm_eps", "1e-6"},
+                                        {"tied_embeddings", "true", "false", "tie_word_embeddings", "true"},
+                                        {"ffn", "\"dense\"", "\"moe\"", "model_type \"llama\": dense", "\"dense\""}}) {
+    SCOPED_TRACE(k.key);
+    EXPECT_NO_THROW(parse(head + k.key + " = " + k.same + "\n"));
+    EXPECT_EQ(parse_error(head + k.key + " = " + k.other + "\n"),
+              "q.toml:3:" + std::to_string(std::string(k.key).size() + 4) + ": model." + k.key + " = " + k.other +
+                  " differs from the model in " + (llama / "config.json").string() + " (" + k.hf_key + " = " + k.theirs +
+                  "): with model.init = \"hf:" + llama.string() + "\" the folder's config.json defines the model, so "
+                  "model." + k.key + " would be ignored. Remove model." + k.key + " or set it to " + k.theirs);
+    // The same from the command line, located at the --set.
+    const std::string set = std::string(k.key) == "ffn" ? "model.ffn=moe" : std::string("model.") + k.key + "=" + k.other;
+    EXPECT_EQ(parse_error(head, {set}).rfind("--set " + set + ": model." + k.key + " = ", 0), 0u) << parse_error(head, {set});
+  }
+  // Keys of a mixture of experts: the folder is dense.
+  EXPECT_EQ(parse_error(head + "num_experts = 8\n"),
+            "q.toml:3:15: model.num_experts applies to a mixture of experts, but " + (llama / "config.json").string() +
+                " describes a dense Llama (model_type \"llama\"), which model.init = \"hf:" + llama.string() +
+                "\" trains: remove model.num_experts");
+  // A sequence longer than max_position_embeddings raises the model's max_seq_len, as the run does.
+  const Config longer = parse(head + "[train]\nseq_len = 128\n");
+  EXPECT_EQ(longer.model.spec.max_seq_len, 128);
+  EXPECT_EQ(parse(longer.effective_toml).model.spec.max_seq_len, 128);
+
+  // A Mixtral folder: the experts are the folder's too.
+  const fs::path mixtral = dir_ / "mixtral";
+  fs::create_directories(mixtral);
+  std::ofstream(mixtral / "config.json") << R"({"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 96, "num_local_experts": 4,
+    "num_experts_per_tok": 2, "router_aux_loss_coef": 0.01})";
+  const std::string mhead = "[model]\ninit = \"hf:" + mixtral.string() + "\"\n";
+  const Config m = parse(mhead + "[train]\nseq_len = 32\n");
+  EXPECT_EQ(m.model.ffn, "moe");
+  EXPECT_EQ(m.model.spec.num_experts, 4);
+  EXPECT_EQ(m.model.spec.top_k, 2);
+  EXPECT_DOUBLE_EQ(m.model.spec.router_aux_loss_coef, 0.01);
+  EXPECT_EQ(parse(m.effective_toml).model.spec.num_experts, 4);
+  EXPECT_NO_THROW(parse(mhead + "top_k = 2\n"));
+  EXPECT_NE(parse_error(mhead + "num_experts = 8\n").find("model.num_experts = 8 differs from the model in "),
+            std::string::npos);
+  EXPECT_NE(parse_error(mhead + "router_aux_loss_coef = 0.02\n").find("(router_aux_loss_coef = 0.01)"),
+            std::string::npos);
+
+  // A folder that cannot be read is refused with the config, located at model.init.
+  EXPECT_EQ(parse_error("[model]\ninit = \"hf:" + (dir_ / "nope").string() + "\"\n")
+                .rfind("q.toml:2:8: model.init = \"hf:" + (dir_ / "nope").string() + "\": ", 0),
+            0u);
+  std::ofstream(llama / "config.json") << R"({"model_type": "llama", "hidden_size": 64})";
+  const std::string broken = parse_error(head);
+  EXPECT_EQ(broken.rfind("q.toml:2:8: model.init = \"hf:" + llama.string() + "\": " + (llama / "config.json").string() +
+                             ": required key \"num_hidden_layers\" is missing", 0),
+            0u) << broken;
+}
+
 TEST_F(ConfigFiles, MissingFile) {
   fs::path missing = dir_ / "nope.toml";
   std::string msg = error_of([&] { loom::load_config(missing, {}); });
@@ -558,7 +657,7 @@ TEST_F(ConfigFiles, SyntaxErrorInFile) {
 
 TEST(ConfigOverrides, TypedValues) {
   Config c = parse(kFullConfig, {"train.steps=1000", "train.lr=1e-3", "data.plugin=synthetic", "run.deterministic=false",
-                                 "run.name=\"quoted name\"", "run.plugin_path=[\"/x\"]", "model.init=hf:/m/llama-7b",
+                                 "run.name=\"quoted name\"", "run.plugin_path=[\"/x\"]", "model.recompute=full",
                                  "train.min_lr = 0"});
   EXPECT_EQ(c.train.steps, 1000);
   EXPECT_DOUBLE_EQ(c.train.lr, 1e-3);
@@ -566,7 +665,7 @@ TEST(ConfigOverrides, TypedValues) {
   EXPECT_FALSE(c.run.deterministic);
   EXPECT_EQ(c.run.name, "quoted name");
   EXPECT_EQ(c.run.plugin_path, std::vector<std::string>{"/x"});
-  EXPECT_EQ(c.model.init, "hf:/m/llama-7b");
+  EXPECT_EQ(c.model.recompute, "full");
   EXPECT_DOUBLE_EQ(c.train.min_lr, 0.0);
 }
 

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "format_number.hpp"
+#include "hf/hf_llama.hpp"
 #include "loom/error.hpp"
 #include "util/files.hpp"
 
@@ -71,6 +72,8 @@ RunSection read_run(const ConfigTable& t) {
   return r;
 }
 
+bool hf_init(const std::string& init) { return init.rfind("hf:", 0) == 0; }
+
 ModelSection read_model(const ConfigTable& t) {
   ModelSection m;
   ModelSpec& s = m.spec;
@@ -105,7 +108,8 @@ ModelSection read_model(const ConfigTable& t) {
     s.router_jitter_noise = t.get_float("router_jitter_noise", s.router_jitter_noise, 0.0, 0.999);
   } else {
     for (const char* k : {"num_experts", "top_k", "router_aux_loss_coef", "router_jitter_noise"})
-      if (t.has(k))
+      // With hf: the folder says whether there are experts (apply_hf_init compares).
+      if (t.has(k) && !hf_init(m.init))
         t.fail(k, cat("model.", k, " applies to a mixture of experts only: set model.ffn = \"moe\" (model.ffn is \"",
                       m.ffn, "\")"));
   }
@@ -206,6 +210,87 @@ void check_cross_fields(const Config& c, const ConfigTable& model, const ConfigT
                                    c.train.steps));
 }
 
+// A float as a TOML value that reads back as a float ("10000.0", "1e-5").
+std::string toml_float(double v) {
+  std::string t = format_number(v);
+  return t.find_first_of(".eni") == std::string::npos ? t + ".0" : t;
+}
+
+// model.init = "hf:DIR": the folder's config.json defines the architecture
+// (the session builds the model from it). Its sizes replace the [model] keys
+// here, so that the cross-field rules, the counts and the saved config.toml
+// are those of the model that is trained; a key the user set to another
+// value than the folder's is refused, naming both, instead of being ignored.
+// Returns the [model] overrides that write the folder's sizes into the
+// effective config.
+std::vector<std::string> apply_hf_init(Config& c, const ConfigTable& t) {
+  const std::string dir = c.model.init.substr(3);
+  ModelSpec hf;
+  try {
+    hf = hf::read_hf_llama_config(dir);
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    t.fail("init", msg.rfind("model.init = ", 0) == 0 ? msg : cat("model.init = \"", c.model.init, "\": ", msg));
+  }
+  const std::string json = (std::filesystem::path(dir) / "config.json").string();
+  // train.seq_len beyond max_position_embeddings: RoPE is computed for the
+  // positions the run uses, and the model's max_seq_len follows.
+  const int64_t max_seq = std::max(hf.max_seq_len, c.train.seq_len);
+  const std::string ffn = hf.moe() ? "moe" : "dense";
+  std::vector<std::string> sets;
+  auto differs = [&](const char* key, const std::string& user, const std::string& theirs, const char* hf_key) {
+    t.fail(key, cat("model.", key, " = ", user, " differs from the model in ", json, " (", hf_key, " = ", theirs,
+                    "): with model.init = \"", c.model.init, "\" the folder's config.json defines the model, so ",
+                    "model.", key, " would be ignored. Remove model.", key, " or set it to ", theirs));
+  };
+  auto int_key = [&](const char* key, int64_t theirs, const char* hf_key, int64_t also = -1) {
+    if (t.has(key)) {
+      const int64_t v = t.get_int(key, 0);
+      if (v != theirs && v != also) differs(key, std::to_string(v), std::to_string(theirs), hf_key);
+    }
+    sets.push_back(cat("model.", key, "=", also >= 0 ? also : theirs));
+  };
+  auto float_key = [&](const char* key, double theirs, const char* hf_key) {
+    if (t.has(key)) {
+      const double v = t.get_float(key, 0.0);
+      if (v != theirs) differs(key, format_number(v), format_number(theirs), hf_key);
+    }
+    sets.push_back(cat("model.", key, "=", toml_float(theirs)));
+  };
+  if (t.has("ffn") && t.get_string("ffn", "") != ffn)
+    differs("ffn", cat("\"", t.get_string("ffn", ""), "\""), cat("\"", ffn, "\""),
+            hf.moe() ? "model_type \"mixtral\": a mixture of experts" : "model_type \"llama\": dense");
+  sets.push_back(cat("model.ffn=\"", ffn, "\""));
+  int_key("hidden", hf.hidden, "hidden_size");
+  int_key("num_layers", hf.num_layers, "num_hidden_layers");
+  int_key("num_heads", hf.num_heads, "num_attention_heads");
+  int_key("num_kv_heads", hf.num_kv_heads, "num_key_value_heads");
+  int_key("ffn_hidden", hf.ffn_hidden, "intermediate_size");
+  int_key("vocab_size", hf.vocab_size, "vocab_size");
+  int_key("max_seq_len", hf.max_seq_len, "max_position_embeddings", max_seq);
+  float_key("rope_theta", hf.rope_theta, "rope_theta");
+  float_key("norm_eps", hf.norm_eps, "rms_norm_eps");
+  if (t.has("tied_embeddings") && t.get_bool("tied_embeddings", false) != hf.tied_embeddings)
+    differs("tied_embeddings", hf.tied_embeddings ? "false" : "true", hf.tied_embeddings ? "true" : "false",
+            "tie_word_embeddings");
+  sets.push_back(cat("model.tied_embeddings=", hf.tied_embeddings ? "true" : "false"));
+  if (hf.moe()) {
+    int_key("num_experts", hf.num_experts, "num_local_experts");
+    int_key("top_k", hf.top_k, "num_experts_per_tok");
+    float_key("router_aux_loss_coef", hf.router_aux_loss_coef, "router_aux_loss_coef");
+    float_key("router_jitter_noise", hf.router_jitter_noise, "router_jitter_noise");
+  } else {
+    for (const char* k : {"num_experts", "top_k", "router_aux_loss_coef", "router_jitter_noise"})
+      if (t.has(k))
+        t.fail(k, cat("model.", k, " applies to a mixture of experts, but ", json, " describes a dense Llama (model_type "
+                      "\"llama\"), which model.init = \"", c.model.init, "\" trains: remove model.", k));
+  }
+  hf.max_seq_len = max_seq;
+  c.model.spec = hf;
+  c.model.ffn = ffn;
+  return sets;
+}
+
 // A count for a message: "5.63e+22", "1.13e+15", "25824".
 std::string approx(long double v) {
   char buf[32];
@@ -232,7 +317,7 @@ void check_counts(const Config& c, const ConfigTable& model, const ConfigTable& 
         s.moe() ? cat("model.num_experts = ", s.num_experts, " experts of 3 x model.hidden = ", s.hidden,
                       " x model.ffn_hidden = ", s.ffn_hidden)
                 : cat("3 x model.hidden = ", s.hidden, " x model.ffn_hidden = ", s.ffn_hidden);
-    model.fail(model.has("num_layers") || !origin.empty() ? "num_layers" : "hidden",
+    model.fail(!origin.empty() ? "init" : model.has("num_layers") ? "num_layers" : "hidden",
                cat(origin, "the model would have ", approx(total), " parameters, more than Loom plans for (at most 2^50 = ",
                    approx(static_cast<LD>(kMaxParams)), ": no machine holds that, and its counts would leave 64 bits): ",
                    "model.num_layers = ", s.num_layers, " layers of ", approx(layer), " (the feed-forward block ",
@@ -241,7 +326,7 @@ void check_counts(const Config& c, const ConfigTable& model, const ConfigTable& 
                    s.tied_embeddings ? "" : ", twice: untied", "). Lower these sizes"));
   }
   if (s.moe() && s.num_layers * s.num_experts > kMaxModelExperts)
-    model.fail(model.has("num_experts") || !origin.empty() ? "num_experts" : "num_layers",
+    model.fail(!origin.empty() ? "init" : model.has("num_experts") ? "num_experts" : "num_layers",
                cat(origin, "model.num_layers = ", s.num_layers, " x model.num_experts = ", s.num_experts, " = ",
                    s.num_layers * s.num_experts, " experts, more than Loom plans for (at most 2^20 = ", kMaxModelExperts,
                    " in the whole model: each is described on the host before anything is planned, and past a million "
@@ -307,8 +392,15 @@ Config parse_config_string(std::string_view toml_text, const std::string& source
   train.finish();
   checkpoint.finish();
   profile.finish();
+  std::string origin;
+  if (hf_init(c.model.init)) {
+    const std::vector<std::string> sets = apply_hf_init(c, model);
+    // The saved config (config.toml, checkpoint metadata) records the model trained.
+    c.effective_toml = parse_config_table(c.effective_toml, source_name, sets).to_toml();
+    origin = cat("model.init = \"", c.model.init, "\": its config.json describes a model that is too large: ");
+  }
   check_cross_fields(c, model, train);
-  check_counts(c, model, train, "");
+  check_counts(c, model, train, origin);
   check_expert_parallel(c);
   return c;
 }
