@@ -266,6 +266,36 @@ TEST(Config, OutDirAndCheckpointDirFollowRunName) {
   EXPECT_EQ(c.checkpoint.dir, "/x/y/checkpoints");
 }
 
+// run.name is one folder name (the default out_dir is runs/<name>): '/',
+// "." and "..", blank names and control characters are refused, from the file
+// and from --set; any other name, spaces and dots included, is a name.
+TEST(Config, RunNameIsOneFolderName) {
+  const std::string use = "; it names the run in logs and its default folder runs/<name>: use one name such as "
+                          "\"llama-1b\" (letters, digits, '-', '_', '.', spaces), and run.out_dir for a folder elsewhere";
+  EXPECT_EQ(parse_error("[run]\nname = \"a/b/../../../escaped\"\n"),
+            "q.toml:2:8: run.name = \"a/b/../../../escaped\" holds '/': runs/<name> would be a path, not a folder of "
+            "runs/" + use);
+  EXPECT_EQ(parse_error("", {"run.name=\"/abs\""}),
+            "--set run.name=\"/abs\": run.name = \"/abs\" holds '/': runs/<name> would be a path, not a folder of "
+            "runs/" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \"..\"\n"),
+            "q.toml:2:8: run.name = \"..\" is not a folder name of its own (runs/..)" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \".\"\n"), "q.toml:2:8: run.name = \".\" is not a folder name of its own (runs/.)" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \"   \"\n"), "q.toml:2:8: run.name = \"   \" is blank" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \"a\\nb\"\n"), "q.toml:2:8: run.name = \"a\\nb\" holds a control character" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \"a\\u0000b\"\n"),
+            "q.toml:2:8: run.name = \"a\\u0000b\" holds a control character" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \"\"\n"),
+            "q.toml:2:8: run.name must not be empty: it names the run in logs and the default out_dir");
+  for (const char* ok : {"llama-1b", "my run", "v1.2", "..a", "a..", "run_7"}) {
+    SCOPED_TRACE(ok);
+    const Config c = parse(std::string("[run]\nname = \"") + ok + "\"\n");
+    EXPECT_EQ(c.run.out_dir, std::string("runs/") + ok);
+  }
+  // A name beside an explicit out_dir is still a name (it heads every log line).
+  EXPECT_NE(parse_error("[run]\nname = \"a/b\"\nout_dir = \"/tmp/x\"\n").find("holds '/'"), std::string::npos);
+}
+
 TEST(Config, IntegersAcceptedAsFloats) {
   Config c = parse("[train]\nlr = 1\nmin_lr = 0\ngrad_clip = 2\n");
   EXPECT_DOUBLE_EQ(c.train.lr, 1.0);

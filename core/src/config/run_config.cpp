@@ -53,10 +53,43 @@ PluginSection read_plugin_section(const ConfigTable& root, std::string_view sect
   return p;
 }
 
+// A string as TOML would write it, control characters escaped ("a\nb" -> "a\\nb").
+std::string quoted(const std::string& v) {
+  std::string out = "\"";
+  for (unsigned char ch : v) {
+    if (ch == '"' || ch == '\\') out += cat('\\', static_cast<char>(ch));
+    else if (ch == '\n') out += "\\n";
+    else if (ch == '\t') out += "\\t";
+    else if (ch < 0x20 || ch == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", ch);
+      out += buf;
+    } else out += static_cast<char>(ch);
+  }
+  return out + "\"";
+}
+
+// run.name is one folder name: the default out_dir is runs/<name>, and a
+// name with '/' or ".." would put the run elsewhere ("a/../../x" writes
+// outside runs/ and leaves runs/a behind). It also heads every log line,
+// so it must be visible: not blank, no control characters.
+void check_run_name(const ConfigTable& t, const std::string& name) {
+  const std::string what = cat("run.name = ", quoted(name), " ");
+  const std::string use = "; it names the run in logs and its default folder runs/<name>: use one name such as "
+                          "\"llama-1b\" (letters, digits, '-', '_', '.', spaces), and run.out_dir for a folder elsewhere";
+  if (name.empty()) t.fail("name", "run.name must not be empty: it names the run in logs and the default out_dir");
+  if (name.find_first_not_of(" \t") == std::string::npos) t.fail("name", cat(what, "is blank", use));
+  if (name.find('/') != std::string::npos)
+    t.fail("name", cat(what, "holds '/': runs/<name> would be a path, not a folder of runs/", use));
+  if (name == "." || name == "..") t.fail("name", cat(what, "is not a folder name of its own (runs/", name, ")", use));
+  for (unsigned char ch : name)
+    if (ch < 0x20 || ch == 0x7f) t.fail("name", cat(what, "holds a control character", use));
+}
+
 RunSection read_run(const ConfigTable& t) {
   RunSection r;
   r.name = t.get_string("name", r.name);
-  if (r.name.empty()) t.fail("name", "run.name must not be empty: it names the run in logs and the default out_dir");
+  check_run_name(t, r.name);
   r.out_dir = t.get_string("out_dir", cat("runs/", r.name));
   if (r.out_dir.empty()) t.fail("out_dir", "run.out_dir must not be empty (default: runs/<run.name>)");
   r.device = t.get_choice("device", r.device, {"cpu", "cuda"});
