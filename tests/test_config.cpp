@@ -4,6 +4,7 @@
 // user interface.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 #include <unistd.h>
 
@@ -442,7 +443,8 @@ TEST(Config, CrossFieldErrors) {
             "q.toml:2:11: train.seq_len = 4096 exceeds model.max_seq_len = 2048: raise model.max_seq_len or "
             "shorten train.seq_len");
   EXPECT_EQ(parse_error("[train]\nlr = 1e-4\nmin_lr = 1e-3\n"),
-            "q.toml:3:10: train.min_lr = 0.001 exceeds train.lr = 0.0001: the schedule decays from lr down to min_lr");
+            "q.toml:3:10: train.min_lr = 0.001 exceeds train.lr = 0.0001: the cosine schedule decays from lr down to "
+            "min_lr");
   EXPECT_EQ(parse_error("[train]\nsteps = 10\nwarmup_steps = 11\n"),
             "q.toml:3:16: train.warmup_steps = 11 exceeds train.steps = 10");
   // Which device a recipe runs on is the recipe's to say, when it is created
@@ -450,6 +452,46 @@ TEST(Config, CrossFieldErrors) {
   // match plugin names.
   EXPECT_NO_THROW(parse("[precision]\nplugin = \"bf16\"\n"));
   EXPECT_NO_THROW(parse("[run]\ndevice = \"cuda\"\n[precision]\nplugin = \"bf16\"\n"));
+}
+
+// A key that only does something in another mode (a decaying schedule's
+// min_lr, fused layers' head_chunk, the experts' keys of a mixture of
+// experts) is refused when that mode is off, located at the key and naming
+// it and the setting that turns it off; in its mode it is accepted. (It would
+// otherwise be read and ignored.)
+TEST(Config, KeysOfAnotherModeAreRefused) {
+  struct Case { std::string on, off, line, says; };
+  const std::string moe = "[model]\nffn = \"moe\"\n", dense = "[model]\nffn = \"dense\"\n";
+  for (const Case& c : std::vector<Case>{
+           {"[train]\nschedule = \"cosine\"\n", "[train]\nschedule = \"constant\"\n", "min_lr = 1e-5\n",
+            "train.min_lr applies to a decaying schedule only"},
+           {"[train]\nschedule = \"linear\"\n", "[train]\nschedule = \"constant\"\n", "min_lr = 0\n",
+            "train.min_lr applies to a decaying schedule only"},
+           {"[model]\nlayers = \"fused\"\n", "[model]\nlayers = \"native\"\n", "head_chunk = 128\n",
+            "model.head_chunk applies to fused layers only"},
+           {"[model]\nlayers = \"fused\"\n", "[model]\n", "head_chunk = 0\n", "model.head_chunk applies to fused layers only"},
+           {moe, dense, "num_experts = 8\n", "model.num_experts applies to a mixture of experts only"},
+           {moe, dense, "top_k = 1\n", "model.top_k applies to a mixture of experts only"},
+           {moe, dense, "router_aux_loss_coef = 0.1\n", "model.router_aux_loss_coef applies to a mixture of experts only"},
+           {moe, dense, "router_jitter_noise = 0.1\n", "model.router_jitter_noise applies to a mixture of experts only"}}) {
+    SCOPED_TRACE(c.line);
+    EXPECT_NO_THROW(parse(c.on + c.line));
+    const std::string msg = parse_error(c.off + c.line);
+    const int line = static_cast<int>(std::count(c.off.begin(), c.off.end(), '\n')) + 1;
+    EXPECT_EQ(msg.rfind("q.toml:" + std::to_string(line) + ":", 0), 0u) << msg;
+    EXPECT_NE(msg.find(c.says), std::string::npos) << msg;
+  }
+  EXPECT_EQ(parse_error("[train]\nschedule = \"constant\"\nmin_lr = 1e-5\n"),
+            "q.toml:3:10: train.min_lr applies to a decaying schedule only (cosine, linear: the lr after the decay): "
+            "train.schedule = \"constant\" keeps train.lr after the warm-up; remove train.min_lr");
+  EXPECT_EQ(parse_error("[model]\nhead_chunk = 64\n"),
+            "q.toml:2:14: model.head_chunk applies to fused layers only (their LM head runs in chunks of tokens): set "
+            "model.layers = \"fused\" or remove model.head_chunk (model.layers is \"native\", which computes the "
+            "whole micro-batch's logits at once)");
+  // The min_lr <= lr rule names the schedule that decays (constant has none).
+  EXPECT_EQ(parse_error("[train]\nschedule = \"linear\"\nlr = 1e-4\nmin_lr = 1e-3\n"),
+            "q.toml:4:10: train.min_lr = 0.001 exceeds train.lr = 0.0001: the linear schedule decays from lr down to "
+            "min_lr");
 }
 
 // sharding.expert_parallel: a core key in the plugin's section, checked against the model.

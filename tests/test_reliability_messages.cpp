@@ -109,7 +109,9 @@ TEST(ReliabilityMessages, EveryStatedRangeIsTheRangeThatIsAccepted) {
     std::optional<Claim> claim;
     std::vector<double> accepted;
     for (const auto& [text, value] : probes(k.is_float)) {
-      const std::string toml = "[" + k.section + "]\n" + k.key + " = " + text + "\n";
+      // head_chunk is a key of fused layers (refused with native ones whatever its value).
+      const std::string toml = "[" + k.section + "]\n" + k.key + " = " + text + "\n" +
+                               (k.key == "head_chunk" ? "layers = \"fused\"\n" : "");
       std::string msg;
       try {
         (void)loom::parse_config_string(toml, "m.toml", {});

@@ -149,6 +149,12 @@ ModelSection read_model(const ConfigTable& t) {
   m.init_std = t.get_float("init_std", m.init_std, 0.0, 1.0);
   m.recompute = t.get_choice("recompute", m.recompute, {"none", "attention", "full"});
   m.head_chunk = t.get_int("head_chunk", m.head_chunk, 0, int64_t{1} << 40);
+  // Like the experts' keys under a dense model: a key of another mode would
+  // be accepted and do nothing (native layers compute every logit at once).
+  if (t.has("head_chunk") && m.layers != "fused")
+    t.fail("head_chunk", cat("model.head_chunk applies to fused layers only (their LM head runs in chunks of tokens): ",
+                             "set model.layers = \"fused\" or remove model.head_chunk (model.layers is \"", m.layers,
+                             "\", which computes the whole micro-batch's logits at once)"));
   return m;
 }
 
@@ -162,6 +168,10 @@ TrainSection read_train(const ConfigTable& t) {
   r.min_lr = t.get_float("min_lr", r.min_lr, 0.0, 10.0);
   r.warmup_steps = t.get_int("warmup_steps", r.warmup_steps, 0);
   r.schedule = t.get_choice("schedule", r.schedule, {"cosine", "linear", "constant"});
+  // min_lr is where a decay ends; a constant schedule has none and would ignore it.
+  if (r.schedule == "constant" && t.has("min_lr"))
+    t.fail("min_lr", "train.min_lr applies to a decaying schedule only (cosine, linear: the lr after the decay): "
+                     "train.schedule = \"constant\" keeps train.lr after the warm-up; remove train.min_lr");
   r.grad_clip = t.get_float("grad_clip", r.grad_clip, 0.0, kFp32Max);
   r.weight_decay = t.get_float("weight_decay", r.weight_decay, 0.0, 10.0);
   r.beta1 = get_beta(t, "beta1", r.beta1);
@@ -235,9 +245,9 @@ void check_cross_fields(const Config& c, const ConfigTable& model, const ConfigT
   if (c.train.seq_len > s.max_seq_len)
     train.fail("seq_len", cat("train.seq_len = ", c.train.seq_len, " exceeds model.max_seq_len = ", s.max_seq_len,
                               ": raise model.max_seq_len or shorten train.seq_len"));
-  if (c.train.min_lr > c.train.lr)
+  if (c.train.schedule != "constant" && c.train.min_lr > c.train.lr)
     train.fail("min_lr", cat("train.min_lr = ", format_number(c.train.min_lr), " exceeds train.lr = ", format_number(c.train.lr),
-                             ": the schedule decays from lr down to min_lr"));
+                             ": the ", c.train.schedule, " schedule decays from lr down to min_lr"));
   if (c.train.warmup_steps > c.train.steps)
     train.fail("warmup_steps", cat("train.warmup_steps = ", c.train.warmup_steps, " exceeds train.steps = ",
                                    c.train.steps));
