@@ -979,6 +979,18 @@ TEST(ConfigArgs, SplitsFileOverridesAndRest) {
   EXPECT_EQ(a.overrides, std::vector<std::string>{"a.b=1"});
 }
 
+// A command's flags that take a value keep it beside them in either form, so
+// that "--steps 3 c.toml" does not take 3 for the CONFIG.
+TEST(ConfigArgs, ValueFlagsKeepTheirValues) {
+  loom::ConfigArgs a = loom::parse_config_args({"--steps", "3", "c.toml", "--json=x.json", "--warmup", "1", "--breakdown"},
+                                               {"--steps", "--warmup", "--json"});
+  EXPECT_EQ(a.file, "c.toml");
+  EXPECT_EQ(a.rest, (std::vector<std::string>{"--steps", "3", "--json=x.json", "--warmup", "1", "--breakdown"}));
+  // Last, or before another option, the flag stays alone (the command says it needs a value).
+  a = loom::parse_config_args({"c.toml", "--steps", "--breakdown"}, {"--steps"});
+  EXPECT_EQ(a.rest, (std::vector<std::string>{"--steps", "--breakdown"}));
+}
+
 TEST(ConfigArgs, Errors) {
   EXPECT_EQ(error_of([] { loom::parse_config_args({"c.toml", "--set"}); }),
             "--set needs a value: --set section.key=value");

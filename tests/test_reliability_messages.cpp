@@ -259,3 +259,69 @@ TEST(ReliabilityMessages, NumbersBeyondWhatTomlHoldsAreToldSo) {
   }
   EXPECT_EQ(loom::parse_config_string("", "m.toml", {"run.name=1st_run"}).run.name, "1st_run");
 }
+
+// The command line, the same for every command: `loom <command> --help`
+// prints that command's usage and succeeds; an error names the command once
+// ("loom check: error: ...", never "loom check: error: loom check: ...") and
+// never an internal check; a flag that takes a value takes it as --flag=V or
+// --flag V alike.
+TEST(ReliabilityMessages, EveryCommandHelpsNamesItselfOnceAndTakesBothFlagForms) {
+  const fs::path dir = fresh_dir("messages_cli");
+  const fs::path cfg = dir / "c.toml";
+  std::ofstream(cfg) << tiny_config(dir / "run", 2);
+  const std::string loom = std::string("'") + LOOM_CLI + "' ";
+  for (const char* cmd : {"train", "check", "bench", "compare", "convert", "plot", "plugins", "prepare"}) {
+    SCOPED_TRACE(cmd);
+    const ProcResult r = run_shell(loom + cmd + " --help");
+    EXPECT_EQ(r.code, 0) << r.out;
+    EXPECT_CONTAINS(r.out, std::string("usage: loom ") + cmd);
+  }
+  const std::string c = "'" + cfg.string() + "'";
+  struct Case { std::string cmd, args, says; };
+  for (const Case& k : std::vector<Case>{
+           {"train", "", "missing CONFIG"},
+           {"train", c + " --bogus", "unknown argument '--bogus'"},
+           {"check", c + " --world", "--world needs a value: --world=VALUE or --world VALUE"},
+           {"check", c + " --world 8 --gpus-per-node 3",
+            "--world 8 is not a multiple of --gpus-per-node 3: every node holds the same number of ranks"},
+           {"check", c + " --world=8 --gpus-per-node=3", "--world 8 is not a multiple of --gpus-per-node 3"},
+           {"check", c + " --bogus", "unknown argument '--bogus'"},
+           {"bench", c + " --steps=0", "--steps needs a positive integer, got '0'"},
+           {"bench", c + " --steps", "--steps needs a value"},
+           {"bench", c + " --bogus", "unknown argument '--bogus'"},
+           {"compare", c + " --strategies=", "--strategies= names nothing to compare"},
+           {"compare", c + " --steps abc", "--steps needs a non-negative integer, got 'abc'"},
+           {"compare", c + " --bogus", "unknown argument '--bogus'"},
+           {"convert", "", "usage: loom convert"},
+           {"convert", "'" + (dir / "none").string() + "' --to-hf=" + (dir / "hf").string(), "does not exist"},
+           {"plot", "", "needs at least one RUN_DIR"},
+           {"plot", "'" + dir.string() + "' --out p.jpg", "loom plot writes a PNG image; give --out a name ending in .png"},
+           {"plugins", "--bogus", "unknown argument '--bogus'"},
+           {"prepare", "text out in --bogus", "unknown option '--bogus'"},
+           {"prepare", "text out in --threads -1", "--threads '-1' is not a non-negative integer (e.g. --threads 8"},
+           {"prepare", "text out in --seed=-1", "--seed '-1' is not a non-negative integer (e.g. --seed 1234)"},
+           {"version", "extra", "takes no arguments, got 'extra'"}}) {
+    SCOPED_TRACE(k.cmd + " " + k.args);
+    const ProcResult r = run_shell("cd '" + dir.string() + "' && " + loom + k.cmd + " " + k.args);
+    EXPECT_NE(r.code, 0) << r.out;
+    EXPECT_CONTAINS(r.out, k.says);
+    const std::string prefix = "loom " + k.cmd + ": error: ";
+    EXPECT_EQ(r.out.rfind(prefix, 0), 0u) << r.out;
+    EXPECT_EQ(r.out.find(prefix, 1), std::string::npos) << r.out;
+    EXPECT_FALSE(has(r.out, prefix + "loom " + k.cmd)) << r.out;
+    EXPECT_FALSE(has(r.out, "[check failed")) << r.out;
+  }
+  // Both forms of a flag mean the same.
+  for (const auto& [eq, space] : std::vector<std::pair<std::string, std::string>>{
+           {"check " + c + " --set sharding.plugin=ddp --world=2 --gpus-per-node=2",
+            "check " + c + " --set sharding.plugin=ddp --world 2 --gpus-per-node 2"},
+           {"check --world=2 " + c + " --set sharding.plugin=ddp", "check --world 2 " + c + " --set sharding.plugin=ddp"}}) {
+    SCOPED_TRACE(space);
+    const ProcResult a = run_shell(loom + eq), b = run_shell(loom + space);
+    EXPECT_EQ(a.code, 0) << a.out;
+    EXPECT_EQ(b.code, 0) << b.out;
+    EXPECT_EQ(a.out, b.out);
+    EXPECT_CONTAINS(b.out, "ranks 2");
+  }
+}
+

@@ -3,6 +3,7 @@
 // plugin table. Ranges and choices here are the ones docs/CONFIG.md states.
 #include "run_config.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
@@ -461,11 +462,15 @@ Config load_config(const std::filesystem::path& file, const std::vector<std::str
   return parse_config_string(text, file.string(), overrides);
 }
 
-ConfigArgs parse_config_args(const std::vector<std::string>& args) {
+ConfigArgs parse_config_args(const std::vector<std::string>& args, const std::vector<std::string>& value_flags) {
   ConfigArgs out;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
-    if (a == "--set") {
+    if (std::find(value_flags.begin(), value_flags.end(), a) != value_flags.end()) {
+      // "--steps 3": the 3 is the flag's, not the CONFIG; the command reads both.
+      out.rest.push_back(a);
+      if (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) out.rest.push_back(args[++i]);
+    } else if (a == "--set") {
       if (i + 1 >= args.size()) throw Error("--set needs a value: --set section.key=value");
       out.overrides.push_back(args[++i]);
     } else if (a.rfind("--set=", 0) == 0) {

@@ -147,9 +147,11 @@ struct ConfigArgs {
   std::vector<std::string> rest;
 };
 // "CONFIG [--set k=v]... [other args]" -> file (the first argument that is
-// neither an option nor the value of --set), overrides ("--set k=v" and
-// "--set=k=v"), anything else in rest, in order (callers reject what they do
-// not know). Throws when --set lacks its value or no CONFIG is given.
-ConfigArgs parse_config_args(const std::vector<std::string>& args);
+// neither an option nor the value of --set or of one of `value_flags`),
+// overrides ("--set k=v" and "--set=k=v"), anything else in rest, in order
+// (callers reject what they do not know). A flag of `value_flags` given as
+// "--flag value" keeps its value beside it in rest. Throws when --set lacks
+// its value or no CONFIG is given.
+ConfigArgs parse_config_args(const std::vector<std::string>& args, const std::vector<std::string>& value_flags = {});
 
 }  // namespace loom
