@@ -12,6 +12,8 @@
 #include <regex>
 
 #include "config/run_config.hpp"
+#include "data/megatron/megatron_data.hpp"
+#include "data/tokens/tokens_data.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
@@ -322,6 +324,61 @@ TEST(ReliabilityMessages, EveryCommandHelpsNamesItselfOnceAndTakesBothFlagForms)
     EXPECT_EQ(b.code, 0) << b.out;
     EXPECT_EQ(a.out, b.out);
     EXPECT_CONTAINS(b.out, "ranks 2");
+  }
+}
+
+// Every message about a key starts with where the value came from and names
+// the key, also for checks made after the config is read: a plugin's required
+// or empty key, token shard patterns that match nothing or name a folder that
+// is not there (not a raw "glob error 2"), the synthetic data's vocab against
+// the model, the step checkpoint.resume names — from the file or from --set.
+TEST(ReliabilityMessages, EveryKeyMessageStartsWhereTheValueCameFromAndNamesTheKey) {
+  const fs::path dir = fresh_dir("messages_located");
+  struct Case { std::string toml; std::vector<std::string> sets; std::string at, says; };
+  const std::string missing = (dir / "nope" / "*.bin").string();
+  for (const Case& c : std::vector<Case>{
+           {"[data]\nplugin = \"tokens\"\n", {}, "m.toml:1:1: ", "data.train is required"},
+           {"[data]\nplugin = \"tokens\"\ntrain = \"\"\n", {}, "m.toml:3:9: ", "data.train is empty"},
+           {"[data]\nplugin = \"tokens\"\ntrain = []\n", {}, "m.toml:3:9: ", "data.train is empty"},
+           {"[data]\nplugin = \"tokens\"\ntrain = \"" + missing + "\"\nval = \"\"\n", {}, "m.toml:4:7: ", "data.val is empty"},
+           {"[data]\nplugin = \"tokens\"\n", {"data.train=" + missing}, "--set data.train=" + missing + ": ",
+            "data.train = \"" + missing + "\": the folder '" + (dir / "nope").string() + "' does not exist"},
+           {"[data]\nplugin = \"tokens\"\ntrain = \"" + (dir / "*.none").string() + "\"\n", {}, "m.toml:3:9: ",
+            "data.train = \"" + (dir / "*.none").string() + "\" matches no files"},
+           {"[data]\nplugin = \"megatron\"\n", {}, "m.toml:1:1: ", "data.prefix is required"},
+           {"[data]\nplugin = \"megatron\"\nprefix = \"\"\n", {}, "m.toml:3:10: ", "data.prefix is empty"},
+           {"[data]\nplugin = \"megatron\"\nprefix = \"x\"\nsplit = \"\"\n", {}, "m.toml:4:9: ", "data.split is empty"},
+           {"[data]\nplugin = \"megatron\"\nprefix = \"x\"\nval_prefix = [\"\"]\n", {}, "m.toml:4:14: ",
+            "data.val_prefix is empty"}}) {
+    SCOPED_TRACE(c.toml);
+    const loom::ConfigTable t = loom::parse_config_table(c.toml, "m.toml", c.sets).table("data");
+    try {
+      if (t.get_string("plugin", "") == "tokens") (void)loom::plugins::TokensData::read_options(t);
+      else (void)loom::plugins::MegatronData::read_options(t);
+      ADD_FAILURE() << "accepted";
+    } catch (const loom::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.rfind(c.at, 0), 0u) << msg;
+      EXPECT_CONTAINS(msg, c.says);
+      EXPECT_FALSE(has(msg, "glob error")) << msg;
+    }
+  }
+  // Checked when the data is opened and the run starts, still located.
+  const std::string base = tiny_config(dir / "run", 2);
+  expect_error([&] { loom::Session s(loom::parse_config_string(base, "m.toml", {"data.vocab=100000"})); },
+               {"--set data.vocab=100000: ", "vocab = 100000 is larger than the model's vocab_size 96"});
+  auto line_of = [&](const std::string& text, size_t pos) {
+    return std::to_string(std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(pos), '\n') + 1);
+  };
+  expect_error([&] { loom::Session s(loom::parse_config_string(base + "vocab = 100000\n", "m.toml", {})); },
+               {"m.toml:" + line_of(base, base.size()) + ":9: ", "vocab = 100000"});
+  for (const auto& [sets, at] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"checkpoint.resume=7"}, "--set checkpoint.resume=7: "},
+           {{}, "m.toml:" + line_of(base, base.find("resume = ")) + ":10: "}}) {
+    std::string text = base;
+    if (sets.empty()) text.replace(text.find("resume = \"auto\""), 15, "resume = 7");
+    loom::Session s(loom::parse_config_string(text, "m.toml", sets));
+    expect_error([&] { s.initialise(); }, {at + "checkpoint.resume = 7: no checkpoint for step 7"});
   }
 }
 

@@ -131,6 +131,7 @@ TEST(ReliabilityPlugins, PluginPathEntryThatIsNoFolderIsRefusedBeforeAnyWork) {
       {"/dev/null", "is a character device, not a folder"},
       {(dir / "fifo").string(), "is a FIFO (named pipe), not a folder"},
   };
+  std::ofstream(dir / "set.toml") << tiny_config(dir / "run", 2);
   for (const auto& [entry, says] : cases) {
     SCOPED_TRACE(entry);
     const fs::path out = dir / "run";
@@ -144,7 +145,8 @@ TEST(ReliabilityPlugins, PluginPathEntryThatIsNoFolderIsRefusedBeforeAnyWork) {
     for (const char* cmd : {"train", "check"}) {
       const ProcResult r = run_shell(std::string("timeout 60 '") + LOOM_CLI + "' " + cmd + " '" + cfg.string() + "'");
       EXPECT_EQ(r.code, 1) << r.out;
-      EXPECT_CONTAINS(r.out, cfg.string() + ": run.plugin_path[1] = \"" + entry + "\" " + says);
+      // Located at the value (tiny_config's plugin_path is line 7).
+      EXPECT_CONTAINS(r.out, cfg.string() + ":7:15: run.plugin_path[1] = \"" + entry + "\" " + says);
       EXPECT_FALSE(has(r.out, "internal error")) << r.out;
       EXPECT_FALSE(fs::exists(out)) << "work was done before the refusal";
     }
@@ -152,8 +154,14 @@ TEST(ReliabilityPlugins, PluginPathEntryThatIsNoFolderIsRefusedBeforeAnyWork) {
       loom::Session s(loom::parse_config_string(text, "run.toml", {}));
       ADD_FAILURE() << "Session accepted run.plugin_path entry '" << entry << "'";
     } catch (const loom::Error& e) {
-      EXPECT_CONTAINS(std::string(e.what()), "run.plugin_path[1] = \"" + entry + "\" " + says);
+      EXPECT_CONTAINS(std::string(e.what()), "run.toml:7:15: run.plugin_path[1] = \"" + entry + "\" " + says);
     }
+    // From the command line, the message names the --set, not the file.
+    const std::string set = std::string("run.plugin_path=[\"") + LOOM_TEST_PLUGIN_DIR + "\", \"" + entry + "\"]";
+    const ProcResult r = run_shell(std::string("timeout 60 '") + LOOM_CLI + "' check '" + (dir / "set.toml").string() +
+                                   "' --set '" + set + "'");
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, "--set " + set + ": run.plugin_path[1] = \"" + entry + "\" " + says);
   }
   const fs::path cfg = dir / "good.toml";
   std::ofstream(cfg) << tiny_config(dir / "good", 2);

@@ -410,6 +410,7 @@ Config parse_config_string(std::string_view toml_text, const std::string& source
   ConfigTable root = parse_config_table(toml_text, source_name, overrides);
   Config c;
   c.source = source_name;
+  c.document = root;
   c.effective_toml = root.to_toml();
 
   ConfigTable run = root.table("run");
@@ -447,6 +448,18 @@ Config parse_config_string(std::string_view toml_text, const std::string& source
   check_counts(c, model, train, origin);
   check_expert_parallel(c);
   return c;
+}
+
+std::string Config::where(std::string_view dotted_key) const {
+  const size_t dot = dotted_key.rfind('.');
+  if (dot == std::string_view::npos) return document.where(dotted_key);
+  ConfigTable t = document;
+  for (size_t b = 0; b < dot;) {
+    const size_t e = std::min(dotted_key.find('.', b), dot);
+    t = t.table(dotted_key.substr(b, e - b));
+    b = e + 1;
+  }
+  return t.where(dotted_key.substr(dot + 1));
 }
 
 Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides) {

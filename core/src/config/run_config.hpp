@@ -127,6 +127,14 @@ struct Config {
   // this many consecutive ranks (1: every rank runs every expert). A core key
   // in the sharding section: it holds for every strategy.
   int64_t expert_parallel = 1;
+  // The document the values were read from (overrides applied).
+  ConfigTable document;
+
+  // Where a core key ("run.plugin_path", "checkpoint.resume") was set:
+  // "file:line:col", or "--set section.key=value" when an override set it;
+  // the section's header or the file when it was not. For checks made after
+  // the config is read, so that their messages start where the value came from.
+  std::string where(std::string_view dotted_key) const;
 };
 
 // Reads and validates `file` with `overrides` ("section.key=value") applied.

@@ -132,7 +132,7 @@ void warn_env_plugin_path() {
 void check_plugin_path(const Config& cfg) {
   const auto& dirs = cfg.run.plugin_path;
   for (size_t i = 0; i < dirs.size(); ++i) {
-    const std::string entry = cat(cfg.source, ": run.plugin_path[", i, "] = \"", dirs[i], "\"");
+    const std::string entry = cat(cfg.where("run.plugin_path"), ": run.plugin_path[", i, "] = \"", dirs[i], "\"");
     if (dirs[i].empty())
       throw Error(cat(entry, " is empty: each entry names a folder that holds plugin files; remove it"));
     if (const std::string why = not_a_folder(dirs[i]); !why.empty())
