@@ -429,6 +429,22 @@ TEST(Config, TomlSyntaxError) {
   EXPECT_NE(msg.find("TOML syntax error"), std::string::npos) << msg;
 }
 
+// A string left open is told as that (toml++ says it met a control
+// character: the newline), wherever it ends: at a line's end, at the file's
+// end, basic or literal. Any other control character in a string keeps the
+// parser's own description.
+TEST(Config, UnclosedStringIsToldAsOne) {
+  const std::string says = "TOML syntax error: a string is not closed before the end of its line (its closing quote "
+                           "is missing; a string over several lines is written \"\"\"...\"\"\")";
+  EXPECT_EQ(parse_error("[run]\nname = \"abc\nseed = 1\n"), "q.toml:2:12: " + says);
+  EXPECT_EQ(parse_error("[run]\nname = \"abc\r\nseed = 1\r\n"), "q.toml:2:12: " + says);
+  EXPECT_EQ(parse_error("[run]\nname = 'abc\nseed = 1\n"), "q.toml:2:12: " + says);
+  EXPECT_EQ(parse_error("[run]\nname = \"abc"), "q.toml:2:12: " + says);
+  const std::string ctl = parse_error(std::string("[run]\nname = \"a\x01z\"\n"));
+  EXPECT_NE(ctl.find("control characters"), std::string::npos) << ctl;
+  EXPECT_EQ(ctl.find("not closed"), std::string::npos) << ctl;
+}
+
 TEST(Config, CrossFieldErrors) {
   EXPECT_EQ(parse_error("[model]\nhidden = 100\nnum_heads = 8\n"),
             "q.toml:3:13: model.hidden = 100 is not divisible by model.num_heads = 8: the head dimension is "
@@ -911,6 +927,21 @@ TEST(DidYouMean, Cases) {
   EXPECT_EQ(loom::did_you_mean("c", {"a", "b"}), "");
   EXPECT_EQ(loom::did_you_mean("ab", {"lr"}), "");
   EXPECT_EQ(loom::did_you_mean("tpu", {"cpu", "cuda"}), "cpu");
+}
+
+// Case is no distance: a value, key or section written in another case gets
+// the name it spells as its suggestion, in every kind of message.
+TEST(DidYouMean, CaseIsNoDistance) {
+  EXPECT_EQ(loom::did_you_mean("INFO", {"trace", "debug", "info"}), "info");
+  EXPECT_EQ(loom::did_you_mean("usr1", {"USR1", "USR2", "none"}), "USR1");
+  EXPECT_EQ(loom::did_you_mean("X", {"a", "x"}), "x");
+  EXPECT_EQ(parse_error("[run]\nlog_level = \"INFO\"\n"),
+            "q.toml:2:13: run.log_level = \"INFO\" is not one of: trace, debug, info, warn, error (did you mean \"info\"?)");
+  EXPECT_NE(parse_error("[run]\nstop_signal = \"usr1\"\n").find("(did you mean \"USR1\"?)"), std::string::npos);
+  EXPECT_NE(parse_error("[run]\ndevice = \"CPU\"\n").find("(did you mean \"cpu\"?)"), std::string::npos);
+  EXPECT_NE(parse_error("[train]\nschedule = \"COSINE\"\n").find("(did you mean \"cosine\"?)"), std::string::npos);
+  EXPECT_NE(parse_error("[TRAIN]\nsteps = 1\n").find("unknown section [TRAIN] (did you mean [train]?)"), std::string::npos);
+  EXPECT_NE(parse_error("[train]\nSteps = 1\n").find("(did you mean 'steps'?)"), std::string::npos);
 }
 
 // ------------------------------------------------------------------ docs
