@@ -123,7 +123,7 @@ inline std::string tiny_config(const std::filesystem::path& out, int64_t steps =
     << "plugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
     << "[model]\nhidden = 64\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nffn_hidden = 160\n"
     << "vocab_size = 96\nmax_seq_len = 64\n"
-    << "[train]\nsteps = " << steps << "\nmicro_batch = 4\nseq_len = 31\ngrad_accum = 2\nlr = 3e-3\nmin_lr = 3e-4\n"
+    << "[train]\nsteps = " << steps << "\nmicro_batch = 4\nseq_len = 31\ngrad_accum = 2\nlr = 3e-3\n"
     << "warmup_steps = 0\nschedule = \"constant\"\n"
     << "[checkpoint]\nevery = 0\nresume = \"auto\"\n"
     << "[data]\nplugin = \"synthetic\"\npattern = \"ramp\"\n";

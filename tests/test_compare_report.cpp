@@ -505,3 +505,61 @@ TEST(CompareReport, CanvasLinesAndText) {
 }
 
 }  // namespace
+
+// --peer files: the rows of benchmarks/torch_fsdp.py and hf_llama.py (with
+// or without the PEER_JSON prefix, among log lines) are read; a file with no
+// row (a TOML file, say) and a row without what a peer row holds are refused
+// naming the file, the line and what is missing, instead of being passed over
+// or read as a row of zeros.
+TEST(CompareReport, PeerRowsAreReadAndAnythingElseIsRefused) {
+  loom::test::TmpDir d;
+  auto file = [&](const std::string& name, const std::string& text) {
+    const std::string p = (d.path / name).string();
+    std::ofstream(p) << text;
+    return p;
+  };
+  const std::string good = file(
+      "good.txt",
+      "torch_fsdp.py: starting\n"
+      "PEER_JSON {\"peer\": \"torch_fsdp\", \"mode\": \"fsdp2\", \"world\": 2, \"median_step_ms\": 100.0, "
+      "\"tokens_per_s_per_gpu\": 5000.0, \"peak_reserved_bytes\": 1e9, \"losses\": [3.0, null, 2.5], \"final_loss\": 2.5}\n"
+      "{\"peer\": \"hf_transformers\", \"mode\": \"eager\", \"median_step_ms\": 50, \"tokens_per_s\": 8000}\n"
+      "PEER_JSON {\"mode\": \"compile\", \"error\": \"OutOfMemoryError: CUDA\"}\n");
+  const std::vector<CompareRow> rows = loom::report::read_peer_rows(good);
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[0].label, "torch fsdp2");
+  EXPECT_EQ(rows[0].ranks, 2);
+  EXPECT_DOUBLE_EQ(rows[0].step_ms, 100.0);
+  EXPECT_DOUBLE_EQ(rows[0].tokens_per_s_per_gpu, 5000.0);
+  EXPECT_DOUBLE_EQ(rows[0].peak_mem_bytes, 1e9);
+  ASSERT_EQ(rows[0].losses.size(), 3u);
+  EXPECT_TRUE(std::isnan(rows[0].losses[1]));
+  EXPECT_DOUBLE_EQ(rows[0].final_loss, 2.5);
+  EXPECT_EQ(rows[1].label, "torch eager");
+  EXPECT_DOUBLE_EQ(rows[1].tokens_per_s_per_gpu, 8000.0);  // tokens_per_s of a world of one
+  EXPECT_TRUE(rows[2].failed());
+  EXPECT_NE(rows[2].note.find("peer failed: \"OutOfMemoryError: CUDA\""), std::string::npos);
+
+  const std::string toml = file("c.toml", "[run]\nname = \"x\"\n[model]\nhidden = 32\n");
+  loom::test::expect_error([&] { loom::report::read_peer_rows(toml); },
+                           {"--peer=" + toml + ": holds no peer rows: expected a PEER_JSON row of benchmarks/torch_fsdp.py"});
+  loom::test::expect_error([&] { loom::report::read_peer_rows(file("empty.json", "")); }, {"holds no peer rows"});
+  struct Bad { std::string row, says; };
+  for (const Bad& b : std::vector<Bad>{
+           {"{\"garbage\": 1}", "\"median_step_ms\" is missing"},
+           {"{\"median_step_ms\": 10}", "\"tokens_per_s_per_gpu\" (or \"tokens_per_s\") is missing"},
+           {"{\"median_step_ms\": \"fast\", \"tokens_per_s\": 1}", "\"median_step_ms\" is \"fast\", not a number"},
+           {"{\"median_step_ms\": 0, \"tokens_per_s\": 1}", "\"median_step_ms\" is 0, not a positive time"},
+           {"{\"median_step_ms\": 1, \"tokens_per_s\": 1, \"losses\": 3}", "\"losses\" is 3, not an array"},
+           {"{\"median_step_ms\": 1, \"tokens_per_s\": 1, \"losses\": [\"x\"]}", "\"losses\" holds \"x\", not a number"},
+           {"{\"median_step_ms\": 1, \"tokens_per_s\": 1, \"world\": 0}", "\"world\" is 0, not a number of ranks"},
+           {"{\"median_step_ms\": 1, \"tokens_per_s\": 1, \"mode\": 7}", "\"mode\" is 7, not a string"},
+           {"PEER_JSON [1, 2]", "it is [1,2], not an object"},
+           {"PEER_JSON", "not a JSON object"},
+           {"{nope", "not a JSON object"}}) {
+    SCOPED_TRACE(b.row);
+    const std::string p = file("bad.json", "log line\n" + b.row + "\n");
+    loom::test::expect_error([&] { loom::report::read_peer_rows(p); }, {"--peer=" + p + ":2: ", b.says});
+  }
+}
+

@@ -4,6 +4,7 @@
 // user interface.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 #include <unistd.h>
 
@@ -62,7 +63,9 @@ class ConfigFiles : public ::testing::Test {
   fs::path dir_;
 };
 
-// Every core key set away from its default, plus plugin keys for the plugins.
+// Every core key set away from its default (but model.init: an HF folder's
+// config.json would define the sizes; Config.HfInit*), plus plugin keys for
+// the plugins.
 const char* kFullConfig = R"([run]
 name = "llama-test"
 out_dir = "/tmp/out"
@@ -74,7 +77,7 @@ threads = 4
 plugin_path = ["/opt/a", "/opt/b"]
 
 [model]
-init = "hf:/models/llama"
+init = "random"
 layers = "fused"
 hidden = 512
 num_layers = 6
@@ -145,7 +148,7 @@ TEST(Config, FullConfigReadsEveryField) {
   EXPECT_EQ(c.run.threads, 4);
   EXPECT_EQ(c.run.plugin_path, (std::vector<std::string>{"/opt/a", "/opt/b"}));
 
-  EXPECT_EQ(c.model.init, "hf:/models/llama");
+  EXPECT_EQ(c.model.init, "random");
   EXPECT_EQ(c.model.layers, "fused");
   EXPECT_EQ(c.model.spec.hidden, 512);
   EXPECT_EQ(c.model.spec.num_layers, 6);
@@ -262,6 +265,36 @@ TEST(Config, OutDirAndCheckpointDirFollowRunName) {
   EXPECT_EQ(c.checkpoint.dir, "runs/exp1/checkpoints");
   c = parse("[run]\nout_dir = \"/x/y\"\n");
   EXPECT_EQ(c.checkpoint.dir, "/x/y/checkpoints");
+}
+
+// run.name is one folder name (the default out_dir is runs/<name>): '/',
+// "." and "..", blank names and control characters are refused, from the file
+// and from --set; any other name, spaces and dots included, is a name.
+TEST(Config, RunNameIsOneFolderName) {
+  const std::string use = "; it names the run in logs and its default folder runs/<name>: use one name such as "
+                          "\"llama-1b\" (letters, digits, '-', '_', '.', spaces), and run.out_dir for a folder elsewhere";
+  EXPECT_EQ(parse_error("[run]\nname = \"a/b/../../../escaped\"\n"),
+            "q.toml:2:8: run.name = \"a/b/../../../escaped\" holds '/': runs/<name> would be a path, not a folder of "
+            "runs/" + use);
+  EXPECT_EQ(parse_error("", {"run.name=\"/abs\""}),
+            "--set run.name=\"/abs\": run.name = \"/abs\" holds '/': runs/<name> would be a path, not a folder of "
+            "runs/" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \"..\"\n"),
+            "q.toml:2:8: run.name = \"..\" is not a folder name of its own (runs/..)" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \".\"\n"), "q.toml:2:8: run.name = \".\" is not a folder name of its own (runs/.)" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \"   \"\n"), "q.toml:2:8: run.name = \"   \" is blank" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \"a\\nb\"\n"), "q.toml:2:8: run.name = \"a\\nb\" holds a control character" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \"a\\u0000b\"\n"),
+            "q.toml:2:8: run.name = \"a\\u0000b\" holds a control character" + use);
+  EXPECT_EQ(parse_error("[run]\nname = \"\"\n"),
+            "q.toml:2:8: run.name must not be empty: it names the run in logs and the default out_dir");
+  for (const char* ok : {"llama-1b", "my run", "v1.2", "..a", "a..", "run_7"}) {
+    SCOPED_TRACE(ok);
+    const Config c = parse(std::string("[run]\nname = \"") + ok + "\"\n");
+    EXPECT_EQ(c.run.out_dir, std::string("runs/") + ok);
+  }
+  // A name beside an explicit out_dir is still a name (it heads every log line).
+  EXPECT_NE(parse_error("[run]\nname = \"a/b\"\nout_dir = \"/tmp/x\"\n").find("holds '/'"), std::string::npos);
 }
 
 TEST(Config, IntegersAcceptedAsFloats) {
@@ -396,6 +429,22 @@ TEST(Config, TomlSyntaxError) {
   EXPECT_NE(msg.find("TOML syntax error"), std::string::npos) << msg;
 }
 
+// A string left open is told as that (toml++ says it met a control
+// character: the newline), wherever it ends: at a line's end, at the file's
+// end, basic or literal. Any other control character in a string keeps the
+// parser's own description.
+TEST(Config, UnclosedStringIsToldAsOne) {
+  const std::string says = "TOML syntax error: a string is not closed before the end of its line (its closing quote "
+                           "is missing; a string over several lines is written \"\"\"...\"\"\")";
+  EXPECT_EQ(parse_error("[run]\nname = \"abc\nseed = 1\n"), "q.toml:2:12: " + says);
+  EXPECT_EQ(parse_error("[run]\nname = \"abc\r\nseed = 1\r\n"), "q.toml:2:12: " + says);
+  EXPECT_EQ(parse_error("[run]\nname = 'abc\nseed = 1\n"), "q.toml:2:12: " + says);
+  EXPECT_EQ(parse_error("[run]\nname = \"abc"), "q.toml:2:12: " + says);
+  const std::string ctl = parse_error(std::string("[run]\nname = \"a\x01z\"\n"));
+  EXPECT_NE(ctl.find("control characters"), std::string::npos) << ctl;
+  EXPECT_EQ(ctl.find("not closed"), std::string::npos) << ctl;
+}
+
 TEST(Config, CrossFieldErrors) {
   EXPECT_EQ(parse_error("[model]\nhidden = 100\nnum_heads = 8\n"),
             "q.toml:3:13: model.hidden = 100 is not divisible by model.num_heads = 8: the head dimension is "
@@ -410,7 +459,8 @@ TEST(Config, CrossFieldErrors) {
             "q.toml:2:11: train.seq_len = 4096 exceeds model.max_seq_len = 2048: raise model.max_seq_len or "
             "shorten train.seq_len");
   EXPECT_EQ(parse_error("[train]\nlr = 1e-4\nmin_lr = 1e-3\n"),
-            "q.toml:3:10: train.min_lr = 0.001 exceeds train.lr = 0.0001: the schedule decays from lr down to min_lr");
+            "q.toml:3:10: train.min_lr = 0.001 exceeds train.lr = 0.0001: the cosine schedule decays from lr down to "
+            "min_lr");
   EXPECT_EQ(parse_error("[train]\nsteps = 10\nwarmup_steps = 11\n"),
             "q.toml:3:16: train.warmup_steps = 11 exceeds train.steps = 10");
   // Which device a recipe runs on is the recipe's to say, when it is created
@@ -418,6 +468,46 @@ TEST(Config, CrossFieldErrors) {
   // match plugin names.
   EXPECT_NO_THROW(parse("[precision]\nplugin = \"bf16\"\n"));
   EXPECT_NO_THROW(parse("[run]\ndevice = \"cuda\"\n[precision]\nplugin = \"bf16\"\n"));
+}
+
+// A key that only does something in another mode (a decaying schedule's
+// min_lr, fused layers' head_chunk, the experts' keys of a mixture of
+// experts) is refused when that mode is off, located at the key and naming
+// it and the setting that turns it off; in its mode it is accepted. (It would
+// otherwise be read and ignored.)
+TEST(Config, KeysOfAnotherModeAreRefused) {
+  struct Case { std::string on, off, line, says; };
+  const std::string moe = "[model]\nffn = \"moe\"\n", dense = "[model]\nffn = \"dense\"\n";
+  for (const Case& c : std::vector<Case>{
+           {"[train]\nschedule = \"cosine\"\n", "[train]\nschedule = \"constant\"\n", "min_lr = 1e-5\n",
+            "train.min_lr applies to a decaying schedule only"},
+           {"[train]\nschedule = \"linear\"\n", "[train]\nschedule = \"constant\"\n", "min_lr = 0\n",
+            "train.min_lr applies to a decaying schedule only"},
+           {"[model]\nlayers = \"fused\"\n", "[model]\nlayers = \"native\"\n", "head_chunk = 128\n",
+            "model.head_chunk applies to fused layers only"},
+           {"[model]\nlayers = \"fused\"\n", "[model]\n", "head_chunk = 0\n", "model.head_chunk applies to fused layers only"},
+           {moe, dense, "num_experts = 8\n", "model.num_experts applies to a mixture of experts only"},
+           {moe, dense, "top_k = 1\n", "model.top_k applies to a mixture of experts only"},
+           {moe, dense, "router_aux_loss_coef = 0.1\n", "model.router_aux_loss_coef applies to a mixture of experts only"},
+           {moe, dense, "router_jitter_noise = 0.1\n", "model.router_jitter_noise applies to a mixture of experts only"}}) {
+    SCOPED_TRACE(c.line);
+    EXPECT_NO_THROW(parse(c.on + c.line));
+    const std::string msg = parse_error(c.off + c.line);
+    const int line = static_cast<int>(std::count(c.off.begin(), c.off.end(), '\n')) + 1;
+    EXPECT_EQ(msg.rfind("q.toml:" + std::to_string(line) + ":", 0), 0u) << msg;
+    EXPECT_NE(msg.find(c.says), std::string::npos) << msg;
+  }
+  EXPECT_EQ(parse_error("[train]\nschedule = \"constant\"\nmin_lr = 1e-5\n"),
+            "q.toml:3:10: train.min_lr applies to a decaying schedule only (cosine, linear: the lr after the decay): "
+            "train.schedule = \"constant\" keeps train.lr after the warm-up; remove train.min_lr");
+  EXPECT_EQ(parse_error("[model]\nhead_chunk = 64\n"),
+            "q.toml:2:14: model.head_chunk applies to fused layers only (their LM head runs in chunks of tokens): set "
+            "model.layers = \"fused\" or remove model.head_chunk (model.layers is \"native\", which computes the "
+            "whole micro-batch's logits at once)");
+  // The min_lr <= lr rule names the schedule that decays (constant has none).
+  EXPECT_EQ(parse_error("[train]\nschedule = \"linear\"\nlr = 1e-4\nmin_lr = 1e-3\n"),
+            "q.toml:4:10: train.min_lr = 0.001 exceeds train.lr = 0.0001: the linear schedule decays from lr down to "
+            "min_lr");
 }
 
 // sharding.expert_parallel: a core key in the plugin's section, checked against the model.
@@ -436,6 +526,71 @@ TEST(Config, ExpertParallel) {
   EXPECT_EQ(parse("[run]\ndevice = \"cuda\"\n" + moe + "[sharding]\nexpert_parallel = 2\n").expert_parallel, 2);
   const std::string zero = parse_error(moe + "[sharding]\nexpert_parallel = 0\n");
   EXPECT_NE(zero.find("expert_parallel"), std::string::npos) << zero;
+}
+
+// Every size key may be anywhere in its documented range, but their products
+// (parameters, experts in the model, tokens of a step) can leave 64 bits:
+// over the corners of those ranges, a config is either refused naming the keys
+// or its int64 counts are exact (the long double count, non-negative, active
+// at most total) and inside the documented bounds.
+TEST(Config, CountsOfEverySizeInRangeAreExactOrRefusedNamingTheKeys) {
+  int accepted = 0, refused = 0;
+  for (int64_t hidden : {int64_t{2}, int64_t{4096}, int64_t{1} << 20})
+    for (int64_t ffn : {int64_t{1}, int64_t{1} << 20})
+      for (int64_t layers : {1, 64, 4096})
+        for (int64_t experts : {0, 8, 4096})
+          for (int64_t top_k : {1, 64})
+            for (int64_t vocab : {int64_t{2}, int64_t{2147483647}})
+              for (bool tied : {false, true}) {
+                if (top_k > std::max<int64_t>(experts, 1) || (experts == 0 && top_k != 1)) continue;
+                std::ostringstream t;
+                t << "[model]\nhidden = " << hidden << "\nnum_heads = 1\nnum_kv_heads = 1\nffn_hidden = " << ffn
+                  << "\nnum_layers = " << layers << "\nvocab_size = " << vocab
+                  << "\ntied_embeddings = " << (tied ? "true" : "false") << "\n";
+                if (experts > 0) t << "ffn = \"moe\"\nnum_experts = " << experts << "\ntop_k = " << top_k << "\n";
+                SCOPED_TRACE(t.str());
+                try {
+                  const loom::ModelSpec s = parse(t.str()).model.spec;
+                  ++accepted;
+                  EXPECT_EQ(static_cast<long double>(s.total_params()), s.total_params_ld());
+                  EXPECT_GT(s.total_params(), 0);
+                  EXPECT_LE(s.total_params(), loom::kMaxParams);
+                  EXPECT_GT(s.active_params(), 0);
+                  EXPECT_LE(s.active_params(), s.total_params());
+                  EXPECT_GT(s.matmul_params(), 0);
+                  EXPECT_LE(s.matmul_params(), s.total_matmul_params());
+                  EXPECT_LE(s.total_matmul_params(), s.total_params());
+                  EXPECT_GT(s.flops_per_token(2048), 0.0);
+                } catch (const loom::Error& e) {
+                  ++refused;
+                  const std::string msg = e.what();
+                  EXPECT_EQ(msg.rfind("q.toml:", 0), 0u) << msg;
+                  const bool params = msg.find("parameters, more than Loom plans for (at most 2^50") != std::string::npos;
+                  const bool experts_total = msg.find("experts, more than Loom plans for (at most 2^20") != std::string::npos;
+                  EXPECT_TRUE(params || experts_total) << msg;
+                  for (const char* key : {"model.num_layers = ", "model.hidden = "})
+                    if (params) EXPECT_NE(msg.find(key), std::string::npos) << msg;
+                  if (experts_total) EXPECT_NE(msg.find("model.num_experts = "), std::string::npos) << msg;
+                }
+              }
+  EXPECT_GT(accepted, 0);
+  EXPECT_GT(refused, 0);
+  // 1024 layers of 4096 experts of 2^20 x 2^20: an int64 count of them reads -4.6e18.
+  const std::string msg = parse_error("[model]\nhidden = 1048576\nnum_heads = 2\nnum_kv_heads = 2\nnum_layers = 1024\n"
+                                      "ffn_hidden = 1048576\nffn = \"moe\"\nnum_experts = 4096\ntop_k = 2\n");
+  EXPECT_EQ(msg.rfind("q.toml:5:14: the model would have 1.38e+19 parameters", 0), 0u) << msg;
+  // Tokens of a step: each key in range, the product beyond 2^40.
+  for (int64_t accum : {int64_t{1}, int64_t{1} << 20}) {
+    const std::string text = "[model]\nmax_seq_len = 1048576\n[train]\nmicro_batch = 1048576\nseq_len = 1048576\n"
+                             "grad_accum = " + std::to_string(accum) + "\n";
+    if (accum == 1) {
+      EXPECT_EQ(parse(text).train.micro_batch * parse(text).train.seq_len, int64_t{1} << 40);
+    } else {
+      EXPECT_EQ(parse_error(text), "q.toml:6:14: train.micro_batch = 1048576 x train.seq_len = 1048576 x "
+                                   "train.grad_accum = 1048576 = 1.15e+18 tokens per rank and step, more than Loom "
+                                   "plans for (at most 2^40 = 1.1e+12); lower them");
+    }
+  }
 }
 
 TEST(Config, TypoReportedBeforeCrossFieldError) {
@@ -474,6 +629,103 @@ TEST_F(ConfigFiles, LoadsFileAndLocatesErrorsByPath) {
             bad.string() + ":3:6: train.lr = -1 is out of range: must be in [0, 10]");
 }
 
+// model.init = "hf:DIR": the folder's config.json defines the model. Its
+// sizes become the config's (the cross-field rules, the counts and the saved
+// config see the model that is trained); every [model] key it determines,
+// set by the user to another value, is refused naming both values and the
+// file; the same value is accepted, and the effective config reads back.
+TEST_F(ConfigFiles, HfInitSizesAreTheFoldersAndAKeyThatDiffersIsRefused) {
+  const fs::path llama = dir_ / "llama";
+  fs::create_directories(llama);
+  std::ofstream(llama / "config.json") << R"({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 160, "vocab_size": 96,
+    "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "tie_word_embeddings": true})";
+  const std::string head = "[model]\ninit = \"hf:" + llama.string() + "\"\n";
+  const Config c = parse(head + "[train]\nseq_len = 32\n");
+  const loom::ModelSpec& s = c.model.spec;
+  EXPECT_EQ(s.hidden, 64);
+  EXPECT_EQ(s.num_layers, 2);
+  EXPECT_EQ(s.num_heads, 4);
+  EXPECT_EQ(s.num_kv_heads, 2);
+  EXPECT_EQ(s.ffn_hidden, 160);
+  EXPECT_EQ(s.vocab_size, 96);
+  EXPECT_EQ(s.max_seq_len, 64);
+  EXPECT_DOUBLE_EQ(s.norm_eps, 1e-6);
+  EXPECT_DOUBLE_EQ(s.rope_theta, 500000.0);
+  EXPECT_TRUE(s.tied_embeddings);
+  EXPECT_FALSE(s.moe());
+  for (const char* line : {"hidden = 64\n", "num_layers = 2\n", "num_kv_heads = 2\n", "ffn_hidden = 160\n",
+                           "vocab_size = 96\n", "max_seq_len = 64\n", "norm_eps = 1e-6\n", "rope_theta = 500000.0\n",
+                           "tied_embeddings = true\n", "ffn = \"dense\"\n"})
+    EXPECT_NE(c.effective_toml.find(line), std::string::npos) << line << " not in:\n" << c.effective_toml;
+  const Config again = parse(c.effective_toml);
+  EXPECT_EQ(again.model.spec.hidden, 64);
+  EXPECT_EQ(again.model.spec.max_seq_len, 64);
+
+  // Every key the folder determines: the folder's value is accepted, another is refused.
+  struct Case { const char* key; const char* same; const char* other; const char* hf_key; const char* theirs; };
+  for (const Case& k : std::vector<Case>{{"hidden", "64", "128", "hidden_size", "64"},
+                                        {"num_layers", "2", "3", "num_hidden_layers", "2"},
+                                        {"num_heads", "4", "8", "num_attention_heads", "4"},
+                                        {"num_kv_heads", "2", "4", "num_key_value_heads", "2"},
+                                        {"ffn_hidden", "160", "256", "intermediate_size", "160"},
+                                        {"vocab_size", "96", "258", "vocab_size", "96"},
+                                        {"max_seq_len", "64", "2048", "max_position_embeddings", "64"},
+                                        {"rope_theta", "500000.0", "20000", "rope_theta", "500000"},
+                                        {"norm_eps", "1e-6", "1e-5", "rms_norm_eps", "1e-6"},
+                                        {"tied_embeddings", "true", "false", "tie_word_embeddings", "true"},
+                                        {"ffn", "\"dense\"", "\"moe\"", "model_type \"llama\": dense", "\"dense\""}}) {
+    SCOPED_TRACE(k.key);
+    EXPECT_NO_THROW(parse(head + k.key + " = " + k.same + "\n"));
+    EXPECT_EQ(parse_error(head + k.key + " = " + k.other + "\n"),
+              "q.toml:3:" + std::to_string(std::string(k.key).size() + 4) + ": model." + k.key + " = " + k.other +
+                  " differs from the model in " + (llama / "config.json").string() + " (" + k.hf_key + " = " + k.theirs +
+                  "): with model.init = \"hf:" + llama.string() + "\" the folder's config.json defines the model, so "
+                  "model." + k.key + " would be ignored. Remove model." + k.key + " or set it to " + k.theirs);
+    // The same from the command line, located at the --set.
+    const std::string set = std::string(k.key) == "ffn" ? "model.ffn=moe" : std::string("model.") + k.key + "=" + k.other;
+    EXPECT_EQ(parse_error(head, {set}).rfind("--set " + set + ": model." + k.key + " = ", 0), 0u) << parse_error(head, {set});
+  }
+  // Keys of a mixture of experts: the folder is dense.
+  EXPECT_EQ(parse_error(head + "num_experts = 8\n"),
+            "q.toml:3:15: model.num_experts applies to a mixture of experts, but " + (llama / "config.json").string() +
+                " describes a dense Llama (model_type \"llama\"), which model.init = \"hf:" + llama.string() +
+                "\" trains: remove model.num_experts");
+  // A sequence longer than max_position_embeddings raises the model's max_seq_len, as the run does.
+  const Config longer = parse(head + "[train]\nseq_len = 128\n");
+  EXPECT_EQ(longer.model.spec.max_seq_len, 128);
+  EXPECT_EQ(parse(longer.effective_toml).model.spec.max_seq_len, 128);
+
+  // A Mixtral folder: the experts are the folder's too.
+  const fs::path mixtral = dir_ / "mixtral";
+  fs::create_directories(mixtral);
+  std::ofstream(mixtral / "config.json") << R"({"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 96, "num_local_experts": 4,
+    "num_experts_per_tok": 2, "router_aux_loss_coef": 0.01})";
+  const std::string mhead = "[model]\ninit = \"hf:" + mixtral.string() + "\"\n";
+  const Config m = parse(mhead + "[train]\nseq_len = 32\n");
+  EXPECT_EQ(m.model.ffn, "moe");
+  EXPECT_EQ(m.model.spec.num_experts, 4);
+  EXPECT_EQ(m.model.spec.top_k, 2);
+  EXPECT_DOUBLE_EQ(m.model.spec.router_aux_loss_coef, 0.01);
+  EXPECT_EQ(parse(m.effective_toml).model.spec.num_experts, 4);
+  EXPECT_NO_THROW(parse(mhead + "top_k = 2\n"));
+  EXPECT_NE(parse_error(mhead + "num_experts = 8\n").find("model.num_experts = 8 differs from the model in "),
+            std::string::npos);
+  EXPECT_NE(parse_error(mhead + "router_aux_loss_coef = 0.02\n").find("(router_aux_loss_coef = 0.01)"),
+            std::string::npos);
+
+  // A folder that cannot be read is refused with the config, located at model.init.
+  EXPECT_EQ(parse_error("[model]\ninit = \"hf:" + (dir_ / "nope").string() + "\"\n")
+                .rfind("q.toml:2:8: model.init = \"hf:" + (dir_ / "nope").string() + "\": ", 0),
+            0u);
+  std::ofstream(llama / "config.json") << R"({"model_type": "llama", "hidden_size": 64})";
+  const std::string broken = parse_error(head);
+  EXPECT_EQ(broken.rfind("q.toml:2:8: model.init = \"hf:" + llama.string() + "\": " + (llama / "config.json").string() +
+                             ": required key \"num_hidden_layers\" is missing", 0),
+            0u) << broken;
+}
+
 TEST_F(ConfigFiles, MissingFile) {
   fs::path missing = dir_ / "nope.toml";
   std::string msg = error_of([&] { loom::load_config(missing, {}); });
@@ -493,7 +745,7 @@ TEST_F(ConfigFiles, SyntaxErrorInFile) {
 
 TEST(ConfigOverrides, TypedValues) {
   Config c = parse(kFullConfig, {"train.steps=1000", "train.lr=1e-3", "data.plugin=synthetic", "run.deterministic=false",
-                                 "run.name=\"quoted name\"", "run.plugin_path=[\"/x\"]", "model.init=hf:/m/llama-7b",
+                                 "run.name=\"quoted name\"", "run.plugin_path=[\"/x\"]", "model.recompute=full",
                                  "train.min_lr = 0"});
   EXPECT_EQ(c.train.steps, 1000);
   EXPECT_DOUBLE_EQ(c.train.lr, 1e-3);
@@ -501,7 +753,7 @@ TEST(ConfigOverrides, TypedValues) {
   EXPECT_FALSE(c.run.deterministic);
   EXPECT_EQ(c.run.name, "quoted name");
   EXPECT_EQ(c.run.plugin_path, std::vector<std::string>{"/x"});
-  EXPECT_EQ(c.model.init, "hf:/m/llama-7b");
+  EXPECT_EQ(c.model.recompute, "full");
   EXPECT_DOUBLE_EQ(c.train.min_lr, 0.0);
 }
 
@@ -526,6 +778,33 @@ TEST(ConfigOverrides, ErrorsLocatedAtTheOverride) {
             "--set trian.steps=10: unknown section [trian] (did you mean ");
   EXPECT_EQ(parse_error("", {"run.device=gpu"}),
             "--set run.device=gpu: run.device = \"gpu\" is not one of: cpu, cuda (did you mean \"cpu\"?)");
+}
+
+// A table (or an array of tables) as a --set value would replace the whole
+// table at that key and drop what the file sets there: refused, at any depth,
+// naming the keys to set one by one; dotted keys merge into the file's table.
+TEST(ConfigOverrides, TablesAreRefusedAsValuesAndDottedKeysMerge) {
+  const std::string file = "[run]\nname = \"a\"\nseed = 1\nthreads = 1\n[data]\nplugin = \"synthetic\"\n";
+  EXPECT_EQ(parse_error(file, {"run={name=\"zz\", out_dir=\"/tmp/o\"}"}),
+            "--set run={name=\"zz\", out_dir=\"/tmp/o\"}: a table cannot be a --set value: it would replace all of "
+            "run, dropping the keys the file sets there. Set its keys one by one: --set run.name=\"zz\" --set "
+            "run.out_dir=\"/tmp/o\"");
+  EXPECT_EQ(parse_error(file, {"model = { hidden = 64 }"}),
+            "--set model = { hidden = 64 }: a table cannot be a --set value: it would replace all of model, dropping "
+            "the keys the file sets there. Set its keys one by one: --set model.hidden=64");
+  EXPECT_EQ(parse_error(file, {"data.sub={}"}),
+            "--set data.sub={}: a table cannot be a --set value: it would replace all of data.sub, dropping the keys "
+            "the file sets there. Set its keys one by one (--set data.sub.key=value)");
+  EXPECT_EQ(parse_error(file, {"run.list=[{a=1}, {a=2}]"}),
+            "--set run.list=[{a=1}, {a=2}]: an array of tables cannot be a --set value; write run.list in the config "
+            "file ([[run.list]] tables)");
+  // Arrays of values are values.
+  EXPECT_EQ(parse(file, {"run.plugin_path=[\"/x\"]"}).run.plugin_path, std::vector<std::string>{"/x"});
+  const Config c = parse(file, {"run.name=\"zz\"", "run.out_dir=\"/tmp/o\""});
+  EXPECT_EQ(c.run.name, "zz");
+  EXPECT_EQ(c.run.out_dir, "/tmp/o");
+  EXPECT_EQ(c.run.seed, 1u);
+  EXPECT_EQ(c.run.threads, 1);
 }
 
 TEST(ConfigOverrides, MalformedOverrides) {
@@ -650,6 +929,21 @@ TEST(DidYouMean, Cases) {
   EXPECT_EQ(loom::did_you_mean("tpu", {"cpu", "cuda"}), "cpu");
 }
 
+// Case is no distance: a value, key or section written in another case gets
+// the name it spells as its suggestion, in every kind of message.
+TEST(DidYouMean, CaseIsNoDistance) {
+  EXPECT_EQ(loom::did_you_mean("INFO", {"trace", "debug", "info"}), "info");
+  EXPECT_EQ(loom::did_you_mean("usr1", {"USR1", "USR2", "none"}), "USR1");
+  EXPECT_EQ(loom::did_you_mean("X", {"a", "x"}), "x");
+  EXPECT_EQ(parse_error("[run]\nlog_level = \"INFO\"\n"),
+            "q.toml:2:13: run.log_level = \"INFO\" is not one of: trace, debug, info, warn, error (did you mean \"info\"?)");
+  EXPECT_NE(parse_error("[run]\nstop_signal = \"usr1\"\n").find("(did you mean \"USR1\"?)"), std::string::npos);
+  EXPECT_NE(parse_error("[run]\ndevice = \"CPU\"\n").find("(did you mean \"cpu\"?)"), std::string::npos);
+  EXPECT_NE(parse_error("[train]\nschedule = \"COSINE\"\n").find("(did you mean \"cosine\"?)"), std::string::npos);
+  EXPECT_NE(parse_error("[TRAIN]\nsteps = 1\n").find("unknown section [TRAIN] (did you mean [train]?)"), std::string::npos);
+  EXPECT_NE(parse_error("[train]\nSteps = 1\n").find("(did you mean 'steps'?)"), std::string::npos);
+}
+
 // ------------------------------------------------------------------ docs
 
 namespace {
@@ -714,6 +1008,18 @@ TEST(ConfigArgs, SplitsFileOverridesAndRest) {
   a = loom::parse_config_args({"--set", "a.b=1", "c.toml"});
   EXPECT_EQ(a.file, "c.toml");
   EXPECT_EQ(a.overrides, std::vector<std::string>{"a.b=1"});
+}
+
+// A command's flags that take a value keep it beside them in either form, so
+// that "--steps 3 c.toml" does not take 3 for the CONFIG.
+TEST(ConfigArgs, ValueFlagsKeepTheirValues) {
+  loom::ConfigArgs a = loom::parse_config_args({"--steps", "3", "c.toml", "--json=x.json", "--warmup", "1", "--breakdown"},
+                                               {"--steps", "--warmup", "--json"});
+  EXPECT_EQ(a.file, "c.toml");
+  EXPECT_EQ(a.rest, (std::vector<std::string>{"--steps", "3", "--json=x.json", "--warmup", "1", "--breakdown"}));
+  // Last, or before another option, the flag stays alone (the command says it needs a value).
+  a = loom::parse_config_args({"c.toml", "--steps", "--breakdown"}, {"--steps"});
+  EXPECT_EQ(a.rest, (std::vector<std::string>{"--steps", "--breakdown"}));
 }
 
 TEST(ConfigArgs, Errors) {

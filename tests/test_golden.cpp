@@ -65,7 +65,7 @@ TEST_P(Golden, MatchesHFTransformers) {
       // chunked loss and gradient are checked across a ragged last chunk.
       << (std::string(path.layers) == "fused" ? "head_chunk = 7\n" : "")
       << "[train]\nsteps = 5\nmicro_batch = " << B << "\nseq_len = " << S << "\n"
-      << "lr = 1e-3\nmin_lr = 1e-3\nschedule = \"constant\"\nwarmup_steps = 0\ngrad_clip = 1.0\n"
+      << "lr = 1e-3\nschedule = \"constant\"\nwarmup_steps = 0\ngrad_clip = 1.0\n"
       << "weight_decay = 0.1\nbeta1 = 0.9\nbeta2 = 0.95\neps = 1e-8\n"
       << "[checkpoint]\nresume = \"none\"\n"
       << "[precision]\nplugin = \"" << path.precision << "\"\n[attention]\nplugin = \"" << path.attention

@@ -13,6 +13,7 @@
 #include "test_util.hpp"
 #include "train/memory_budget.hpp"
 #include "train/session.hpp"
+#include "train/train_state.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom::test;
@@ -128,6 +129,72 @@ TEST(ReliabilityMemory, EmptyConfigIsWhatTheDocsSay) {
   EXPECT_LT(gib, 3.6);
 }
 
+// The peak resident memory of this process so far.
+size_t peak_rss_bytes() {
+  std::ifstream st("/proc/self/status");
+  for (std::string line; std::getline(st, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return static_cast<size_t>(std::stoull(line.substr(6))) * 1024;
+  return 0;
+}
+
+// The plan's floor (loom::plan_floor, what is compared before any layer or
+// expert exists) is a lower bound of the detailed plan, for every kind of
+// model: dense and MoE, native and fused layers (with and without a head
+// chunk), tied embeddings, recompute: it never refuses a run that fits.
+TEST(ReliabilityMemory, PlanFloorIsALowerBoundOfTheDetailedPlan) {
+  const fs::path dir = fresh_dir("memory_floor");
+  const std::string moe = "model.ffn=\"moe\"";
+  for (const std::vector<std::string>& ov : std::vector<std::vector<std::string>>{
+           {},
+           {"model.layers=\"fused\""},
+           {"model.layers=\"fused\"", "model.head_chunk=16"},
+           {"model.tied_embeddings=true", "model.recompute=\"full\""},
+           {moe, "model.num_experts=8", "model.top_k=2"},
+           {moe, "model.num_experts=64", "model.top_k=8", "model.layers=\"fused\"", "model.recompute=\"full\""},
+           {"train.micro_batch=64", "train.seq_len=64", "model.vocab_size=5000"}}) {
+    std::string trace;
+    for (const auto& o : ov) trace += o + " ";
+    SCOPED_TRACE(trace);
+    loom::Session s(loom::parse_config_string(tiny_config(dir / "run"), "floor.toml", ov));
+    const loom::PlanFloor f = loom::plan_floor(s.config(), s.spec(), s.precision().dtypes(), 1);
+    EXPECT_EQ(f.params, static_cast<long double>(s.spec().total_params()));
+    EXPECT_GT(f.plan, 0.0L);
+    EXPECT_LE(f.plan, static_cast<long double>(s.memory_plan().total_bytes()));
+    EXPECT_LE(f.state, static_cast<long double>(s.memory_plan().category_bytes(loom::MemCategory::params) +
+                                                s.memory_plan().category_bytes(loom::MemCategory::grads) +
+                                                s.memory_plan().category_bytes(loom::MemCategory::optimizer) +
+                                                s.memory_plan().category_bytes(loom::MemCategory::master)));
+    EXPECT_LE(f.activations, static_cast<long double>(s.memory_plan().category_bytes(loom::MemCategory::activations)));
+  }
+}
+
+// A config whose state cannot fit this machine's memory is refused from its
+// numbers, before any layer or expert is built: the process does not grow by
+// the gigabytes that describing a million experts takes (before, 4096 layers
+// of 4096 experts took 20 GB and 78 s to be refused by the detailed plan).
+TEST(ReliabilityMemory, PlanThatCannotFitIsRefusedBeforeAnyLayerIsBuilt) {
+  const fs::path dir = fresh_dir("memory_early");
+  const size_t before = peak_rss_bytes();
+  // 256 layers of 4096 experts: 32B parameters (about 480 GiB of fp32 state
+  // and AdamW moments) in 3.1M tensors.
+  loom::Config c = loom::parse_config_string(tiny_config(dir / "run"), "early.toml",
+                                             {"model.ffn=\"moe\"", "model.num_experts=4096", "model.num_layers=256"});
+  try {
+    loom::Session s(std::move(c));
+    const loom::MemoryBudget b = loom::host_memory_budget();
+    if (!b.known() || b.available > 1024 * GiB) GTEST_SKIP() << "this machine could hold the plan";
+    ADD_FAILURE() << "a plan of about 480 GiB was not refused";
+  } catch (const loom::MemoryPlanError& e) {
+    const std::string msg = e.what();
+    EXPECT_CONTAINS(msg, "the memory plan cannot fit: before anything is planned in detail");
+    EXPECT_CONTAINS(msg, "32.28B parameters x 16 bytes");
+    EXPECT_CONTAINS(msg, "describing the 3147523 parameter tensors");
+    EXPECT_CONTAINS(msg, "model.num_experts = 4096");
+    EXPECT_CONTAINS(msg, "Nothing was built");
+  }
+  EXPECT_LT(peak_rss_bytes(), before + 256 * MiB) << "the layers were built before the refusal";
+}
+
 // In a 1 GiB cgroup: the empty config is refused with the plan and the fix
 // (not OOM-killed); a small config trains in the same cgroup.
 TEST(ReliabilityMemory, PlanLargerThanTheCgroupIsRefusedNotKilled) {
@@ -141,12 +208,14 @@ TEST(ReliabilityMemory, PlanLargerThanTheCgroupIsRefusedNotKilled) {
                                    cg.run_inside(std::string("'") + LOOM_CLI + "' " + cmd + " empty.toml"));
     EXPECT_EQ(r.signal, 0) << r.out;
     EXPECT_EQ(r.code, 1) << r.out;
-    EXPECT_CONTAINS(r.out, "the memory plan does not fit");
-    EXPECT_CONTAINS(r.out, "params 511.6 MiB");
+    // Its state alone (134M parameters of 16 bytes) exceeds the limit: refused
+    // from the config's numbers, before the detailed plan.
+    EXPECT_CONTAINS(r.out, "the memory plan cannot fit");
+    EXPECT_CONTAINS(r.out, "134.11M parameters x 16 bytes");
     EXPECT_CONTAINS(r.out, "the memory cgroup");
     EXPECT_CONTAINS(r.out, "train.micro_batch (8)");
     EXPECT_CONTAINS(r.out, "model.hidden = 768");
-    EXPECT_CONTAINS(r.out, "Nothing was allocated");
+    EXPECT_CONTAINS(r.out, "Nothing was built");
   }
   EXPECT_FALSE(fs::exists(dir / "runs" / "run" / "metrics.jsonl"));
   const fs::path cfg = dir / "small.toml";

@@ -15,6 +15,8 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "config/run_config.hpp"
+#include "data/megatron/megatron_data.hpp"
+#include "data/tokens/tokens_data.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
@@ -112,7 +114,9 @@ TEST(ReliabilityMessages, EveryStatedRangeIsTheRangeThatIsAccepted) {
     std::optional<Claim> claim;
     std::vector<double> accepted;
     for (const auto& [text, value] : probes(k.is_float)) {
-      const std::string toml = "[" + k.section + "]\n" + k.key + " = " + text + "\n";
+      // head_chunk is a key of fused layers (refused with native ones whatever its value).
+      const std::string toml = "[" + k.section + "]\n" + k.key + " = " + text + "\n" +
+                               (k.key == "head_chunk" ? "layers = \"fused\"\n" : "");
       std::string msg;
       try {
         (void)loom::parse_config_string(toml, "m.toml", {});
@@ -240,8 +244,9 @@ TEST(ReliabilityMessages, HfInitThatIsNoFolderSaysWhatItIs) {
            {(dir / "missing").string(), " does not exist"}, {(dir / "afile").string(), " is a file"},
            {"/dev/null", " is not a folder"}}) {
     SCOPED_TRACE(path);
-    loom::Config cfg = loom::parse_config_string(tiny_config(dir / "run", 2), "m.toml", {"model.init=hf:" + path});
-    expect_error([&] { loom::Session s(std::move(cfg)); }, {"model.init = \"hf:" + path + "\"", path + says});
+    // Refused with the config, located at the key that names it.
+    expect_error([&] { (void)loom::parse_config_string(tiny_config(dir / "run", 2), "m.toml", {"model.init=hf:" + path}); },
+                 {"--set model.init=hf:" + path + ": model.init = \"hf:" + path + "\"", path + says});
   }
 }
 
@@ -288,3 +293,124 @@ TEST(ReliabilityMessages, RefusedDataStateNamesTheCheckpointFile) {
          "data state"});
   }
 }
+
+// The command line, the same for every command: `loom <command> --help`
+// prints that command's usage and succeeds; an error names the command once
+// ("loom check: error: ...", never "loom check: error: loom check: ...") and
+// never an internal check; a flag that takes a value takes it as --flag=V or
+// --flag V alike.
+TEST(ReliabilityMessages, EveryCommandHelpsNamesItselfOnceAndTakesBothFlagForms) {
+  const fs::path dir = fresh_dir("messages_cli");
+  const fs::path cfg = dir / "c.toml";
+  std::ofstream(cfg) << tiny_config(dir / "run", 2);
+  const std::string loom = std::string("'") + LOOM_CLI + "' ";
+  for (const char* cmd : {"train", "check", "bench", "compare", "convert", "plot", "plugins", "prepare"}) {
+    SCOPED_TRACE(cmd);
+    const ProcResult r = run_shell(loom + cmd + " --help");
+    EXPECT_EQ(r.code, 0) << r.out;
+    EXPECT_CONTAINS(r.out, std::string("usage: loom ") + cmd);
+  }
+  const std::string c = "'" + cfg.string() + "'";
+  struct Case { std::string cmd, args, says; };
+  for (const Case& k : std::vector<Case>{
+           {"train", "", "missing CONFIG"},
+           {"train", c + " --bogus", "unknown argument '--bogus'"},
+           {"check", c + " --world", "--world needs a value: --world=VALUE or --world VALUE"},
+           {"check", c + " --world 8 --gpus-per-node 3",
+            "--world 8 is not a multiple of --gpus-per-node 3: every node holds the same number of ranks"},
+           {"check", c + " --world=8 --gpus-per-node=3", "--world 8 is not a multiple of --gpus-per-node 3"},
+           {"check", c + " --bogus", "unknown argument '--bogus'"},
+           {"bench", c + " --steps=0", "--steps needs a positive integer, got '0'"},
+           {"bench", c + " --steps", "--steps needs a value"},
+           {"bench", c + " --bogus", "unknown argument '--bogus'"},
+           {"compare", c + " --strategies=", "--strategies= names nothing to compare"},
+           {"compare", c + " --steps abc", "--steps needs a non-negative integer, got 'abc'"},
+           {"compare", c + " --bogus", "unknown argument '--bogus'"},
+           {"convert", "", "usage: loom convert"},
+           {"convert", "'" + (dir / "none").string() + "' --to-hf=" + (dir / "hf").string(), "does not exist"},
+           {"plot", "", "needs at least one RUN_DIR"},
+           {"plot", "'" + dir.string() + "' --out p.jpg", "loom plot writes a PNG image; give --out a name ending in .png"},
+           {"plugins", "--bogus", "unknown argument '--bogus'"},
+           {"prepare", "text out in --bogus", "unknown option '--bogus'"},
+           {"prepare", "text out in --threads -1", "--threads '-1' is not a non-negative integer (e.g. --threads 8"},
+           {"prepare", "text out in --seed=-1", "--seed '-1' is not a non-negative integer (e.g. --seed 1234)"},
+           {"version", "extra", "takes no arguments, got 'extra'"}}) {
+    SCOPED_TRACE(k.cmd + " " + k.args);
+    const ProcResult r = run_shell("cd '" + dir.string() + "' && " + loom + k.cmd + " " + k.args);
+    EXPECT_NE(r.code, 0) << r.out;
+    EXPECT_CONTAINS(r.out, k.says);
+    const std::string prefix = "loom " + k.cmd + ": error: ";
+    EXPECT_EQ(r.out.rfind(prefix, 0), 0u) << r.out;
+    EXPECT_EQ(r.out.find(prefix, 1), std::string::npos) << r.out;
+    EXPECT_FALSE(has(r.out, prefix + "loom " + k.cmd)) << r.out;
+    EXPECT_FALSE(has(r.out, "[check failed")) << r.out;
+  }
+  // Both forms of a flag mean the same.
+  for (const auto& [eq, space] : std::vector<std::pair<std::string, std::string>>{
+           {"check " + c + " --set sharding.plugin=ddp --world=2 --gpus-per-node=2",
+            "check " + c + " --set sharding.plugin=ddp --world 2 --gpus-per-node 2"},
+           {"check --world=2 " + c + " --set sharding.plugin=ddp", "check --world 2 " + c + " --set sharding.plugin=ddp"}}) {
+    SCOPED_TRACE(space);
+    const ProcResult a = run_shell(loom + eq), b = run_shell(loom + space);
+    EXPECT_EQ(a.code, 0) << a.out;
+    EXPECT_EQ(b.code, 0) << b.out;
+    EXPECT_EQ(a.out, b.out);
+    EXPECT_CONTAINS(b.out, "ranks 2");
+  }
+}
+
+// Every message about a key starts with where the value came from and names
+// the key, also for checks made after the config is read: a plugin's required
+// or empty key, token shard patterns that match nothing or name a folder that
+// is not there (not a raw "glob error 2"), the synthetic data's vocab against
+// the model, the step checkpoint.resume names — from the file or from --set.
+TEST(ReliabilityMessages, EveryKeyMessageStartsWhereTheValueCameFromAndNamesTheKey) {
+  const fs::path dir = fresh_dir("messages_located");
+  struct Case { std::string toml; std::vector<std::string> sets; std::string at, says; };
+  const std::string missing = (dir / "nope" / "*.bin").string();
+  for (const Case& c : std::vector<Case>{
+           {"[data]\nplugin = \"tokens\"\n", {}, "m.toml:1:1: ", "data.train is required"},
+           {"[data]\nplugin = \"tokens\"\ntrain = \"\"\n", {}, "m.toml:3:9: ", "data.train is empty"},
+           {"[data]\nplugin = \"tokens\"\ntrain = []\n", {}, "m.toml:3:9: ", "data.train is empty"},
+           {"[data]\nplugin = \"tokens\"\ntrain = \"" + missing + "\"\nval = \"\"\n", {}, "m.toml:4:7: ", "data.val is empty"},
+           {"[data]\nplugin = \"tokens\"\n", {"data.train=" + missing}, "--set data.train=" + missing + ": ",
+            "data.train = \"" + missing + "\": the folder '" + (dir / "nope").string() + "' does not exist"},
+           {"[data]\nplugin = \"tokens\"\ntrain = \"" + (dir / "*.none").string() + "\"\n", {}, "m.toml:3:9: ",
+            "data.train = \"" + (dir / "*.none").string() + "\" matches no files"},
+           {"[data]\nplugin = \"megatron\"\n", {}, "m.toml:1:1: ", "data.prefix is required"},
+           {"[data]\nplugin = \"megatron\"\nprefix = \"\"\n", {}, "m.toml:3:10: ", "data.prefix is empty"},
+           {"[data]\nplugin = \"megatron\"\nprefix = \"x\"\nsplit = \"\"\n", {}, "m.toml:4:9: ", "data.split is empty"},
+           {"[data]\nplugin = \"megatron\"\nprefix = \"x\"\nval_prefix = [\"\"]\n", {}, "m.toml:4:14: ",
+            "data.val_prefix is empty"}}) {
+    SCOPED_TRACE(c.toml);
+    const loom::ConfigTable t = loom::parse_config_table(c.toml, "m.toml", c.sets).table("data");
+    try {
+      if (t.get_string("plugin", "") == "tokens") (void)loom::plugins::TokensData::read_options(t);
+      else (void)loom::plugins::MegatronData::read_options(t);
+      ADD_FAILURE() << "accepted";
+    } catch (const loom::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.rfind(c.at, 0), 0u) << msg;
+      EXPECT_CONTAINS(msg, c.says);
+      EXPECT_FALSE(has(msg, "glob error")) << msg;
+    }
+  }
+  // Checked when the data is opened and the run starts, still located.
+  const std::string base = tiny_config(dir / "run", 2);
+  expect_error([&] { loom::Session s(loom::parse_config_string(base, "m.toml", {"data.vocab=100000"})); },
+               {"--set data.vocab=100000: ", "vocab = 100000 is larger than the model's vocab_size 96"});
+  auto line_of = [&](const std::string& text, size_t pos) {
+    return std::to_string(std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(pos), '\n') + 1);
+  };
+  expect_error([&] { loom::Session s(loom::parse_config_string(base + "vocab = 100000\n", "m.toml", {})); },
+               {"m.toml:" + line_of(base, base.size()) + ":9: ", "vocab = 100000"});
+  for (const auto& [sets, at] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"checkpoint.resume=7"}, "--set checkpoint.resume=7: "},
+           {{}, "m.toml:" + line_of(base, base.find("resume = ")) + ":10: "}}) {
+    std::string text = base;
+    if (sets.empty()) text.replace(text.find("resume = \"auto\""), 15, "resume = 7");
+    loom::Session s(loom::parse_config_string(text, "m.toml", sets));
+    expect_error([&] { s.initialise(); }, {at + "checkpoint.resume = 7: no checkpoint for step 7"});
+  }
+}
+

@@ -96,6 +96,50 @@ TEST(ReliabilityPlugins, ExplicitPluginFileMustBeARegularFile) {
   }
 }
 
+// A plugin file that is no shared library (text, empty, a truncated
+// download) is said to be that, not given the loader's message with an errno
+// left over from another call ("file too short): Bad file descriptor"); the
+// scan lists it with the same reason.
+TEST(ReliabilityPlugins, FileThatIsNoSharedLibraryIsSaidToBeOne) {
+  const fs::path dir = fresh_dir("plugins_not_elf");
+  std::ofstream(dir / "libloom-attention-text.so") << "not a library\n";
+  std::ofstream(dir / "libloom-attention-empty.so") << "";
+  for (const char* name : {"text", "empty"}) {
+    SCOPED_TRACE(name);
+    loom::PluginRegistry reg;
+    const fs::path file = dir / (std::string("libloom-attention-") + name + ".so");
+    try {
+      reg.create(loom::PluginKind::attention, name, loom::PluginInit{}, file);
+      ADD_FAILURE() << "accepted";
+    } catch (const loom::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_CONTAINS(msg, "plugin file " + file.string() + " is not a shared library (it does not start with an ELF header");
+      EXPECT_FALSE(has(msg, "Bad file descriptor")) << msg;
+    }
+  }
+  const ProcResult r = run_shell(std::string("timeout 60 '") + LOOM_CLI + "' plugins --path '" + dir.string() + "'");
+  EXPECT_CONTAINS(r.out, "is not a shared library");
+  EXPECT_FALSE(has(r.out, "Bad file descriptor")) << r.out;
+}
+
+// $LOOM_PLUGIN_PROBE_TIMEOUT that is no number of seconds is said once, with
+// the default that is used instead (it was ignored without a word).
+TEST(ReliabilityPlugins, ProbeTimeoutThatIsNoNumberIsSaidOnce) {
+  const fs::path dir = fresh_dir("plugins_probe_timeout");
+  for (const char* bad : {"abc", "5s", "0", "-3"}) {
+    SCOPED_TRACE(bad);
+    const ProcResult r = run_shell(std::string("LOOM_PLUGIN_PROBE_TIMEOUT='") + bad + "' timeout 60 '" + LOOM_CLI +
+                                   "' plugins --path '" + LOOM_TEST_PLUGIN_DIR + "'");
+    EXPECT_EQ(r.code, 0) << r.out;
+    const std::string says = std::string("$LOOM_PLUGIN_PROBE_TIMEOUT = '") + bad + "' is not a number of seconds > 0";
+    EXPECT_CONTAINS(r.out, says);
+    EXPECT_EQ(r.out.find(says), r.out.rfind(says)) << "said more than once:\n" << r.out;
+  }
+  const ProcResult ok = run_shell(std::string("LOOM_PLUGIN_PROBE_TIMEOUT=30 timeout 60 '") + LOOM_CLI +
+                                  "' plugins --path '" + LOOM_TEST_PLUGIN_DIR + "'");
+  EXPECT_FALSE(has(ok.out, "LOOM_PLUGIN_PROBE_TIMEOUT")) << ok.out;
+}
+
 // A search folder that is a file, a FIFO or a device is listed as "not a
 // folder", not as missing (and is not opened: a FIFO would block).
 TEST(ReliabilityPlugins, SearchPathThatIsNotAFolderIsNamedSo) {
@@ -131,6 +175,7 @@ TEST(ReliabilityPlugins, PluginPathEntryThatIsNoFolderIsRefusedBeforeAnyWork) {
       {"/dev/null", "is a character device, not a folder"},
       {(dir / "fifo").string(), "is a FIFO (named pipe), not a folder"},
   };
+  std::ofstream(dir / "set.toml") << tiny_config(dir / "run", 2);
   for (const auto& [entry, says] : cases) {
     SCOPED_TRACE(entry);
     const fs::path out = dir / "run";
@@ -144,7 +189,8 @@ TEST(ReliabilityPlugins, PluginPathEntryThatIsNoFolderIsRefusedBeforeAnyWork) {
     for (const char* cmd : {"train", "check"}) {
       const ProcResult r = run_shell(std::string("timeout 60 '") + LOOM_CLI + "' " + cmd + " '" + cfg.string() + "'");
       EXPECT_EQ(r.code, 1) << r.out;
-      EXPECT_CONTAINS(r.out, cfg.string() + ": run.plugin_path[1] = \"" + entry + "\" " + says);
+      // Located at the value (tiny_config's plugin_path is line 7).
+      EXPECT_CONTAINS(r.out, cfg.string() + ":7:15: run.plugin_path[1] = \"" + entry + "\" " + says);
       EXPECT_FALSE(has(r.out, "internal error")) << r.out;
       EXPECT_FALSE(fs::exists(out)) << "work was done before the refusal";
     }
@@ -152,8 +198,14 @@ TEST(ReliabilityPlugins, PluginPathEntryThatIsNoFolderIsRefusedBeforeAnyWork) {
       loom::Session s(loom::parse_config_string(text, "run.toml", {}));
       ADD_FAILURE() << "Session accepted run.plugin_path entry '" << entry << "'";
     } catch (const loom::Error& e) {
-      EXPECT_CONTAINS(std::string(e.what()), "run.plugin_path[1] = \"" + entry + "\" " + says);
+      EXPECT_CONTAINS(std::string(e.what()), "run.toml:7:15: run.plugin_path[1] = \"" + entry + "\" " + says);
     }
+    // From the command line, the message names the --set, not the file.
+    const std::string set = std::string("run.plugin_path=[\"") + LOOM_TEST_PLUGIN_DIR + "\", \"" + entry + "\"]";
+    const ProcResult r = run_shell(std::string("timeout 60 '") + LOOM_CLI + "' check '" + (dir / "set.toml").string() +
+                                   "' --set '" + set + "'");
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, "--set " + set + ": run.plugin_path[1] = \"" + entry + "\" " + says);
   }
   const fs::path cfg = dir / "good.toml";
   std::ofstream(cfg) << tiny_config(dir / "good", 2);

@@ -349,6 +349,47 @@ TEST(Bench, ReportsTheTimedSteps) {
   EXPECT_NE(bad.find("--steps"), std::string::npos) << bad;
 }
 
+// The files `loom bench --json` and `loom compare --out` write come at the
+// end of their work: a place that cannot hold them is refused before any
+// step runs, naming the flag, the path and why (not "cannot write" after the
+// whole measurement, nor a bare "Not a directory"). A missing folder is made.
+TEST(Bench, OutputPathsAreCheckedBeforeAnyStep) {
+  TmpDir d;
+  const fs::path cfg = d.path / "c.toml";
+  std::ofstream(cfg) << config(d.path / "run");
+  std::ofstream(d.path / "afile") << "x";
+  fs::create_symlink(d.path / "nowhere" / "target", d.path / "dangling");
+  const std::string base = loom::cat(LOOM_CLI, " bench ", cfg.string(), " --steps 2 --warmup 1 ");
+  const std::string cmp = loom::cat(LOOM_CLI, " compare ", cfg.string(), " --strategies=none --steps 2 --warmup 0 ");
+  struct Case { std::string cmd, says; };
+  const std::string afile = (d.path / "afile").string(), dangling = (d.path / "dangling").string();
+  for (const Case& c : std::vector<Case>{
+           {base + "--json=", "--json= is empty: give it a file name"},
+           {base + "--json=" + afile + "/x.json", "--json=" + afile + "/x.json: '" + afile + "' is a file, where a folder is needed"},
+           {base + "--json " + d.path.string(), "--json=" + d.path.string() + ": '" + d.path.string() + "' is a folder"},
+           {base + "--json=" + dangling + "/x.json", "'" + dangling + "' is a link to '" + (d.path / "nowhere" / "target").string() +
+                                                         "', which does not exist"},
+           {base + "--json=/proc/self/x.json", "--json=/proc/self/x.json: cannot write in '/proc/self'"},
+           {cmp + "--out=" + afile, "--out=" + afile + ": '" + afile + "' is a file, where a folder is needed"},
+           {cmp + "--out " + afile + "/sub", "--out=" + afile + "/sub: '" + afile + "' is a file, where a folder is needed"},
+           {cmp + "--out=/proc/self/cmp", "--out=/proc/self/cmp: cannot create it in '/proc/self'"},
+           {cmp + "--out=", "--out= is empty"}}) {
+    SCOPED_TRACE(c.cmd);
+    int rc = 0;
+    const std::string out = run_cmd(c.cmd, &rc);
+    EXPECT_NE(rc, 0) << out;
+    EXPECT_NE(out.find(c.says), std::string::npos) << out;
+    EXPECT_EQ(out.find("BENCH_JSON"), std::string::npos) << "the steps ran before the refusal:\n" << out;
+    EXPECT_EQ(out.find("compare: none ("), std::string::npos) << "a run ran before the refusal:\n" << out;
+  }
+  // A folder that does not exist yet is made, in either form of the flag.
+  int rc = 0;
+  const fs::path json = d.path / "new" / "sub" / "b.json";
+  const std::string out = run_cmd(base + "--json " + json.string(), &rc);
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(json)).at("steps").get<int>(), 2);
+}
+
 TEST(Progress, MemoryInEveryLogLine) {
   loom::StepLog s;
   s.step = 3;

@@ -40,7 +40,7 @@ std::string tiny(const std::string& layers, const fs::path& out) {
   c << "[run]\ndevice = \"cpu\"\nseed = 3\nthreads = 2\nout_dir = \"" << out.string() << "\"\n"
     << "plugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
     << "[model]\nlayers = \"" << layers << "\"\nhidden = 64\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\n"
-    << "ffn_hidden = 160\nvocab_size = 96\nmax_seq_len = 32\nhead_chunk = 40\n"
+    << "ffn_hidden = 160\nvocab_size = 96\nmax_seq_len = 32\n" << (layers == "fused" ? "head_chunk = 40\n" : "")
     << "[train]\nsteps = 10\nmicro_batch = 4\nseq_len = 31\ngrad_accum = 2\nlog_every = 10\n"
     << "[checkpoint]\nresume = \"none\"\n"
     << "[precision]\nplugin = \"fp32\"\n[attention]\nplugin = \"naive\"\n[sharding]\nplugin = \"none\"\n"

@@ -1,4 +1,4 @@
-// loom bench CONFIG [--set k=v]... [--steps=N] [--warmup=N] [--json=FILE] [--breakdown]
+// loom bench CONFIG [--set k=v]... [--steps N] [--warmup N] [--json FILE] [--breakdown]
 //
 // Times training steps of CONFIG's model, batch and recipe on synthetic data:
 // warm-up steps excluded, the median step time over N steps (CUDA events on
@@ -12,16 +12,19 @@
 // gather, combine, and their backward) and moe.experts (the expert GEMMs and
 // SwiGLU, forward and backward), each range also as moe.<range>.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "cli.hpp"
 #include "commands.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
@@ -31,16 +34,23 @@
 namespace loom::app {
 namespace {
 
-int64_t int_flag(const std::string& arg, const std::string& name) {
-  const std::string v = arg.substr(name.size() + 1);
+int64_t int_flag(const std::string& v, const std::string& name) {
   try {
     size_t used = 0;
     const long long x = std::stoll(v, &used);
     if (used == v.size() && x > 0) return x;
   } catch (const std::exception&) {
   }
-  throw Error(cat("loom bench: ", name, " needs a positive integer, got '", v, "'"));
+  throw Error(cat(name, " needs a positive integer, got '", v, "'"));
 }
+
+const char* kUsage =
+    "usage: loom bench CONFIG [--set k=v]... [--steps N] [--warmup N] [--json FILE] [--breakdown]\n"
+    "  times training steps of CONFIG's model, batch and recipe on synthetic data\n"
+    "  --steps N      timed steps (default 20); --warmup N  untimed steps first (default 3)\n"
+    "  --json FILE    also write the result as JSON (checked before the steps run)\n"
+    "  --breakdown    add per-part times of one extra step\n"
+    "  flags take their value as --flag=V or --flag V";
 
 // The MoE block's ranges (model/blocks/ffn_moe.cpp): the routing steps and the experts.
 constexpr const char* kMoeRouting[] = {"router_jitter", "router", "gather", "combine+residual", "combine.grad",
@@ -89,19 +99,25 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int cmd_bench(const Args& args) {
-  ConfigArgs a = parse_config_args(args);
-  if (a.file.empty())
-    throw Error("usage: loom bench CONFIG [--set k=v]... [--steps=N] [--warmup=N] [--json=FILE] [--breakdown]");
-  int64_t steps = 20, warmup = 3;
-  std::string json_path;
-  bool breakdown = false;
-  for (const std::string& r : a.rest) {
-    if (r.rfind("--steps=", 0) == 0) steps = int_flag(r, "--steps");
-    else if (r.rfind("--warmup=", 0) == 0) warmup = int_flag(r, "--warmup");
-    else if (r.rfind("--json=", 0) == 0) json_path = r.substr(7);
-    else if (r == "--breakdown") breakdown = true;
-    else throw Error(cat("loom bench: unknown argument '", r, "' (options: --steps=N --warmup=N --json=FILE --breakdown)"));
+  if (wants_help(args)) {
+    std::printf("%s\n", kUsage);
+    return 0;
   }
+  ConfigArgs a = parse_config_args(args, {"--steps", "--warmup", "--json"});
+  int64_t steps = 20, warmup = 3;
+  std::optional<std::string> json_path;
+  bool breakdown = false;
+  for (size_t i = 0; i < a.rest.size(); ++i) {
+    const std::string& r = a.rest[i];
+    if (auto v = flag_value(a.rest, i, "--steps")) steps = int_flag(*v, "--steps");
+    else if (auto w = flag_value(a.rest, i, "--warmup")) warmup = int_flag(*w, "--warmup");
+    else if (auto j = flag_value(a.rest, i, "--json")) json_path = *j;
+    else if (r == "--breakdown") breakdown = true;
+    else throw Error(cat("unknown argument '", r, "'\n", kUsage));
+  }
+  // Where the result goes, before the steps: a path that cannot be written
+  // would otherwise throw the whole measurement away at the end.
+  if (json_path) check_output_file("--json", *json_path);
   // No checkpoints, no evaluation; the schedule spans exactly the timed steps.
   std::vector<std::string> ov = a.overrides;
   for (const char* o : {"checkpoint.every=0", "checkpoint.resume=\"none\"", "train.validation_every=0", "train.warmup_steps=0"})
@@ -226,12 +242,12 @@ int cmd_bench(const Args& args) {
   if (breakdown)
     for (auto& [k, v] : j["breakdown_ms"].items()) std::printf("  %-22s %9.2f ms\n", k.c_str(), v.get<double>());
   std::printf("BENCH_JSON %s\n", j.dump().c_str());
-  if (!json_path.empty()) {
-    std::ofstream f(json_path);
-    if (!f) throw Error(cat("loom bench: cannot write --json=", json_path));
+  if (json_path) {
+    std::ofstream f(*json_path);
+    if (!f) throw Error(cat("--json=", *json_path, ": cannot open it for writing (", std::strerror(errno), ")"));
     f << j.dump(2) << "\n";
     f.close();  // flushes: a full disk fails here, not silently
-    if (!f) throw Error(cat("loom bench: writing --json=", json_path, " failed (disk full?)"));
+    if (!f) throw Error(cat("--json=", *json_path, ": writing it failed (", std::strerror(errno), "; disk full?)"));
   }
   return 0;
 }

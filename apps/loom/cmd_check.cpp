@@ -12,7 +12,9 @@
 #include <cstdio>
 #include <optional>
 #include <string>
+#include <string_view>
 
+#include "cli.hpp"
 #include "commands.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
@@ -23,10 +25,18 @@
 namespace loom::app {
 
 int cmd_check(const Args& args) {
-  ConfigArgs a = parse_config_args(args);
   const char* usage =
-      "usage: loom check CONFIG [--set section.key=value]... [--world N [--gpus-per-node G]] [--no-scan]";
-  if (a.file.empty()) throw Error(usage);
+      "usage: loom check CONFIG [--set section.key=value]... [--world N [--gpus-per-node G]] [--no-scan]\n"
+      "  validates everything a run would (config, output folders, plugins and their keys, data files, attention\n"
+      "  support, the memory plan) and prints the model size and the memory plan, without training\n"
+      "  --world N          plan rank 0 of N ranks (under mpirun / srun: the launcher's ranks)\n"
+      "  --gpus-per-node G  ranks per node of those N (default: all on one node); G must divide N\n"
+      "  --no-scan          do not read every token of the train and validation data (a corpus too large to read now)";
+  if (wants_help(args)) {
+    std::printf("%s\n", usage);
+    return 0;
+  }
+  ConfigArgs a = parse_config_args(args, {"--world", "--gpus-per-node"});
   SessionOptions opts;
   bool scan = true;
   for (size_t i = 0; i < a.rest.size(); ++i) {
@@ -35,23 +45,34 @@ int cmd_check(const Args& args) {
       scan = false;
       continue;
     }
-    int* into = r == "--world" ? &opts.plan_world : r == "--gpus-per-node" ? &opts.plan_local_world : nullptr;
-    if (!into) throw Error(cat("loom check: unknown argument '", r, "'; ", usage));
-    if (i + 1 >= a.rest.size()) throw Error(cat("loom check: ", r, " needs a number of ranks; ", usage));
-    const std::string& v = a.rest[++i];
+    std::optional<std::string> v;
+    int* into = nullptr;
+    const char* flag = nullptr;
+    for (const char* f : {"--world", "--gpus-per-node"})
+      if ((v = flag_value(a.rest, i, f))) {
+        flag = f;
+        into = std::string_view(f) == "--world" ? &opts.plan_world : &opts.plan_local_world;
+        break;
+      }
+    if (!into) throw Error(cat("unknown argument '", r, "'\n", usage));
     size_t used = 0;
     long n = 0;
     try {
-      n = std::stol(v, &used);
+      n = std::stol(*v, &used);
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used != v.size() || n < 1 || n > 1 << 20)
-      throw Error(cat("loom check: ", r, " ", v, " is not a number of ranks in [1, 1048576]"));
+    if (used != v->size() || n < 1 || n > 1 << 20)
+      throw Error(cat(flag, " ", *v, " is not a number of ranks in [1, 1048576]"));
     *into = static_cast<int>(n);
   }
   if (opts.plan_local_world > 0 && opts.plan_world == 0)
-    throw Error(cat("loom check: --gpus-per-node needs --world (the number of ranks to plan for); ", usage));
+    throw Error(cat("--gpus-per-node needs --world (the number of ranks to plan for)\n", usage));
+  // Nodes hold equal numbers of ranks: the plan's node-local world must divide the world.
+  if (opts.plan_local_world > 0 && opts.plan_world % opts.plan_local_world != 0)
+    throw Error(cat("--world ", opts.plan_world, " is not a multiple of --gpus-per-node ", opts.plan_local_world,
+                    ": every node holds the same number of ranks; give a --gpus-per-node that divides ",
+                    opts.plan_world, " or a --world that is a multiple of ", opts.plan_local_world));
   Config cfg = load_config(a.file, a.overrides);
   check_plugin_path(cfg);  // a search folder that is not there is refused, not passed over
   check_output_paths(cfg);

@@ -22,17 +22,20 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 #include "comm/launch.hpp"
+#include "cli.hpp"
 #include "commands.hpp"
 #include "compare_report.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
+#include "train/memory_budget.hpp"
 #include "train/session.hpp"
 #include "util/files.hpp"
 
@@ -43,7 +46,11 @@ namespace {
 
 const char* kUsage =
     "usage: loom compare CONFIG [--strategies=a,b:key=value,...] [--configs=B.toml,...] [--steps=N] [--warmup=N] "
-    "[--validate=N] [--out=DIR] [--peer=FILE]... [--set k=v]...";
+    "[--validate=N] [--out=DIR] [--peer=FILE]... [--set k=v]...\n"
+    "  runs CONFIG once per sharding strategy (or each config of --configs) for the same steps and reports step time,\n"
+    "  tokens/s, memory, traffic and losses (a table, DIR/compare.csv and DIR/compare.png; --out default runs/compare)\n"
+    "  --peer FILE  adds rows from benchmarks/torch_fsdp.py's PEER_JSON lines\n"
+    "  flags take their value as --flag=V or --flag V";
 
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> out;
@@ -56,23 +63,22 @@ std::vector<std::string> split_list(const std::string& s) {
 // The items of --strategies=... or --configs=...: an empty list (a shell
 // variable that expanded to nothing) would silently compare the base config
 // with itself, so it is refused.
-std::vector<std::string> nonempty_list(const std::string& arg, size_t prefix) {
-  std::vector<std::string> items = split_list(arg.substr(prefix));
+std::vector<std::string> nonempty_list(const std::string& flag, const std::string& value) {
+  std::vector<std::string> items = split_list(value);
   if (items.empty())
-    throw Error(cat("loom compare: ", arg, " names nothing to compare: give a comma-separated list, e.g. ",
-                    arg.substr(0, prefix), prefix == 13 ? "ddp,zero3" : "b.toml,c.toml"));
+    throw Error(cat(flag, "=", value, " names nothing to compare: give a comma-separated list, e.g. ", flag, "=",
+                    flag == "--strategies" ? "ddp,zero3" : "b.toml,c.toml"));
   return items;
 }
 
-int64_t positive(const std::string& arg, const std::string& name) {
-  const std::string v = arg.substr(name.size() + 1);
+int64_t positive(const std::string& v, const std::string& name) {
   try {
     size_t used = 0;
     const long long x = std::stoll(v, &used);
     if (used == v.size() && x >= 0) return x;
   } catch (const std::exception&) {
   }
-  throw Error(cat("loom compare: ", name, " needs a non-negative integer, got '", v, "'"));
+  throw Error(cat(name, " needs a non-negative integer, got '", v, "'"));
 }
 
 double median(std::vector<double> v) {
@@ -151,63 +157,39 @@ report::CompareRow run_one(const Job& job, int64_t steps, int64_t warmup) {
   return row;
 }
 
-// PEER_JSON lines of benchmarks/torch_fsdp.py (the prefix is optional).
-std::vector<report::CompareRow> read_peer(const std::string& path) {
-  require_regular_file(path, "--peer file");  // a FIFO would block the read for ever
-  std::ifstream in(path);
-  if (!in) throw Error(cat("loom compare: cannot read --peer file '", path, "'"));
-  std::vector<report::CompareRow> rows;
-  int line_no = 0;
-  for (std::string line; std::getline(in, line);) {
-    ++line_no;
-    const size_t p = line.find('{');
-    if (p == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line.substr(p));
-    } catch (const nlohmann::json::exception& e) {
-      throw Error(cat("loom compare: ", path, ":", line_no, " is not a JSON object (", e.what(), ")"));
-    }
-    report::CompareRow r;
-    r.label = cat("torch ", j.value("mode", std::string("peer")));
-    r.ranks = j.value("world", 1);
-    if (j.contains("error")) {
-      r.note = cat("peer failed: ", j["error"].dump());
-      rows.push_back(r);
-      continue;
-    }
-    r.step_ms = j.value("median_step_ms", 0.0);
-    r.tokens_per_s_per_gpu = j.value("tokens_per_s_per_gpu", 0.0);
-    if (j.contains("peak_reserved_bytes") && j["peak_reserved_bytes"].is_number())
-      r.peak_mem_bytes = j["peak_reserved_bytes"].get<double>();
-    if (j.contains("losses") && j["losses"].is_array())
-      for (const auto& x : j["losses"]) r.losses.push_back(x.is_number() ? x.get<double>() : NAN);
-    r.final_loss = j.value("final_loss", r.losses.empty() ? 0.0 : r.losses.back());
-    r.note = "peer (own initialisation: losses not comparable step by step)";
-    rows.push_back(r);
-  }
-  return rows;
-}
-
 }  // namespace
 
 int cmd_compare(const Args& args) {
-  ConfigArgs a = parse_config_args(args);
-  if (a.file.empty()) throw Error(kUsage);
+  if (wants_help(args)) {
+    std::printf("%s\n", kUsage);
+    return 0;
+  }
+  ConfigArgs a = parse_config_args(
+      args, {"--strategies", "--configs", "--steps", "--warmup", "--out", "--peer", "--validate"});
   int64_t steps = 20, warmup = 3, validate = 0;
   std::string out_dir = "runs/compare";
   std::vector<std::string> strategies, configs, peers;
-  for (const std::string& r : a.rest) {
-    if (r.rfind("--strategies=", 0) == 0) strategies = nonempty_list(r, 13);
-    else if (r.rfind("--configs=", 0) == 0) configs = nonempty_list(r, 10);
-    else if (r.rfind("--steps=", 0) == 0) steps = positive(r, "--steps");
-    else if (r.rfind("--warmup=", 0) == 0) warmup = positive(r, "--warmup");
-    else if (r.rfind("--out=", 0) == 0) out_dir = r.substr(6);
-    else if (r.rfind("--peer=", 0) == 0) peers.push_back(r.substr(7));
-    else if (r.rfind("--validate=", 0) == 0) validate = positive(r, "--validate");
-    else throw Error(cat("loom compare: unknown argument '", r, "'\n", kUsage));
+  for (size_t i = 0; i < a.rest.size(); ++i) {
+    const std::string& r = a.rest[i];
+    std::optional<std::string> v;
+    if ((v = flag_value(a.rest, i, "--strategies"))) strategies = nonempty_list("--strategies", *v);
+    else if ((v = flag_value(a.rest, i, "--configs"))) configs = nonempty_list("--configs", *v);
+    else if ((v = flag_value(a.rest, i, "--steps"))) steps = positive(*v, "--steps");
+    else if ((v = flag_value(a.rest, i, "--warmup"))) warmup = positive(*v, "--warmup");
+    else if ((v = flag_value(a.rest, i, "--out"))) out_dir = *v;
+    else if ((v = flag_value(a.rest, i, "--peer"))) peers.push_back(*v);
+    else if ((v = flag_value(a.rest, i, "--validate"))) validate = positive(*v, "--validate");
+    else throw Error(cat("unknown argument '", r, "'\n", kUsage));
   }
-  if (steps < 1) throw Error("loom compare: --steps must be at least 1");
+  if (steps < 1) throw Error("--steps must be at least 1");
+  // What the report needs, before any run: its folder (rank 0 writes it) and
+  // the peers' rows, so that neither throws the comparison away at its end.
+  if (launch_from_env().rank == 0) check_output_folder("--out", out_dir);
+  std::vector<report::CompareRow> peer_rows;
+  for (const std::string& p : peers) {
+    auto r = report::read_peer_rows(p);
+    peer_rows.insert(peer_rows.end(), r.begin(), r.end());
+  }
   // Every run: same steps and seed, no checkpoints, evaluation every --validate
   // steps (none by default), a schedule spanning the run.
   std::vector<std::string> common = a.overrides;
@@ -226,27 +208,29 @@ int cmd_compare(const Args& args) {
   // the run's own message, instead of costing the runs before it. Each job
   // builds its session as `loom check` does (plugins and their tables, data
   // files, the memory plan; nothing allocated, nothing run) and drops it.
-  // Only what the run itself finds (a plan that does not fit the memory) is
+  // Only what the run itself finds (a plan that does not fit the memory,
+  // found here from the config's numbers or later from its detailed plan) is
   // still a failed row rather than the end.
-  for (const Job& j : jobs) {
+  std::vector<std::string> unfit(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const Job& j = jobs[i];
     try {
       Session probe(load_config(j.file, j.overrides));
+    } catch (const MemoryPlanError& e) {
+      unfit[i] = e.what();
     } catch (const Error& e) {
       throw Error(cat("'", j.label, "' cannot start, so nothing was run: ", e.what()));
     }
   }
-  std::vector<report::CompareRow> peer_rows;
-  for (const std::string& p : peers) {
-    auto r = read_peer(p);
-    peer_rows.insert(peer_rows.end(), r.begin(), r.end());
-  }
 
   std::vector<report::CompareRow> rows;
   int rank = 0;
-  for (const Job& j : jobs) {
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const Job& j = jobs[i];
     log_info(cat("compare: ", j.label, " (", steps, " steps after ", warmup, " warm-up)"));
     report::CompareRow row;
     try {
+      if (!unfit[i].empty()) throw MemoryPlanError(unfit[i]);
       row = run_one(j, steps, warmup);
     } catch (const Error& e) {
       // A run that every check above let through but that cannot go on (a plan that does not fit) is a row, not the end.

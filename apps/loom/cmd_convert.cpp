@@ -11,6 +11,7 @@
 #include <map>
 
 #include "checkpoint/train_checkpoint.hpp"
+#include "cli.hpp"
 #include "commands.hpp"
 #include "hf/hf_llama.hpp"
 #include "loom/error.hpp"
@@ -22,12 +23,16 @@ namespace loom::app {
 
 int cmd_convert(const Args& args) {
   const char* usage = "usage: loom convert CHECKPOINT_DIR --to-hf OUT_DIR [--dtype fp32|bf16]";
+  if (wants_help(args)) {
+    std::printf("%s\n", usage);
+    return 0;
+  }
   std::string ckpt_dir, out_dir, dtype = "bf16";
   for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--to-hf" && i + 1 < args.size()) out_dir = args[++i];
-    else if (args[i] == "--dtype" && i + 1 < args.size()) dtype = args[++i];
+    if (auto v = flag_value(args, i, "--to-hf")) out_dir = *v;
+    else if (auto d = flag_value(args, i, "--dtype")) dtype = *d;
     else if (!args[i].empty() && args[i][0] != '-' && ckpt_dir.empty()) ckpt_dir = args[i];
-    else throw Error(cat("loom convert: unexpected argument '", args[i], "'. ", usage));
+    else throw Error(cat("unexpected argument '", args[i], "'. ", usage));
   }
   if (ckpt_dir.empty() || out_dir.empty()) throw Error(usage);
   if (dtype != "fp32" && dtype != "bf16") throw Error(cat("loom convert: --dtype ", dtype, " is not one of: fp32, bf16"));

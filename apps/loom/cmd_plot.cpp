@@ -1,7 +1,9 @@
 // `loom plot RUN_DIR... [--out plot.png]`: loss, validation loss, learning
 // rate and throughput curves of runs, from their metrics.jsonl.
 #include <cstdio>
+#include <filesystem>
 
+#include "cli.hpp"
 #include "commands.hpp"
 #include "loom/error.hpp"
 #include "run_plot.hpp"
@@ -20,18 +22,20 @@ int cmd_plot(const Args& args) {
       std::printf("%s\n", usage);
       return 0;
     }
-    if (a == "--out" || a == "-o") {
-      if (i + 1 >= args.size()) throw Error(cat(a, " needs a file name\n", usage));
-      out = args[++i];
-    } else if (a.rfind("--out=", 0) == 0) {
-      out = a.substr(6);
+    if (auto v = flag_value(args, i, a == "-o" ? "-o" : "--out")) {
+      out = *v;
     } else if (a.rfind("--", 0) == 0) {
       throw Error(cat("unknown option '", a, "'\n", usage));
     } else {
       dirs.push_back(a);
     }
   }
-  if (dirs.empty()) throw Error(cat("loom plot needs at least one RUN_DIR\n", usage));
+  if (dirs.empty()) throw Error(cat("needs at least one RUN_DIR\n", usage));
+  // The chart is a PNG: another extension would name a file that is not what it says.
+  const std::string ext = std::filesystem::path(out).extension().string();
+  if (ext != ".png" && ext != ".PNG")
+    throw Error(cat("--out ", out, ": loom plot writes a PNG image; give --out a name ending in .png (e.g. ",
+                    std::filesystem::path(out).replace_extension(".png").string(), ")"));
   std::vector<report::RunCurves> runs;
   for (auto& d : dirs) runs.push_back(report::read_run_curves(d));
   report::write_run_plot(out, runs);

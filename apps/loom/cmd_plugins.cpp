@@ -8,6 +8,7 @@
 #include <system_error>
 #include <vector>
 
+#include "cli.hpp"
 #include "commands.hpp"
 #include "loom/error.hpp"
 #include "loom/registry.hpp"
@@ -34,14 +35,8 @@ int cmd_plugins(const Args& args) {
       print_usage();
       return 0;
     }
-    if (a == "--path") {
-      if (i + 1 >= args.size()) throw Error("loom plugins: --path needs a directory (loom plugins --path DIR)");
-      dirs.emplace_back(args[++i]);
-    } else if (a.rfind("--path=", 0) == 0) {
-      dirs.emplace_back(a.substr(7));
-    } else {
-      throw Error(cat("loom plugins: unknown argument '", a, "'. Usage: loom plugins [--path DIR]..."));
-    }
+    if (auto dir = flag_value(args, i, "--path")) dirs.emplace_back(*dir);
+    else throw Error(cat("unknown argument '", a, "'. Usage: loom plugins [--path DIR]..."));
   }
 
   PluginRegistry reg(std::move(dirs));

@@ -1,5 +1,7 @@
 // `loom prepare text OUT_DIR INPUT... [--tokenizer PATH] [--val-fraction F] [--shard-tokens N] [--seed S] [--force] ...`
+#include <algorithm>
 #include <cstdio>
+#include <iterator>
 #include <string>
 
 #include "commands.hpp"
@@ -23,14 +25,14 @@ const char* kUsage =
     "  --seed         seed of the train/val split (default 0)\n"
     "  --force        replace shards an earlier prepare left in OUT_DIR";
 
-uint64_t parse_count(const std::string& flag, const std::string& v) {
+uint64_t parse_count(const std::string& flag, const std::string& v, const char* example) {
   std::size_t pos = 0;
   unsigned long long n = 0;
   try {
     if (v.empty() || v[0] == '-') throw std::invalid_argument("sign");
     n = std::stoull(v, &pos);
   } catch (const std::exception&) {
-    throw Error(cat(flag, " '", v, "' is not a non-negative integer (e.g. 16M, 1000000)"));
+    throw Error(cat(flag, " '", v, "' is not a non-negative integer (e.g. ", flag, " ", example, ")"));
   }
   uint64_t mult = 1;
   if (pos < v.size()) {
@@ -73,6 +75,13 @@ int cmd_prepare(const Args& args) {
   for (std::size_t i = 1; i < args.size(); ++i) {
     std::string a = args[i], value;
     const bool is_flag = a.starts_with("--");
+    // An unknown option is named as such, not taken as one that needs a value.
+    static const char* kValueFlags[] = {"--val-fraction", "--shard-tokens", "--seed", "--tokenizer", "--bos",
+                                        "--eos", "--threads", "--invalid-utf8"};
+    const std::string name = a.substr(0, a.find('='));
+    if (is_flag && name != "--force" &&
+        std::find(std::begin(kValueFlags), std::end(kValueFlags), name) == std::end(kValueFlags))
+      throw Error(cat("unknown option '", name, "'\n", kUsage));
     if (is_flag && a != "--force") {
       const auto eq = a.find('=');
       if (eq != std::string::npos) {
@@ -86,13 +95,13 @@ int cmd_prepare(const Args& args) {
     if (!is_flag) positional.push_back(a);
     else if (a == "--force") opt.force = true;
     else if (a == "--val-fraction") opt.val_fraction = parse_fraction(a, value);
-    else if (a == "--shard-tokens") opt.shard_tokens = parse_count(a, value);
-    else if (a == "--seed") opt.seed = parse_count(a, value);
+    else if (a == "--shard-tokens") opt.shard_tokens = parse_count(a, value, "16M");
+    else if (a == "--seed") opt.seed = parse_count(a, value, "1234");
     else if (a == "--tokenizer") opt.tokenizer = value;
     else if (a == "--bos") opt.bos = value;
     else if (a == "--eos") opt.eos = value;
     else if (a == "--threads") {
-      const uint64_t t = parse_count(a, value);
+      const uint64_t t = parse_count(a, value, "8; 0 = every core");
       if (t > 4096) throw Error(cat("--threads ", value, " is out of range; use 0 (every core) to 4096"));
       opt.threads = static_cast<int>(t);
     } else if (a == "--invalid-utf8") {

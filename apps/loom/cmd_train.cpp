@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "comm/launch.hpp"
+#include "cli.hpp"
 #include "commands.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
@@ -13,9 +14,15 @@
 namespace loom::app {
 
 int cmd_train(const Args& args) {
+  const char* usage =
+      "usage: loom train CONFIG [--set section.key=value]...\n"
+      "  trains the model CONFIG describes (docs/CONFIG.md); under mpirun / srun every rank runs it";
+  if (wants_help(args)) {
+    std::printf("%s\n", usage);
+    return 0;
+  }
   ConfigArgs a = parse_config_args(args);
-  if (a.file.empty()) throw Error("usage: loom train CONFIG [--set section.key=value]...");
-  if (!a.rest.empty()) throw Error(cat("loom train: unknown argument '", a.rest.front(), "'"));
+  if (!a.rest.empty()) throw Error(cat("unknown argument '", a.rest.front(), "'\n", usage));
   Config cfg = load_config(a.file, a.overrides);
   check_plugin_path(cfg);  // a search folder that is not there is refused, not passed over
   // Signals during start-up (loading weights, building kernels) are kept:

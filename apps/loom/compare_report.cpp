@@ -11,10 +11,14 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <string_view>
+
+#include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
 #include "png_writer.hpp"
+#include "util/files.hpp"
 
 namespace loom::report {
 namespace {
@@ -280,6 +284,79 @@ void write_png(const std::string& path, const std::vector<CompareRow>& rows, con
   const std::vector<uint8_t> png =
       png::encode_rgb(chart.canvas.width(), chart.canvas.height(), chart.canvas.rgb());
   write_file(path, std::string_view(reinterpret_cast<const char*>(png.data()), png.size()));
+}
+
+std::vector<CompareRow> read_peer_rows(const std::string& path) {
+  const std::string where = cat("--peer=", path);
+  require_regular_file(path, "--peer file");  // a FIFO would block the read for ever
+  std::ifstream in(path);
+  if (!in) throw Error(cat(where, ": cannot read it (", std::strerror(errno), ")"));
+  const char* kRow = "a PEER_JSON row of benchmarks/torch_fsdp.py (or hf_llama.py, hf_mixtral.py)";
+  std::vector<CompareRow> rows;
+  int line_no = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++line_no;
+    const std::string at = cat(where, ":", line_no);
+    std::string_view text(line);
+    const size_t tag = text.find("PEER_JSON");
+    if (tag != std::string_view::npos) text = text.substr(tag + 9);
+    size_t b = text.find_first_not_of(" \t\r");
+    if (tag == std::string_view::npos && (b == std::string_view::npos || text[b] != '{')) continue;  // log lines
+    if (b == std::string_view::npos) b = text.size();
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text.substr(b));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(cat(at, ": not a JSON object (", e.what(), "); expected ", kRow));
+    }
+    auto wrong = [&](const std::string& what) {
+      return Error(cat(at, ": not ", kRow, ": ", what));
+    };
+    auto number = [&](const char* key, bool required) -> std::optional<double> {
+      if (!j.contains(key) || j[key].is_null()) {
+        if (required) throw wrong(cat("\"", key, "\" is missing"));
+        return std::nullopt;
+      }
+      if (!j[key].is_number()) throw wrong(cat("\"", key, "\" is ", j[key].dump(), ", not a number"));
+      return j[key].get<double>();
+    };
+    if (!j.is_object()) throw wrong(cat("it is ", j.dump(), ", not an object"));
+    CompareRow r;
+    if (j.contains("mode") && !j["mode"].is_string()) throw wrong(cat("\"mode\" is ", j["mode"].dump(), ", not a string"));
+    r.label = cat("torch ", j.value("mode", std::string("peer")));
+    if (j.contains("world")) {
+      if (!j["world"].is_number_integer() || j["world"].get<long long>() < 1)
+        throw wrong(cat("\"world\" is ", j["world"].dump(), ", not a number of ranks"));
+      r.ranks = j["world"].get<int>();
+    }
+    if (j.contains("error")) {
+      r.note = cat("peer failed: ", j["error"].dump());
+      rows.push_back(r);
+      continue;
+    }
+    r.step_ms = *number("median_step_ms", true);
+    if (!(r.step_ms > 0) || !std::isfinite(r.step_ms))
+      throw wrong(cat("\"median_step_ms\" is ", j["median_step_ms"].dump(), ", not a positive time"));
+    if (auto t = number("tokens_per_s_per_gpu", false)) r.tokens_per_s_per_gpu = *t;
+    else if (auto w = number("tokens_per_s", false)) r.tokens_per_s_per_gpu = *w / r.ranks;
+    else throw wrong("\"tokens_per_s_per_gpu\" (or \"tokens_per_s\") is missing");
+    if (auto m = number("peak_reserved_bytes", false)) r.peak_mem_bytes = *m;
+    if (j.contains("losses") && !j["losses"].is_null()) {
+      if (!j["losses"].is_array()) throw wrong(cat("\"losses\" is ", j["losses"].dump(), ", not an array"));
+      for (const auto& x : j["losses"]) {
+        if (!x.is_number() && !x.is_null()) throw wrong(cat("\"losses\" holds ", x.dump(), ", not a number"));
+        r.losses.push_back(x.is_number() ? x.get<double>() : kNaN);
+      }
+    }
+    const std::optional<double> final_loss = number("final_loss", false);
+    r.final_loss = final_loss ? *final_loss : r.losses.empty() ? 0.0 : r.losses.back();
+    r.note = "peer (own initialisation: losses not comparable step by step)";
+    rows.push_back(r);
+  }
+  if (rows.empty())
+    throw Error(cat(where, ": holds no peer rows: expected ", kRow, ", one JSON object a line (give the file its output "
+                    "was saved to)"));
+  return rows;
 }
 
 }  // namespace loom::report

@@ -64,6 +64,16 @@ std::string losses_csv_path(const std::string& path);
 // "out/cmp.csv" -> "out/cmp_val_losses.csv".
 std::string val_losses_csv_path(const std::string& path);
 
+// The rows of a --peer file: the PEER_JSON lines of benchmarks/torch_fsdp.py,
+// hf_llama.py or hf_mixtral.py (the "PEER_JSON " prefix is optional; other
+// lines are passed over). Each row must be a JSON object with either "error"
+// (a peer that failed: a failed row) or a positive "median_step_ms" and a
+// "tokens_per_s_per_gpu" or "tokens_per_s"; "mode", "world", "final_loss",
+// "losses" and "peak_reserved_bytes" are read when present and must have
+// their types. Throws loom::Error naming the file, the line and what is
+// missing or wrong, and for a file that holds no row at all.
+std::vector<CompareRow> read_peer_rows(const std::string& path);
+
 // A 1200x800 RGB PNG: loss curves on the left, bar charts of tokens/s per GPU
 // and peak memory per GPU on the right. Throws loom::Error naming the path
 // when the file cannot be written (the directory is not created).

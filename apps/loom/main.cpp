@@ -23,11 +23,12 @@ void usage() {
       "  plugins [--path DIR]...       list every plugin found, with kind, version and file\n"
       "  prepare text OUT INPUT...     turn UTF-8 text into token shards (--tokenizer: SentencePiece, tiktoken, tokenizer.json)\n"
       "  convert CKPT --to-hf DIR      export a checkpoint's weights as an HF Llama/Mixtral folder\n"
-      "  bench CONFIG [--steps=N]      time training steps on synthetic data (median, tokens/s, MFU, memory)\n"
+      "  bench CONFIG [--steps N]      time training steps on synthetic data (median, tokens/s, MFU, memory)\n"
       "  compare CONFIG --strategies=a,b,...   run each sharding strategy (or --configs) for the same steps;\n"
       "                                table, CSV and PNG of step time, tokens/s, memory, traffic and losses\n"
       "  plot RUN_DIR... [--out F]     loss, validation loss, lr and tokens/s curves of runs (PNG)\n"
-      "  version                       print version and build id\n",
+      "  version                       print version and build id\n\n"
+      "'loom <command> --help' prints a command's own usage; flags that take a value accept --flag=V and --flag V.\n",
       loom::version_string());
 }
 // " (rank 3 of 8)" when this process is one rank of several.
@@ -35,6 +36,13 @@ std::string rank_tag() {
   const loom::LaunchInfo l = loom::launch_from_env();
   if (!l.under_launcher || l.world == 1) return "";
   return " (rank " + std::to_string(l.rank) + " of " + std::to_string(l.world) + ")";
+}
+
+// The message of an error, without a "loom <cmd>: " its thrower already put
+// in front: main names the command itself ("loom check: error: ...").
+std::string message_of(const std::string& cmd, const char* what) {
+  const std::string own = "loom " + cmd + ": ", msg = what;
+  return msg.rfind(own, 0) == 0 ? msg.substr(own.size()) : msg;
 }
 
 // After an error on one rank the others may be waiting in a collective that
@@ -62,13 +70,14 @@ int main(int argc, char** argv) {
     if (cmd == "compare") return loom::app::cmd_compare(args);
     if (cmd == "plot") return loom::app::cmd_plot(args);
     if (cmd == "version" || cmd == "--version") {
+      if (!args.empty()) throw loom::Error(loom::cat("takes no arguments, got '", args.front(), "'; usage: loom version"));
       std::printf("loom %s (%s)\n", loom::version_string(), loom::build_id());
       return 0;
     }
     std::fprintf(stderr, "loom: unknown command '%s'. Run 'loom --help' for the list.\n", cmd.c_str());
     return 2;
   } catch (const loom::Error& e) {
-    std::fprintf(stderr, "loom %s%s: error: %s\n", cmd.c_str(), rank_tag().c_str(), e.what());
+    std::fprintf(stderr, "loom %s%s: error: %s\n", cmd.c_str(), rank_tag().c_str(), message_of(cmd, e.what()).c_str());
     stop_all_ranks(1);
     return 1;
   } catch (const std::filesystem::filesystem_error& e) {

@@ -99,7 +99,7 @@ ConfigTable parse_config_table(std::string_view toml_text, const std::string& so
                                const std::vector<std::string>& overrides = {});
 
 // Levenshtein-nearest of `candidates` to `word`, or "" if none is close
-// (distance <= max(2, word.size() / 3)). Ties go to the earlier candidate.
+// (distance <= max(2, word.size() / 3), ignoring case). Ties go to the earlier candidate.
 std::string did_you_mean(std::string_view word, const std::vector<std::string>& candidates);
 
 }  // namespace loom

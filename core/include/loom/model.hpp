@@ -68,6 +68,20 @@ struct ModelSpec {
   int64_t attention_layer_params() const {
     return 2 * hidden + hidden * q_dim() + 2 * hidden * kv_dim() + q_dim() * hidden;
   }
+  // total_params() in long double: it never overflows (each size is at most
+  // 2^31, so no product exceeds 2^80) and is exact up to 2^64. The counts
+  // above are int64 and overflow for sizes the keys' ranges allow (4096
+  // layers of 4096 experts of 2^20 x 2^20 are ~2^76 parameters): a spec is
+  // held to kMaxParams (config/run_config.hpp) with this before they are used.
+  long double total_params_ld() const {
+    using LD = long double;
+    const LD h = static_cast<LD>(hidden), hd = static_cast<LD>(head_dim());
+    const LD q = static_cast<LD>(num_heads) * hd, kv = static_cast<LD>(num_kv_heads) * hd;
+    const LD ffn = moe() ? static_cast<LD>(num_experts) * (h + 3 * h * static_cast<LD>(ffn_hidden))
+                         : 3 * h * static_cast<LD>(ffn_hidden);
+    const LD layer = 2 * h + h * q + 2 * h * kv + q * h + ffn;
+    return static_cast<LD>(vocab_size) * h * (tied_embeddings ? 1 : 2) + static_cast<LD>(num_layers) * layer + h;
+  }
 };
 
 // What a parameter is for. Initialisation and weight decay read the role,

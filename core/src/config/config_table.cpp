@@ -491,6 +491,22 @@ void apply_override(ConfigShared& shared, const std::string& text, size_t order)
     snippet.insert("v", value);
   }
 
+  // A table would replace the whole table at that key, silently dropping
+  // every key the file sets there ([run]'s seed and threads under
+  // --set run={name="x"}); one key at a time merges into it instead.
+  const toml::node* parsed = snippet.get("v");
+  if (parsed->is_table()) {
+    std::string keys;
+    for (auto&& [k, v] : *parsed->as_table())
+      keys += cat(keys.empty() ? "" : " ", "--set ", dotted, ".", key_text(k.str()), "=", value_text(v, true));
+    throw Error(cat(where, ": a table cannot be a --set value: it would replace all of ", dotted,
+                    ", dropping the keys the file sets there. Set its keys one by one",
+                    keys.empty() ? cat(" (--set ", dotted, ".key=value)") : cat(": ", keys)));
+  }
+  if (is_array_of_tables(*parsed))
+    throw Error(cat(where, ": an array of tables cannot be a --set value; write ", dotted,
+                    " in the config file ([[", dotted, "]] tables)"));
+
   toml::table* t = &shared.root;
   std::string path;
   for (size_t i = 0; i + 1 < parts.size(); ++i) {
@@ -538,6 +554,30 @@ std::map<std::string, std::string> flatten_config_toml(std::string_view toml_tex
   return out;
 }
 
+namespace {
+
+// toml++ reports a string left open at the end of its line as the newline it
+// ran into ("unescaped control characters ... are explicitly prohibited"), or
+// at the end of the text as "encountered end-of-file": both are a missing
+// closing quote.
+bool unclosed_string(std::string_view text, const toml::parse_error& e) {
+  const std::string_view d = e.description();
+  if (d.find("string") == std::string_view::npos) return false;
+  if (d.find("end-of-file") != std::string_view::npos) return true;
+  if (d.find("control characters") == std::string_view::npos) return false;
+  const auto& at = e.source().begin;
+  size_t pos = 0;
+  for (size_t line = 1; line < at.line && pos != std::string_view::npos; ++line) {
+    pos = text.find('\n', pos);
+    if (pos != std::string_view::npos) ++pos;
+  }
+  if (pos == std::string_view::npos || at.column == 0) return false;
+  pos += at.column - 1;
+  return pos >= text.size() || text[pos] == '\n' || text[pos] == '\r';
+}
+
+}  // namespace
+
 ConfigTable parse_config_table(std::string_view toml_text, const std::string& source_name,
                                const std::vector<std::string>& overrides) {
   auto shared = std::make_shared<ConfigShared>();
@@ -545,7 +585,11 @@ ConfigTable parse_config_table(std::string_view toml_text, const std::string& so
   try {
     shared->root = toml::parse(toml_text, std::string_view(source_name));
   } catch (const toml::parse_error& e) {
-    throw Error(cat(ConfigTable::Impl::at(source_name, e.source()), ": TOML syntax error: ", e.description()));
+    throw Error(cat(ConfigTable::Impl::at(source_name, e.source()), ": TOML syntax error: ",
+                    unclosed_string(toml_text, e) ? std::string("a string is not closed before the end of its line (its "
+                                                                "closing quote is missing; a string over several lines "
+                                                                "is written \"\"\"...\"\"\")")
+                                                  : std::string(e.description())));
   }
   for (size_t i = 0; i < overrides.size(); ++i) apply_override(*shared, overrides[i], i);
   const toml::table* root = &shared->root;
@@ -553,8 +597,16 @@ ConfigTable parse_config_table(std::string_view toml_text, const std::string& so
 }
 
 std::string did_you_mean(std::string_view word, const std::vector<std::string>& candidates) {
-  // Two-row Levenshtein distance.
-  auto distance = [](std::string_view a, std::string_view b) {
+  // Case is no distance: "INFO", "usr1", "CPU" and [TRAIN] are meant as the
+  // names they spell ("info", "USR1", "cpu", [train]).
+  auto lower = [](std::string_view s) {
+    std::string out(s);
+    for (char& ch : out) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return out;
+  };
+  // Two-row Levenshtein distance, of the lower-case spellings.
+  auto distance = [&](std::string_view a_in, std::string_view b_in) {
+    const std::string a = lower(a_in), b = lower(b_in);
     std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
     for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
     for (size_t i = 1; i <= a.size(); ++i) {

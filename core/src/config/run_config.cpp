@@ -3,14 +3,17 @@
 // plugin table. Ranges and choices here are the ones docs/CONFIG.md states.
 #include "run_config.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <limits>
 #include <sstream>
 
 #include "format_number.hpp"
+#include "hf/hf_llama.hpp"
 #include "loom/error.hpp"
 #include "util/files.hpp"
 
@@ -51,10 +54,43 @@ PluginSection read_plugin_section(const ConfigTable& root, std::string_view sect
   return p;
 }
 
+// A string as TOML would write it, control characters escaped ("a\nb" -> "a\\nb").
+std::string quoted(const std::string& v) {
+  std::string out = "\"";
+  for (unsigned char ch : v) {
+    if (ch == '"' || ch == '\\') out += cat('\\', static_cast<char>(ch));
+    else if (ch == '\n') out += "\\n";
+    else if (ch == '\t') out += "\\t";
+    else if (ch < 0x20 || ch == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", ch);
+      out += buf;
+    } else out += static_cast<char>(ch);
+  }
+  return out + "\"";
+}
+
+// run.name is one folder name: the default out_dir is runs/<name>, and a
+// name with '/' or ".." would put the run elsewhere ("a/../../x" writes
+// outside runs/ and leaves runs/a behind). It also heads every log line,
+// so it must be visible: not blank, no control characters.
+void check_run_name(const ConfigTable& t, const std::string& name) {
+  const std::string what = cat("run.name = ", quoted(name), " ");
+  const std::string use = "; it names the run in logs and its default folder runs/<name>: use one name such as "
+                          "\"llama-1b\" (letters, digits, '-', '_', '.', spaces), and run.out_dir for a folder elsewhere";
+  if (name.empty()) t.fail("name", "run.name must not be empty: it names the run in logs and the default out_dir");
+  if (name.find_first_not_of(" \t") == std::string::npos) t.fail("name", cat(what, "is blank", use));
+  if (name.find('/') != std::string::npos)
+    t.fail("name", cat(what, "holds '/': runs/<name> would be a path, not a folder of runs/", use));
+  if (name == "." || name == "..") t.fail("name", cat(what, "is not a folder name of its own (runs/", name, ")", use));
+  for (unsigned char ch : name)
+    if (ch < 0x20 || ch == 0x7f) t.fail("name", cat(what, "holds a control character", use));
+}
+
 RunSection read_run(const ConfigTable& t) {
   RunSection r;
   r.name = t.get_string("name", r.name);
-  if (r.name.empty()) t.fail("name", "run.name must not be empty: it names the run in logs and the default out_dir");
+  check_run_name(t, r.name);
   r.out_dir = t.get_string("out_dir", cat("runs/", r.name));
   if (r.out_dir.empty()) t.fail("out_dir", "run.out_dir must not be empty (default: runs/<run.name>)");
   r.device = t.get_choice("device", r.device, {"cpu", "cuda"});
@@ -69,6 +105,8 @@ RunSection read_run(const ConfigTable& t) {
   r.tensorboard = t.get_bool("tensorboard", r.tensorboard);
   return r;
 }
+
+bool hf_init(const std::string& init) { return init.rfind("hf:", 0) == 0; }
 
 ModelSection read_model(const ConfigTable& t) {
   ModelSection m;
@@ -104,13 +142,20 @@ ModelSection read_model(const ConfigTable& t) {
     s.router_jitter_noise = t.get_float("router_jitter_noise", s.router_jitter_noise, 0.0, 0.999);
   } else {
     for (const char* k : {"num_experts", "top_k", "router_aux_loss_coef", "router_jitter_noise"})
-      if (t.has(k))
+      // With hf: the folder says whether there are experts (apply_hf_init compares).
+      if (t.has(k) && !hf_init(m.init))
         t.fail(k, cat("model.", k, " applies to a mixture of experts only: set model.ffn = \"moe\" (model.ffn is \"",
                       m.ffn, "\")"));
   }
   m.init_std = t.get_float("init_std", m.init_std, 0.0, 1.0);
   m.recompute = t.get_choice("recompute", m.recompute, {"none", "attention", "full"});
   m.head_chunk = t.get_int("head_chunk", m.head_chunk, 0, int64_t{1} << 40);
+  // Like the experts' keys under a dense model: a key of another mode would
+  // be accepted and do nothing (native layers compute every logit at once).
+  if (t.has("head_chunk") && m.layers != "fused")
+    t.fail("head_chunk", cat("model.head_chunk applies to fused layers only (their LM head runs in chunks of tokens): ",
+                             "set model.layers = \"fused\" or remove model.head_chunk (model.layers is \"", m.layers,
+                             "\", which computes the whole micro-batch's logits at once)"));
   return m;
 }
 
@@ -124,6 +169,10 @@ TrainSection read_train(const ConfigTable& t) {
   r.min_lr = t.get_float("min_lr", r.min_lr, 0.0, 10.0);
   r.warmup_steps = t.get_int("warmup_steps", r.warmup_steps, 0);
   r.schedule = t.get_choice("schedule", r.schedule, {"cosine", "linear", "constant"});
+  // min_lr is where a decay ends; a constant schedule has none and would ignore it.
+  if (r.schedule == "constant" && t.has("min_lr"))
+    t.fail("min_lr", "train.min_lr applies to a decaying schedule only (cosine, linear: the lr after the decay): "
+                     "train.schedule = \"constant\" keeps train.lr after the warm-up; remove train.min_lr");
   r.grad_clip = t.get_float("grad_clip", r.grad_clip, 0.0, kFp32Max);
   r.weight_decay = t.get_float("weight_decay", r.weight_decay, 0.0, 10.0);
   r.beta1 = get_beta(t, "beta1", r.beta1);
@@ -197,12 +246,143 @@ void check_cross_fields(const Config& c, const ConfigTable& model, const ConfigT
   if (c.train.seq_len > s.max_seq_len)
     train.fail("seq_len", cat("train.seq_len = ", c.train.seq_len, " exceeds model.max_seq_len = ", s.max_seq_len,
                               ": raise model.max_seq_len or shorten train.seq_len"));
-  if (c.train.min_lr > c.train.lr)
+  if (c.train.schedule != "constant" && c.train.min_lr > c.train.lr)
     train.fail("min_lr", cat("train.min_lr = ", format_number(c.train.min_lr), " exceeds train.lr = ", format_number(c.train.lr),
-                             ": the schedule decays from lr down to min_lr"));
+                             ": the ", c.train.schedule, " schedule decays from lr down to min_lr"));
   if (c.train.warmup_steps > c.train.steps)
     train.fail("warmup_steps", cat("train.warmup_steps = ", c.train.warmup_steps, " exceeds train.steps = ",
                                    c.train.steps));
+}
+
+// A float as a TOML value that reads back as a float ("10000.0", "1e-5").
+std::string toml_float(double v) {
+  std::string t = format_number(v);
+  return t.find_first_of(".eni") == std::string::npos ? t + ".0" : t;
+}
+
+// model.init = "hf:DIR": the folder's config.json defines the architecture
+// (the session builds the model from it). Its sizes replace the [model] keys
+// here, so that the cross-field rules, the counts and the saved config.toml
+// are those of the model that is trained; a key the user set to another
+// value than the folder's is refused, naming both, instead of being ignored.
+// Returns the [model] overrides that write the folder's sizes into the
+// effective config.
+std::vector<std::string> apply_hf_init(Config& c, const ConfigTable& t) {
+  const std::string dir = c.model.init.substr(3);
+  ModelSpec hf;
+  try {
+    hf = hf::read_hf_llama_config(dir);
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    t.fail("init", msg.rfind("model.init = ", 0) == 0 ? msg : cat("model.init = \"", c.model.init, "\": ", msg));
+  }
+  const std::string json = (std::filesystem::path(dir) / "config.json").string();
+  // train.seq_len beyond max_position_embeddings: RoPE is computed for the
+  // positions the run uses, and the model's max_seq_len follows.
+  const int64_t max_seq = std::max(hf.max_seq_len, c.train.seq_len);
+  const std::string ffn = hf.moe() ? "moe" : "dense";
+  std::vector<std::string> sets;
+  auto differs = [&](const char* key, const std::string& user, const std::string& theirs, const char* hf_key) {
+    t.fail(key, cat("model.", key, " = ", user, " differs from the model in ", json, " (", hf_key, " = ", theirs,
+                    "): with model.init = \"", c.model.init, "\" the folder's config.json defines the model, so ",
+                    "model.", key, " would be ignored. Remove model.", key, " or set it to ", theirs));
+  };
+  auto int_key = [&](const char* key, int64_t theirs, const char* hf_key, int64_t also = -1) {
+    if (t.has(key)) {
+      const int64_t v = t.get_int(key, 0);
+      if (v != theirs && v != also) differs(key, std::to_string(v), std::to_string(theirs), hf_key);
+    }
+    sets.push_back(cat("model.", key, "=", also >= 0 ? also : theirs));
+  };
+  auto float_key = [&](const char* key, double theirs, const char* hf_key) {
+    if (t.has(key)) {
+      const double v = t.get_float(key, 0.0);
+      if (v != theirs) differs(key, format_number(v), format_number(theirs), hf_key);
+    }
+    sets.push_back(cat("model.", key, "=", toml_float(theirs)));
+  };
+  if (t.has("ffn") && t.get_string("ffn", "") != ffn)
+    differs("ffn", cat("\"", t.get_string("ffn", ""), "\""), cat("\"", ffn, "\""),
+            hf.moe() ? "model_type \"mixtral\": a mixture of experts" : "model_type \"llama\": dense");
+  sets.push_back(cat("model.ffn=\"", ffn, "\""));
+  int_key("hidden", hf.hidden, "hidden_size");
+  int_key("num_layers", hf.num_layers, "num_hidden_layers");
+  int_key("num_heads", hf.num_heads, "num_attention_heads");
+  int_key("num_kv_heads", hf.num_kv_heads, "num_key_value_heads");
+  int_key("ffn_hidden", hf.ffn_hidden, "intermediate_size");
+  int_key("vocab_size", hf.vocab_size, "vocab_size");
+  int_key("max_seq_len", hf.max_seq_len, "max_position_embeddings", max_seq);
+  float_key("rope_theta", hf.rope_theta, "rope_theta");
+  float_key("norm_eps", hf.norm_eps, "rms_norm_eps");
+  if (t.has("tied_embeddings") && t.get_bool("tied_embeddings", false) != hf.tied_embeddings)
+    differs("tied_embeddings", hf.tied_embeddings ? "false" : "true", hf.tied_embeddings ? "true" : "false",
+            "tie_word_embeddings");
+  sets.push_back(cat("model.tied_embeddings=", hf.tied_embeddings ? "true" : "false"));
+  if (hf.moe()) {
+    int_key("num_experts", hf.num_experts, "num_local_experts");
+    int_key("top_k", hf.top_k, "num_experts_per_tok");
+    float_key("router_aux_loss_coef", hf.router_aux_loss_coef, "router_aux_loss_coef");
+    float_key("router_jitter_noise", hf.router_jitter_noise, "router_jitter_noise");
+  } else {
+    for (const char* k : {"num_experts", "top_k", "router_aux_loss_coef", "router_jitter_noise"})
+      if (t.has(k))
+        t.fail(k, cat("model.", k, " applies to a mixture of experts, but ", json, " describes a dense Llama (model_type "
+                      "\"llama\"), which model.init = \"", c.model.init, "\" trains: remove model.", k));
+  }
+  hf.max_seq_len = max_seq;
+  c.model.spec = hf;
+  c.model.ffn = ffn;
+  return sets;
+}
+
+// A count for a message: "5.63e+22", "1.13e+15", "25824".
+std::string approx(long double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3Lg", v);
+  return buf;
+}
+
+// The counts a run computes in int64, bounded before anything uses them
+// (kMaxParams, kMaxTokensPerStep): each key may be inside its range while the
+// products leave 64 bits, which would print negative parameter counts and
+// size the memory plan with wrapped numbers. `origin` says where the sizes
+// come from when the [model] keys do not (an HF folder's config.json).
+void check_counts(const Config& c, const ConfigTable& model, const ConfigTable& train, const std::string& origin) {
+  const ModelSpec& s = c.model.spec;
+  const long double total = s.total_params_ld();
+  if (total > static_cast<long double>(kMaxParams)) {
+    using LD = long double;
+    const LD h = static_cast<LD>(s.hidden);
+    const LD ffn = s.moe() ? static_cast<LD>(s.num_experts) * (h + 3 * h * static_cast<LD>(s.ffn_hidden))
+                           : 3 * h * static_cast<LD>(s.ffn_hidden);
+    const LD embed = static_cast<LD>(s.vocab_size) * h * (s.tied_embeddings ? 1 : 2);
+    const LD layer = (total - embed - h) / static_cast<LD>(s.num_layers);
+    const std::string ffn_text =
+        s.moe() ? cat("model.num_experts = ", s.num_experts, " experts of 3 x model.hidden = ", s.hidden,
+                      " x model.ffn_hidden = ", s.ffn_hidden)
+                : cat("3 x model.hidden = ", s.hidden, " x model.ffn_hidden = ", s.ffn_hidden);
+    model.fail(!origin.empty() ? "init" : model.has("num_layers") ? "num_layers" : "hidden",
+               cat(origin, "the model would have ", approx(total), " parameters, more than Loom plans for (at most 2^50 = ",
+                   approx(static_cast<LD>(kMaxParams)), ": no machine holds that, and its counts would leave 64 bits): ",
+                   "model.num_layers = ", s.num_layers, " layers of ", approx(layer), " (the feed-forward block ",
+                   approx(ffn), ": ", ffn_text, "; the attention ", approx(layer - ffn), "), and ", approx(embed),
+                   " in the embeddings (model.vocab_size = ", s.vocab_size, " x model.hidden",
+                   s.tied_embeddings ? "" : ", twice: untied", "). Lower these sizes"));
+  }
+  if (s.moe() && s.num_layers * s.num_experts > kMaxModelExperts)
+    model.fail(!origin.empty() ? "init" : model.has("num_experts") ? "num_experts" : "num_layers",
+               cat(origin, "model.num_layers = ", s.num_layers, " x model.num_experts = ", s.num_experts, " = ",
+                   s.num_layers * s.num_experts, " experts, more than Loom plans for (at most 2^20 = ", kMaxModelExperts,
+                   " in the whole model: each is described on the host before anything is planned, and past a million "
+                   "that alone takes gigabytes and minutes). Lower model.num_layers or model.num_experts"));
+  const long double tokens = static_cast<long double>(c.train.micro_batch) * static_cast<long double>(c.train.seq_len) *
+                             static_cast<long double>(c.train.grad_accum);
+  if (tokens > static_cast<long double>(kMaxTokensPerStep))
+    train.fail(train.has("grad_accum") ? "grad_accum" : train.has("micro_batch") ? "micro_batch" : "seq_len",
+               cat("train.micro_batch = ", c.train.micro_batch, " x train.seq_len = ", c.train.seq_len,
+                   " x train.grad_accum = ", c.train.grad_accum, " = ", approx(tokens),
+                   " tokens per rank and step, more than Loom plans for (at most 2^40 = ",
+                   approx(static_cast<long double>(kMaxTokensPerStep)), "); lower them"));
 }
 
 // sharding.expert_parallel against the model; the world size is checked
@@ -230,6 +410,7 @@ Config parse_config_string(std::string_view toml_text, const std::string& source
   ConfigTable root = parse_config_table(toml_text, source_name, overrides);
   Config c;
   c.source = source_name;
+  c.document = root;
   c.effective_toml = root.to_toml();
 
   ConfigTable run = root.table("run");
@@ -256,9 +437,29 @@ Config parse_config_string(std::string_view toml_text, const std::string& source
   train.finish();
   checkpoint.finish();
   profile.finish();
+  std::string origin;
+  if (hf_init(c.model.init)) {
+    const std::vector<std::string> sets = apply_hf_init(c, model);
+    // The saved config (config.toml, checkpoint metadata) records the model trained.
+    c.effective_toml = parse_config_table(c.effective_toml, source_name, sets).to_toml();
+    origin = cat("model.init = \"", c.model.init, "\": its config.json describes a model that is too large: ");
+  }
   check_cross_fields(c, model, train);
+  check_counts(c, model, train, origin);
   check_expert_parallel(c);
   return c;
+}
+
+std::string Config::where(std::string_view dotted_key) const {
+  const size_t dot = dotted_key.rfind('.');
+  if (dot == std::string_view::npos) return document.where(dotted_key);
+  ConfigTable t = document;
+  for (size_t b = 0; b < dot;) {
+    const size_t e = std::min(dotted_key.find('.', b), dot);
+    t = t.table(dotted_key.substr(b, e - b));
+    b = e + 1;
+  }
+  return t.where(dotted_key.substr(dot + 1));
 }
 
 Config load_config(const std::filesystem::path& file, const std::vector<std::string>& overrides) {
@@ -274,11 +475,15 @@ Config load_config(const std::filesystem::path& file, const std::vector<std::str
   return parse_config_string(text, file.string(), overrides);
 }
 
-ConfigArgs parse_config_args(const std::vector<std::string>& args) {
+ConfigArgs parse_config_args(const std::vector<std::string>& args, const std::vector<std::string>& value_flags) {
   ConfigArgs out;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
-    if (a == "--set") {
+    if (std::find(value_flags.begin(), value_flags.end(), a) != value_flags.end()) {
+      // "--steps 3": the 3 is the flag's, not the CONFIG; the command reads both.
+      out.rest.push_back(a);
+      if (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) out.rest.push_back(args[++i]);
+    } else if (a == "--set") {
       if (i + 1 >= args.size()) throw Error("--set needs a value: --set section.key=value");
       out.overrides.push_back(args[++i]);
     } else if (a.rfind("--set=", 0) == 0) {

@@ -28,6 +28,19 @@ inline constexpr int64_t kMaxDim = int64_t{1} << 20;
 inline constexpr int64_t kMaxLayersOrHeads = 4096;
 inline constexpr int64_t kMaxExperts = 4096;
 inline constexpr int64_t kMaxTopK = 64;
+// Products of those sizes can leave 64 bits long before any one key leaves
+// its range, so the counts a run computes in int64 are bounded as well: the
+// parameters (every expert included) at most 2^50 (~1.1e15: 18 PB of fp32
+// weights, gradients and AdamW state; no machine holds it, and every byte
+// count of the plan stays far inside 64 bits), and the tokens of one rank's
+// step (micro_batch x seq_len x grad_accum) at most 2^40, so that times any
+// number of ranks (at most 2^20) they stay an int64.
+inline constexpr int64_t kMaxParams = int64_t{1} << 50;
+// Experts of every layer together (num_layers x num_experts) at most 2^20:
+// each is three tensors described on the host before any plan exists, and
+// past a million experts that description alone takes gigabytes and minutes.
+inline constexpr int64_t kMaxModelExperts = int64_t{1} << 20;
+inline constexpr int64_t kMaxTokensPerStep = int64_t{1} << 40;
 inline constexpr double kFp32MinNormal = 1.17549435e-38;  // FLT_MIN (every double from here rounds to >= it)
 inline constexpr double kFp32Max = 3.40282347e+38;        // FLT_MAX (every double up to here rounds to <= it)
 inline constexpr double kMaxBeta = 0.9999999;             // 0.99999988f; nearer 1 is 1.0f in fp32
@@ -114,6 +127,14 @@ struct Config {
   // this many consecutive ranks (1: every rank runs every expert). A core key
   // in the sharding section: it holds for every strategy.
   int64_t expert_parallel = 1;
+  // The document the values were read from (overrides applied).
+  ConfigTable document;
+
+  // Where a core key ("run.plugin_path", "checkpoint.resume") was set:
+  // "file:line:col", or "--set section.key=value" when an override set it;
+  // the section's header or the file when it was not. For checks made after
+  // the config is read, so that their messages start where the value came from.
+  std::string where(std::string_view dotted_key) const;
 };
 
 // Reads and validates `file` with `overrides` ("section.key=value") applied.
@@ -134,9 +155,11 @@ struct ConfigArgs {
   std::vector<std::string> rest;
 };
 // "CONFIG [--set k=v]... [other args]" -> file (the first argument that is
-// neither an option nor the value of --set), overrides ("--set k=v" and
-// "--set=k=v"), anything else in rest, in order (callers reject what they do
-// not know). Throws when --set lacks its value or no CONFIG is given.
-ConfigArgs parse_config_args(const std::vector<std::string>& args);
+// neither an option nor the value of --set or of one of `value_flags`),
+// overrides ("--set k=v" and "--set=k=v"), anything else in rest, in order
+// (callers reject what they do not know). A flag of `value_flags` given as
+// "--flag value" keeps its value beside it in rest. Throws when --set lacks
+// its value or no CONFIG is given.
+ConfigArgs parse_config_args(const std::vector<std::string>& args, const std::vector<std::string>& value_flags = {});
 
 }  // namespace loom

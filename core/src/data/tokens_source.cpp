@@ -1,6 +1,8 @@
 #include "data/tokens_source.hpp"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <set>
 
@@ -15,12 +17,28 @@
 
 namespace loom::data {
 
+namespace {
+
+// The folder glob() could not list, and why (its error callback takes no
+// context: one per thread is enough, glob() calls it before returning).
+thread_local std::string t_glob_path;
+thread_local int t_glob_errno = 0;
+int note_glob_error(const char* path, int err) {
+  t_glob_path = path;
+  t_glob_errno = err;
+  return 1;  // stop: GLOB_ERR's answer anyway
+}
+
+}  // namespace
+
 std::vector<std::string> expand_patterns(const std::vector<std::string>& patterns, const std::string& key) {
   std::vector<std::string> files;
   std::set<std::string> seen;
   for (auto& pat : patterns) {
     glob_t g{};
-    const int rc = ::glob(pat.c_str(), GLOB_ERR, nullptr, &g);  // glob() sorts its matches
+    t_glob_path.clear();
+    t_glob_errno = 0;
+    const int rc = ::glob(pat.c_str(), GLOB_ERR, note_glob_error, &g);  // glob() sorts its matches
     if (rc == GLOB_NOMATCH || (rc == 0 && g.gl_pathc == 0)) {
       globfree(&g);
       std::error_code ec;
@@ -29,8 +47,14 @@ std::vector<std::string> expand_patterns(const std::vector<std::string>& pattern
     }
     if (rc != 0) {
       globfree(&g);
-      throw Error(cat("data.", key, " = \"", pat, "\": cannot list the directories it names (glob error ", rc,
-                      "); check that they exist and are readable"));
+      if (rc == GLOB_ABORTED && !t_glob_path.empty())
+        throw Error(cat("data.", key, " = \"", pat, "\": the folder '", t_glob_path, "' ",
+                        t_glob_errno == ENOENT  ? std::string("does not exist")
+                        : t_glob_errno == ENOTDIR ? std::string("is not a folder")
+                                                  : cat("cannot be listed (", std::strerror(t_glob_errno), ")"),
+                        "; check the path (relative paths are taken from the working directory)"));
+      throw Error(cat("data.", key, " = \"", pat, "\": cannot list the folders it names (",
+                      rc == GLOB_NOSPACE ? "out of memory" : "a read error", "); check that they exist and are readable"));
     }
     for (std::size_t i = 0; i < g.gl_pathc; ++i) {
       std::string f = g.gl_pathv[i];

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -70,6 +71,16 @@ struct Checked {
   const PluginDescriptor* descriptor = nullptr;
 };
 
+// What dlopen said, from boost::dll's "load() failed (dlerror system message:
+// <reason>): <errno text>" (the errno is not dlopen's: it is whatever an
+// earlier call left, e.g. "Bad file descriptor").
+std::string loader_reason(const std::string& what) {
+  const std::string tag = "dlerror system message: ";
+  const size_t b = what.find(tag), e = what.rfind("):");
+  if (b == std::string::npos || e == std::string::npos || e < b) return what;
+  return what.substr(b + tag.size(), e - b - tag.size());
+}
+
 // dlopen the file once per process (keyed by its canonical path) and return the
 // library. RTLD_NOW so that a missing symbol is reported here, with the file's
 // name, instead of as a crash in the middle of a run; RTLD_LOCAL so that two
@@ -82,11 +93,23 @@ boost::dll::shared_library& load_library(const fs::path& file) {
   std::lock_guard<std::mutex> lock(libs.mu);
   auto it = libs.by_path.find(canonical.string());
   if (it != libs.by_path.end()) return it->second;
+  // Not a shared library at all (a text file, a truncated download): said so,
+  // rather than by the loader's message with an errno left over from elsewhere.
+  {
+    char magic[4] = {};
+    const int fd = ::open(canonical.c_str(), O_RDONLY | O_CLOEXEC);
+    const ssize_t n = fd >= 0 ? ::read(fd, magic, sizeof magic) : -1;
+    if (fd >= 0) ::close(fd);
+    if (n >= 0 && (n < 4 || std::memcmp(magic, "\x7f" "ELF", 4) != 0))
+      throw Error(cat("plugin file ", file.string(), " is not a shared library (it does not start with an ELF header",
+                      n < 4 ? cat(": it holds ", n, " bytes") : std::string(), "). Give the .so a plugin's build ",
+                      "wrote (libloom-<kind>-<name>.so), or remove it from the plugin path."));
+  }
   boost::dll::shared_library lib;
   try {
     lib.load(canonical, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local);
   } catch (const std::exception& e) {
-    throw Error(cat("plugin file ", file.string(), " cannot be loaded: ", e.what(),
+    throw Error(cat("plugin file ", file.string(), " cannot be loaded: ", loader_reason(e.what()),
                     ". Check that it is a shared library built for this machine and that every library it "
                     "needs is found (run 'ldd ", file.string(), "'), or remove it from the plugin path."));
   }
@@ -230,12 +253,19 @@ std::optional<PluginRecord> decode_record(const std::string& s, const fs::path& 
 }
 
 double probe_timeout_s() {
-  if (const char* e = std::getenv("LOOM_PLUGIN_PROBE_TIMEOUT")) {
-    char* end = nullptr;
-    const double v = std::strtod(e, &end);
-    if (end != e && v > 0) return v;
-  }
-  return 20.0;
+  constexpr double kDefault = 20.0;
+  const char* e = std::getenv("LOOM_PLUGIN_PROBE_TIMEOUT");
+  if (!e) return kDefault;
+  char* end = nullptr;
+  const double v = std::strtod(e, &end);
+  if (end != e && *end == '\0' && v > 0 && std::isfinite(v)) return v;
+  // The environment's setting, not the run's: said once, and the default used.
+  static std::once_flag warned;
+  std::call_once(warned, [&] {
+    log_warn(cat("$LOOM_PLUGIN_PROBE_TIMEOUT = '", e, "' is not a number of seconds > 0 (e.g. 60); loading each ",
+                 "plugin file in a child process may take ", kDefault, " s"));
+  });
+  return kDefault;
 }
 
 std::string signal_text(int sig) {

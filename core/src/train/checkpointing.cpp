@@ -204,7 +204,12 @@ std::optional<ckpt::CheckpointInfo> find_resume_point(const Config& cfg) {
     if (!fs::exists(root)) return std::nullopt;
     return ckpt::latest_complete(root.string());
   }
-  ckpt::CheckpointInfo info = ckpt::find_step(root.string(), std::stoll(mode));
+  ckpt::CheckpointInfo info;
+  try {
+    info = ckpt::find_step(root.string(), std::stoll(mode));
+  } catch (const Error& e) {  // located at the key that names the step
+    throw Error(cat(cfg.where("checkpoint.resume"), ": checkpoint.resume = ", mode, ": ", e.what()));
+  }
   // Going back to an older step with checkpointing on would later overwrite
   // the newer checkpoints of this directory: refuse now, before any work.
   if (cfg.checkpoint.every > 0) {

@@ -12,7 +12,16 @@
 #include <cstdint>
 #include <string>
 
+#include "loom/error.hpp"
+
 namespace loom {
+
+// A memory plan that does not fit the memory available: a refusal of the run,
+// not of its config (loom compare makes it a failed row of its table).
+class MemoryPlanError : public Error {
+ public:
+  using Error::Error;
+};
 
 struct MemoryBudget {
   uint64_t available = UINT64_MAX;  // bytes; UINT64_MAX when nothing limits it

@@ -17,6 +17,7 @@
 #include "loom/log.hpp"
 #include "model/block.hpp"
 #include "train/rank_agreement.hpp"
+#include "train/train_state.hpp"
 #include "util/files.hpp"
 
 namespace loom {
@@ -69,6 +70,10 @@ void load_plugins(Runtime& rt, const Config& cfg, const ModelSpec& spec) {
                                                              cfg.sharding.path);
   rt.data = rt.registry->create_as<PluginKind::data>(cfg.data.plugin, init_for(cfg.data), cfg.data.path);
   rt.dtypes = rt.precision->dtypes();
+  // Before any layer or expert is built (Model, TrainState): a config whose
+  // smallest plan cannot fit is refused from its numbers alone, instead of
+  // after gigabytes of per-expert bookkeeping.
+  check_memory_can_fit(cfg, spec, rt);
 
   // Refuse shapes the attention kernel cannot do before anything is allocated.
   BlockEnv probe;
@@ -127,7 +132,7 @@ void warn_env_plugin_path() {
 void check_plugin_path(const Config& cfg) {
   const auto& dirs = cfg.run.plugin_path;
   for (size_t i = 0; i < dirs.size(); ++i) {
-    const std::string entry = cat(cfg.source, ": run.plugin_path[", i, "] = \"", dirs[i], "\"");
+    const std::string entry = cat(cfg.where("run.plugin_path"), ": run.plugin_path[", i, "] = \"", dirs[i], "\"");
     if (dirs[i].empty())
       throw Error(cat(entry, " is empty: each entry names a folder that holds plugin files; remove it"));
     if (const std::string why = not_a_folder(dirs[i]); !why.empty())

@@ -352,25 +352,127 @@ std::string TrainState::memory_report() const {
   return os.str();
 }
 
+namespace {
+
+// Memory the process needs beyond the arena: token staging (<= 64 MiB),
+// BLAS and library buffers on the host. On the GPU the CUDA context, NCCL
+// and the cuDNN graphs exist already (free memory is measured after them),
+// so only what libraries allocate lazily at the first step remains: a small
+// margin, so that a config sized to fill the GPU is not refused.
+double memory_outside_plan(bool gpu, double plan) {
+  return gpu ? 128.0 * (1 << 20) : std::max(128.0 * (1 << 20), plan / 16.0);
+}
+
+// What the run's arena may take: the GPU's free memory, or the host's.
+MemoryBudget arena_budget(const Runtime& rt) {
+  if (rt.backend->device() != Device::cuda) return host_memory_budget();
+  MemoryBudget budget;
+  budget.available = rt.backend->device_memory_free();
+  budget.source = cat("device ", rt.backend->device_index(), " (", rt.backend->device_name(), ") has ",
+                      human_bytes(static_cast<double>(budget.available)), " free");
+  return budget;
+}
+
+// What to change when the plan does not fit: both levers, the larger part's first.
+std::string fit_advice(const Config& cfg, const ModelSpec& spec, double acts, double state, bool gpu) {
+  const std::string for_acts =
+      cat("the activations (", human_bytes(acts), "): lower train.micro_batch (", cfg.train.micro_batch,
+          ") or train.seq_len (", cfg.train.seq_len, ")",
+          cfg.model.recompute == "full" ? std::string() : std::string(", or set model.recompute = \"full\""));
+  const std::string for_state =
+      cat("the weights, gradients and optimizer state (", human_bytes(state), "): a smaller model (model.hidden = ",
+          spec.hidden, ", model.num_layers = ", spec.num_layers, ", model.vocab_size = ", spec.vocab_size,
+          ", model.ffn_hidden = ", spec.ffn_hidden,
+          spec.moe() ? cat(", model.num_experts = ", spec.num_experts) : std::string(), "), or the state spread over "
+          "more ranks (sharding.plugin = \"zero2\" or \"zero3\" under mpirun / srun)",
+          gpu ? ", or bf16 weights (precision.plugin = \"bf16\")" : "");
+  return acts >= state ? cat("shrink ", for_acts, "; or ", for_state) : cat("shrink ", for_state, "; or ", for_acts);
+}
+
+}  // namespace
+
+PlanFloor plan_floor(const Config& cfg, const ModelSpec& spec, const PrecisionDTypes& dt, int world) {
+  using LD = long double;
+  PlanFloor f;
+  // Weights, gradients and optimizer state: no strategy holds less of them
+  // per rank than an equal share of every parameter (ZeRO-3 over all ranks).
+  f.params = spec.total_params_ld();
+  f.bytes_per_param = static_cast<LD>(dtype_size(dt.param) + dtype_size(dt.grad) + (dt.has_master ? 4 : 0) +
+                                      2 * dtype_size(dt.optim_state));
+  f.state = f.params * f.bytes_per_param / static_cast<LD>(std::max(1, world));
+  // Activations every plan holds (model/blocks): the residual stream before
+  // and after each layer, the LM head's logits (of a whole micro-batch with
+  // native layers, of one chunk with fused), one feed-forward layer's inner
+  // activations (gate and up; a mixture of experts' for every routed token)
+  // and the tokens.
+  const LD N = static_cast<LD>(cfg.train.micro_batch) * static_cast<LD>(cfg.train.seq_len);
+  const LD e = static_cast<LD>(dtype_size(dt.activation));
+  const LD h = static_cast<LD>(spec.hidden), F = static_cast<LD>(spec.ffn_hidden);
+  const LD head_rows = cfg.model.layers == "native" ? N
+                       : cfg.model.head_chunk > 0   ? std::min(static_cast<LD>(cfg.model.head_chunk), N)
+                                                    : 1;
+  const LD ffn = !spec.moe() ? 2 * N * F : cfg.expert_parallel == 1 ? 2 * N * static_cast<LD>(spec.top_k) * F : 0;
+  f.activations =
+      e * ((static_cast<LD>(spec.num_layers) + 1) * N * h + head_rows * static_cast<LD>(spec.vocab_size) + ffn) + 8 * N;
+  f.plan = f.state + f.activations;
+  // Host memory that the description of the parameters takes before any plan
+  // exists (a name, a shape and an offset per tensor, and the blocks that
+  // declare them: about 400 bytes a tensor, counted as 384): with thousands
+  // of layers of hundreds of experts that alone is gigabytes.
+  f.tensors = (spec.tied_embeddings ? 2 : 3) + spec.num_layers * (6 + (spec.moe() ? 1 + 3 * spec.num_experts : 3));
+  f.description = 384 * static_cast<LD>(f.tensors);
+  return f;
+}
+
+void check_memory_can_fit(const Config& cfg, const ModelSpec& spec, const Runtime& rt) {
+  using LD = long double;
+  const bool gpu = rt.backend->device() == Device::cuda;
+  const PlanFloor f = plan_floor(cfg, spec, rt.dtypes, rt.world());
+  const LD world = static_cast<LD>(std::max(1, rt.world()));
+  const LD params = f.params, per_param = f.bytes_per_param, state = f.state, acts = f.activations, plan = f.plan,
+           book = f.description;
+  const int64_t tensors = f.tensors;
+  const int sharing = std::max(1, rt.launch.local_world);  // ranks on one machine share its host memory
+  const MemoryBudget budget = arena_budget(rt);
+  const MemoryBudget host = gpu ? host_memory_budget() : budget;
+  const LD extra = static_cast<LD>(memory_outside_plan(gpu, static_cast<double>(plan)));
+  const LD need = gpu ? plan + extra : (plan + extra + book) * sharing;
+  const LD host_need = gpu ? book * sharing : need;
+  // Beyond 1 EiB nothing can hold it, whatever the budget says (or when none is known).
+  const bool absurd = plan > static_cast<LD>(uint64_t{1} << 60);
+  const bool device_short = budget.known() && need > static_cast<LD>(budget.available);
+  const bool host_short = host.known() && host_need > static_cast<LD>(host.available);
+  if (!absurd && !device_short && !host_short) return;
+  if (gpu && host_short && !device_short && !absurd)
+    throw MemoryPlanError(cat("the model cannot be described on the host: its ", tensors, " parameter tensors take at least ",
+                    human_bytes(static_cast<double>(book)), " of host memory before anything is planned",
+                    sharing > 1 ? cat(", times ", sharing, " ranks on this machine") : std::string(), ", but only ",
+                    human_bytes(static_cast<double>(host.available)), " is available: ", host.source,
+                    ". Nothing was built. Lower model.num_layers (", spec.num_layers, ")",
+                    spec.moe() ? cat(" or model.num_experts (", spec.num_experts, ")") : std::string()));
+  const std::string per_rank = world > 1 ? cat(" (an equal share of ", rt.world(), " ranks)") : std::string();
+  throw MemoryPlanError(cat(
+      "the memory plan cannot fit: before anything is planned in detail, this config needs at least ",
+      human_bytes(static_cast<double>(need)), " (the weights, gradients and optimizer state ",
+      human_bytes(static_cast<double>(state)), per_rank, ": ", human_count(static_cast<double>(params)),
+      " parameters x ", static_cast<double>(per_param), " bytes; the activations ", human_bytes(static_cast<double>(acts)),
+      gpu ? std::string()
+          : cat("; describing the ", tensors, " parameter tensors ", human_bytes(static_cast<double>(book))),
+      "; plus ", human_bytes(static_cast<double>(extra)), " outside the plan",
+      !gpu && sharing > 1 ? cat(", times ", sharing, " ranks on this machine") : std::string(), "), but ",
+      device_short ? cat("only ", human_bytes(static_cast<double>(budget.available)), " is available: ", budget.source)
+                   : std::string("no machine holds more than 1 EiB"),
+      ". Nothing was built. To fit: ", fit_advice(cfg, spec, static_cast<double>(acts), static_cast<double>(state), gpu),
+      ". 'loom check' prints the whole plan of a config that fits"));
+}
+
 void TrainState::check_memory_fits() const {
   const bool gpu = rt_.backend->device() == Device::cuda;
   const double plan = static_cast<double>(plan_.total_bytes());
-  // Memory the process needs beyond the arena: token staging (<= 64 MiB),
-  // BLAS and library buffers on the host. On the GPU the CUDA context, NCCL
-  // and the cuDNN graphs exist already (free memory is measured after them),
-  // so only what libraries allocate lazily at the first step remains: a small
-  // margin, so that a config sized to fill the GPU is not refused.
-  const double extra = gpu ? 128.0 * (1 << 20) : std::max(128.0 * (1 << 20), plan / 16.0);
+  const double extra = memory_outside_plan(gpu, plan);
   // Ranks on one machine share its host memory (and its cgroup); each has its own GPU.
   const int sharing = gpu ? 1 : std::max(1, rt_.launch.local_world);
-  MemoryBudget budget;
-  if (gpu) {
-    budget.available = rt_.backend->device_memory_free();
-    budget.source = cat("device ", rt_.backend->device_index(), " (", rt_.backend->device_name(), ") has ",
-                        human_bytes(static_cast<double>(budget.available)), " free");
-  } else {
-    budget = host_memory_budget();
-  }
+  const MemoryBudget budget = arena_budget(rt_);
   const double need = (plan + extra) * sharing;
   if (!budget.known() || need <= static_cast<double>(budget.available)) return;
 
@@ -378,19 +480,8 @@ void TrainState::check_memory_fits() const {
   const double acts = cat_bytes(MemCategory::activations);
   const double state = cat_bytes(MemCategory::params) + cat_bytes(MemCategory::grads) +
                        cat_bytes(MemCategory::optimizer) + cat_bytes(MemCategory::master);
-  const ModelSpec& spec = model_.spec();
-  // Both levers, the larger part's first.
-  const std::string for_acts =
-      cat("the activations (", human_bytes(acts), "): lower train.micro_batch (", cfg_.train.micro_batch,
-          ") or train.seq_len (", cfg_.train.seq_len, ")",
-          cfg_.model.recompute == "full" ? std::string() : std::string(", or set model.recompute = \"full\""));
-  const std::string for_state =
-      cat("the weights, gradients and optimizer state (", human_bytes(state), "): a smaller model (model.hidden = ",
-          spec.hidden, ", model.num_layers = ", spec.num_layers, ", model.vocab_size = ", spec.vocab_size,
-          ", model.ffn_hidden = ", spec.ffn_hidden, "), or the state spread over more ranks (sharding.plugin = "
-          "\"zero2\" or \"zero3\" under mpirun / srun)", gpu ? ", or bf16 weights (precision.plugin = \"bf16\")" : "");
-  const std::string fix = acts >= state ? cat("shrink ", for_acts, "; or ", for_state) : cat("shrink ", for_state, "; or ", for_acts);
-  throw Error(cat("the memory plan does not fit: this run needs about ", human_bytes(need), " (the plan: ",
+  const std::string fix = fit_advice(cfg_, model_.spec(), acts, state, gpu);
+  throw MemoryPlanError(cat("the memory plan does not fit: this run needs about ", human_bytes(need), " (the plan: ",
                   human_bytes(plan), " per rank — params ", human_bytes(cat_bytes(MemCategory::params)), ", grads ",
                   human_bytes(cat_bytes(MemCategory::grads)), ", optimizer ",
                   human_bytes(cat_bytes(MemCategory::optimizer) + cat_bytes(MemCategory::master)), ", activations ",

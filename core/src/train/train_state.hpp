@@ -18,6 +18,30 @@
 
 namespace loom {
 
+// Refuses (loom::Error, with what to change) a config whose smallest
+// possible plan cannot fit the memory available, from its numbers alone,
+// before any layer or expert is built: the weights, gradients and optimizer
+// state as an equal share of every rank, the activations every plan holds,
+// and the host memory that describing the parameter tensors takes. A lower
+// bound of TrainState::check_memory_fits' plan, so it never refuses a config
+// that check would let through (but for that description, which is real
+// memory the detailed plan does not count). make_runtime calls it once the
+// precision plugin has said its dtypes.
+void check_memory_can_fit(const Config& cfg, const ModelSpec& spec, const Runtime& rt);
+
+// The numbers check_memory_can_fit compares, per rank of `world`: every one a
+// lower bound of what the detailed plan holds, in long double (no sum or
+// product of sizes can overflow it).
+struct PlanFloor {
+  long double params = 0, bytes_per_param = 0;  // the model's parameters, and the bytes of state each takes
+  long double state = 0;                        // weights, gradients and optimizer state per rank
+  long double activations = 0;                  // activations every plan holds
+  long double plan = 0;                         // state + activations: at most the arena's total bytes
+  int64_t tensors = 0;                          // parameter tensors the model declares
+  long double description = 0;                  // host bytes that describing them takes
+};
+PlanFloor plan_floor(const Config& cfg, const ModelSpec& spec, const PrecisionDTypes& dtypes, int world);
+
 class TrainState {
  public:
   // Plans everything (the sharding plugin's layouts, the model's activations);

@@ -1,5 +1,7 @@
 #include "loom/arena.hpp"
 
+#include "loom/error.hpp"
+
 #include <cstdlib>
 #include <cstring>
 #include <iomanip>
@@ -26,6 +28,12 @@ const char* mem_category_name(MemCategory c) {
 }
 
 size_t ArenaPlan::add(std::string name, MemCategory cat, size_t bytes) {
+  // No plan reaches 2^60 bytes (1 EiB) on any machine; refusing there keeps
+  // the sums below (and every category's) far from wrapping around 2^64.
+  constexpr size_t kMaxPlanBytes = size_t{1} << 60;
+  if (bytes > kMaxPlanBytes || total_ + bytes > kMaxPlanBytes)
+    throw Error(loom::cat("the memory plan grows beyond 1 EiB at '", name, "' (", bytes, " bytes, after ", total_,
+                    " planned): no machine holds that; lower the model's sizes, train.micro_batch or train.seq_len"));
   size_t offset = total_;
   size_t padded = (bytes + kAlign - 1) / kAlign * kAlign;
   blocks_.push_back({std::move(name), cat, offset, bytes});

@@ -23,7 +23,7 @@ class MegatronData final : public data::MegatronSource {
   static data::MegatronOptions read_options(const ConfigTable& cfg) {
     data::MegatronOptions o;
     if (!cfg.has("prefix"))
-      cfg.fail("prefix", "is required: the path prefix of a Megatron dataset (PREFIX.bin + PREFIX.idx), e.g. "
+      cfg.fail("prefix", "data.prefix is required: the path prefix of a Megatron dataset (PREFIX.bin + PREFIX.idx), e.g. "
                          "prefix = \"data/owt2/owt2_text_document\", or a list of them");
     o.prefixes = strings(cfg, "prefix");
     if (cfg.has("weights")) {
@@ -35,7 +35,7 @@ class MegatronData final : public data::MegatronSource {
         cfg.fail("weights", "data.weights sum to 0; give at least one prefix a positive weight");
     }
     o.split = cfg.get_string("split", "");
-    if (cfg.has("split") && o.split.empty()) cfg.fail("split", "is empty; write e.g. \"969,30,1\"");
+    if (cfg.has("split") && o.split.empty()) cfg.fail("split", "data.split is empty; write e.g. \"969,30,1\"");
     if (cfg.has("val_prefix")) o.val_prefixes = strings(cfg, "val_prefix");
     o.shuffle = cfg.get_bool("shuffle", true);
     cfg.finish();
@@ -59,7 +59,7 @@ class MegatronData final : public data::MegatronSource {
       v = {cfg.get_string(key, "")};
     }
     if (v.empty() || std::any_of(v.begin(), v.end(), [](const std::string& s) { return s.empty(); }))
-      cfg.fail(key, "is empty: give the path prefix of a dataset (PREFIX.bin + PREFIX.idx)");
+      cfg.fail(key, cat("data.", key, " is empty: give the path prefix of a dataset (PREFIX.bin + PREFIX.idx)"));
     return v;
   }
 };

@@ -5,15 +5,29 @@
 #pragma once
 #include "data/synthetic_source.hpp"
 #include "loom/config.hpp"
+#include "loom/error.hpp"
 #include "loom/plugin.hpp"
 
 namespace loom::plugins {
 
 class SyntheticData final : public data::SyntheticSource {
  public:
-  explicit SyntheticData(const PluginInit& init) : SyntheticSource(read_options(init.config)) {}
+  explicit SyntheticData(const PluginInit& init)
+      : SyntheticSource(read_options(init.config)),
+        vocab_at_(init.config.has("vocab") ? init.config.where("vocab") : std::string()) {}
   // Settings given directly (tests, programs embedding Loom); init.config is not read.
   SyntheticData(const PluginInit&, data::SyntheticOptions opt) : SyntheticSource(std::move(opt)) {}
+
+  // data.vocab is checked against the model when the data is opened: its
+  // refusal is located at the key, like the table's own checks.
+  void open(const DataSpec& spec) override {
+    try {
+      SyntheticSource::open(spec);
+    } catch (const Error& e) {
+      if (vocab_at_.empty()) throw;
+      throw Error(cat(vocab_at_, ": ", e.what()));
+    }
+  }
 
   static data::SyntheticOptions read_options(const ConfigTable& cfg) {
     data::SyntheticOptions o;
@@ -22,6 +36,9 @@ class SyntheticData final : public data::SyntheticSource {
     cfg.finish();
     return o;
   }
+
+ private:
+  std::string vocab_at_;  // where data.vocab was set, "" when it was not
 };
 
 }  // namespace loom::plugins

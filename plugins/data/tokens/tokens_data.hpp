@@ -20,12 +20,23 @@ class TokensData final : public data::TokensSource {
   static data::TokensOptions read_options(const ConfigTable& cfg) {
     data::TokensOptions o;
     if (!cfg.has("train"))
-      cfg.fail("train", "is required: a glob pattern or a list of them naming token shards, e.g. "
+      cfg.fail("train", "data.train is required: a glob pattern or a list of them naming token shards, e.g. "
                         "train = \"data/fortunes/train_*.bin\" (write them with loom prepare text)");
     o.train = patterns(cfg, "train");
     if (cfg.has("val")) o.val = patterns(cfg, "val");
     o.shuffle = cfg.get_bool("shuffle", true);
     cfg.finish();
+    // Patterns that match nothing, or name folders that cannot be listed, are
+    // told here, located at their key (the shards are opened later, with the model).
+    for (const auto& [key, list] : {std::pair<const char*, const std::vector<std::string>*>{"train", &o.train},
+                                    {"val", &o.val}}) {
+      if (list->empty()) continue;
+      try {
+        (void)data::expand_patterns(*list, key);
+      } catch (const Error& e) {
+        cfg.fail(key, e.what());
+      }
+    }
     return o;
   }
 
@@ -39,7 +50,7 @@ class TokensData final : public data::TokensSource {
       v = {cfg.get_string(key, "")};  // a single string; its own type error if it is neither
     }
     if (v.empty() || (v.size() == 1 && v[0].empty()))
-      cfg.fail(key, "is empty: give a path or glob pattern of token shards");
+      cfg.fail(key, cat("data.", key, " is empty: give a path or glob pattern of token shards"));
     return v;
   }
 };

@@ -106,7 +106,7 @@ inline std::string rows_origin(const LinearDesc& d) {
 inline std::string dims_to_change(const LinearDesc& d, int64_t multiple, bool rows_checked) {
   return cat("Change the model dims",
              !rows_checked                    ? ""
-             : d.role == LinearRole::lm_head ? ", the micro-batch (train.micro_batch x train.seq_len) or model.head_chunk"
+             : d.role == LinearRole::lm_head ? ", the micro-batch (train.micro_batch x train.seq_len) or model.head_chunk (fused layers)"
                                              : " or the micro-batch (train.micro_batch x train.seq_len)",
              " to multiples of ", multiple);
 }
