@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.hpp"
@@ -49,6 +50,39 @@ void expect_resume_refused(const fs::path& dir, std::initializer_list<std::strin
         s.initialise();
       },
       parts);
+}
+
+// Writes COMPLETE for meta.json as it is now: a hand edit that keeps the
+// certificate valid, so only the checks past it can refuse the edit.
+void recertify(const fs::path& step_dir, int64_t step) {
+  const std::string t = read_text(step_dir / "meta.json");
+  std::ofstream(step_dir / "COMPLETE", std::ios::trunc)
+      << "{\"step\": " << step << ", \"meta_bytes\": " << t.size()
+      << ", \"meta_crc32\": " << loom::ckpt::crc32(t.data(), t.size()) << "}\n";
+}
+
+// Edits meta.json (its JSON, keys in their order) and re-certifies it.
+void edit_meta(const fs::path& step_dir, int64_t step, const std::function<void(nlohmann::ordered_json&)>& edit) {
+  auto j = nlohmann::ordered_json::parse(read_text(step_dir / "meta.json"));
+  edit(j);
+  std::ofstream(step_dir / "meta.json", std::ios::trunc) << j.dump(2);
+  recertify(step_dir, step);
+}
+
+// The parameter of units[u] whose name ends with `suffix`.
+nlohmann::ordered_json& param_named(nlohmann::ordered_json& j, size_t u, const std::string& suffix) {
+  for (auto& p : j["units"][u]["params"])
+    if (p["name"].get<std::string>().ends_with(suffix)) return p;
+  ADD_FAILURE() << "no parameter " << suffix;
+  return j["units"][u]["params"][0];
+}
+
+std::string cli(const std::string& args) { return "timeout 120 '" + std::string(LOOM_CLI) + "' " + args; }
+
+size_t occurrences(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
 }
 
 void replace_once(std::string& text, const std::string& from, const std::string& to) {
@@ -176,8 +210,8 @@ TEST(ReliabilityCheckpoints, RefusedCheckpointStopsTheCommandAndStaysAsItWas) {
 }
 
 // A name of the checkpoint series that is not a folder — a regular file, a
-// link to /dev/null, a FIFO, a dangling link, under the canonical name of a
-// step still to come or under a short one — is refused before step 1 by every
+// link to /dev/null, a FIFO, a dangling link, under the name of a step still
+// to come — is refused before step 1 by every
 // start of `loom train` (resume auto, a fresh start replacing the run) and by
 // Session::train, before metrics.jsonl is trimmed; `loom convert` listing the
 // checkpoints refuses it too. Each message names the path and what to do.
@@ -200,7 +234,9 @@ TEST(ReliabilityCheckpoints, StepNameThatIsNotAFolderIsRefusedBeforeAnyWork) {
       {"a FIFO", [](const fs::path& p) { ASSERT_EQ(::mkfifo(p.c_str(), 0644), 0); }},
       {"which does not exist", [](const fs::path& p) { fs::create_symlink(p.string() + ".nowhere", p); }},
   };
-  for (const std::string& name : {std::string("step_00000006"), std::string("step_7")}) {
+  // (A short name such as step_7 is not a checkpoint's name at all: it is
+  // warned about and left alone, AliasStepFoldersAreLeftAloneNeverCountedOrPruned.)
+  for (const std::string& name : {std::string("step_00000006")}) {
     for (const auto& [what, make] : kinds) {
       SCOPED_TRACE(name + ": " + what);
       const fs::path bad = root / name;
@@ -242,4 +278,212 @@ TEST(ReliabilityCheckpoints, StepNameThatIsNotAFolderIsRefusedBeforeAnyWork) {
   // With the name gone, the run resumes and trains on.
   const ProcResult ok = run_shell("timeout 60 '" + std::string(LOOM_CLI) + "' train '" + cfg.string() + "'");
   EXPECT_EQ(ok.code, 0) << ok.out;
+}
+
+// A second folder for a step under another spelling (`cp -r step_00000004
+// step_4`, here with its rank file then truncated), or a file under a short
+// name, is not a checkpoint of the run: it is warned about once, naming it,
+// never resumed from, never counted toward keep_last and never pruned — so
+// with keep_last = 3 every good checkpoint stays.
+TEST(ReliabilityCheckpoints, AliasStepFoldersAreLeftAloneNeverCountedOrPruned) {
+  const fs::path dir = fresh_dir("ckpt_alias");
+  make_runs(dir);
+  const fs::path root = dir / "run" / "checkpoints";
+  fs::copy(root / "step_00000004", root / "step_4", fs::copy_options::recursive);
+  fs::resize_file(root / "step_4" / "rank_00000.bin", 100);
+  std::ofstream(root / "step_7") << "x";
+  const fs::path cfg = dir / "run.toml";
+  std::ofstream(cfg) << tiny_config(dir / "run", 6);
+  const ProcResult r = run_shell(cli("train '" + cfg.string() + "' --set checkpoint.every=2 --set checkpoint.keep_last=3"));
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_CONTAINS(r.out, "resumed from " + (root / "step_00000004").string());
+  EXPECT_EQ(occurrences(r.out, "holds 'step_4', which is not a checkpoint name Loom writes (step 4's is step_00000004)"),
+            1u) << r.out;
+  EXPECT_EQ(occurrences(r.out, "holds 'step_7', which is not a checkpoint name Loom writes"), 1u) << r.out;
+  for (const char* kept : {"step_00000002", "step_00000004", "step_00000006", "step_4", "step_7"})
+    EXPECT_TRUE(fs::exists(root / kept)) << kept;
+  EXPECT_EQ(fs::file_size(root / "step_4" / "rank_00000.bin"), 100u);
+  // The next save prunes one good checkpoint, never the alias in its place.
+  std::ofstream(cfg, std::ios::trunc) << tiny_config(dir / "run", 8);
+  const ProcResult r2 = run_shell(cli("train '" + cfg.string() + "' --set checkpoint.every=2 --set checkpoint.keep_last=3"));
+  EXPECT_EQ(r2.code, 0) << r2.out;
+  EXPECT_FALSE(fs::exists(root / "step_00000002"));
+  for (const char* kept : {"step_00000004", "step_00000006", "step_00000008", "step_4", "step_7"})
+    EXPECT_TRUE(fs::exists(root / kept)) << kept;
+}
+
+// The marker's legacy form ({"step": 4}) cannot switch the certificate off:
+// meta.json's format version decides. Here meta.json had two same-shaped
+// matrices' offsets swapped; both commands refuse it, naming the marker.
+TEST(ReliabilityCheckpoints, LegacyMarkerOnACertifiedFormatIsRefused) {
+  const fs::path dir = fresh_dir("ckpt_legacy_marker");
+  make_runs(dir);
+  const fs::path step = dir / "run" / "checkpoints" / "step_00000004";
+  edit_meta(step, 4, [](nlohmann::ordered_json& j) {
+    auto& q = param_named(j, 1, "q_proj.weight");
+    auto& o = param_named(j, 1, "o_proj.weight");
+    std::swap(q["offset"], o["offset"]);
+  });
+  std::ofstream(step / "COMPLETE", std::ios::trunc) << "{\"step\": 4}\n";
+  const std::vector<std::string> says = {(step / "COMPLETE").string(), "records the step only",
+                                         "format version 5", "cannot be trusted"};
+  expect_resume_refused(dir, {says[0], says[1], says[2], says[3]});
+  const ProcResult r = run_shell(cli("convert '" + step.string() + "' --to-hf '" + (dir / "hf").string() + "'"));
+  EXPECT_EQ(r.code, 1) << r.out;
+  for (const std::string& s : says) EXPECT_CONTAINS(r.out, s);
+  EXPECT_FALSE(fs::exists(dir / "hf"));
+}
+
+// Past the certificate (re-certified by hand), the layout is still held to
+// the one the checkpoint's own model record derives: offsets swapped or
+// overlapping, units swapped, two same-shaped parameters' names swapped —
+// each refused naming the parameter or unit, by resume and convert.
+TEST(ReliabilityCheckpoints, EditedLayoutIsRefusedEvenWhenRecertified) {
+  const fs::path dir = fresh_dir("ckpt_layout");
+  make_runs(dir);
+  const fs::path step = dir / "run" / "checkpoints" / "step_00000004";
+  const std::string meta = read_text(step / "meta.json"), marker = read_text(step / "COMPLETE");
+  const std::vector<std::pair<std::function<void(nlohmann::ordered_json&)>, std::vector<std::string>>> cases = {
+      {[](auto& j) { std::swap(param_named(j, 1, "q_proj.weight")["offset"], param_named(j, 1, "o_proj.weight")["offset"]); },
+       {"parameter 'model.layers.0.self_attn.q_proj.weight' is at offset", "of unit layer.0"}},
+      {[](auto& j) { param_named(j, 1, "k_proj.weight")["offset"] = param_named(j, 1, "q_proj.weight")["offset"]; },
+       {"parameter 'model.layers.0.self_attn.k_proj.weight' is at offset", "overlap"}},
+      {[](auto& j) { std::swap(j["units"][1], j["units"][2]); }, {"units[1] is unit layer.1 where", "has unit layer.0"}},
+      {[](auto& j) { std::swap(param_named(j, 1, "q_proj.weight")["name"], param_named(j, 1, "o_proj.weight")["name"]); },
+       {"parameter 'model.layers.0.self_attn.", "would be loaded in each other's place"}},
+  };
+  for (const auto& [edit, says] : cases) {
+    SCOPED_TRACE(says[0]);
+    std::ofstream(step / "meta.json", std::ios::trunc) << meta;
+    edit_meta(step, 4, edit);
+    expect_error([&] { loom::ckpt::CheckpointSet set(step.string()); }, {(step / "meta.json").string(), says[0], says[1]});
+    const ProcResult r = run_shell(cli("convert '" + step.string() + "' --to-hf '" + (dir / "hf").string() + "'"));
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, says[0]);
+    EXPECT_FALSE(fs::exists(dir / "hf"));
+  }
+  std::ofstream(step / "meta.json", std::ios::trunc) << meta;
+  std::ofstream(step / "COMPLETE", std::ios::trunc) << marker;
+  EXPECT_NO_THROW(loom::ckpt::CheckpointSet(step.string()));
+}
+
+// Every field of meta.json the reader reads is type- and range-checked under
+// a re-certified marker: another type, null, a negative, a huge number or a
+// fraction is refused naming meta.json, the key, the value found and what was
+// expected — never an internal error, never a wrapped-around number.
+TEST(ReliabilityCheckpoints, EveryMetadataFieldIsTypeChecked) {
+  const fs::path dir = fresh_dir("ckpt_meta_fields");
+  make_runs(dir);
+  const fs::path step = dir / "run" / "checkpoints" / "step_00000004";
+  const std::string meta = read_text(step / "meta.json");
+  using J = nlohmann::ordered_json;
+  auto at = [](std::vector<std::string> path) {
+    return [path](J& j, const J& v) {
+      J* p = &j;
+      for (const std::string& k : path)
+        p = k[0] >= '0' && k[0] <= '9' ? &(*p)[static_cast<size_t>(std::stoul(k))] : &(*p)[k];
+      *p = v;
+    };
+  };
+  const std::vector<std::pair<std::string, std::function<void(J&, const J&)>>> fields = {
+      {"version", at({"version"})},
+      {"step", at({"step"})},
+      {"world_size", at({"world_size"})},
+      {"shard_header_crc32", at({"shard_header_crc32"})},
+      {"shard_header_crc32[0]", at({"shard_header_crc32", "0"})},
+      {"strategy", at({"strategy"})},
+      {"precision", at({"precision"})},
+      {"layers", at({"layers"})},
+      {"dtypes", at({"dtypes"})},
+      {"dtypes.params", at({"dtypes", "params"})},
+      {"dtypes.optim_state", at({"dtypes", "optim_state"})},
+      {"dtypes.master", at({"dtypes", "master"})},
+      {"model", at({"model"})},
+      {"model.hidden", at({"model", "hidden"})},
+      {"model.num_layers", at({"model", "num_layers"})},
+      {"model.num_heads", at({"model", "num_heads"})},
+      {"model.num_kv_heads", at({"model", "num_kv_heads"})},
+      {"model.ffn_hidden", at({"model", "ffn_hidden"})},
+      {"model.vocab_size", at({"model", "vocab_size"})},
+      {"model.rope_theta", at({"model", "rope_theta"})},
+      {"model.norm_eps", at({"model", "norm_eps"})},
+      {"model.tied_embeddings", at({"model", "tied_embeddings"})},
+      {"units", at({"units"})},
+      {"units[1]", at({"units", "1"})},
+      {"units[1].name", at({"units", "1", "name"})},
+      {"units[1].numel", at({"units", "1", "numel"})},
+      {"units[1].shards", at({"units", "1", "shards"})},
+      {"units[1].shards[0]", at({"units", "1", "shards", "0"})},
+      {"units[1].shards[0][0]", at({"units", "1", "shards", "0", "0"})},
+      {"units[1].shards[0][1]", at({"units", "1", "shards", "0", "1"})},
+      {"units[1].shards[0][2]", at({"units", "1", "shards", "0", "2"})},
+      {"units[1].params", at({"units", "1", "params"})},
+      {"units[1].params[1]", at({"units", "1", "params", "1"})},
+      {"units[1].params[1].name", at({"units", "1", "params", "1", "name"})},
+      {"units[1].params[1].shape", at({"units", "1", "params", "1", "shape"})},
+      {"units[1].params[1].shape[0]", at({"units", "1", "params", "1", "shape", "0"})},
+      {"units[1].params[1].offset", at({"units", "1", "params", "1", "offset"})},
+      {"data_plugin", at({"data_plugin"})},
+      {"data_state", at({"data_state"})},
+      {"precision_tensors", at({"precision_tensors"})},
+      {"samples_seen", at({"samples_seen"})},
+  };
+  const std::vector<std::string> values = {"\"1\"", "null", "-1", "18446744073709551615", "2.5", "[]"};
+  int checked = 0;
+  for (const auto& [key, set] : fields) {
+    for (const std::string& v : values) {
+      const J value = J::parse(v);
+      // Values of the right type that are no damage of this kind: any string
+      // for a free-text field, and numbers a number field takes.
+      const bool text = key == "strategy" || key == "precision" || key == "data_plugin" || key == "data_state" ||
+                        key.ends_with(".name");
+      if (text && value.is_string()) continue;
+      if (key == "model.rope_theta" && (v == "2.5" || v == "18446744073709551615")) continue;
+      // An empty list where a list belongs is of the right type (refused by the layout checks, in their words).
+      const bool list = key == "shard_header_crc32" || key == "units" || key.ends_with("shards") ||
+                        key.ends_with("params") || key.ends_with("shape") || key == "precision_tensors";
+      if (list && v == "[]") continue;
+      SCOPED_TRACE(key + " = " + v);
+      std::ofstream(step / "meta.json", std::ios::trunc) << meta;
+      edit_meta(step, 4, [&](J& j) { set(j, value); });
+      try {
+        loom::ckpt::CheckpointSet s(step.string());
+        ADD_FAILURE() << "accepted";
+      } catch (const loom::ckpt::CheckpointDamaged& e) {
+        const std::string m = e.what();
+        EXPECT_CONTAINS(m, (step / "meta.json").string());
+        EXPECT_CONTAINS(m, "\"" + key + "\" is " + value.dump() + ", expected");
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 200);
+  // The values the audit met, through the commands: named, with exit code 1.
+  const std::vector<std::tuple<std::string, std::function<void(J&)>, std::string>> named = {
+      {"world_size = 2^40", [](J& j) { j["world_size"] = int64_t{1} << 40; },
+       "\"world_size\" is 1099511627776, expected an integer in [1, 1048576]"},
+      {"layers = te", [](J& j) { j["layers"] = "te"; }, "\"layers\" is \"te\", expected one of: native, fused"},
+  };
+  for (const auto& [what, edit, says] : named) {
+    SCOPED_TRACE(what);
+    std::ofstream(step / "meta.json", std::ios::trunc) << meta;
+    edit_meta(step, 4, edit);
+    expect_resume_refused(dir, {(step / "meta.json").string(), says});
+    const ProcResult r = run_shell(cli("convert '" + step.string() + "' --to-hf '" + (dir / "hf").string() + "'"));
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, (step / "meta.json").string() + ": " + says);
+    EXPECT_FALSE(has(r.out, "error: loom convert:")) << r.out;  // the prefix once
+  }
+  // A marker with a field of the wrong type: exit 1 naming it, not an internal error (exit 3).
+  std::ofstream(step / "meta.json", std::ios::trunc) << meta;
+  std::ofstream(step / "COMPLETE", std::ios::trunc) << "{\"step\": 4, \"meta_bytes\": \"6372\", \"meta_crc32\": 1}";
+  const fs::path cfg = dir / "run.toml";
+  std::ofstream(cfg) << tiny_config(dir / "run", 6);
+  for (const std::string& cmd : {"train '" + cfg.string() + "'",
+                                 "convert '" + step.string() + "' --to-hf '" + (dir / "hf").string() + "'"}) {
+    const ProcResult r = run_shell(cli(cmd));
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, (step / "COMPLETE").string() + ": \"meta_bytes\" is \"6372\", expected an integer >= 0");
+    EXPECT_FALSE(has(r.out, "internal error")) << r.out;
+  }
 }
