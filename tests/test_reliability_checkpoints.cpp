@@ -18,6 +18,7 @@
 #include "checkpoint/file_util.hpp"
 #include "checkpoint/train_checkpoint.hpp"
 #include "config/run_config.hpp"
+#include "hf/hf_llama.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
 #include "train/session.hpp"
@@ -83,6 +84,14 @@ size_t occurrences(const std::string& text, const std::string& part) {
   size_t n = 0;
   for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
   return n;
+}
+
+// Every file of a folder with its bytes, to show a refused command changed nothing.
+std::map<std::string, std::string> snapshot(const fs::path& dir) {
+  std::map<std::string, std::string> m;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file() && e.path().filename() != ".loom.lock") m[e.path().string()] = read_text(e.path());
+  return m;
 }
 
 void replace_once(std::string& text, const std::string& from, const std::string& to) {
@@ -310,6 +319,99 @@ TEST(ReliabilityCheckpoints, AliasStepFoldersAreLeftAloneNeverCountedOrPruned) {
   EXPECT_FALSE(fs::exists(root / "step_00000002"));
   for (const char* kept : {"step_00000004", "step_00000006", "step_00000008", "step_4", "step_7"})
     EXPECT_TRUE(fs::exists(root / kept)) << kept;
+}
+
+// resume = "auto" passing over a newer folder without its COMPLETE marker
+// (an interrupted save) says so, naming it, before it resumes.
+TEST(ReliabilityCheckpoints, AutoResumeNamesTheUnfinishedSaveItPassesOver) {
+  const fs::path dir = fresh_dir("ckpt_unfinished");
+  make_runs(dir);
+  const fs::path root = dir / "run" / "checkpoints";
+  fs::remove(root / "step_00000004" / "COMPLETE");
+  const fs::path cfg = dir / "run.toml";
+  std::ofstream(cfg) << tiny_config(dir / "run", 6);
+  const ProcResult r = run_shell(cli("train '" + cfg.string() + "'"));
+  EXPECT_EQ(r.code, 0) << r.out;
+  const std::string warning = "passing over " + (root / "step_00000004").string() + " (no COMPLETE marker";
+  EXPECT_CONTAINS(r.out, warning);
+  EXPECT_CONTAINS(r.out, "resuming from " + (root / "step_00000002").string());
+  EXPECT_LT(r.out.find(warning), r.out.find("resumed from " + (root / "step_00000002").string())) << r.out;
+}
+
+// The newest checkpoint damaged (a truncated rank file): "auto" refuses before
+// any work, naming the file, the newest earlier checkpoint that validates and
+// the exact way back to it; going back with checkpoint.resume = 2 is refused
+// naming the later folder as damaged; the way given works; nothing is moved
+// or changed by the refused runs.
+TEST(ReliabilityCheckpoints, DamagedNewestCheckpointNamesTheWayBack) {
+  const fs::path dir = fresh_dir("ckpt_way_back");
+  make_runs(dir);
+  const fs::path root = dir / "run" / "checkpoints", bad = root / "step_00000004";
+  fs::resize_file(bad / "rank_00000.bin", 1000);
+  const fs::path cfg = dir / "run.toml";
+  std::ofstream(cfg) << tiny_config(dir / "run", 6) << "";
+  const auto before = snapshot(dir / "run");
+  const std::string train = "train '" + cfg.string() + "' --set checkpoint.every=2";
+  const std::string mv = "mv '" + bad.string() + "' '" + (root / "damaged_step_00000004").string() + "'";
+  for (const std::string& cmd : {train, "check '" + cfg.string() + "' --set checkpoint.every=2"}) {
+    SCOPED_TRACE(cmd);
+    const ProcResult r = run_shell(cli(cmd));
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, (bad / "rank_00000.bin").string());
+    EXPECT_CONTAINS(r.out, "the checkpoint cannot be used");
+    EXPECT_CONTAINS(r.out, "The newest earlier checkpoint that validates is " + (root / "step_00000002").string());
+    EXPECT_CONTAINS(r.out, mv);
+    EXPECT_CONTAINS(r.out, "checkpoint.resume = \"auto\" (it resumes from step 2)");
+    EXPECT_FALSE(has(r.out, "step 1 |")) << r.out;
+  }
+  const ProcResult back = run_shell(cli(train + " --set checkpoint.resume=2"));
+  EXPECT_EQ(back.code, 1) << back.out;
+  EXPECT_CONTAINS(back.out, bad.string() + " (damaged: ");
+  EXPECT_CONTAINS(back.out, mv);
+  EXPECT_EQ(snapshot(dir / "run"), before);
+  // The way given: move the damaged folder aside, run again.
+  ASSERT_EQ(run_shell(mv).code, 0);
+  const ProcResult ok = run_shell(cli(train));
+  EXPECT_EQ(ok.code, 0) << ok.out;
+  EXPECT_CONTAINS(ok.out, "resumed from " + (root / "step_00000002").string());
+  EXPECT_EQ(fs::file_size(root / "damaged_step_00000004" / "rank_00000.bin"), 1000u);
+}
+
+// `loom check` says what `loom train` would: a damaged checkpoint it would
+// resume (above), and a truncated model.safetensors under model.init = "hf:".
+TEST(ReliabilityCheckpoints, CheckRefusesTheHfWeightsTrainWould) {
+  const fs::path dir = fresh_dir("ckpt_check_hf");
+  make_runs(dir);
+  const fs::path hf = dir / "hf";
+  ASSERT_EQ(run_shell(cli("convert '" + (dir / "run" / "checkpoints" / "step_00000004").string() + "' --to-hf '" +
+                          hf.string() + "'")).code, 0);
+  const fs::path cfg = dir / "fresh.toml";
+  std::ofstream(cfg) << tiny_config(dir / "fresh", 2);
+  const std::string init = " --set 'model.init=hf:" + hf.string() + "'";
+  EXPECT_EQ(run_shell(cli("check '" + cfg.string() + "'" + init)).code, 0);
+  fs::resize_file(hf / "model.safetensors", fs::file_size(hf / "model.safetensors") / 2);
+  for (const char* cmd : {"check", "train"}) {
+    SCOPED_TRACE(cmd);
+    const ProcResult r = run_shell(cli(std::string(cmd) + " '" + cfg.string() + "'" + init));
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_CONTAINS(r.out, (hf / "model.safetensors").string());
+    EXPECT_FALSE(has(r.out, ": ok")) << r.out;
+  }
+}
+
+// A refused resume creates nothing: checkpoint.dir naming a folder that is
+// not there (a typo) with a step to resume is refused before the run's
+// folders are made.
+TEST(ReliabilityCheckpoints, RefusedResumeCreatesNoFolder) {
+  const fs::path dir = fresh_dir("ckpt_nothing_made");
+  const fs::path cfg = dir / "run.toml";
+  std::ofstream(cfg) << tiny_config(dir / "run", 2);
+  const ProcResult r = run_shell(cli("train '" + cfg.string() + "' --set 'checkpoint.dir=" + (dir / "typo").string() +
+                                     "' --set checkpoint.resume=4"));
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_CONTAINS(r.out, "no checkpoint for step 4 in " + (dir / "typo").string() + " (the folder does not exist)");
+  EXPECT_FALSE(fs::exists(dir / "typo"));
+  EXPECT_FALSE(fs::exists(dir / "run"));
 }
 
 // The marker's legacy form ({"step": 4}) cannot switch the certificate off:
