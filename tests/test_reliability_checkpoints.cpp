@@ -19,6 +19,7 @@
 #include "checkpoint/train_checkpoint.hpp"
 #include "config/run_config.hpp"
 #include "hf/hf_llama.hpp"
+#include "hf/safetensors.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
 #include "train/session.hpp"
@@ -588,4 +589,63 @@ TEST(ReliabilityCheckpoints, EveryMetadataFieldIsTypeChecked) {
     EXPECT_CONTAINS(r.out, (step / "COMPLETE").string() + ": \"meta_bytes\" is \"6372\", expected an integer >= 0");
     EXPECT_FALSE(has(r.out, "internal error")) << r.out;
   }
+}
+
+// `loom convert --to-hf DIR` into a folder that holds a model — here a
+// sharded export with its index — is refused, naming the files and --force,
+// and changes nothing; with --force the whole model is replaced (the old
+// index and shards removed, other files kept), and the folder then loads the
+// new weights.
+TEST(ReliabilityCheckpoints, ConvertIntoAModelFolderNeedsForceAndThenReplacesItWhole) {
+  const fs::path dir = fresh_dir("ckpt_convert_force");
+  make_runs(dir);
+  const std::string a = (dir / "run" / "checkpoints" / "step_00000004").string(),
+                    b = (dir / "other" / "checkpoints" / "step_00000004").string();
+  const fs::path hf = dir / "hf", fresh_b = dir / "hf_b";
+  auto convert = [&](const std::string& from, const fs::path& to, const std::string& extra = "") {
+    return run_shell(cli("convert '" + from + "' --to-hf '" + to.string() + "' --dtype fp32" + extra));
+  };
+  ASSERT_EQ(convert(a, hf).code, 0);
+  ASSERT_EQ(convert(b, fresh_b).code, 0);
+  // Run A's export, re-saved as two shards and an index (as save_pretrained shards it), beside a tokenizer.
+  {
+    loom::hf::SafeTensorsFile whole((hf / "model.safetensors").string());
+    const std::vector<std::string>& names = whole.names();
+    nlohmann::json map;
+    for (int part = 0; part < 2; ++part) {
+      const std::string file = "model-0000" + std::to_string(part + 1) + "-of-00002.safetensors";
+      std::vector<loom::hf::SafeTensorsEntry> entries;
+      for (size_t i = part * names.size() / 2; i < (part + 1) * names.size() / 2; ++i) {
+        const auto& info = whole.info(names[i]);
+        entries.push_back({names[i], info.shape, whole.raw(names[i]).data(), loom::DType::f32, loom::DType::f32});
+        map[names[i]] = file;
+      }
+      loom::hf::write_safetensors((hf / file).string(), entries, {{"format", "pt"}});
+    }
+    std::ofstream(hf / "model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
+  }
+  fs::remove(hf / "model.safetensors");
+  std::ofstream(hf / "tokenizer.json") << "{\"kept\": true}";
+  const auto before = snapshot(hf);
+  const ProcResult refused = convert(b, hf);
+  EXPECT_EQ(refused.code, 1) << refused.out;
+  for (const char* s : {"already holds a model", "config.json", "model-00001-of-00002.safetensors",
+                        "model.safetensors.index.json", "--force"})
+    EXPECT_CONTAINS(refused.out, s);
+  EXPECT_FALSE(has(refused.out, "error: loom convert:")) << refused.out;
+  EXPECT_EQ(snapshot(hf), before);
+  const ProcResult forced = convert(b, hf, " --force");
+  EXPECT_EQ(forced.code, 0) << forced.out;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(hf)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"config.json", "model.safetensors", "tokenizer.json"}));
+  EXPECT_EQ(read_text(hf / "model.safetensors"), read_text(fresh_b / "model.safetensors"));
+  EXPECT_EQ(read_text(hf / "config.json"), read_text(fresh_b / "config.json"));
+  EXPECT_EQ(read_text(hf / "tokenizer.json"), "{\"kept\": true}");
+  // A file where the folder should be.
+  std::ofstream(dir / "afile") << "x";
+  const ProcResult file = convert(b, dir / "afile", " --force");
+  EXPECT_EQ(file.code, 1) << file.out;
+  EXPECT_CONTAINS(file.out, "is a file");
 }
