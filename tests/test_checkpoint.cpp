@@ -6,6 +6,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "checkpoint/checkpoint.hpp"
@@ -36,6 +38,35 @@ void save_simple(const std::string& root, int64_t step, float v = 1.0f) {
   w.write_shard();
   CheckpointWriter::write_meta(root, step, R"({"world_size": 1, "step": )" + std::to_string(step) + "}");
   CheckpointWriter::mark_complete(root, step);
+}
+
+// Replaces the JSON header of a rank file by `edit`(header), with a valid
+// header CRC (a hand edit that re-certifies it): only the field checks can
+// refuse it. The data section moves with the header's length.
+void edit_rank_header(const fs::path& file, const std::function<void(nlohmann::ordered_json&)>& edit) {
+  const std::string bytes = read_file(file.string(), "shard");
+  uint64_t hlen;
+  std::memcpy(&hlen, bytes.data() + 8, 8);
+  auto h = nlohmann::ordered_json::parse(bytes.substr(24, hlen));
+  edit(h);
+  const std::string nh = h.dump();
+  const uint64_t nlen = nh.size();
+  const uint32_t crc = crc32(nh.data(), nh.size());
+  std::string out = bytes.substr(0, 8);
+  out.append(reinterpret_cast<const char*>(&nlen), 8);
+  out.append(reinterpret_cast<const char*>(&crc), 4);
+  out.append(4, '\0');
+  out += nh;
+  const uint64_t old_start = (24 + hlen + 63) / 64 * 64, new_start = (24 + nlen + 63) / 64 * 64;
+  out.append(new_start - out.size(), '\0');
+  out += bytes.substr(old_start);
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << out;
+}
+
+std::vector<int64_t> steps_of(const std::string& root) {
+  std::vector<int64_t> s;
+  for (const auto& c : list_checkpoints(root)) s.push_back(c.step);
+  return s;
 }
 
 void flip_byte(const fs::path& file, uint64_t offset_from_end) {
@@ -267,7 +298,7 @@ TEST(Checkpoint, FlippedDataByteFailsCrc) {
   r.read("params.layer.0", ta);  // untouched tensor still reads
   Tensor tb(b.data(), DType::f32, Device::cpu, {7});
   expect_error([&] { r.read("params.layer.1", tb); },
-               {"rank_00000.bin: tensor 'params.layer.1' is corrupt (CRC mismatch)", "resume from an earlier one"});
+               {"rank_00000.bin: tensor 'params.layer.1' is corrupt (CRC mismatch)", "the checkpoint cannot be used"});
 }
 
 TEST(Checkpoint, GarbageAndCorruptHeadersAreRefused) {
@@ -383,4 +414,181 @@ TEST(AtomicFile, AbandonedWriteLeavesOldFileIntact) {
   EXPECT_EQ(read_file(p, "x"), "old");
   EXPECT_FALSE(fs::exists(p + ".tmp"));
   expect_error([&] { read_file((tmp.path / "missing").string(), "thing"); }, {"thing", "missing"});
+}
+
+// Only the writer's name is a checkpoint (step_dir_name): a second folder for
+// the same step ("step_4" beside "step_00000004", as `cp -r` makes, or
+// "step_000000004") is not listed, not resumed from, not counted toward
+// keep_last and never pruned, even when it is damaged and the good one is old.
+TEST(Checkpoint, OnlyTheCanonicalNameIsACheckpoint) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 2);
+  save_simple(tmp.str(), 4);
+  for (const char* alias : {"step_4", "step_000000004", "step_9"}) {
+    fs::copy(tmp.path / "step_00000004", tmp.path / alias, fs::copy_options::recursive);
+    fs::resize_file(tmp.path / alias / "rank_00000.bin", 100);  // a damaged copy
+  }
+  std::ofstream(tmp.path / "step_7") << "a file under a short name is not a checkpoint's name either";
+  EXPECT_EQ(steps_of(tmp.str()), (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(latest_complete(tmp.str())->dir, (tmp.path / "step_00000004").string());
+  EXPECT_EQ(find_step(tmp.str(), 4).dir, (tmp.path / "step_00000004").string());
+  expect_error([&] { find_step(tmp.str(), 9); }, {"no checkpoint for step 9", "2, 4"});
+  save_simple(tmp.str(), 6);
+  // keep_last = 3 keeps every good checkpoint: the aliases take no place.
+  EXPECT_TRUE(prune(tmp.str(), 3).empty());
+  EXPECT_EQ(steps_of(tmp.str()), (std::vector<int64_t>{2, 4, 6}));
+  // keep_last = 2 removes step 2 only; the aliases stay as they were.
+  EXPECT_EQ(prune(tmp.str(), 2), (std::vector<std::string>{(tmp.path / "step_00000002").string()}));
+  for (const char* alias : {"step_4", "step_000000004", "step_9", "step_7"}) EXPECT_TRUE(fs::exists(tmp.path / alias)) << alias;
+  EXPECT_EQ(fs::file_size(tmp.path / "step_4" / "rank_00000.bin"), 100u);
+  // A folder given directly under another spelling is still checked against its marker.
+  fs::copy(tmp.path / "step_00000006", tmp.path / "step_5", fs::copy_options::recursive);
+  expect_error([&] { CheckpointReader r((tmp.path / "step_5").string(), 0); }, {"named for step 5 but holds step 6"});
+}
+
+// Pruning counts only checkpoints that can be counted on: a damaged one
+// (here meta.json changed after its marker, and a truncated rank file) never
+// takes a good one's place, so keep_last good checkpoints remain; the damaged
+// ones are left in place, not deleted.
+TEST(Checkpoint, PruneNeverKeepsFewerGoodCheckpointsBecauseOfDamagedOnes) {
+  TmpDir tmp;
+  for (int s : {10, 20, 30, 40}) save_simple(tmp.str(), s);
+  fs::resize_file(tmp.path / "step_00000040" / "rank_00000.bin", 200);
+  std::ofstream(tmp.path / "step_00000020" / "meta.json", std::ios::app) << " ";
+  EXPECT_NE(checkpoint_damage(find_step(tmp.str(), 40)), "");
+  EXPECT_NE(checkpoint_damage(find_step(tmp.str(), 20)), "");
+  EXPECT_EQ(checkpoint_damage(find_step(tmp.str(), 30)), "");
+  // Good: 10, 30. keep_last = 2 keeps both; the damaged 20 and 40 stay.
+  EXPECT_TRUE(prune(tmp.str(), 2).empty());
+  EXPECT_EQ(steps_of(tmp.str()), (std::vector<int64_t>{10, 20, 30, 40}));
+  // keep_last = 1: only 30 is needed; 10 (good, older) goes, the damaged ones stay.
+  EXPECT_EQ(prune(tmp.str(), 1), (std::vector<std::string>{(tmp.path / "step_00000010").string()}));
+  EXPECT_EQ(steps_of(tmp.str()), (std::vector<int64_t>{20, 30, 40}));
+  CheckpointReader r(find_step(tmp.str(), 30).dir, 0);
+  EXPECT_EQ(r.names().size(), 2u);
+}
+
+// Every field of COMPLETE is type- and range-checked: another type, null, a
+// negative, a fraction or a number too large is refused naming the marker,
+// the key, the value as written and what was expected — never a JSON
+// library's "type_error" (an internal error naming no file), never -1 shown
+// as 18446744073709551615.
+TEST(Checkpoint, EveryMarkerFieldIsTypeChecked) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 4);
+  const fs::path dir = tmp.path / "step_00000004", marker = dir / "COMPLETE";
+  const auto good = nlohmann::ordered_json::parse(read_file(marker.string(), "marker"));
+  const std::vector<std::string> bad_values = {"\"6372\"", "null", "-1", "1.5", "[]", "{}", "true",
+                                               "18446744073709551615", "-9223372036854775808"};
+  for (const char* key : {"step", "meta_bytes", "meta_crc32"}) {
+    for (const std::string& v : bad_values) {
+      SCOPED_TRACE(std::string(key) + " = " + v);
+      auto c = good;
+      c[key] = nlohmann::ordered_json::parse(v);
+      std::ofstream(marker, std::ios::trunc) << c.dump();
+      try {
+        CheckpointReader r(dir.string(), 0);
+        ADD_FAILURE() << "accepted";
+      } catch (const CheckpointDamaged& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find(marker.string()), std::string::npos) << m;
+        EXPECT_NE(m.find("\"" + std::string(key) + "\" is " + c[key].dump() + ", expected"), std::string::npos) << m;
+        EXPECT_NE(m.find("cannot be used"), std::string::npos) << m;
+      }
+    }
+    // Missing: the step always; the certificate's halves together (both missing is the old form).
+    if (std::string(key) != "meta_crc32") {
+      auto c = good;
+      c.erase(key);
+      std::ofstream(marker, std::ios::trunc) << c.dump();
+      expect_error([&] { CheckpointReader r(dir.string(), 0); }, {marker.string(), "\"" + std::string(key) + "\" is missing"});
+    }
+  }
+  // The CRC past 32 bits.
+  auto c = good;
+  c["meta_crc32"] = 4294967296ull;
+  std::ofstream(marker, std::ios::trunc) << c.dump();
+  expect_error([&] { CheckpointReader r(dir.string(), 0); }, {"\"meta_crc32\" is 4294967296, expected a CRC32"});
+  // Not an object at all.
+  std::ofstream(marker, std::ios::trunc) << "[4]";
+  expect_error([&] { CheckpointReader r(dir.string(), 0); }, {marker.string(), "expected a JSON object"});
+  std::ofstream(marker, std::ios::trunc) << good.dump();
+  EXPECT_NO_THROW(CheckpointReader(dir.string(), 0));
+}
+
+// Every field of a rank file's header is type- and range-checked the same
+// way, even under a header CRC recomputed after the edit.
+TEST(Checkpoint, EveryRankHeaderFieldIsTypeChecked) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 4);
+  const fs::path dir = tmp.path / "step_00000004", file = dir / "rank_00000.bin";
+  const std::string original = read_file(file.string(), "shard");
+  edit_rank_header(file, [](nlohmann::ordered_json&) {});
+  ASSERT_EQ(read_file(file.string(), "shard"), original);  // the helper itself changes nothing
+  struct Case {
+    std::string key;  // as the message names it
+    std::function<void(nlohmann::ordered_json&, const nlohmann::ordered_json&)> set;
+  };
+  auto top = [](const char* k) { return [k](nlohmann::ordered_json& h, const nlohmann::ordered_json& v) { h[k] = v; }; };
+  auto entry = [](const char* k) {
+    return [k](nlohmann::ordered_json& h, const nlohmann::ordered_json& v) { h["tensors"][1][k] = v; };
+  };
+  const std::vector<Case> cases = {
+      {"format", top("format")},
+      {"rank", top("rank")},
+      {"step", top("step")},
+      {"tensors", top("tensors")},
+      {"tensors[1]", [](auto& h, const auto& v) { h["tensors"][1] = v; }},
+      {"tensors[1].name", entry("name")},
+      {"tensors[1].dtype", entry("dtype")},
+      {"tensors[1].shape", entry("shape")},
+      {"tensors[1].shape[0]", [](auto& h, const auto& v) { h["tensors"][1]["shape"][0] = v; }},
+      {"tensors[1].offset", entry("offset")},
+      {"tensors[1].bytes", entry("bytes")},
+      {"tensors[1].crc32", entry("crc32")},
+  };
+  for (const Case& k : cases) {
+    for (const std::string& v : {std::string("\"1\""), std::string("null"), std::string("-1"),
+                                 std::string("18446744073709551615"), std::string("2.5")}) {
+      // A string where a string belongs, a list where a list belongs: not damage of this kind.
+      if ((k.key.ends_with("name") || k.key.ends_with("dtype")) && v == "\"1\"") continue;
+      SCOPED_TRACE(k.key + " = " + v);
+      std::ofstream(file, std::ios::binary | std::ios::trunc) << original;
+      const auto value = nlohmann::ordered_json::parse(v);
+      edit_rank_header(file, [&](nlohmann::ordered_json& h) { k.set(h, value); });
+      try {
+        CheckpointReader r(dir.string(), 0);
+        ADD_FAILURE() << "accepted";
+      } catch (const CheckpointDamaged& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find(file.string()), std::string::npos) << m;
+        EXPECT_NE(m.find("\"" + k.key + "\" is " + value.dump() + ", expected"), std::string::npos) << m;
+      }
+    }
+  }
+  // Values of the right type that are still wrong say so.
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << original;
+  edit_rank_header(file, [](nlohmann::ordered_json& h) { h["format"] = 2; });
+  expect_error([&] { CheckpointReader r(dir.string(), 0); }, {file.string(), "format 2, not 1"});
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << original;
+  edit_rank_header(file, [](nlohmann::ordered_json& h) { h["tensors"][1]["shape"] = {4294967296ll, 4294967296ll}; });
+  expect_error([&] { CheckpointReader r(dir.string(), 0); }, {file.string(), "too large"});
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << original;
+  EXPECT_NO_THROW(CheckpointReader(dir.string(), 0));
+}
+
+// A marker without meta.json says what happened, not only that a file is missing.
+TEST(Checkpoint, MarkerWithoutMetadataSaysSo) {
+  TmpDir tmp;
+  save_simple(tmp.str(), 4);
+  fs::remove(tmp.path / "step_00000004" / "meta.json");
+  try {
+    CheckpointReader r((tmp.path / "step_00000004").string(), 0);
+    ADD_FAILURE() << "accepted";
+  } catch (const CheckpointDamaged& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("has its COMPLETE marker but no meta.json"), std::string::npos) << m;
+    EXPECT_NE(m.find("put it back"), std::string::npos) << m;
+  }
+  EXPECT_NE(checkpoint_damage(find_step(tmp.str(), 4)), "");
 }

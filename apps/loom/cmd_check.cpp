@@ -1,6 +1,7 @@
 // loom check CONFIG [--set section.key=value]... [--world N [--gpus-per-node G]] [--no-scan]:
 // validate everything a run would validate (config, output folders, plugins
-// and their tables, data files, attention support, whether the memory plan
+// and their tables, data files, the checkpoint it would resume or the HF
+// weights it would start from, attention support, whether the memory plan
 // fits) and print the model size and the memory plan, without training. The
 // world is the launcher's (mpirun / srun start loom check on every rank), or
 // with --world the plan of rank 0 of N ranks, G per node, none started.
@@ -18,6 +19,8 @@
 #include "commands.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
+#include "hf/hf_llama.hpp"
+#include "train/checkpointing.hpp"
 #include "train/outputs.hpp"
 #include "train/runtime.hpp"
 #include "train/session.hpp"
@@ -78,6 +81,14 @@ int cmd_check(const Args& args) {
   check_output_paths(cfg);
   check_no_overwrite(cfg, planned_resume_step(cfg));
   Session session(std::move(cfg), opts);
+  // What train would start from, checked as train checks it: the checkpoint
+  // it would resume (all but the tensor data), else an HF folder's weights
+  // (headers and sizes; none is read).
+  const Config& c = session.config();
+  if (!check_resume_checkpoint(c, session.spec()) && c.model.init.rfind("hf:", 0) == 0)
+    hf::load_hf_llama_weights(c.model.init.substr(3), session.spec(), [](const std::string&, int64_t) -> float* {
+      return nullptr;
+    });
   std::printf("%s\n", session.describe().c_str());
   std::fflush(stdout);
   session.check_memory_fits();  // after the plan is printed: the error refers to it

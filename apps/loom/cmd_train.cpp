@@ -1,11 +1,13 @@
 // loom train CONFIG [--set section.key=value]...
 #include <cstdio>
+#include <filesystem>
 
 #include "comm/launch.hpp"
 #include "cli.hpp"
 #include "commands.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
+#include "train/checkpointing.hpp"
 #include "train/outputs.hpp"
 #include "train/runtime.hpp"
 #include "train/session.hpp"
@@ -31,8 +33,16 @@ int cmd_train(const Args& args) {
   // The output folders before any device work: paths that cannot be written,
   // a previous run that would be overwritten, another run using them.
   check_output_paths(cfg);
+  // The checkpoint to resume from, checked as resuming checks it (every file
+  // but the tensor data) before any work. While checkpoint.dir does not exist
+  // (no run holds it) that is before the lock creates it: a refused run
+  // leaves nothing behind.
+  const bool rank0 = launch_from_env().rank == 0;
+  std::error_code ec;
+  if (rank0 && !std::filesystem::exists(checkpoint_root(cfg), ec)) check_resume_checkpoint(cfg, run_model_spec(cfg));
   std::shared_ptr<OutputLock> lock;
-  if (launch_from_env().rank == 0) lock = OutputLock::acquire(cfg);  // first: a live run is the news
+  if (rank0) lock = OutputLock::acquire(cfg);  // first: a live run is the news
+  if (rank0) check_resume_checkpoint(cfg, run_model_spec(cfg));
   check_no_overwrite(cfg, planned_resume_step(cfg));
   Session session(std::move(cfg));
   const RunSummary r = session.train();

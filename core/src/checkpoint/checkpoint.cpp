@@ -11,10 +11,13 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <mutex>
 #include <set>
 
 #include "checkpoint/file_util.hpp"
+#include "checkpoint/json_fields.hpp"
 #include "loom/error.hpp"
+#include "loom/log.hpp"
 #include "util/files.hpp"
 
 namespace fs = std::filesystem;
@@ -32,7 +35,9 @@ constexpr uint64_t kAlign = 64;
 constexpr uint64_t kMaxHeaderBytes = 256ull << 20;
 constexpr const char* kComplete = "COMPLETE";
 constexpr const char* kMeta = "meta.json";
-constexpr const char* kUnusable = "; the checkpoint cannot be used — resume from an earlier one or start fresh";
+// Every refusal of a damaged checkpoint ends so; the caller adds what to do
+// (CheckpointDamaged).
+constexpr const char* kUnusable = "; the checkpoint cannot be used";
 
 uint64_t align_up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -49,14 +54,43 @@ std::string shape_string(const std::vector<int64_t>& s) {
   return r + "]";
 }
 
-// step_<digits>; anything else in root (tmp files, dirs being deleted) is not a checkpoint.
-std::optional<int64_t> parse_step_dir(const std::string& name) {
+// "step_" and digits: the shape of a checkpoint's name. The step, when the
+// digits hold one (at most 18 of them), goes to `step`.
+bool step_shaped(const std::string& name, std::optional<int64_t>& step) {
   const std::string p = "step_";
-  if (name.size() <= p.size() || name.compare(0, p.size(), p) != 0) return std::nullopt;
-  std::string digits = name.substr(p.size());
-  if (digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
-    return std::nullopt;
-  return std::stoll(digits);
+  step.reset();
+  if (name.size() <= p.size() || name.compare(0, p.size(), p) != 0) return false;
+  const std::string digits = name.substr(p.size());
+  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) return false;
+  if (digits.size() <= 18) step = std::stoll(digits);
+  return true;
+}
+
+// The step whose checkpoint this name is: step_dir_name(step) exactly, as
+// the writer names it. Anything else in root (tmp files, folders being
+// deleted, "step_4" beside "step_00000004") is not a checkpoint of the run.
+std::optional<int64_t> parse_step_dir(const std::string& name) {
+  std::optional<int64_t> step;
+  if (!step_shaped(name, step) || !step || name != step_dir_name(*step)) return std::nullopt;
+  return step;
+}
+
+// The step a folder's name claims in any spelling ("step_4" too): a folder
+// given directly (loom convert ../step_4) is still checked against its marker.
+std::optional<int64_t> named_step(const std::string& name) {
+  std::optional<int64_t> step;
+  step_shaped(name, step);
+  return step;
+}
+
+// A name shaped like a checkpoint's that is not the writer's spelling: said
+// once, never used. A copy or a rename by hand would otherwise count toward
+// keep_last (pruning a good checkpoint while keeping it) or be resumed from.
+void warn_alias(const std::string& root, const std::string& name, const std::optional<int64_t>& step) {
+  warn_once(cat("checkpoint folder ", root, " holds '", name, "', which is not a checkpoint name Loom writes",
+                step ? cat(" (step ", *step, "'s is ", step_dir_name(*step), ")") : std::string(),
+                ": it is left alone — never resumed from, counted toward checkpoint.keep_last or pruned. If it is a "
+                "copy, move it out of ", root, "; to use it as a checkpoint, give it its canonical name"));
 }
 
 fs::path step_path(const std::string& root, int64_t step) { return fs::path(root) / step_dir_name(step); }
@@ -139,6 +173,13 @@ std::string rank_file_name(int rank) {
   char buf[40];
   std::snprintf(buf, sizeof buf, "rank_%05d.bin", rank);
   return buf;
+}
+
+void warn_once(const std::string& msg) {
+  static std::mutex mu;
+  static auto* said = new std::set<std::string>;
+  std::lock_guard<std::mutex> g(mu);
+  if (said->insert(msg).second) log_warn(msg);
 }
 
 std::string TensorRecord::shape_str() const { return shape_string(shape); }
@@ -273,8 +314,14 @@ std::vector<CheckpointInfo> list_checkpoints(const std::string& root) {
   std::error_code ec;
   if (!fs::is_directory(root, ec)) return out;
   for (const auto& e : fs::directory_iterator(root, ec)) {
-    auto step = parse_step_dir(e.path().filename().string());
-    if (!step) continue;
+    const std::string name = e.path().filename().string();
+    std::optional<int64_t> shaped;
+    if (!step_shaped(name, shaped)) continue;
+    const auto step = parse_step_dir(name);
+    if (!step) {
+      warn_alias(root, name, shaped);
+      continue;
+    }
     std::error_code dec;
     if (!e.is_directory(dec)) refuse_non_folder(root, e.path(), *step);  // follows links: a link to a folder is one
     out.push_back({*step, e.path().string(), fs::exists(e.path() / kComplete)});
@@ -299,24 +346,49 @@ CheckpointInfo find_step(const std::string& root, int64_t step) {
                       complete_steps(root)));
     return c;
   }
-  throw Error(cat("no checkpoint for step ", step, " in ", root, "; complete checkpoints: ", complete_steps(root)));
+  std::error_code ec;
+  throw Error(cat("no checkpoint for step ", step, " in ", root,
+                  fs::exists(root, ec) ? "" : " (the folder does not exist)", "; complete checkpoints: ",
+                  complete_steps(root)));
+}
+
+std::string checkpoint_damage(const CheckpointInfo& c) {
+  if (!c.complete) return cat("no ", kComplete, " marker: its save was interrupted");
+  try {
+    CheckpointReader r(c.dir, 0);  // the marker, meta.json's certificate, rank 0's header
+  } catch (const std::exception& e) {  // a file system error too: whatever cannot be read is not counted on
+    return e.what();
+  }
+  return "";
 }
 
 std::vector<std::string> prune(const std::string& root, int keep_last) {
   std::vector<std::string> removed;
   if (keep_last <= 0) return removed;
   auto all = list_checkpoints(root);
-  std::vector<const CheckpointInfo*> complete;
-  for (const auto& c : all)
-    if (c.complete) complete.push_back(&c);
-  if (complete.empty()) return removed;  // nothing proven good yet: keep everything
-  const int64_t newest = complete.back()->step;
-  std::set<int64_t> keep;
-  for (size_t i = complete.size() > static_cast<size_t>(keep_last) ? complete.size() - keep_last : 0;
-       i < complete.size(); ++i)
-    keep.insert(complete[i]->step);
+  // Only checkpoints that can be counted on count: a damaged one among the
+  // newest would otherwise take a good one's place, and the good one would go.
+  std::vector<const CheckpointInfo*> good;
   for (const auto& c : all) {
+    if (!c.complete) continue;
+    if (const std::string why = checkpoint_damage(c); !why.empty()) {
+      warn_once(cat("checkpoint ", c.dir, " is damaged (", why, "): it does not count toward checkpoint.keep_last "
+                    "and is left in place; move it out of ", root, " or remove it"));
+      continue;
+    }
+    good.push_back(&c);
+  }
+  if (good.empty()) return removed;  // nothing proven good yet: keep everything
+  const int64_t newest = good.back()->step;
+  std::set<int64_t> keep;
+  for (size_t i = good.size() > static_cast<size_t>(keep_last) ? good.size() - keep_last : 0; i < good.size(); ++i)
+    keep.insert(good[i]->step);
+  for (const auto& c : all) {
+    // Older than the newest good one: surplus good ones and interrupted saves.
+    // Damaged complete ones stay (reported above): they are not this prune's to judge.
     if (c.step >= newest || keep.count(c.step)) continue;
+    if (c.complete && std::none_of(good.begin(), good.end(), [&](const CheckpointInfo* g) { return g->step == c.step; }))
+      continue;
     // Rename first (atomic), then delete: a crash mid-delete must not leave a
     // directory that still looks like a complete checkpoint with missing shards.
     fs::path victim(c.dir);
@@ -359,32 +431,49 @@ CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(d
                     " marker: its save was interrupted) and cannot be used; complete checkpoints in ",
                     root.string(), ": ", complete_steps(root.string())));
   }
+  // The folder's own name, also for "step_00000009/" (whose filename is empty).
+  fs::path named_dir = d.lexically_normal();
+  if (named_dir.filename().empty()) named_dir = named_dir.parent_path();
+  {
+    // A marker without meta.json: the metadata was deleted or moved after the save.
+    struct stat mst {};
+    if (::lstat((d / kMeta).c_str(), &mst) != 0 && errno == ENOENT)
+      throw CheckpointDamaged(cat("checkpoint ", dir_, " has its ", kComplete, " marker but no ", kMeta,
+                                  " (removed or moved after the checkpoint was written; it records the step, the "
+                                  "layout and the data position, so the rank files cannot be read without it). If "
+                                  "it was moved, put it back", kUnusable));
+  }
   meta_ = read_file((d / kMeta).string(), "checkpoint metadata");
   {
     // COMPLETE records the step and meta.json's size and CRC (checkpoints of
-    // older looms record the step only: "legacy", read without those checks).
+    // older looms record the step only: "legacy", read without those checks;
+    // CheckpointSet refuses that form for a meta.json of a version that
+    // always had them). Every field is type-checked: a marker edited by hand
+    // is refused naming the key, never met with a JSON library's type error.
     const std::string where = (d / kComplete).string();
+    const JsonFields f(where, cat(" (a marker damaged or edited by hand)", kUnusable));
     nlohmann::json c;
     try {
       c = nlohmann::json::parse(read_file(where, "checkpoint marker"));
     } catch (const nlohmann::json::exception& e) {
-      throw Error(cat(where, ": not valid JSON (", e.what(), ")", kUnusable));
+      throw CheckpointDamaged(cat(where, ": not valid JSON (", e.what(), ")", kUnusable));
     }
-    if (!c.is_object() || !c.contains("step") || !c["step"].is_number_integer())
-      throw Error(cat(where, ": it records no step", kUnusable));
-    step_ = c["step"].get<int64_t>();
-    if (const auto named = parse_step_dir(d.filename().string()); named && *named != step_)
-      throw Error(cat("checkpoint ", dir_, " is named for step ", *named, " but holds step ", step_, " (its ", kComplete,
-                      " marker says so): a folder renamed or copied over another", kUnusable));
-    legacy_ = !c.contains("meta_crc32");
+    step_ = f.integer_at(c, "", "step");
+    if (const auto named = named_step(named_dir.filename().string()); named && *named != step_)
+      throw CheckpointDamaged(cat("checkpoint ", dir_, " is named for step ", *named, " but holds step ", step_,
+                                  " (its ", kComplete, " marker says so): a folder renamed or copied over another",
+                                  kUnusable));
+    legacy_ = !c.contains("meta_crc32") && !c.contains("meta_bytes");
     if (!legacy_) {
-      const uint64_t bytes = c.value("meta_bytes", uint64_t{0});
-      const uint32_t want = c.value("meta_crc32", uint32_t{0});
+      const uint64_t bytes = static_cast<uint64_t>(f.integer_at(c, "", "meta_bytes"));
+      std::string key;
+      const uint32_t want = f.crc32(f.member(c, "", "meta_crc32", key, "a CRC32: an integer in [0, 4294967295]"), key);
       const uint32_t got = crc32(meta_.data(), meta_.size());
       if (bytes != meta_.size() || want != got)
-        throw Error(cat((d / kMeta).string(), " was changed after the checkpoint was written (", meta_.size(),
-                        " bytes with CRC32 ", got, "; ", kComplete, " certifies ", bytes, " bytes with CRC32 ", want,
-                        "): its step, data position or layout can no longer be trusted", kUnusable));
+        throw CheckpointDamaged(cat((d / kMeta).string(), " was changed after the checkpoint was written (",
+                                    meta_.size(), " bytes with CRC32 ", got, "; ", kComplete, " certifies ", bytes,
+                                    " bytes with CRC32 ", want,
+                                    "): its step, data position or layout can no longer be trusted", kUnusable));
     }
   }
   for (const auto& e : fs::directory_iterator(d)) {
@@ -393,10 +482,10 @@ CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(d
     if (std::sscanf(n.c_str(), "rank_%d.bin", &r) == 1 && n == rank_file_name(r)) ++num_ranks_;
   }
   if (!fs::exists(file_))
-    throw Error(cat("checkpoint ", dir_, " has no shard for rank ", rank, " (", file_, " missing; it holds ",
-                    num_ranks_, " shard(s))", kUnusable));
+    throw CheckpointDamaged(cat("checkpoint ", dir_, " has no shard for rank ", rank, " (", file_,
+                                " missing; it holds ", num_ranks_, " shard(s))", kUnusable));
 
-  auto bad = [&](const std::string& what) { return Error(cat(file_, ": ", what, kUnusable)); };
+  auto bad = [&](const std::string& what) { return CheckpointDamaged(cat(file_, ": ", what, kUnusable)); };
   // A regular file only: open() of a FIFO in its place would block for ever.
   Fd fd{open_regular_file(file_, "checkpoint shard")};
   struct stat st {};
@@ -422,16 +511,23 @@ CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(d
   } catch (const nlohmann::json::exception& e) {
     throw bad(cat("header is not valid JSON (", e.what(), ")"));
   }
-  if (!j.is_object() || j.value("format", 0) != 1 || !j.contains("tensors") || !j["tensors"].is_array())
-    throw bad("header is not a format-1 shard header (written by a newer Loom?)");
+  // Every field is type-checked (a header re-certified by hand can hold anything).
+  const JsonFields f(file_ + " (header)", kUnusable);
+  if (!j.is_object()) f.fail("(the whole header)", j, "a JSON object");
+  {
+    std::string key;
+    const nlohmann::json& format = f.member(j, "", "format", key, "1");
+    if (f.integer(format, key) != 1)
+      throw bad(cat("header has format ", format.dump(), ", not 1: not a shard this loom reads (written by a newer Loom?)"));
+  }
   // Every rank file records whose it is: a file renamed to another rank, or
   // copied in from another step, is refused instead of loaded as this one.
-  if (!j.contains("rank") || !j["rank"].is_number_integer() || j["rank"].get<int64_t>() != rank)
-    throw bad(cat("the file was written by rank ", j.contains("rank") ? j["rank"].dump() : std::string("?"),
-                  ", not rank ", rank, " (a rank file renamed or copied from elsewhere)"));
+  if (const int64_t written_by = f.integer_at(j, "", "rank"); written_by != rank)
+    throw bad(cat("the file was written by rank ", written_by, ", not rank ", rank,
+                  " (a rank file renamed or copied from elsewhere)"));
   if (j.contains("step")) {
-    if (!j["step"].is_number_integer() || j["step"].get<int64_t>() != step_)
-      throw bad(cat("the file belongs to step ", j["step"].dump(), ", not to step ", step_,
+    if (const int64_t s = f.integer_at(j, "", "step"); s != step_)
+      throw bad(cat("the file belongs to step ", s, ", not to step ", step_,
                     " of this checkpoint (a rank file copied in from another checkpoint)"));
   } else if (!legacy_) {
     throw bad(cat("the file records no step, but this checkpoint was written by a loom that records it in every "
@@ -439,36 +535,45 @@ CheckpointReader::CheckpointReader(std::string dir, int rank) : dir_(std::move(d
   }
   data_start_ = align_up(kPrefixBytes + hlen);
   const uint64_t data_bytes = file_size_ >= data_start_ ? file_size_ - data_start_ : 0;
-  try {
-    for (const auto& t : j["tensors"]) {
-      TensorRecord r;
-      r.name = t.at("name").get<std::string>();
-      auto dt = parse_dtype(t.at("dtype").get<std::string>());
-      if (!dt) throw bad(cat("tensor '", r.name, "' has unknown dtype ", t.at("dtype").dump()));
-      r.dtype = *dt;
-      r.shape = t.at("shape").get<std::vector<int64_t>>();
-      if (r.shape.size() > static_cast<size_t>(Tensor::kMaxDims))
-        throw bad(cat("tensor '", r.name, "' has ", r.shape.size(), " dims (at most ", Tensor::kMaxDims, ")"));
-      uint64_t numel = 1;
-      for (auto s : r.shape) {
-        if (s < 0) throw bad(cat("tensor '", r.name, "' has a negative dimension in ", r.shape_str()));
-        numel *= static_cast<uint64_t>(s);
-      }
-      r.offset = t.at("offset").get<uint64_t>();
-      r.bytes = t.at("bytes").get<uint64_t>();
-      r.crc32 = t.at("crc32").get<uint32_t>();
-      if (r.bytes != numel * dtype_size(r.dtype))
-        throw bad(cat("tensor '", r.name, "' records ", r.bytes, " bytes but ", dtype_name(r.dtype), " ", r.shape_str(),
-                      " needs ", numel * dtype_size(r.dtype)));
-      if (r.offset > data_bytes || r.bytes > data_bytes - r.offset)
-        throw bad(cat("tensor '", r.name, "' lies beyond the end of the file (", file_size_,
-                      " bytes): the shard is truncated"));
-      if (index_.count(r.name)) throw bad(cat("tensor '", r.name, "' appears twice in the header"));
-      index_[r.name] = tensors_.size();
-      tensors_.push_back(std::move(r));
+  const nlohmann::json& list = f.array_at(j, "", "tensors");
+  for (size_t i = 0; i < list.size(); ++i) {
+    const nlohmann::json& t = list[i];
+    const std::string at = cat("tensors[", i, "]");
+    f.object(t, at);
+    TensorRecord r;
+    r.name = f.string_at(t, at, "name");
+    const std::string dtype = f.string_at(t, at, "dtype");
+    auto dt = parse_dtype(dtype);
+    if (!dt) throw bad(cat("tensor '", r.name, "' has unknown dtype \"", dtype, "\""));
+    r.dtype = *dt;
+    const nlohmann::json& shape = f.array_at(t, at, "shape");
+    if (shape.size() > static_cast<size_t>(Tensor::kMaxDims))
+      throw bad(cat("tensor '", r.name, "' has ", shape.size(), " dims (at most ", Tensor::kMaxDims, ")"));
+    // The product is checked, so that the byte count below cannot wrap.
+    uint64_t numel = 1;
+    bool overflow = false;
+    for (size_t k = 0; k < shape.size(); ++k) {
+      r.shape.push_back(f.integer(shape[k], cat(at, ".shape[", k, "]")));
+      overflow = overflow || __builtin_mul_overflow(numel, static_cast<uint64_t>(r.shape.back()), &numel);
     }
-  } catch (const nlohmann::json::exception& e) {
-    throw bad(cat("header has a malformed tensor entry (", e.what(), ")"));
+    uint64_t need = 0;
+    if (overflow || __builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(r.dtype)), &need))
+      throw bad(cat("tensor '", r.name, "' has shape ", r.shape_str(), ", too large for any file"));
+    r.offset = static_cast<uint64_t>(f.integer_at(t, at, "offset"));
+    r.bytes = static_cast<uint64_t>(f.integer_at(t, at, "bytes"));
+    {
+      std::string key;
+      r.crc32 = f.crc32(f.member(t, at, "crc32", key, "a CRC32: an integer in [0, 4294967295]"), key);
+    }
+    if (r.bytes != need)
+      throw bad(cat("tensor '", r.name, "' records ", r.bytes, " bytes but ", dtype_name(r.dtype), " ", r.shape_str(),
+                    " needs ", need));
+    if (r.offset > data_bytes || r.bytes > data_bytes - r.offset)
+      throw bad(cat("tensor '", r.name, "' lies beyond the end of the file (", file_size_,
+                    " bytes): the shard is truncated"));
+    if (index_.count(r.name)) throw bad(cat("tensor '", r.name, "' appears twice in the header"));
+    index_[r.name] = tensors_.size();
+    tensors_.push_back(std::move(r));
   }
 }
 
@@ -503,9 +608,10 @@ void CheckpointReader::read(const std::string& name, Tensor& dst) const {
     throw Error(cat(file_, ": tensor '", name, "': the destination must be a contiguous tensor with memory"));
   Fd fd{open_regular_file(file_, "checkpoint shard")};  // replaced since the header was read: still no FIFO
   if (!pread_all(fd.fd, dst.data, r.bytes, data_start_ + r.offset))
-    throw Error(cat(file_, ": tensor '", name, "' could not be read (", std::strerror(errno), " or truncated file)", kUnusable));
+    throw CheckpointDamaged(
+        cat(file_, ": tensor '", name, "' could not be read (", std::strerror(errno), " or truncated file)", kUnusable));
   if (crc32(dst.data, r.bytes) != r.crc32)
-    throw Error(cat(file_, ": tensor '", name, "' is corrupt (CRC mismatch)", kUnusable));
+    throw CheckpointDamaged(cat(file_, ": tensor '", name, "' is corrupt (CRC mismatch)", kUnusable));
 }
 
 }  // namespace loom::ckpt

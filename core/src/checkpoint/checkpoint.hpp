@@ -18,7 +18,14 @@
 // meta.json, so a changed digit there is refused. A reader checks that the
 // folder's name, COMPLETE's step and the rank file's "rank" and "step" agree.
 // Checkpoints of older looms (COMPLETE with the step only, rank files without
-// a step) are "legacy" and read without the two newer checks.
+// a step) are "legacy" and read without the two newer checks; whether one may
+// be legacy is decided by its meta.json's format version (train_checkpoint.hpp),
+// not by the marker, which anyone can rewrite in the old form.
+//
+// Only the name step_dir_name(step) is a checkpoint: a second folder for the
+// same step under another spelling ("step_4" beside "step_00000004", as
+// `cp -r` makes) is an alias, left alone — never resumed from, counted toward
+// keep_last or pruned — and reported once as a warning naming it.
 // Saving, as the trainer drives it:
 //   every rank:  CheckpointWriter w(root, step, rank); w.add(...)...; w.write_shard();
 //   rank 0:      CheckpointWriter::write_meta(root, step, json);
@@ -31,9 +38,24 @@
 #include <unordered_map>
 #include <vector>
 
+#include "loom/error.hpp"
 #include "loom/tensor.hpp"
 
 namespace loom::ckpt {
+
+// A checkpoint that cannot be used as it is on disk (damaged, edited,
+// incomplete). Its message names the file and what is wrong and ends with
+// "the checkpoint cannot be used"; whoever meets it adds what to do (resume
+// from the newest checkpoint that validates, convert another one).
+class CheckpointDamaged : public Error {
+ public:
+  using Error::Error;
+};
+
+// Logs a warning the first time this process meets `msg`: checkpoints are
+// listed many times during a start and at every save, a warning about one of
+// them is said once.
+void warn_once(const std::string& msg);
 
 std::string step_dir_name(int64_t step);  // "step_00000120"
 std::string rank_file_name(int rank);     // "rank_00000.bin"
@@ -74,16 +96,27 @@ struct CheckpointInfo {
   bool complete = false;
 };
 
-// Every step_* directory under root, ascending by step (empty if root is missing).
+// Every checkpoint folder under root (step_dir_name(step): an alias such as
+// step_4 is warned about and left out), ascending by step (empty if root is
+// missing). A checkpoint's name that is not a folder is refused.
 std::vector<CheckpointInfo> list_checkpoints(const std::string& root);
 std::optional<CheckpointInfo> latest_complete(const std::string& root);
 // The checkpoint of `step`; throws if it is missing or incomplete, listing the complete ones.
 CheckpointInfo find_step(const std::string& root, int64_t step);
 
-// Keeps the newest keep_last complete checkpoints. Removes older complete
-// ones and incomplete ones older than the newest complete one; never touches
-// the newest complete one or anything newer (a save may be in progress).
-// keep_last == 0 keeps everything. Returns the removed directories.
+// Why a complete checkpoint cannot be counted on ("" when it can): its
+// marker must parse and certify meta.json, and rank 0's file must have a
+// sound header whose tensors lie within the file. (Headers only: no tensor
+// data is read.)
+std::string checkpoint_damage(const CheckpointInfo& c);
+
+// Keeps the newest keep_last good checkpoints (complete, and
+// checkpoint_damage() finds nothing). Removes older good ones and incomplete
+// ones older than the newest good one; never touches the newest good one or
+// anything newer (a save may be in progress). A damaged checkpoint is not
+// counted, so it never takes a good one's place, and is not removed either:
+// it is reported once as a warning, for its owner to look at. keep_last == 0
+// keeps everything. Returns the removed directories.
 std::vector<std::string> prune(const std::string& root, int keep_last);
 
 struct TensorRecord {
@@ -99,7 +132,9 @@ struct TensorRecord {
 class CheckpointReader {
  public:
   // `dir` is a step directory (CheckpointInfo::dir). Refuses a directory
-  // without COMPLETE and validates the shard's header.
+  // without COMPLETE and validates the marker, meta.json's certificate and
+  // the shard's header (every field type-checked); a damaged one throws
+  // CheckpointDamaged.
   CheckpointReader(std::string dir, int rank);
   const std::string& dir() const { return dir_; }
   const std::string& file() const { return file_; }
@@ -109,7 +144,9 @@ class CheckpointReader {
   int num_ranks() const { return num_ranks_; }
   // The step COMPLETE records (checked against the folder's name and the rank file).
   int64_t step() const { return step_; }
-  // Written by a loom that did not yet certify meta.json and record steps in rank files.
+  // COMPLETE records the step only (the form of looms that did not yet
+  // certify meta.json and record steps in rank files). Whether that is
+  // acceptable is meta.json's format version's to say (CheckpointSet).
   bool legacy() const { return legacy_; }
   // The CRC32 of the rank file's header (CheckpointWriter::write_shard's result).
   uint32_t header_crc() const { return header_crc_; }

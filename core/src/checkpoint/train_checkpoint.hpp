@@ -83,7 +83,13 @@ std::string model_json(const ModelSpec& spec);
 // One complete checkpoint directory, read back by parameter name.
 class CheckpointSet {
  public:
-  // Opens `dir` (a step_* folder with COMPLETE), parses and checks meta.json.
+  // Opens `dir` (a step_* folder with COMPLETE), parses and checks meta.json:
+  // every field's type and range (naming the key), the marker's certificate
+  // (required from format version 5 on, whatever form the marker has), the
+  // layout (parameters tiling each unit in order; from version 4 on, the
+  // units and same-shaped parameters where the recorded model puts them) and
+  // the shards (each element of a unit held once), and rank 0's header.
+  // Damage throws CheckpointDamaged.
   explicit CheckpointSet(std::string dir);
   ~CheckpointSet();
   const std::string& dir() const { return dir_; }
@@ -96,12 +102,18 @@ class CheckpointSet {
   // The parameter's weights in fp32: the master copy when there is one (the
   // exact values), else the stored params.
   std::vector<float> weights_f32(const SavedParam& p);
+  // Everything short of the tensor data: every rank file's header (and the
+  // header CRC meta.json records for it), and every tensor meta.json's shards
+  // and precision state name, with the dtype and size recorded. Damage throws
+  // CheckpointDamaged; what is left for read() to find is a flipped data byte.
+  void check_files();
   // A recipe state tensor (precision.<name>) from `rank`'s file into dst, a
   // contiguous host tensor of the saved dtype and shape (checked, naming both).
   void read_precision_state(int rank, const SavedState& s, Tensor& dst);
 
  private:
   const std::vector<std::byte>& piece(int rank, const std::string& tensor);
+  CheckpointReader& reader(int rank);  // opened once, its header checked against meta.json
   // Throws unless `rank`'s file has the header meta.json records for it.
   void check_rank_file(int rank, uint32_t header_crc) const;
   std::string dir_;

@@ -220,6 +220,8 @@ std::unique_ptr<AttentionBlock> make_attention_block(const std::string& variant,
 std::unique_ptr<FfnBlock> make_ffn_block(const std::string& variant, const ModelSpec& spec, int64_t layer);
 // The variants make_*_block knows, for messages ("native, fused").
 std::string layer_variants();
+// Whether model.layers = `variant` names one of them.
+bool is_layer_variant(const std::string& variant);
 
 // A profiler range (NVTX on CUDA) for the scope of one op or block; also a
 // range of the step tracer while a profiling window is open (util/trace.hpp).

@@ -33,6 +33,12 @@ std::string layer_variants() {
   return s;
 }
 
+bool is_layer_variant(const std::string& variant) {
+  for (const auto& v : kAttention)
+    if (variant == v.name) return true;
+  return false;
+}
+
 std::unique_ptr<AttentionBlock> make_attention_block(const std::string& variant, const ModelSpec& spec, int64_t layer) {
   for (const auto& v : kAttention)
     if (variant == v.name) return v.make(spec, layer);

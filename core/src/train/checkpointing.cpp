@@ -8,6 +8,7 @@
 #include "checkpoint/train_checkpoint.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
+#include "model/model.hpp"
 #include "train/finite_checks.hpp"
 #include "train/outputs.hpp"
 
@@ -195,36 +196,23 @@ void save_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Mo
 
 namespace {
 
-// The checkpoint checkpoint.resume names, or nullopt.
-std::optional<ckpt::CheckpointInfo> find_resume_point(const Config& cfg) {
-  const std::string& mode = cfg.checkpoint.resume;
-  if (mode == "none") return std::nullopt;
-  const fs::path root = checkpoint_root(cfg);
-  if (mode == "auto") {
-    if (!fs::exists(root)) return std::nullopt;
-    return ckpt::latest_complete(root.string());
-  }
-  ckpt::CheckpointInfo info;
-  try {
-    info = ckpt::find_step(root.string(), std::stoll(mode));
-  } catch (const Error& e) {  // located at the key that names the step
-    throw Error(cat(cfg.where("checkpoint.resume"), ": checkpoint.resume = ", mode, ": ", e.what()));
-  }
-  // Going back to an older step with checkpointing on would later overwrite
-  // the newer checkpoints of this directory: refuse now, before any work.
-  if (cfg.checkpoint.every > 0) {
-    std::string newer;
-    for (const ckpt::CheckpointInfo& c : ckpt::list_checkpoints(root.string()))
-      if (c.step > info.step) newer += (newer.empty() ? "" : ", ") + c.dir;
-    if (!newer.empty())
-      throw Error(cat("checkpoint.resume = ", mode, ": newer checkpoints would be overwritten as training continues (",
-                      newer, "); move them away, set checkpoint.dir to another folder, or set checkpoint.every = 0"));
-  }
-  return info;
+// The command that moves a checkpoint folder out of the run's sight: a name
+// that does not begin with "step_" is never resumed from, counted or pruned.
+std::string move_aside(const ckpt::CheckpointInfo& c, const std::string& prefix) {
+  const fs::path d(c.dir);
+  return cat("mv '", d.string(), "' '", (d.parent_path() / (prefix + d.filename().string())).string(), "'");
+}
+
+// What a folder of the checkpoint series is, for messages, and the prefix it is moved aside under.
+std::pair<std::string, std::string> describe_folder(const ckpt::CheckpointInfo& c) {
+  if (!c.complete) return {"an unfinished save: no COMPLETE marker", "unfinished_"};
+  if (const std::string why = ckpt::checkpoint_damage(c); !why.empty()) return {cat("damaged: ", why), "damaged_"};
+  return {"a complete checkpoint", "later_"};
 }
 
 // Every parameter of this model must be in the checkpoint with the same shape,
-// and the checkpoint must hold nothing else.
+// and the checkpoint must hold nothing else. (Where each lies in its unit was
+// checked against the checkpoint's own model record when it was opened.)
 void check_layout(const ckpt::CheckpointSet& set, const std::vector<UnitInfo>& infos) {
   const ckpt::TrainMeta& m = set.meta();
   size_t ours = 0;
@@ -263,6 +251,141 @@ void check_layout(const ckpt::CheckpointSet& set, const std::vector<UnitInfo>& i
                     " (e.g. '", extra, "' is not part of it): it was written for another model"));
   }
 }
+
+// The checkpoint's architecture against this run's. The MoE router's loss
+// weight and jitter are training settings, not the architecture: a resume
+// may change them (resume_checkpoint says so).
+void check_model(const ckpt::CheckpointSet& set, const ModelSpec& spec, const std::vector<UnitInfo>& infos) {
+  const std::string want = ckpt::model_json(spec);
+  nlohmann::json had = nlohmann::json::parse(set.meta().model_json), has = nlohmann::json::parse(want);
+  for (const char* k : {"router_aux_loss_coef", "router_jitter_noise"}) {
+    had.erase(k);
+    has.erase(k);
+  }
+  if (had != has)
+    throw Error(cat("checkpoint ", set.dir(), " was written for another model: it has ", set.meta().model_json,
+                    ", this config builds ", want, ". Point checkpoint.dir elsewhere or set checkpoint.resume = \"none\""));
+  check_layout(set, infos);
+}
+
+// Everything resuming checks before it reads a byte of tensor data: the
+// marker, meta.json, the layout against this model, every rank file's header
+// and the tensors meta.json names in them.
+void validate(ckpt::CheckpointSet& set, const ModelSpec& spec, const std::vector<UnitInfo>& infos) {
+  check_model(set, spec, infos);
+  set.check_files();
+}
+
+// "" when the checkpoint in `dir` would resume into this model, else why not.
+std::string resume_problem(const std::string& dir, const ModelSpec& spec, const std::vector<UnitInfo>& infos) {
+  try {
+    ckpt::CheckpointSet set(dir);
+    validate(set, spec, infos);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// What to do about the damaged checkpoint `bad` that checkpoint.resume led
+// to: the newest earlier one that validates, and the exact way back to it
+// (nothing is moved, renamed or deleted for the user).
+std::string damaged_advice(const Config& cfg, const ckpt::CheckpointInfo& bad, const ModelSpec& spec,
+                           const std::vector<UnitInfo>& infos) {
+  const std::string root = checkpoint_root(cfg).string();
+  const std::vector<ckpt::CheckpointInfo> all = ckpt::list_checkpoints(root);
+  std::optional<ckpt::CheckpointInfo> good;
+  for (auto it = all.rbegin(); it != all.rend() && !good; ++it)
+    if (it->step < bad.step && it->complete && resume_problem(it->dir, spec, infos).empty()) good = *it;
+  if (!good)
+    return cat("No earlier checkpoint in ", root, " validates. To start fresh and keep this one to look at, ",
+               move_aside(bad, "damaged_"), " and set checkpoint.resume = \"none\" with another run.out_dir (or run.overwrite = "
+               "true, which replaces the previous run's metrics and checkpoints)");
+  // Folders of later steps that would stop the way back: with "auto", any
+  // complete one (it would be taken instead, or refused again); with a step,
+  // any at all while checkpoints are written (the run's saves would meet them).
+  const bool by_step = cfg.checkpoint.resume != "auto";
+  std::string moves;
+  int n = 0;
+  for (const ckpt::CheckpointInfo& c : all)
+    if (c.step > good->step && (c.complete || (by_step && cfg.checkpoint.every > 0))) {
+      moves += cat(moves.empty() ? "" : "; ", move_aside(c, c.step == bad.step ? "damaged_" : describe_folder(c).second));
+      ++n;
+    }
+  return cat("The newest earlier checkpoint that validates is ", good->dir, ". To resume from it, move ",
+             n == 1 ? "the damaged folder" : "the folders of later steps",
+             " aside (nothing is moved or deleted for you): ", moves, "; then run again with checkpoint.resume = ",
+             by_step ? std::to_string(good->step) : std::string("\"auto\""), " (it resumes from step ", good->step,
+             ")");
+}
+
+// The checkpoint checkpoint.resume names, or nullopt. Says which folders
+// "auto" passes over; refuses going back to a step while later folders would
+// meet this run's saves, naming each for what it is.
+std::optional<ckpt::CheckpointInfo> find_resume_point(const Config& cfg) {
+  const std::string& mode = cfg.checkpoint.resume;
+  if (mode == "none") return std::nullopt;
+  const fs::path root = checkpoint_root(cfg);
+  if (mode == "auto") {
+    if (!fs::exists(root)) return std::nullopt;
+    const std::vector<ckpt::CheckpointInfo> all = ckpt::list_checkpoints(root.string());
+    std::optional<ckpt::CheckpointInfo> latest;
+    for (auto it = all.rbegin(); it != all.rend() && !latest; ++it)
+      if (it->complete) latest = *it;
+    // An interrupted save newer than the checkpoint resumed from: its files
+    // are replaced when that step is saved again, which the log says first.
+    for (const ckpt::CheckpointInfo& c : all)
+      if (!c.complete && (!latest || c.step > latest->step))
+        ckpt::warn_once(cat("checkpoint.resume = \"auto\": passing over ", c.dir,
+                            " (no COMPLETE marker: a save of step ", c.step, " that did not finish); ",
+                            latest ? cat("resuming from ", latest->dir, ", the newest complete checkpoint; ")
+                                   : std::string("there is no complete checkpoint to resume from; "),
+                            "the save of step ", c.step, " will replace what is in it"));
+    return latest;
+  }
+  ckpt::CheckpointInfo info;
+  try {
+    info = ckpt::find_step(root.string(), std::stoll(mode));
+  } catch (const ckpt::CheckpointDamaged&) {
+    throw;  // damage is the checkpoint's, with its own advice (check_resume_checkpoint)
+  } catch (const Error& e) {  // no such step: located at the key that names it
+    throw Error(cat(cfg.where("checkpoint.resume"), ": checkpoint.resume = ", mode, ": ", e.what()));
+  }
+  // Going back to an older step with checkpointing on would later meet the
+  // folders of the newer steps: refuse now, before any work.
+  if (cfg.checkpoint.every > 0) {
+    std::string newer, moves;
+    for (const ckpt::CheckpointInfo& c : ckpt::list_checkpoints(root.string())) {
+      if (c.step <= info.step) continue;
+      const auto [what, prefix] = describe_folder(c);
+      newer += cat(newer.empty() ? "" : "; ", c.dir, " (", what, ")");
+      moves += cat(moves.empty() ? "" : "; ", move_aside(c, prefix));
+    }
+    if (!newer.empty())
+      throw Error(cat("checkpoint.resume = ", mode, ": ", root.string(), " holds newer folders, of later steps, "
+                      "which this run's saves would overwrite or stop at as training continues: ", newer,
+                      ". Move them aside (nothing is moved for you): ", moves,
+                      "; or set checkpoint.dir to another folder, or set checkpoint.every = 0"));
+  }
+  return info;
+}
+
+}  // namespace
+
+std::optional<std::string> check_resume_checkpoint(const Config& cfg, const ModelSpec& spec) {
+  const std::optional<ckpt::CheckpointInfo> info = find_resume_point(cfg);
+  if (!info) return std::nullopt;
+  const Model model(spec, cfg.model.layers, cfg.expert_parallel);
+  try {
+    ckpt::CheckpointSet set(info->dir);
+    validate(set, spec, model.units());
+  } catch (const ckpt::CheckpointDamaged& e) {
+    throw Error(cat(e.what(), ". ", damaged_advice(cfg, *info, spec, model.units())));
+  }
+  return info->dir;
+}
+
+namespace {
 
 void load_unit_range(ckpt::CheckpointSet& set, const std::string& kind, const ParamInfo& p, int64_t lo, int64_t hi,
                      Tensor dst_flat, int64_t dst_begin, Backend& be, std::vector<std::byte>& staging) {
@@ -341,38 +464,38 @@ void restore_precision_state(ckpt::CheckpointSet& set, const Config& cfg, Runtim
 
 }  // namespace
 
-std::optional<int64_t> resume_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Model& model) {
-  const std::optional<ckpt::CheckpointInfo> info = find_resume_point(cfg);
-  if (!info) return std::nullopt;
-  ckpt::CheckpointSet set(info->dir);
+namespace {
+
+// Loads the checkpoint `info` (see resume_checkpoint).
+int64_t load_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Model& model,
+                        const ckpt::CheckpointInfo& info) {
+  ckpt::CheckpointSet set(info.dir);
   const ckpt::TrainMeta& m = set.meta();
-  const std::string want = ckpt::model_json(model.spec());
-  // The MoE router's loss weight and jitter are training settings, not the
-  // architecture: a resume may change them (and says so).
-  nlohmann::json had = nlohmann::json::parse(m.model_json), has = nlohmann::json::parse(want);
-  for (const char* k : {"router_aux_loss_coef", "router_jitter_noise"}) {
-    if (had.contains(k) && has.contains(k) && had[k] != has[k])
-      log_info(cat("checkpoint ", info->dir, " was trained with model.", k, " = ", had[k].dump(), ", this run uses ",
-                   has[k].dump()));
-    had.erase(k);
-    has.erase(k);
+  {
+    nlohmann::json had = nlohmann::json::parse(m.model_json),
+                   has = nlohmann::json::parse(ckpt::model_json(model.spec()));
+    for (const char* k : {"router_aux_loss_coef", "router_jitter_noise"})
+      if (had.contains(k) && has.contains(k) && had[k] != has[k])
+        log_info(cat("checkpoint ", info.dir, " was trained with model.", k, " = ", had[k].dump(), ", this run uses ",
+                     has[k].dump()));
   }
-  if (had != has)
-    throw Error(cat("checkpoint ", info->dir, " was written for another model: it has ", m.model_json,
-                    ", this config builds ", want, ". Point checkpoint.dir elsewhere or set checkpoint.resume = \"none\""));
-  check_layout(set, state.infos());
+  check_model(set, model.spec(), state.infos());
+  // Every rank file's header and the tensors meta.json names, before any is
+  // read: a damaged file is found before the state changes. Rank 0 checks
+  // them all (each rank reads its own pieces' CRCs as it loads).
+  if (rt.rank() == 0) set.check_files();
 
   // What differs is said, not refused: every combination loads by name.
   if (m.world_size != rt.world() || m.strategy != cfg.sharding.plugin)
-    log_info(cat("resharding checkpoint ", info->dir, ": written by ", m.world_size, " rank(s) with sharding \"",
+    log_info(cat("resharding checkpoint ", info.dir, ": written by ", m.world_size, " rank(s) with sharding \"",
                  m.strategy, "\", loading into ", rt.world(), " rank(s) with \"", cfg.sharding.plugin, "\""));
   if (m.layers != model.layers())
-    log_info(cat("checkpoint ", info->dir, " was computed with ", m.layers, " layers, this run uses ", model.layers(),
+    log_info(cat("checkpoint ", info.dir, " was computed with ", m.layers, " layers, this run uses ", model.layers(),
                  " layers: same parameters, names and layout"));
   const PrecisionDTypes& dt = rt.dtypes;
   const bool same_dtypes = m.params_dtype == dt.param && m.optim_dtype == dt.optim_state && m.has_master == dt.has_master;
   if (!same_dtypes)
-    log_info(cat("checkpoint ", info->dir, " holds ", dtype_name(m.params_dtype), " params",
+    log_info(cat("checkpoint ", info.dir, " holds ", dtype_name(m.params_dtype), " params",
                  m.has_master ? " with an fp32 master copy" : "", " and ", dtype_name(m.optim_dtype),
                  " AdamW state (precision \"", m.precision, "\"); converting to this run's ", dtype_name(dt.param),
                  " params", dt.has_master ? " with an fp32 master copy" : "", " and ", dtype_name(dt.optim_state),
@@ -399,12 +522,24 @@ std::optional<int64_t> resume_checkpoint(const Config& cfg, Runtime& rt, TrainSt
     rt.data->restore(m.data_state);
   } catch (const Error& e) {
     // The plugin sees only the text of its state: name the file it came from.
-    throw Error(cat("cannot resume from ", info->dir, "/meta.json: its \"data_state\" (the position of data plugin '",
-                    cfg.data.plugin, "') is refused: ", e.what()));
+    throw Error(cat("cannot resume from ", (fs::path(info.dir) / "meta.json").string(),
+                    ": its \"data_state\" (the position of data plugin '", m.data_plugin, "') is refused: ", e.what()));
   }
   restore_precision_state(set, cfg, rt);
-  log_info(cat("resumed from ", info->dir, " at step ", m.step));
+  log_info(cat("resumed from ", info.dir, " at step ", m.step));
   return m.step;
+}
+
+}  // namespace
+
+std::optional<int64_t> resume_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Model& model) {
+  const std::optional<ckpt::CheckpointInfo> info = find_resume_point(cfg);
+  if (!info) return std::nullopt;
+  try {
+    return load_checkpoint(cfg, rt, state, model, *info);
+  } catch (const ckpt::CheckpointDamaged& e) {
+    throw Error(cat(e.what(), ". ", damaged_advice(cfg, *info, model.spec(), state.infos())));
+  }
 }
 
 }  // namespace loom

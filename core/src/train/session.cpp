@@ -24,15 +24,6 @@ namespace fs = std::filesystem;
 namespace loom {
 namespace {
 
-// The architecture: the config's [model] table, or an HF folder's config.json.
-ModelSpec spec_for(const Config& cfg) {
-  const std::string& init = cfg.model.init;
-  if (init.rfind("hf:", 0) != 0) return cfg.model.spec;
-  ModelSpec hf = hf::read_hf_llama_config(init.substr(3));
-  hf.max_seq_len = std::max(hf.max_seq_len, cfg.train.seq_len);
-  return hf;
-}
-
 Config with_log_level(Config cfg) {
   set_log_level(cfg.run.log_level);
   return cfg;
@@ -40,9 +31,17 @@ Config with_log_level(Config cfg) {
 
 }  // namespace
 
+ModelSpec run_model_spec(const Config& cfg) {
+  const std::string& init = cfg.model.init;
+  if (init.rfind("hf:", 0) != 0) return cfg.model.spec;
+  ModelSpec hf = hf::read_hf_llama_config(init.substr(3));
+  hf.max_seq_len = std::max(hf.max_seq_len, cfg.train.seq_len);
+  return hf;
+}
+
 Session::Session(Config cfg, SessionOptions opts)
-    : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, spec_for(cfg_), opts.single_process, opts.plan_world, opts.plan_local_world)) {
-  model_ = std::make_unique<Model>(spec_for(cfg_), cfg_.model.layers, cfg_.expert_parallel);
+    : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, run_model_spec(cfg_), opts.single_process, opts.plan_world, opts.plan_local_world)) {
+  model_ = std::make_unique<Model>(run_model_spec(cfg_), cfg_.model.layers, cfg_.expert_parallel);
   state_ = std::make_unique<TrainState>(cfg_, rt_, *model_);
 }
 

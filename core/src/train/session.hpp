@@ -67,6 +67,10 @@ struct StepResult {
   bool skipped = false;  // non-finite gradients: no update
 };
 
+// The architecture a run of `cfg` builds: its [model] table, or with
+// model.init = "hf:DIR" the folder's config.json (read and checked; no weights).
+ModelSpec run_model_spec(const Config& cfg);
+
 class Session {
  public:
   // Loads plugins, validates every table, opens the data and plans memory. No allocation yet.
