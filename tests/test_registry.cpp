@@ -81,7 +81,8 @@ std::vector<BrokenCase> broken_cases() {
   const std::string host_abi = loom::cat(LOOM_ABI_MAJOR, ".", LOOM_ABI_MINOR);
   const std::string ver = loom::version_string();
   return {
-      {"libloom-data-garbage.so", {"cannot be loaded", "ldd"}},
+      {"libloom-data-garbage.so", {"is not a shared library (it does not start with an ELF header)",
+                                   "remove it from the plugin path"}},
       {"libloom-data-plain.so", {"is not a Loom plugin: it exports no 'loom_plugin_entry'", "LOOM_PLUGIN"}},
       {"libloom-data-small.so", {"plugin descriptor is", "this loom needs at least", "Rebuild it against loom " + ver}},
       {"libloom-data-alien.so", {"unknown plugin kind 77"}},

@@ -33,7 +33,8 @@ int cmd_plot(const Args& args) {
   if (dirs.empty()) throw Error(cat("needs at least one RUN_DIR\n", usage));
   // The chart is a PNG: another extension would name a file that is not what it says.
   const std::string ext = std::filesystem::path(out).extension().string();
-  if (ext != ".png" && ext != ".PNG")
+  std::error_code ec;
+  if (ext != ".png" && ext != ".PNG" && !std::filesystem::is_directory(out, ec))  // a folder is told as one when written
     throw Error(cat("--out ", out, ": loom plot writes a PNG image; give --out a name ending in .png (e.g. ",
                     std::filesystem::path(out).replace_extension(".png").string(), ")"));
   std::vector<report::RunCurves> runs;
