@@ -27,6 +27,7 @@
 #include "cli.hpp"
 #include "commands.hpp"
 #include "hf/hf_llama.hpp"
+#include "loom/config.hpp"
 #include "loom/error.hpp"
 #include "loom/model.hpp"
 
@@ -121,6 +122,26 @@ std::string convert_advice(const std::string& ckpt_dir, const std::string& out_d
   return cat("No other checkpoint in ", root.string(), " validates");
 }
 
+
+// The model.max_seq_len the checkpoint's run trained with, from the run's
+// effective config that meta.json records ("config"): the architecture record
+// leaves it out (it sizes RoPE's tables, not the weights, so a resume may
+// change it), but an export's max_position_embeddings must be it, or a run
+// from the export with the same config would be told its max_seq_len differs
+// from the folder's. A checkpoint without that record keeps `fallback`.
+int64_t trained_max_seq_len(const std::string& dir, int64_t fallback) {
+  try {
+    const nlohmann::json meta = nlohmann::json::parse(ckpt::read_file((fs::path(dir) / "meta.json").string(), "checkpoint metadata"));
+    if (!meta.contains("config") || !meta["config"].is_string()) return fallback;
+    const ConfigTable cfg = parse_config_table(meta["config"].get<std::string>(), dir + "/meta.json (config)");
+    if (!cfg.has("model")) return fallback;
+    const ConfigTable model = cfg.table("model");
+    return model.has("max_seq_len") ? model.get_int("max_seq_len", fallback, 1, int64_t{1} << 30) : fallback;
+  } catch (const std::exception&) {
+    return fallback;  // meta.json was certified and read already; an old or odd "config" record changes nothing
+  }
+}
+
 }  // namespace
 
 int cmd_convert(const Args& args) {
@@ -204,7 +225,8 @@ int cmd_convert(const Args& args) {
     throw Error(cat(e.what(), ". ", convert_advice(ckpt_dir, out_dir)));
   }
   const ckpt::TrainMeta& m = set->meta();
-  const ModelSpec& spec = m.spec;
+  ModelSpec spec = m.spec;
+  spec.max_seq_len = trained_max_seq_len(set->dir(), spec.max_seq_len);
   auto src = [&](const std::string& name) -> const float* {
     auto it = weights.find(name);
     return it == weights.end() ? nullptr : it->second.data();
