@@ -52,7 +52,7 @@ std::vector<CompareRow> three_runs() {
     r.tokens_per_s_per_gpu = 40000.0 - 10000 * i;
     r.peak_mem_bytes = (6.0 - 2 * i) * kGiB;
     r.planned_mem_bytes = r.peak_mem_bytes * 0.9;
-    r.bytes_per_step = {1e6 * i, 2e6 * i, 3e6 * i, 4e3};
+    r.bytes_per_step = {1e6 * i, 2e6 * i, 3e6 * i, 4e3, 5e5 * i};
     rows.push_back(r);
   }
   loom::report::compute_diffs(rows);
@@ -283,9 +283,9 @@ TEST(CompareReport, TableHasEveryLabelAndFormattedNumbers) {
   loom::report::compute_diffs(rows);
   const std::string t = loom::report::format_table(rows);
   for (const auto& r : rows) EXPECT_NE(t.find(r.label), std::string::npos) << r.label;
-  for (const char* s : {"label", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "100.0 ms", "120.0 ms",
+  for (const char* s : {"label", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "100.0 ms", "120.0 ms",
                         "40.0K tok/s", "20.0K tok/s", "6.00 GiB", "2.00 GiB", "5.40 GiB", "2.00 MB", "6.00 MB",
-                        "4.00 KB", "out of memory at step 1", "against 'none'"})
+                        "4.00 KB", "1.00 MB", "out of memory at step 1", "against 'none'"})
     EXPECT_NE(t.find(s), std::string::npos) << "missing '" << s << "' in:\n" << t;
   // The final loss of the reference, 8 exp(-49/15) + 2 = 2.30508...
   EXPECT_NE(t.find("2.3051"), std::string::npos) << t;
@@ -336,7 +336,8 @@ TEST(CompareReport, CsvReadsBackTheSameNumbers) {
   const std::vector<std::string> header = {"label", "ranks", "step_ms", "tokens_per_s_per_gpu", "peak_mem_bytes",
                                            "planned_mem_bytes", "all_reduce_bytes_per_step",
                                            "reduce_scatter_bytes_per_step", "all_gather_bytes_per_step",
-                                           "broadcast_bytes_per_step", "steps", "final_loss", "max_loss_diff",
+                                           "broadcast_bytes_per_step", "all_to_all_bytes_per_step", "steps",
+                                           "final_loss", "max_loss_diff",
                                            "max_rel_loss_diff", "note"};
   EXPECT_EQ(summary[0], header);
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -349,15 +350,15 @@ TEST(CompareReport, CsvReadsBackTheSameNumbers) {
     EXPECT_EQ(number(f[3]), r.tokens_per_s_per_gpu);
     EXPECT_EQ(number(f[4]), r.peak_mem_bytes);
     EXPECT_EQ(number(f[5]), r.planned_mem_bytes);
-    for (int c = 0; c < 4; ++c) EXPECT_EQ(number(f[6 + c]), r.bytes_per_step[c]);
-    EXPECT_EQ(number(f[10]), double(r.losses.size()));
-    EXPECT_EQ(number(f[11]), r.final_loss);
-    for (int c : {12, 13}) {
-      const double want = c == 12 ? r.max_loss_diff : r.max_rel_loss_diff;
+    for (int c = 0; c < 5; ++c) EXPECT_EQ(number(f[6 + c]), r.bytes_per_step[c]);
+    EXPECT_EQ(number(f[11]), double(r.losses.size()));
+    EXPECT_EQ(number(f[12]), r.final_loss);
+    for (int c : {13, 14}) {
+      const double want = c == 13 ? r.max_loss_diff : r.max_rel_loss_diff;
       if (std::isnan(want)) EXPECT_TRUE(std::isnan(number(f[c]))) << f[c];
       else EXPECT_EQ(number(f[c]), want);
     }
-    EXPECT_EQ(f[14], r.note);
+    EXPECT_EQ(f[15], r.note);
   }
 
   const auto losses = parse_csv(read_text(dir.str() + "/cmp_losses.csv"));

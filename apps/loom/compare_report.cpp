@@ -85,7 +85,8 @@ const std::vector<Column>& table_columns() {
   static const std::vector<Column> columns = {
       {"label", true},      {"ranks", false},          {"step", false},       {"tokens/s/GPU", false},
       {"peak mem", false},  {"planned mem", false},    {"all_reduce", false}, {"reduce_scatter", false},
-      {"all_gather", false}, {"broadcast", false},     {"final loss", false}, {"max |dloss|", false},
+      {"all_gather", false}, {"broadcast", false},     {"all_to_all", false}, {"final loss", false},
+      {"max |dloss|", false},
       {"max rel dloss", false}, {"note", true}};
   return columns;
 }

@@ -13,9 +13,10 @@
 namespace loom::report {
 
 // The order of CompareRow::bytes_per_step, and the names the table and CSV use.
-enum Collective : int { kAllReduce = 0, kReduceScatter = 1, kAllGather = 2, kBroadcast = 3 };
-inline constexpr std::array<const char*, 4> kCollectiveNames = {"all_reduce", "reduce_scatter", "all_gather",
-                                                                 "broadcast"};
+// all_to_all is the token exchange of expert parallelism (MoE blocks).
+enum Collective : int { kAllReduce = 0, kReduceScatter = 1, kAllGather = 2, kBroadcast = 3, kAllToAll = 4 };
+inline constexpr std::array<const char*, 5> kCollectiveNames = {"all_reduce", "reduce_scatter", "all_gather",
+                                                                 "broadcast", "all_to_all"};
 
 struct CompareRow {
   std::string label;                       // "zero3" or a config name
@@ -24,7 +25,7 @@ struct CompareRow {
   double tokens_per_s_per_gpu = 0;
   double peak_mem_bytes = 0;               // per GPU (or per rank on CPU: arena bytes)
   double planned_mem_bytes = 0;            // the memory plan per rank
-  std::array<double, 4> bytes_per_step{};  // per rank and step, indexed by Collective
+  std::array<double, kCollectiveNames.size()> bytes_per_step{};  // per rank and step, indexed by Collective
   std::vector<double> losses;              // per step, index 0 = step 1
   std::vector<std::pair<long long, double>> val_losses;  // (step, validation loss) when the run evaluated
   double max_rel_val_diff = 0;             // filled by compute_diffs: max |val - rows[0].val| / |rows[0].val|

@@ -134,28 +134,38 @@ GatherRun run_gathers(const std::string& strategy, const std::string& keys, cons
   }
   r.gather_bytes = s.comm().bytes_moved().bytes[k] - before;
   // Every unit is gathered as often in either run: FP8 weights (the decoder
-  // layers' matrices) 1 byte an element, everything else 4.
-  double fp8 = 0, all = 0;
-  for (const loom::UnitState& u : s.units())
+  // layers' matrices) 1 byte an element, everything else the parameters'
+  // own size (4 bytes on the CPU, whose parameters are fp32; 2 on a GPU,
+  // where they are bf16).
+  double fp8 = 0, all = 0, elt = 0;
+  for (const loom::UnitState& u : s.units()) {
+    // zero3 keeps the owned range resident and gathers the rest into scratch.
+    const loom::Tensor& held = u.param_shard.data != nullptr ? u.param_shard : u.params;
+    if (held.data == nullptr) ADD_FAILURE() << "unit " << u.info->name << " holds no parameters";
+    const double e = static_cast<double>(loom::dtype_size(held.dtype));
+    if (elt != 0 && e != elt) ADD_FAILURE() << "units hold parameters of different sizes (" << elt << ", " << e << ")";
+    elt = e;
     for (const loom::ParamInfo& p : u.info->params) {
       const bool layer = u.info->name.rfind("layer.", 0) == 0;
       const bool matrix = p.role == loom::ParamRole::matrix || p.role == loom::ParamRole::output_projection;
       all += static_cast<double>(p.numel);
       if (layer && matrix) fp8 += static_cast<double>(p.numel);
     }
-  r.expected_ratio = (fp8 + 4.0 * (all - fp8)) / (4.0 * all);
+  }
+  r.expected_ratio = (fp8 + elt * (all - fp8)) / (elt * all);
   return r;
 }
 
-// gather_dtype = "fp8" against gathering the fp32 parameters, same run
+// gather_dtype = "fp8" against gathering the parameters, same run
 // otherwise. The weights travel as the very codes fp8_current's cast makes
 // (the amax max-reduced over the shard group, the same scale), so the GEMMs
 // see the same FP8 operands; the recipe re-measures the decoded weight, whose
 // amax can differ from the original in its last bit, so the inverse scale the
 // GEMM applies can too: the losses agree to float rounding, 1e-5 relative
 // (a wrong scale, segment or rank order would move them by 1e-2 and more).
-// Traffic: an FP8 weight element is 1 byte against 4 (norm gains, the
-// embedding and the head travel in fp32): the ratio the parameters predict,
+// Traffic: an FP8 weight element is 1 byte against the parameter's 4 (CPU,
+// fp32) or 2 (GPU, bf16); norm gains, the embedding and the head travel as
+// parameters: the ratio the parameters predict,
 // within 1% (each chunk is padded to 16 bytes and to the largest rank's). Native and fused layers (the fused [q; k; v] and [gate;
 // up] weights are one scale each), and shard boundaries that cut weights.
 void check_fp8_gathers(const std::string& strategy, const std::string& keys) {
