@@ -187,7 +187,8 @@ void save_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Mo
     };
     ckpt::CheckpointWriter::write_meta(root.string(), step, meta.dump(2));
     ckpt::CheckpointWriter::mark_complete(root.string(), step);
-    ckpt::prune(root.string(), static_cast<int>(cfg.checkpoint.keep_last));
+    // Only checkpoints that would resume count (every rank file meta.json lists checked).
+    ckpt::prune(root.string(), static_cast<int>(cfg.checkpoint.keep_last), ckpt::training_checkpoint_damage);
   }
   host.barrier();
   log_info(cat("checkpoint: step ", step, " written to ", (root / "").string(), " (", world, " rank",
@@ -206,7 +207,7 @@ std::string move_aside(const ckpt::CheckpointInfo& c, const std::string& prefix)
 // What a folder of the checkpoint series is, for messages, and the prefix it is moved aside under.
 std::pair<std::string, std::string> describe_folder(const ckpt::CheckpointInfo& c) {
   if (!c.complete) return {"an unfinished save: no COMPLETE marker", "unfinished_"};
-  if (const std::string why = ckpt::checkpoint_damage(c); !why.empty()) return {cat("damaged: ", why), "damaged_"};
+  if (const std::string why = ckpt::training_checkpoint_damage(c); !why.empty()) return {cat("damaged: ", why), "damaged_"};
   return {"a complete checkpoint", "later_"};
 }
 
