@@ -18,9 +18,9 @@
 #include "data/megatron/megatron_data.hpp"
 #include "data/tokens/tokens_data.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "loom/token_shard.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
+#include "token_shard_writer.hpp"
 #include "train/session.hpp"
 
 namespace fs = std::filesystem;
@@ -314,9 +314,7 @@ TEST(ReliabilityMessages, CheckRefusesTheDataStateTheRunWould) {
     const fs::path dir = fresh_dir("messages_check_data_state_" + plugin);
     std::string text = tiny_config(dir / "run", 2);
     if (plugin == "tokens") {
-      std::vector<uint32_t> t(20000);
-      for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint32_t>(i % 96);
-      loom::write_token_shard((dir / "train.bin").string(), t.data(), t.size(), 2, 96);
+      write_tokens(dir / "train.bin", token_pattern(20000, 96), 2, 96);
       const std::string syn = "plugin = \"synthetic\"\npattern = \"ramp\"\n";
       text.replace(text.find(syn), syn.size(), "plugin = \"tokens\"\ntrain = \"" + (dir / "train.bin").string() + "\"\n");
     }

@@ -13,8 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.hpp"
-#include "loom/token_shard.hpp"
 #include "reliability_util.hpp"
+#include "token_shard_writer.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom::test;
@@ -196,16 +196,10 @@ TEST(ReliabilityOutputs, RunOverwriteKeepsThePreviousRunUntilTheNewOneHasACheckp
   const std::string before = snapshot();
   ASSERT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 4);
   // Token shards for the replacing run: a good train shard, a val shard holding a token past its vocab (96).
-  std::vector<uint32_t> t(4000);
-  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint32_t>(i * 7 % 96);
-  loom::write_token_shard((dir / "train.bin").string(), t.data(), t.size(), 2, 96);
-  loom::write_token_shard((dir / "val.bin").string(), t.data(), t.size(), 2, 96);
-  {  // damaged in place: token 100 becomes 150, found when the step-0 validation reads it
-    std::fstream f(dir / "val.bin", std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(static_cast<std::streamoff>(loom::kTokenShardHeaderBytes + 2 * 100));
-    const uint16_t bad = 150;
-    f.write(reinterpret_cast<const char*>(&bad), 2);
-  }
+  const std::vector<uint32_t> t = token_pattern(4000, 96, 0, 7);
+  write_tokens(dir / "train.bin", t, 2, 96);
+  write_tokens(dir / "val.bin", t, 2, 96);
+  set_token(dir / "val.bin", 100, 150);  // damaged in place: found when the step-0 validation reads it
   const fs::path tokens_cfg = dir / "tokens.toml";
   {
     std::string text = tiny_config(dir / "run", 6);
