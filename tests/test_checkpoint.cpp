@@ -358,10 +358,10 @@ TEST(Checkpoint, PruneKeepsNewestCompleteOnes) {
     CheckpointWriter w(tmp.str(), s, 0);
     w.write_shard();
   }
-  EXPECT_TRUE(prune(tmp.str(), 0).empty());  // 0 keeps everything
+  EXPECT_TRUE(prune(tmp.str(), 0, checkpoint_damage).empty());  // 0 keeps everything
   EXPECT_EQ(list_checkpoints(tmp.str()).size(), 6u);
 
-  auto removed = prune(tmp.str(), 2);
+  auto removed = prune(tmp.str(), 2, checkpoint_damage);
   EXPECT_EQ(removed.size(), 3u);  // 10, 20 and the incomplete 25
   std::vector<int64_t> left;
   for (const auto& c : list_checkpoints(tmp.str())) left.push_back(c.step);
@@ -370,11 +370,11 @@ TEST(Checkpoint, PruneKeepsNewestCompleteOnes) {
   for (const auto& e : fs::directory_iterator(tmp.path))
     EXPECT_EQ(e.path().filename().string().rfind("step_", 0), 0u) << e.path();
 
-  prune(tmp.str(), 1);
+  prune(tmp.str(), 1, checkpoint_damage);
   left.clear();
   for (const auto& c : list_checkpoints(tmp.str())) left.push_back(c.step);
   EXPECT_EQ(left, (std::vector<int64_t>{40, 50}));  // newest complete and the newer incomplete one stay
-  prune(tmp.str(), 1);
+  prune(tmp.str(), 1, checkpoint_damage);
   EXPECT_EQ(list_checkpoints(tmp.str()).size(), 2u);
   EXPECT_EQ(latest_complete(tmp.str())->step, 40);
   // The survivors still read.
@@ -388,7 +388,7 @@ TEST(Checkpoint, PruneWithoutCompleteCheckpointsRemovesNothing) {
     CheckpointWriter w(tmp.str(), s, 0);
     w.write_shard();
   }
-  EXPECT_TRUE(prune(tmp.str(), 1).empty());
+  EXPECT_TRUE(prune(tmp.str(), 1, checkpoint_damage).empty());
   EXPECT_EQ(list_checkpoints(tmp.str()).size(), 2u);
 }
 
@@ -398,7 +398,7 @@ TEST(Checkpoint, PruneFinishesAnInterruptedDelete) {
   save_simple(tmp.str(), 2);
   fs::create_directories(tmp.path / ".step_00000001.deleting" / "junk");
   fs::remove_all(tmp.path / "step_00000001");
-  prune(tmp.str(), 1);
+  prune(tmp.str(), 1, checkpoint_damage);
   EXPECT_FALSE(fs::exists(tmp.path / ".step_00000001.deleting"));
   EXPECT_TRUE(fs::exists(tmp.path / "step_00000002" / "COMPLETE"));
 }
@@ -435,10 +435,10 @@ TEST(Checkpoint, OnlyTheCanonicalNameIsACheckpoint) {
   expect_error([&] { find_step(tmp.str(), 9); }, {"no checkpoint for step 9", "2, 4"});
   save_simple(tmp.str(), 6);
   // keep_last = 3 keeps every good checkpoint: the aliases take no place.
-  EXPECT_TRUE(prune(tmp.str(), 3).empty());
+  EXPECT_TRUE(prune(tmp.str(), 3, checkpoint_damage).empty());
   EXPECT_EQ(steps_of(tmp.str()), (std::vector<int64_t>{2, 4, 6}));
   // keep_last = 2 removes step 2 only; the aliases stay as they were.
-  EXPECT_EQ(prune(tmp.str(), 2), (std::vector<std::string>{(tmp.path / "step_00000002").string()}));
+  EXPECT_EQ(prune(tmp.str(), 2, checkpoint_damage), (std::vector<std::string>{(tmp.path / "step_00000002").string()}));
   for (const char* alias : {"step_4", "step_000000004", "step_9", "step_7"}) EXPECT_TRUE(fs::exists(tmp.path / alias)) << alias;
   EXPECT_EQ(fs::file_size(tmp.path / "step_4" / "rank_00000.bin"), 100u);
   // A folder given directly under another spelling is still checked against its marker.
@@ -459,10 +459,10 @@ TEST(Checkpoint, PruneNeverKeepsFewerGoodCheckpointsBecauseOfDamagedOnes) {
   EXPECT_NE(checkpoint_damage(find_step(tmp.str(), 20)), "");
   EXPECT_EQ(checkpoint_damage(find_step(tmp.str(), 30)), "");
   // Good: 10, 30. keep_last = 2 keeps both; the damaged 20 and 40 stay.
-  EXPECT_TRUE(prune(tmp.str(), 2).empty());
+  EXPECT_TRUE(prune(tmp.str(), 2, checkpoint_damage).empty());
   EXPECT_EQ(steps_of(tmp.str()), (std::vector<int64_t>{10, 20, 30, 40}));
   // keep_last = 1: only 30 is needed; 10 (good, older) goes, the damaged ones stay.
-  EXPECT_EQ(prune(tmp.str(), 1), (std::vector<std::string>{(tmp.path / "step_00000010").string()}));
+  EXPECT_EQ(prune(tmp.str(), 1, checkpoint_damage), (std::vector<std::string>{(tmp.path / "step_00000010").string()}));
   EXPECT_EQ(steps_of(tmp.str()), (std::vector<int64_t>{20, 30, 40}));
   CheckpointReader r(find_step(tmp.str(), 30).dir, 0);
   EXPECT_EQ(r.names().size(), 2u);

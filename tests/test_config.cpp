@@ -17,10 +17,13 @@
 #include "config/run_config.hpp"
 #include "loom/config.hpp"
 #include "loom/error.hpp"
+#include "hf_config.hpp"
 
 namespace fs = std::filesystem;
 using loom::Config;
 using loom::ConfigTable;
+using loom::test::hf_config_json;
+using loom::test::write_hf_config;
 
 namespace {
 
@@ -635,11 +638,9 @@ TEST_F(ConfigFiles, LoadsFileAndLocatesErrorsByPath) {
 // set by the user to another value, is refused naming both values and the
 // file; the same value is accepted, and the effective config reads back.
 TEST_F(ConfigFiles, HfInitSizesAreTheFoldersAndAKeyThatDiffersIsRefused) {
-  const fs::path llama = dir_ / "llama";
-  fs::create_directories(llama);
-  std::ofstream(llama / "config.json") << R"({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 160, "vocab_size": 96,
-    "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "tie_word_embeddings": true})";
+  const fs::path llama = write_hf_config(dir_ / "llama", hf_config_json("llama", R"("num_key_value_heads": 2,
+    "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "tie_word_embeddings": true)",
+                                                                          {.ffn = 160, .vocab = 96}));
   const std::string head = "[model]\ninit = \"hf:" + llama.string() + "\"\n";
   const Config c = parse(head + "[train]\nseq_len = 32\n");
   const loom::ModelSpec& s = c.model.spec;
@@ -697,11 +698,8 @@ TEST_F(ConfigFiles, HfInitSizesAreTheFoldersAndAKeyThatDiffersIsRefused) {
   EXPECT_EQ(parse(longer.effective_toml).model.spec.max_seq_len, 128);
 
   // A Mixtral folder: the experts are the folder's too.
-  const fs::path mixtral = dir_ / "mixtral";
-  fs::create_directories(mixtral);
-  std::ofstream(mixtral / "config.json") << R"({"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 96, "num_local_experts": 4,
-    "num_experts_per_tok": 2, "router_aux_loss_coef": 0.01})";
+  const fs::path mixtral = write_hf_config(dir_ / "mixtral", hf_config_json("mixtral", R"("num_local_experts": 4,
+    "num_experts_per_tok": 2, "router_aux_loss_coef": 0.01)", {.ffn = 96, .vocab = 96}));
   const std::string mhead = "[model]\ninit = \"hf:" + mixtral.string() + "\"\n";
   const Config m = parse(mhead + "[train]\nseq_len = 32\n");
   EXPECT_EQ(m.model.ffn, "moe");
@@ -719,7 +717,7 @@ TEST_F(ConfigFiles, HfInitSizesAreTheFoldersAndAKeyThatDiffersIsRefused) {
   EXPECT_EQ(parse_error("[model]\ninit = \"hf:" + (dir_ / "nope").string() + "\"\n")
                 .rfind("q.toml:2:8: model.init = \"hf:" + (dir_ / "nope").string() + "\": ", 0),
             0u);
-  std::ofstream(llama / "config.json") << R"({"model_type": "llama", "hidden_size": 64})";
+  write_hf_config(llama, R"({"model_type": "llama", "hidden_size": 64})");
   const std::string broken = parse_error(head);
   EXPECT_EQ(broken.rfind("q.toml:2:8: model.init = \"hf:" + llama.string() + "\": " + (llama / "config.json").string() +
                              ": required key \"num_hidden_layers\" is missing", 0),

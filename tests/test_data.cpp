@@ -27,6 +27,7 @@
 #include "data/tokens/tokens_data.hpp"
 #include "loom/error.hpp"
 #include "loom/token_shard.hpp"
+#include "token_shard_writer.hpp"
 
 namespace fs = std::filesystem;
 using loom::DataSpec;
@@ -35,6 +36,11 @@ using loom::TokenShard;
 using loom::data::TokensOptions;
 using loom::plugins::SyntheticData;
 using loom::plugins::TokensData;
+using loom::test::patch_file;
+using loom::test::set_token;
+using loom::test::token_pattern;
+using loom::test::write_damaged_tokens;
+using loom::test::write_tokens;
 
 namespace {
 
@@ -60,13 +66,6 @@ void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
 }
 
-// Overwrites `n` bytes at `offset` of a file.
-void patch(const std::string& path, std::size_t offset, const void* bytes, std::size_t n) {
-  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekp(static_cast<std::streamoff>(offset));
-  f.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(n));
-}
-
 // Expects every one of `parts` in message `m`.
 void expect_error_parts(const std::string& m, std::initializer_list<std::string> parts) {
   for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "missing '" << p << "' in: " << m;
@@ -82,16 +81,6 @@ std::string error_of(F&& fn) {
   }
   ADD_FAILURE() << "expected a loom::Error";
   return "";
-}
-
-// Shard whose token i is (base + i) % modulo.
-std::string make_shard(const TempDir& d, const std::string& name, uint64_t n, uint32_t base, uint32_t modulo,
-                       uint32_t vocab = 0) {
-  std::vector<uint32_t> t(n);
-  for (uint64_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>((base + i) % modulo);
-  const std::string p = d / name;
-  loom::write_token_shard(p, t.data(), n, 2, vocab);
-  return p;
 }
 
 DataSpec spec(int64_t batch, int64_t seq_len, int rank = 0, int world = 1, uint64_t seed = 1, int64_t vocab = 1000) {
@@ -129,10 +118,10 @@ struct Corpus {
   TempDir dir;
   std::vector<std::string> shards;
   Corpus() {
-    shards.push_back(make_shard(dir, "train_000.bin", 41, 0, 1000));    // 10 windows of 5 (stride 4)
-    shards.push_back(make_shard(dir, "train_001.bin", 30, 100, 1000));  // 7 windows
-    shards.push_back(make_shard(dir, "train_002.bin", 23, 200, 1000));  // 5 windows
-    make_shard(dir, "val.bin", 21, 500, 1000);                          // 5 windows
+    shards.push_back(write_tokens(dir / "train_000.bin", token_pattern(41, 1000, 0)));    // 10 windows of 5 (stride 4)
+    shards.push_back(write_tokens(dir / "train_001.bin", token_pattern(30, 1000, 100)));  // 7 windows
+    shards.push_back(write_tokens(dir / "train_002.bin", token_pattern(23, 1000, 200)));  // 5 windows
+    write_tokens(dir / "val.bin", token_pattern(21, 1000, 500));                          // 5 windows
   }
   TokensOptions options(bool shuffle = true, bool val = true) const {
     TokensOptions o;
@@ -193,7 +182,7 @@ TEST(TokenShard, WriteRejectsTokensThatDoNotFit) {
 
 TEST(TokenShard, CorruptFilesAreRejectedNamingTheFile) {
   TempDir d;
-  auto fresh = [&](const std::string& name) { return make_shard(d, name, 1000, 0, 258, 258); };
+  auto fresh = [&](const std::string& name) { return write_tokens(d / name, token_pattern(1000, 258), 2, 258); };
 
   const std::string trunc = fresh("trunc.bin");
   fs::resize_file(trunc, 1500);
@@ -217,7 +206,7 @@ TEST(TokenShard, CorruptFilesAreRejectedNamingTheFile) {
   EXPECT_NE(m.find("1024-byte header"), std::string::npos) << m;
 
   const std::string magic = fresh("magic.bin");
-  patch(magic, 0, "GPT2TOKS", 8);
+  patch_file(magic, 0, "GPT2TOKS", 8);
   m = error_of([&] { TokenShard s(magic); });
   EXPECT_NE(m.find(magic), std::string::npos) << m;
   EXPECT_NE(m.find("GPT2TOKS"), std::string::npos) << m;
@@ -225,14 +214,14 @@ TEST(TokenShard, CorruptFilesAreRejectedNamingTheFile) {
 
   const std::string version = fresh("version.bin");
   const uint32_t v7 = 7;
-  patch(version, 8, &v7, 4);
+  patch_file(version, 8, &v7, 4);
   m = error_of([&] { TokenShard s(version); });
   EXPECT_NE(m.find(version), std::string::npos) << m;
   EXPECT_NE(m.find("version 7"), std::string::npos) << m;
 
   const std::string width = fresh("width.bin");
   const uint32_t w3 = 3;
-  patch(width, 12, &w3, 4);
+  patch_file(width, 12, &w3, 4);
   m = error_of([&] { TokenShard s(width); });
   EXPECT_NE(m.find(width), std::string::npos) << m;
   EXPECT_NE(m.find("width 3"), std::string::npos) << m;
@@ -249,7 +238,7 @@ TEST(TokenShard, CorruptFilesAreRejectedNamingTheFile) {
 
 TEST(TokenShard, CopyChecksRangeAndVocabulary) {
   TempDir d;
-  const std::string p = make_shard(d, "s.bin", 100, 0, 1000);
+  const std::string p = write_tokens(d / "s.bin", token_pattern(100, 1000));
   TokenShard s(p);
   std::vector<int32_t> out(100);
   s.copy(0, 50, out.data(), 50);  // ids 0..49 are all < 50
@@ -270,10 +259,7 @@ TEST(TokenShard, TokenBeyondTheHeadersVocabularyIsDamage) {
   TempDir d;
   std::vector<uint32_t> t(64, 5);
   t[37] = 300;
-  const std::string p = d / "damaged.bin";
-  loom::write_token_shard(p, t.data(), t.size(), 2, 0);
-  const uint32_t header_vocab = 258;
-  patch(p, 24, &header_vocab, 4);  // as if written for vocabulary 258
+  const std::string p = write_damaged_tokens(d / "damaged.bin", t, 2, 258);  // as if written for vocabulary 258
   TokenShard s(p);
   ASSERT_EQ(s.vocab(), 258u);
   std::vector<int32_t> out(64);
@@ -297,8 +283,7 @@ TEST(TokenShard, TokenBeyondTheHeadersVocabularyIsDamage) {
   const std::string m = error_of([&] { src->next(Split::train, b.data()); });
   EXPECT_NE(m.find("index 37 is 300, not below the vocabulary of 258 its header declares"), std::string::npos) << m;
   // No vocabulary in the header: the model's decides, and the advice fits.
-  const std::string q = d / "unknown.bin";
-  loom::write_token_shard(q, t.data(), t.size(), 2, 0);
+  const std::string q = write_tokens(d / "unknown.bin", t);
   const std::string m2 = error_of([&] { TokenShard(q).copy(0, 64, out.data(), 258); });
   EXPECT_NE(m2.find("index 37 is 300, not below the model vocabulary 258"), std::string::npos) << m2;
   EXPECT_NE(m2.find("set it >= 301"), std::string::npos) << m2;
@@ -311,10 +296,8 @@ TEST(TokenShard, ScanFindsTheFirstBadTokenAnywhere) {
   TempDir d;
   const uint64_t n = 3 * 4096 + 17;
   for (const int width : {2, 4}) {
-    std::vector<uint32_t> t(n);
-    for (uint64_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(i % 250);
-    const std::string clean = d / ("clean" + std::to_string(width) + ".bin");
-    loom::write_token_shard(clean, t.data(), n, width, 258);
+    const std::vector<uint32_t> t = token_pattern(n, 250);
+    const std::string clean = write_tokens(d / ("clean" + std::to_string(width) + ".bin"), t, width, 258);
     EXPECT_EQ(TokenShard(clean).scan(258), n);
     for (const uint64_t at : {uint64_t{0}, uint64_t{4095}, uint64_t{4096}, uint64_t{8191}, uint64_t{12287}, n - 1}) {
       for (const uint32_t bad : {258u, width == 2 ? 65535u : 4294967295u}) {
@@ -322,18 +305,14 @@ TEST(TokenShard, ScanFindsTheFirstBadTokenAnywhere) {
         auto u = t;
         u[at] = bad;
         if (at + 1 < n) u[n - 1] = 300;  // a later bad token: the first one is named
-        const std::string p = d / "bad.bin";
-        loom::write_token_shard(p, u.data(), n, width, 0);
-        const uint32_t vocab = 258;
-        patch(p, 24, &vocab, 4);
+        const std::string p = write_damaged_tokens(d / "bad.bin", u, width, 258);
         const std::string m = error_of([&] { (void)TokenShard(p).scan(100000); });
         EXPECT_NE(m.find("index " + std::to_string(at) + " is " + std::to_string(bad)), std::string::npos) << m;
       }
       // Below the header's vocabulary but not below the model's: the model's limit.
       auto u = t;
       u[at] = 255;
-      const std::string p = d / "model.bin";
-      loom::write_token_shard(p, u.data(), n, width, 0);
+      const std::string p = write_tokens(d / "model.bin", u, width);
       const std::string m = error_of([&] { (void)TokenShard(p).scan(250); });
       EXPECT_NE(m.find("index " + std::to_string(at) + " is 255, not below the model vocabulary 250"), std::string::npos)
           << m;
@@ -352,13 +331,11 @@ TEST(TokensData, ScanReadsEveryTrainAndValidationToken) {
   EXPECT_EQ(r.files, 4u);
   EXPECT_EQ(r.what, "3 train shard(s), 1 validation shard(s)");
   // A bad token in the last token of a train shard, then in the validation shard.
-  const uint16_t bad = 1000;
-  patch(c.shards[2], loom::kTokenShardHeaderBytes + 2 * 22, &bad, 2);
+  set_token(c.shards[2], 22, 1000);
   expect_error_parts(error_of([&] { (void)tokens_source(c.options(), spec(1, 4))->scan_tokens(); }),
                      {c.shards[2], "index 22 is 1000"});
-  const uint16_t fine = 7;
-  patch(c.shards[2], loom::kTokenShardHeaderBytes + 2 * 22, &fine, 2);
-  patch(c.dir / "val.bin", loom::kTokenShardHeaderBytes + 2 * 3, &bad, 2);
+  set_token(c.shards[2], 22, 7);
+  set_token(c.dir / "val.bin", 3, 1000);
   expect_error_parts(error_of([&] { (void)tokens_source(c.options(), spec(1, 4))->scan_tokens(); }),
                      {c.dir / "val.bin", "index 3 is 1000"});
   // A shard too short for a window is read by no run, but scanned all the same (it is damaged).
@@ -370,10 +347,8 @@ TEST(TokensData, ScanReadsEveryTrainAndValidationToken) {
 // reaches it (after steps and checkpoints).
 TEST(TokensData, CheckFindsABadTokenBeforeTraining) {
   TempDir d;
-  std::vector<uint32_t> t(200000);
-  for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint32_t>(i % 250);
-  loom::write_token_shard(d / "train_000.bin", t.data(), t.size(), 2, 258);
-  loom::write_token_shard(d / "val.bin", t.data(), 5000, 2, 258);
+  write_tokens(d / "train_000.bin", token_pattern(200000, 250), 2, 258);
+  write_tokens(d / "val.bin", token_pattern(5000, 250), 2, 258);
   const std::string cfg = d / "c.toml";
   write_file(cfg, "[run]\nout_dir = \"" + d / "run" + "\"\ndevice = \"cpu\"\n"
                   "[model]\nhidden = 32\nnum_layers = 1\nnum_heads = 2\nnum_kv_heads = 2\nffn_hidden = 64\n"
@@ -391,8 +366,7 @@ TEST(TokensData, CheckFindsABadTokenBeforeTraining) {
   EXPECT_NE(out.find("data: 205000 tokens of 1 train shard(s), 1 validation shard(s) scanned in "), std::string::npos)
       << out;
   EXPECT_NE(out.find("every one is below model.vocab_size = 258"), std::string::npos) << out;
-  const uint16_t bad = 65535;
-  patch(d / "train_000.bin", loom::kTokenShardHeaderBytes + 2 * 150001, &bad, 2);
+  set_token(d / "train_000.bin", 150001, 65535);
   std::tie(rc, out) = check();
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find(d / "train_000.bin" + "': token at index 150001 is 65535, not below the vocabulary of 258"),
@@ -545,7 +519,7 @@ TEST(TokensData, RestoreRejectsChangedDataAndBadState) {
   auto src = tokens_source(c.options(), s);
   take(*src, s, 2);
   const std::string st = src->state();
-  make_shard(c.dir, "train_001.bin", 34, 100, 1000);  // the same name, another length
+  write_tokens(c.dir / "train_001.bin", token_pattern(34, 1000, 100));  // the same name, another length
   auto changed = tokens_source(c.options(), s);
   std::string m = error_of([&] { changed->restore(st); });
   EXPECT_NE(m.find("the data changed since the checkpoint"), std::string::npos) << m;
@@ -590,8 +564,7 @@ TEST(TokensData, VocabularyChecks) {
   TempDir d;
   std::vector<uint32_t> t(64, 5);
   t[37] = 900;
-  const std::string p = d / "bad.bin";
-  loom::write_token_shard(p, t.data(), t.size(), 2, 0);
+  const std::string p = write_tokens(d / "bad.bin", t);
   TokensOptions o;
   o.train = {p};
   o.shuffle = false;
@@ -603,7 +576,7 @@ TEST(TokensData, VocabularyChecks) {
   EXPECT_NE(m.find("index 37"), std::string::npos) << m;
   EXPECT_NE(m.find("900"), std::string::npos) << m;
 
-  const std::string q = make_shard(d, "v.bin", 64, 0, 258, 258);
+  const std::string q = write_tokens(d / "v.bin", token_pattern(64, 258), 2, 258);
   o.train = {q};
   const std::string m2 = error_of([&] { tokens_source(o, spec(1, 8, 0, 1, 1, 200)); });
   EXPECT_NE(m2.find(q), std::string::npos) << m2;
@@ -1025,8 +998,7 @@ TEST(TokensData, NoMessageAsksForAVocabularyBeyondTheMaximum) {
   // The header's vocabulary.
   for (const uint32_t header : {1001u, 2147483646u, 2147483647u, 2147483648u, 4294967295u}) {
     std::vector<uint32_t> t(64, 5);
-    const std::string p = d / ("h" + std::to_string(header) + ".bin");
-    loom::write_token_shard(p, t.data(), t.size(), 4, header);
+    const std::string p = write_tokens(d / ("h" + std::to_string(header) + ".bin"), t, 4, header);
     TokensOptions o;
     o.train = {p};
     const std::string m = error_of([&] { tokens_source(o, spec(1, 8, 0, 1, 1, 1000)); });
@@ -1038,8 +1010,7 @@ TEST(TokensData, NoMessageAsksForAVocabularyBeyondTheMaximum) {
   for (const uint32_t id : {1500u, 2147483646u, 2147483647u, 4294967295u}) {
     std::vector<uint32_t> t(64, 5);
     t[3] = id;
-    const std::string p = d / ("t" + std::to_string(id) + ".bin");
-    loom::write_token_shard(p, t.data(), t.size(), 4, 0);
+    const std::string p = write_tokens(d / ("t" + std::to_string(id) + ".bin"), t, 4);
     TokensOptions o;
     o.train = {p};
     o.shuffle = false;

@@ -2,6 +2,7 @@
 // HF-transformers golden data under tests/golden.
 #include <gtest/gtest.h>
 
+#include "hf_config.hpp"
 #include "test_util.hpp"
 
 #include <cmath>
@@ -25,6 +26,7 @@ using namespace loom::hf;
 namespace {
 
 using loom::test::expect_error;
+using loom::test::hf_config_json;
 
 // Per-test scratch directory.
 struct TmpDir : loom::test::TmpDir {
@@ -248,10 +250,9 @@ TEST(SafeTensors, RejectsCorruptHeadersAndOffsets) {
 
 TEST(HfConfig, ParsesTransformers4And5Spellings) {
   // transformers 4.x: rope_theta at top level, no num_key_value_heads (defaults to heads).
-  auto s = parse_hf_llama_config(R"({"model_type":"llama","hidden_size":64,"num_hidden_layers":2,
-      "num_attention_heads":4,"intermediate_size":100,"vocab_size":77,"max_position_embeddings":256,
+  auto s = parse_hf_llama_config(hf_config_json("llama", R"("max_position_embeddings":256,
       "rope_theta":500000.0,"rms_norm_eps":1e-5,"tie_word_embeddings":true,"rope_scaling":null,
-      "hidden_act":"silu","attention_bias":false,"mlp_bias":false,"torch_dtype":"bfloat16"})",
+      "hidden_act":"silu","attention_bias":false,"mlp_bias":false,"torch_dtype":"bfloat16")"),
                                  "v4.json");
   EXPECT_EQ(s.hidden, 64);
   EXPECT_EQ(s.num_layers, 2);
@@ -265,24 +266,20 @@ TEST(HfConfig, ParsesTransformers4And5Spellings) {
   EXPECT_TRUE(s.tied_embeddings);
 
   // transformers 5.x: rope_parameters; minimal keys take LlamaConfig's defaults.
-  s = parse_hf_llama_config(R"({"model_type":"llama","hidden_size":64,"num_hidden_layers":2,
-      "num_attention_heads":4,"num_key_value_heads":1,"intermediate_size":100,"vocab_size":77,
-      "head_dim":16,"rope_parameters":{"rope_type":"default","rope_theta":1234.0}})",
+  s = parse_hf_llama_config(hf_config_json("llama", R"("num_key_value_heads":1,
+      "head_dim":16,"rope_parameters":{"rope_type":"default","rope_theta":1234.0})"),
                             "v5.json");
   EXPECT_EQ(s.num_kv_heads, 1);
   EXPECT_EQ(s.rope_theta, 1234.0);
   EXPECT_EQ(s.max_seq_len, 2048);
   EXPECT_EQ(s.norm_eps, 1e-6);
   EXPECT_FALSE(s.tied_embeddings);
-  s = parse_hf_llama_config(R"({"model_type":"llama","hidden_size":64,"num_hidden_layers":2,
-      "num_attention_heads":4,"intermediate_size":100,"vocab_size":77})",
-                            "bare.json");
+  s = parse_hf_llama_config(hf_config_json("llama"), "bare.json");
   EXPECT_EQ(s.rope_theta, 10000.0);
 }
 
 TEST(HfConfig, RefusesWhatLoomDoesNotImplement) {
-  const std::string base = R"("hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":100,"vocab_size":77)";
-  auto cfg = [&](const std::string& extra) { return "{" + base + (extra.empty() ? "" : "," + extra) + "}"; };
+  auto cfg = [](const std::string& extra) { return hf_config_json("", extra); };
   auto parse = [&](const std::string& extra) { return [=] { parse_hf_llama_config(cfg(extra), "cfg.json"); }; };
   expect_error(parse(""), {"cfg.json", "model_type", "missing", "llama"});
   expect_error(parse(R"("model_type":"mistral")"), {"cfg.json", "\"mistral\"", "expected \"llama\""});
@@ -324,7 +321,7 @@ TEST(HfConfig, RefusesWhatLoomDoesNotImplement) {
       {"intermediate_size", {"18446744073709551615", "at most 1048576"}},
       {"vocab_size", {"2147483648", "at most 2147483647"}}};
   for (const auto& [key, v] : too_large) {
-    nlohmann::json j = nlohmann::json::parse("{" + base + R"(,"model_type":"llama"})");
+    nlohmann::json j = nlohmann::json::parse(hf_config_json("llama"));
     j[key] = nlohmann::json::parse(v.first);
     expect_error([&] { parse_hf_llama_config(j.dump(), "cfg.json"); }, {"cfg.json", key, v.first, v.second});
   }
@@ -707,10 +704,8 @@ TEST(MixtralHf, ConfigReadsTheMixtureOfExperts) {
 }
 
 TEST(MixtralHf, RefusesWhatLoomDoesNotImplement) {
-  const std::string base = R"("model_type":"mixtral","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,)"
-                           R"("intermediate_size":100,"vocab_size":77)";
-  auto parse = [&](const std::string& extra) {
-    return [=] { parse_hf_llama_config("{" + base + "," + extra + "}", "cfg.json"); };
+  auto parse = [](const std::string& extra) {
+    return [=] { parse_hf_llama_config(hf_config_json("mixtral", extra), "cfg.json"); };
   };
   expect_error(parse(R"("sliding_window":4096)"), {"cfg.json", "sliding_window", "4096", "full causal"});
   expect_error(parse(R"("num_local_experts":2,"num_experts_per_tok":3)"),
@@ -723,12 +718,12 @@ TEST(MixtralHf, RefusesWhatLoomDoesNotImplement) {
   expect_error([] { parse_hf_llama_config(R"({"model_type":"qwen2_moe"})", "cfg.json"); },
                {"cfg.json", "\"qwen2_moe\"", "\"mixtral\""});
   // MixtralConfig's defaults for what a config.json omits.
-  const ModelSpec d = parse_hf_llama_config("{" + base + "}", "cfg.json");
+  const ModelSpec d = parse_hf_llama_config(hf_config_json("mixtral"), "cfg.json");
   EXPECT_EQ(d.num_experts, 8);
   EXPECT_EQ(d.top_k, 2);
   EXPECT_EQ(d.router_aux_loss_coef, 0.001);
   EXPECT_EQ(d.router_jitter_noise, 0.0);
-  EXPECT_NO_THROW(parse_hf_llama_config("{" + base + R"(,"sliding_window":null,"router_aux_loss_coef":0})", "ok"));
+  EXPECT_NO_THROW(parse_hf_llama_config(hf_config_json("mixtral", R"("sliding_window":null,"router_aux_loss_coef":0)"), "ok"));
 }
 
 // transformers' folder -> Loom (import) -> Loom's folder (export): every

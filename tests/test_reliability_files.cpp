@@ -19,18 +19,12 @@
 #include "megatron_writer.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
+#include "token_shard_writer.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom::test;
 
 namespace {
-
-// n tokens below `vocab`, a repeating pattern.
-void write_shard(const fs::path& p, uint64_t n, uint32_t vocab, uint32_t salt = 0) {
-  std::vector<uint32_t> t(n);
-  for (uint64_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>((i * 7 + salt) % vocab);
-  loom::write_token_shard(p.string(), t.data(), n, 2, vocab);
-}
 
 // Rewrites tokens in place (same inode, same size) with other valid tokens,
 // as `dd conv=notrunc` would: nothing but the file's identity shows it.
@@ -62,7 +56,7 @@ void tick() { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
 TEST(ReliabilityFiles, ShardTruncatedInPlaceIsAnErrorNotSigbus) {
   const fs::path dir = fresh_dir("files_truncate");
   const fs::path p = dir / "a.bin";
-  write_shard(p, 100000, 96);
+  write_tokens(p, token_pattern(100000, 96, 0, 7), 2, 96);
   loom::TokenShard shard(p.string());
   std::vector<int32_t> out(64);
   shard.copy(90000, 64, out.data());  // fine before
@@ -78,7 +72,7 @@ TEST(ReliabilityFiles, ShardTruncatedInPlaceIsAnErrorNotSigbus) {
 TEST(ReliabilityFiles, ShardRewrittenOrReplacedIsDetected) {
   const fs::path dir = fresh_dir("files_identity");
   const fs::path p = dir / "a.bin";
-  write_shard(p, 5000, 96);
+  write_tokens(p, token_pattern(5000, 96, 0, 7), 2, 96);
   {
     loom::TokenShard shard(p.string());
     EXPECT_NO_THROW(shard.verify_unchanged());
@@ -89,7 +83,7 @@ TEST(ReliabilityFiles, ShardRewrittenOrReplacedIsDetected) {
   {
     loom::TokenShard shard(p.string());
     tick();
-    write_shard(p, 5000, 96, 1);  // tmp + rename: a new inode at the same path
+    write_tokens(p, token_pattern(5000, 96, 1, 7), 2, 96);  // tmp + rename: a new inode at the same path
     expect_error([&] { shard.verify_unchanged(); }, {p.string(), "replaced by another file"});
   }
   {
@@ -104,8 +98,8 @@ TEST(ReliabilityFiles, ShardRewrittenOrReplacedIsDetected) {
 TEST(ReliabilityFiles, TokensSourceChecksAtEpochsValidationAndCheckpoints) {
   const fs::path dir = fresh_dir("files_source");
   const fs::path train = dir / "train.bin", val = dir / "val.bin";
-  write_shard(train, 400, 96);  // 400 tokens: 12 windows of 33 per epoch
-  write_shard(val, 200, 96);
+  write_tokens(train, token_pattern(400, 96, 0, 7), 2, 96);  // 400 tokens: 12 windows of 33 per epoch
+  write_tokens(val, token_pattern(200, 96, 0, 7), 2, 96);
   auto open = [&] {
     loom::data::TokensOptions o;
     o.train = {train.string()};
@@ -124,7 +118,7 @@ TEST(ReliabilityFiles, TokensSourceChecksAtEpochsValidationAndCheckpoints) {
     s->next(loom::Split::train, buf.data());
     expect_error([&] { s->next(loom::Split::train, buf.data()); }, {train.string(), "changed on disk"});
   }
-  write_shard(train, 400, 96);
+  write_tokens(train, token_pattern(400, 96, 0, 7), 2, 96);
   {  // checkpoint
     auto s = open();
     s->next(loom::Split::train, buf.data());
@@ -133,7 +127,7 @@ TEST(ReliabilityFiles, TokensSourceChecksAtEpochsValidationAndCheckpoints) {
     overwrite_in_place(train);
     expect_error([&] { (void)s->state(); }, {train.string(), "changed on disk"});
   }
-  write_shard(train, 400, 96);
+  write_tokens(train, token_pattern(400, 96, 0, 7), 2, 96);
   {  // validation pass
     auto s = open();
     s->reset(loom::Split::validation);
@@ -153,7 +147,7 @@ TEST(ReliabilityFiles, TrainingStopsWhenAShardChangesUnderIt) {
     const fs::path shard = dir / "train_0.bin";
     // truncate: a long epoch, so the faulting read comes first; rewrite: a
     // short epoch (20 windows), so the next epoch's check finds it.
-    write_shard(shard, how == "truncate" ? 400000 : 20 * 31 + 1, 96);
+    write_tokens(shard, token_pattern(how == "truncate" ? 400000 : 20 * 31 + 1, 96, 0, 7), 2, 96);
     const fs::path cfg = dir / "run.toml";
     std::ofstream(cfg) << tiny_config(dir / "run", 100000) << "train = \"" << shard.string() << "\"\n";
     std::string text = read_text(cfg);

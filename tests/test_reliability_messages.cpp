@@ -20,6 +20,7 @@
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
+#include "token_shard_writer.hpp"
 #include "train/session.hpp"
 
 namespace fs = std::filesystem;
@@ -291,6 +292,84 @@ TEST(ReliabilityMessages, RefusedDataStateNamesTheCheckpointFile) {
         },
         {"cannot resume from " + meta.string() + ": its \"data_state\" (the position of data plugin 'synthetic')",
          "data state"});
+  }
+}
+
+// `loom check` gives the data plugin the position of the checkpoint the run
+// would resume, with the code `loom train` resumes it with: every data
+// position the plugin refuses — text that is not JSON, empty, JSON of
+// another shape, another plugin's state, a field missing or of another type,
+// a position in other data — is refused by `loom check` before it prints the
+// plan, with exit 1 and the message `loom train` gives (naming meta.json and
+// its "data_state"), for each data plugin that keeps a position.
+TEST(ReliabilityMessages, CheckRefusesTheDataStateTheRunWould) {
+  const std::string loom = std::string("'") + LOOM_CLI + "' ";
+  // The refusal, from the message on to the end of its line.
+  auto refusal = [](const std::string& out) {
+    const size_t at = out.find("cannot resume from ");
+    return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at) - at);
+  };
+  for (const std::string plugin : {"synthetic", "tokens"}) {
+    SCOPED_TRACE(plugin);
+    const fs::path dir = fresh_dir("messages_check_data_state_" + plugin);
+    std::string text = tiny_config(dir / "run", 2);
+    if (plugin == "tokens") {
+      write_tokens(dir / "train.bin", token_pattern(20000, 96), 2, 96);
+      const std::string syn = "plugin = \"synthetic\"\npattern = \"ramp\"\n";
+      text.replace(text.find(syn), syn.size(), "plugin = \"tokens\"\ntrain = \"" + (dir / "train.bin").string() + "\"\n");
+    }
+    const fs::path cfg = dir / "c.toml";
+    std::ofstream(cfg) << text;
+    {
+      loom::Session s(loom::parse_config_string(text, cfg.string(), {"checkpoint.every=2"}));
+      s.train();
+    }
+    const fs::path root = dir / "run" / "checkpoints", meta = root / "step_00000002" / "meta.json";
+    const nlohmann::json original = nlohmann::json::parse(read_text(meta));
+    const nlohmann::json own = nlohmann::json::parse(original["data_state"].get<std::string>());
+    auto set_state = [&](const std::string& state) {
+      nlohmann::json j = original;
+      j["data_state"] = state;
+      // Certified again, as a checkpoint written with this state would be.
+      fs::remove(root / "step_00000002" / "COMPLETE");
+      loom::ckpt::CheckpointWriter::write_meta(root.string(), 2, j.dump(2));
+      loom::ckpt::CheckpointWriter::mark_complete(root.string(), 2);
+    };
+    std::vector<std::string> states = {"{oops", "", "[1, 2]", "42",
+                                       nlohmann::json{{"source", plugin == "tokens" ? "synthetic" : "tokens"}}.dump(),
+                                       nlohmann::json{{"source", "megatron"}, {"version", 1}}.dump()};
+    for (const std::string field : {"cursor", "seed", "world", "batch"}) {
+      nlohmann::json missing = own, wrong = own;
+      missing.erase(field);
+      wrong[field] = "x";
+      states.push_back(missing.dump());
+      states.push_back(wrong.dump());
+    }
+    if (plugin == "tokens") {  // a position in other data: other shards, another window length
+      nlohmann::json files = own, windows = own;
+      files["train_files"][0]["tokens"] = 12345;
+      windows["seq_len"] = 63;
+      states.push_back(files.dump());
+      states.push_back(windows.dump());
+    }
+    for (const std::string& state : states) {
+      SCOPED_TRACE("data_state = " + state);
+      set_state(state);
+      const ProcResult check = run_shell("timeout 300 " + loom + "check '" + cfg.string() + "'");
+      EXPECT_EQ(check.code, 1) << check.out;
+      EXPECT_CONTAINS(check.out, "cannot resume from " + meta.string() + ": its \"data_state\" (the position of data "
+                                 "plugin '" + plugin + "') is refused: ");
+      EXPECT_FALSE(has(check.out, ": ok")) << check.out;
+      EXPECT_FALSE(has(check.out, "data: ")) << "scanned before the refusal:\n" << check.out;
+      const ProcResult train = run_shell("timeout 300 " + loom + "train '" + cfg.string() + "' --set train.steps=4");
+      EXPECT_EQ(train.code, 1) << train.out;
+      EXPECT_EQ(refusal(check.out), refusal(train.out)) << "loom check:\n" << check.out << "\nloom train:\n" << train.out;
+      EXPECT_FALSE(has(train.out, "step 3/")) << train.out;
+    }
+    // The state as written passes.
+    set_state(original["data_state"].get<std::string>());
+    const ProcResult ok = run_shell("timeout 300 " + loom + "check '" + cfg.string() + "'");
+    EXPECT_EQ(ok.code, 0) << ok.out;
   }
 }
 

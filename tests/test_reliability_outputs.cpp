@@ -13,8 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.hpp"
-#include "loom/token_shard.hpp"
 #include "reliability_util.hpp"
+#include "token_shard_writer.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom::test;
@@ -196,16 +196,10 @@ TEST(ReliabilityOutputs, RunOverwriteKeepsThePreviousRunUntilTheNewOneHasACheckp
   const std::string before = snapshot();
   ASSERT_EQ(count_lines(dir / "run" / "metrics.jsonl"), 4);
   // Token shards for the replacing run: a good train shard, a val shard holding a token past its vocab (96).
-  std::vector<uint32_t> t(4000);
-  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint32_t>(i * 7 % 96);
-  loom::write_token_shard((dir / "train.bin").string(), t.data(), t.size(), 2, 96);
-  loom::write_token_shard((dir / "val.bin").string(), t.data(), t.size(), 2, 96);
-  {  // damaged in place: token 100 becomes 150, found when the step-0 validation reads it
-    std::fstream f(dir / "val.bin", std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(static_cast<std::streamoff>(loom::kTokenShardHeaderBytes + 2 * 100));
-    const uint16_t bad = 150;
-    f.write(reinterpret_cast<const char*>(&bad), 2);
-  }
+  const std::vector<uint32_t> t = token_pattern(4000, 96, 0, 7);
+  write_tokens(dir / "train.bin", t, 2, 96);
+  write_tokens(dir / "val.bin", t, 2, 96);
+  set_token(dir / "val.bin", 100, 150);  // damaged in place: found when the step-0 validation reads it
   const fs::path tokens_cfg = dir / "tokens.toml";
   {
     std::string text = tiny_config(dir / "run", 6);
@@ -353,4 +347,100 @@ TEST(ReliabilityOutputs, OutputFoldersInsideACheckpointAreRefused) {
   // A folder merely named like one, without a checkpoint's files, is an ordinary folder.
   fs::create_directories(dir / "step_7");
   EXPECT_EQ(run_train(cfg, "--set 'run.out_dir=\"" + (dir / "step_7" / "run").string() + "\"'").code, 0);
+}
+
+// A symbolic link to nowhere on the way to run.out_dir or checkpoint.dir —
+// the folder itself, a folder above it, a link to such a link, a link whose
+// target lies under a file — would only meet the link when the folder is
+// created ("File exists", after start-up). `loom check` and `loom train`
+// refuse it before any work, naming the key, the value, the link and where
+// it leads; nothing is created.
+TEST(ReliabilityOutputs, LinkToNowhereIsRefusedNamingItsTarget) {
+  const fs::path dir = fresh_dir("outputs_dangling");
+  const fs::path cfg = write_config(dir, dir / "unused");
+  std::ofstream(dir / "a_file") << "x";
+  struct Case {
+    std::string name;
+    fs::path link, target, value;  // `value` is what the key is set to
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"the folder itself", dir / "l1", dir / "nowhere", dir / "l1", "which does not exist"},
+      {"a folder above it", dir / "l2", dir / "nowhere" / "deeper", dir / "l2" / "run", "which does not exist"},
+      {"a relative target", dir / "l3", "nowhere_rel", dir / "l3" / "run", "(relative to " + dir.string() + ")"},
+      {"a link to a link to nowhere", dir / "l4", dir / "l1", dir / "l4", "which does not exist"},
+      {"a target under a file", dir / "l5", dir / "a_file" / "x", dir / "l5" / "run", "which cannot be followed"},
+  };
+  for (const Case& c : cases) fs::create_symlink(c.target, c.link);
+  for (const Case& c : cases)
+    for (const std::string key : {"run.out_dir", "checkpoint.dir"})
+      for (const std::string cmd : {"check", "train"}) {
+        SCOPED_TRACE(c.name + ", " + key + ", loom " + cmd);
+        const std::string other = key == "run.out_dir" ? "" : "--set 'run.out_dir=\"" + (dir / "out").string() + "\"'";
+        const ProcResult r = run_shell("timeout 300 '" + std::string(LOOM_CLI) + "' " + cmd + " '" + cfg.string() +
+                                       "' --set '" + key + "=\"" + c.value.string() + "\"' " + other);
+        expect_path_error(r, key, c.value.string(), "'" + c.link.string() + "' is a link to '" + c.target.string() + "'");
+        EXPECT_CONTAINS(r.out, c.says);
+        EXPECT_FALSE(has(r.out, "File exists")) << r.out;
+        EXPECT_FALSE(has(r.out, "step 1/")) << r.out;
+        EXPECT_FALSE(fs::exists(dir / "out" / "metrics.jsonl"));
+      }
+  for (const Case& c : cases) EXPECT_TRUE(fs::is_symlink(c.link)) << c.link;
+  EXPECT_FALSE(fs::exists(dir / "nowhere"));
+  EXPECT_FALSE(fs::exists(dir / "nowhere_rel"));
+}
+
+// /proc, /sys and /dev (and any folder on a kernel pseudo file system,
+// wherever mounted) hold the kernel's view of processes, devices and
+// settings, not files: an output folder there, given directly or through a
+// link, is refused by `loom check` and `loom train` before any work, naming
+// the key, the value and the file system. /dev/shm, a memory file system for
+// files, is a place for them.
+TEST(ReliabilityOutputs, PseudoFileSystemsAreNoPlaceForOutputs) {
+  const fs::path dir = fresh_dir("outputs_pseudo");
+  const fs::path cfg = write_config(dir, dir / "unused");
+  fs::create_symlink("/sys/kernel", dir / "to_sys");
+  const std::string tag = "loom_test_" + std::to_string(::getpid());
+  struct Case {
+    std::string value, says;
+    bool train;  // also run `loom train` (not where a mistaken mkdir would change the system)
+  };
+  std::vector<Case> cases = {
+      {"/proc/" + tag + "/run", "'/proc' is under /proc (a proc file system)", true},
+      {"/proc/self/" + tag, "'/proc/self' (that is, '/proc/", true},
+      {"/proc", "'/proc' is under /proc", false},
+      {"/sys/" + tag, "'/sys' is under /sys (a sysfs file system)", true},
+      {"/sys/kernel/" + tag + "/run", "'/sys/kernel' is under /sys", true},
+      {"/sys/fs/cgroup/" + tag, "'/sys/fs/cgroup' is under /sys", false},
+      {"/dev/" + tag + "/run", "'/dev' is under /dev", true},
+      {(dir / "to_sys" / tag).string(), "'" + (dir / "to_sys").string() + "' (that is, '/sys/kernel') is under /sys", true},
+  };
+  std::error_code ec;
+  if (fs::is_directory("/dev/pts", ec)) cases.push_back({"/dev/pts/" + tag, "'/dev/pts' is under /dev", false});
+  for (const Case& c : cases)
+    for (const std::string key : {"run.out_dir", "checkpoint.dir"})
+      for (const std::string cmd : {"check", "train"}) {
+        if (cmd == "train" && !c.train) continue;
+        SCOPED_TRACE(key + " = " + c.value + ", loom " + cmd);
+        const std::string other = key == "run.out_dir" ? "" : "--set 'run.out_dir=\"" + (dir / "out").string() + "\"'";
+        const ProcResult r = run_shell("timeout 300 '" + std::string(LOOM_CLI) + "' " + cmd + " '" + cfg.string() +
+                                       "' --set '" + key + "=\"" + c.value + "\"' " + other);
+        expect_path_error(r, key, c.value, c.says);
+        EXPECT_CONTAINS(r.out, "it is no storage");
+        EXPECT_CONTAINS(r.out, "choose another " + key);
+        EXPECT_FALSE(has(r.out, "step 1/")) << r.out;
+      }
+  // Nothing was made there (a run that went ahead would have made its folders).
+  for (const char* top : {"/proc/", "/sys/", "/dev/", "/sys/kernel/"}) {
+    EXPECT_FALSE(fs::exists(top + tag, ec)) << top << tag;
+    fs::remove_all(top + tag, ec);
+  }
+  // /dev/shm is a file system for files: checked like any other folder.
+  if (fs::is_directory("/dev/shm", ec) && ::access("/dev/shm", W_OK) == 0) {
+    const fs::path shm = fs::path("/dev/shm") / tag;
+    const ProcResult r = run_shell("timeout 300 '" + std::string(LOOM_CLI) + "' check '" + cfg.string() +
+                                   "' --no-scan --set 'run.out_dir=\"" + shm.string() + "\"'");
+    EXPECT_EQ(r.code, 0) << r.out;
+    fs::remove_all(shm, ec);
+  }
 }

@@ -8,9 +8,9 @@
 
 #include "checkpoint/file_util.hpp"
 #include "config/run_config.hpp"
-#include "loom/token_shard.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
+#include "token_shard_writer.hpp"
 #include "train/session.hpp"
 #include "util/files.hpp"
 
@@ -60,10 +60,7 @@ TEST(ReliabilityReads, HugeConfigIsRefusedWithTheLimit) {
 TEST(ReliabilityReads, DataShardThatIsAFifoIsRefusedAtOnce) {
   const fs::path dir = fresh_dir("reads_data");
   make_fifo(dir / "train_1.bin");
-  {
-    std::vector<uint32_t> t(1000, 3);
-    loom::write_token_shard((dir / "train_0.bin").string(), t.data(), t.size(), 2, 96);
-  }
+  write_tokens(dir / "train_0.bin", std::vector<uint32_t>(1000, 3), 2, 96);
   const fs::path cfg = dir / "run.toml";
   std::string text = tiny_config(dir / "run", 2);
   text.replace(text.find("plugin = \"synthetic\"\npattern = \"ramp\""), 37, "plugin = \"tokens\"");

@@ -352,7 +352,9 @@ TEST(Bench, ReportsTheTimedSteps) {
 // The files `loom bench --json` and `loom compare --out` write come at the
 // end of their work: a place that cannot hold them is refused before any
 // step runs, naming the flag, the path and why (not "cannot write" after the
-// whole measurement, nor a bare "Not a directory"). A missing folder is made.
+// whole measurement, nor a bare "Not a directory") — walked as run.out_dir
+// is: a link to nowhere, /proc, /sys and /dev refused alike. A missing
+// folder is made.
 TEST(Bench, OutputPathsAreCheckedBeforeAnyStep) {
   TmpDir d;
   const fs::path cfg = d.path / "c.toml";
@@ -369,10 +371,14 @@ TEST(Bench, OutputPathsAreCheckedBeforeAnyStep) {
            {base + "--json " + d.path.string(), "--json=" + d.path.string() + ": '" + d.path.string() + "' is a folder"},
            {base + "--json=" + dangling + "/x.json", "'" + dangling + "' is a link to '" + (d.path / "nowhere" / "target").string() +
                                                          "', which does not exist"},
-           {base + "--json=/proc/self/x.json", "--json=/proc/self/x.json: cannot write in '/proc/self'"},
+           {base + "--json=/proc/self/x.json", "--json=/proc/self/x.json: '/proc/self' (that is, '/proc/"},
+           {base + "--json=/sys/x.json", "--json=/sys/x.json: '/sys' is under /sys"},
+           {base + "--json=/dev/loom_bench_test/x.json", "--json=/dev/loom_bench_test/x.json: '/dev' is under /dev"},
            {cmp + "--out=" + afile, "--out=" + afile + ": '" + afile + "' is a file, where a folder is needed"},
            {cmp + "--out " + afile + "/sub", "--out=" + afile + "/sub: '" + afile + "' is a file, where a folder is needed"},
-           {cmp + "--out=/proc/self/cmp", "--out=/proc/self/cmp: cannot create it in '/proc/self'"},
+           {cmp + "--out=/proc/self/cmp", "--out=/proc/self/cmp: '/proc/self' (that is, '/proc/"},
+           {cmp + "--out=" + dangling, "--out=" + dangling + ": '" + dangling + "' is a link to '" +
+                                           (d.path / "nowhere" / "target").string() + "', which does not exist"},
            {cmp + "--out=", "--out= is empty"}}) {
     SCOPED_TRACE(c.cmd);
     int rc = 0;
@@ -382,6 +388,9 @@ TEST(Bench, OutputPathsAreCheckedBeforeAnyStep) {
     EXPECT_EQ(out.find("BENCH_JSON"), std::string::npos) << "the steps ran before the refusal:\n" << out;
     EXPECT_EQ(out.find("compare: none ("), std::string::npos) << "a run ran before the refusal:\n" << out;
   }
+  std::error_code ec;
+  EXPECT_FALSE(fs::exists("/dev/loom_bench_test", ec));
+  fs::remove_all("/dev/loom_bench_test", ec);
   // A folder that does not exist yet is made, in either form of the flag.
   int rc = 0;
   const fs::path json = d.path / "new" / "sub" / "b.json";

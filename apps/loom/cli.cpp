@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "loom/error.hpp"
+#include "train/outputs.hpp"
 
 namespace fs = std::filesystem;
 
@@ -50,30 +51,10 @@ namespace {
 
 // check_output_folder, with `q` saying what the user gave ("--json=out/x.json").
 void check_folder(std::string_view flag, const std::string& q, const std::string& dir) {
-  // Down from the root: every existing part must be a folder (the rest is created).
+  // The walk run.out_dir and checkpoint.dir get (train/outputs.hpp): every
+  // existing part a folder, no link to nowhere, no pseudo file system.
+  const fs::path last = check_output_walk(q, cat("give ", flag, " another folder"), dir);
   const fs::path full = fs::absolute(fs::path(dir)).lexically_normal();
-  fs::path cur, last = full.root_path();
-  for (const fs::path& part : full) {
-    cur /= part;
-    if (part.empty() || cur == full.root_path()) continue;
-    struct stat st {};
-    if (::stat(cur.c_str(), &st) != 0) {
-      const int e = errno;
-      struct stat lst {};
-      if (e == ENOENT && ::lstat(cur.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode)) {
-        std::error_code ec;
-        const fs::path to = fs::read_symlink(cur, ec);
-        throw Error(cat(q, ": '", cur.string(), "' is a link to '", ec ? std::string("?") : to.string(),
-                        "', which does not exist: create its target or give ", flag, " another folder"));
-      }
-      if (e == ENOENT) break;
-      throw Error(cat(q, ": cannot reach '", cur.string(), "': ", why_not(e), "; give ", flag, " another folder"));
-    }
-    if (!S_ISDIR(st.st_mode))
-      throw Error(cat(q, ": '", cur.string(), "' is ", S_ISREG(st.st_mode) ? "a file" : "not a folder",
-                      ", where a folder is needed: move it away or give ", flag, " another folder"));
-    last = cur;
-  }
   std::error_code ec;
   fs::create_directories(full, ec);
   if (ec) throw Error(cat(q, ": cannot create it in '", last.string(), "': ", why_not(ec.value()), "; give ", flag,

@@ -19,11 +19,12 @@ bool wants_help(const Args& args);
 // ("--..."), is refused naming both forms.
 std::optional<std::string> flag_value(const Args& args, size_t& i, std::string_view name);
 
-// A folder a command writes into after its work (compare --out): created now
-// and written to (a small file created and removed), so that a place that
-// cannot hold the output is refused before the work, naming the flag, the
-// path and why (a file in the way, a link to nowhere, a read-only or full
-// file system, no permission).
+// A folder a command writes into after its work (compare --out): walked as
+// run.out_dir is (train/outputs.hpp check_output_walk), created now and
+// written to (a small file created and removed), so that a place that cannot
+// hold the output is refused before the work, naming the flag, the path and
+// why (a file in the way, a link to nowhere, /proc, /sys or /dev, a read-only
+// or full file system, no permission).
 void check_output_folder(std::string_view flag, const std::string& dir);
 // A file a command writes after its work (bench --json): a name, not a
 // folder, in a folder check_output_folder accepts; an existing file must be

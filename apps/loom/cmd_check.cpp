@@ -1,8 +1,9 @@
 // loom check CONFIG [--set section.key=value]... [--world N [--gpus-per-node G]] [--no-scan]:
 // validate everything a run would validate (config, output folders, plugins
-// and their tables, data files, the checkpoint it would resume or the HF
-// weights it would start from, attention support, whether the memory plan
-// fits) and print the model size and the memory plan, without training. The
+// and their tables, data files, the checkpoint it would resume and its data
+// position, or the HF weights it would start from, attention support,
+// whether the memory plan fits) and print the model size and the memory
+// plan, without training. The
 // world is the launcher's (mpirun / srun start loom check on every rank), or
 // with --world the plan of rank 0 of N ranks, G per node, none started.
 // Data plugins that can (loom/data.hpp TokenScan: tokens, megatron) read
@@ -82,10 +83,11 @@ int cmd_check(const Args& args) {
   check_no_overwrite(cfg, planned_resume_step(cfg));
   Session session(std::move(cfg), opts);
   // What train would start from, checked as train checks it: the checkpoint
-  // it would resume (all but the tensor data), else an HF folder's weights
+  // it would resume (all but the tensor data) and its data position (given to
+  // the data plugin as resuming gives it), else an HF folder's weights
   // (headers and sizes; none is read).
   const Config& c = session.config();
-  if (!check_resume_checkpoint(c, session.spec()) && c.model.init.rfind("hf:", 0) == 0)
+  if (!session.check_resume_checkpoint() && c.model.init.rfind("hf:", 0) == 0)
     hf::load_hf_llama_weights(c.model.init.substr(3), session.spec(), [](const std::string&, int64_t) -> float* {
       return nullptr;
     });

@@ -186,3 +186,87 @@ TEST(ReliabilityRanks, OneOddRankAmongFourIsNamed) {
   EXPECT_FALSE(has(r.out, "rank 1 has")) << r.out;
   EXPECT_FALSE(has(r.out, "rank 2 has")) << r.out;
 }
+
+// Pruning counts a checkpoint toward checkpoint.keep_last only when it
+// validates as resuming validates it: every rank file meta.json lists, not
+// rank 0's alone. A 2-rank checkpoint (zero3: each rank holds its own half)
+// whose rank-1 file is damaged in any way — truncated, a header byte flipped,
+// the file of another step, of another rank or of another run put in its
+// place, removed — is left in place with a warning naming it, and takes no
+// good checkpoint's place: with keep_last = 3 the three good ones stay.
+TEST(ReliabilityCheckpointsMpi, PruningValidatesEveryRankFile) {
+  const fs::path dir = fresh_dir("mpi_prune_ranks");
+  const std::string sets = "--set sharding.plugin=zero3 --set checkpoint.every=2 --set checkpoint.keep_last=0";
+  // The run (steps 2, 4, 6) and another run (seed 8) whose rank-1 file of step 4 is planted.
+  for (const auto& [name, seed] : std::vector<std::pair<std::string, std::string>>{{"orig", "7"}, {"other", "8"}}) {
+    fs::create_directories(dir / name);
+    const fs::path cfg = write_config(dir / name, dir / name / "run", name == "orig" ? 6 : 4);
+    const ProcResult r = run_shell("timeout 300 " + mpirun(2) + " " + loom_train(cfg, sets + " --set run.seed=" + seed));
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  const fs::path orig = dir / "orig" / "run" / "checkpoints";
+  for (const char* s : {"step_00000002", "step_00000004", "step_00000006"})
+    ASSERT_TRUE(fs::exists(orig / s / "rank_00001.bin")) << s;
+  struct Damage {
+    std::string name;
+    std::function<void(const fs::path& step4)> apply;
+  };
+  const std::vector<Damage> damages = {
+      {"truncated", [](const fs::path& s) { fs::resize_file(s / "rank_00001.bin", 100); }},
+      {"a header byte flipped",
+       [](const fs::path& s) {
+         std::fstream f(s / "rank_00001.bin", std::ios::in | std::ios::out | std::ios::binary);
+         f.seekg(40);
+         char c = 0;
+         f.read(&c, 1);
+         c ^= 0x20;
+         f.seekp(40);
+         f.write(&c, 1);
+       }},
+      {"another step's file",
+       [](const fs::path& s) {
+         fs::copy_file(s.parent_path() / "step_00000002" / "rank_00001.bin", s / "rank_00001.bin",
+                       fs::copy_options::overwrite_existing);
+       }},
+      {"another rank's file",
+       [](const fs::path& s) { fs::copy_file(s / "rank_00000.bin", s / "rank_00001.bin", fs::copy_options::overwrite_existing); }},
+      {"another run's file",
+       [&](const fs::path& s) {
+         fs::copy_file(dir / "other" / "run" / "checkpoints" / "step_00000004" / "rank_00001.bin", s / "rank_00001.bin",
+                       fs::copy_options::overwrite_existing);
+       }},
+      {"removed", [](const fs::path& s) { fs::remove(s / "rank_00001.bin"); }},
+  };
+  for (size_t i = 0; i < damages.size(); ++i) {
+    const Damage& d = damages[i];
+    SCOPED_TRACE(d.name);
+    const fs::path cdir = dir / ("case" + std::to_string(i));
+    fs::create_directories(cdir);
+    const fs::path root = cdir / "run" / "checkpoints";
+    fs::create_directories(root);
+    for (const char* s : {"step_00000002", "step_00000004", "step_00000006"})
+      fs::copy(orig / s, root / s, fs::copy_options::recursive);
+    d.apply(root / "step_00000004");
+    const std::string damaged = fs::exists(root / "step_00000004" / "rank_00001.bin")
+                                    ? read_text(root / "step_00000004" / "rank_00001.bin")
+                                    : std::string("(none)");
+    // Resume from step 6 (good) and save step 8: the save prunes with keep_last = 3.
+    const fs::path cfg = write_config(cdir, cdir / "run", 8);
+    const ProcResult r = run_shell("timeout 300 " + mpirun(2) + " " +
+                                   loom_train(cfg, "--set sharding.plugin=zero3 --set checkpoint.every=2 "
+                                                   "--set checkpoint.keep_last=3"));
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_CONTAINS(r.out, "resumed from " + (root / "step_00000006").string());
+    // The damaged checkpoint is named, with its rank-1 file, and not counted.
+    EXPECT_CONTAINS(r.out, "checkpoint " + (root / "step_00000004").string() + " is damaged (");
+    EXPECT_CONTAINS(r.out, "rank_00001.bin");
+    EXPECT_CONTAINS(r.out, "it does not count toward checkpoint.keep_last");
+    // Three good checkpoints (2, 6, 8) stay; the damaged one is left as it was.
+    for (const char* s : {"step_00000002", "step_00000004", "step_00000006", "step_00000008"})
+      EXPECT_TRUE(fs::exists(root / s / "COMPLETE")) << s << "\n" << r.out;
+    const std::string now = fs::exists(root / "step_00000004" / "rank_00001.bin")
+                                ? read_text(root / "step_00000004" / "rank_00001.bin")
+                                : std::string("(none)");
+    EXPECT_TRUE(now == damaged) << "the damaged rank file was changed";
+  }
+}

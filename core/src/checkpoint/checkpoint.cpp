@@ -362,7 +362,7 @@ std::string checkpoint_damage(const CheckpointInfo& c) {
   return "";
 }
 
-std::vector<std::string> prune(const std::string& root, int keep_last) {
+std::vector<std::string> prune(const std::string& root, int keep_last, const DamageCheck& damage) {
   std::vector<std::string> removed;
   if (keep_last <= 0) return removed;
   auto all = list_checkpoints(root);
@@ -371,7 +371,7 @@ std::vector<std::string> prune(const std::string& root, int keep_last) {
   std::vector<const CheckpointInfo*> good;
   for (const auto& c : all) {
     if (!c.complete) continue;
-    if (const std::string why = checkpoint_damage(c); !why.empty()) {
+    if (const std::string why = damage(c); !why.empty()) {
       warn_once(cat("checkpoint ", c.dir, " is damaged (", why, "): it does not count toward checkpoint.keep_last "
                     "and is left in place; move it out of ", root, " or remove it"));
       continue;

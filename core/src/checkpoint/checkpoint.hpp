@@ -30,9 +30,10 @@
 //   every rank:  CheckpointWriter w(root, step, rank); w.add(...)...; w.write_shard();
 //   rank 0:      CheckpointWriter::write_meta(root, step, json);
 //   barrier (all shards on disk)
-//   rank 0:      CheckpointWriter::mark_complete(root, step); prune(root, keep_last);
+//   rank 0:      CheckpointWriter::mark_complete(root, step); prune(root, keep_last, damage);
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -104,20 +105,26 @@ std::optional<CheckpointInfo> latest_complete(const std::string& root);
 // The checkpoint of `step`; throws if it is missing or incomplete, listing the complete ones.
 CheckpointInfo find_step(const std::string& root, int64_t step);
 
-// Why a complete checkpoint cannot be counted on ("" when it can): its
-// marker must parse and certify meta.json, and rank 0's file must have a
-// sound header whose tensors lie within the file. (Headers only: no tensor
-// data is read.)
+// Why a complete checkpoint cannot be counted on at the level of this file's
+// format ("" when it can): its marker must parse and certify meta.json, and
+// rank 0's file must have a sound header whose tensors lie within the file.
+// (Headers only: no tensor data is read.) It knows nothing of what meta.json
+// lists: a training checkpoint is judged by training_checkpoint_damage
+// (train_checkpoint.hpp), which checks every rank file.
 std::string checkpoint_damage(const CheckpointInfo& c);
 
-// Keeps the newest keep_last good checkpoints (complete, and
-// checkpoint_damage() finds nothing). Removes older good ones and incomplete
-// ones older than the newest good one; never touches the newest good one or
-// anything newer (a save may be in progress). A damaged checkpoint is not
-// counted, so it never takes a good one's place, and is not removed either:
-// it is reported once as a warning, for its owner to look at. keep_last == 0
-// keeps everything. Returns the removed directories.
-std::vector<std::string> prune(const std::string& root, int keep_last);
+// Why a complete checkpoint cannot be counted on ("" when it can).
+using DamageCheck = std::function<std::string(const CheckpointInfo&)>;
+
+// Keeps the newest keep_last good checkpoints (complete, and `damage` finds
+// nothing: the trainer passes training_checkpoint_damage, the validation
+// resuming does). Removes older good ones and incomplete ones older than the
+// newest good one; never touches the newest good one or anything newer (a
+// save may be in progress). A damaged checkpoint is not counted, so it never
+// takes a good one's place, and is not removed either: it is reported once
+// as a warning, for its owner to look at. keep_last == 0 keeps everything.
+// Returns the removed directories.
+std::vector<std::string> prune(const std::string& root, int keep_last, const DamageCheck& damage);
 
 struct TensorRecord {
   std::string name;

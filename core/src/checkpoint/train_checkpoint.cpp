@@ -429,6 +429,17 @@ void CheckpointSet::check_files() {
 
 CheckpointSet::~CheckpointSet() = default;
 
+std::string training_checkpoint_damage(const CheckpointInfo& c) {
+  if (!c.complete) return cat("no COMPLETE marker: its save was interrupted");
+  try {
+    CheckpointSet set(c.dir);
+    set.check_files();
+  } catch (const std::exception& e) {  // a file system error too: whatever cannot be read is not counted on
+    return e.what();
+  }
+  return "";
+}
+
 const SavedParam& CheckpointSet::param(const std::string& name) const {
   auto it = meta_.by_name.find(name);
   if (it == meta_.by_name.end())

@@ -123,6 +123,14 @@ class CheckpointSet {
   std::string cached_unit_;
 };
 
+// Why the complete checkpoint `c` cannot be resumed ("" when it can), short
+// of the model it would be resumed into: what resuming checks before it reads
+// any tensor data — CheckpointSet (the marker, meta.json, its layout, rank
+// 0's header) and check_files() (every rank file meta.json lists, each
+// header against the CRC32 meta.json records for it, every tensor meta.json
+// names). Pruning counts only the checkpoints this finds nothing in.
+std::string training_checkpoint_damage(const CheckpointInfo& c);
+
 // Every complete checkpoint under root, newest last, as a message fragment
 // ("step_00000010, step_00000020" or "none").
 std::string complete_list(const std::string& root);

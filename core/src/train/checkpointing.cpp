@@ -187,7 +187,8 @@ void save_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Mo
     };
     ckpt::CheckpointWriter::write_meta(root.string(), step, meta.dump(2));
     ckpt::CheckpointWriter::mark_complete(root.string(), step);
-    ckpt::prune(root.string(), static_cast<int>(cfg.checkpoint.keep_last));
+    // Only checkpoints that would resume count (every rank file meta.json lists checked).
+    ckpt::prune(root.string(), static_cast<int>(cfg.checkpoint.keep_last), ckpt::training_checkpoint_damage);
   }
   host.barrier();
   log_info(cat("checkpoint: step ", step, " written to ", (root / "").string(), " (", world, " rank",
@@ -206,7 +207,7 @@ std::string move_aside(const ckpt::CheckpointInfo& c, const std::string& prefix)
 // What a folder of the checkpoint series is, for messages, and the prefix it is moved aside under.
 std::pair<std::string, std::string> describe_folder(const ckpt::CheckpointInfo& c) {
   if (!c.complete) return {"an unfinished save: no COMPLETE marker", "unfinished_"};
-  if (const std::string why = ckpt::checkpoint_damage(c); !why.empty()) return {cat("damaged: ", why), "damaged_"};
+  if (const std::string why = ckpt::training_checkpoint_damage(c); !why.empty()) return {cat("damaged: ", why), "damaged_"};
   return {"a complete checkpoint", "later_"};
 }
 
@@ -274,6 +275,18 @@ void check_model(const ckpt::CheckpointSet& set, const ModelSpec& spec, const st
 void validate(ckpt::CheckpointSet& set, const ModelSpec& spec, const std::vector<UnitInfo>& infos) {
   check_model(set, spec, infos);
   set.check_files();
+}
+
+// Gives the data plugin the position the checkpoint in `dir` records, as
+// resuming does; one it refuses is named with the file and field it came
+// from (the plugin sees only the text of its state).
+void restore_data_state(const std::string& dir, const ckpt::TrainMeta& m, DataSource& data) {
+  try {
+    data.restore(m.data_state);
+  } catch (const Error& e) {
+    throw Error(cat("cannot resume from ", (fs::path(dir) / "meta.json").string(),
+                    ": its \"data_state\" (the position of data plugin '", m.data_plugin, "') is refused: ", e.what()));
+  }
 }
 
 // "" when the checkpoint in `dir` would resume into this model, else why not.
@@ -372,13 +385,14 @@ std::optional<ckpt::CheckpointInfo> find_resume_point(const Config& cfg) {
 
 }  // namespace
 
-std::optional<std::string> check_resume_checkpoint(const Config& cfg, const ModelSpec& spec) {
+std::optional<std::string> check_resume_checkpoint(const Config& cfg, const ModelSpec& spec, DataSource* data) {
   const std::optional<ckpt::CheckpointInfo> info = find_resume_point(cfg);
   if (!info) return std::nullopt;
   const Model model(spec, cfg.model.layers, cfg.expert_parallel);
   try {
     ckpt::CheckpointSet set(info->dir);
     validate(set, spec, model.units());
+    if (data) restore_data_state(info->dir, set.meta(), *data);
   } catch (const ckpt::CheckpointDamaged& e) {
     throw Error(cat(e.what(), ". ", damaged_advice(cfg, *info, spec, model.units())));
   }
@@ -484,6 +498,9 @@ int64_t load_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const
   // read: a damaged file is found before the state changes. Rank 0 checks
   // them all (each rank reads its own pieces' CRCs as it loads).
   if (rt.rank() == 0) set.check_files();
+  // The data position before any tensor is read: a refused one costs no load
+  // (the same code as `loom check`'s check_resume_checkpoint).
+  restore_data_state(info.dir, m, *rt.data);
 
   // What differs is said, not refused: every combination loads by name.
   if (m.world_size != rt.world() || m.strategy != cfg.sharding.plugin)
@@ -517,13 +534,6 @@ int64_t load_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const
       load_unit_range(set, "adam_m", p, olo, ohi, u.adam_m, u.layout.optim_begin, be, staging);
       load_unit_range(set, "adam_v", p, olo, ohi, u.adam_v, u.layout.optim_begin, be, staging);
     }
-  }
-  try {
-    rt.data->restore(m.data_state);
-  } catch (const Error& e) {
-    // The plugin sees only the text of its state: name the file it came from.
-    throw Error(cat("cannot resume from ", (fs::path(info.dir) / "meta.json").string(),
-                    ": its \"data_state\" (the position of data plugin '", m.data_plugin, "') is refused: ", e.what()));
   }
   restore_precision_state(set, cfg, rt);
   log_info(cat("resumed from ", info.dir, " at step ", m.step));

@@ -28,7 +28,12 @@ void save_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const Mo
 // back to it. For `loom check`, and `loom train` before it creates anything.
 // "auto" warns about an interrupted newer save it passes over; a folder named
 // like a checkpoint but not as Loom names one is warned about and ignored.
-std::optional<std::string> check_resume_checkpoint(const Config& cfg, const ModelSpec& spec);
+// With `data` (this run's data source, opened) the checkpoint's data position
+// (meta.json's "data_state") is given to it as resuming gives it, so a
+// position the plugin refuses is refused here, naming meta.json and the
+// field; the source is left at that position.
+std::optional<std::string> check_resume_checkpoint(const Config& cfg, const ModelSpec& spec,
+                                                   DataSource* data = nullptr);
 
 // Loads the checkpoint checkpoint.resume asks for ("auto": the newest complete
 // one, if any; a step number; "none") into `state` (parameters, master copy,

@@ -4,6 +4,7 @@
 #include <limits.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -64,30 +65,8 @@ void check_one_path(const std::string& key, const std::string& path) {
       throw Error(cat(q, ": the name '", s.substr(0, 24), "...' is ", s.size(), " characters long, more than the ",
                       NAME_MAX, " a file or folder name may have: choose a shorter ", key));
   }
-  // Walk down from the root: every existing part must be a folder; the last
-  // existing one must be writable (the rest is created in it).
-  const fs::path full = fs::absolute(fs::path(path)).lexically_normal();
-  fs::path cur, last_existing = full.root_path();
-  for (const fs::path& part : full) {
-    cur /= part;
-    if (part.empty() || cur == full.root_path()) continue;
-    struct stat st {};
-    if (::stat(cur.c_str(), &st) != 0) {
-      const int e = errno;
-      if (e == ENOENT) break;
-      if (e == ENOTDIR)
-        throw Error(cat(q, ": '", cur.parent_path().string(), "' is a file, not a folder: move it away or choose "
-                        "another ", key));
-      if (e == EACCES)
-        throw Error(cat(q, ": '", cur.string(), "' cannot be reached (permission denied on a folder above it): "
-                        "choose another ", key));
-      throw Error(cat(q, ": cannot inspect '", cur.string(), "': ", std::strerror(e)));
-    }
-    if (!S_ISDIR(st.st_mode))
-      throw Error(cat(q, where_relative(path), ": '", cur.string(), "' is ", S_ISREG(st.st_mode) ? "a file" : "not a folder",
-                      ", where a folder is needed: move it away or choose another ", key));
-    last_existing = cur;
-  }
+  // Every existing part a folder, the rest to be created in a real file system.
+  const fs::path last_existing = check_output_walk(q, cat("choose another ", key), path);
   if (const std::string why = unwritable_reason(last_existing); !why.empty())
     throw Error(cat(q, where_relative(path), ": cannot write in '", last_existing.string(), "': ", why,
                     ". Choose a writable ", key));
@@ -106,6 +85,104 @@ void check_one_path(const std::string& key, const std::string& path) {
     if (p == p.parent_path() || p.empty()) break;
   }
 }
+
+// The kernel's pseudo file systems, by statfs type (linux/magic.h): their
+// files are the kernel's interfaces (processes, devices, settings), made up
+// when read and never stored, wherever they are mounted.
+const char* pseudo_fs_name(unsigned long type) {
+  switch (type) {
+    case 0x9fa0: return "proc";
+    case 0x62656572: return "sysfs";
+    case 0x27e0eb: return "cgroup";
+    case 0x63677270: return "cgroup2";
+    case 0x1cd1: return "devpts";
+    case 0x64626720: return "debugfs";
+    case 0x74726163: return "tracefs";
+    case 0x73636673: return "securityfs";
+    case 0x6165676c: return "pstore";
+    case 0xcafe4a11: return "bpf";
+    case 0x62656570: return "configfs";
+    case 0xde5e81e4: return "efivarfs";
+    case 0x19800202: return "mqueue";
+    case 0x65735543: return "fusectl";
+    case 0x42494e4d: return "binfmt_misc";
+    case 0xf97cff8c: return "selinuxfs";
+    case 0x6e736673: return "nsfs";
+    default: return nullptr;
+  }
+}
+
+// `p` is `top` or lies below it (whole names: /devices is not under /dev).
+bool is_under(const std::string& p, const std::string& top) {
+  return p.compare(0, top.size(), top) == 0 && (p.size() == top.size() || p[top.size()] == '/');
+}
+
+// Why files cannot be written in the existing folder `dir` (docs/RELIABILITY.md
+// "Files"): it resolves to /proc, /sys or /dev or below them (/dev/shm, a
+// memory file system for files, excepted), or lies on a pseudo file system
+// anywhere (a /proc mounted at /host/proc). "" when it is a place for files.
+std::string pseudo_place(const fs::path& dir) {
+  std::error_code ec;
+  fs::path real = fs::canonical(dir, ec);
+  if (ec) real = dir;
+  const std::string r = real.string();
+  std::string top;
+  for (const char* t : {"/proc", "/sys", "/dev"})
+    if (is_under(r, t) && !is_under(r, "/dev/shm")) top = t;
+  struct statfs sf {};
+  const char* type = ::statfs(real.c_str(), &sf) == 0 ? pseudo_fs_name(static_cast<unsigned long>(sf.f_type)) : nullptr;
+  if (top.empty() && !type) return "";
+  const std::string as = real == dir ? std::string() : cat(" (that is, '", r, "')");
+  const std::string where = !top.empty() ? cat("under ", top, type ? cat(" (a ", type, " file system)") : std::string())
+                                         : cat("on a ", type, " file system");
+  return cat(as, " is ", where, ", which the kernel makes up to show processes, devices and settings: it is no "
+             "storage, and what is written there is lost or changes the system");
+}
+
+}  // namespace
+
+fs::path check_output_walk(const std::string& given, const std::string& remedy, const std::string& path) {
+  const std::string at = cat(given, where_relative(path));
+  // Down from the root: every existing part must be a folder (the rest is
+  // created in the last one that exists).
+  const fs::path full = fs::absolute(fs::path(path)).lexically_normal();
+  fs::path cur, last = full.root_path();
+  for (const fs::path& part : full) {
+    cur /= part;
+    if (part.empty() || cur == full.root_path()) continue;
+    struct stat st {};
+    if (::stat(cur.c_str(), &st) != 0) {
+      const int e = errno;
+      struct stat lst {};
+      if (::lstat(cur.c_str(), &lst) == 0 && S_ISLNK(lst.st_mode)) {
+        // A link to nowhere: creating the folder would only meet the link ("File exists").
+        std::error_code ec;
+        const fs::path to = fs::read_symlink(cur, ec);
+        throw Error(cat(at, ": '", cur.string(), "' is a link to '", ec ? std::string("?") : to.string(), "'",
+                        !ec && to.is_relative() ? cat(" (relative to ", cur.parent_path().string(), ")") : std::string(),
+                        e == ENOENT ? std::string(", which does not exist")
+                                    : cat(", which cannot be followed (", std::strerror(e), ")"),
+                        ": create its target, remove the link, or ", remedy));
+      }
+      if (e == ENOENT) break;
+      if (e == ENOTDIR)  // a part above changed since it was looked at
+        throw Error(cat(at, ": '", cur.parent_path().string(), "' is not a folder: move it away or ", remedy));
+      if (e == EACCES)
+        throw Error(cat(at, ": '", cur.string(), "' cannot be reached (permission denied on a folder above it): ",
+                        remedy));
+      throw Error(cat(at, ": cannot reach '", cur.string(), "': ", std::strerror(e), "; ", remedy));
+    }
+    if (!S_ISDIR(st.st_mode))
+      throw Error(cat(at, ": '", cur.string(), "' is ", S_ISREG(st.st_mode) ? "a file" : file_type_name(st.st_mode),
+                      ", where a folder is needed: move it away or ", remedy));
+    last = cur;
+  }
+  if (const std::string why = pseudo_place(last); !why.empty())
+    throw Error(cat(at, ": '", last.string(), "'", why, ". A run's files need a real file system: ", remedy));
+  return last;
+}
+
+namespace {
 
 // Non-empty metrics.jsonl: the results of a run that did at least one step.
 int64_t metrics_lines(const fs::path& file) {

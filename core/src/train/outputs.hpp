@@ -1,9 +1,13 @@
 // Where a run writes, checked before it starts (docs/RELIABILITY.md "Files"):
 //
+//   check_output_walk     the walk every output path gets, these and the
+//                         command line's (`loom bench --json`, `loom compare
+//                         --out`): every existing part a folder, no link to
+//                         nowhere, not on a pseudo file system.
 //   check_output_paths    run.out_dir and checkpoint.dir can be created and
-//                         written (a file where a folder should be, a name too
-//                         long, a read-only or unwritable place), naming the
-//                         key and the path; creates nothing. Also
+//                         written (check_output_walk, a name too long, a
+//                         read-only or unwritable place), naming the key and
+//                         the path; creates nothing. Also
 //                         check_checkpoint_names.
 //   check_checkpoint_names every step_N name in checkpoint.dir is a folder:
 //                         a file, FIFO, device or link to one there would
@@ -30,6 +34,7 @@
 //                         before any step, instead of at the first save.
 #pragma once
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,6 +43,20 @@
 #include "config/run_config.hpp"
 
 namespace loom {
+
+// The walk every output path gets before anything is created in it: down
+// from the root, every part of `path` that exists must be a folder (a file,
+// a FIFO, a device or a link to one there is refused), a symbolic link whose
+// target does not exist is refused naming the target (creating the folder
+// would only meet the link: "File exists"), and the deepest existing folder,
+// where the rest would be created, must be a place for files: not /proc,
+// /sys or /dev or below them (/dev/shm excepted), nor any folder on a
+// kernel pseudo file system (proc, sysfs, cgroup, devpts, debugfs, ... by
+// statfs type, wherever mounted). Each message starts with `given` (what the
+// user wrote: `run.out_dir = "x"`, `--json=x`) and ends with `remedy`
+// ("choose another run.out_dir"). Returns the deepest existing folder;
+// creates nothing.
+std::filesystem::path check_output_walk(const std::string& given, const std::string& remedy, const std::string& path);
 
 void check_output_paths(const Config& cfg);
 void check_checkpoint_names(const Config& cfg);

@@ -53,6 +53,10 @@ std::optional<TokenScanReport> Session::scan_data_tokens() const {
   return scan->scan_tokens();
 }
 
+std::optional<std::string> Session::check_resume_checkpoint() {
+  return loom::check_resume_checkpoint(cfg_, spec(), rt_.data.get());
+}
+
 void Session::initialise() {
   LOOM_CHECK(!initialised_, "session initialised twice");
   // A step_N in checkpoint.dir that is no folder would only fail at the save of step N.

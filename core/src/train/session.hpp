@@ -89,6 +89,11 @@ class Session {
   // naming the file and the first bad token. Empty when the plugin cannot
   // scan ahead (it checks its tokens only as they are read).
   std::optional<TokenScanReport> scan_data_tokens() const;
+  // The checkpoint checkpoint.resume names (nullopt: a fresh start), checked
+  // as initialise() checks it before reading tensor data, its data position
+  // given to this run's data plugin as resuming gives it (`loom check`; see
+  // train/checkpointing.hpp check_resume_checkpoint). Before initialise().
+  std::optional<std::string> check_resume_checkpoint();
 
   // Allocates the arena and initialises weights (random, HF, or from a checkpoint when resuming).
   void initialise();
