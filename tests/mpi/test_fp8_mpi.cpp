@@ -25,9 +25,9 @@ namespace {
 
 std::unique_ptr<loom::Communicator> g_world;
 
-// LOOM_FP8_MPI_DEVICE=cuda runs the FP8-gather cases on GPUs (NCCL, one GPU
-// per rank: scripts/gpu_check.sh fp8-gathers); the rest read the recipe's
-// state on the host and run on the CPU only.
+// LOOM_FP8_MPI_DEVICE=cuda runs every case on GPUs (NCCL, one GPU per rank:
+// scripts/gpu_check.sh fp8-gathers): the FP8 gathers, and the delayed
+// recipe's one amax all-reduce a step, its scales read back from the device.
 std::string device() {
   const char* d = std::getenv("LOOM_FP8_MPI_DEVICE");
   return d && *d ? d : "cpu";
@@ -51,8 +51,11 @@ loom::Config make_config(const std::string& precision, const std::string& strate
 std::vector<float> state_of(loom::Session& s, const std::string& name) {
   for (const loom::StateTensor& t : s.precision().state_tensors())
     if (t.name == name) {
-      const float* p = t.tensor.ptr<float>();
-      return std::vector<float>(p, p + t.tensor.numel());
+      // On a GPU the state lives in device memory: the backend's download
+      // waits for the step that wrote it.
+      std::vector<float> v(static_cast<size_t>(t.tensor.numel()));
+      s.backend().download(v.data(), t.tensor, v.size() * sizeof(float));
+      return v;
     }
   ADD_FAILURE() << "no state tensor " << name;
   return {};
