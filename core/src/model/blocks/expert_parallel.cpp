@@ -30,17 +30,23 @@ void ExpertExchange::exchange(const Tensor& send, const std::vector<int64_t>& sc
   group_->wait(ctx, group_->all_to_all(ctx, send, sc, recv, rc));
 }
 
-void ExpertExchange::dispatch(const int64_t* counts, const Tensor& counts_src, Tensor& counts_in, const Tensor& xs,
-                              Tensor& xr) {
+void ExpertExchange::exchange_counts(const Tensor& counts_src, Tensor& counts_in) {
   LOOM_CHECK(counts_src.numel() == E_ && counts_in.numel() == E_ && dtype_size(counts_src.dtype) == 8 &&
                  dtype_size(counts_in.dtype) == 8,
              "expert parallelism: the counts buffers hold ", counts_src.numel(), " and ", counts_in.numel(),
              " 8-byte elements, not the ", E_, " experts' counts");
   // 1. The per-expert counts: peer q gets the counts of its El experts, from
-  // where the routing counted them, then back to the host (a copy on the
-  // CPU): the sizes below are host decisions.
+  // where the routing counted them. Only queued here: dispatch reads them.
   const ExecContext& ctx = backend_->ctx();
   group_->wait(ctx, group_->all_to_all(ctx, counts_src, {}, counts_in, {}));
+}
+
+void ExpertExchange::dispatch(const int64_t* counts, const Tensor& counts_in, const Tensor& xs, Tensor& xr) {
+  LOOM_CHECK(counts_in.numel() == E_ && dtype_size(counts_in.dtype) == 8, "expert parallelism: the received counts ",
+             "buffer holds ", counts_in.numel(), " 8-byte elements, not the ", E_, " experts' counts");
+  // Exchange 1's counts, back to the host (a copy on the CPU): the sizes
+  // below are host decisions. The caller's read of its own counts already
+  // waited for the queue that exchange 1 is on.
   backend_->download(counts_in_.data(), counts_in, static_cast<size_t>(E_) * sizeof(int64_t));
   segments_.clear();
   int64_t row = 0;

@@ -32,9 +32,11 @@
 // ranks) move host buffers and return when done. A device communicator
 // (NCCL, one GPU per rank) moves device buffers on its own stream. The counts
 // of exchange 1 go from the routing's counts into a buffer of E int64 beside
-// them and are read back to the host (on a GPU one more host wait per layer,
-// after the one that read the layer's own counts), since the sizes of
-// exchanges 2-5 and the experts' row runs are host decisions.
+// them and are read back to the host, since the sizes of exchanges 2-5 and the
+// experts' row runs are host decisions. Exchange 1 is queued right after the
+// routing (exchange_counts), before the host waits for the layer's own counts:
+// that one wait then covers both, and reading the received counts is a copy
+// from an idle queue, not a second wait.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -67,12 +69,16 @@ class ExpertExchange {
     int64_t expert = 0, row = 0, rows = 0;
   };
 
-  // Forward exchanges 1 and 2. counts: the sorted rows per expert [E] on the
-  // host (Backend::moe_route's, read back); counts_src: the same E int64 where
-  // the routing left them (host or device), counts_in: E int64 of scratch
-  // beside them (both as 8-byte elements: DType::f64 views); xs: the sorted
-  // rows [N·k, h]; xr: the receive buffer [max_recv_rows, h].
-  void dispatch(const int64_t* counts, const Tensor& counts_src, Tensor& counts_in, const Tensor& xs, Tensor& xr);
+  // Forward exchange 1, queued before the host reads any count: counts_src,
+  // the sorted rows per expert [E] where the routing left them (host or
+  // device), to counts_in, E int64 of scratch beside them (both as 8-byte
+  // elements: DType::f64 views).
+  void exchange_counts(const Tensor& counts_src, Tensor& counts_in);
+  // Forward exchange 2. counts: this rank's rows per expert [E] on the host
+  // (Backend::moe_route's, read back); counts_in: exchange 1's receive buffer,
+  // read back here; xs: the sorted rows [N·k, h]; xr: the receive buffer
+  // [max_recv_rows, h].
+  void dispatch(const int64_t* counts, const Tensor& counts_in, const Tensor& xs, Tensor& xr);
   // Exchange 3: yr [max_recv_rows, h] (outputs of the received rows) back into y [N·k, h] (sorted order).
   void give_back(const Tensor& yr, Tensor& y);
   // Exchange 4: like dispatch's rows, with the counts of the last dispatch.

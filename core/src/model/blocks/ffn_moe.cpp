@@ -213,6 +213,15 @@ class MoeFfn final : public FfnBlock {
         be.moe_aux_accumulate(stats, rt);
       }
     }
+    // Expert parallelism: the counts exchange is queued before the host reads
+    // this layer's counts (expert_rows), so that one wait covers both.
+    Tensor ep_counts_in;
+    if (ep_) {
+      Range x(be, "ep.counts");
+      const Tensor counts_src(rt.counts, DType::f64, dev(), {rt.E});  // int64, moved as 8-byte elements
+      ep_counts_in = Tensor(buf(ep_counts_), DType::f64, dev(), {rt.E});
+      ep_->exchange_counts(counts_src, ep_counts_in);
+    }
     Tensor xs = act(xs_, {padded_rows(), h});
     {
       Range r(be, "gather");
@@ -229,9 +238,7 @@ class MoeFfn final : public FfnBlock {
         Range x(be, "ep.dispatch");
         xin_rows = act(xr_, {Rx, h});
         eout_rows = act(eout_r_, {Rx, h});
-        const Tensor counts_src(rt.counts, DType::f64, dev(), {rt.E});  // int64, moved as 8-byte elements
-        Tensor counts_in(buf(ep_counts_), DType::f64, dev(), {rt.E});
-        ep_->dispatch(rows, counts_src, counts_in, xs, xin_rows);
+        ep_->dispatch(rows, ep_counts_in, xs, xin_rows);
       }
       for (const ExpertExchange::Segment& sg : segments(rows)) {
         const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
@@ -360,7 +367,8 @@ class MoeFfn final : public FfnBlock {
 
   // The per-expert row counts then offsets ([2E + 1]) on the host: read in
   // place on the CPU; a device backend copies them once per layer, in forward
-  // (Backend::moe_read_counts: the one host wait the layer adds), and backward
+  // (Backend::moe_read_counts: the one host wait the layer adds; under
+  // expert parallelism it also covers the counts exchange), and backward
   // reuses that copy — the routing it inverts is the one its forward (or the
   // replayed forward under recompute = "full") read.
   const int64_t* expert_rows(const MoeRouting& r, bool read) {
