@@ -279,13 +279,20 @@ void validate(ckpt::CheckpointSet& set, const ModelSpec& spec, const std::vector
 
 // Gives the data plugin the position the checkpoint in `dir` records, as
 // resuming does; one it refuses is named with the file and field it came
-// from (the plugin sees only the text of its state).
+// from (the plugin sees only the text of its state). A field the plugin
+// finds damaged (ckpt::CheckpointDamaged: of another type, out of range, at
+// odds with another field) stays damage, so the caller says which checkpoint
+// to resume instead; any other refusal (another plugin's state, other data)
+// says itself what to do.
 void restore_data_state(const std::string& dir, const ckpt::TrainMeta& m, DataSource& data) {
+  const std::string what = cat("cannot resume from ", (fs::path(dir) / "meta.json").string(),
+                               ": its \"data_state\" (the position of data plugin '", m.data_plugin, "') is refused: ");
   try {
     data.restore(m.data_state);
+  } catch (const ckpt::CheckpointDamaged& e) {
+    throw ckpt::CheckpointDamaged(what + e.what());
   } catch (const Error& e) {
-    throw Error(cat("cannot resume from ", (fs::path(dir) / "meta.json").string(),
-                    ": its \"data_state\" (the position of data plugin '", m.data_plugin, "') is refused: ", e.what()));
+    throw Error(what + e.what());
   }
 }
 
