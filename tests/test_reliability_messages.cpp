@@ -608,6 +608,48 @@ TEST(ReliabilityMessages, EveryFieldOfTheMegatronDataStateIsRefusedByName) {
     expect_resumed(r, r.with(at, v));
 }
 
+// A damaged data position is damage of its checkpoint: the advice names the
+// newest earlier checkpoint whose data position validates too (resuming from
+// one whose position is damaged as well would only be refused again), the
+// same by `loom check` and `loom train`.
+TEST(ReliabilityMessages, DamagedDataStateAdviceNamesAnEarlierCheckpointWhosePositionIsGood) {
+  const fs::path dir = fresh_dir("messages_data_state_advice");
+  const std::string text = tiny_config(dir / "run", 4);
+  const fs::path cfg = dir / "c.toml";
+  std::ofstream(cfg) << text;
+  {
+    loom::Session s(loom::parse_config_string(text, cfg.string(), {"checkpoint.every=2"}));
+    s.train();
+  }
+  const fs::path root = dir / "run" / "checkpoints";
+  auto damage = [&](int step) {
+    const fs::path meta = root / loom::cat("step_0000000", step) / "meta.json";
+    nlohmann::json j = nlohmann::json::parse(read_text(meta));
+    nlohmann::json state = nlohmann::json::parse(j["data_state"].get<std::string>());
+    state["cursor"] = -1;
+    j["data_state"] = state.dump();
+    fs::remove(meta.parent_path() / "COMPLETE");
+    loom::ckpt::CheckpointWriter::write_meta(root.string(), step, j.dump(2));
+    loom::ckpt::CheckpointWriter::mark_complete(root.string(), step);
+  };
+  const std::string loom = std::string("'") + LOOM_CLI + "' ";
+  auto expect_advice = [&](const std::string& advice) {
+    const ProcResult check = run_shell("timeout 300 " + loom + "check '" + cfg.string() + "'");
+    const ProcResult train = run_shell("timeout 300 " + loom + "train '" + cfg.string() + "' --set train.steps=6");
+    EXPECT_EQ(check.code, 1) << check.out;
+    EXPECT_EQ(train.code, 1) << train.out;
+    EXPECT_CONTAINS(refusal(check.out), "step_00000004/meta.json: its \"data_state\" (the position of data plugin "
+                                        "'synthetic') is refused: \"cursor\" is -1, expected an integer in [0, "
+                                        "9007199254740992]" + kDamagedTail.substr(0, kDamagedTail.find(" No earlier")));
+    EXPECT_CONTAINS(refusal(check.out), advice);
+    EXPECT_EQ(refusal(check.out), refusal(train.out)) << check.out << "\n" << train.out;
+  };
+  damage(4);
+  expect_advice("The newest earlier checkpoint that validates is " + (root / "step_00000002").string());
+  damage(2);
+  expect_advice("No earlier checkpoint in " + root.string() + " validates");
+}
+
 // The command line, the same for every command: `loom <command> --help`
 // prints that command's usage and succeeds; an error names the command once
 // ("loom check: error: ...", never "loom check: error: loom check: ...") and
