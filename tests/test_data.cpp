@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <regex>
 #include <set>
@@ -20,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/checkpoint.hpp"
 #include "data/byte_tokenizer.hpp"
 #include "data/hash.hpp"
 #include "data/prepare_text.hpp"
@@ -535,8 +537,72 @@ TEST(TokensData, RestoreRejectsChangedDataAndBadState) {
   m = error_of([&] { changed->restore(R"({"source":"synthetic","cursor":1})"); });
   EXPECT_NE(m.find("'synthetic'"), std::string::npos) << m;
   j["train_files"][1]["tokens"] = 34;
-  changed->restore(j.dump());  // with matching counts the state is accepted
+  j["windows_per_epoch"] = changed->train_windows();
+  changed->restore(j.dump());  // with matching counts (and windows) the state is accepted
   EXPECT_EQ(changed->cursor(), 2u);
+}
+
+// A state at the edges of what it may hold — the first window, the last of
+// an epoch, the first of the next, 2^53 windows in; seeds 0 and 2^63 - 1 —
+// resumes exactly where the stream is at that window; a state holding any
+// field of another type or out of range is refused as damage
+// (ckpt::CheckpointDamaged, so the core names an earlier checkpoint) and
+// leaves the position as it was.
+TEST(TokensData, RestoreTakesEveryEdgeAndRefusesDamageWithoutMoving) {
+  Corpus c;
+  const DataSpec s = spec(1, 4, 0, 1, 11);
+  auto ref = tokens_source(c.options(), s);
+  const uint64_t W = ref->train_windows();
+  ASSERT_EQ(W, 22u);
+  const std::string st = ref->state();
+  const auto stream = take(*ref, s, static_cast<int>(2 * W + 2));
+  auto at = [&](uint64_t cursor, uint64_t epoch) {
+    auto j = nlohmann::json::parse(st);
+    j["cursor"] = cursor;
+    j["epoch"] = epoch;
+    return j.dump();
+  };
+  for (const uint64_t k : {uint64_t{0}, W - 1, W, 2 * W - 1, 2 * W}) {
+    SCOPED_TRACE(k);
+    auto src = tokens_source(c.options(), s);
+    src->restore(at(k, k / W));
+    EXPECT_EQ(src->cursor(), k);
+    EXPECT_EQ(take(*src, s, 2), std::vector<Batch>(stream.begin() + static_cast<long>(k), stream.begin() + static_cast<long>(k) + 2));
+  }
+  auto far = tokens_source(c.options(), s);
+  const uint64_t kPos = uint64_t{1} << 53;
+  far->restore(at(kPos, kPos / W));
+  EXPECT_EQ(far->cursor(), kPos);
+  take(*far, s, 2);  // windows of epoch 2^53 / 22: read, no overflow
+  for (const int64_t seed : {int64_t{0}, std::numeric_limits<int64_t>::max()}) {
+    auto j = nlohmann::json::parse(st);
+    j["seed"] = seed;
+    auto src = tokens_source(c.options(), s);
+    src->restore(j.dump());
+    auto same = tokens_source(c.options(), spec(1, 4, 0, 1, static_cast<uint64_t>(seed)));
+    EXPECT_EQ(take(*src, s, int(W)), take(*same, s, int(W))) << "seed " << seed;
+  }
+
+  auto src = tokens_source(c.options(), s);
+  take(*src, s, 3);
+  for (const auto& [field, value] : std::vector<std::pair<std::string, std::string>>{
+           {"cursor", "-1"}, {"cursor", "1.5"}, {"cursor", "18446744073709551615"}, {"cursor", "9007199254740993"},
+           {"cursor", "22"}, {"cursor", "true"}, {"epoch", "-1"}, {"epoch", "1"}, {"epoch", "null"},
+           {"windows_per_epoch", "0"}, {"windows_per_epoch", "23"}, {"seed", "-1"}, {"seed", "9223372036854775808"},
+           {"world", "0"}, {"world", "1048577"}, {"batch", "-4"}, {"batch", "\"4\""}, {"seq_len", "4.0"},
+           {"shuffle", "1"}, {"version", "0"}}) {
+    SCOPED_TRACE(field + " = " + value);
+    auto j = nlohmann::json::parse(st);
+    j[field] = nlohmann::json::parse(value);
+    try {
+      src->restore(j.dump());
+      ADD_FAILURE() << "accepted";
+    } catch (const loom::ckpt::CheckpointDamaged& e) {
+      EXPECT_NE(std::string(e.what()).find("\"" + field + "\" is "), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(src->cursor(), 3u);
+  }
+  EXPECT_EQ(take(*src, s, 2), std::vector<Batch>(stream.begin() + 3, stream.begin() + 5));
 }
 
 TEST(TokensData, ValidationResetsAndWraps) {
@@ -658,6 +724,64 @@ TEST(SyntheticData, RampIsLearnableAndRespectsVocab) {
   EXPECT_GT(starts.size(), 5u);
   EXPECT_THROW(synthetic("ramp", 2000, s), loom::Error);  // larger than the model vocab
   EXPECT_THROW(synthetic("zigzag", 0, s), loom::Error);
+}
+
+// The same for synthetic: the first sample, 2^53 samples in, seeds 0 and
+// 2^63 - 1, ranks and batches up to 2^20, vocab 1 and 2^31 - 1 resume; a
+// field of another type or out of range is damage and moves nothing.
+TEST(SyntheticData, RestoreTakesEveryEdgeAndRefusesDamageWithoutMoving) {
+  const DataSpec s = spec(2, 8, 0, 1, 9, 100);
+  auto ref = synthetic("random", 0, s);
+  const std::string st = ref->state();
+  const auto stream = take(*ref, s, 4);
+  const uint64_t kPos = uint64_t{1} << 53;
+  for (const uint64_t k : {uint64_t{0}, uint64_t{4}, kPos}) {
+    SCOPED_TRACE(k);
+    auto j = nlohmann::json::parse(st);
+    j["cursor"] = k;
+    auto src = synthetic("random", 0, s);
+    src->restore(j.dump());
+    EXPECT_EQ(src->cursor(), k);
+    const Batch b = take(*src, s, 1)[0];
+    for (uint64_t i = 0; i < 2; ++i)
+      for (uint64_t p = 0; p < 9; ++p) ASSERT_EQ(b[i * 9 + p], src->token(Split::train, k + i, p));
+    if (k < 8) EXPECT_EQ(b, stream[k / 2]);
+  }
+  for (const auto& [field, value] : std::vector<std::pair<std::string, nlohmann::json>>{
+           {"seed", 0}, {"seed", std::numeric_limits<int64_t>::max()}, {"world", 1 << 20}, {"batch", 1 << 20},
+           {"vocab", 1}, {"vocab", 2147483647}, {"pattern", "ramp"}}) {
+    SCOPED_TRACE(field);
+    auto j = nlohmann::json::parse(st);
+    j[field] = value;
+    auto src = synthetic("random", 0, s);
+    src->restore(j.dump());
+    if (field == "seed") {
+      auto same = synthetic("random", 0, spec(2, 8, 0, 1, value.get<uint64_t>(), 100));
+      EXPECT_EQ(take(*src, s, 2), take(*same, s, 2));
+    } else {
+      EXPECT_EQ(take(*src, s, 2), std::vector<Batch>(stream.begin(), stream.begin() + 2));
+    }
+  }
+
+  auto src = synthetic("random", 0, s);
+  take(*src, s, 1);
+  for (const auto& [field, value] : std::vector<std::pair<std::string, std::string>>{
+           {"cursor", "-1"}, {"cursor", "2.5"}, {"cursor", "18446744073709551616"}, {"cursor", "9007199254740993"},
+           {"cursor", "null"}, {"seed", "-7"}, {"seed", "1e19"}, {"world", "0"}, {"world", "\"2\""},
+           {"batch", "1048577"}, {"batch", "false"}, {"vocab", "0"}, {"vocab", "2147483648"}, {"pattern", "3"},
+           {"pattern", "\"zigzag\""}, {"version", "-1"}, {"source", "null"}}) {
+    SCOPED_TRACE(field + " = " + value);
+    auto j = nlohmann::json::parse(st);
+    j[field] = nlohmann::json::parse(value);
+    try {
+      src->restore(j.dump());
+      ADD_FAILURE() << "accepted";
+    } catch (const loom::ckpt::CheckpointDamaged& e) {
+      EXPECT_NE(std::string(e.what()).find("\"" + field + "\" is "), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(src->cursor(), 2u);
+  }
+  EXPECT_EQ(take(*src, s, 3), std::vector<Batch>(stream.begin() + 1, stream.begin() + 4));
 }
 
 TEST(SyntheticData, ResumeRanksAndValidation) {

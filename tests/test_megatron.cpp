@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/checkpoint.hpp"
 #include "data/megatron/megatron_data.hpp"
 #include "data/megatron_source.hpp"
 #include "loom/config.hpp"
@@ -102,6 +103,102 @@ TEST(Megatron, SamplesMatchThePythonModelOfGptDataset) {
   }
 }
 
+// A state at the edges of what it may hold — the first sample, the last of
+// an epoch, the first of the next, 2^53 samples in, a blend's weight all on
+// one dataset, seeds 0 and 2^63 - 1 — resumes exactly where the stream is
+// at that sample; a state holding any field of another type or out of range,
+// or counts that are not one per dataset summing to the cursor, is refused
+// as damage (ckpt::CheckpointDamaged, so the core names an earlier
+// checkpoint) and leaves the position as it was.
+TEST(Megatron, RestoreTakesEveryEdgeAndRefusesDamageWithoutMoving) {
+  TmpDir d;
+  loom::test::write_megatron(d.path / "a", loom::test::megatron_docs(40, 23, 96));
+  MegatronOptions o;
+  o.prefixes = {(d.path / "a").string()};
+  o.split = "1";
+  DataSpec spec;
+  spec.batch = 1;
+  spec.seq_len = 8;
+  spec.vocab_size = 96;
+  spec.seed = 5;
+  MegatronData ref(loom::PluginInit{}, o);
+  ref.open(spec);
+  const uint64_t S = ref.train_samples(0);
+  ASSERT_EQ(S, (40u * 23u - 1u) / 8u);
+  const std::string st = ref.state();
+  std::vector<std::vector<int32_t>> stream;
+  for (uint64_t i = 0; i < 2 * S + 2; ++i) stream.push_back(batch(ref, spec, Split::train));
+  auto at = [&](uint64_t cursor) {
+    auto j = nlohmann::json::parse(st);
+    j["cursor"] = cursor;
+    j["counts"] = {cursor};
+    return j.dump();
+  };
+  for (const uint64_t k : {uint64_t{0}, S - 1, S, 2 * S - 1, 2 * S}) {
+    SCOPED_TRACE(k);
+    MegatronData m(loom::PluginInit{}, o);
+    m.open(spec);
+    m.restore(at(k));
+    EXPECT_EQ(m.cursor(), k);
+    EXPECT_EQ(batch(m, spec, Split::train), stream[k]);
+    EXPECT_EQ(batch(m, spec, Split::train), stream[k + 1]);
+  }
+  {
+    MegatronData m(loom::PluginInit{}, o);
+    m.open(spec);
+    m.restore(at(uint64_t{1} << 53));
+    EXPECT_EQ(m.counts(), std::vector<uint64_t>{uint64_t{1} << 53});
+    batch(m, spec, Split::train);  // a sample of epoch 2^53 / S: read, no overflow
+  }
+  for (const int64_t seed : {int64_t{0}, std::numeric_limits<int64_t>::max()}) {
+    auto j = nlohmann::json::parse(st);
+    j["seed"] = seed;
+    MegatronData m(loom::PluginInit{}, o), same(loom::PluginInit{}, o);
+    m.open(spec);
+    m.restore(j.dump());
+    DataSpec other = spec;
+    other.seed = static_cast<uint64_t>(seed);
+    same.open(other);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(batch(m, spec, Split::train), batch(same, other, Split::train)) << seed;
+  }
+
+  MegatronData m(loom::PluginInit{}, o);
+  m.open(spec);
+  for (int i = 0; i < 3; ++i) batch(m, spec, Split::train);
+  for (const auto& [field, value] : std::vector<std::pair<std::string, std::string>>{
+           {"/cursor", "-1"}, {"/cursor", "1.5"}, {"/cursor", "18446744073709551616"}, {"/cursor", "9007199254740993"},
+           {"/counts/0", "-1"}, {"/counts/0", "0.5"}, {"/counts/0", "\"0\""}, {"/weights/0", "1.5"},
+           {"/weights/0", "-0.5"}, {"/weights/0", "null"}, {"/seed", "-1"}, {"/seed", "9223372036854775808"},
+           {"/world", "0"}, {"/batch", "1048577"}, {"/seq_len", "true"}, {"/shuffle", "0"}, {"/version", "0"},
+           {"/datasets/0/sequences", "-40"}, {"/datasets/0/tokens", "1e3"},
+           {"/datasets/0/train_documents/1", "41"}, {"/datasets/0/train_documents/0", "-1"}}) {
+    SCOPED_TRACE(field + " = " + value);
+    auto j = nlohmann::json::parse(st);
+    j[nlohmann::json::json_pointer(field)] = nlohmann::json::parse(value);
+    std::string key = field.substr(1);
+    for (size_t p; (p = key.find("/0")) != std::string::npos;) key.replace(p, 2, "[0]");
+    for (size_t p; (p = key.find("/1")) != std::string::npos;) key.replace(p, 2, "[1]");
+    for (size_t p; (p = key.find('/')) != std::string::npos;) key.replace(p, 1, ".");
+    try {
+      m.restore(j.dump());
+      ADD_FAILURE() << "accepted";
+    } catch (const loom::ckpt::CheckpointDamaged& e) {
+      EXPECT_NE(std::string(e.what()).find("\"" + key + "\" is "), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(m.cursor(), 3u);
+  }
+  // Counts that are not one per dataset, though they sum to the cursor.
+  for (const std::string& counts : {"[-1, 4]", "[]", "[3, 0]", "[1, 1, 1]"}) {
+    SCOPED_TRACE(counts);
+    auto j = nlohmann::json::parse(st);
+    j["cursor"] = 3;
+    j["counts"] = nlohmann::json::parse(counts);
+    EXPECT_THROW(m.restore(j.dump()), loom::ckpt::CheckpointDamaged);
+  }
+  EXPECT_EQ(m.cursor(), 3u);
+  EXPECT_EQ(batch(m, spec, Split::train), stream[3]);
+}
+
 TEST(Megatron, SamplesShareOneTokenAndCrossDocuments) {
   TmpDir d;
   const auto scenarios = make_datasets(d.path);
@@ -173,7 +270,7 @@ TEST(Megatron, ResumeIsExactUnderAnyWorldSize) {
   expect_error([&] { m3.restore(damaged.dump()); }, {"3 per-dataset count(s)", "for 2 dataset(s)", "damaged"});
   damaged = nlohmann::json::parse(state);
   damaged["cursor"] = damaged["cursor"].get<uint64_t>() + 1;
-  expect_error([&] { m3.restore(damaged.dump()); }, {"summing to 40", "at global sample 41"});
+  expect_error([&] { m3.restore(damaged.dump()); }, {"\"counts\" [12,28] sum to 40 but \"cursor\" is 41", "damaged"});
   m3.restore(state);  // the undamaged state still restores
   EXPECT_EQ(m3.cursor(), 40u);
 }

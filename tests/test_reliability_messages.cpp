@@ -20,6 +20,7 @@
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
+#include "megatron_writer.hpp"
 #include "token_shard_writer.hpp"
 #include "train/session.hpp"
 
@@ -278,7 +279,8 @@ TEST(ReliabilityMessages, RefusedDataStateNamesTheCheckpointFile) {
   const fs::path root = dir / "run" / "checkpoints", meta = root / "step_00000002" / "meta.json";
   nlohmann::json j = nlohmann::json::parse(read_text(meta));
   // Text that is not JSON, and the state of another plugin.
-  for (const std::string state : {"{oops", "{\"source\": \"tokens\"}"}) {
+  for (const auto& [state, says] : std::vector<std::pair<std::string, std::string>>{
+           {"{oops", "it is '{oops', not valid JSON"}, {"{\"source\": \"tokens\"}", "written by data plugin 'tokens'"}}) {
     SCOPED_TRACE(state);
     j["data_state"] = state;
     // Certified again, as a checkpoint written with this state would be.
@@ -291,9 +293,161 @@ TEST(ReliabilityMessages, RefusedDataStateNamesTheCheckpointFile) {
           s.initialise();
         },
         {"cannot resume from " + meta.string() + ": its \"data_state\" (the position of data plugin 'synthetic')",
-         "data state"});
+         says});
   }
 }
+
+namespace {
+
+// A run of data plugin `plugin` (synthetic; tokens on one shard; megatron on
+// a blend of two datasets) on the tiny model, with one checkpoint, of step 2,
+// whose meta.json "data_state" the data-state tests rewrite — certified again,
+// as a checkpoint written with that state would be — and `loom check` and
+// `loom train` run on its config as processes, as a user runs them.
+struct DataStateRun {
+  std::string plugin;
+  fs::path dir, cfg, root, meta;
+  nlohmann::json original;  // meta.json as the run wrote it
+  nlohmann::json own;       // its data_state, parsed
+  std::string loom = std::string("'") + LOOM_CLI + "' ";
+
+  explicit DataStateRun(const std::string& name) : plugin(name) {
+    dir = fresh_dir("messages_data_state_" + plugin);
+    std::string text = tiny_config(dir / "run", 2);
+    const std::string syn = "plugin = \"synthetic\"\npattern = \"ramp\"\n";
+    if (plugin == "tokens") {
+      write_tokens(dir / "train.bin", token_pattern(20000, 96), 2, 96);  // 645 windows of 32 tokens
+      text.replace(text.find(syn), syn.size(), "plugin = \"tokens\"\ntrain = \"" + (dir / "train.bin").string() + "\"\n");
+    } else if (plugin == "megatron") {
+      write_megatron(dir / "a", megatron_docs(300, 50, 96));
+      write_megatron(dir / "b", megatron_docs(200, 40, 96));
+      text.replace(text.find(syn), syn.size(), "plugin = \"megatron\"\nprefix = [\"" + (dir / "a").string() + "\", \"" +
+                                                   (dir / "b").string() + "\"]\n");
+    }
+    cfg = dir / "c.toml";
+    std::ofstream(cfg) << text;
+    {
+      loom::Session s(loom::parse_config_string(text, cfg.string(), {"checkpoint.every=2"}));
+      s.train();
+    }
+    root = dir / "run" / "checkpoints";
+    meta = root / "step_00000002" / "meta.json";
+    original = nlohmann::json::parse(read_text(meta));
+    own = nlohmann::json::parse(original["data_state"].get<std::string>());
+  }
+
+  // Writes `state` into the checkpoint's meta.json, certified again.
+  void set_state(const std::string& state) const {
+    nlohmann::json j = original;
+    j["data_state"] = state;
+    fs::remove(root / "step_00000002" / "COMPLETE");
+    loom::ckpt::CheckpointWriter::write_meta(root.string(), 2, j.dump(2));
+    loom::ckpt::CheckpointWriter::mark_complete(root.string(), 2);
+  }
+  // The state as written with the field at JSON pointer `at` set to the JSON `value`.
+  std::string with(const std::string& at, const std::string& value) const {
+    nlohmann::json j = own;
+    j[nlohmann::json::json_pointer(at)] = nlohmann::json::parse(value);
+    return j.dump();
+  }
+  // The state as written with the members of `patch` in place of its own (RFC 7386 merge patch).
+  std::string patched(const nlohmann::json& patch) const {
+    nlohmann::json j = own;
+    j.merge_patch(patch);
+    return j.dump();
+  }
+  // The state as written without `field`.
+  std::string without(const std::string& field) const {
+    nlohmann::json j = own;
+    j.erase(field);
+    return j.dump();
+  }
+  ProcResult check() const { return run_shell("timeout 300 " + loom + "check '" + cfg.string() + "'"); }
+  // Two steps past the checkpoint; the config saves none, so step 2 stays the one resumed.
+  ProcResult train() const { return run_shell("timeout 300 " + loom + "train '" + cfg.string() + "' --set train.steps=4"); }
+  std::string refused() const {
+    return "cannot resume from " + meta.string() + ": its \"data_state\" (the position of data plugin '" + plugin +
+           "') is refused: ";
+  }
+};
+
+// The refusal, from the message on to the end of its line.
+std::string refusal(const std::string& out) {
+  const size_t at = out.find("cannot resume from ");
+  return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at) - at);
+}
+
+// `state` is refused by `loom check` before it prints the plan or scans, with
+// exit 1, and by `loom train` before its first step with the same message,
+// which holds each of `parts` after the core's words naming meta.json.
+void expect_refused_alike(const DataStateRun& r, const std::string& state, const std::vector<std::string>& parts) {
+  SCOPED_TRACE("data_state = " + state);
+  r.set_state(state);
+  const ProcResult check = r.check();
+  EXPECT_EQ(check.code, 1) << check.out;
+  EXPECT_CONTAINS(check.out, r.refused());
+  const std::string said = refusal(check.out);
+  for (const std::string& p : parts) EXPECT_CONTAINS(said, p);
+  EXPECT_FALSE(has(check.out, ": ok")) << check.out;
+  EXPECT_FALSE(has(check.out, "data: ")) << "scanned before the refusal:\n" << check.out;
+  const ProcResult train = r.train();
+  EXPECT_EQ(train.code, 1) << train.out;
+  EXPECT_EQ(said, refusal(train.out)) << "loom check:\n" << check.out << "\nloom train:\n" << train.out;
+  EXPECT_FALSE(has(train.out, "step 3/")) << train.out;
+}
+
+// `state` passes `loom check` and `loom train` resumes from it and trains on.
+void expect_resumed(const DataStateRun& r, const std::string& state) {
+  SCOPED_TRACE("data_state = " + state);
+  r.set_state(state);
+  const ProcResult check = r.check();
+  EXPECT_EQ(check.code, 0) << check.out;
+  const ProcResult train = r.train();
+  EXPECT_EQ(train.code, 0) << train.out;
+  EXPECT_CONTAINS(train.out, "resumed from " + (r.root / "step_00000002").string() + " at step 2");
+  EXPECT_CONTAINS(train.out, "step 4/4");
+}
+
+// The end of every refusal of a damaged field: the run has only this
+// checkpoint, so what to do is to start afresh.
+const std::string kDamagedTail = " (meta.json edited or damaged); the checkpoint cannot be used. No earlier checkpoint in ";
+
+// A field of a data state, at JSON pointer `at`, named `key` in messages.
+struct StateField {
+  std::string at, key;
+  enum Kind { integer, number, boolean } kind = integer;
+  int64_t lo = 0, hi = std::numeric_limits<int64_t>::max();
+};
+
+// The hostile values of a field, as JSON: negative, fractional, beyond 2^64
+// and an int64, just outside its range, and of every other JSON type.
+std::vector<std::string> hostile_values(const StateField& f) {
+  if (f.kind == StateField::boolean) return {"0", "1", "\"true\"", "null", "[]", "{}"};
+  if (f.kind == StateField::number) return {"-0.5", "-1", "1.5", "1e300", "-1e300", "true", "\"0.5\"", "null", "[]", "{}"};
+  std::vector<std::string> v = {"-1", "1.5", "0.5", "2.0", "-9223372036854775809", "18446744073709551616", "1e300",
+                                "true", "false", "\"7\"", "null", "[]", "{}"};
+  if (f.lo > 0) v.push_back(std::to_string(f.lo - 1));
+  v.push_back(f.hi < std::numeric_limits<int64_t>::max() ? std::to_string(f.hi + 1) : "9223372036854775808");
+  return v;
+}
+
+// Every hostile value of every field is refused naming the field and the
+// value, as damage (with what to do), by `loom check` and `loom train` alike.
+void expect_every_field_refused(const DataStateRun& r, const std::vector<StateField>& fields) {
+  for (const StateField& f : fields) {
+    SCOPED_TRACE(f.key);
+    for (const std::string& v : hostile_values(f))
+      expect_refused_alike(r, r.with(f.at, v),
+                           {"\"" + f.key + "\" is " + nlohmann::json::parse(v).dump() + ", expected ", kDamagedTail,
+                            "checkpoint.resume = \"none\""});
+  }
+}
+
+constexpr int64_t kPos = int64_t{1} << 53;  // positions and counts: at most 2^53
+constexpr int64_t kDim = int64_t{1} << 20;  // ranks, micro-batch, seq_len: at most 2^20
+constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+
+}  // namespace
 
 // `loom check` gives the data plugin the position of the checkpoint the run
 // would resume, with the code `loom train` resumes it with: every data
@@ -303,74 +457,197 @@ TEST(ReliabilityMessages, RefusedDataStateNamesTheCheckpointFile) {
 // plan, with exit 1 and the message `loom train` gives (naming meta.json and
 // its "data_state"), for each data plugin that keeps a position.
 TEST(ReliabilityMessages, CheckRefusesTheDataStateTheRunWould) {
-  const std::string loom = std::string("'") + LOOM_CLI + "' ";
-  // The refusal, from the message on to the end of its line.
-  auto refusal = [](const std::string& out) {
-    const size_t at = out.find("cannot resume from ");
-    return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at) - at);
-  };
-  for (const std::string plugin : {"synthetic", "tokens"}) {
+  for (const std::string plugin : {"synthetic", "tokens", "megatron"}) {
     SCOPED_TRACE(plugin);
-    const fs::path dir = fresh_dir("messages_check_data_state_" + plugin);
-    std::string text = tiny_config(dir / "run", 2);
-    if (plugin == "tokens") {
-      write_tokens(dir / "train.bin", token_pattern(20000, 96), 2, 96);
-      const std::string syn = "plugin = \"synthetic\"\npattern = \"ramp\"\n";
-      text.replace(text.find(syn), syn.size(), "plugin = \"tokens\"\ntrain = \"" + (dir / "train.bin").string() + "\"\n");
-    }
-    const fs::path cfg = dir / "c.toml";
-    std::ofstream(cfg) << text;
-    {
-      loom::Session s(loom::parse_config_string(text, cfg.string(), {"checkpoint.every=2"}));
-      s.train();
-    }
-    const fs::path root = dir / "run" / "checkpoints", meta = root / "step_00000002" / "meta.json";
-    const nlohmann::json original = nlohmann::json::parse(read_text(meta));
-    const nlohmann::json own = nlohmann::json::parse(original["data_state"].get<std::string>());
-    auto set_state = [&](const std::string& state) {
-      nlohmann::json j = original;
-      j["data_state"] = state;
-      // Certified again, as a checkpoint written with this state would be.
-      fs::remove(root / "step_00000002" / "COMPLETE");
-      loom::ckpt::CheckpointWriter::write_meta(root.string(), 2, j.dump(2));
-      loom::ckpt::CheckpointWriter::mark_complete(root.string(), 2);
-    };
-    std::vector<std::string> states = {"{oops", "", "[1, 2]", "42",
-                                       nlohmann::json{{"source", plugin == "tokens" ? "synthetic" : "tokens"}}.dump(),
-                                       nlohmann::json{{"source", "megatron"}, {"version", 1}}.dump()};
-    for (const std::string field : {"cursor", "seed", "world", "batch"}) {
-      nlohmann::json missing = own, wrong = own;
-      missing.erase(field);
-      wrong[field] = "x";
-      states.push_back(missing.dump());
-      states.push_back(wrong.dump());
-    }
-    if (plugin == "tokens") {  // a position in other data: other shards, another window length
-      nlohmann::json files = own, windows = own;
-      files["train_files"][0]["tokens"] = 12345;
-      windows["seq_len"] = 63;
-      states.push_back(files.dump());
-      states.push_back(windows.dump());
-    }
-    for (const std::string& state : states) {
-      SCOPED_TRACE("data_state = " + state);
-      set_state(state);
-      const ProcResult check = run_shell("timeout 300 " + loom + "check '" + cfg.string() + "'");
-      EXPECT_EQ(check.code, 1) << check.out;
-      EXPECT_CONTAINS(check.out, "cannot resume from " + meta.string() + ": its \"data_state\" (the position of data "
-                                 "plugin '" + plugin + "') is refused: ");
-      EXPECT_FALSE(has(check.out, ": ok")) << check.out;
-      EXPECT_FALSE(has(check.out, "data: ")) << "scanned before the refusal:\n" << check.out;
-      const ProcResult train = run_shell("timeout 300 " + loom + "train '" + cfg.string() + "' --set train.steps=4");
-      EXPECT_EQ(train.code, 1) << train.out;
-      EXPECT_EQ(refusal(check.out), refusal(train.out)) << "loom check:\n" << check.out << "\nloom train:\n" << train.out;
-      EXPECT_FALSE(has(train.out, "step 3/")) << train.out;
-    }
+    const DataStateRun r(plugin);
+    const std::string other = plugin == "tokens" ? "synthetic" : "tokens";
+    expect_refused_alike(r, "{oops", {"it is '{oops', not valid JSON", kDamagedTail});
+    expect_refused_alike(r, "", {"it is '', not valid JSON", kDamagedTail});
+    expect_refused_alike(r, "[1, 2]", {"it is [1,2], not a JSON object", kDamagedTail});
+    expect_refused_alike(r, "42", {"it is 42, not a JSON object", kDamagedTail});
+    expect_refused_alike(r, nlohmann::json{{"source", other}}.dump(),
+                         {"it was written by data plugin '" + other + "', not '" + plugin + "'",
+                          "resume with data.plugin = \"" + other + "\"", "checkpoint.resume = \"none\""});
+    expect_refused_alike(r, r.with("/source", "5"), {"\"source\" is 5, expected a string", kDamagedTail});
+    expect_refused_alike(r, r.with("/version", "2"),
+                         {"format version 2 of data plugin '" + plugin + "', which reads version 1 only",
+                          "checkpoint.resume = \"none\""});
+    for (const std::string field : {"source", "version", "cursor", "seed", "world", "batch"})
+      expect_refused_alike(r, r.without(field), {"\"" + field + "\" is missing", kDamagedTail});
     // The state as written passes.
-    set_state(original["data_state"].get<std::string>());
-    const ProcResult ok = run_shell("timeout 300 " + loom + "check '" + cfg.string() + "'");
-    EXPECT_EQ(ok.code, 0) << ok.out;
+    expect_resumed(r, r.original["data_state"].get<std::string>());
   }
+}
+
+// Every numeric field a data plugin reads from its state — positions, counts,
+// seeds, ranks, sizes, file and document numbers, the blend's weights; and
+// the booleans beside them — is refused for each hostile value (negative,
+// fractional, beyond 2^53 where it counts samples, beyond 2^64, just outside
+// its range, a boolean, a string, null, an array, an object) naming meta.json,
+// the field and the value, and what to do: the same by `loom check` and `loom
+// train`. A negative cursor used to be read as an unsigned number and resumed
+// at 2^64 - 1. Values at the edges of each range still resume.
+TEST(ReliabilityMessages, EveryFieldOfTheSyntheticDataStateIsRefusedByName) {
+  const DataStateRun r("synthetic");
+  expect_every_field_refused(r, {{"/version", "version", StateField::integer, 1, kMax},
+                                 {"/cursor", "cursor", StateField::integer, 0, kPos},
+                                 {"/seed", "seed", StateField::integer, 0, kMax},
+                                 {"/world", "world", StateField::integer, 1, kDim},
+                                 {"/batch", "batch", StateField::integer, 1, kDim},
+                                 {"/vocab", "vocab", StateField::integer, 1, 2147483647}});
+  expect_refused_alike(r, r.with("/pattern", "\"zigzag\""),
+                       {"\"pattern\" is \"zigzag\", expected \"random\" or \"ramp\"", kDamagedTail});
+  for (const auto& [at, v] : std::vector<std::pair<std::string, std::string>>{
+           {"/cursor", "0"}, {"/cursor", std::to_string(kPos)}, {"/seed", "0"}, {"/seed", std::to_string(kMax)},
+           {"/world", std::to_string(kDim)}, {"/batch", std::to_string(kDim)}, {"/vocab", "1"},
+           {"/vocab", "2147483647"}, {"/pattern", "\"random\""}})
+    expect_resumed(r, r.with(at, v));
+}
+
+TEST(ReliabilityMessages, EveryFieldOfTheTokensDataStateIsRefusedByName) {
+  const DataStateRun r("tokens");
+  const int64_t W = r.own["windows_per_epoch"];
+  ASSERT_EQ(W, 645);
+  expect_every_field_refused(r, {{"/version", "version", StateField::integer, 1, kMax},
+                                 {"/cursor", "cursor", StateField::integer, 0, kPos},
+                                 {"/epoch", "epoch", StateField::integer, 0, kPos},
+                                 {"/windows_per_epoch", "windows_per_epoch", StateField::integer, 1, kPos},
+                                 {"/seed", "seed", StateField::integer, 0, kMax},
+                                 {"/world", "world", StateField::integer, 1, kDim},
+                                 {"/batch", "batch", StateField::integer, 1, kDim},
+                                 {"/seq_len", "seq_len", StateField::integer, 1, kDim},
+                                 {"/train_files/0/tokens", "train_files[0].tokens", StateField::integer, 0, kMax},
+                                 {"/shuffle", "shuffle", StateField::boolean}});
+  // A cursor past the windows of the epoch the state records, in range or at 2^53; an epoch the cursor is not in.
+  for (const int64_t c : {W, 2 * W + 5, kPos})
+    expect_refused_alike(r, r.with("/cursor", std::to_string(c)),
+                         {"\"cursor\" is " + std::to_string(c) + " and \"epoch\" is 0, which disagree: at 645 windows "
+                          "an epoch, window " + std::to_string(c) + " lies in epoch " + std::to_string(c / W),
+                          kDamagedTail});
+  expect_refused_alike(r, r.with("/epoch", "1"),
+                       {"\"cursor\" is 16 and \"epoch\" is 1, which disagree", "epoch 1 holds windows [645, 1290)",
+                        kDamagedTail});
+  expect_refused_alike(r, r.with("/windows_per_epoch", "646"),
+                       {"\"windows_per_epoch\" is 646, expected 645: the windows of seq_len + 1 = 32 tokens",
+                        kDamagedTail});
+  expect_refused_alike(r, r.with("/train_files/0", "5"), {"\"train_files[0]\" is 5, expected a JSON object", kDamagedTail});
+  expect_refused_alike(r, r.with("/train_files/0/path", "7"), {"\"train_files[0].path\" is 7, expected a string"});
+  // Positions in other data: other shards, another window length.
+  expect_refused_alike(r, r.with("/train_files/0/tokens", "12345"),
+                       {"the data changed since the checkpoint", "(12345)", "checkpoint.resume = \"none\""});
+  expect_refused_alike(r, r.with("/train_files", "[]"), {"the data changed since the checkpoint"});
+  expect_refused_alike(r, r.with("/seq_len", "63"),
+                       {"counts windows of seq_len 63 but train.seq_len is now 31", "checkpoint.resume = \"none\""});
+  // The edges: the first window, the last of an epoch, the first of the next, 2^53.
+  for (const auto& [cursor, epoch] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, 0}, {W - 1, 0}, {W, 1}, {kPos, kPos / W}})
+    expect_resumed(r, r.patched({{"cursor", cursor}, {"epoch", epoch}}));
+  for (const auto& [at, v] : std::vector<std::pair<std::string, std::string>>{
+           {"/seed", "0"}, {"/seed", std::to_string(kMax)}, {"/world", std::to_string(kDim)},
+           {"/batch", std::to_string(kDim)}, {"/shuffle", "false"}})
+    expect_resumed(r, r.with(at, v));
+}
+
+TEST(ReliabilityMessages, EveryFieldOfTheMegatronDataStateIsRefusedByName) {
+  const DataStateRun r("megatron");
+  const nlohmann::json& d1 = r.own["datasets"][1];
+  const int64_t seqs = d1["sequences"], first = d1["train_documents"][0];
+  expect_every_field_refused(r, {{"/version", "version", StateField::integer, 1, kMax},
+                                 {"/cursor", "cursor", StateField::integer, 0, kPos},
+                                 {"/counts/0", "counts[0]", StateField::integer, 0, kPos},
+                                 {"/counts/1", "counts[1]", StateField::integer, 0, kPos},
+                                 {"/weights/0", "weights[0]", StateField::number},
+                                 {"/weights/1", "weights[1]", StateField::number},
+                                 {"/seed", "seed", StateField::integer, 0, kMax},
+                                 {"/world", "world", StateField::integer, 1, kDim},
+                                 {"/batch", "batch", StateField::integer, 1, kDim},
+                                 {"/seq_len", "seq_len", StateField::integer, 1, kDim},
+                                 {"/datasets/0/sequences", "datasets[0].sequences", StateField::integer, 0, kMax},
+                                 {"/datasets/0/tokens", "datasets[0].tokens", StateField::integer, 0, kMax},
+                                 {"/datasets/1/train_documents/0", "datasets[1].train_documents[0]",
+                                  StateField::integer, 0, seqs},
+                                 {"/datasets/1/train_documents/1", "datasets[1].train_documents[1]",
+                                  StateField::integer, first, seqs},
+                                 {"/shuffle", "shuffle", StateField::boolean}});
+  const uint64_t c0 = r.own["counts"][0], c1 = r.own["counts"][1], cursor = r.own["cursor"];
+  ASSERT_EQ(c0 + c1, cursor);
+  // Counts that do not sum to the cursor (a cursor moved, a count moved), or not one per dataset.
+  expect_refused_alike(r, r.with("/cursor", std::to_string(cursor + 1)),
+                       {"sum to " + std::to_string(cursor) + " but \"cursor\" is " + std::to_string(cursor + 1),
+                        kDamagedTail});
+  expect_refused_alike(r, r.with("/cursor", std::to_string(kPos)),
+                       {"sum to " + std::to_string(cursor) + " but \"cursor\" is " + std::to_string(kPos), kDamagedTail});
+  expect_refused_alike(r, r.with("/counts/0", std::to_string(kPos)),
+                       {"sum to " + std::to_string(kPos + c1) + " but \"cursor\" is " + std::to_string(cursor),
+                        kDamagedTail});
+  expect_refused_alike(r, r.with("/counts", "[" + std::to_string(cursor) + "]"),
+                       {"\"counts\" has 1 per-dataset count(s) for 2 dataset(s)", kDamagedTail});
+  expect_refused_alike(r, r.with("/weights", "[1.0]"), {"\"weights\" has 1 weight(s) for 2 dataset(s)", kDamagedTail});
+  expect_refused_alike(r, r.with("/weights", "[0.9, 0.9]"), {"\"weights\" [0.9,0.9] sum to 1.8", kDamagedTail});
+  expect_refused_alike(r, r.with("/datasets/1/train_documents", "[0, 1, 2]"),
+                       {"\"datasets[1].train_documents\" is [0,1,2], expected [first, end)", kDamagedTail});
+  expect_refused_alike(r, r.with("/datasets/1/train_documents", "[5, 3]"),
+                       {"\"datasets[1].train_documents[1]\" is 3, expected an integer in [5, " + std::to_string(seqs) + "]",
+                        kDamagedTail});
+  expect_refused_alike(r, r.with("/datasets/1", "[]"), {"\"datasets[1]\" is [], expected a JSON object", kDamagedTail});
+  expect_refused_alike(r, r.with("/datasets/0/prefix", "7"), {"\"datasets[0].prefix\" is 7, expected a string"});
+  // Positions in other data: another dataset, other train documents, another sample length.
+  expect_refused_alike(r, r.with("/datasets/0/sequences", "301"),
+                       {"the data changed since the checkpoint", "checkpoint.resume = \"none\""});
+  expect_refused_alike(r, r.with("/datasets/1/train_documents/0", "1"), {"the data changed since the checkpoint"});
+  expect_refused_alike(r, r.with("/seq_len", "63"),
+                       {"counts samples of seq_len 63 but train.seq_len is now 31", "checkpoint.resume = \"none\""});
+  // The edges: the first sample; 2^53 samples, all from one dataset; one dataset's weight all of the blend.
+  expect_resumed(r, r.patched({{"cursor", 0}, {"counts", {0, 0}}}));
+  expect_resumed(r, r.patched({{"cursor", kPos}, {"counts", {kPos, 0}}}));
+  expect_resumed(r, r.patched({{"cursor", kPos}, {"counts", {0, kPos}}}));
+  expect_resumed(r, r.with("/weights", "[1.0, 0.0]"));
+  for (const auto& [at, v] : std::vector<std::pair<std::string, std::string>>{
+           {"/seed", "0"}, {"/seed", std::to_string(kMax)}, {"/world", std::to_string(kDim)},
+           {"/batch", std::to_string(kDim)}, {"/shuffle", "false"}})
+    expect_resumed(r, r.with(at, v));
+}
+
+// A damaged data position is damage of its checkpoint: the advice names the
+// newest earlier checkpoint whose data position validates too (resuming from
+// one whose position is damaged as well would only be refused again), the
+// same by `loom check` and `loom train`.
+TEST(ReliabilityMessages, DamagedDataStateAdviceNamesAnEarlierCheckpointWhosePositionIsGood) {
+  const fs::path dir = fresh_dir("messages_data_state_advice");
+  const std::string text = tiny_config(dir / "run", 4);
+  const fs::path cfg = dir / "c.toml";
+  std::ofstream(cfg) << text;
+  {
+    loom::Session s(loom::parse_config_string(text, cfg.string(), {"checkpoint.every=2"}));
+    s.train();
+  }
+  const fs::path root = dir / "run" / "checkpoints";
+  auto damage = [&](int step) {
+    const fs::path meta = root / loom::cat("step_0000000", step) / "meta.json";
+    nlohmann::json j = nlohmann::json::parse(read_text(meta));
+    nlohmann::json state = nlohmann::json::parse(j["data_state"].get<std::string>());
+    state["cursor"] = -1;
+    j["data_state"] = state.dump();
+    fs::remove(meta.parent_path() / "COMPLETE");
+    loom::ckpt::CheckpointWriter::write_meta(root.string(), step, j.dump(2));
+    loom::ckpt::CheckpointWriter::mark_complete(root.string(), step);
+  };
+  const std::string loom = std::string("'") + LOOM_CLI + "' ";
+  auto expect_advice = [&](const std::string& advice) {
+    const ProcResult check = run_shell("timeout 300 " + loom + "check '" + cfg.string() + "'");
+    const ProcResult train = run_shell("timeout 300 " + loom + "train '" + cfg.string() + "' --set train.steps=6");
+    EXPECT_EQ(check.code, 1) << check.out;
+    EXPECT_EQ(train.code, 1) << train.out;
+    EXPECT_CONTAINS(refusal(check.out), "step_00000004/meta.json: its \"data_state\" (the position of data plugin "
+                                        "'synthetic') is refused: \"cursor\" is -1, expected an integer in [0, "
+                                        "9007199254740992]" + kDamagedTail.substr(0, kDamagedTail.find(" No earlier")));
+    EXPECT_CONTAINS(refusal(check.out), advice);
+    EXPECT_EQ(refusal(check.out), refusal(train.out)) << check.out << "\n" << train.out;
+  };
+  damage(4);
+  expect_advice("The newest earlier checkpoint that validates is " + (root / "step_00000002").string());
+  damage(2);
+  expect_advice("No earlier checkpoint in " + root.string() + " validates");
 }
 
 // The command line, the same for every command: `loom <command> --help`

@@ -32,6 +32,12 @@ class DataSource : public Plugin {
   // Exact position for resume: an opaque string (JSON by convention) that
   // restore() accepts. Must include enough to continue after a world-size change.
   virtual std::string state() const = 0;
+  // Continues from a state() kept in a checkpoint's meta.json ("data_state").
+  // Throws loom::Error for a state it cannot continue from, naming the field
+  // and the value (the core puts the file and field in front: "cannot resume
+  // from .../meta.json: its "data_state" ... is refused: "); read every field
+  // strictly (a negative number is no cursor) and check them all before
+  // taking any. `loom check` calls it too, after open().
   virtual void restore(const std::string& state) = 0;
   // Largest token id + 1 this source can produce, or 0 if unknown (checked against the model).
   virtual int64_t vocab_hint() const { return 0; }

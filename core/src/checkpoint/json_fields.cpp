@@ -24,12 +24,14 @@ std::string integer_words(int64_t lo, int64_t hi) {
 std::string integer_range(int64_t lo, int64_t hi) { return cat("[", lo, ", ", hi, "]"); }
 
 void JsonFields::fail(const std::string& key, const json& found, const std::string& expected) const {
-  throw CheckpointDamaged(cat(file_, ": \"", key, "\" is ", shown(found), ", expected ", expected, tail_));
+  throw CheckpointDamaged(cat(lead(), "\"", key, "\" is ", shown(found), ", expected ", expected, tail_));
 }
 
 void JsonFields::missing(const std::string& key, const std::string& expected) const {
-  throw CheckpointDamaged(cat(file_, ": \"", key, "\" is missing (expected ", expected, ")", tail_));
+  throw CheckpointDamaged(cat(lead(), "\"", key, "\" is missing (expected ", expected, ")", tail_));
 }
+
+std::string JsonFields::lead() const { return file_.empty() ? std::string() : file_ + ": "; }
 
 const nlohmann::json* JsonFields::find(const json& obj, const std::string& at, const std::string& name,
                                        std::string& full) const {

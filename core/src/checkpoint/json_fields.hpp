@@ -20,7 +20,9 @@ class JsonFields {
   using json = nlohmann::json;
   static constexpr int64_t kMaxInt = std::numeric_limits<int64_t>::max();
 
-  // `file` names the file in every message; `tail` ends it (what the refusal means).
+  // `file` names the file in every message (empty: the caller names it, as
+  // the core does for a data plugin's state); `tail` ends it (what the
+  // refusal means).
   JsonFields(std::string file, std::string tail) : file_(std::move(file)), tail_(std::move(tail)) {}
 
   // `key` is the field's path for messages: "meta_bytes", "units[1].params[2].offset".
@@ -54,6 +56,7 @@ class JsonFields {
   const std::string& file() const { return file_; }
 
  private:
+  std::string lead() const;  // "file: ", or nothing
   std::string file_;
   std::string tail_;
 };

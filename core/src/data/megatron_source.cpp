@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/data_state.hpp"
 #include "data/hash.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
@@ -272,63 +273,101 @@ TokenScanReport MegatronSource::scan_tokens() const {
 
 void MegatronSource::restore(const std::string& state) {
   require_open("restore()");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(state);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(cat("data state for plugin 'megatron' is not valid JSON (", e.what(), "); the checkpoint's metadata is damaged"));
+  // Every field is read and checked before any is compared or taken: a
+  // damaged field is told as that, and a refused state leaves the source as it was.
+  const DataStateReader r(state, "megatron", 1);
+  const ckpt::JsonFields& f = r.fields();
+  struct Dataset {
+    std::string prefix;
+    uint64_t sequences, tokens, begin, end;
+  };
+  std::vector<Dataset> was;
+  const nlohmann::json& listed = r.array("datasets");
+  for (std::size_t i = 0; i < listed.size(); ++i) {
+    const std::string at = cat("datasets[", i, "]");
+    Dataset d;
+    d.prefix = f.string_at(listed[i], at, "prefix");
+    d.sequences = static_cast<uint64_t>(f.integer_at(listed[i], at, "sequences"));
+    d.tokens = static_cast<uint64_t>(f.integer_at(listed[i], at, "tokens"));
+    const nlohmann::json& docs = f.array_at(listed[i], at, "train_documents");
+    const std::string dk = at + ".train_documents";
+    if (docs.size() != 2) r.fail(dk, docs, "[first, end): two document numbers");
+    d.begin = static_cast<uint64_t>(f.integer(docs[0], dk + "[0]", 0, static_cast<int64_t>(d.sequences)));
+    d.end = static_cast<uint64_t>(f.integer(docs[1], dk + "[1]", static_cast<int64_t>(d.begin),
+                                            static_cast<int64_t>(d.sequences)));
+    was.push_back(std::move(d));
   }
-  try {
-    if (j.value("source", std::string()) != "megatron")
-      throw Error(cat("data state was written by data plugin '", j.value("source", std::string("?")),
-                      "', not 'megatron'; resume with the same data plugin or start a fresh run"));
-    const auto& ds = j.at("datasets");
-    bool same = ds.size() == train_.size();
-    for (std::size_t i = 0; same && i < ds.size(); ++i)
-      same = ds[i].at("sequences").get<uint64_t>() == train_[i]->ds->sequences() &&
-             ds[i].at("tokens").get<uint64_t>() == train_[i]->ds->tokens() &&
-             ds[i].at("train_documents").get<std::vector<uint64_t>>() == std::vector<uint64_t>{train_[i]->begin, train_[i]->end};
-    if (!same) {
-      std::string was, now;
-      for (auto& d : ds) was += cat(" ", d.at("prefix").get<std::string>(), " (", d.at("tokens").get<uint64_t>(), " tokens)");
-      for (auto& s : train_) now += cat(" ", s->ds->prefix(), " (", s->ds->tokens(), " tokens)");
-      throw Error(cat("the data changed since the checkpoint: its Megatron datasets were", was, "; now they are", now,
-                      " (or data.split moved the train documents); point data.prefix at the original datasets or start a fresh run"));
-    }
-    if (j.at("seq_len").get<int64_t>() != spec_.seq_len)
-      throw Error(cat("the checkpoint's data position counts samples of seq_len ", j.at("seq_len").get<int64_t>(),
-                      " but train.seq_len is now ", spec_.seq_len, "; resume with that seq_len or start a fresh run"));
-    const auto weights = j.at("weights").get<std::vector<double>>();
-    if (weights != weights_)
-      log_warn("megatron: data.weights changed since the checkpoint; the blend continues from the checkpoint's counts with the new weights");
-    const auto cursor = j.at("cursor").get<uint64_t>();
-    const auto counts = j.at("counts").get<std::vector<uint64_t>>();
-    // Every global sample went to exactly one dataset: the counts sum to the cursor.
-    if (counts.size() != train_.size() || std::accumulate(counts.begin(), counts.end(), uint64_t{0}) != cursor)
-      throw Error(cat("data state for plugin 'megatron' has ", counts.size(), " per-dataset count(s) summing to ",
-                      std::accumulate(counts.begin(), counts.end(), uint64_t{0}), " for ", train_.size(),
-                      " dataset(s) at global sample ", cursor, "; the checkpoint's metadata is damaged"));
-    cursor_ = cursor;
-    counts_ = counts;
-    const uint64_t seed = j.at("seed").get<uint64_t>();
-    if (seed != seed_) {
-      log_info(cat("megatron: continuing the checkpoint's sample order (seed ", seed, ", not the run's seed ", seed_, ")"));
-      seed_ = seed;
-      for (auto& s : train_) {
-        s->doc_seed = hash_of(seed_, 0x444f4353ull, s->dataset);
-        s->sample_seed = hash_of(seed_, 0x53414d50ull, s->dataset);
-        s->epoch = -1;
-      }
-    }
-    const int world = j.at("world").get<int>();
-    const int64_t batch = j.at("batch").get<int64_t>();
-    if (world != spec_.world || batch != spec_.batch)
-      log_info(cat("megatron: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ",
-                   spec_.world, " x batch ", spec_.batch, "; continuing from global sample ", cursor_));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(cat("data state for plugin 'megatron' lacks a field or has a wrong type (", e.what(),
-                    "); the checkpoint's metadata is damaged or from an incompatible version"));
+  const std::size_t n = was.size();
+  const int64_t seq_len = r.integer("seq_len", 1, kMaxDataDim);
+  const bool shuffle = r.boolean("shuffle");
+  const auto cursor = static_cast<uint64_t>(r.integer("cursor", 0, kMaxDataPosition));
+  // One count per dataset; every global sample went to exactly one: they sum to the cursor.
+  const nlohmann::json& listed_counts = r.array("counts");
+  if (listed_counts.size() != n)
+    r.damaged(cat("\"counts\" has ", listed_counts.size(), " per-dataset count(s) for ", n,
+                  " dataset(s) (\"datasets\"): one per dataset"));
+  std::vector<uint64_t> counts;
+  uint64_t sum = 0;  // at most n * 2^53: no overflow
+  for (std::size_t i = 0; i < n; ++i) {
+    counts.push_back(static_cast<uint64_t>(f.integer(listed_counts[i], cat("counts[", i, "]"), 0, kMaxDataPosition)));
+    sum += counts.back();
   }
+  if (sum != cursor)
+    r.damaged(cat("\"counts\" ", listed_counts.dump(), " sum to ", sum, " but \"cursor\" is ", cursor,
+                  ": every global sample went to one dataset, the counts sum to the cursor"));
+  // The blend's weights, normalised: one per dataset in [0, 1], summing to 1.
+  const nlohmann::json& listed_weights = r.array("weights");
+  if (listed_weights.size() != n)
+    r.damaged(cat("\"weights\" has ", listed_weights.size(), " weight(s) for ", n,
+                  " dataset(s) (\"datasets\"): one per dataset"));
+  std::vector<double> weights;
+  double wsum = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    weights.push_back(f.number(listed_weights[i], cat("weights[", i, "]"), 0.0, 1.0));
+    wsum += weights.back();
+  }
+  if (n > 0 && !(std::fabs(wsum - 1.0) <= 1e-6))
+    r.damaged(cat("\"weights\" ", listed_weights.dump(), " sum to ", wsum, ": the blend's weights are kept "
+                  "normalised, summing to 1"));
+  const auto seed = static_cast<uint64_t>(r.integer("seed", 0));  // run.seed's range
+  const int64_t world = r.integer("world", 1, kMaxDataRanks);
+  const int64_t batch = r.integer("batch", 1, kMaxDataDim);
+
+  bool same = n == train_.size();
+  for (std::size_t i = 0; same && i < n; ++i)
+    same = was[i].sequences == train_[i]->ds->sequences() && was[i].tokens == train_[i]->ds->tokens() &&
+           was[i].begin == train_[i]->begin && was[i].end == train_[i]->end;
+  if (!same) {
+    std::string then, now;
+    for (const Dataset& d : was) then += cat(" ", d.prefix, " (", d.tokens, " tokens)");
+    for (auto& s : train_) now += cat(" ", s->ds->prefix(), " (", s->ds->tokens(), " tokens)");
+    throw Error(cat("the data changed since the checkpoint: its Megatron datasets were", then, "; now they are", now,
+                    " (or data.split moved the train documents); point data.prefix at the original datasets, or start "
+                    "afresh (checkpoint.resume = \"none\")"));
+  }
+  if (seq_len != spec_.seq_len)
+    throw Error(cat("the checkpoint's data position counts samples of seq_len ", seq_len, " but train.seq_len is now ",
+                    spec_.seq_len, "; resume with train.seq_len = ", seq_len,
+                    ", or start afresh (checkpoint.resume = \"none\")"));
+  if (weights != weights_)
+    log_warn("megatron: data.weights changed since the checkpoint; the blend continues from the checkpoint's counts with the new weights");
+  if (shuffle != opt_.shuffle)
+    log_warn(cat("megatron: the checkpoint was taken with shuffle = ", shuffle, ", the run now has shuffle = ",
+                 opt_.shuffle, "; continuing from the same sample counts in the new order"));
+  cursor_ = cursor;
+  counts_ = counts;
+  if (seed != seed_) {
+    log_info(cat("megatron: continuing the checkpoint's sample order (seed ", seed, ", not the run's seed ", seed_, ")"));
+    seed_ = seed;
+    for (auto& s : train_) {
+      s->doc_seed = hash_of(seed_, 0x444f4353ull, s->dataset);
+      s->sample_seed = hash_of(seed_, 0x53414d50ull, s->dataset);
+      s->epoch = -1;
+    }
+  }
+  if (world != spec_.world || batch != spec_.batch)
+    log_info(cat("megatron: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ",
+                 spec_.world, " x batch ", spec_.batch, "; continuing from global sample ", cursor_));
   val_cursor_ = 0;
 }
 

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config/run_config.hpp"
+#include "data/data_state.hpp"
 #include "data/hash.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
@@ -81,28 +82,24 @@ std::string SyntheticSource::state() const {
 
 void SyntheticSource::restore(const std::string& state) {
   if (!opened_) throw Error("data plugin 'synthetic': restore() called before open()");
-  try {
-    const auto j = nlohmann::json::parse(state);
-    if (j.value("source", std::string()) != "synthetic")
-      throw Error(cat("data state was written by data plugin '", j.value("source", std::string("?")),
-                      "', not 'synthetic'; resume with the same data plugin or start a fresh run"));
-    const auto pattern = j.at("pattern").get<std::string>();
-    const auto vocab = j.at("vocab").get<int64_t>();
-    if (pattern != opt_.pattern || vocab != vocab_)
-      log_warn(cat("synthetic: the checkpoint's data was pattern \"", pattern, "\" over ", vocab,
-                   " ids, the run now generates pattern \"", opt_.pattern, "\" over ", vocab_,
-                   " ids; the position carries over, the tokens differ"));
-    cursor_ = j.at("cursor").get<uint64_t>();
-    seed_ = j.at("seed").get<uint64_t>();  // the checkpoint's stream continues, whatever the run's seed
-    const int world = j.at("world").get<int>();
-    const int64_t batch = j.at("batch").get<int64_t>();
-    if (world != spec_.world || batch != spec_.batch)
-      log_info(cat("synthetic: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ",
-                   spec_.world, " x batch ", spec_.batch, "; continuing from global sample ", cursor_));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(cat("data state for plugin 'synthetic' is not valid (", e.what(),
-                    "); the checkpoint's metadata is damaged or from an incompatible version"));
-  }
+  // Every field is read and checked before any is taken: a refused state leaves the source as it was.
+  const DataStateReader r(state, "synthetic", 1);
+  const std::string pattern = r.string("pattern");
+  if (pattern != "random" && pattern != "ramp") r.fail("pattern", pattern, "\"random\" or \"ramp\"");
+  const int64_t vocab = r.integer("vocab", 1, kMaxVocabSize);
+  const auto cursor = static_cast<uint64_t>(r.integer("cursor", 0, kMaxDataPosition));
+  const auto seed = static_cast<uint64_t>(r.integer("seed", 0));  // run.seed's range
+  const int64_t world = r.integer("world", 1, kMaxDataRanks);
+  const int64_t batch = r.integer("batch", 1, kMaxDataDim);
+  if (pattern != opt_.pattern || vocab != vocab_)
+    log_warn(cat("synthetic: the checkpoint's data was pattern \"", pattern, "\" over ", vocab,
+                 " ids, the run now generates pattern \"", opt_.pattern, "\" over ", vocab_,
+                 " ids; the position carries over, the tokens differ"));
+  cursor_ = cursor;
+  seed_ = seed;  // the checkpoint's stream continues, whatever the run's seed
+  if (world != spec_.world || batch != spec_.batch)
+    log_info(cat("synthetic: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ",
+                 spec_.world, " x batch ", spec_.batch, "; continuing from global sample ", cursor_));
   val_cursor_ = 0;
 }
 

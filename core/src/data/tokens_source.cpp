@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config/run_config.hpp"
+#include "data/data_state.hpp"
 #include "data/hash.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
@@ -204,50 +205,63 @@ std::string TokensSource::state() const {
 
 void TokensSource::restore(const std::string& state) {
   require_open("restore()");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(state);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(cat("data state for plugin 'tokens' is not valid JSON (", e.what(),
-                    "); the checkpoint's metadata is damaged"));
+  // Every field is read and checked before any is compared or taken: a
+  // damaged field is told as that, and a refused state leaves the source as it was.
+  const DataStateReader r(state, "tokens", 1);
+  const ckpt::JsonFields& f = r.fields();
+  struct File {
+    std::string path;
+    uint64_t tokens;
+  };
+  std::vector<File> files;
+  const nlohmann::json& listed = r.array("train_files");
+  for (std::size_t i = 0; i < listed.size(); ++i) {
+    const std::string at = cat("train_files[", i, "]");
+    files.push_back({f.string_at(listed[i], at, "path"), static_cast<uint64_t>(f.integer_at(listed[i], at, "tokens"))});
   }
-  try {
-    if (j.value("source", std::string()) != "tokens")
-      throw Error(cat("data state was written by data plugin '", j.value("source", std::string("?")),
-                      "', not 'tokens'; resume with the same data plugin or start a fresh run"));
-    const auto& files = j.at("train_files");
-    bool same = files.size() == train_.shards.size();
-    for (std::size_t i = 0; same && i < files.size(); ++i)
-      same = files[i].at("tokens").get<uint64_t>() == train_.shards[i].size();
-    if (!same) {
-      std::string was, now;
-      for (auto& f : files) was += cat(" ", f.at("path").get<std::string>(), " (", f.at("tokens").get<uint64_t>(), ")");
-      for (auto& s : train_.shards) now += cat(" ", s.path(), " (", s.size(), ")");
-      throw Error(cat("the data changed since the checkpoint: its train shards were", was, "; now they are", now,
-                      "; point data.train at the original shards or start a fresh run"));
-    }
-    const int64_t seq_len = j.at("seq_len").get<int64_t>();
-    if (seq_len != spec_.seq_len)
-      throw Error(cat("the checkpoint's data position counts windows of seq_len ", seq_len, " but train.seq_len is now ",
-                      spec_.seq_len, "; resume with seq_len ", seq_len, " or start a fresh run"));
-    const bool shuffle = j.at("shuffle").get<bool>();
-    if (shuffle != opt_.shuffle)
-      log_warn(cat("tokens: the checkpoint was taken with shuffle = ", shuffle, ", the run now has shuffle = ", opt_.shuffle,
-                   "; continuing from the same window count in the new order"));
-    cursor_ = j.at("cursor").get<uint64_t>();
-    const uint64_t seed = j.at("seed").get<uint64_t>();
-    if (seed != seed_)
-      log_info(cat("tokens: continuing the checkpoint's window order (seed ", seed, ", not the run's seed ", seed_, ")"));
-    seed_ = seed;
-    const int world = j.at("world").get<int>();
-    const int64_t batch = j.at("batch").get<int64_t>();
-    if (world != spec_.world || batch != spec_.batch)
-      log_info(cat("tokens: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ", spec_.world,
-                   " x batch ", spec_.batch, "; continuing from global window ", cursor_));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(cat("data state for plugin 'tokens' lacks a field or has a wrong type (", e.what(),
-                    "); the checkpoint's metadata is damaged or from an incompatible version"));
+  const int64_t seq_len = r.integer("seq_len", 1, kMaxDataDim);
+  const bool shuffle = r.boolean("shuffle");
+  const auto cursor = static_cast<uint64_t>(r.integer("cursor", 0, kMaxDataPosition));
+  const auto epoch = static_cast<uint64_t>(r.integer("epoch", 0, kMaxDataPosition));
+  const auto windows = static_cast<uint64_t>(r.integer("windows_per_epoch", 1, kMaxDataPosition));
+  const auto seed = static_cast<uint64_t>(r.integer("seed", 0));  // run.seed's range
+  const int64_t world = r.integer("world", 1, kMaxDataRanks);
+  const int64_t batch = r.integer("batch", 1, kMaxDataDim);
+
+  bool same = files.size() == train_.shards.size();
+  for (std::size_t i = 0; same && i < files.size(); ++i) same = files[i].tokens == train_.shards[i].size();
+  if (!same) {
+    std::string was, now;
+    for (const File& x : files) was += cat(" ", x.path, " (", x.tokens, ")");
+    for (auto& sh : train_.shards) now += cat(" ", sh.path(), " (", sh.size(), ")");
+    throw Error(cat("the data changed since the checkpoint: its train shards were", was, "; now they are", now,
+                    "; point data.train at the original shards, or start afresh (checkpoint.resume = \"none\")"));
   }
+  if (seq_len != spec_.seq_len)
+    throw Error(cat("the checkpoint's data position counts windows of seq_len ", seq_len, " but train.seq_len is now ",
+                    spec_.seq_len, "; resume with train.seq_len = ", seq_len,
+                    ", or start afresh (checkpoint.resume = \"none\")"));
+  // The same shards and seq_len make the same windows: the position must lie in them.
+  if (windows != train_.windows)
+    r.fail("windows_per_epoch", windows,
+           cat(train_.windows, ": the windows of seq_len + 1 = ", spec_.seq_len + 1, " tokens its train shards hold"));
+  if (epoch != cursor / windows) {
+    const bool fits = epoch < static_cast<uint64_t>(kMaxDataPosition) / windows;  // its windows are printable
+    r.damaged(cat("\"cursor\" is ", cursor, " and \"epoch\" is ", epoch, ", which disagree: at ", windows,
+                  " windows an epoch, window ", cursor, " lies in epoch ", cursor / windows,
+                  fits ? cat(", and epoch ", epoch, " holds windows [", epoch * windows, ", ", (epoch + 1) * windows, ")")
+                       : std::string()));
+  }
+  if (shuffle != opt_.shuffle)
+    log_warn(cat("tokens: the checkpoint was taken with shuffle = ", shuffle, ", the run now has shuffle = ", opt_.shuffle,
+                 "; continuing from the same window count in the new order"));
+  if (seed != seed_)
+    log_info(cat("tokens: continuing the checkpoint's window order (seed ", seed, ", not the run's seed ", seed_, ")"));
+  seed_ = seed;
+  cursor_ = cursor;
+  if (world != spec_.world || batch != spec_.batch)
+    log_info(cat("tokens: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ", spec_.world,
+                 " x batch ", spec_.batch, "; continuing from global window ", cursor_));
   logged_epoch_ = cursor_ / train_.windows;
   val_cursor_ = 0;
 }

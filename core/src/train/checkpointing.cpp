@@ -279,21 +279,31 @@ void validate(ckpt::CheckpointSet& set, const ModelSpec& spec, const std::vector
 
 // Gives the data plugin the position the checkpoint in `dir` records, as
 // resuming does; one it refuses is named with the file and field it came
-// from (the plugin sees only the text of its state).
+// from (the plugin sees only the text of its state). A field the plugin
+// finds damaged (ckpt::CheckpointDamaged: of another type, out of range, at
+// odds with another field) stays damage, so the caller says which checkpoint
+// to resume instead; any other refusal (another plugin's state, other data)
+// says itself what to do.
 void restore_data_state(const std::string& dir, const ckpt::TrainMeta& m, DataSource& data) {
+  const std::string what = cat("cannot resume from ", (fs::path(dir) / "meta.json").string(),
+                               ": its \"data_state\" (the position of data plugin '", m.data_plugin, "') is refused: ");
   try {
     data.restore(m.data_state);
+  } catch (const ckpt::CheckpointDamaged& e) {
+    throw ckpt::CheckpointDamaged(what + e.what());
   } catch (const Error& e) {
-    throw Error(cat("cannot resume from ", (fs::path(dir) / "meta.json").string(),
-                    ": its \"data_state\" (the position of data plugin '", m.data_plugin, "') is refused: ", e.what()));
+    throw Error(what + e.what());
   }
 }
 
-// "" when the checkpoint in `dir` would resume into this model, else why not.
-std::string resume_problem(const std::string& dir, const ModelSpec& spec, const std::vector<UnitInfo>& infos) {
+// "" when the checkpoint in `dir` would resume into this model (and, with
+// `data`, its data position into that source), else why not.
+std::string resume_problem(const std::string& dir, const ModelSpec& spec, const std::vector<UnitInfo>& infos,
+                           DataSource* data) {
   try {
     ckpt::CheckpointSet set(dir);
     validate(set, spec, infos);
+    if (data) restore_data_state(dir, set.meta(), *data);
   } catch (const Error& e) {
     return e.what();
   }
@@ -301,15 +311,16 @@ std::string resume_problem(const std::string& dir, const ModelSpec& spec, const 
 }
 
 // What to do about the damaged checkpoint `bad` that checkpoint.resume led
-// to: the newest earlier one that validates, and the exact way back to it
-// (nothing is moved, renamed or deleted for the user).
+// to: the newest earlier one that validates (its data position too, given
+// `data`), and the exact way back to it (nothing is moved, renamed or
+// deleted for the user). `data` is left at that position or another.
 std::string damaged_advice(const Config& cfg, const ckpt::CheckpointInfo& bad, const ModelSpec& spec,
-                           const std::vector<UnitInfo>& infos) {
+                           const std::vector<UnitInfo>& infos, DataSource* data) {
   const std::string root = checkpoint_root(cfg).string();
   const std::vector<ckpt::CheckpointInfo> all = ckpt::list_checkpoints(root);
   std::optional<ckpt::CheckpointInfo> good;
   for (auto it = all.rbegin(); it != all.rend() && !good; ++it)
-    if (it->step < bad.step && it->complete && resume_problem(it->dir, spec, infos).empty()) good = *it;
+    if (it->step < bad.step && it->complete && resume_problem(it->dir, spec, infos, data).empty()) good = *it;
   if (!good)
     return cat("No earlier checkpoint in ", root, " validates. To start fresh and keep this one to look at, ",
                move_aside(bad, "damaged_"), " and set checkpoint.resume = \"none\" with another run.out_dir (or run.overwrite = "
@@ -394,7 +405,7 @@ std::optional<std::string> check_resume_checkpoint(const Config& cfg, const Mode
     validate(set, spec, model.units());
     if (data) restore_data_state(info->dir, set.meta(), *data);
   } catch (const ckpt::CheckpointDamaged& e) {
-    throw Error(cat(e.what(), ". ", damaged_advice(cfg, *info, spec, model.units())));
+    throw Error(cat(e.what(), ". ", damaged_advice(cfg, *info, spec, model.units(), data)));
   }
   return info->dir;
 }
@@ -548,7 +559,7 @@ std::optional<int64_t> resume_checkpoint(const Config& cfg, Runtime& rt, TrainSt
   try {
     return load_checkpoint(cfg, rt, state, model, *info);
   } catch (const ckpt::CheckpointDamaged& e) {
-    throw Error(cat(e.what(), ". ", damaged_advice(cfg, *info, model.spec(), state.infos())));
+    throw Error(cat(e.what(), ". ", damaged_advice(cfg, *info, model.spec(), state.infos(), rt.data.get())));
   }
 }
 
