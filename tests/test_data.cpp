@@ -134,6 +134,25 @@ struct Corpus {
   }
 };
 
+// Each (field, JSON value) put into the state `st` on its own is refused as
+// damage naming the field, and leaves the source at `cursor`.
+template <typename Source>
+void expect_each_field_refused(Source& src, const std::string& st, uint64_t cursor,
+                               const std::vector<std::pair<std::string, std::string>>& cases) {
+  for (const auto& [field, value] : cases) {
+    SCOPED_TRACE(field + " = " + value);
+    auto j = nlohmann::json::parse(st);
+    j[field] = nlohmann::json::parse(value);
+    try {
+      src.restore(j.dump());
+      ADD_FAILURE() << "accepted";
+    } catch (const loom::ckpt::CheckpointDamaged& e) {
+      EXPECT_NE(std::string(e.what()).find("\"" + field + "\" is "), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(src.cursor(), cursor);
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -585,23 +604,13 @@ TEST(TokensData, RestoreTakesEveryEdgeAndRefusesDamageWithoutMoving) {
 
   auto src = tokens_source(c.options(), s);
   take(*src, s, 3);
-  for (const auto& [field, value] : std::vector<std::pair<std::string, std::string>>{
-           {"cursor", "-1"}, {"cursor", "1.5"}, {"cursor", "18446744073709551615"}, {"cursor", "9007199254740993"},
-           {"cursor", "22"}, {"cursor", "true"}, {"epoch", "-1"}, {"epoch", "1"}, {"epoch", "null"},
-           {"windows_per_epoch", "0"}, {"windows_per_epoch", "23"}, {"seed", "-1"}, {"seed", "9223372036854775808"},
-           {"world", "0"}, {"world", "1048577"}, {"batch", "-4"}, {"batch", "\"4\""}, {"seq_len", "4.0"},
-           {"shuffle", "1"}, {"version", "0"}}) {
-    SCOPED_TRACE(field + " = " + value);
-    auto j = nlohmann::json::parse(st);
-    j[field] = nlohmann::json::parse(value);
-    try {
-      src->restore(j.dump());
-      ADD_FAILURE() << "accepted";
-    } catch (const loom::ckpt::CheckpointDamaged& e) {
-      EXPECT_NE(std::string(e.what()).find("\"" + field + "\" is "), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(src->cursor(), 3u);
-  }
+  expect_each_field_refused(*src, st, 3,
+                            {{"cursor", "-1"}, {"cursor", "1.5"}, {"cursor", "18446744073709551615"},
+                             {"cursor", "9007199254740993"}, {"cursor", "22"}, {"cursor", "true"}, {"epoch", "-1"},
+                             {"epoch", "1"}, {"epoch", "null"}, {"windows_per_epoch", "0"},
+                             {"windows_per_epoch", "23"}, {"seed", "-1"}, {"seed", "9223372036854775808"},
+                             {"world", "0"}, {"world", "1048577"}, {"batch", "-4"}, {"batch", "\"4\""},
+                             {"seq_len", "4.0"}, {"shuffle", "1"}, {"version", "0"}});
   EXPECT_EQ(take(*src, s, 2), std::vector<Batch>(stream.begin() + 3, stream.begin() + 5));
 }
 
@@ -765,22 +774,12 @@ TEST(SyntheticData, RestoreTakesEveryEdgeAndRefusesDamageWithoutMoving) {
 
   auto src = synthetic("random", 0, s);
   take(*src, s, 1);
-  for (const auto& [field, value] : std::vector<std::pair<std::string, std::string>>{
-           {"cursor", "-1"}, {"cursor", "2.5"}, {"cursor", "18446744073709551616"}, {"cursor", "9007199254740993"},
-           {"cursor", "null"}, {"seed", "-7"}, {"seed", "1e19"}, {"world", "0"}, {"world", "\"2\""},
-           {"batch", "1048577"}, {"batch", "false"}, {"vocab", "0"}, {"vocab", "2147483648"}, {"pattern", "3"},
-           {"pattern", "\"zigzag\""}, {"version", "-1"}, {"source", "null"}}) {
-    SCOPED_TRACE(field + " = " + value);
-    auto j = nlohmann::json::parse(st);
-    j[field] = nlohmann::json::parse(value);
-    try {
-      src->restore(j.dump());
-      ADD_FAILURE() << "accepted";
-    } catch (const loom::ckpt::CheckpointDamaged& e) {
-      EXPECT_NE(std::string(e.what()).find("\"" + field + "\" is "), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(src->cursor(), 2u);
-  }
+  expect_each_field_refused(*src, st, 2,
+                            {{"cursor", "-1"}, {"cursor", "2.5"}, {"cursor", "18446744073709551616"},
+                             {"cursor", "9007199254740993"}, {"cursor", "null"}, {"seed", "-7"}, {"seed", "1e19"},
+                             {"world", "0"}, {"world", "\"2\""}, {"batch", "1048577"}, {"batch", "false"},
+                             {"vocab", "0"}, {"vocab", "2147483648"}, {"pattern", "3"}, {"pattern", "\"zigzag\""},
+                             {"version", "-1"}, {"source", "null"}});
   EXPECT_EQ(take(*src, s, 3), std::vector<Batch>(stream.begin() + 1, stream.begin() + 4));
 }
 
