@@ -296,14 +296,21 @@ void restore_data_state(const std::string& dir, const ckpt::TrainMeta& m, DataSo
   }
 }
 
+// What resuming checks before it reads tensor data: the checkpoint in `dir`
+// against this model and, with `data`, its data position given to that source.
+void check_resumable(const std::string& dir, const ModelSpec& spec, const std::vector<UnitInfo>& infos,
+                     DataSource* data) {
+  ckpt::CheckpointSet set(dir);
+  validate(set, spec, infos);
+  if (data) restore_data_state(dir, set.meta(), *data);
+}
+
 // "" when the checkpoint in `dir` would resume into this model (and, with
 // `data`, its data position into that source), else why not.
 std::string resume_problem(const std::string& dir, const ModelSpec& spec, const std::vector<UnitInfo>& infos,
                            DataSource* data) {
   try {
-    ckpt::CheckpointSet set(dir);
-    validate(set, spec, infos);
-    if (data) restore_data_state(dir, set.meta(), *data);
+    check_resumable(dir, spec, infos, data);
   } catch (const Error& e) {
     return e.what();
   }
@@ -401,9 +408,7 @@ std::optional<std::string> check_resume_checkpoint(const Config& cfg, const Mode
   if (!info) return std::nullopt;
   const Model model(spec, cfg.model.layers, cfg.expert_parallel);
   try {
-    ckpt::CheckpointSet set(info->dir);
-    validate(set, spec, model.units());
-    if (data) restore_data_state(info->dir, set.meta(), *data);
+    check_resumable(info->dir, spec, model.units(), data);
   } catch (const ckpt::CheckpointDamaged& e) {
     throw Error(cat(e.what(), ". ", damaged_advice(cfg, *info, spec, model.units(), data)));
   }

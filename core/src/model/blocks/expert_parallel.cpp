@@ -39,15 +39,16 @@ void ExpertExchange::exchange_counts(const Tensor& counts_src, Tensor& counts_in
   // where the routing counted them. Only queued here: dispatch reads them.
   const ExecContext& ctx = backend_->ctx();
   group_->wait(ctx, group_->all_to_all(ctx, counts_src, {}, counts_in, {}));
+  counts_in_dev_ = counts_in;
 }
 
-void ExpertExchange::dispatch(const int64_t* counts, const Tensor& counts_in, const Tensor& xs, Tensor& xr) {
-  LOOM_CHECK(counts_in.numel() == E_ && dtype_size(counts_in.dtype) == 8, "expert parallelism: the received counts ",
-             "buffer holds ", counts_in.numel(), " 8-byte elements, not the ", E_, " experts' counts");
+void ExpertExchange::dispatch(const int64_t* counts, const Tensor& xs, Tensor& xr) {
+  LOOM_CHECK(counts_in_dev_.data != nullptr, "expert parallelism: dispatch without the counts exchange before it");
   // Exchange 1's counts, back to the host (a copy on the CPU): the sizes
   // below are host decisions. The caller's read of its own counts already
   // waited for the queue that exchange 1 is on.
-  backend_->download(counts_in_.data(), counts_in, static_cast<size_t>(E_) * sizeof(int64_t));
+  backend_->download(counts_in_.data(), counts_in_dev_, static_cast<size_t>(E_) * sizeof(int64_t));
+  counts_in_dev_ = Tensor();
   segments_.clear();
   int64_t row = 0;
   for (int64_t q = 0; q < P_; ++q) {

@@ -72,13 +72,12 @@ class ExpertExchange {
   // Forward exchange 1, queued before the host reads any count: counts_src,
   // the sorted rows per expert [E] where the routing left them (host or
   // device), to counts_in, E int64 of scratch beside them (both as 8-byte
-  // elements: DType::f64 views).
+  // elements: DType::f64 views), which the next dispatch reads back.
   void exchange_counts(const Tensor& counts_src, Tensor& counts_in);
-  // Forward exchange 2. counts: this rank's rows per expert [E] on the host
-  // (Backend::moe_route's, read back); counts_in: exchange 1's receive buffer,
-  // read back here; xs: the sorted rows [N·k, h]; xr: the receive buffer
-  // [max_recv_rows, h].
-  void dispatch(const int64_t* counts, const Tensor& counts_in, const Tensor& xs, Tensor& xr);
+  // Forward exchange 2, after exchange_counts. counts: this rank's rows per
+  // expert [E] on the host (Backend::moe_route's, read back); xs: the sorted
+  // rows [N·k, h]; xr: the receive buffer [max_recv_rows, h].
+  void dispatch(const int64_t* counts, const Tensor& xs, Tensor& xr);
   // Exchange 3: yr [max_recv_rows, h] (outputs of the received rows) back into y [N·k, h] (sorted order).
   void give_back(const Tensor& yr, Tensor& y);
   // Exchange 4: like dispatch's rows, with the counts of the last dispatch.
@@ -94,6 +93,7 @@ class ExpertExchange {
   Communicator* group_;
   Backend* backend_;
   int64_t P_, E_, El_, N_, k_, h_, first_;
+  Tensor counts_in_dev_;            // exchange 1's receive buffer, until dispatch reads it back
   std::vector<int64_t> counts_in_;  // exchange 1's received counts [E], on the host
   std::vector<int64_t> send_, recv_;             // elements per peer of the last dispatch
   std::vector<Segment> segments_;

@@ -215,12 +215,11 @@ class MoeFfn final : public FfnBlock {
     }
     // Expert parallelism: the counts exchange is queued before the host reads
     // this layer's counts (expert_rows), so that one wait covers both.
-    Tensor ep_counts_in;
     if (ep_) {
       Range x(be, "ep.counts");
       const Tensor counts_src(rt.counts, DType::f64, dev(), {rt.E});  // int64, moved as 8-byte elements
-      ep_counts_in = Tensor(buf(ep_counts_), DType::f64, dev(), {rt.E});
-      ep_->exchange_counts(counts_src, ep_counts_in);
+      Tensor counts_in(buf(ep_counts_), DType::f64, dev(), {rt.E});
+      ep_->exchange_counts(counts_src, counts_in);
     }
     Tensor xs = act(xs_, {padded_rows(), h});
     {
@@ -238,7 +237,7 @@ class MoeFfn final : public FfnBlock {
         Range x(be, "ep.dispatch");
         xin_rows = act(xr_, {Rx, h});
         eout_rows = act(eout_r_, {Rx, h});
-        ep_->dispatch(rows, ep_counts_in, xs, xin_rows);
+        ep_->dispatch(rows, xs, xin_rows);
       }
       for (const ExpertExchange::Segment& sg : segments(rows)) {
         const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
