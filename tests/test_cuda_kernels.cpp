@@ -602,6 +602,65 @@ TEST_F(CudaKernels, AdamWBf16PureNearestMatchesFp32ThenRounded) {
   EXPECT_LE(rel_err(du, ru), 5e-2);  // the step, at bf16 resolution
 }
 
+// The kernel takes 4 elements a thread when every operand is aligned for
+// packed access, else 1, and rounds each operation on its own in the CPU's
+// order. So views starting 0, 1 and 4 elements into their buffers (packed,
+// scalar, packed at another alignment), with tails of every length past the
+// last packed group, must all give the CPU's result bit for bit: m and v
+// rounded to their dtype, the param (or the fp32 master and the param
+// rounded from it). Before the rounding was made explicit, the compiler fused
+// different multiplies into FMAs on the two paths, and an unaligned shard
+// updated its elements differently from an aligned one.
+TEST_F(CudaKernels, AdamWIsTheCpuBitForBitOnEveryPath) {
+  struct Layout {
+    DType param, grad, state;
+    bool master;
+  };
+  const Layout layouts[] = {{DType::bf16, DType::bf16, DType::bf16, false},
+                            {DType::bf16, DType::f32, DType::f32, true},
+                            {DType::bf16, DType::bf16, DType::f32, true},
+                            {DType::f32, DType::f32, DType::f32, false}};
+  uint32_t seed = 900;
+  for (const Layout& l : layouts) {
+    for (int64_t n : {1, 3, 4, 5, 4093, 4096 + 7}) {
+      const auto p = as_dtype(rnd(n, seed++, -0.05f, 0.05f), l.master ? DType::f32 : l.param);
+      const auto g = as_dtype(rnd(n, seed++), l.grad);
+      const auto m = as_dtype(rnd(n, seed++, -0.1f, 0.1f), l.state), v = as_dtype(rnd(n, seed++, 0.f, 0.01f), l.state);
+      const auto a = adam_args();
+      std::vector<float> rp = p, rm = m, rv = v;
+      cpu_adamw(rp, g, rm, rv, a);
+      const auto want_p = as_dtype(rp, l.param), want_m = as_dtype(rm, l.state), want_v = as_dtype(rv, l.state);
+      for (int64_t off : {0, 1, 4}) {
+        SCOPED_TRACE(cat("param ", dtype_name(l.param), " grad ", dtype_name(l.grad), " m/v ", dtype_name(l.state),
+                         l.master ? " with master" : "", " n ", n, " offset ", off));
+        // A view `off` elements into a buffer of n + off (cudaMalloc aligns the buffer to 256 bytes).
+        const auto view = [&](const std::vector<float>& host, DType t) {
+          std::vector<float> padded(static_cast<size_t>(off), 0.f);
+          padded.insert(padded.end(), host.begin(), host.end());
+          Tensor x = put(padded, t, {n + off});
+          x.data = static_cast<char*>(x.data) + off * dtype_size(t);
+          x.shape[0] = n;
+          return x;
+        };
+        Tensor dp = l.master ? view(std::vector<float>(static_cast<size_t>(n), 0.f), l.param) : view(p, l.param);
+        Tensor dmaster = l.master ? view(p, DType::f32) : Tensor{};
+        Tensor dg = view(g, l.grad), dm = view(m, l.state), dv = view(v, l.state);
+        be_->adamw(dp, l.master ? &dmaster : nullptr, dg, dm, dv, a);
+        const auto same_bits = [&](const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+          ASSERT_EQ(got.size(), want.size());
+          for (size_t i = 0; i < got.size(); ++i)
+            ASSERT_EQ(std::memcmp(&got[i], &want[i], 4), 0)
+                << what << "[" << i << "]: " << got[i] << " on the GPU against " << want[i] << " on the CPU";
+        };
+        same_bits(get(dp), want_p, "param");
+        same_bits(get(dm), want_m, "m");
+        same_bits(get(dv), want_v, "v");
+        if (l.master) same_bits(get(dmaster), rp, "master");
+      }
+    }
+  }
+}
+
 TEST_F(CudaKernels, AdamWStochasticRoundingIsUnbiasedAndReproducible) {
   // Every element sees the same update, landing between two bf16 values:
   // each result must be one of the two, and their mean must approach the

@@ -1,6 +1,6 @@
 // AdamW on the GPU, element-wise over flat ranges (see Backend::AdamWArgs and
 // kernels/cpu/adamw.cpp for the update; the fp32 arithmetic is the CPU's,
-// expression for expression).
+// operation for operation, each rounded on its own: no FMA contraction).
 //
 // Storage: param fp32 or bf16; grad fp32 or bf16; m and v fp32 or bf16
 // (one dtype for both); optional fp32 master.
@@ -77,14 +77,20 @@ struct AdamWOp {
     load_vec<K>(v + i, vi);
     if constexpr (kMaster) load_vec<K>(master + i, p);
     else load_vec<K>(param + i, p);
+    // Every operation rounded on its own (the _rn intrinsics are never fused
+    // into FMAs), in the CPU's order. Left to the compiler, a multiply and an
+    // add were contracted differently in the packed and the scalar path (v's
+    // update fused beta2 * v in one, g * g in the other), so a tensor's bits
+    // depended on its alignment, i.e. on where a shard boundary fell.
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const float gk = g[k] * a.grad_scale;
-      mi[k] = a.beta1 * mi[k] + (1.f - a.beta1) * gk;
-      vi[k] = a.beta2 * vi[k] + (1.f - a.beta2) * gk * gk;
-      const float m_hat = mi[k] * a.inv_bc1;
-      const float v_hat = vi[k] * a.inv_bc2;
-      p[k] -= a.lr * (m_hat / (sqrtf(v_hat) + a.eps) + a.weight_decay * p[k]);
+      const float gk = __fmul_rn(g[k], a.grad_scale);
+      mi[k] = __fadd_rn(__fmul_rn(a.beta1, mi[k]), __fmul_rn(__fsub_rn(1.f, a.beta1), gk));
+      vi[k] = __fadd_rn(__fmul_rn(a.beta2, vi[k]), __fmul_rn(__fmul_rn(__fsub_rn(1.f, a.beta2), gk), gk));
+      const float m_hat = __fmul_rn(mi[k], a.inv_bc1);
+      const float v_hat = __fmul_rn(vi[k], a.inv_bc2);
+      const float step = __fadd_rn(__fdiv_rn(m_hat, __fadd_rn(__fsqrt_rn(v_hat), a.eps)), __fmul_rn(a.weight_decay, p[k]));
+      p[k] = __fsub_rn(p[k], __fmul_rn(a.lr, step));
     }
     store_vec<K>(m + i, mi);
     store_vec<K>(v + i, vi);
