@@ -358,20 +358,25 @@ TEST(NcclComm, ByteCountersFollowRingVolumes) {
   Tensor tin = dev(in.get(), DType::f32, static_cast<int64_t>(p) * n), tsh = dev(sh.get(), DType::f32, n);
   Tensor tfull = dev(full.get(), DType::f32, static_cast<int64_t>(p) * n);
 
+  // A ring all-reduce is a reduce-scatter and an all-gather, each moving
+  // (p − 1)/p of the buffer, counted in whole bytes on its own: 2·⌊(p−1)·B/p⌋,
+  // which is one byte short of ⌊2·(p−1)·B/p⌋ when (p−1)·B/p has a half (the
+  // bf16 buffer below on 4 ranks: 2·1501 = 3002, not 3003).
+  const auto ring = [&](uint64_t bytes) { return (p - 1) * bytes / p; };
   g_world->all_reduce(g_ctx, ta, ReduceOp::sum);
-  const uint64_t ar = 2 * (p - 1) * (kN * 4) / p;
+  const uint64_t ar = 2 * ring(kN * 4);
   EXPECT_EQ(bytes_of(CollectiveKind::all_reduce), ar);
   g_world->all_reduce(g_ctx, th, ReduceOp::sum);  // native bf16: 2 bytes per element
-  const uint64_t ar16 = 2 * (p - 1) * (kN * 2) / p;
+  const uint64_t ar16 = 2 * ring(kN * 2);
   EXPECT_EQ(bytes_of(CollectiveKind::all_reduce), ar + ar16);
   g_world->reduce_scatter(g_ctx, tin, tsh, ReduceOp::sum);
   EXPECT_EQ(bytes_of(CollectiveKind::reduce_scatter), (p - 1) * n * 4);  // (p-1)/p of the p*n buffer
   g_world->all_gather(g_ctx, tsh, tfull);
   EXPECT_EQ(bytes_of(CollectiveKind::all_gather), (p - 1) * n * 4);
   g_world->broadcast(g_ctx, ta, 0);
-  EXPECT_EQ(bytes_of(CollectiveKind::broadcast), (p - 1) * (kN * 4) / p);
+  EXPECT_EQ(bytes_of(CollectiveKind::broadcast), ring(kN * 4));
   g_world->barrier();  // moves no payload
-  EXPECT_EQ(g_world->bytes_moved().total(), ar + ar16 + 2 * (p - 1) * n * 4 + (p - 1) * (kN * 4) / p);
+  EXPECT_EQ(g_world->bytes_moved().total(), ar + ar16 + 2 * (p - 1) * n * 4 + ring(kN * 4));
   // Refused calls move nothing.
   Tensor bad = dev(sh.get(), DType::f32, n - 1);
   EXPECT_THROW(g_world->all_gather(g_ctx, bad, tfull), loom::Error);
