@@ -233,9 +233,23 @@ void check_strategy(const Case& c) {
   if (ep > 1) {
     // The gradient's scale: AdamW is nearly blind to a constant factor on the
     // experts' gradients (and clipping may not act), the global norm is not.
+    // A wrong factor (a missing 1/world, a double sum) moves the norm by far
+    // more than 1e-3. On 4 GPUs (docs/PERFORMANCE.md, 2026-11-27) the MoE
+    // runs drifted beyond rounding whether or not the experts were split:
+    // MoeDdp, MoeZero1/2/3 and MoeHybridTwoGroupsOfTwo, and the expert-parallel
+    // MoeExpertParallel4Ddp and MoeExpertParallel2HybridTwoGroupsOfTwo, all
+    // ended 7.64e-6 from one process in loss, the last two 3.7e-5 in the
+    // step-20 norm; the EP = 2 cases under ddp/zero1/zero2/zero3 and
+    // MoeExpertParallel4Zero3 stayed within 3e-8, every dense case within
+    // 6.4e-9. The likely cause is top-k routing: sums in another order than
+    // one process's (more than two addends) change a last bit, and a token
+    // near a tie goes to another expert. So on GPUs the norm is held to 1e-4,
+    // which still catches any wrong factor; on the CPU, to the case's own
+    // tolerance (1.5e-8 measured on 4 ranks).
+    const double norm_tol = test_device() == "cuda" ? std::max(c.tolerance, 1e-4) : c.tolerance;
     ASSERT_EQ(r.norms.size(), ref_run.norms.size());
     for (size_t i = 0; i < r.norms.size(); ++i)
-      EXPECT_LE(std::fabs(r.norms[i] - ref_run.norms[i]) / ref_run.norms[i], c.tolerance)
+      EXPECT_LE(std::fabs(r.norms[i] - ref_run.norms[i]) / ref_run.norms[i], norm_tol)
           << c.strategy << " step " << i + 1 << " grad norm: " << r.norms[i] << " vs " << ref_run.norms[i];
   }
   const bool hybrid_replicated = c.strategy == "hybrid_shard" &&
