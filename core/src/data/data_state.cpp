@@ -2,6 +2,7 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "loom/error.hpp"
+#include "loom/log.hpp"
 
 namespace loom::data {
 namespace {
@@ -40,6 +41,13 @@ DataStateReader::DataStateReader(const std::string& text, const std::string& sou
 }
 
 void DataStateReader::damaged(const std::string& what) const { throw ckpt::CheckpointDamaged(cat(what, kDamaged)); }
+
+void DataStateReader::note_reshard(const std::string& source, const Position& p, int64_t world, int64_t batch,
+                                   const char* unit) {
+  if (p.world != world || p.batch != batch)
+    log_info(cat(source, ": checkpoint taken with world ", p.world, " x batch ", p.batch, ", resuming with world ", world,
+                 " x batch ", batch, "; continuing from global ", unit, " ", p.cursor));
+}
 
 bool DataStateReader::boolean(const std::string& name) const {
   std::string key;

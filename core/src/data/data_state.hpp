@@ -46,6 +46,23 @@ class DataStateReader {
   std::string string(const std::string& name) const { return f_.string_at(j_, "", name); }
   const nlohmann::json& array(const std::string& name) const { return f_.array_at(j_, "", name); }
 
+  // The fields every data plugin's state holds, read as required fields: the
+  // global position (samples or windows consumed), the order's seed (run.seed's
+  // range), and the world and micro-batch the position was cut for.
+  struct Position {
+    uint64_t cursor = 0, seed = 0;
+    int64_t world = 0, batch = 0;
+  };
+  Position position() const {
+    return {static_cast<uint64_t>(integer("cursor", 0, kMaxDataPosition)), static_cast<uint64_t>(integer("seed", 0)),
+            integer("world", 1, kMaxDataRanks), integer("batch", 1, kMaxDataDim)};
+  }
+  // Says (log_info) that the run resumes `p` under another world or
+  // micro-batch than it was cut for: the position carries over as a global
+  // count of `unit`s ("sample", "window").
+  static void note_reshard(const std::string& source, const Position& p, int64_t world, int64_t batch,
+                           const char* unit);
+
   // Refuses field `key` holding `found` as damage, `expected` saying what it must be.
   [[noreturn]] void fail(const std::string& key, const nlohmann::json& found, const std::string& expected) const {
     f_.fail(key, found, expected);

@@ -300,7 +300,8 @@ void MegatronSource::restore(const std::string& state) {
   const std::size_t n = was.size();
   const int64_t seq_len = r.integer("seq_len", 1, kMaxDataDim);
   const bool shuffle = r.boolean("shuffle");
-  const auto cursor = static_cast<uint64_t>(r.integer("cursor", 0, kMaxDataPosition));
+  const DataStateReader::Position at = r.position();
+  const uint64_t cursor = at.cursor;
   // One count per dataset; every global sample went to exactly one: they sum to the cursor.
   const nlohmann::json& listed_counts = r.array("counts");
   if (listed_counts.size() != n)
@@ -329,9 +330,6 @@ void MegatronSource::restore(const std::string& state) {
   if (n > 0 && !(std::fabs(wsum - 1.0) <= 1e-6))
     r.damaged(cat("\"weights\" ", listed_weights.dump(), " sum to ", wsum, ": the blend's weights are kept "
                   "normalised, summing to 1"));
-  const auto seed = static_cast<uint64_t>(r.integer("seed", 0));  // run.seed's range
-  const int64_t world = r.integer("world", 1, kMaxDataRanks);
-  const int64_t batch = r.integer("batch", 1, kMaxDataDim);
 
   bool same = n == train_.size();
   for (std::size_t i = 0; same && i < n; ++i)
@@ -356,18 +354,16 @@ void MegatronSource::restore(const std::string& state) {
                  opt_.shuffle, "; continuing from the same sample counts in the new order"));
   cursor_ = cursor;
   counts_ = counts;
-  if (seed != seed_) {
-    log_info(cat("megatron: continuing the checkpoint's sample order (seed ", seed, ", not the run's seed ", seed_, ")"));
-    seed_ = seed;
+  if (at.seed != seed_) {
+    log_info(cat("megatron: continuing the checkpoint's sample order (seed ", at.seed, ", not the run's seed ", seed_, ")"));
+    seed_ = at.seed;
     for (auto& s : train_) {
       s->doc_seed = hash_of(seed_, 0x444f4353ull, s->dataset);
       s->sample_seed = hash_of(seed_, 0x53414d50ull, s->dataset);
       s->epoch = -1;
     }
   }
-  if (world != spec_.world || batch != spec_.batch)
-    log_info(cat("megatron: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ",
-                 spec_.world, " x batch ", spec_.batch, "; continuing from global sample ", cursor_));
+  DataStateReader::note_reshard("megatron", at, spec_.world, spec_.batch, "sample");
   val_cursor_ = 0;
 }
 

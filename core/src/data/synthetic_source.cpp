@@ -87,19 +87,14 @@ void SyntheticSource::restore(const std::string& state) {
   const std::string pattern = r.string("pattern");
   if (pattern != "random" && pattern != "ramp") r.fail("pattern", pattern, "\"random\" or \"ramp\"");
   const int64_t vocab = r.integer("vocab", 1, kMaxVocabSize);
-  const auto cursor = static_cast<uint64_t>(r.integer("cursor", 0, kMaxDataPosition));
-  const auto seed = static_cast<uint64_t>(r.integer("seed", 0));  // run.seed's range
-  const int64_t world = r.integer("world", 1, kMaxDataRanks);
-  const int64_t batch = r.integer("batch", 1, kMaxDataDim);
+  const DataStateReader::Position at = r.position();
   if (pattern != opt_.pattern || vocab != vocab_)
     log_warn(cat("synthetic: the checkpoint's data was pattern \"", pattern, "\" over ", vocab,
                  " ids, the run now generates pattern \"", opt_.pattern, "\" over ", vocab_,
                  " ids; the position carries over, the tokens differ"));
-  cursor_ = cursor;
-  seed_ = seed;  // the checkpoint's stream continues, whatever the run's seed
-  if (world != spec_.world || batch != spec_.batch)
-    log_info(cat("synthetic: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ",
-                 spec_.world, " x batch ", spec_.batch, "; continuing from global sample ", cursor_));
+  cursor_ = at.cursor;
+  seed_ = at.seed;  // the checkpoint's stream continues, whatever the run's seed
+  DataStateReader::note_reshard("synthetic", at, spec_.world, spec_.batch, "sample");
   val_cursor_ = 0;
 }
 

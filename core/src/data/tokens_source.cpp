@@ -221,12 +221,10 @@ void TokensSource::restore(const std::string& state) {
   }
   const int64_t seq_len = r.integer("seq_len", 1, kMaxDataDim);
   const bool shuffle = r.boolean("shuffle");
-  const auto cursor = static_cast<uint64_t>(r.integer("cursor", 0, kMaxDataPosition));
+  const DataStateReader::Position at = r.position();
+  const uint64_t cursor = at.cursor;
   const auto epoch = static_cast<uint64_t>(r.integer("epoch", 0, kMaxDataPosition));
   const auto windows = static_cast<uint64_t>(r.integer("windows_per_epoch", 1, kMaxDataPosition));
-  const auto seed = static_cast<uint64_t>(r.integer("seed", 0));  // run.seed's range
-  const int64_t world = r.integer("world", 1, kMaxDataRanks);
-  const int64_t batch = r.integer("batch", 1, kMaxDataDim);
 
   bool same = files.size() == train_.shards.size();
   for (std::size_t i = 0; same && i < files.size(); ++i) same = files[i].tokens == train_.shards[i].size();
@@ -255,13 +253,11 @@ void TokensSource::restore(const std::string& state) {
   if (shuffle != opt_.shuffle)
     log_warn(cat("tokens: the checkpoint was taken with shuffle = ", shuffle, ", the run now has shuffle = ", opt_.shuffle,
                  "; continuing from the same window count in the new order"));
-  if (seed != seed_)
-    log_info(cat("tokens: continuing the checkpoint's window order (seed ", seed, ", not the run's seed ", seed_, ")"));
-  seed_ = seed;
+  if (at.seed != seed_)
+    log_info(cat("tokens: continuing the checkpoint's window order (seed ", at.seed, ", not the run's seed ", seed_, ")"));
+  seed_ = at.seed;
   cursor_ = cursor;
-  if (world != spec_.world || batch != spec_.batch)
-    log_info(cat("tokens: checkpoint taken with world ", world, " x batch ", batch, ", resuming with world ", spec_.world,
-                 " x batch ", spec_.batch, "; continuing from global window ", cursor_));
+  DataStateReader::note_reshard("tokens", at, spec_.world, spec_.batch, "window");
   logged_epoch_ = cursor_ / train_.windows;
   val_cursor_ = 0;
 }
