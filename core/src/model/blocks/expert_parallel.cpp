@@ -26,6 +26,7 @@ ExpertExchange::ExpertExchange(Communicator* group, Backend* backend, int64_t nu
 
 void ExpertExchange::exchange(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv,
                               const std::vector<int64_t>& rc) {
+  rows_arrived();  // an exchange waited for covers any earlier one (collectives complete in order)
   const ExecContext& ctx = backend_->ctx();
   group_->wait(ctx, group_->all_to_all(ctx, send, sc, recv, rc));
 }
@@ -37,6 +38,7 @@ void ExpertExchange::exchange_counts(const Tensor& counts_src, Tensor& counts_in
              " 8-byte elements, not the ", E_, " experts' counts");
   // 1. The per-expert counts: peer q gets the counts of its El experts, from
   // where the routing counted them. Only queued here: dispatch reads them.
+  rows_arrived();  // nothing is pending here in a step; after a step that stopped half-way, the last dispatch
   const ExecContext& ctx = backend_->ctx();
   group_->wait(ctx, group_->all_to_all(ctx, counts_src, {}, counts_in, {}));
   counts_in_dev_ = counts_in;
@@ -50,13 +52,23 @@ void ExpertExchange::dispatch(const int64_t* counts, const Tensor& xs, Tensor& x
   backend_->download(counts_in_.data(), counts_in_dev_, static_cast<size_t>(E_) * sizeof(int64_t));
   counts_in_dev_ = Tensor();
   segments_.clear();
+  const int64_t self = group_->rank();
+  // Where this rank's own experts' rows start in its sorted layout: after
+  // every row it sorted for experts below first_.
+  int64_t src = 0;
+  for (int64_t e = 0; e < first_; ++e) src += counts[e];
   int64_t row = 0;
   for (int64_t q = 0; q < P_; ++q) {
     int64_t out = 0, in = 0;
     for (int64_t j = 0; j < El_; ++j) {
-      out += counts[q * El_ + j];
+      const int64_t mine = counts[q * El_ + j];
       const int64_t m = counts_in_[static_cast<size_t>(q * El_ + j)];
-      if (m > 0) segments_.push_back({first_ + j, row, m});
+      const bool local = q == self;
+      LOOM_CHECK(!local || m == mine, "expert parallelism: rank ", self, " sorted ", mine, " rows for its expert ",
+                 first_ + j, " but the counts exchange says it sends itself ", m);
+      if (m > 0) segments_.push_back({first_ + j, row, m, local ? src : 0, local});
+      if (local) src += m;
+      out += mine;
       row += m;
       in += m;
     }
@@ -65,10 +77,26 @@ void ExpertExchange::dispatch(const int64_t* counts, const Tensor& xs, Tensor& x
   }
   LOOM_CHECK(row <= max_recv_rows(), "expert parallelism: ", row, " rows received, more than the ", max_recv_rows(),
              " a micro-batch can send (a peer sent inconsistent counts)");
-  // 2. The rows.
-  exchange(xs, send_, xr, recv_);
+  // 2. The rows, queued: the local segments run while they travel (rows_arrived).
+  queue(xs, send_, xr, recv_);
 }
 
+void ExpertExchange::dispatch_grad(const Tensor& dy, Tensor& dyr) { queue(dy, send_, dyr, recv_); }
+
 void ExpertExchange::give_back(const Tensor& yr, Tensor& y) { exchange(yr, recv_, y, send_); }
+
+void ExpertExchange::queue(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv,
+                           const std::vector<int64_t>& rc) {
+  LOOM_CHECK(!pending_set_, "expert parallelism: a dispatch was queued before the compute queue waited for the last "
+             "one (rows_arrived)");
+  pending_ = group_->all_to_all(backend_->ctx(), send, sc, recv, rc);
+  pending_set_ = true;
+}
+
+void ExpertExchange::rows_arrived() {
+  if (!pending_set_) return;
+  group_->wait(backend_->ctx(), pending_);
+  pending_set_ = false;
+}
 
 }  // namespace loom

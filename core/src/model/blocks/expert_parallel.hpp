@@ -27,8 +27,14 @@
 // from other ranks) for 3 and 5 (b the activation's bytes per element).
 //
 // Where they run. Every exchange is queued on the backend's compute queue
-// (Backend::ctx()) and the queue waits for it before the next kernel, so the
-// experts never read rows still in flight. Host communicators (MPI, CPU
+// (Backend::ctx()). The returns (3, 5) make the queue wait for them before
+// the next kernel. The dispatches (2, 4) do not: the rows a rank sends itself
+// are already in its sorted buffer, so its experts run those first (the
+// segments marked `local`, read at `src_row` of the sorted layout) while the
+// other ranks' rows travel, and only then does the queue wait for them
+// (rows_arrived). Each local run also reaches the receive buffer by the
+// exchange's own local copy, so the later kernels that read it there (the
+// backward's saved rows) find it. Host communicators (MPI, CPU
 // ranks) move host buffers and return when done. A device communicator
 // (NCCL, one GPU per rank) moves device buffers on its own stream. The counts
 // of exchange 1 go from the routing's counts into a buffer of E int64 beside
@@ -64,9 +70,12 @@ class ExpertExchange {
   int64_t max_recv_rows() const { return P_ * N_ * std::min(k_, El_); }
 
   // A run of received rows: this rank's expert `expert` (global index), rows
-  // [row, row + rows) of the receive buffer.
+  // [row, row + rows) of the receive buffer. local: the rows come from this
+  // rank itself, and are also rows [src_row, src_row + rows) of the sorted
+  // (send) layout, where they are before the exchange moves them.
   struct Segment {
-    int64_t expert = 0, row = 0, rows = 0;
+    int64_t expert = 0, row = 0, rows = 0, src_row = 0;
+    bool local = false;
   };
 
   // Forward exchange 1, queued before the host reads any count: counts_src,
@@ -76,19 +85,26 @@ class ExpertExchange {
   void exchange_counts(const Tensor& counts_src, Tensor& counts_in);
   // Forward exchange 2, after exchange_counts. counts: this rank's rows per
   // expert [E] on the host (Backend::moe_route's, read back); xs: the sorted
-  // rows [N·k, h]; xr: the receive buffer [max_recv_rows, h].
+  // rows [N·k, h]; xr: the receive buffer [max_recv_rows, h]. Queued only:
+  // call rows_arrived() before reading the rows of a segment that is not local.
   void dispatch(const int64_t* counts, const Tensor& xs, Tensor& xr);
   // Exchange 3: yr [max_recv_rows, h] (outputs of the received rows) back into y [N·k, h] (sorted order).
   void give_back(const Tensor& yr, Tensor& y);
-  // Exchange 4: like dispatch's rows, with the counts of the last dispatch.
-  void dispatch_grad(const Tensor& dy, Tensor& dyr) { exchange(dy, send_, dyr, recv_); }
+  // Exchange 4: like dispatch's rows, with the counts of the last dispatch; queued only, like dispatch.
+  void dispatch_grad(const Tensor& dy, Tensor& dyr);
   // Exchange 5: like give_back.
   void give_back_grad(const Tensor& dxr, Tensor& dx) { exchange(dxr, recv_, dx, send_); }
+  // The compute queue waits for the last dispatch (2 or 4): the other ranks'
+  // rows are in the receive buffer after this. Once per dispatch; a no-op
+  // when none is pending.
+  void rows_arrived();
 
   const std::vector<Segment>& segments() const { return segments_; }
 
  private:
+  // An exchange the compute queue waits for at once, and one it waits for in rows_arrived().
   void exchange(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv, const std::vector<int64_t>& rc);
+  void queue(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv, const std::vector<int64_t>& rc);
 
   Communicator* group_;
   Backend* backend_;
@@ -97,6 +113,8 @@ class ExpertExchange {
   std::vector<int64_t> counts_in_;  // exchange 1's received counts [E], on the host
   std::vector<int64_t> send_, recv_;             // elements per peer of the last dispatch
   std::vector<Segment> segments_;
+  CommTicket pending_ = 0;  // the dispatch the compute queue has not waited for yet
+  bool pending_set_ = false;
 };
 
 }  // namespace loom

@@ -239,13 +239,22 @@ class MoeFfn final : public FfnBlock {
         eout_rows = act(eout_r_, {Rx, h});
         ep_->dispatch(rows, xs, xin_rows);
       }
-      for (const ExpertExchange::Segment& sg : segments(rows)) {
-        const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
-        Tensor xs_e = rows_of(xin_rows, r0, m), gu_e = rows_of(gu, r0, m);
-        Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout_rows, r0, m);
-        env_.precision->linear_forward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), gu_e, nullptr);
-        be.swiglu_forward(act_e, column_half(gu_e, 0), column_half(gu_e, 1));
-        env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, expert(u, e, kW2), eout_e, nullptr);
+      // This rank's own rows first (read where the sort left them), then,
+      // under expert parallelism, the other ranks' once they have arrived.
+      for (const bool local : {true, false}) {
+        if (!local && ep_) {
+          Range x(be, "ep.dispatch.wait");
+          ep_->rows_arrived();
+        }
+        for (const ExpertExchange::Segment& sg : segments(rows)) {
+          if (sg.local != local) continue;
+          const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
+          Tensor xs_e = local ? rows_of(xs, sg.src_row, m) : rows_of(xin_rows, r0, m), gu_e = rows_of(gu, r0, m);
+          Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout_rows, r0, m);
+          env_.precision->linear_forward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), gu_e, nullptr);
+          be.swiglu_forward(act_e, column_half(gu_e, 0), column_half(gu_e, 1));
+          env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, expert(u, e, kW2), eout_e, nullptr);
+        }
       }
       if (ep_) {
         Range x(be, "ep.return");
@@ -292,21 +301,33 @@ class MoeFfn final : public FfnBlock {
       // parallelism) adds to them; an expert with no rows then gets zeros
       // (below). In an accumulating micro-batch an expert with no rows keeps
       // its gradients as they are.
+      // As in forward: this rank's own rows' gradients first (read where
+      // the combine's backward wrote them), the other ranks' once arrived.
+      // So under expert parallelism an expert's weight gradient sums its
+      // runs in the order local, then the others by rank.
       std::fill(expert_written_.begin(), expert_written_.end(), static_cast<char>(acc));
-      for (const ExpertExchange::Segment& sg : segments(rows)) {
-        const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
-        const bool acc_e = expert_written_[static_cast<size_t>(e)] != 0;
-        expert_written_[static_cast<size_t>(e)] = 1;
-        Tensor d_eout_e = rows_of(d_eout, r0, m), d_act_e = rows_of(d_act, r0, m);
-        Tensor d_gu_e = rows_of(d_gu, r0, m), d_xs_e = rows_of(d_xs, r0, m), gu_e = rows_of(gu, r0, m);
-        Tensor xs_e = rows_of(xs, r0, m);
-        Tensor dW2 = expert(u, e, kW2, true), dW13 = expert_w13(u, e, true);
-        env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), expert(u, e, kW2),
-                                        d_eout_e, &d_act_e, dW2, acc_e);
-        Tensor d_gate_e = column_half(d_gu_e, 0), d_up_e = column_half(d_gu_e, 1);
-        be.swiglu_backward(d_gate_e, d_up_e, d_act_e, column_half(gu_e, 0), column_half(gu_e, 1));
-        env_.precision->linear_backward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), d_gu_e, &d_xs_e,
-                                        dW13, acc_e);
+      for (const bool local : {true, false}) {
+        if (!local && ep_) {
+          Range x(be, "ep.dispatch.grad.wait");
+          ep_->rows_arrived();
+        }
+        for (const ExpertExchange::Segment& sg : segments(rows)) {
+          if (sg.local != local) continue;
+          const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
+          const bool acc_e = expert_written_[static_cast<size_t>(e)] != 0;
+          expert_written_[static_cast<size_t>(e)] = 1;
+          Tensor d_eout_e = local ? rows_of(d_eout_sorted, sg.src_row, m) : rows_of(d_eout, r0, m);
+          Tensor d_act_e = rows_of(d_act, r0, m);
+          Tensor d_gu_e = rows_of(d_gu, r0, m), d_xs_e = rows_of(d_xs, r0, m), gu_e = rows_of(gu, r0, m);
+          Tensor xs_e = rows_of(xs, r0, m);
+          Tensor dW2 = expert(u, e, kW2, true), dW13 = expert_w13(u, e, true);
+          env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), expert(u, e, kW2),
+                                          d_eout_e, &d_act_e, dW2, acc_e);
+          Tensor d_gate_e = column_half(d_gu_e, 0), d_up_e = column_half(d_gu_e, 1);
+          be.swiglu_backward(d_gate_e, d_up_e, d_act_e, column_half(gu_e, 0), column_half(gu_e, 1));
+          env_.precision->linear_backward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), d_gu_e, &d_xs_e,
+                                          dW13, acc_e);
+        }
       }
       const int64_t first = ep_ ? ep_->first_expert() : 0, held = ep_ ? ep_->local_experts() : spec_.num_experts;
       for (int64_t e = first; e < first + held; ++e) {
@@ -419,7 +440,10 @@ class MoeFfn final : public FfnBlock {
     local_segments_.clear();
     const int64_t E = spec_.num_experts;
     for (int64_t e = 0; e < E; ++e)
-      if (rows[e] > 0) local_segments_.push_back({e, rows[E + e], rows[E + e + 1] - rows[E + e]});
+      if (rows[e] > 0) {
+        const int64_t r0 = rows[E + e];
+        local_segments_.push_back({e, r0, rows[E + e + 1] - r0, r0, true});
+      }
     return local_segments_;
   }
 
