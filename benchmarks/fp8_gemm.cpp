@@ -8,9 +8,11 @@
 // For every linear of a layer (qkv, o_proj, gate_up packed [2 ffn, hidden],
 // down) and each of its GEMMs (fprop y = x W^T, dgrad dx = dy W, wgrad
 // dW += dy^T x), the bf16 GEMM as the bf16 recipe runs it (plugins/precision/
-// common/cublaslt_linear.cpp: TN / NN / NT, dW fp32 accumulated) and the FP8
-// GEMM as kernels/cuda/fp8_gemm.hpp maps it (all TN on transposed FP8 copies,
-// E4M3 x/W, E5M2 dy, fast accumulation for fprop only, dW fp32 accumulated),
+// common/cublaslt_linear.cpp: TN / NN / NT) and the FP8 GEMM as
+// kernels/cuda/fp8_gemm.hpp maps it (all TN on transposed FP8 copies, E4M3
+// x/W, E5M2 dy, fast accumulation for fprop only); the wgrad twice, adding to
+// fp32 dW (a later micro-batch with fp32 gradients) and writing bf16 dW (the
+// one micro-batch of the bf16_pure and FP8 bench workloads, master = "bf16"),
 // each timed with CUDA events around every call: `warmup` calls, then the
 // median of `iters` (>= 20). Every GEMM runs on the algorithm the recipes pick
 // under `--gemm-algo` (default "fastest", what precision.gemm_algo = "auto"
@@ -148,11 +150,18 @@ void bf16_plan(LtPlan& p, cublasLtHandle_t h, cublasOperation_t ta, cublasOperat
   if (found_out != nullptr) *found_out = found;
 }
 
+// How a wgrad meets the weight gradient: adds to fp32 dW (a later
+// micro-batch with fp32 gradients), or writes bf16 dW (the first micro-batch
+// with bf16 gradients: bf16_pure, and the FP8 recipes with master = "bf16",
+// as every bf16_pure and FP8 bench workload runs at grad_accum = 1).
+enum class Wgrad { none, accumulate_f32, write_bf16 };
+
 struct Row {
   std::string model, linear, gemm;
   int64_t m, n, k;
   double bf16_ms, fp8_ms;
   double block_ms;  // block-scaled FP8 (fp8_block: 1x128 tiles, 128x128 weight blocks, E4M3, no fast accumulation)
+  Wgrad wgrad = Wgrad::none;  // fprop and dgrad: none
 };
 
 double tflops(int64_t m, int64_t n, int64_t k, double ms) { return 2.0 * m * n * k / (ms * 1e-3) / 1e12; }
@@ -178,7 +187,7 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
   }
   const auto tin = static_cast<size_t>(T * max_in), tout = static_cast<size_t>(T * max_out),
              wsz = static_cast<size_t>(max_w);
-  DevMem x(tin * 2), dx(tin * 2), y(tout * 2), dy(tout * 2), w(wsz * 2), dw(wsz * 4);
+  DevMem x(tin * 2), dx(tin * 2), y(tout * 2), dy(tout * 2), w(wsz * 2), dw(wsz * 4), dwb(wsz * 2);
   DevMem xq(tin), xqt(tin), dyq(tout), dyqt(tout), wq(wsz), wqt(wsz), sc(64), am(64), inv(64);
   fill_bf16(x.p, tin, 1.0f, 1);
   fill_bf16(dy.p, tout, 1e-3f, 2);
@@ -204,7 +213,7 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     Tensor twq(wq.p, DType::e4m3, Device::cuda, {l.out, l.in}), twqt(wqt.p, DType::e4m3, Device::cuda, {l.in, l.out});
     Tensor tdyq(dyq.p, DType::e5m2, Device::cuda, {T, l.out}), tdyqt(dyqt.p, DType::e5m2, Device::cuda, {l.out, T});
     Tensor ty(y.p, DType::bf16, Device::cuda, {T, l.out}), tdx(dx.p, DType::bf16, Device::cuda, {T, l.in}),
-        tdw(dw.p, DType::f32, Device::cuda, {l.out, l.in});
+        tdw(dw.p, DType::f32, Device::cuda, {l.out, l.in}), tdwb(dwb.p, DType::bf16, Device::cuda, {l.out, l.in});
     // Scales from the tensors' amaxes (slots x, w, dy; hybrid), as a recipe's first step would.
     LOOM_CUDA_CHECK(cudaMemsetAsync(amax, 0, 12, s), "amax");
     loom::gpu::fp8_amax(tx, amax + 0, s);
@@ -224,7 +233,7 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     cast_ms.push_back({lname + " dy [" + std::to_string(T) + "," + std::to_string(l.out) + "]", cdy});
 
     // bf16, as plugins/precision/common/cublaslt_linear.cpp maps the three GEMMs.
-    LtPlan pf, pd, pw;
+    LtPlan pf, pd, pw, pwb;
     const float one = 1.0f, zero = 0.0f;
     // The heuristic's first answers; under "fastest" the quickest of them on
     // these operands (D, and the accumulated dW's C, in the timing's scratch),
@@ -249,6 +258,7 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     plan(pf, CUBLAS_OP_T, CUBLAS_OP_N, l.out, T, l.in, l.in, l.in, CUDA_R_16BF, w.p, x.p, &zero, "fprop");
     plan(pd, CUBLAS_OP_N, CUBLAS_OP_N, l.in, T, l.out, l.in, l.out, CUDA_R_16BF, w.p, dy.p, &zero, "dgrad");
     plan(pw, CUBLAS_OP_N, CUBLAS_OP_T, l.in, l.out, T, l.in, l.out, CUDA_R_32F, x.p, dy.p, &one, "wgrad");
+    plan(pwb, CUBLAS_OP_N, CUBLAS_OP_T, l.in, l.out, T, l.in, l.out, CUDA_R_16BF, x.p, dy.p, &zero, "wgrad bf16");
     auto run_bf16 = [&](LtPlan& p, const void* a, const void* b, void* d, const float* beta) {
       LT_CHECK(cublasLtMatmul(lt, p.op, &one, a, p.a, b, p.b, beta, d, p.d, d, p.d, &p.algo, ws, ws_bytes, s), md.name,
                " ", lname, " bf16");
@@ -256,8 +266,9 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     const double bf = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pf, w.p, x.p, y.p, &zero); });
     const double bd = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pd, w.p, dy.p, dx.p, &zero); });
     const double bw = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pw, x.p, dy.p, dw.p, &one); });
+    const double bwb = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pwb, x.p, dy.p, dwb.p, &zero); });
 
-    loom::gpu::Fp8GemmOptions of, od, ow;
+    loom::gpu::Fp8GemmOptions of, od, ow, owb;
     of.fast_accum = true;
     ow.c = &tdw;
     const double ff =
@@ -266,6 +277,8 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
         time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(tdyq, scale_inv + 2, twqt, scale_inv + 1, tdx, od, s); });
     const double fw =
         time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(tdyqt, scale_inv + 2, txqt, scale_inv + 0, tdw, ow, s); });
+    const double fwb =
+        time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(tdyqt, scale_inv + 2, txqt, scale_inv + 0, tdwb, owb, s); });
 
     // Block-scaled (the fp8_block recipe): E4M3 everywhere; x and dy cast in 1x128 tiles and, transposed, in
     // 128x1 tiles (one pass each, fp8_block_cast_rows_cols as the recipe), W in 128x128 blocks into W and W^T.
@@ -292,9 +305,13 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     const double gw = time_ms(s, args.warmup, args.iters, [&] {
       blockgemm.gemm({&bdyqt, f32(sdyt), BM::tile_1x128}, {&txqt, f32(sxt), BM::tile_1x128}, tdw, &tdw, s);
     });
+    const double gwb = time_ms(s, args.warmup, args.iters, [&] {
+      blockgemm.gemm({&bdyqt, f32(sdyt), BM::tile_1x128}, {&txqt, f32(sxt), BM::tile_1x128}, tdwb, nullptr, s);
+    });
     rows.push_back({md.name, lname, "fprop", T, l.out, l.in, bf, ff, gf});
     rows.push_back({md.name, lname, "dgrad", T, l.in, l.out, bd, fd, gd});
-    rows.push_back({md.name, lname, "wgrad", l.out, l.in, T, bw, fw, gw});
+    rows.push_back({md.name, lname, "wgrad, fp32 dW accumulated", l.out, l.in, T, bw, fw, gw, Wgrad::accumulate_f32});
+    rows.push_back({md.name, lname, "wgrad, bf16 dW written", l.out, l.in, T, bwb, fwb, gwb, Wgrad::write_bf16});
   }
 }
 
@@ -571,18 +588,12 @@ int run(int argc, char** argv) {
       std::printf("| linear | GEMM | m x n x k | bf16 ms | bf16 TFLOP/s | FP8 ms | FP8 TFLOP/s | FP8 / bf16 | "
                   "block FP8 ms | block TFLOP/s | block / bf16 |\n");
       std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
-      double tb = 0, tf = 0, tk = 0, flops = 0;
-      for (const Row& r : rows) {
+      for (const Row& r : rows)
         std::printf("| %s | %s | %lld x %lld x %lld | %.3f | %.0f | %.3f | %.0f | %.2fx | %.3f | %.0f | %.2fx |\n",
                     r.linear.c_str(), r.gemm.c_str(), static_cast<long long>(r.m), static_cast<long long>(r.n),
                     static_cast<long long>(r.k), r.bf16_ms, tflops(r.m, r.n, r.k, r.bf16_ms), r.fp8_ms,
                     tflops(r.m, r.n, r.k, r.fp8_ms), r.bf16_ms / r.fp8_ms, r.block_ms,
                     tflops(r.m, r.n, r.k, r.block_ms), r.bf16_ms / r.block_ms);
-        tb += r.bf16_ms;
-        tf += r.fp8_ms;
-        tk += r.block_ms;
-        flops += 2.0 * r.m * r.n * r.k;
-      }
       std::printf("\n| cast (q + q_t + amax) | ms |\n|---|---|\n");
       double tc = 0, tc_w = 0;
       for (const auto& [name, ms] : casts) {
@@ -590,29 +601,45 @@ int run(int argc, char** argv) {
         tc += ms;
         if (name.find(" W [") != std::string::npos) tc_w += ms;
       }
-      std::printf("\nPer layer (4 linears x fprop, dgrad, wgrad; %.2f TFLOP):\n\n", flops / 1e12);
-      std::printf("| | ms | FP8 speed-up over bf16 |\n|---|---|---|\n");
-      std::printf("| bf16 GEMMs | %.3f | 1.00x |\n", tb);
-      std::printf("| FP8 GEMMs | %.3f | %.2fx |\n", tf, tb / tf);
-      std::printf("| FP8 GEMMs + x, dy casts (W cast once per optimizer step) | %.3f | %.2fx |\n", tf + tc - tc_w,
-                  tb / (tf + tc - tc_w));
-      std::printf("| FP8 GEMMs + every cast (W cast every micro-batch) | %.3f | %.2fx |\n", tf + tc, tb / (tf + tc));
       double kc = 0, kc_w = 0;
       for (const auto& [name, ms] : block_casts) {
         kc += ms;
         if (name.find(" W [") != std::string::npos) kc_w += ms;
       }
-      std::printf("| block-scaled FP8 GEMMs (fp8_block) | %.3f | %.2fx |\n", tk, tb / tk);
-      std::printf("| block-scaled FP8 GEMMs + x, dy block casts (W cast once per optimizer step) | %.3f | %.2fx |\n",
-                  tk + kc - kc_w, tb / (tk + kc - kc_w));
-      std::printf("| block-scaled FP8 GEMMs + every block cast | %.3f | %.2fx |\n", tk + kc, tb / (tk + kc));
       std::printf("\n| block cast (1x128 rows + 128x1 transposed, or 128x128 W + W^T) | ms |\n|---|---|\n");
       for (const auto& [name, ms] : block_casts) std::printf("| %s | %.3f |\n", name.c_str(), ms);
-      if (std::string(md.name) == "llama2-7b")
-        std::printf(
-            "\nGoal >= 1.6x bf16 on the 7B shapes: GEMMs alone %.2fx (%s), with the x and dy casts %.2fx (%s)\n",
-            tb / tf, tb / tf >= 1.6 ? "met" : "missed", tb / (tf + tc - tc_w),
-            tb / (tf + tc - tc_w) >= 1.6 ? "met" : "missed");
+      // Per layer, once with each wgrad: accumulating into fp32 dW, and
+      // writing bf16 dW as the bf16_pure and FP8 (master = "bf16") bench
+      // workloads' steps do (grad_accum = 1: every step's one micro-batch
+      // writes the gradients).
+      for (const Wgrad mode : {Wgrad::accumulate_f32, Wgrad::write_bf16}) {
+        double tb = 0, tf = 0, tk = 0, flops = 0;
+        for (const Row& r : rows) {
+          if (r.wgrad != Wgrad::none && r.wgrad != mode) continue;
+          tb += r.bf16_ms;
+          tf += r.fp8_ms;
+          tk += r.block_ms;
+          flops += 2.0 * r.m * r.n * r.k;
+        }
+        const char* how = mode == Wgrad::accumulate_f32 ? "wgrad adding to fp32 dW" : "wgrad writing bf16 dW";
+        std::printf("\nPer layer, %s (4 linears x fprop, dgrad, wgrad; %.2f TFLOP):\n\n", how, flops / 1e12);
+        std::printf("| | ms | FP8 speed-up over bf16 |\n|---|---|---|\n");
+        std::printf("| bf16 GEMMs | %.3f | 1.00x |\n", tb);
+        std::printf("| FP8 GEMMs | %.3f | %.2fx |\n", tf, tb / tf);
+        std::printf("| FP8 GEMMs + x, dy casts (W cast once per optimizer step) | %.3f | %.2fx |\n", tf + tc - tc_w,
+                    tb / (tf + tc - tc_w));
+        std::printf("| FP8 GEMMs + every cast (W cast every micro-batch) | %.3f | %.2fx |\n", tf + tc, tb / (tf + tc));
+        std::printf("| block-scaled FP8 GEMMs (fp8_block) | %.3f | %.2fx |\n", tk, tb / tk);
+        std::printf("| block-scaled FP8 GEMMs + x, dy block casts (W cast once per optimizer step) | %.3f | %.2fx |\n",
+                    tk + kc - kc_w, tb / (tk + kc - kc_w));
+        std::printf("| block-scaled FP8 GEMMs + every block cast | %.3f | %.2fx |\n", tk + kc, tb / (tk + kc));
+        if (std::string(md.name) == "llama2-7b")
+          std::printf(
+              "\nGoal >= 1.6x bf16 on the 7B shapes, %s: GEMMs alone %.2fx (%s), with the x and dy casts %.2fx "
+              "(%s)\n",
+              how, tb / tf, tb / tf >= 1.6 ? "met" : "missed", tb / (tf + tc - tc_w),
+              tb / (tf + tc - tc_w) >= 1.6 ? "met" : "missed");
+      }
     }
   }
   probe_block_scaling(lt, ws.p, ws_bytes, s, args);
