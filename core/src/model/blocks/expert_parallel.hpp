@@ -22,27 +22,31 @@
 //   backward  4. dispatch: the output gradients of the same rows (the counts
 //                of 1 are kept, so they are not exchanged again);
 //             5. return: the input gradients back.
+// The rows a rank routes to its own experts never travel: 2-5 move only the
+// other ranks' rows. Each is two all_to_alls, one to the lower ranks and one
+// to the higher ones, so that both sides stay one packed run per call
+// (all_to_all lays peers out without gaps, and a rank's own block sits
+// between its lower and higher peers' in both layouts).
 // Bytes a rank sends per layer and micro-batch: 8·El·(P−1) for 1, then
 // h·b·(rows it sends to other ranks) for 2 and 4, and h·b·(rows it receives
 // from other ranks) for 3 and 5 (b the activation's bytes per element).
 //
 // Where they run. Every exchange is queued on the backend's compute queue
-// (Backend::ctx()). The returns (3, 5) make the queue wait for them before
-// the next kernel. The dispatches (2, 4) do not: the rows a rank sends itself
-// are already in its sorted buffer, so its experts run those first (the
-// segments marked `local`, read at `src_row` of the sorted layout) while the
-// other ranks' rows travel, and only then does the queue wait for them
-// (rows_arrived). Each local run also reaches the receive buffer by the
-// exchange's own local copy, so the later kernels that read it there (the
-// backward's saved rows) find it. Host communicators (MPI, CPU
-// ranks) move host buffers and return when done. A device communicator
-// (NCCL, one GPU per rank) moves device buffers on its own stream. The counts
-// of exchange 1 go from the routing's counts into a buffer of E int64 beside
-// them and are read back to the host, since the sizes of exchanges 2-5 and the
-// experts' row runs are host decisions. Exchange 1 is queued right after the
-// routing (exchange_counts), before the host waits for the layer's own counts:
-// that one wait then covers both, and reading the received counts is a copy
-// from an idle queue, not a second wait.
+// (Backend::ctx()). Only the counts exchange is waited for at once. The
+// caller waits for 2-5 with wait(), and runs its own rows meanwhile: the
+// segments marked `local` are read and written at `src_row` of the sorted
+// layout (the send buffer of 2 and 4, the receive buffer of 3 and 5), where
+// no exchange reads or writes, and only their intermediate rows (the GEMMs'
+// and SwiGLU's) use `row` of the receive layout, whose local block no
+// exchange touches either. Host communicators (MPI, CPU ranks) move host
+// buffers and return when done. A device communicator (NCCL, one GPU per
+// rank) moves device buffers on its own stream. The counts of exchange 1 go
+// from the routing's counts into a buffer of E int64 beside them and are read
+// back to the host, since the sizes of exchanges 2-5 and the experts' row
+// runs are host decisions. Exchange 1 is queued right after the routing
+// (exchange_counts), before the host waits for the layer's own counts: that
+// one wait then covers both, and reading the received counts is a copy from
+// an idle queue, not a second wait.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -69,10 +73,10 @@ class ExpertExchange {
   // peer, at most one row per token for each of min(k, El) experts.
   int64_t max_recv_rows() const { return P_ * N_ * std::min(k_, El_); }
 
-  // A run of received rows: this rank's expert `expert` (global index), rows
-  // [row, row + rows) of the receive buffer. local: the rows come from this
-  // rank itself, and are also rows [src_row, src_row + rows) of the sorted
-  // (send) layout, where they are before the exchange moves them.
+  // A run of rows for this rank's expert `expert` (global index): rows
+  // [row, row + rows) of the receive layout. local: the rows come from this
+  // rank itself; they never travel, and the block reads and writes them at
+  // rows [src_row, src_row + rows) of the sorted (send) layout instead.
   struct Segment {
     int64_t expert = 0, row = 0, rows = 0, src_row = 0;
     bool local = false;
@@ -83,37 +87,38 @@ class ExpertExchange {
   // device), to counts_in, E int64 of scratch beside them (both as 8-byte
   // elements: DType::f64 views), which the next dispatch reads back.
   void exchange_counts(const Tensor& counts_src, Tensor& counts_in);
-  // Forward exchange 2, after exchange_counts. counts: this rank's rows per
-  // expert [E] on the host (Backend::moe_route's, read back); xs: the sorted
-  // rows [N·k, h]; xr: the receive buffer [max_recv_rows, h]. Queued only:
-  // call rows_arrived() before reading the rows of a segment that is not local.
+  // Exchanges 2-5, queued: wait() before reading what they bring.
+  // 2, after exchange_counts. counts: this rank's rows per expert [E] on the
+  // host (Backend::moe_route's, read back); xs: the sorted rows [N·k, h]; xr:
+  // the receive buffer [max_recv_rows, h].
   void dispatch(const int64_t* counts, const Tensor& xs, Tensor& xr);
-  // Exchange 3: yr [max_recv_rows, h] (outputs of the received rows) back into y [N·k, h] (sorted order).
-  void give_back(const Tensor& yr, Tensor& y);
-  // Exchange 4: like dispatch's rows, with the counts of the last dispatch; queued only, like dispatch.
-  void dispatch_grad(const Tensor& dy, Tensor& dyr);
-  // Exchange 5: like give_back.
-  void give_back_grad(const Tensor& dxr, Tensor& dx) { exchange(dxr, recv_, dx, send_); }
-  // The compute queue waits for the last dispatch (2 or 4): the other ranks'
-  // rows are in the receive buffer after this. Once per dispatch; a no-op
-  // when none is pending.
-  void rows_arrived();
+  // 3: yr [max_recv_rows, h] (outputs of the received rows) back into y [N·k, h] (sorted order).
+  void give_back(const Tensor& yr, Tensor& y) { queue(yr, recv_, y, send_); }
+  // 4: like dispatch's rows, with the counts of the last dispatch.
+  void dispatch_grad(const Tensor& dy, Tensor& dyr) { queue(dy, send_, dyr, recv_); }
+  // 5: like give_back.
+  void give_back_grad(const Tensor& dxr, Tensor& dx) { queue(dxr, recv_, dx, send_); }
+  // The compute queue waits for the exchange queued last (and so for every
+  // earlier one); a no-op when none is pending.
+  void wait();
 
   const std::vector<Segment>& segments() const { return segments_; }
 
  private:
-  // An exchange the compute queue waits for at once, and one it waits for in rows_arrived().
-  void exchange(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv, const std::vector<int64_t>& rc);
+  // One exchange without the rank's own block: to the lower ranks, then to
+  // the higher ones (see above). send / recv are laid out by peer in rank
+  // order, sc / rc elements per peer, the own entries ignored.
   void queue(const Tensor& send, const std::vector<int64_t>& sc, Tensor& recv, const std::vector<int64_t>& rc);
 
   Communicator* group_;
   Backend* backend_;
-  int64_t P_, E_, El_, N_, k_, h_, first_;
+  int64_t P_, E_, El_, N_, k_, h_, first_, self_;
   Tensor counts_in_dev_;            // exchange 1's receive buffer, until dispatch reads it back
   std::vector<int64_t> counts_in_;  // exchange 1's received counts [E], on the host
   std::vector<int64_t> send_, recv_;             // elements per peer of the last dispatch
+  std::vector<int64_t> lo_send_, lo_recv_, hi_send_, hi_recv_;  // queue()'s per-call counts
   std::vector<Segment> segments_;
-  CommTicket pending_ = 0;  // the dispatch the compute queue has not waited for yet
+  CommTicket pending_ = 0;  // the exchange the compute queue has not waited for yet
   bool pending_set_ = false;
 };
 

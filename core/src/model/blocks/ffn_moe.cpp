@@ -239,26 +239,37 @@ class MoeFfn final : public FfnBlock {
         eout_rows = act(eout_r_, {Rx, h});
         ep_->dispatch(rows, xs, xin_rows);
       }
-      // This rank's own rows first (read where the sort left them), then,
-      // under expert parallelism, the other ranks' once they have arrived.
-      for (const bool local : {true, false}) {
-        if (!local && ep_) {
-          Range x(be, "ep.dispatch.wait");
-          ep_->rows_arrived();
-        }
-        for (const ExpertExchange::Segment& sg : segments(rows)) {
-          if (sg.local != local) continue;
-          const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
-          Tensor xs_e = local ? rows_of(xs, sg.src_row, m) : rows_of(xin_rows, r0, m), gu_e = rows_of(gu, r0, m);
-          Tensor act_e = rows_of(a, r0, m), eout_e = rows_of(eout_rows, r0, m);
-          env_.precision->linear_forward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), gu_e, nullptr);
-          be.swiglu_forward(act_e, column_half(gu_e, 0), column_half(gu_e, 1));
-          env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, expert(u, e, kW2), eout_e, nullptr);
-        }
-      }
+      // A run of rows: this rank's own are read and written in the sorted
+      // layout, where no exchange touches them; received ones in the receive
+      // layout. The intermediate rows (gate_up, SwiGLU) are at `row` either way.
+      const auto run = [&](const ExpertExchange::Segment& sg) {
+        const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
+        Tensor xs_e = sg.local ? rows_of(xs, sg.src_row, m) : rows_of(xin_rows, r0, m), gu_e = rows_of(gu, r0, m);
+        Tensor act_e = rows_of(a, r0, m);
+        Tensor eout_e = sg.local ? rows_of(eout, sg.src_row, m) : rows_of(eout_rows, r0, m);
+        env_.precision->linear_forward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), gu_e, nullptr);
+        be.swiglu_forward(act_e, column_half(gu_e, 0), column_half(gu_e, 1));
+        env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, expert(u, e, kW2), eout_e, nullptr);
+      };
+      // The first half of this rank's own rows runs while the dispatch
+      // travels, the other ranks' rows once it has arrived, the second half
+      // of its own while their outputs travel back.
+      const auto& segs = segments(rows);
+      run_local_half(segs, 0, run);
       if (ep_) {
+        {
+          Range x(be, "ep.dispatch.wait");
+          ep_->wait();
+        }
+        for (const ExpertExchange::Segment& sg : segs)
+          if (!sg.local) run(sg);
         Range x(be, "ep.return");
         ep_->give_back(eout_rows, eout);
+      }
+      run_local_half(segs, 1, run);
+      if (ep_) {
+        Range x(be, "ep.return.wait");
+        ep_->wait();
       }
     }
     {
@@ -285,50 +296,58 @@ class MoeFfn final : public FfnBlock {
     {
       Range r(be, "experts.grad");
       const int64_t Rx = expert_side_rows();
-      Tensor xs = act(xs_, {R, h}), gu = act(gu_, {Rx, 2 * f}), a = act(act_, {Rx, f});
+      Tensor gu = act(gu_, {Rx, 2 * f}), a = act(act_, {Rx, f});
       Tensor d_act = act(d_act_, {Rx, f}), d_gu = act(d_gu_, {Rx, 2 * f});
+      // The sorted layout (this rank's rows), and the receive layout (the
+      // rows its experts got; the same buffers without expert parallelism).
+      const Tensor xs = act(xs_, {R, h});
       Tensor d_xs = act(d_xs_, {R, h});
-      Tensor d_xs_sorted = d_xs, d_eout_sorted = d_eout;
+      Tensor xs_r = xs, d_xs_r = d_xs, d_eout_r = d_eout;
       if (ep_) {  // the experts' rows are the received ones; their gradients travel the same way
         Range x(be, "ep.dispatch.grad");
-        xs = act(xr_, {Rx, h});
-        d_xs = act(d_xr_, {Rx, h});
-        d_eout = act(d_eout_r_, {Rx, h});
-        ep_->dispatch_grad(d_eout_sorted, d_eout);
+        xs_r = act(xr_, {Rx, h});
+        d_xs_r = act(d_xr_, {Rx, h});
+        d_eout_r = act(d_eout_r_, {Rx, h});
+        ep_->dispatch_grad(d_eout, d_eout_r);
       }
       // An expert's first run of rows in a writing micro-batch writes its
       // weight gradients, every later run (other peers' rows under expert
       // parallelism) adds to them; an expert with no rows then gets zeros
       // (below). In an accumulating micro-batch an expert with no rows keeps
       // its gradients as they are.
-      // As in forward: this rank's own rows' gradients first (read where
-      // the combine's backward wrote them), the other ranks' once arrived.
-      // So under expert parallelism an expert's weight gradient sums its
-      // runs in the order local, then the others by rank.
       std::fill(expert_written_.begin(), expert_written_.end(), static_cast<char>(acc));
-      for (const bool local : {true, false}) {
-        if (!local && ep_) {
+      const auto run = [&](const ExpertExchange::Segment& sg) {
+        const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
+        const bool acc_e = expert_written_[static_cast<size_t>(e)] != 0;
+        expert_written_[static_cast<size_t>(e)] = 1;
+        const int64_t at = sg.local ? sg.src_row : r0;  // own rows: the sorted layout
+        Tensor d_eout_e = rows_of(sg.local ? d_eout : d_eout_r, at, m), d_act_e = rows_of(d_act, r0, m);
+        Tensor d_gu_e = rows_of(d_gu, r0, m), d_xs_e = rows_of(sg.local ? d_xs : d_xs_r, at, m);
+        Tensor gu_e = rows_of(gu, r0, m), xs_e = rows_of(sg.local ? xs : xs_r, at, m);
+        Tensor dW2 = expert(u, e, kW2, true), dW13 = expert_w13(u, e, true);
+        env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), expert(u, e, kW2),
+                                        d_eout_e, &d_act_e, dW2, acc_e);
+        Tensor d_gate_e = column_half(d_gu_e, 0), d_up_e = column_half(d_gu_e, 1);
+        be.swiglu_backward(d_gate_e, d_up_e, d_act_e, column_half(gu_e, 0), column_half(gu_e, 1));
+        env_.precision->linear_backward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), d_gu_e, &d_xs_e,
+                                        dW13, acc_e);
+      };
+      // As in forward: half of the own rows during each exchange. So an
+      // expert's weight gradient sums its runs in a fixed order: under
+      // expert parallelism its own rows first or last, the others by rank.
+      const auto& segs = segments(rows);
+      run_local_half(segs, 0, run);
+      if (ep_) {
+        {
           Range x(be, "ep.dispatch.grad.wait");
-          ep_->rows_arrived();
+          ep_->wait();
         }
-        for (const ExpertExchange::Segment& sg : segments(rows)) {
-          if (sg.local != local) continue;
-          const int64_t e = sg.expert, r0 = sg.row, m = sg.rows;
-          const bool acc_e = expert_written_[static_cast<size_t>(e)] != 0;
-          expert_written_[static_cast<size_t>(e)] = 1;
-          Tensor d_eout_e = local ? rows_of(d_eout_sorted, sg.src_row, m) : rows_of(d_eout, r0, m);
-          Tensor d_act_e = rows_of(d_act, r0, m);
-          Tensor d_gu_e = rows_of(d_gu, r0, m), d_xs_e = rows_of(d_xs, r0, m), gu_e = rows_of(gu, r0, m);
-          Tensor xs_e = rows_of(xs, r0, m);
-          Tensor dW2 = expert(u, e, kW2, true), dW13 = expert_w13(u, e, true);
-          env_.precision->linear_backward(ctx, w2_[static_cast<size_t>(e)], rows_of(a, r0, m), expert(u, e, kW2),
-                                          d_eout_e, &d_act_e, dW2, acc_e);
-          Tensor d_gate_e = column_half(d_gu_e, 0), d_up_e = column_half(d_gu_e, 1);
-          be.swiglu_backward(d_gate_e, d_up_e, d_act_e, column_half(gu_e, 0), column_half(gu_e, 1));
-          env_.precision->linear_backward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), d_gu_e, &d_xs_e,
-                                          dW13, acc_e);
-        }
+        for (const ExpertExchange::Segment& sg : segs)
+          if (!sg.local) run(sg);
+        Range x(be, "ep.return.grad");
+        ep_->give_back_grad(d_xs_r, d_xs);
       }
+      run_local_half(segs, 1, run);
       const int64_t first = ep_ ? ep_->first_expert() : 0, held = ep_ ? ep_->local_experts() : spec_.num_experts;
       for (int64_t e = first; e < first + held; ++e) {
         if (expert_written_[static_cast<size_t>(e)] != 0) continue;
@@ -338,8 +357,8 @@ class MoeFfn final : public FfnBlock {
         }
       }
       if (ep_) {
-        Range x(be, "ep.return.grad");
-        ep_->give_back_grad(d_xs, d_xs_sorted);
+        Range x(be, "ep.return.grad.wait");
+        ep_->wait();
       }
     }
     Tensor d_ln = act(d_ln_, {N, h});
@@ -445,6 +464,23 @@ class MoeFfn final : public FfnBlock {
         local_segments_.push_back({e, r0, rows[E + e + 1] - r0, r0, true});
       }
     return local_segments_;
+  }
+
+  // Runs `run` on the local segments of one half of this rank's own rows:
+  // half 0 the segments that start before half of them, half 1 the rest
+  // (without expert parallelism every segment is local: half 0 then half 1
+  // is every segment in order).
+  template <typename Run>
+  static void run_local_half(const std::vector<ExpertExchange::Segment>& segs, int half, const Run& run) {
+    int64_t total = 0, before = 0;
+    for (const ExpertExchange::Segment& sg : segs)
+      if (sg.local) total += sg.rows;
+    for (const ExpertExchange::Segment& sg : segs) {
+      if (!sg.local) continue;
+      const bool first = 2 * before < total;
+      before += sg.rows;
+      if (first == (half == 0)) run(sg);
+    }
   }
 
   // Rows [r0, r0 + m) of a packed [rows, cols] matrix.
