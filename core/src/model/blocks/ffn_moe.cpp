@@ -251,26 +251,7 @@ class MoeFfn final : public FfnBlock {
         be.swiglu_forward(act_e, column_half(gu_e, 0), column_half(gu_e, 1));
         env_.precision->linear_forward(ctx, w2_[static_cast<size_t>(e)], act_e, expert(u, e, kW2), eout_e, nullptr);
       };
-      // The first half of this rank's own rows runs while the dispatch
-      // travels, the other ranks' rows once it has arrived, the second half
-      // of its own while their outputs travel back.
-      const auto& segs = segments(rows);
-      run_local_half(segs, 0, run);
-      if (ep_) {
-        {
-          Range x(be, "ep.dispatch.wait");
-          ep_->wait();
-        }
-        for (const ExpertExchange::Segment& sg : segs)
-          if (!sg.local) run(sg);
-        Range x(be, "ep.return");
-        ep_->give_back(eout_rows, eout);
-      }
-      run_local_half(segs, 1, run);
-      if (ep_) {
-        Range x(be, "ep.return.wait");
-        ep_->wait();
-      }
+      run_segments(rows, false, run, [&] { ep_->give_back(eout_rows, eout); });
     }
     {
       Range r(be, "combine+residual");
@@ -332,22 +313,9 @@ class MoeFfn final : public FfnBlock {
         env_.precision->linear_backward(ctx, w13_[static_cast<size_t>(e)], xs_e, expert_w13(u, e), d_gu_e, &d_xs_e,
                                         dW13, acc_e);
       };
-      // As in forward: half of the own rows during each exchange. So an
-      // expert's weight gradient sums its runs in a fixed order: under
+      // So an expert's weight gradient sums its runs in a fixed order: under
       // expert parallelism its own rows first or last, the others by rank.
-      const auto& segs = segments(rows);
-      run_local_half(segs, 0, run);
-      if (ep_) {
-        {
-          Range x(be, "ep.dispatch.grad.wait");
-          ep_->wait();
-        }
-        for (const ExpertExchange::Segment& sg : segs)
-          if (!sg.local) run(sg);
-        Range x(be, "ep.return.grad");
-        ep_->give_back_grad(d_xs_r, d_xs);
-      }
-      run_local_half(segs, 1, run);
+      run_segments(rows, true, run, [&] { ep_->give_back_grad(d_xs_r, d_xs); });
       const int64_t first = ep_ ? ep_->first_expert() : 0, held = ep_ ? ep_->local_experts() : spec_.num_experts;
       for (int64_t e = first; e < first + held; ++e) {
         if (expert_written_[static_cast<size_t>(e)] != 0) continue;
@@ -355,10 +323,6 @@ class MoeFfn final : public FfnBlock {
           Tensor g = expert(u, e, j, true);
           be.zero(g);
         }
-      }
-      if (ep_) {
-        Range x(be, "ep.return.grad.wait");
-        ep_->wait();
       }
     }
     Tensor d_ln = act(d_ln_, {N, h});
@@ -466,20 +430,44 @@ class MoeFfn final : public FfnBlock {
     return local_segments_;
   }
 
-  // Runs `run` on the local segments of one half of this rank's own rows:
-  // half 0 the segments that start before half of them, half 1 the rest
-  // (without expert parallelism every segment is local: half 0 then half 1
-  // is every segment in order).
-  template <typename Run>
-  static void run_local_half(const std::vector<ExpertExchange::Segment>& segs, int half, const Run& run) {
-    int64_t total = 0, before = 0;
+  // Runs `run` on every segment of the layer, forward (grad false) or
+  // backward, around the dispatch queued before it: the first half of this
+  // rank's own rows while the dispatch travels, the other ranks' rows once
+  // it has arrived, then `give_back` queues the return and the second half
+  // of the own rows runs while it travels; the compute queue waits for it
+  // last. Without expert parallelism: every segment, in order.
+  template <typename Run, typename GiveBack>
+  void run_segments(const int64_t* rows, bool grad, const Run& run, const GiveBack& give_back) {
+    Backend& be = *env_.backend;
+    const std::vector<ExpertExchange::Segment>& segs = segments(rows);
+    int64_t own = 0;
     for (const ExpertExchange::Segment& sg : segs)
-      if (sg.local) total += sg.rows;
-    for (const ExpertExchange::Segment& sg : segs) {
-      if (!sg.local) continue;
-      const bool first = 2 * before < total;
-      before += sg.rows;
-      if (first == (half == 0)) run(sg);
+      if (sg.local) own += sg.rows;
+    // The own segments that start before half of the own rows run first.
+    const auto own_half = [&](bool first_half) {
+      int64_t before = 0;
+      for (const ExpertExchange::Segment& sg : segs) {
+        if (!sg.local) continue;
+        const bool first = 2 * before < own;
+        before += sg.rows;
+        if (first == first_half) run(sg);
+      }
+    };
+    own_half(true);
+    if (ep_) {
+      {
+        Range x(be, grad ? "ep.dispatch.grad.wait" : "ep.dispatch.wait");
+        ep_->wait();
+      }
+      for (const ExpertExchange::Segment& sg : segs)
+        if (!sg.local) run(sg);
+      Range x(be, grad ? "ep.return.grad" : "ep.return");
+      give_back();
+    }
+    own_half(false);
+    if (ep_) {
+      Range x(be, grad ? "ep.return.grad.wait" : "ep.return.wait");
+      ep_->wait();
     }
   }
 
