@@ -20,8 +20,7 @@ OUT=${OUT:-/tmp/loom-ab}; mkdir -p "$OUT"
 # NVIDIA's libraries from the torch venv, found as scripts/gpu_check.sh finds them.
 NV=${SP:-$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]) + "/nvidia")' 2>/dev/null || echo /opt/torch/.venv/lib/python3.12/site-packages/nvidia)}
 SYS_LD=/usr/local/cuda/lib64:$NV/cudnn/lib:$NV/nccl/lib:$NV/cu13/lib
-for z in .carry/lib/libopenblas.so.0.gz .carry/ab/lib/libloom.so.*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
-for l in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do [ -e ".carry/ab/lib/$l" ] || cp .carry/lib/$l .carry/ab/lib/; done
+for z in .carry/ab/lib/libloom.so.*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
 bench() { # LABEL DIR CONFIG
   local ms
   ms=$(LD_LIBRARY_PATH=$2/lib:$SYS_LD "$2/bin/loom" bench "$3" --steps="${STEPS:-10}" --warmup="${WARMUP:-3}" \

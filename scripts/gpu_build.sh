@@ -2,8 +2,7 @@
 # Builds the CUDA configuration (sm_90a) into build-gpu/ (or $BUILD_DIR: the
 # CI build folder build/ is the same configuration wherever nvcc is found, so
 # BUILD_DIR=build reuses it) and stages what a GPU
-# machine needs to run it into .carry/ (binaries, libloom, plugins, and the
-# OpenBLAS runtime the fp32 plugin links, which CUDA images often lack).
+# machine needs to run it into .carry/ (binaries, libloom, plugins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -22,15 +21,6 @@ for t in loom test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention
 done
 cp -a "$B"/lib/. .carry/lib/
 strip --strip-unneeded .carry/bin/* .carry/lib/libloom.so.*.*.* .carry/lib/loom/plugins/*.so
-for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do
-  # awk reads all of ldconfig's output (no early exit: with pipefail a SIGPIPE would stop the script).
-  src=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ && !found {print $NF; found = 1}')
-  if [ -z "$src" ]; then echo "gpu_build: $lib not found (install libopenblas0-pthread)" >&2; exit 1; fi
-  cp -L "$src" .carry/lib/
-done
-# OpenBLAS carries kernels for every x86 CPU (35 MiB); it travels compressed
-# and scripts/gpu_check.sh unpacks it.
-gzip -9 -f .carry/lib/libopenblas.so.0
 # The fortune corpus (Debian's fortunes package, which GPU images lack) as
 # byte-level token shards: the GPU training test and the native-vs-fused
 # convergence run read it (5 MB).

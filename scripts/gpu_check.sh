@@ -44,7 +44,6 @@ export LD_LIBRARY_PATH=$ROOT/.carry/lib:/usr/local/cuda/lib64:$SP/cudnn/lib:$SP/
 export NCCL_NVLS_ENABLE=0
 # Plain test output: the summary greps below read "[  PASSED  ] N" without colour codes.
 export GTEST_COLOR=no
-[ -f .carry/lib/libopenblas.so.0.gz ] && gunzip -f .carry/lib/libopenblas.so.0.gz
 # The test binaries name the tree and their build folder by absolute path
 # (/work/main, and /work/main/build-gpu or /work/main/build, whichever
 # scripts/gpu_build.sh built): make them resolve here.

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <array>
 #include <boost/dll/shared_library.hpp>
 #include <cmath>
 #include <cstring>
@@ -28,6 +29,7 @@
 #include "alloc_counter.hpp"
 #include "attention/naive/attention_naive_cpu.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
+#include "kernels/cpu/gemm_paths.hpp"
 #include "loom/attention.hpp"
 #include "loom/error.hpp"
 #include "loom/plugin.hpp"
@@ -595,6 +597,142 @@ TEST(Fp32Gemm, LinearForwardBackwardMatchFiniteDifferences) {
 TEST(Fp32Gemm, RejectsRowStrideSmallerThanRow) {
   FVec x(12, 1.f), w(6, 1.f), y(8, 0.f);
   EXPECT_THROW(loom::cpu::linear_forward(y.data(), 2, x.data(), 2, w.data(), 4, 3, 2), loom::Error);  // ldx 2 < k 3
+}
+
+// The CPU GEMMs' definition (core/src/kernels/cpu/cpu_gemm.cpp): every output
+// element is c = (accumulate ? C : 0), then c = fma(a_p, b_p, c) for p = 0..k-1,
+// one rounding per step. fma is exactly specified by IEEE 754, so a plain loop of
+// std::fma computes the same bits on any processor; the kernels must equal it
+// bit for bit on each path (AVX2/FMA where the processor has it, and the portable
+// one), with 1 and 2 threads, for shapes that leave partial tiles in m and n, k
+// spanning several K blocks (256), strided views, and accumulate on and off. This
+// is what makes CPU runs bitwise the same on Intel and AMD machines: an exact
+// comparison, no tolerance.
+namespace gemm_def {
+template <typename T>
+std::vector<T> rand_vec(Rng& rng, int64_t n) {
+  std::uniform_real_distribution<double> d(-1.0, 1.0);
+  std::vector<T> v(static_cast<size_t>(n));
+  for (T& x : v) x = static_cast<T>(d(rng.gen));
+  return v;
+}
+// C (ldc) = (acc ? C : 0) + A B by the definition, A(i, p) = a[i * ars + p * acs], B(p, j) = b[p * brs + j * bcs].
+template <typename T>
+void reference(T* c, int64_t ldc, const T* a, int64_t ars, int64_t acs, const T* b, int64_t brs, int64_t bcs,
+               int64_t m, int64_t k, int64_t n, bool acc) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      T v = acc ? c[i * ldc + j] : T(0);
+      for (int64_t p = 0; p < k; ++p) v = std::fma(a[i * ars + p * acs], b[p * brs + j * bcs], v);
+      c[i * ldc + j] = v;
+    }
+}
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+template <typename T>
+void check_all_three(Rng& rng, int64_t m, int64_t k, int64_t n, const std::string& what) {
+  SCOPED_TRACE(what + " m=" + std::to_string(m) + " k=" + std::to_string(k) + " n=" + std::to_string(n));
+  const int64_t ldx = k + 3, ldy = n + 1, lddy = n + 2, lddx = k + 1;
+  const std::vector<T> x = rand_vec<T>(rng, m * ldx), w = rand_vec<T>(rng, n * k), dy = rand_vec<T>(rng, m * lddy);
+  for (const bool acc : {false, true}) {
+    std::vector<T> y = rand_vec<T>(rng, m * ldy), yr = y;
+    loom::cpu::linear_forward(y.data(), ldy, x.data(), ldx, w.data(), m, k, n, acc);
+    reference(yr.data(), ldy, x.data(), ldx, 1, w.data(), 1, k, m, k, n, acc);
+    EXPECT_TRUE(same_bits(y, yr)) << "forward, accumulate " << acc;
+    std::vector<T> dw = rand_vec<T>(rng, n * k), dwr = dw;
+    loom::cpu::linear_backward_weight(dw.data(), dy.data(), lddy, x.data(), ldx, m, k, n, acc);
+    reference(dwr.data(), k, dy.data(), 1, lddy, x.data(), ldx, 1, n, m, k, acc);
+    EXPECT_TRUE(same_bits(dw, dwr)) << "wgrad, accumulate " << acc;
+  }
+  std::vector<T> dx = rand_vec<T>(rng, m * lddx), dxr = dx;
+  loom::cpu::linear_backward_input(dx.data(), lddx, dy.data(), lddy, w.data(), m, k, n);
+  reference(dxr.data(), lddx, dy.data(), lddy, 1, w.data(), k, 1, m, n, k, false);
+  EXPECT_TRUE(same_bits(dx, dxr)) << "dgrad";
+}
+struct PathGuard {
+  loom::cpu::detail::GemmPath saved = loom::cpu::detail::gemm_path();
+  ~PathGuard() { loom::cpu::detail::set_gemm_path(saved); }
+};
+}  // namespace gemm_def
+
+TEST(CpuGemm, EveryElementIsTheFixedFmaChainOnEveryPath) {
+  using loom::cpu::detail::GemmPath;
+  gemm_def::PathGuard guard;
+  std::vector<GemmPath> paths = {GemmPath::portable};
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths.push_back(GemmPath::avx2_fma);
+  else std::printf("this processor has no AVX2 + FMA: only the portable path runs here\n");
+  Rng rng(test_seed());
+  // Shapes: single elements, partial tiles (6 rows, 16 / 8 columns), several jobs
+  // (96 rows, 256 columns), several K blocks (k > 256), k = 1, and one random shape per path.
+  std::vector<std::array<int64_t, 3>> shapes = {{1, 1, 1}, {5, 7, 3}, {6, 16, 16}, {7, 300, 17}, {97, 33, 257},
+                                                {13, 513, 9}, {200, 64, 40}, {1, 1000, 1}};
+  for (const GemmPath path : paths) {
+    loom::cpu::detail::set_gemm_path(path);
+    const std::string name = path == GemmPath::portable ? "portable" : "avx2_fma";
+    auto shape = shapes;
+    shape.push_back({rng.integer(1, 150), rng.integer(1, 600), rng.integer(1, 300)});
+    for (const int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      for (const auto& s : shape) {
+        gemm_def::check_all_three<float>(rng, s[0], s[1], s[2], name + " float, " + std::to_string(threads) + " thread(s)");
+        gemm_def::check_all_three<double>(rng, s[0], s[1], s[2], name + " double, " + std::to_string(threads) + " thread(s)");
+      }
+    }
+  }
+  omp_set_num_threads(2);
+}
+
+// k = 0 writes zeros (or leaves C when accumulating); m or n = 0 writes nothing.
+TEST(CpuGemm, EmptyDimensions) {
+  FVec y(6, 7.f), x(3, 1.f), w(2, 1.f);
+  loom::cpu::linear_forward(y.data(), 2, x.data(), 1, w.data(), 3, 0, 2, false);
+  EXPECT_EQ(y, FVec(6, 0.f));
+  y.assign(6, 7.f);
+  loom::cpu::linear_forward(y.data(), 2, x.data(), 1, w.data(), 3, 0, 2, true);
+  EXPECT_EQ(y, FVec(6, 7.f));
+  loom::cpu::linear_forward(y.data(), 2, x.data(), 1, w.data(), 0, 1, 2, false);
+  EXPECT_EQ(y, FVec(6, 7.f));
+}
+
+// The same bits on every machine, recorded: a fixed integer-generated problem
+// (no library random numbers) whose result bits were recorded once (on an AMD
+// EPYC, and found equal on the Intel Xeon of an H100 machine); any
+// processor, path or thread count that rounds differently fails here first,
+// naming the GEMM, rather than as a drifting training run elsewhere.
+TEST(CpuGemm, RecordedBitsOfAFixedProblem) {
+  const int64_t m = 37, k = 301, n = 29;
+  auto val = [](uint64_t i, uint64_t salt) {  // exactly representable values in [-1, 1)
+    uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ salt;
+    h ^= h >> 29;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 32;
+    return static_cast<float>(static_cast<int64_t>(h % 65536) - 32768) / 32768.0f;
+  };
+  FVec x(m * k), w(n * k), dy(m * n);
+  for (int64_t i = 0; i < m * k; ++i) x[i] = val(i, 1);
+  for (int64_t i = 0; i < n * k; ++i) w[i] = val(i, 2);
+  for (int64_t i = 0; i < m * n; ++i) dy[i] = val(i, 3);
+  FVec y(m * n), dx(m * k), dw(n * k);
+  loom::cpu::linear_forward(y.data(), n, x.data(), k, w.data(), m, k, n);
+  loom::cpu::linear_backward_input(dx.data(), k, dy.data(), n, w.data(), m, k, n);
+  loom::cpu::linear_backward_weight(dw.data(), dy.data(), n, x.data(), k, m, k, n, false);
+  auto digest = [](const FVec& v) {  // FNV-1a over the bytes
+    uint64_t h = 1469598103934665603ull;
+    for (float f : v) {
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      for (int b = 0; b < 4; ++b) h = (h ^ ((u >> (8 * b)) & 0xFF)) * 1099511628211ull;
+    }
+    return h;
+  };
+  std::printf("digests: forward %016llx dgrad %016llx wgrad %016llx\n", (unsigned long long)digest(y),
+              (unsigned long long)digest(dx), (unsigned long long)digest(dw));
+  EXPECT_EQ(digest(y), 0xc99dcb1028a99761ull) << "forward";
+  EXPECT_EQ(digest(dx), 0xec02d8ac22cbb297ull) << "dgrad";
+  EXPECT_EQ(digest(dw), 0xcf09f83e459edec7ull) << "wgrad";
 }
 
 // ---------------------------------------------------------------------------

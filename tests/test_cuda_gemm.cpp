@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #ifdef LOOM_HAVE_CUDA
-#include <cblas.h>
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -25,6 +24,7 @@
 #include "cuda_test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/config.hpp"
+#include "loom/cpu_gemm.hpp"
 #include "loom/gemm_algo.hpp"
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
@@ -194,21 +194,21 @@ double rel_error(const std::vector<float>& got, const std::vector<double>& ref) 
 
 std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
-// Row-major fp64 GEMMs through CBLAS, each written in its own orientation.
+// Row-major fp64 GEMMs of the CPU reference (loom/cpu_gemm.hpp, itself checked
+// against finite differences and a plain loop in test_cpu_kernels).
 std::vector<double> ref_forward(const std::vector<double>& x, const std::vector<double>& w, int m, int k, int n) {
   std::vector<double> y(static_cast<size_t>(m) * n);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0, x.data(), k, w.data(), k, 0.0, y.data(), n);
+  loom::cpu::linear_forward(y.data(), n, x.data(), k, w.data(), m, k, n);
   return y;
 }
 std::vector<double> ref_dgrad(const std::vector<double>& dy, const std::vector<double>& w, int m, int k, int n) {
   std::vector<double> dx(static_cast<size_t>(m) * k);
-  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, k, n, 1.0, dy.data(), n, w.data(), k, 0.0, dx.data(), k);
+  loom::cpu::linear_backward_input(dx.data(), k, dy.data(), n, w.data(), m, k, n);
   return dx;
 }
 std::vector<double> ref_wgrad(const std::vector<double>& dy, const std::vector<double>& x, int m, int k, int n,
                               std::vector<double> dw_before) {
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, k, m, 1.0, dy.data(), n, x.data(), k, 1.0,
-              dw_before.data(), k);
+  loom::cpu::linear_backward_weight(dw_before.data(), dy.data(), n, x.data(), k, m, k, n, /*accumulate=*/true);
   return dw_before;
 }
 
