@@ -541,6 +541,15 @@ RunSummary Session::train(int64_t stop_at) {
   if (!sum.val_losses.empty())
     fin << " | val loss " << sum.val_losses.front().second << " -> " << sum.val_losses.back().second;
   if (health.skipped_total()) fin << " | " << health.skipped_total() << " skipped steps";
+  if (rt_.backend->device() == Device::cuda) {
+    // What the steps used beside what was planned for them (the plan with
+    // what lies beyond the arena, estimated: `loom check`'s "per rank in all").
+    const double used = static_cast<double>(rt_.backend->device_memory_used()),
+                 planned = static_cast<double>(state_->planned_device_bytes());
+    fin << " | device memory " << std::setprecision(2) << used / (1024.0 * 1024.0 * 1024.0) << " GiB in use, "
+        << planned / (1024.0 * 1024.0 * 1024.0) << " GiB planned (" << std::showpos << 100.0 * (used / planned - 1.0)
+        << std::noshowpos << "%)" << std::setprecision(4);
+  }
   fin << " | metrics " << (out / "metrics.jsonl").string();
   log_info(fin.str());
   return sum;
