@@ -33,7 +33,8 @@
 #       `loom check` of configs/bench/llama3-8b-8k.toml and its FP8 twin planned for this card without touching
 #       it (--device-memory <the card's total> --world-size NP), `loom bench` of both under mpirun (WARMUP 2,
 #       STEPS 3: 8 micro-batches a step), the PyTorch FSDP2 + compile peer of the same shape in bf16 and with
-#       torchao float8 (torchtitan's recipe, per-op selective AC; PEER_WARMUP 1, PEER_STEPS 2), then one table:
+#       torchao float8 (torchtitan's recipe, per-op selective AC, whole-layer AC if that runs out of memory;
+#       PEER_WARMUP 1, PEER_STEPS 2), then one table:
 #       tokens/s per GPU, model TFLOP/s (causal, as NeMo counts), MFU, peak and planned GiB, Loom / peer, and
 #       the issue's targets; logs, JSON and the plans' breakdowns in $OUT/node)
 #   bash scripts/gpu_check.sh node-loss           (the same shape on NP GPUs, grad_accum 1, on the fortune corpus:
@@ -382,12 +383,19 @@ if [ "$WHAT" = node ]; then
   : > "$N/peers.jsonl"
   for name in bf16 fp8; do
     extra=(); [ $name = fp8 ] && extra=(--float8)
-    t0=$(date +%s)
-    python3 -m torch.distributed.run --standalone --nproc_per_node="$NP" benchmarks/torch_fsdp.py "$BF" --compile \
-      --ac "${PEER_AC:-selective-op}" "${extra[@]}" --steps "${PEER_STEPS:-2}" --warmup "${PEER_WARMUP:-1}" \
-      > "$N/peer_$name.out" 2> "$N/peer_$name.log" || { echo "peer $name failed: see $N/peer_$name.log"; tail -5 "$N/peer_$name.log"; }
-    echo "peer $name: $(( $(date +%s) - t0 )) s"
-    grep -h '^PEER_JSON' "$N/peer_$name.out" >> "$N/peers.jsonl"
+    # torchtitan's per-op selective AC first; a peer that runs out of memory
+    # with it runs again with whole layers checkpointed (the row says which).
+    for ac in ${PEER_AC:-selective-op} full; do
+      t0=$(date +%s)
+      python3 -m torch.distributed.run --standalone --nproc_per_node="$NP" benchmarks/torch_fsdp.py "$BF" --compile \
+        --ac "$ac" "${extra[@]}" --steps "${PEER_STEPS:-2}" --warmup "${PEER_WARMUP:-1}" \
+        > "$N/peer_${name}_$ac.out" 2> "$N/peer_${name}_$ac.log" ||
+        { echo "peer $name (AC $ac) failed: see $N/peer_${name}_$ac.log"; tail -3 "$N/peer_${name}_$ac.log"; }
+      echo "peer $name (AC $ac): $(( $(date +%s) - t0 )) s"
+      grep -q '"error": ".*OutOfMemory' "$N/peer_${name}_$ac.out" && [ "$ac" != full ] && continue
+      grep -h '^PEER_JSON' "$N/peer_${name}_$ac.out" >> "$N/peers.jsonl"
+      break
+    done
   done
   python3 benchmarks/node_table.py "$N/loom_bf16.json" "$N/loom_fp8.json" "$N/peers.jsonl" \
     "$N/check_bf16.txt" "$N/check_fp8.txt" | tee "$N/table.md" || status=1
