@@ -96,7 +96,7 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
     if [ "$real_skips" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi
     echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
     [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -20
-    grep -hE '^\[(golden|gpu curve|gpu moe|deterministic|timestamp|step allocations|fp8 gemm|fp8 gpu|fp8 weight_cache|fp8 memory|fp8_block weight_cache|fp8_block memory)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+    grep -hE '^\[(golden|gpu curve|gpu moe|deterministic|timestamp|step allocations|fp8 gemm|fp8 gpu|fp8 weight_cache|fp8 selective|fp8 memory|fp8_block weight_cache|fp8_block memory)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
   done
 fi
 if [ "$WHAT" = fp8 ]; then
@@ -108,7 +108,7 @@ if [ "$WHAT" = fp8 ]; then
   if [ "$s" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi
   echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
   [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -40
-  grep -hE '^\[fp8(_block)? (gemm|gpu|weight_cache|memory)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+  grep -hE '^\[fp8(_block)? (gemm|gpu|weight_cache|selective|memory)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
   done
   # shellcheck disable=SC2086
   if .carry/bin/fp8_gemm_bench ${FP8_BENCH_ARGS:-} > "$OUT/fp8_gemm_bench.md" 2> "$OUT/fp8_gemm_bench.log"; then
