@@ -33,17 +33,27 @@ def model_from_config(path):
         kv_heads=m.get("num_kv_heads", m["num_heads"]), ffn=m["ffn_hidden"],
         vocab=m["vocab_size"], tied=m.get("tied_embeddings", False),
         rope_theta=m.get("rope_theta", 10000.0), norm_eps=m.get("norm_eps", 1e-5),
-        batch=t["micro_batch"], seq=t["seq_len"], lr=t.get("lr", 3e-4),
+        batch=t["micro_batch"], seq=t["seq_len"], grad_accum=t.get("grad_accum", 1), lr=t.get("lr", 3e-4),
         weight_decay=t.get("weight_decay", 0.1), beta1=t.get("beta1", 0.9), beta2=t.get("beta2", 0.95))
 
 
-def flops_per_token(c):
-    h, L, S = c["hidden"], c["layers"], c["seq"]
+def matmul_params(c):
+    """N of DESIGN.md's MFU: the matmul weights, LM head included, input embedding excluded."""
+    h, L = c["hidden"], c["layers"]
     q = h
     kv = c["kv_heads"] * (h // c["heads"])
     layer = h * q + 2 * h * kv + q * h + 3 * h * c["ffn"]
-    n = L * layer + c["vocab"] * h  # matmul weights, lm head included, input embedding excluded
-    return 6 * n + 12 * L * h * S
+    return L * layer + c["vocab"] * h
+
+
+def flops_per_token(c):
+    """What MFU counts (DESIGN.md): 6N + 12LhS, attention as if it were not causal."""
+    return 6 * matmul_params(c) + 12 * c["layers"] * c["hidden"] * c["seq"]
+
+
+def causal_flops_per_token(c):
+    """NeMo / Megatron's model TFLOP/s count: causal attention, 6N + 6LhS."""
+    return 6 * matmul_params(c) + 6 * c["layers"] * c["hidden"] * c["seq"]
 
 
 def llama_config(c):
@@ -90,9 +100,14 @@ def time_steps(c, step, steps, warmup, flops):
                 torch=torch.__version__, device=torch.cuda.get_device_name())
 
 
-def float8_convert(model):
+def float8_convert(model, fsdp_float8_all_gather=False):
     """torchao float8 training, tensorwise scaling, on every decoder linear; the
-    LM head stays in bf16 (as torchtitan and Loom's FP8 recipes keep it)."""
+    LM head stays in bf16 (as torchtitan and Loom's FP8 recipes keep it). With
+    fsdp_float8_all_gather (torchtitan's recipe under FSDP2), FSDP2 gathers the
+    weights as float8 (call torchao's precompute_float8_dynamic_scale_for_fsdp
+    after every optimizer step)."""
+    import dataclasses
+
     import torchao
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -104,11 +119,14 @@ def float8_convert(model):
             converted.append(fqn)
         return ok
 
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
-                               module_filter_fn=keep)
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    if fsdp_float8_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
     if not converted:
         raise RuntimeError("torchao converted no linear to float8")
-    return dict(torchao=torchao.__version__, float8_recipe="tensorwise", float8_linears=len(converted))
+    return dict(torchao=torchao.__version__, float8_recipe="tensorwise", float8_linears=len(converted),
+                float8_all_gather=fsdp_float8_all_gather)
 
 
 def run_mode(c, mode, steps, warmup, seed):

@@ -8,6 +8,8 @@ Run one process per GPU with torchrun, e.g. on a 2-GPU box:
   torchrun --standalone --nproc_per_node=2 benchmarks/torch_fsdp.py configs/bench/llama-1b.toml
   torchrun --standalone --nproc_per_node=8 benchmarks/torch_fsdp.py CONFIG --mode hsdp --shard-group-size 4
   torchrun --standalone --nproc_per_node=2 benchmarks/torch_fsdp.py /tmp/tiny.toml --device cpu --steps 3 --warmup 1
+  torchrun --standalone --nproc_per_node=4 benchmarks/torch_fsdp.py configs/bench/llama3-8b-8k.toml \
+      --compile --ac selective-op [--float8]     (the node workload: torchtitan's Llama 3 8B recipe)
 
 (Started without torchrun it runs as a world of one.)
 
@@ -19,16 +21,30 @@ sharded parameters, gradients and AdamW state, bf16 compute, fp32 gradient
 reduce-scatter. SDPA attention; AdamW (fused where this torch allows it, else
 foreach) with lr, betas and weight decay from [train], decay on the >=2-D
 parameters only; global-norm clipping at 1.0 — all as benchmarks/hf_llama.py does
-on one GPU. Each step draws [micro_batch, seq_len + 1] random tokens (the
-generator seeded with seed + rank, so rank 0 sees hf_llama.py's tokens), takes
-next-token cross-entropy on the fp32 logits, backward, clip, AdamW step.
+on one GPU. Each step runs grad_accum micro-batches ([train] grad_accum, or
+--grad-accum), each drawing [micro_batch, seq_len + 1] random tokens (the
+generator seeded with seed + rank, so rank 0 sees hf_llama.py's tokens), taking
+next-token cross-entropy on the fp32 logits over grad_accum and its backward
+(FSDP2 reduce-scatters every micro-batch's gradients, as torchtitan runs it);
+then clip, AdamW step.
+
+torchtitan's recipe for Llama 3 8B (what --float8 --ac selective-op --compile
+runs): --float8 converts every decoder linear with torchao's tensorwise float8
+(Float8LinearConfig with enable_fsdp_float8_all_gather: FSDP2 gathers the
+weights in float8) and calls precompute_float8_dynamic_scale_for_fsdp after each
+optimizer step; --ac wraps each decoder layer in activation checkpointing
+(selective-op: torchtitan's per-op selective AC, which saves the outputs of
+every other matmul, of attention and of the float8 amax reductions and
+recomputes the rest; full: the whole layer); the order is torchtitan's: float8,
+AC, compile, fully_shard.
 
 What it measures: the step time of --steps steps after --warmup, each timed with
 CUDA events (time.perf_counter with --device cpu) on every rank; a step's time is
 the slowest rank's, and the reported figure the median over the timed steps.
-tokens_per_s is the whole world's (world * micro_batch * seq_len / step),
-tokens_per_s_per_gpu one GPU's; MFU is hf_llama.py's (6N + 12LhS flops per token
-over 989 TFLOP/s) on the per-GPU rate. Peak memory is torch.cuda's
+tokens_per_s is the whole world's (world * grad_accum * micro_batch * seq_len /
+step), tokens_per_s_per_gpu one GPU's; MFU is hf_llama.py's (6N + 12LhS flops per
+token over 989 TFLOP/s) on the per-GPU rate, model_tflops the per-GPU model
+TFLOP/s as NeMo counts them (causal attention: 6N + 6LhS a token). Peak memory is torch.cuda's
 max_memory_allocated / max_memory_reserved from after sharding to the end (the
 one-off full-model build before sharding is left out), the largest over ranks.
 Rank 0 prints one line `PEER_JSON {...}` in hf_llama.py's keys (mode,
@@ -55,6 +71,9 @@ Flags:
                                false: keep them from forward to backward (ZeRO-2-like,
                                more memory, one all-gather less per layer)
   --compile                    torch.compile each decoder layer before sharding it
+  --grad-accum N               micro-batches per step (default: [train] grad_accum, else 1)
+  --float8                     torchao float8 tensorwise with float8 all-gather (above); needs torchao
+  --ac none|selective-op|full  activation checkpointing per decoder layer (default none)
   --device cuda|cpu            cuda (default): NCCL, one GPU per rank (LOCAL_RANK), bf16
                                compute. cpu: gloo, fp32 everywhere, wall-clock timing,
                                no MFU or GPU memory — a smoke test for machines with no GPU
@@ -76,7 +95,8 @@ import tomllib
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_llama import adamw_param_groups, flops_per_token, llama_config, model_from_config  # noqa: E402
+from hf_llama import (adamw_param_groups, causal_flops_per_token, float8_convert, flops_per_token,  # noqa: E402
+                      llama_config, model_from_config)
 
 PROG = "torch_fsdp.py"
 REQUIRED = {"model": ("hidden", "num_layers", "num_heads", "ffn_hidden", "vocab_size"),
@@ -181,6 +201,46 @@ def clip_grad_norm(params, max_norm):
     return total
 
 
+def selective_op_ac_context_fn():
+    """torchtitan's per-op selective activation checkpointing (its
+    ac_mode = "selective", selective_ac_option = "op"): inside a checkpointed
+    layer, the outputs of attention, of the float8 amax reductions and of
+    every other matmul are saved, everything else is recomputed in the
+    backward. A fresh policy (its own matmul count) per checkpointed call."""
+    from collections import defaultdict
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = torch.ops
+    save = {ops.aten.mm.default, ops.aten._scaled_dot_product_efficient_attention.default,
+            ops.aten._scaled_dot_product_flash_attention.default, ops.aten.max.default}
+    for name in ("_scaled_dot_product_cudnn_attention",):
+        if hasattr(ops.aten, name):
+            save.add(getattr(ops.aten, name).default)
+    if hasattr(ops, "_c10d_functional"):
+        save.add(ops._c10d_functional.reduce_scatter_tensor.default)
+    meta = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        key = f"{mode}_mm_count"
+        if func == ops.aten.mm.default:
+            meta[key] += 1
+        keep = func in save and not (func == ops.aten.mm.default and meta[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpointed(layer, ac):
+    """The decoder layer wrapped for --ac (torchtitan wraps the same way)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    if ac == "full":
+        return checkpoint_wrapper(layer, preserve_rng_state=False)
+    return checkpoint_wrapper(layer, context_fn=selective_op_ac_context_fn, preserve_rng_state=False)
+
+
 def run(a, c, rank, world, local_rank, shard):
     import torch
     import torch.distributed as dist
@@ -210,11 +270,19 @@ def run(a, c, rank, world, local_rank, shard):
     with torch.device(dev):
         model = LlamaForCausalLM(llama_config(c)).to(dtype=torch.float32)
     model.train()
-    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
-    for layer in layers:
+    extra = {}
+    if a.float8:
+        extra = float8_convert(model, fsdp_float8_all_gather=True)
+    decoder = model.model.layers
+    for i, layer in enumerate(list(decoder)):
+        assert isinstance(layer, LlamaDecoderLayer), type(layer)
+        if a.ac != "none":
+            layer = checkpointed(layer, a.ac)
+            decoder[i] = layer
         if a.compile:
             layer.compile()
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=a.reshard_after_forward)
+    layers = list(decoder)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=a.reshard_after_forward)
     params = list(model.parameters())
     kw = dict(lr=c["lr"], betas=(c["beta1"], c["beta2"]), eps=1e-8)
@@ -228,17 +296,27 @@ def run(a, c, rank, world, local_rank, shard):
         torch.cuda.reset_peak_memory_stats()
     g = torch.Generator(device=dev).manual_seed(a.seed + rank)
     B, S, V = c["batch"], c["seq"], c["vocab"]
+    accum = a.grad_accum if a.grad_accum is not None else c.get("grad_accum", 1)
+    precompute = None
+    if a.float8:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp as precompute
 
     def step():
-        ids = torch.randint(0, V, (B, S + 1), device=dev, generator=g)
-        inputs, targets = ids[:, :-1], ids[:, 1:]
-        logits = model(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, V), targets.reshape(-1))
-        loss.backward()
+        total = torch.zeros((), device=dev)
+        for _ in range(accum):
+            ids = torch.randint(0, V, (B, S + 1), device=dev, generator=g)
+            inputs, targets = ids[:, :-1], ids[:, 1:]
+            logits = model(input_ids=inputs).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().view(-1, V), targets.reshape(-1)) / accum
+            del logits
+            loss.backward()
+            total += loss.detach()
         clip_grad_norm(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        if precompute is not None:
+            precompute(model)  # the next step's float8 weight scales, one all-reduce (torchtitan's hook)
+        return total
 
     losses = [step() for _ in range(a.warmup)]
     if cuda:
@@ -270,20 +348,24 @@ def run(a, c, rank, world, local_rank, shard):
     times = t.tolist()
 
     med = statistics.median(times)
-    tok_gpu = B * S / (med * 1e-3)
+    tok_gpu = accum * B * S / (med * 1e-3)
     strategy = a.mode
-    label = strategy + ("+compile" if a.compile else "") + ("" if a.reshard_after_forward else "+no-reshard")
+    label = (strategy + ("+float8" if a.float8 else "") + ("+compile" if a.compile else "") +
+             ("" if a.ac == "none" else f"+ac-{a.ac}") + ("" if a.reshard_after_forward else "+no-reshard"))
     out = dict(peer="torch_fsdp", mode=label, strategy=strategy, world=world, mesh=list(mesh_shape),
                shard_group_size=shard, reshard_after_forward=a.reshard_after_forward, compile=a.compile,
-               micro_batch=B, seq_len=S, steps=a.steps, warmup=a.warmup,
+               micro_batch=B, seq_len=S, grad_accum=accum, steps=a.steps, warmup=a.warmup,
+               activation_checkpointing=a.ac, float8=a.float8,
                median_step_ms=med, min_step_ms=min(times), max_step_ms=max(times),
                tokens_per_s=tok_gpu * world, tokens_per_s_per_gpu=tok_gpu,
                mfu=flops_per_token(c) * tok_gpu / 989e12 if cuda else None,
+               model_tflops=causal_flops_per_token(c) * tok_gpu / 1e12 if cuda else None,
                peak_alloc_bytes=int(mem[0]) if cuda else None, peak_reserved_bytes=int(mem[1]) if cuda else None,
                peak_alloc_gib=float(mem[0]) / 2**30 if cuda else None,
                peak_reserved_gib=float(mem[1]) / 2**30 if cuda else None,
                final_loss=loss_list[-1], losses=loss_list, optimizer=opt_kind,
-               precision="bf16 params, fp32 reduce, fp32 master" if cuda else "fp32",
+               precision=("float8 tensorwise GEMMs and all-gathers, " if a.float8 else "") +
+               ("bf16 params, fp32 reduce, fp32 master" if cuda else "fp32"), **extra,
                torch=torch.__version__, transformers=transformers.__version__,
                device=torch.cuda.get_device_name(dev) if cuda else "cpu", config=a.config)
     dist.barrier()
@@ -301,6 +383,9 @@ def main():
     ap.add_argument("--shard-group-size", type=int, default=None)
     ap.add_argument("--reshard-after-forward", type=bool_arg, default=True, metavar="{true,false}")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--grad-accum", type=positive_int, default=None)
+    ap.add_argument("--float8", action="store_true")
+    ap.add_argument("--ac", choices=("none", "selective-op", "full"), default="none")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     a = ap.parse_args()
 
@@ -321,6 +406,13 @@ def main():
                  f"(fsdp2 shards over all {world} ranks)")
         shard = world
 
+    if a.float8 and a.device != "cuda":
+        fail("--float8 needs --device cuda (torchao's float8 GEMMs run on GPUs)")
+    if a.float8:
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError as e:
+            fail(f"--float8 needs torchao ({e}); scripts/gpu_check.sh installs it from a wheel in .whl/")
     import torch
     if a.device == "cuda":
         n = torch.cuda.device_count()
@@ -335,8 +427,8 @@ def main():
     except Exception as e:
         print(f"{PROG}: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         if rank == 0:
-            r = dict(peer="torch_fsdp", mode=a.mode, strategy=a.mode, world=world, config=a.config,
-                     error=f"{type(e).__name__}: {str(e)[:200]}")
+            r = dict(peer="torch_fsdp", mode=a.mode + ("+float8" if a.float8 else ""), strategy=a.mode, world=world,
+                     config=a.config, activation_checkpointing=a.ac, error=f"{type(e).__name__}: {str(e)[:200]}")
             print("PEER_JSON " + json.dumps(r), flush=True)
         sys.stdout.flush()
         os._exit(1)  # the other ranks may sit in a collective; torchrun stops them

@@ -338,7 +338,7 @@ TEST(CompareReport, CsvReadsBackTheSameNumbers) {
                                            "reduce_scatter_bytes_per_step", "all_gather_bytes_per_step",
                                            "broadcast_bytes_per_step", "all_to_all_bytes_per_step", "steps",
                                            "final_loss", "max_loss_diff",
-                                           "max_rel_loss_diff", "note"};
+                                           "max_rel_loss_diff", "note", "model_tflops", "mfu"};
   EXPECT_EQ(summary[0], header);
   for (size_t i = 0; i < rows.size(); ++i) {
     const auto& r = rows[i];

@@ -413,8 +413,8 @@ TEST(Config, BadChoice) {
   EXPECT_EQ(parse_error("[run]\ndevice = \"tpu\"\n"), "q.toml:2:10: run.device = \"tpu\" is not one of: cpu, cuda (did you mean \"cpu\"?)");
   EXPECT_EQ(parse_error("[run]\nlog_level = \"verbose\"\n"),
             "q.toml:2:13: run.log_level = \"verbose\" is not one of: trace, debug, info, warn, error");
-  EXPECT_EQ(parse_error("[model]\nrecompute = \"selective\"\n"),
-            "q.toml:2:13: model.recompute = \"selective\" is not one of: none, attention, full");
+  EXPECT_EQ(parse_error("[model]\nrecompute = \"partial\"\n"),
+            "q.toml:2:13: model.recompute = \"partial\" is not one of: none, selective, attention, full");
   EXPECT_EQ(parse_error("[model]\ninit = \"pretrained\"\n"),
             "q.toml:2:8: model.init = \"pretrained\" is not accepted: use \"random\" or \"hf:/path/to/dir\" "
             "(a Hugging Face Llama folder)");

@@ -2,9 +2,15 @@
 //
 // Times training steps of CONFIG's model, batch and recipe on synthetic data:
 // warm-up steps excluded, the median step time over N steps (CUDA events on
-// the GPU), tokens/s, MFU (DESIGN.md's formula against kMfuPeakFlops, loom/precision.hpp), device
-// memory in use (cudaMemGetInfo) and the arena's size. One table row on
-// stdout, the same as JSON with --json. --breakdown adds per-part times of one
+// the GPU); tokens/s per GPU first, model TFLOP/s per GPU as NeMo counts them
+// (causal attention, 6N + 6LhS a token: figures set beside NeMo's published
+// ones need no conversion), MFU (DESIGN.md's 6N + 12LhS against
+// kMfuPeakFlops, loom/precision.hpp), the device memory in use after the steps
+// (cudaMemGetInfo: the arena, the CUDA context, the libraries, NCCL; the
+// fullest rank's under a launcher) beside the plan (the arena plus what lies
+// beyond it, estimated: what `loom check` prints as "per rank in all") and
+// the arena's size. One table row on stdout (rank 0), the same as JSON with
+// --json. --breakdown adds per-part times of one
 // extra step (units timed one at a time, so the parts add up to a bit more
 // than a step); for a mixture of experts (model.ffn = "moe") also the MoE
 // block's ranges, from one more forward and backward with each range timed
@@ -165,13 +171,20 @@ int cmd_bench(const Args& args) {
   std::vector<double> ms;
   for (const StepLog& l : logs) ms.push_back(l.step_ms);
   const auto& t = cfg.train;
+  // Tokens per step of one rank: tokens/s here is per GPU. The slowest rank
+  // sets the pace; the fullest rank's memory is what has to fit.
   const double tokens_per_step = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum);
-  const double med = median(ms);
+  const double med = all_reduce_scalar(s.host_comm(), median(ms), ReduceOp::max);
   const double tok_s = tokens_per_step / (med * 1e-3);
   const double mfu_now = mfu(s.spec().flops_per_token(t.seq_len), tok_s);
+  const double tflops = tok_s * s.spec().causal_flops_per_token(t.seq_len) / 1e12;
   const double gib = 1024.0 * 1024.0 * 1024.0;
-  const double mem = static_cast<double>(be.device_memory_used()) / gib;
+  const bool gpu = be.device() == Device::cuda;
+  const double used = gpu ? static_cast<double>(be.device_memory_used()) : static_cast<double>(s.arena_bytes());
+  const double mem = all_reduce_scalar(s.host_comm(), used, ReduceOp::max) / gib;
   const double arena = static_cast<double>(s.arena_bytes()) / gib;
+  const double planned = static_cast<double>(s.state().planned_device_bytes()) / gib;
+  const double outside_planned = static_cast<double>(s.state().outside_arena_bytes()) / gib;
 
   nlohmann::json j = {{"config", a.file},
                       {"device", be.device_name()},
@@ -186,13 +199,22 @@ int cmd_bench(const Args& args) {
                       {"active_params", s.spec().active_params()},  // MoE: what MFU counts; = params if dense
                       {"warmup_steps", warmup},
                       {"steps", steps},
+                      {"ranks", s.world()},
                       {"median_step_ms", med},
                       {"min_step_ms", *std::min_element(ms.begin(), ms.end())},
                       {"max_step_ms", *std::max_element(ms.begin(), ms.end())},
-                      {"tokens_per_s", tok_s},
+                      {"tokens_per_s", tok_s},  // per GPU
+                      {"tokens_per_s_per_gpu", tok_s},
+                      {"model_tflops", tflops},
                       {"mfu", mfu_now},
                       {"device_mem_gib", mem},
+                      {"planned_gib", planned},
+                      {"mem_over_plan", mem / planned},
                       {"arena_gib", arena},
+                      // What the process held beyond the arena, measured (on the fullest rank, its
+                      // arena being every rank's) and as planned (train/memory_budget.hpp).
+                      {"outside_arena_gib", gpu ? mem - arena : 0.0},
+                      {"outside_arena_planned_gib", outside_planned},
                       {"final_loss", last.loss}};
 
   if (breakdown) {
@@ -234,11 +256,13 @@ int cmd_bench(const Args& args) {
     j["breakdown_ms"] = parts;
   }
 
-  std::printf("%-28s %-14s %-10s %6s %6s %10s %12s %7s %9s %9s\n", "config", "precision", "attention", "batch", "seq",
-              "step ms", "tokens/s", "MFU", "mem GiB", "arena GiB");
-  std::printf("%-28s %-14s %-10s %6lld %6lld %10.2f %12.0f %6.1f%% %9.2f %9.2f\n", a.file.c_str(),
+  if (s.rank() != 0) return 0;  // rank 0 reports for every rank (the numbers above are the run's)
+  std::printf("%-28s %-14s %-10s %6s %6s %5s %13s %8s %7s %10s %9s %11s %9s\n", "config", "precision", "attention",
+              "batch", "seq", "ranks", "tokens/s/GPU", "TFLOP/s", "MFU", "step ms", "mem GiB", "planned GiB",
+              "arena GiB");
+  std::printf("%-28s %-14s %-10s %6lld %6lld %5d %13.0f %8.1f %6.1f%% %10.2f %9.2f %11.2f %9.2f\n", a.file.c_str(),
               cfg.precision.plugin.c_str(), cfg.attention.plugin.c_str(), static_cast<long long>(t.micro_batch),
-              static_cast<long long>(t.seq_len), med, tok_s, 100.0 * mfu_now, mem, arena);
+              static_cast<long long>(t.seq_len), s.world(), tok_s, tflops, 100.0 * mfu_now, med, mem, planned, arena);
   if (breakdown)
     for (auto& [k, v] : j["breakdown_ms"].items()) std::printf("  %-22s %9.2f ms\n", k.c_str(), v.get<double>());
   std::printf("BENCH_JSON %s\n", j.dump().c_str());

@@ -1,11 +1,16 @@
-// loom check CONFIG [--set section.key=value]... [--world N [--gpus-per-node G]] [--no-scan]:
+// loom check CONFIG [--set section.key=value]... [--world-size N [--gpus-per-node G]]
+//                   [--gpu NAME | --device-memory SIZE] [--breakdown] [--no-scan]:
 // validate everything a run would validate (config, output folders, plugins
 // and their tables, data files, the checkpoint it would resume and its data
 // position, or the HF weights it would start from, attention support,
 // whether the memory plan fits) and print the model size and the memory
 // plan, without training. The
 // world is the launcher's (mpirun / srun start loom check on every rank), or
-// with --world the plan of rank 0 of N ranks, G per node, none started.
+// with --world-size (or --world) the plan of rank 0 of N ranks, G per node,
+// none started. --gpu / --device-memory plan a CUDA run for that GPU on a
+// machine that has none (a login node): no device is touched, the plan
+// includes what the process would hold beyond the arena (CUDA context,
+// libraries, NCCL), and the answer is whether it fits.
 // Data plugins that can (loom/data.hpp TokenScan: tokens, megatron) read
 // every token of the train and validation data, checked against the
 // vocabulary, which a run does only as it reaches each window; --no-scan
@@ -22,6 +27,7 @@
 #include "loom/error.hpp"
 #include "hf/hf_llama.hpp"
 #include "train/checkpointing.hpp"
+#include "train/memory_budget.hpp"
 #include "train/outputs.hpp"
 #include "train/runtime.hpp"
 #include "train/session.hpp"
@@ -29,33 +35,50 @@
 namespace loom::app {
 
 int cmd_check(const Args& args) {
-  const char* usage =
-      "usage: loom check CONFIG [--set section.key=value]... [--world N [--gpus-per-node G]] [--no-scan]\n"
+  const std::string usage = cat(
+      "usage: loom check CONFIG [--set section.key=value]... [--world-size N [--gpus-per-node G]]\n"
+      "                  [--gpu NAME | --device-memory SIZE] [--breakdown] [--no-scan]\n"
       "  validates everything a run would (config, output folders, plugins and their keys, data files, attention\n"
       "  support, the memory plan) and prints the model size and the memory plan, without training\n"
-      "  --world N          plan rank 0 of N ranks (under mpirun / srun: the launcher's ranks)\n"
+      "  --world-size N     plan rank 0 of N ranks (under mpirun / srun: the launcher's ranks); --world N is the same\n"
       "  --gpus-per-node G  ranks per node of those N (default: all on one node); G must divide N\n"
-      "  --no-scan          do not read every token of the train and validation data (a corpus too large to read now)";
+      "  --gpu NAME         plan the CUDA run for this GPU without one (a login node): ", named_gpu_list(), "\n"
+      "  --device-memory SIZE  the same for a GPU of SIZE device memory (80GiB, 81559MiB, 141GB)\n"
+      "  --breakdown        print the plan part by part (each buffer, the layers' summed)\n"
+      "  --no-scan          do not read every token of the train and validation data (a corpus too large to read now)");
   if (wants_help(args)) {
-    std::printf("%s\n", usage);
+    std::printf("%s\n", usage.c_str());
     return 0;
   }
-  ConfigArgs a = parse_config_args(args, {"--world", "--gpus-per-node"});
+  ConfigArgs a = parse_config_args(args, {"--world", "--world-size", "--gpus-per-node", "--gpu", "--device-memory"});
   SessionOptions opts;
-  bool scan = true;
+  bool scan = true, breakdown = false;
+  std::optional<std::string> gpu, device_memory;
   for (size_t i = 0; i < a.rest.size(); ++i) {
     const std::string& r = a.rest[i];
     if (r == "--no-scan") {
       scan = false;
       continue;
     }
+    if (r == "--breakdown") {
+      breakdown = true;
+      continue;
+    }
+    if (auto v = flag_value(a.rest, i, "--gpu")) {
+      gpu = *v;
+      continue;
+    }
+    if (auto v = flag_value(a.rest, i, "--device-memory")) {
+      device_memory = *v;
+      continue;
+    }
     std::optional<std::string> v;
     int* into = nullptr;
     const char* flag = nullptr;
-    for (const char* f : {"--world", "--gpus-per-node"})
+    for (const char* f : {"--world", "--world-size", "--gpus-per-node"})
       if ((v = flag_value(a.rest, i, f))) {
         flag = f;
-        into = std::string_view(f) == "--world" ? &opts.plan_world : &opts.plan_local_world;
+        into = std::string_view(f) == "--gpus-per-node" ? &opts.plan_local_world : &opts.plan_world;
         break;
       }
     if (!into) throw Error(cat("unknown argument '", r, "'\n", usage));
@@ -71,12 +94,22 @@ int cmd_check(const Args& args) {
     *into = static_cast<int>(n);
   }
   if (opts.plan_local_world > 0 && opts.plan_world == 0)
-    throw Error(cat("--gpus-per-node needs --world (the number of ranks to plan for)\n", usage));
+    throw Error(cat("--gpus-per-node needs --world-size (the number of ranks to plan for)\n", usage));
   // Nodes hold equal numbers of ranks: the plan's node-local world must divide the world.
   if (opts.plan_local_world > 0 && opts.plan_world % opts.plan_local_world != 0)
     throw Error(cat("--world ", opts.plan_world, " is not a multiple of --gpus-per-node ", opts.plan_local_world,
                     ": every node holds the same number of ranks; give a --gpus-per-node that divides ",
                     opts.plan_world, " or a --world that is a multiple of ", opts.plan_local_world));
+  if (gpu && device_memory)
+    throw Error(cat("--gpu ", *gpu, " and --device-memory ", *device_memory,
+                    " both say which GPU to plan for: give one (--device-memory for a card --gpu does not name)"));
+  if (gpu) opts.plan_device = named_gpu(*gpu);
+  if (device_memory) {
+    const uint64_t bytes = parse_memory_size(*device_memory, "--device-memory");
+    opts.plan_device = PlannedDevice{cat("a GPU of ", human_bytes(static_cast<double>(bytes)), " (--device-memory ",
+                                         *device_memory, ")"),
+                                     bytes};
+  }
   Config cfg = load_config(a.file, a.overrides);
   check_plugin_path(cfg);  // a search folder that is not there is refused, not passed over
   check_output_paths(cfg);
@@ -92,6 +125,7 @@ int cmd_check(const Args& args) {
       return nullptr;
     });
   std::printf("%s\n", session.describe().c_str());
+  if (breakdown) std::printf("%s\n", session.state().plan_breakdown().c_str());
   std::fflush(stdout);
   session.check_memory_fits();  // after the plan is printed: the error refers to it
   // Training checks tokens only as windows reach them; here every one is

@@ -122,7 +122,9 @@ report::CompareRow run_one(const Job& job, int64_t steps, int64_t warmup) {
   Config cfg = load_config(job.file, job.overrides);
   Session s(cfg);
   row.ranks = s.world();
-  row.planned_mem_bytes = static_cast<double>(s.memory_plan().total_bytes());
+  // The plan with what the process holds beyond it (estimated on a GPU):
+  // what "peak mem", the device memory in use, is to be set against.
+  row.planned_mem_bytes = static_cast<double>(s.state().planned_device_bytes());
   s.initialise();
   std::vector<double> ms;
   CommBytes before{};
@@ -243,6 +245,16 @@ int cmd_compare(const Args& args) {
   rank = launch_from_env().rank;  // the launcher's rank (MPI agrees with it)
   rows.insert(rows.end(), peer_rows.begin(), peer_rows.end());
   report::compute_diffs(rows);
+  {
+    // Model TFLOP/s (NeMo's count, causal attention) and MFU of every row,
+    // peers included (they run the compared shape), from the first config.
+    const Config first = load_config(jobs.front().file, jobs.front().overrides);
+    const ModelSpec spec = run_model_spec(first);
+    for (report::CompareRow& r : rows) {
+      r.model_tflops = r.tokens_per_s_per_gpu * spec.causal_flops_per_token(first.train.seq_len) / 1e12;
+      r.mfu = mfu(spec.flops_per_token(first.train.seq_len), r.tokens_per_s_per_gpu);
+    }
+  }
   if (rank != 0) return 0;
 
   std::printf("%s", report::format_table(rows).c_str());
@@ -256,6 +268,8 @@ int cmd_compare(const Args& args) {
                         {"ranks", r.ranks},
                         {"step_ms", r.step_ms},
                         {"tokens_per_s_per_gpu", r.tokens_per_s_per_gpu},
+                        {"model_tflops", r.model_tflops},
+                        {"mfu", r.mfu},
                         {"peak_mem_bytes", r.peak_mem_bytes},
                         {"planned_mem_bytes", r.planned_mem_bytes},
                         {"bytes_per_step", r.bytes_per_step},

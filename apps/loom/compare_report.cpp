@@ -83,7 +83,8 @@ struct Column {
 
 const std::vector<Column>& table_columns() {
   static const std::vector<Column> columns = {
-      {"label", true},      {"ranks", false},          {"step", false},       {"tokens/s/GPU", false},
+      {"label", true},      {"ranks", false},          {"tokens/s/GPU", false}, {"TFLOP/s", false},
+      {"MFU", false},       {"step", false},
       {"peak mem", false},  {"planned mem", false},    {"all_reduce", false}, {"reduce_scatter", false},
       {"all_gather", false}, {"broadcast", false},     {"all_to_all", false}, {"final loss", false},
       {"max |dloss|", false},
@@ -92,8 +93,9 @@ const std::vector<Column>& table_columns() {
 }
 
 std::vector<std::string> table_cells(const CompareRow& r) {
-  std::vector<std::string> cells = {one_line(r.label), std::to_string(r.ranks), format_ms(r.step_ms),
-                                    format_count(r.tokens_per_s_per_gpu) + " tok/s",
+  std::vector<std::string> cells = {one_line(r.label), std::to_string(r.ranks),
+                                    format_count(r.tokens_per_s_per_gpu) + " tok/s", printf_double("%.0f", r.model_tflops),
+                                    printf_double("%.1f%%", 100.0 * r.mfu), format_ms(r.step_ms),
                                     format_bytes_binary(r.peak_mem_bytes), format_bytes_binary(r.planned_mem_bytes)};
   for (double b : r.bytes_per_step) cells.push_back(format_bytes_decimal(b));
   cells.push_back(r.failed() ? "-" : format_loss(r.final_loss));
@@ -135,13 +137,14 @@ std::string csv_number(double v) {
 std::string summary_csv(const std::vector<CompareRow>& rows) {
   std::string out = "label,ranks,step_ms,tokens_per_s_per_gpu,peak_mem_bytes,planned_mem_bytes";
   for (const char* name : kCollectiveNames) out += cat(",", name, "_bytes_per_step");
-  out += ",steps,final_loss,max_loss_diff,max_rel_loss_diff,note\n";
+  out += ",steps,final_loss,max_loss_diff,max_rel_loss_diff,note,model_tflops,mfu\n";
   for (const auto& r : rows) {
     out += cat(csv_field(r.label), ",", r.ranks, ",", csv_number(r.step_ms), ",", csv_number(r.tokens_per_s_per_gpu),
                ",", csv_number(r.peak_mem_bytes), ",", csv_number(r.planned_mem_bytes));
     for (double b : r.bytes_per_step) out += "," + csv_number(b);
     out += cat(",", r.losses.size(), ",", csv_number(r.final_loss), ",", csv_number(r.max_loss_diff), ",",
-               csv_number(r.max_rel_loss_diff), ",", csv_field(r.note), "\n");
+               csv_number(r.max_rel_loss_diff), ",", csv_field(r.note), ",", csv_number(r.model_tflops), ",",
+               csv_number(r.mfu), "\n");
   }
   return out;
 }

@@ -23,6 +23,11 @@ struct CompareRow {
   int ranks = 1;
   double step_ms = 0;                      // median step time
   double tokens_per_s_per_gpu = 0;
+  // Model TFLOP/s per GPU as NeMo counts them (causal attention: 6N + 6LhS
+  // per token) and MFU (DESIGN.md: 6N + 12LhS over 989 TFLOP/s), both from
+  // tokens_per_s_per_gpu and the compared model (peers run the same shape).
+  double model_tflops = 0;
+  double mfu = 0;
   double peak_mem_bytes = 0;               // per GPU (or per rank on CPU: arena bytes)
   double planned_mem_bytes = 0;            // the memory plan per rank
   std::array<double, kCollectiveNames.size()> bytes_per_step{};  // per rank and step, indexed by Collective

@@ -61,6 +61,11 @@ struct ModelSpec {
   double flops_per_token(int64_t seq) const {
     return 6.0 * static_cast<double>(matmul_params()) + 12.0 * num_layers * hidden * static_cast<double>(seq);
   }
+  // NeMo / Megatron's "model TFLOP/s" count causal attention as half of the
+  // full S x S product: 6 N + 6 L h S (DESIGN.md "MFU").
+  double causal_flops_per_token(int64_t seq) const {
+    return 6.0 * static_cast<double>(matmul_params()) + 6.0 * num_layers * hidden * static_cast<double>(seq);
+  }
   double total_flops_per_token(int64_t seq) const {
     return 6.0 * static_cast<double>(total_matmul_params()) + 12.0 * num_layers * hidden * static_cast<double>(seq);
   }

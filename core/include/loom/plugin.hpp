@@ -38,6 +38,16 @@ struct PluginInit {
   // without one (with the command to use), instead of the core guessing from
   // its name.
   bool under_launcher = false;
+  // ABI 8.2: no device exists for this run, which is only planned (`loom
+  // check --gpu NAME` or `--device-memory SIZE` on a machine without that
+  // GPU). `device` still says where the run would compute. The plugin must
+  // answer what planning asks (dtypes, register_linear, supports,
+  // workspace_bytes, saved_activation_bytes, plan, scratch, open) without
+  // touching a device or a device library, and is never asked to compute.
+  // Where a true answer needs the device (cuDNN's workspace for a shape), an
+  // upper estimate; where it cannot be known (whether cuDNN has an engine for
+  // the shape), the plugin's own rules only.
+  bool planning = false;
 };
 
 // Base of every plugin object. The host destroys objects through this.

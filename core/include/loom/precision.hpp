@@ -10,12 +10,14 @@
 //   variable_row_multiple()        asked by blocks that pad variable rows (MoE), ABI 7.0
 //   register_linear(desc) ...      every linear, before anything is planned
 //                                  (keeps_wgrad_input(id) is known from here on)
-//   setup(PrecisionSetup)          communicator, determinism, device
+//   current_fp8_weight(id)         asked by the FP8 weight gathers while the sharding
+//                                  strategy plans (ABI 6.0; before setup() since 8.2)
+//   setup(PrecisionSetup)          communicator, determinism, device, the strategy's
+//                                  layout (params_sharded: after its plan since ABI 8.2)
 //   saved_activation_bytes(id), workspace_bytes()   planned by the core (memory plan, `loom check`)
 //   set_workspace / set_saved_activations           the planned memory
 //   state_tensors()                what a checkpoint saves and restores by name
 //   linear_forward / linear_backward ... end_step()   every step
-//   current_fp8_weight(id)         asked once after setup() (FP8 weight gathers, ABI 6.0)
 //   fp8_operand(id, role, rows)    asked in a step before a block's kernel makes x or dy (ABI 8.0)
 #pragma once
 #include <cstdint>
@@ -63,6 +65,14 @@ struct LinearDesc {
   // row count (the cuBLASLt recipes plan once, for max_rows, and check that
   // plan's algorithm for each new count).
   bool variable_rows = false;
+  // ABI 8.2: the block hands linear_backward this linear's x again, bitwise
+  // the x of the forward (kept by the block, or recomputed from what it
+  // kept: model.recompute = "selective"). A recipe may then keep nothing of x
+  // between the forward and the backward — no saved activations for it,
+  // keeps_wgrad_input false — and cast x again in the backward with the
+  // scale its forward used (the same codes). A recipe that keeps its copy
+  // anyway stays correct: the block then neither keeps nor recomputes x.
+  bool input_in_backward = false;
 };
 
 // Handed to the recipe once, after every linear is registered and before the
@@ -79,6 +89,12 @@ struct PrecisionSetup {
   // that caches cast weights decides from it whether a per-step cache saves
   // work (the FP8 recipes' weight_cache = "auto").
   int grad_accum = 1;
+  // ABI 8.2: the sharding strategy keeps each unit's parameters sharded and
+  // gathers them for every use (zero3, full_shard, hybrid_shard): a copy of
+  // cast weights kept for a whole step would be of the whole, unsharded
+  // model on every rank (the FP8 recipes' weight_cache = "auto" then casts
+  // per GEMM). setup() comes after the strategy's plan for this.
+  bool params_sharded = false;
 };
 
 // One tensor of recipe state (scales, amax history, counters) that a
@@ -185,7 +201,8 @@ class Precision : public Plugin {
   // amax on every call (see Fp8WeightCast, filled in): the only casts an FP8
   // gather of the weight reproduces exactly. False for everything else (a
   // bf16 GEMM, delayed scaling's scale from past amaxes, block scales, the LM
-  // head kept in bf16). Asked after setup(). ABI 6.0.
+  // head kept in bf16). Asked after every register_linear and before setup()
+  // (the strategy plans with it; ABI 6.0, before setup() since 8.2).
   virtual bool current_fp8_weight(int /*id*/, Fp8WeightCast* /*cast*/) const { return false; }
   // The row multiple the recipe runs a variable-row linear's call in whole
   // (LinearDesc::variable_rows, the MoE experts): a call whose row count is a

@@ -148,7 +148,7 @@ ModelSection read_model(const ConfigTable& t) {
                       m.ffn, "\")"));
   }
   m.init_std = t.get_float("init_std", m.init_std, 0.0, 1.0);
-  m.recompute = t.get_choice("recompute", m.recompute, {"none", "attention", "full"});
+  m.recompute = t.get_choice("recompute", m.recompute, {"none", "selective", "attention", "full"});
   m.head_chunk = t.get_int("head_chunk", m.head_chunk, 0, int64_t{1} << 40);
   // Like the experts' keys under a dense model: a key of another mode would
   // be accepted and do nothing (native layers compute every logit at once).

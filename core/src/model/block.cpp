@@ -9,15 +9,33 @@ namespace loom {
 
 Recompute parse_recompute(const std::string& s) {
   if (s == "none") return Recompute::none;
+  if (s == "selective") return Recompute::selective;
   if (s == "attention") return Recompute::attention;
   if (s == "full") return Recompute::full;
-  throw Error(cat("model.recompute = \"", s, "\" is not one of: none, attention, full"));
+  throw Error(cat("model.recompute = \"", s, "\" is not one of: none, selective, attention, full"));
 }
 
 int BlockEnv::register_linear(const LinearDesc& desc) const {
   const int id = precision->register_linear(desc);
   if (linear_ids) linear_ids->push_back(id);
   return id;
+}
+
+LinearDesc BlockEnv::layer_linear(std::string name, int64_t in, int64_t out) const {
+  LinearDesc d;
+  d.name = std::move(name);
+  d.in = in;
+  d.out = out;
+  d.max_rows = N;
+  d.input_in_backward = recompute == Recompute::selective;
+  return d;
+}
+
+BlockEnv::InputPlan BlockEnv::input_plan(std::initializer_list<int> ids) const {
+  InputPlan p;
+  p.kept_by_recipe = keeps_wgrad_input(ids);
+  p.recomputed = !p.kept_by_recipe && recompute == Recompute::selective;
+  return p;
 }
 
 bool BlockEnv::keeps_wgrad_input(std::initializer_list<int> ids) const {

@@ -30,7 +30,12 @@
 
 namespace loom {
 
-enum class Recompute { none, attention, full };
+// model.recompute: none keeps every activation a backward reads; selective
+// recomputes the element-wise ops' outputs that only a GEMM's backward reads
+// (the norms' outputs, SwiGLU's) from what is kept, and keeps every GEMM's
+// output; attention recomputes the core attention; full keeps only the
+// residual stream and runs each layer's forward again in its backward.
+enum class Recompute { none, selective, attention, full };
 Recompute parse_recompute(const std::string& s);
 
 // What the `moe` feed-forward blocks of a model share (the model owns it):
@@ -86,6 +91,23 @@ struct BlockEnv {
   // precision->register_linear, recording the id (the memory plan asks the
   // recipe for each linear's saved activations).
   int register_linear(const LinearDesc& desc) const;
+  // A decoder linear of the micro-batch's tokens; under model.recompute =
+  // "selective" its block hands x again to the backward (kept or recomputed:
+  // LinearDesc::input_in_backward), so a recipe need keep no copy of it.
+  LinearDesc layer_linear(std::string name, int64_t in, int64_t out) const;
+  // What a block does with a linear input x that only the linear reads
+  // (its forward, and its wgrad in the backward):
+  //   kept_by_recipe: the recipe keeps its own copy (keeps_wgrad_input): x is
+  //     a transient scratch, the backward passes an empty x;
+  //   recomputed: model.recompute = "selective" and the recipe keeps none: x
+  //     is a transient scratch, and the backward computes it again (the same
+  //     op on what is kept) just before the linear's backward;
+  //   otherwise x is kept per layer until the backward.
+  struct InputPlan {
+    bool kept_by_recipe = false, recomputed = false;
+    bool transient() const { return kept_by_recipe || recomputed; }
+  };
+  InputPlan input_plan(std::initializer_list<int> ids) const;
   // True when the recipe keeps its own copy of x for the wgrad of every one
   // of `ids` (Precision::keeps_wgrad_input): a bf16/fp32 x read by nothing
   // but those linears' backward then need not be kept until the backward.

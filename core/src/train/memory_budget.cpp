@@ -7,6 +7,10 @@
 #include <sstream>
 #include <vector>
 
+#include <cctype>
+#include <cmath>
+
+#include "loom/config.hpp"
 #include "loom/error.hpp"
 
 namespace fs = std::filesystem;
@@ -76,6 +80,97 @@ std::string human_bytes(double b) {
   if (b >= 1024.0 * 1024.0 * 1024.0) m << std::fixed << std::setprecision(2) << b / (1024.0 * 1024.0 * 1024.0) << " GiB";
   else m << std::fixed << std::setprecision(1) << b / (1024.0 * 1024.0) << " MiB";
   return m.str();
+}
+
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20, kGiB = uint64_t{1} << 30;
+
+struct NamedGpu {
+  const char* key;
+  const char* name;
+  uint64_t mib;  // nvidia-smi's memory.total
+};
+constexpr NamedGpu kGpus[] = {
+    {"h100", "NVIDIA H100 80GB HBM3", 81559},
+    {"h200", "NVIDIA H200 141GB HBM3e", 143771},
+    {"a100-80gb", "NVIDIA A100-SXM4-80GB", 81920},
+    {"a100-40gb", "NVIDIA A100-SXM4-40GB", 40960},
+};
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+}  // namespace
+
+uint64_t parse_memory_size(const std::string& text, const std::string& flag) {
+  const std::string how =
+      "; write a size such as 80GiB, 81559MiB or 141GB (units B, KB, MB, GB, TB in powers of 1000; KiB, MiB, GiB, "
+      "TiB in powers of 1024), or name the card with --gpu (" + named_gpu_list() + ")";
+  size_t i = 0;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+  const std::string number = text.substr(0, i);
+  std::string unit = text.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(unit.begin());
+  double value = 0;
+  size_t used = 0;
+  try {
+    value = number.empty() ? -1 : std::stod(number, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (number.empty() || used != number.size() || !std::isfinite(value))
+    throw Error(cat(flag, " ", text, ": '", text, "' does not start with a number", how));
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1.0},    {"b", 1.0},    {"kb", 1e3},     {"mb", 1e6},     {"gb", 1e9},     {"tb", 1e12},
+      {"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0}, {"tib", 1099511627776.0}};
+  double mult = -1;
+  for (const auto& [u, m] : kUnits)
+    if (lower(unit) == u) mult = m;
+  if (mult < 0) throw Error(cat(flag, " ", text, ": '", unit, "' is not a unit of memory", how));
+  const double bytes = value * mult;
+  if (bytes < static_cast<double>(kGiB) || bytes > std::ldexp(1.0, 50))
+    throw Error(cat(flag, " ", text, " is ",
+                    bytes < static_cast<double>(kMiB) ? cat(static_cast<uint64_t>(bytes), " bytes") : human_bytes(bytes),
+                    ": a GPU's memory is between 1 GiB and 1 PiB (did you mean ", number, "GiB?)", how));
+  return static_cast<uint64_t>(bytes);
+}
+
+std::string named_gpu_list() {
+  std::string out;
+  for (const NamedGpu& g : kGpus)
+    out += cat(out.empty() ? "" : ", ", g.key, " (", human_bytes(static_cast<double>(g.mib * kMiB)), ")");
+  return out;
+}
+
+PlannedDevice named_gpu(const std::string& name) {
+  const std::string key = lower(name);
+  for (const NamedGpu& g : kGpus)
+    if (key == g.key) return {cat(g.name, " (--gpu ", g.key, ")"), g.mib * kMiB};
+  std::vector<std::string> keys;
+  for (const NamedGpu& g : kGpus) keys.emplace_back(g.key);
+  const std::string near = did_you_mean(key, keys);
+  throw Error(cat("--gpu ", name, " is not a GPU loom knows", near.empty() ? "" : cat(" (did you mean '", near, "'?)"),
+                  ": one of ", named_gpu_list(), "; for another card give its memory with --device-memory (e.g. "
+                  "--device-memory 94GiB)"));
+}
+
+OutsideArena outside_arena_estimate(int world, int local_world) {
+  // Measured (memory_budget.hpp): 1.9 GiB beyond the arena on one rank and on
+  // two ranks over NCCL. Of it, NCCL's buffers on two ranks are taken as
+  // 128 MiB plus 64 MiB for each further rank on the node (its channels'
+  // buffers to each peer) and 128 MiB for the network between nodes; the rest
+  // is the context and the libraries'.
+  OutsideArena o;
+  o.context = static_cast<uint64_t>(1.75 * static_cast<double>(kGiB));
+  if (world > 1) {
+    const int node = std::max(1, std::min(local_world > 0 ? local_world : world, world));
+    o.nccl = 128 * kMiB + 64 * kMiB * static_cast<uint64_t>(std::max(0, std::min(node, 8) - 2)) +
+             (node < world ? 128 * kMiB : 0);
+  }
+  return o;
 }
 
 MemoryBudget host_memory_budget(const HostMemoryFiles& files) {

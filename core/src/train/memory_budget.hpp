@@ -41,4 +41,42 @@ MemoryBudget host_memory_budget(const HostMemoryFiles& files = {});
 // "3.52 GiB", "512.0 MiB".
 std::string human_bytes(double bytes);
 
+// A GPU that a CUDA run is planned for without running on it (`loom check
+// --gpu NAME` or `--device-memory SIZE`, on a login node without that GPU).
+struct PlannedDevice {
+  std::string name;     // "NVIDIA H100 80GB HBM3 (--gpu h100)", "a GPU of 80.00 GiB (--device-memory 80GiB)"
+  uint64_t total = 0;   // the card's device memory in bytes (nvidia-smi's memory.total)
+};
+
+// A size as a user writes it: a number (integer or decimal) and a unit, "80GiB",
+// "81559MiB", "141GB", "1.5TiB", or plain bytes "85899345920". Units: B, KB, MB,
+// GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024), any case.
+// Throws loom::Error naming `flag` and the text for anything else, and for a
+// size below 1 GiB or above 1 PiB (no GPU has either).
+uint64_t parse_memory_size(const std::string& text, const std::string& flag);
+
+// --gpu NAME: the cards a node run is commonly sized for, by the memory
+// nvidia-smi reports for them (memory.total): h100 (H100 SXM 80GB HBM3,
+// 81559 MiB), h200 (H200 141GB HBM3e, 143771 MiB), a100-80gb (81920 MiB),
+// a100-40gb (40960 MiB). Case-insensitive; an unknown name is refused with
+// the list (and a did-you-mean).
+PlannedDevice named_gpu(const std::string& name);
+// "h100 (79.65 GiB), h200 (140.40 GiB), ..." for messages and --help.
+std::string named_gpu_list();
+
+// What a CUDA process holds on its GPU beyond the arena (the memory plan):
+// the CUDA context with the kernels it loads and the cuBLASLt and cuDNN
+// handles and graphs, and NCCL's buffers. Not plannable from the config: the
+// figures are measured ones (docs/PERFORMANCE.md, "Where the memory of an 8B
+// node run goes"): the device memory in use minus the arena was 1.9 GiB on
+// one and on two ranks of H100 and H200 (CUDA 13.0, cuDNN 9.19, NCCL 2.27),
+// which `loom bench` prints as `outside_arena_gib` for every run.
+struct OutsideArena {
+  uint64_t context = 0;  // the CUDA context, its kernels, the cuBLASLt / cuDNN handles and graphs
+  uint64_t nccl = 0;     // NCCL's channel buffers (0 on one rank)
+  uint64_t total() const { return context + nccl; }
+};
+// For one rank of `world`, `local_world` of them on its node.
+OutsideArena outside_arena_estimate(int world, int local_world);
+
 }  // namespace loom

@@ -16,6 +16,7 @@
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "model/block.hpp"
+#include "train/plan_device.hpp"
 #include "train/rank_agreement.hpp"
 #include "train/train_state.hpp"
 #include "util/files.hpp"
@@ -60,6 +61,7 @@ void load_plugins(Runtime& rt, const Config& cfg, const ModelSpec& spec) {
     init.seed = cfg.run.seed;
     init.deterministic = cfg.run.deterministic;
     init.under_launcher = rt.launch.under_launcher;
+    init.planning = rt.planned_device.has_value();
     return init;
   };
   rt.precision = rt.registry->create_as<PluginKind::precision>(cfg.precision.plugin, init_for(cfg.precision),
@@ -145,7 +147,7 @@ void check_plugin_path(const Config& cfg) {
 }
 
 Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_process, int plan_world,
-                     int plan_local_world) {
+                     int plan_local_world, const std::optional<PlannedDevice>& plan_device) {
   // Before anything is started: a search folder that is not there would
   // otherwise be passed over without a word.
   check_plugin_path(cfg);
@@ -153,7 +155,8 @@ Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_proce
   Runtime rt;
   // Rank, world and node-local rank: from MPI when started by mpirun / srun,
   // otherwise this is the only rank and MPI is never touched.
-  rt.launch = single_process || plan_world > 0 ? LaunchInfo{} : launch_from_env();
+  // A planned world or GPU starts nothing, under a launcher or not.
+  rt.launch = single_process || plan_world > 0 || plan_device ? LaunchInfo{} : launch_from_env();
   if (plan_world > 0) {
     rt.launch.world = plan_world;
     rt.launch.local_world = plan_local_world > 0 ? plan_local_world : plan_world;
@@ -171,18 +174,28 @@ Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_proce
   if (rt.launch.rank != 0 && cfg.run.log_level == "info") set_log_level("warn");
   if (cfg.train.seq_len > spec.max_seq_len)
     throw Error(cat("train.seq_len = ", cfg.train.seq_len, " exceeds the model's max_seq_len = ", spec.max_seq_len));
-  if (cfg.run.device == "cuda") {
+  if (plan_device && cfg.run.device != "cuda")
+    throw Error(cat(cfg.where("run.device"), ": run.device = \"", cfg.run.device, "\" but the run is planned for a GPU (",
+                    plan_device->name, "): --gpu and --device-memory plan a run.device = \"cuda\" run; leave them out "
+                    "for a CPU run, or set run.device = \"cuda\""));
+  if (plan_device) {
+    // Planned for a GPU, on whatever this machine has: nothing touches a device.
+    rt.planned_device = plan_device;
+    rt.backend = make_planned_backend(Device::cuda, *plan_device, cfg.run.deterministic);
+  } else if (cfg.run.device == "cuda") {
 #ifdef LOOM_HAVE_CUDA
     if (!cuda_available())
-      throw Error("run.device = \"cuda\" but no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)");
+      throw Error("run.device = \"cuda\" but no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver); "
+                  "to plan the run for a GPU this machine does not have, run `loom check CONFIG --gpu NAME` (" +
+                  named_gpu_list() + ") or `--device-memory SIZE`, with `--world-size N` for N ranks");
 #endif
     rt.backend = make_cuda_backend(cuda_device_for_rank(rt.launch.local_rank, rt.launch.local_world),
                                    cfg.run.deterministic);
   } else {
     rt.backend = make_cpu_backend(cfg.run.threads, cfg.run.deterministic);
   }
-  if (plan_world > 0) {
-    rt.comm = make_plan_communicator(plan_world, rt.backend->device() != Device::cpu);
+  if (plan_world > 0 || rt.planned_device) {
+    rt.comm = make_plan_communicator(std::max(plan_world, 1), rt.backend->device() != Device::cpu);
     rt.planned = true;
     rt.host = rt.comm.get();
     load_plugins(rt, cfg, spec);

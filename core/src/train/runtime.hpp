@@ -4,6 +4,7 @@
 // data opened, the attention shape accepted).
 #pragma once
 #include <memory>
+#include <optional>
 
 #include "comm/launch.hpp"
 #include "config/run_config.hpp"
@@ -14,6 +15,7 @@
 #include "loom/registry.hpp"
 #include "loom/sharding.hpp"
 #include "model/backend.hpp"
+#include "train/memory_budget.hpp"
 
 namespace loom {
 
@@ -30,6 +32,10 @@ struct Runtime {
   std::unique_ptr<DataSource> data;
   PrecisionDTypes dtypes{};
   bool planned = false;  // loom check --world: comm is a stand-in (comm/plan_communicator.hpp)
+  // loom check --gpu / --device-memory: the GPU the run is planned for; the
+  // backend is a stand-in (train/plan_device.hpp) and the plugins were made
+  // with PluginInit::planning.
+  std::optional<PlannedDevice> planned_device;
 
   int rank() const { return comm->rank(); }
   int world() const { return comm->size(); }
@@ -43,8 +49,11 @@ struct Runtime {
 // `plan_world` > 0 (loom check --world): lay out the run as rank 0 of that
 // many ranks, `plan_local_world` per node (0: all on one node), starting
 // none of them; collectives refuse (comm/plan_communicator.hpp).
+// `plan_device` (loom check --gpu / --device-memory): plan a run.device =
+// "cuda" run for that GPU without touching one (train/plan_device.hpp);
+// refused for a CPU run.
 Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_process, int plan_world = 0,
-                     int plan_local_world = 0);
+                     int plan_local_world = 0, const std::optional<PlannedDevice>& plan_device = std::nullopt);
 
 // Every run.plugin_path entry is an existing folder (an entry that is missing,
 // empty, a file or a device is refused, naming it); make_runtime checks it

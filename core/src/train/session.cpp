@@ -40,7 +40,8 @@ ModelSpec run_model_spec(const Config& cfg) {
 }
 
 Session::Session(Config cfg, SessionOptions opts)
-    : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, run_model_spec(cfg_), opts.single_process, opts.plan_world, opts.plan_local_world)) {
+    : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, run_model_spec(cfg_), opts.single_process, opts.plan_world, opts.plan_local_world,
+                      opts.plan_device)) {
   model_ = std::make_unique<Model>(run_model_spec(cfg_), cfg_.model.layers, cfg_.expert_parallel);
   state_ = std::make_unique<TrainState>(cfg_, rt_, *model_);
 }
@@ -59,6 +60,8 @@ std::optional<std::string> Session::check_resume_checkpoint() {
 
 void Session::initialise() {
   LOOM_CHECK(!initialised_, "session initialised twice");
+  LOOM_CHECK(!rt_.planned_device, "a session planned for a GPU it does not run on (", rt_.planned_device->name,
+             ") cannot be initialised: it is a plan only");
   // A step_N in checkpoint.dir that is no folder would only fail at the save of step N.
   check_checkpoint_names(cfg_);
   state_->check_memory_fits();  // a plan that cannot fit is refused, not OOM-killed
@@ -538,6 +541,15 @@ RunSummary Session::train(int64_t stop_at) {
   if (!sum.val_losses.empty())
     fin << " | val loss " << sum.val_losses.front().second << " -> " << sum.val_losses.back().second;
   if (health.skipped_total()) fin << " | " << health.skipped_total() << " skipped steps";
+  if (rt_.backend->device() == Device::cuda) {
+    // What the steps used beside what was planned for them (the plan with
+    // what lies beyond the arena, estimated: `loom check`'s "per rank in all").
+    const double used = static_cast<double>(rt_.backend->device_memory_used()),
+                 planned = static_cast<double>(state_->planned_device_bytes());
+    fin << " | device memory " << std::setprecision(2) << used / (1024.0 * 1024.0 * 1024.0) << " GiB in use, "
+        << planned / (1024.0 * 1024.0 * 1024.0) << " GiB planned (" << std::showpos << 100.0 * (used / planned - 1.0)
+        << std::noshowpos << "%)" << std::setprecision(4);
+  }
   fin << " | metrics " << (out / "metrics.jsonl").string();
   log_info(fin.str());
   return sum;

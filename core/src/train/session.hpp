@@ -59,6 +59,9 @@ struct SessionOptions {
   // loom check --world N [--gpus-per-node G]: plan the run as rank 0 of N
   // ranks (G per node) without starting them; nothing may be exchanged.
   int plan_world = 0, plan_local_world = 0;
+  // loom check --gpu / --device-memory: the GPU a CUDA run is planned for,
+  // without one (train/plan_device.hpp). Plan only: initialise() refuses.
+  std::optional<PlannedDevice> plan_device;
 };
 
 // What the tests' synchronous optimizer step reads back.

@@ -1,6 +1,7 @@
 #include "train/train_state.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <fstream>
 #include <iomanip>
 #include <sstream>
@@ -95,17 +96,9 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   be.expert_group = expert_group_.get();
   be.head_chunk = head_chunk_tokens(model_.layers(), cfg_.model.head_chunk, be.N, model_.spec().vocab_size, be.act);
   model_.plan(be, plan_);
-  // Every linear is registered: the recipe learns its data-parallel group
-  // (FP8 amaxes are reduced over it), then says what memory it needs.
-  PrecisionSetup setup;
-  setup.data_parallel = rt_.comm.get();
-  setup.deterministic = cfg_.run.deterministic;
-  setup.device = rt_.backend->device();
-  setup.grad_accum = static_cast<int>(cfg_.train.grad_accum);
-  rt_.precision->setup(setup);
-  // FP8 weight gathers (sharding.gather_dtype = "fp8"): the codec knows
-  // which weights the recipe casts per tensor from their current amax; the
-  // strategy asks it in plan() and scratch().
+  // Every linear is registered. The FP8 weight gathers learn which weights
+  // the recipe casts per tensor from their current amax; the strategy asks
+  // them in plan() and scratch().
   codec_ = std::make_unique<Fp8GatherCodec>(
       *rt_.backend, model_.units(), model_.linear_weights(), *rt_.precision, dt.param,
       cat("precision.plugin = \"", cfg_.precision.plugin,
@@ -119,6 +112,19 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
     codec_blk_ = plan_.add("sharding.fp8_gather.scales", MemCategory::comm, codec_->state_bytes());
   LOOM_CHECK(layouts_.size() == infos.size(), "sharding plugin returned ", layouts_.size(), " layouts for ",
              infos.size(), " units");
+  // The recipe learns its data-parallel group (FP8 amaxes are reduced over
+  // it) and whether the strategy keeps the parameters sharded (what the
+  // FP8 recipes' weight_cache = "auto" decides with), then says what memory
+  // it needs.
+  PrecisionSetup setup;
+  setup.data_parallel = rt_.comm.get();
+  setup.deterministic = cfg_.run.deterministic;
+  setup.device = rt_.backend->device();
+  setup.grad_accum = static_cast<int>(cfg_.train.grad_accum);
+  // (An expert-parallel unit's experts are this rank's own, never gathered.)
+  for (size_t i = 0; i < infos.size(); ++i)
+    setup.params_sharded = setup.params_sharded || (layouts_[i].params_sharded && infos[i].expert_group == 1);
+  rt_.precision->setup(setup);
 
   const size_t pb = dtype_size(dt.param), gb = dtype_size(dt.grad), ob = dtype_size(dt.optim_state);
   for (size_t i = 0; i < infos.size(); ++i) {
@@ -153,7 +159,8 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
         plan_.add("sharding." + r.name, r.category, static_cast<size_t>(r.numel) * dtype_size(r.dtype)));
 
   // What the recipe keeps from each linear's forward for its backward counts
-  // as activations (one copy per linear, whatever model.recompute says).
+  // as activations (one copy per linear, whatever model.recompute says;
+  // under "selective" the FP8 recipes keep none: LinearDesc::input_in_backward).
   precision_saved_bytes_ = 0;
   for (int id : model_.linear_ids()) precision_saved_bytes_ += rt_.precision->saved_activation_bytes(id);
   precision_saved_ = plan_.add("precision.saved_activations", MemCategory::activations, precision_saved_bytes_);
@@ -299,7 +306,9 @@ std::string TrainState::describe() const {
        << human_count(static_cast<double>(spec.total_matmul_params())) << ")\n";
   } else {
     os << "flops per token: " << human_count(spec.flops_per_token(cfg_.train.seq_len)) << " (6N + 12LhS, N = "
-       << human_count(static_cast<double>(spec.matmul_params())) << " matmul weights)\n";
+       << human_count(static_cast<double>(spec.matmul_params())) << " matmul weights; MFU counts these), "
+       << human_count(spec.causal_flops_per_token(cfg_.train.seq_len))
+       << " with causal attention (6N + 6LhS: NeMo's model TFLOP/s)\n";
   }
   os << "plugins: precision " << cfg_.precision.plugin << ", attention " << cfg_.attention.plugin << ", sharding "
      << cfg_.sharding.plugin << ", data " << cfg_.data.plugin << "; device " << cfg_.run.device << ", ranks "
@@ -325,6 +334,77 @@ std::string TrainState::describe() const {
      << dtype_name(dt.optim_state) << " optimizer state, " << dtype_name(dt.activation) << " activations, recompute "
      << cfg_.model.recompute << "):\n"
      << plan_.summary();
+  if (rt_.backend->device() == Device::cuda) {
+    const OutsideArena o = outside_arena_estimate(rt_.world(), rt_.launch.local_world);
+    os << "beyond the arena, estimated: CUDA context, kernels and library handles " << gib(static_cast<double>(o.context))
+       << ", NCCL buffers " << gib(static_cast<double>(o.nccl)) << "\n";
+    os << "per rank in all: " << gib(static_cast<double>(planned_device_bytes()));
+    if (rt_.planned_device) {
+      const double total = static_cast<double>(rt_.planned_device->total);
+      const double in_all = static_cast<double>(planned_device_bytes());
+      os << " of " << gib(total) << " on " << rt_.planned_device->name
+         << (in_all <= total ? cat(": fits, ", gib(total - in_all), " to spare")
+                             : cat(": DOES NOT FIT, ", gib(in_all - total), " short"));
+    }
+    os << "\n";
+  }
+  return os.str();
+}
+
+size_t TrainState::outside_arena_bytes() const {
+  if (rt_.backend->device() != Device::cuda) return 0;
+  return outside_arena_estimate(rt_.world(), rt_.launch.local_world).total();
+}
+
+std::string TrainState::plan_breakdown() const {
+  // A block's name with every number that follows a '.' (a layer, a unit)
+  // replaced by '*': the blocks of every layer fall into one row.
+  auto pattern = [](const std::string& n) {
+    std::string out;
+    for (size_t i = 0; i < n.size();) {
+      if (n[i] == '.' && i + 1 < n.size() && std::isdigit(static_cast<unsigned char>(n[i + 1]))) {
+        size_t j = i + 1;
+        while (j < n.size() && std::isdigit(static_cast<unsigned char>(n[j]))) ++j;
+        if (j == n.size() || n[j] == '.') {
+          out += ".*";
+          i = j;
+          continue;
+        }
+      }
+      out += n[i++];
+    }
+    return out;
+  };
+  struct Row {
+    std::string name;
+    MemCategory cat;
+    size_t bytes = 0, count = 0, each = 0;
+    bool equal = true;
+  };
+  std::vector<Row> rows;
+  for (const ArenaBlock& b : plan_.blocks()) {
+    const size_t padded = (b.bytes + ArenaPlan::kAlign - 1) / ArenaPlan::kAlign * ArenaPlan::kAlign;
+    const std::string key = pattern(b.name);
+    auto it = std::find_if(rows.begin(), rows.end(), [&](const Row& r) { return r.name == key && r.cat == b.category; });
+    if (it == rows.end()) {
+      rows.push_back({key, b.category, 0, 0, padded, true});
+      it = rows.end() - 1;
+    }
+    it->equal = it->equal && it->each == padded;
+    it->bytes += padded;
+    ++it->count;
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) { return a.bytes > b.bytes; });
+  std::ostringstream os;
+  os << "memory plan part by part (per rank, largest first; '*' is a layer's or a unit's number):\n";
+  for (const Row& r : rows) {
+    if (r.bytes == 0) continue;
+    os << "  " << std::left << std::setw(40) << r.name << std::setw(12) << mem_category_name(r.cat) << std::right
+       << std::setw(12) << gib(static_cast<double>(r.bytes));
+    if (r.count > 1)
+      os << "  (" << r.count << (r.equal ? cat(" x ", gib(static_cast<double>(r.each))) : std::string(" blocks")) << ")";
+    os << "\n";
+  }
   return os.str();
 }
 
@@ -338,7 +418,8 @@ std::string TrainState::memory_report() const {
      << ", activations " << g(plan_.category_bytes(MemCategory::activations)) << ", comm "
      << g(plan_.category_bytes(MemCategory::comm)) << "), arena allocated " << g(arena_.bytes());
   if (rt_.backend->device() == Device::cuda) {
-    os << ", device in use " << g(rt_.backend->device_memory_used());
+    os << ", device in use " << g(rt_.backend->device_memory_used()) << " (the plan with what lies beyond the arena, "
+       << "estimated: " << g(planned_device_bytes()) << ")";
   } else {
     std::ifstream st("/proc/self/status");
     for (std::string line; std::getline(st, line);)
@@ -354,19 +435,29 @@ std::string TrainState::memory_report() const {
 
 namespace {
 
-// Memory the process needs beyond the arena: token staging (<= 64 MiB),
-// BLAS and library buffers on the host. On the GPU the CUDA context, NCCL
-// and the cuDNN graphs exist already (free memory is measured after them),
-// so only what libraries allocate lazily at the first step remains: a small
-// margin, so that a config sized to fill the GPU is not refused.
-double memory_outside_plan(bool gpu, double plan) {
-  return gpu ? 128.0 * (1 << 20) : std::max(128.0 * (1 << 20), plan / 16.0);
+// Memory the process needs beyond the arena. On the host: token staging
+// (<= 64 MiB), BLAS and library buffers. On a GPU the CUDA context and the
+// libraries' handles exist already when free memory is measured, but NCCL
+// connects at its first collective: its buffers, and a small margin for what
+// libraries allocate lazily at the first step. A GPU the run is only planned
+// for (loom check --gpu) holds none of it yet: all of the estimate.
+double memory_outside_plan(const Runtime& rt, double plan) {
+  if (rt.backend->device() != Device::cuda) return std::max(128.0 * (1 << 20), plan / 16.0);
+  const OutsideArena o = outside_arena_estimate(rt.world(), rt.launch.local_world);
+  if (rt.planned_device) return static_cast<double>(o.total());
+  return 128.0 * (1 << 20) + static_cast<double>(o.nccl);
 }
 
 // What the run's arena may take: the GPU's free memory, or the host's.
 MemoryBudget arena_budget(const Runtime& rt) {
   if (rt.backend->device() != Device::cuda) return host_memory_budget();
   MemoryBudget budget;
+  if (rt.planned_device) {
+    budget.available = rt.planned_device->total;
+    budget.source = cat("the GPU planned for, ", rt.planned_device->name, ", has ",
+                        human_bytes(static_cast<double>(budget.available)));
+    return budget;
+  }
   budget.available = rt.backend->device_memory_free();
   budget.source = cat("device ", rt.backend->device_index(), " (", rt.backend->device_name(), ") has ",
                       human_bytes(static_cast<double>(budget.available)), " free");
@@ -378,7 +469,10 @@ std::string fit_advice(const Config& cfg, const ModelSpec& spec, double acts, do
   const std::string for_acts =
       cat("the activations (", human_bytes(acts), "): lower train.micro_batch (", cfg.train.micro_batch,
           ") or train.seq_len (", cfg.train.seq_len, ")",
-          cfg.model.recompute == "full" ? std::string() : std::string(", or set model.recompute = \"full\""));
+          cfg.model.recompute == "full"        ? std::string()
+          : cfg.model.recompute == "none"      ? std::string(", or set model.recompute = \"selective\" (the norms' and "
+                                                             "SwiGLU's outputs recomputed, little compute) or \"full\"")
+                                               : std::string(", or set model.recompute = \"full\""));
   const std::string for_state =
       cat("the weights, gradients and optimizer state (", human_bytes(state), "): a smaller model (model.hidden = ",
           spec.hidden, ", model.num_layers = ", spec.num_layers, ", model.vocab_size = ", spec.vocab_size,
@@ -435,7 +529,7 @@ void check_memory_can_fit(const Config& cfg, const ModelSpec& spec, const Runtim
   const int sharing = std::max(1, rt.launch.local_world);  // ranks on one machine share its host memory
   const MemoryBudget budget = arena_budget(rt);
   const MemoryBudget host = gpu ? host_memory_budget() : budget;
-  const LD extra = static_cast<LD>(memory_outside_plan(gpu, static_cast<double>(plan)));
+  const LD extra = static_cast<LD>(memory_outside_plan(rt, static_cast<double>(plan)));
   const LD need = gpu ? plan + extra : (plan + extra + book) * sharing;
   const LD host_need = gpu ? book * sharing : need;
   // Beyond 1 EiB nothing can hold it, whatever the budget says (or when none is known).
@@ -469,7 +563,7 @@ void check_memory_can_fit(const Config& cfg, const ModelSpec& spec, const Runtim
 void TrainState::check_memory_fits() const {
   const bool gpu = rt_.backend->device() == Device::cuda;
   const double plan = static_cast<double>(plan_.total_bytes());
-  const double extra = memory_outside_plan(gpu, plan);
+  const double extra = memory_outside_plan(rt_, plan);
   // Ranks on one machine share its host memory (and its cgroup); each has its own GPU.
   const int sharing = gpu ? 1 : std::max(1, rt_.launch.local_world);
   const MemoryBudget budget = arena_budget(rt_);

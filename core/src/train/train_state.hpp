@@ -81,8 +81,19 @@ class TrainState {
   // state incl. master) from the unpadded parameter count, beside the plan.
   struct MemoryFormula { double params = 0, grads = 0, optimizer = 0; };
   MemoryFormula memory_formula() const;
-  // What `loom check` prints: model size, plugins, batch, the plan per rank.
+  // What `loom check` prints: model size, plugins, batch, the plan per rank
+  // (on CUDA with what the process holds beyond it, and for a planned GPU
+  // whether it fits).
   std::string describe() const;
+  // The plan's blocks part by part: every block's bytes, the blocks that
+  // differ only in a layer's number summed into one row ("qkv.* x 32"),
+  // largest first (`loom check --breakdown`).
+  std::string plan_breakdown() const;
+  // What the process holds on its GPU beyond the arena, estimated
+  // (memory_budget.hpp outside_arena_estimate; 0 on the CPU), and the plan
+  // with it: what the device memory in use should read during the steps.
+  size_t outside_arena_bytes() const;
+  size_t planned_device_bytes() const { return plan_.total_bytes() + outside_arena_bytes(); }
   // The plan beside what was allocated and what the process uses.
   std::string memory_report() const;
   // Throws loom::Error, with the plan and what to change, when the plan does

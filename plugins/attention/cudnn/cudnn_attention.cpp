@@ -264,7 +264,8 @@ void check_stats(const Tensor& t, const AttentionShape& s) {
 
 class CudnnAttention final : public Attention {
  public:
-  explicit CudnnAttention(const PluginInit& init) : device_(init.device), deterministic_(init.deterministic) {
+  explicit CudnnAttention(const PluginInit& init)
+      : device_(init.device), deterministic_(init.deterministic), planning_(init.planning) {
     // No options; finish() rejects any key given.
     init.config.finish();
   }
@@ -294,6 +295,9 @@ class CudnnAttention final : public Attention {
                              shape.batch, " S=", shape.seq, " H=", shape.heads, " Hkv=", shape.kv_heads, kUseNaive));
     if (!(shape.scale > 0 && shape.scale < INFINITY))
       return Support::no(cat("cudnn attention: softmax scale must be finite and > 0, got ", shape.scale));
+    // A run planned without its GPU (PluginInit::planning): cuDNN cannot be
+    // asked; the rules above are all that can be checked.
+    if (planning_) return Support::yes();
     // The rest is cuDNN's to say: build (and keep) the graphs this shape needs.
     try {
       for (bool bwd : {false, true}) {
@@ -311,6 +315,7 @@ class CudnnAttention final : public Attention {
   // for the fused attention block's layout (fused_key).
   size_t workspace_bytes(const AttentionShape& shape, DType dtype, Device device) const override {
     LOOM_CHECK(device == Device::cuda, "cudnn attention runs on cuda only, got device ", device_name(device), kUseNaive);
+    if (planning_) return planned_workspace(shape, deterministic_);
     int64_t most = 0;
     for (bool bwd : {false, true})
       for (const GraphKey& k :
@@ -361,6 +366,22 @@ class CudnnAttention final : public Attention {
   }
 
  private:
+  // Without a GPU (PluginInit::planning) the graphs cannot be built, so the
+  // workspace is the most cudnn-frontend's SDPA backward asks for (its
+  // scaled_dot_product_flash_attention.h): the fp32 dQ accumulator
+  // [B, H, S, D], the softmax sum [B, H, S] and, with grouped-query
+  // attention, full-head dK and dV in fp32; deterministic runs use the dP
+  // workspace [B, H, S, S] in bf16 (S rounded up to 64) instead of the dQ
+  // accumulator. The forward needs none. An upper bound of what the GPU plans.
+  static size_t planned_workspace(const AttentionShape& s, bool deterministic) {
+    const int64_t b = s.batch, h = s.heads, S = s.seq, d = s.head_dim;
+    int64_t bytes = b * h * S * 4;  // softmax sum
+    const int64_t padded = (S + 63) / 64 * 64;
+    bytes += deterministic ? b * h * padded * padded * 2 : b * h * S * d * 4;
+    if (s.kv_heads != s.heads) bytes += 2 * b * h * S * d * 4;
+    return static_cast<size_t>(bytes);
+  }
+
   void check_ctx(const ExecContext& ctx) const {
     LOOM_CHECK(ctx.device == Device::cuda && device_ == Device::cuda, "cudnn attention: called on ",
                device_name(ctx.device), " (plugin created for ", device_name(device_), "); it runs on cuda only",
@@ -449,6 +470,7 @@ class CudnnAttention final : public Attention {
 
   Device device_;
   bool deterministic_;
+  bool planning_ = false;  // PluginInit::planning: no GPU to ask
   mutable cudnnHandle_t handle_ = nullptr;
   // std::map: entries never move, so `last_` and Entry::slot stay valid.
   mutable std::map<GraphId, Entry> cache_;

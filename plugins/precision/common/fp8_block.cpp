@@ -144,14 +144,14 @@ size_t Fp8BlockRecipe::workspace_bytes() const {
 void Fp8BlockRecipe::setup(const PrecisionSetup& s) {
   if (gpu_) return gpu_->setup(s);
   LOOM_CHECK(s.data_parallel != nullptr, "precision fp8_block: setup without a data-parallel communicator");
-  per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum);
+  per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum, s.params_sharded);
   set_up_ = true;
   const auto [n, full] = fp8_options::split_linears(linears_);
   log_info(cat("precision fp8_block: ", n,
                " linears in FP8 emulated on the CPU, E4M3 with fine-grained scaling (x and dy in 1x128 tiles, "
                "W in 128x128 blocks, wgrad operands in 1x128 tiles along the tokens)",
                full.empty() ? std::string() : cat("; in fp32: ", full), "; ",
-               fp8_options::weight_cache_summary(o_.weight_cache, per_layer_)));
+               fp8_options::weight_cache_summary(o_.weight_cache, per_layer_, s.params_sharded)));
 }
 
 void Fp8BlockRecipe::set_workspace(void* ptr, size_t bytes) {

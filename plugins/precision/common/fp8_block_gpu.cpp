@@ -146,7 +146,7 @@ class Fp8BlockGpu final : public Precision {
     LOOM_CHECK(s.data_parallel != nullptr, "precision fp8_block: setup without a data-parallel communicator");
     LOOM_CHECK(s.device == Device::cuda, "precision fp8_block: the GPU path was set up for device ",
                device_name(s.device));
-    per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum);
+    per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum, s.params_sharded);
     set_up_ = true;
     const auto [n, full] = fp8_options::split_linears(linears_);
     log_info(cat("precision fp8_block: ", n,
@@ -154,7 +154,7 @@ class Fp8BlockGpu final : public Precision {
                  "128x128 blocks, wgrad operands in 1x128 tiles along the tokens; no fast accumulation",
                  full.empty() ? std::string() : cat("; in bf16: ", full), "; master ",
                  o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32",
-                 "; ", fp8_options::weight_cache_summary(o_.weight_cache, per_layer_), "; gemm_algo ",
+                 "; ", fp8_options::weight_cache_summary(o_.weight_cache, per_layer_, s.params_sharded), "; gemm_algo ",
                  gemm_algo_name(o_.gemm_algo)));
   }
 

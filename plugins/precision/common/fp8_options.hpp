@@ -15,7 +15,8 @@ namespace loom::fp8_options {
 // precision.weight_cache: where the FP8 copies of the weights live. "step":
 // cast once per optimizer step, kept for every micro-batch; "layer": cast
 // into one shared scratch before each fprop (W) and dgrad (Wᵀ); "auto":
-// "layer" when train.grad_accum = 1, else "step".
+// "layer" when train.grad_accum = 1 or the strategy shards the parameters,
+// else "step".
 enum class WeightCache { step, layer, automatic };
 
 inline const char* weight_cache_name(WeightCache c) {
@@ -27,15 +28,25 @@ inline const char* weight_cache_name(WeightCache c) {
   return "?";
 }
 
-// "auto" resolved with train.grad_accum: true for "layer".
-inline bool weight_cache_per_layer(WeightCache c, int grad_accum) {
-  return c == WeightCache::layer || (c == WeightCache::automatic && grad_accum <= 1);
+// "auto" resolved with train.grad_accum and the strategy's layout
+// (PrecisionSetup::params_sharded): true for "layer". With one micro-batch a
+// step each weight is cast once either way; with the parameters sharded
+// (zero3, hybrid_shard) a cache for the step would hold the cast weights of
+// the whole, unsharded model on every rank (W and its transpose: 2 bytes a
+// parameter, what zero3 is chosen to avoid), and every micro-batch gathers
+// the weights again anyway, so "layer" casts them per GEMM as
+// TransformerEngine does under FSDP.
+inline bool weight_cache_per_layer(WeightCache c, int grad_accum, bool params_sharded = false) {
+  return c == WeightCache::layer || (c == WeightCache::automatic && (grad_accum <= 1 || params_sharded));
 }
 
-// "weight_cache layer (auto: grad_accum 1)" for a setup log line.
-inline std::string weight_cache_summary(WeightCache c, bool per_layer) {
+// "weight_cache auto (layer: grad_accum 1)" for a setup log line.
+inline std::string weight_cache_summary(WeightCache c, bool per_layer, bool params_sharded = false) {
   return cat("weight_cache ", weight_cache_name(c),
-             c == WeightCache::automatic ? (per_layer ? " (layer: grad_accum 1)" : " (step: grad_accum > 1)") : "");
+             c != WeightCache::automatic ? ""
+             : !per_layer                ? " (step: grad_accum > 1)"
+             : params_sharded            ? " (layer: parameters sharded)"
+                                         : " (layer: grad_accum 1)");
 }
 
 inline WeightCache read_weight_cache(const ConfigTable& c) {

@@ -24,6 +24,9 @@ struct Fp8Recipe::Linear {
   int slot = -1;                // the linear's index in the scaling state (FP8 linears)
   int64_t weight_offset = 0;    // floats into the workspace: the cast weight, [out, in]
   int64_t saved_offset = 0;     // floats into the saved activations: the cast x, [max_rows, in]
+  // LinearDesc::input_in_backward: no saved copy; the forward casts x into the
+  // x scratch and the backward casts the x it is handed again, with l.x_scale.
+  bool recast_x = false;
   bool weight_cast = false;     // "step": this step's cast weight is in the workspace
   bool w_scale_known = false;   // "layer": w_scale and w_amax are this step's (the weight measured once)
   float w_scale = 1.0f, x_scale = 1.0f;
@@ -131,8 +134,13 @@ int Fp8Recipe::register_linear(const LinearDesc& desc) {
     l.weight_offset = weight_floats_;
     weight_floats_ += desc.out * desc.in;
     max_weight_floats_ = std::max(max_weight_floats_, desc.out * desc.in);
-    l.saved_offset = saved_floats_;
-    saved_floats_ += desc.max_rows * desc.in;
+    l.recast_x = desc.input_in_backward && !desc.variable_rows;
+    if (l.recast_x) {
+      x_scratch_floats_ = std::max(x_scratch_floats_, desc.max_rows * desc.in);
+    } else {
+      l.saved_offset = saved_floats_;
+      saved_floats_ += desc.max_rows * desc.in;
+    }
     gemm_floats_ = std::max(gemm_floats_, desc.max_rows * desc.out);  // the cast dy
   }
   linears_.push_back(l);
@@ -144,8 +152,9 @@ size_t Fp8Recipe::saved_activation_bytes(int id) const {
   LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", plugin_, ": linear id ", id,
              " was never registered");
   const Linear& l = linears_[static_cast<size_t>(id)];
-  // The emulated cast of x is kept in fp32 (4 bytes per element; the GPU keeps 1).
-  return l.fp8 ? static_cast<size_t>(l.desc.max_rows * l.desc.in) * sizeof(float) : 0;
+  // The emulated cast of x is kept in fp32 (4 bytes per element; the GPU
+  // keeps 1); none when the backward is handed x again (recast_x).
+  return l.fp8 && !l.recast_x ? static_cast<size_t>(l.desc.max_rows * l.desc.in) * sizeof(float) : 0;
 }
 
 bool Fp8Recipe::keeps_wgrad_input(int id) const {
@@ -156,7 +165,7 @@ bool Fp8Recipe::keeps_wgrad_input(int id) const {
   // linear answers false like the GPU path's (whose calls of unaligned row
   // counts fall back to bf16 GEMMs reading x).
   const Linear& l = linears_[static_cast<size_t>(id)];
-  return l.fp8 && !l.desc.variable_rows;
+  return l.fp8 && !l.desc.variable_rows && !l.recast_x;
 }
 
 bool Fp8Recipe::weights_per_layer() const {
@@ -166,7 +175,7 @@ bool Fp8Recipe::weights_per_layer() const {
 size_t Fp8Recipe::workspace_bytes() const {
   if (gpu_) return gpu_->workspace_bytes();
   const int64_t weights = weights_per_layer() ? max_weight_floats_ : weight_floats_;
-  return static_cast<size_t>(weights + gemm_floats_) * sizeof(float);
+  return static_cast<size_t>(weights + gemm_floats_ + x_scratch_floats_) * sizeof(float);
 }
 
 void Fp8Recipe::setup(const PrecisionSetup& setup) {
@@ -175,7 +184,7 @@ void Fp8Recipe::setup(const PrecisionSetup& setup) {
   LOOM_CHECK(!setup.data_parallel->device_tensors(), "precision ", plugin_,
              ": the data-parallel communicator carries device tensors, but this recipe keeps its amaxes on the host");
   dp_ = setup.data_parallel;
-  per_layer_ = weight_cache_per_layer(weight_cache_, setup.grad_accum);
+  per_layer_ = weight_cache_per_layer(weight_cache_, setup.grad_accum, setup.params_sharded);
   set_up_ = true;
   const auto [fp8_linears, full] = fp8_options::split_linears(linears_);
   const fp8::ScalingConfig& sc = state_->config();
@@ -187,7 +196,7 @@ void Fp8Recipe::setup(const PrecisionSetup& setup) {
                fp8::name(sc.formats),
                sc.formats == fp8::Formats::hybrid ? " (E4M3 x and w, E5M2 dy)" : " (E4M3 x, w and dy)", ", ", how,
                full.empty() ? std::string() : cat("; in fp32: ", full), "; ",
-               fp8_options::weight_cache_summary(weight_cache_, per_layer_),
+               fp8_options::weight_cache_summary(weight_cache_, per_layer_, setup.params_sharded),
                "; GPU GEMM options recorded: fast accumulation fprop ", gemm_.fast_accum_fprop ? "on" : "off",
                ", dgrad ", gemm_.fast_accum_dgrad ? "on" : "off", ", wgrad ", gemm_.fast_accum_wgrad ? "on" : "off"));
 }
@@ -203,7 +212,8 @@ void Fp8Recipe::set_workspace(void* ptr, size_t bytes) {
 
 void Fp8Recipe::set_saved_activations(void* ptr, size_t bytes) {
   if (gpu_) return gpu_->set_saved_activations(ptr, bytes);
-  LOOM_CHECK(bytes >= static_cast<size_t>(saved_floats_) * sizeof(float) && ptr != nullptr, "precision ", plugin_,
+  LOOM_CHECK(bytes >= static_cast<size_t>(saved_floats_) * sizeof(float) && (ptr != nullptr || saved_floats_ == 0),
+             "precision ", plugin_,
              ": saved activations of ", bytes, " bytes, ", saved_floats_ * 4, " needed");
   saved_ = static_cast<float*>(ptr);
 }
@@ -214,7 +224,8 @@ Fp8Recipe::Linear& Fp8Recipe::lookup(const ExecContext& ctx, int id) {
   LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", plugin_, ": linear id ", id,
              " was never registered (", linears_.size(), " linears registered)");
   Linear& l = linears_[static_cast<size_t>(id)];
-  LOOM_CHECK(!l.fp8 || (set_up_ && (workspace_ != nullptr || workspace_bytes() == 0) && saved_ != nullptr),
+  LOOM_CHECK(!l.fp8 || (set_up_ && (workspace_ != nullptr || workspace_bytes() == 0) &&
+                         (saved_ != nullptr || l.recast_x)),
              "precision ", plugin_, ": ", l.desc.name, " called before setup() and the planned memory were given");
   return l;
 }
@@ -327,8 +338,9 @@ void Fp8Recipe::linear_forward(const ExecContext& ctx, int id, const Tensor& x, 
   check_shape(mx, plugin_, d, d.in, mx.rows, "x");
   check_shape(my, plugin_, d, d.out, mx.rows, "y");
   const float* qw = cast_weight(l, w);
-  // x, cast into its saved slot: the backward's wgrad reads this copy.
-  float* qx = saved_ + l.saved_offset;
+  // x, cast into its saved slot: the backward's wgrad reads this copy (or,
+  // recast_x, into the x scratch: the backward casts x again).
+  float* qx = l.recast_x ? x_scratch() : saved_ + l.saved_offset;
   const float* xs = x.ptr<const float>();
   const fp8::Format fx = state_->format(Role::x);
   l.x_scale = scaling_ == fp8::Scaling::current
@@ -375,9 +387,19 @@ void Fp8Recipe::linear_backward(const ExecContext& ctx, int id, const Tensor& x,
     state_->record_amax(l.slot, Role::w, l.w_amax);
     state_->record_amax(l.slot, Role::dy, dy_amax);
   }
+  const float* qx = saved_ + l.saved_offset;
+  if (l.recast_x) {
+    // The x of the forward, handed again: cast with the forward's scale, the
+    // same codes the forward's GEMM read (its amax was recorded then).
+    LOOM_CHECK(x.data != nullptr, "precision ", plugin_, ": ", d.name, ": the backward was given no x, but the linear "
+               "was registered with input_in_backward (the block hands x again, and the recipe keeps no copy)");
+    float* s = x_scratch();
+    cast_rows(x.ptr<const float>(), mx.rows, d.in, mx.ld, l.x_scale, state_->format(Role::x), s);
+    qx = s;
+  }
   const fp8::Operand oq_dy{qdy, d.out, sdy, fdy, true};
   const fp8::Operand oq_w{qw, d.in, l.w_scale, state_->format(Role::w), true};
-  const fp8::Operand oq_x{saved_ + l.saved_offset, d.in, l.x_scale, state_->format(Role::x), true};
+  const fp8::Operand oq_x{qx, d.in, l.x_scale, state_->format(Role::x), true};
   if (dx != nullptr) {
     const RowMatrix mdx = matrix(*dx, plugin_, d, "dx");
     check_shape(mdx, plugin_, d, d.in, mx.rows, "dx");

@@ -19,7 +19,10 @@
 //     train.grad_accum = 1 (each weight is then cast once per step either
 //     way) and "step" otherwise;
 //   - x is cast in the forward into the linear's saved-activation slot, which
-//     the wgrad of the matching backward reads (no second cast);
+//     the wgrad of the matching backward reads (no second cast); for a linear
+//     registered with input_in_backward (model.recompute = "selective") into
+//     a scratch instead, and the backward casts the x it is handed again with
+//     the forward's scale (the same codes, nothing kept in between);
 //   - dy is cast in the backward, once for dgrad and wgrad.
 // Delayed scaling casts with the scales of the steps before; the forward's
 // amaxes count once the backward runs (a validation forward, which has none,
@@ -127,6 +130,8 @@ class Fp8Recipe : public Precision {
   bool per_layer_ = false;  // resolved at setup()
   int64_t max_weight_floats_ = 0;  // the largest FP8 weight: the "layer" scratch
   int64_t weight_region_floats() const { return per_layer_ ? max_weight_floats_ : weight_floats_; }
+  // After the weights and the GEMM scratch: the cast x of a recast_x linear.
+  float* x_scratch() const { return workspace_ + weight_region_floats() + gemm_floats_; }
   std::unique_ptr<fp8::ScalingState> state_;
   std::unique_ptr<Precision> gpu_;  // device cuda: the GPU path, which every call goes to
   std::vector<Linear> linears_;
@@ -139,6 +144,7 @@ class Fp8Recipe : public Precision {
   size_t workspace_bytes_ = 0;
   float* saved_ = nullptr;
   int64_t weight_floats_ = 0, gemm_floats_ = 0, saved_floats_ = 0;
+  int64_t x_scratch_floats_ = 0;  // the largest x of a linear whose backward is handed x again
   // Checkpointed beside the scaling state: head, steps, skipped, non-finite (f64).
   double counters_[4] = {0, 0, 0, 0};
   // The log line: this step's largest amax (after the all-reduce), updates kept.

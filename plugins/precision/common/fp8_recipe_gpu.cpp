@@ -103,9 +103,14 @@ class Fp8Gpu final : public Precision {
       l.wt_off = weight_bytes_;
       weight_bytes_ += round_up(static_cast<size_t>(d.out * d.in));
       max_weight_bytes_ = std::max(max_weight_bytes_, round_up(static_cast<size_t>(d.out * d.in)));
-      l.saved_bytes = round_up(static_cast<size_t>(d.max_rows * d.in));
-      l.saved_off = saved_total_;
-      saved_total_ += l.saved_bytes;
+      // input_in_backward: the backward is handed x again and casts xᵀ into
+      // the x scratch (unused in a backward); nothing saved in between.
+      l.recast_x = d.input_in_backward && !d.variable_rows;
+      if (!l.recast_x) {
+        l.saved_bytes = round_up(static_cast<size_t>(d.max_rows * d.in));
+        l.saved_off = saved_total_;
+        saved_total_ += l.saved_bytes;
+      }
       x_scratch_ = std::max(x_scratch_, round_up(static_cast<size_t>(d.max_rows * d.in)));
       dy_scratch_ = std::max(dy_scratch_, round_up(static_cast<size_t>(d.max_rows * d.out)));
     }
@@ -128,7 +133,7 @@ class Fp8Gpu final : public Precision {
     // (an MoE expert) may get a row count that is not a multiple of 16, whose
     // call falls back to the bf16 GEMMs that read x.
     const Linear& l = linears_[static_cast<size_t>(id)];
-    return l.fp8 && !l.desc.variable_rows;
+    return l.fp8 && !l.desc.variable_rows && !l.recast_x;
   }
 
   // [0, gemm): the cuBLASLt workspace (shared by the bf16 head's GEMMs and
@@ -151,7 +156,7 @@ class Fp8Gpu final : public Precision {
                "them with one device all-reduce per step: run data-parallel CUDA training with the NCCL "
                "communicator");
     dp_ = s.data_parallel;
-    per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum);
+    per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum, s.params_sharded);
     set_up_ = true;
     T_ = host_.tensors();
     const auto [fp8_linears, full] = fp8_options::split_linears(linears_);
@@ -171,7 +176,7 @@ class Fp8Gpu final : public Precision {
                  : o_.fused_casts ? "; fused_casts on (fused layers' norms and SwiGLU write FP8)"
                                   : "; fused_casts off",
                  "; ",
-                 fp8_options::weight_cache_summary(o_.weight_cache, per_layer_),
+                 fp8_options::weight_cache_summary(o_.weight_cache, per_layer_, s.params_sharded),
                  " (cast weights ", weight_region(), " bytes)", "; master ",
                  o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32",
                  "; gemm_algo ", gemm_algo_name(o_.gemm_algo)));
@@ -268,7 +273,7 @@ class Fp8Gpu final : public Precision {
     const DType tx = fp8_dtype(host_.format(Role::x));
     Tensor qx(ws_ + x_off(), tx, Device::cuda, {rows, d.in});
     Tensor qxt(saved_ + l.saved_off, tx, Device::cuda, {d.in, rows});
-    if (!given) cast(x, &qx, &qxt, xs, /*pending=*/true, stream);
+    if (!given) cast(x, &qx, l.recast_x ? nullptr : &qxt, xs, /*pending=*/true, stream);
     gpu::Fp8GemmOptions opt;
     opt.c = residual;
     opt.fast_accum = o_.gemm.fast_accum_fprop;
@@ -350,7 +355,16 @@ class Fp8Gpu final : public Precision {
       vary(opt, d, gpu::Fp8Varying::m);
       gemm(ctx).gemm(qdy, scale_inv_ + ds, qwt, scale_inv_ + ws, *dx, opt, stream);
     }
-    const Tensor qxt(saved_ + l.saved_off, fp8_dtype(host_.format(Role::x)), Device::cuda, {d.in, rows});
+    Tensor qxt(saved_ + l.saved_off, fp8_dtype(host_.format(Role::x)), Device::cuda, {d.in, rows});
+    if (l.recast_x) {
+      // The forward's x, handed again: xᵀ cast now with the scale the forward
+      // used (its amax was taken then), the same codes; into the x scratch,
+      // which only a forward uses.
+      LOOM_CHECK(have_x, "precision ", o_.plugin, ": ", d.name, ": the backward was given no x, but the linear was "
+                 "registered with input_in_backward (the block hands x again, and the recipe keeps no copy)");
+      qxt = Tensor(ws_ + x_off(), qxt.dtype, Device::cuda, {d.in, rows});
+      gpu::fp8_cast(x, nullptr, &qxt, scale_ + xs, nullptr, stream);
+    }
     gpu::Fp8GemmOptions opt;
     opt.c = accumulate ? &dw : nullptr;
     opt.fast_accum = o_.gemm.fast_accum_wgrad;
@@ -369,6 +383,7 @@ class Fp8Gpu final : public Precision {
     Linear& l = lookup(ctx, id);
     const LinearDesc& d = l.desc;
     if (!l.fp8 || d.variable_rows || rows <= 0 || rows % 16 != 0 || rows > d.max_rows) return false;
+    if (role == Fp8OperandRole::x && l.recast_x) return false;  // no saved slot for its xᵀ
     auto stream = static_cast<cudaStream_t>(ctx.stream);
     if (role == Fp8OperandRole::x) {
       const int64_t t = fp8::ScalingState::slot(l.slot, Role::x);
@@ -530,6 +545,7 @@ class Fp8Gpu final : public Precision {
     int lt_id = -1;  // id in the bf16 GEMMs (linears kept in bf16)
     size_t w_off = 0, wt_off = 0;            // bytes after the GEMM workspace: W and Wᵀ in FP8
     size_t saved_off = 0, saved_bytes = 0;   // xᵀ in FP8 in the saved activations
+    bool recast_x = false;                   // LinearDesc::input_in_backward: xᵀ cast in the backward instead
     bool weight_cast = false;                // "step": this step's W and Wᵀ are in the workspace
     bool w_scale_known = false;              // "layer": W was measured (and its amax kept) this step
     int64_t saved_rows = -1;                 // rows the last forward cast (-1: none since the last backward)
@@ -566,7 +582,7 @@ class Fp8Gpu final : public Precision {
   Linear& lookup(const ExecContext& ctx, int id) {
     fp8_gpu_checks::call(o_.plugin, ctx, id, linears_.size());
     Linear& l = linears_[static_cast<size_t>(id)];
-    LOOM_CHECK(set_up_ && ws_ != nullptr && (!l.fp8 || saved_ != nullptr), "precision ", o_.plugin, ": ",
+    LOOM_CHECK(set_up_ && ws_ != nullptr && (!l.fp8 || l.recast_x || saved_ != nullptr), "precision ", o_.plugin, ": ",
                l.desc.name, " called before setup() and the planned memory were given");
     stream_ = static_cast<cudaStream_t>(ctx.stream);  // what the host waits for before reading the state
     return l;

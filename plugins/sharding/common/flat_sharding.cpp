@@ -263,7 +263,8 @@ FlatSharding::FlatSharding(const PluginInit& init, Strategy strategy, std::strin
   if (!init.under_launcher && init.world == 1)
     throw Error(cat("sharding.plugin = \"", I.name, "\" splits the work across ranks, but this process was started "
                     "alone: launch it with `mpirun -np N loom ...` (or `srun --mpi=pmix ...` under Slurm), or set "
-                    "sharding.plugin = \"none\" for one process"));
+                    "sharding.plugin = \"none\" for one process; `loom check --world-size N` plans it for N ranks "
+                    "without starting them"));
   const ConfigTable& t = init.config;
   const std::string rd = t.get_choice("reduce_dtype", "fp32", {"fp32", "bf16"});
   I.reduce_dtype = rd == "fp32" ? DType::f32 : DType::bf16;

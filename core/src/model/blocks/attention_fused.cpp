@@ -16,6 +16,12 @@
 // gradient buffer, RoPE's inverse runs once over dq and dk, one dgrad GEMM
 // (K = (H + 2 Hkv) D) gives the norm's input gradient and one wgrad GEMM the
 // whole [q; k; v] weight gradient.
+//
+// model.recompute = "selective" keeps qkv (after RoPE, which attention's
+// backward reads) and the attention output, and computes h = rmsnorm(x)
+// again just before the qkv wgrad instead of keeping it (x and rstd are kept).
+// RoPE is not recomputed: it rotates qkv in place, so the rotated q and k are
+// what is kept, and an unrotated copy would cost as much as it saves.
 #include "loom/error.hpp"
 #include "model/blocks/blocks.hpp"
 
@@ -34,12 +40,13 @@ class FusedAttention final : public AttentionBlock {
     const size_t stats = static_cast<size_t>(env.B * spec_.num_heads * env.S) * 4;
     const bool full = env.recompute == Recompute::full;
     const std::string s = "layer." + std::to_string(l) + ".";
-    wqkv_ = register_weight_linear(env, {s + "qkv_proj", h, width(), env.N}, kWq, 3);
-    wo_ = register_weight_linear(env, {s + "o_proj", qd, h, env.N}, kWo);
+    wqkv_ = register_weight_linear(env, env.layer_linear(s + "qkv_proj", h, width()), kWq, 3);
+    wo_ = register_weight_linear(env, env.layer_linear(s + "o_proj", qd, h), kWo);
     // The norm output is read by the qkv GEMM and its wgrad only: a transient
-    // when the recipe keeps its own copy for the wgrad.
-    ln1_transient_ = env.keeps_wgrad_input({wqkv_});
-    ln1_ = ln1_transient_ ? a.transient_input(n * h * e) : a.kept("ln1", l, n * h * e, full);
+    // when the recipe keeps its own copy for the wgrad, or when it is
+    // recomputed for the wgrad (selective).
+    ln1_plan_ = env.input_plan({wqkv_});
+    ln1_ = ln1_plan_.transient() ? a.transient_input(n * h * e) : a.kept("ln1", l, n * h * e, full);
     rstd1_ = a.kept("rstd1", l, n * 4, full);
     qkv_ = a.kept("qkv", l, n * width() * e, full);
     if (env.recompute == Recompute::attention) {
@@ -62,7 +69,7 @@ class FusedAttention final : public AttentionBlock {
     const int64_t N = env_.N, h = spec_.hidden, qd = spec_.q_dim();
     Tensor ln1 = act(ln1_, {N, h}), rstd1 = f32(rstd1_, {N});
     Fp8Operand q;
-    const bool fp8_ln = fp8_input(wqkv_, ln1_transient_, &q);
+    const bool fp8_ln = fp8_input(wqkv_, ln1_plan_.kept_by_recipe, &q);
     {
       Range r(be, "rmsnorm");
       if (fp8_ln) {
@@ -124,7 +131,12 @@ class FusedAttention final : public AttentionBlock {
     {
       Range r(be, "qkv.grad");
       Tensor dWqkv = param_rows(u, kWq, 3, true);
-      const Tensor ln1 = ln1_transient_ ? Tensor() : act(ln1_, {N, h});
+      Tensor ln1 = ln1_plan_.kept_by_recipe ? Tensor() : act(ln1_, {N, h});
+      if (ln1_plan_.recomputed) {
+        Range rr(be, "rmsnorm.recompute");
+        Tensor rstd1 = f32(rstd1_, {N});  // rewritten with the values it holds
+        be.rmsnorm_forward(ln1, rstd1, x, param(u, kLn1), static_cast<float>(spec_.norm_eps));
+      }
       env_.precision->linear_backward(ctx, wqkv_, ln1, param_rows(u, kWq, 3),
                                       act(d_qkv_, {N, width()}), &d_ln, dWqkv, acc);
     }
@@ -162,7 +174,7 @@ class FusedAttention final : public AttentionBlock {
   int ln1_ = -1, rstd1_ = -1, qkv_ = -1, att_ = -1, stats_ = -1;
   int d_ln_ = -1, d_qkv_ = -1, d_att_ = -1, ws_ = -1;
   int wqkv_ = -1, wo_ = -1;
-  bool ln1_transient_ = false;
+  BlockEnv::InputPlan ln1_plan_;
 };
 
 }  // namespace

@@ -2,6 +2,10 @@
 //
 //   h = rmsnorm(x) ; q, k, v = h Wq^T, h Wk^T, h Wv^T  (three GEMMs)
 //   rope(q), rope(k) ; a = attention(q, k, v) ; out = x + a Wo^T  (GEMM, then an add)
+//
+// model.recompute = "selective": h = rmsnorm(x) is computed again just before
+// the q, k and v wgrads instead of being kept (attention_fused.cpp says why
+// RoPE is not).
 #include "loom/error.hpp"
 #include "model/blocks/blocks.hpp"
 
@@ -20,15 +24,15 @@ class NativeAttention final : public AttentionBlock {
     const size_t stats = static_cast<size_t>(env.B * spec_.num_heads * env.S) * 4;
     const bool full = env.recompute == Recompute::full;
     const std::string s = "layer." + std::to_string(l) + ".";
-    const int64_t N = env.N;
-    wq_ = register_weight_linear(env, {s + "q_proj", h, qd, N}, kWq);
-    wk_ = register_weight_linear(env, {s + "k_proj", h, kvd, N}, kWk);
-    wv_ = register_weight_linear(env, {s + "v_proj", h, kvd, N}, kWv);
-    wo_ = register_weight_linear(env, {s + "o_proj", qd, h, N}, kWo);
+    wq_ = register_weight_linear(env, env.layer_linear(s + "q_proj", h, qd), kWq);
+    wk_ = register_weight_linear(env, env.layer_linear(s + "k_proj", h, kvd), kWk);
+    wv_ = register_weight_linear(env, env.layer_linear(s + "v_proj", h, kvd), kWv);
+    wo_ = register_weight_linear(env, env.layer_linear(s + "o_proj", qd, h), kWo);
     // The norm output is read by q, k and v (forward) and their wgrad only:
-    // when the recipe keeps its own copy for the wgrad it is a transient.
-    ln1_transient_ = env.keeps_wgrad_input({wq_, wk_, wv_});
-    ln1_ = ln1_transient_ ? a.transient_input(n * h * e) : a.kept("ln1", l, n * h * e, full);
+    // a transient when the recipe keeps its own copy for the wgrad, or when
+    // it is recomputed for it (selective).
+    ln1_plan_ = env.input_plan({wq_, wk_, wv_});
+    ln1_ = ln1_plan_.transient() ? a.transient_input(n * h * e) : a.kept("ln1", l, n * h * e, full);
     rstd1_ = a.kept("rstd1", l, n * 4, full);
     q_ = a.kept("q", l, n * qd * e, full);
     k_ = a.kept("k", l, n * kvd * e, full);
@@ -115,7 +119,12 @@ class NativeAttention final : public AttentionBlock {
       be.rope_backward(dk, spec_.rope_theta);
     }
     // Not kept when the recipe keeps its own copy for the wgrad: then empty.
-    Tensor ln1 = ln1_transient_ ? Tensor() : act(ln1_, {N, h});
+    Tensor ln1 = ln1_plan_.kept_by_recipe ? Tensor() : act(ln1_, {N, h});
+    if (ln1_plan_.recomputed) {
+      Range r(be, "rmsnorm.recompute");
+      Tensor rstd1 = f32(rstd1_, {N});  // rewritten with the values it holds
+      be.rmsnorm_forward(ln1, rstd1, x, param(u, kLn1), static_cast<float>(spec_.norm_eps));
+    }
     Tensor d_ln = act(d_ln_, {N, h}), d_tmp = act(d_tmp_, {N, h});
     {
       Range r(be, "qkv.grad");
@@ -147,7 +156,7 @@ class NativeAttention final : public AttentionBlock {
   int ln1_ = -1, rstd1_ = -1, q_ = -1, k_ = -1, v_ = -1, att_ = -1, stats_ = -1, tmp_ = -1;
   int d_ln_ = -1, d_tmp_ = -1, d_q_ = -1, d_k_ = -1, d_v_ = -1, d_att_ = -1, ws_ = -1;
   int wq_ = -1, wk_ = -1, wv_ = -1, wo_ = -1;
-  bool ln1_transient_ = false;
+  BlockEnv::InputPlan ln1_plan_;
 };
 
 }  // namespace

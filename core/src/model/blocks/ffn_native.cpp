@@ -2,6 +2,9 @@
 //
 //   h = rmsnorm(x) ; g, u = h Wg^T, h Wu^T  (two GEMMs)
 //   m = silu(g) * u ; out = x + m Wd^T      (GEMM, then an add)
+//
+// model.recompute = "selective": h and m are computed again (from x and rstd,
+// from g and u, which are kept) just before the wgrads that read them.
 #include "loom/error.hpp"
 #include "model/blocks/blocks.hpp"
 
@@ -19,20 +22,21 @@ class NativeFfn final : public FfnBlock {
     const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
     const bool full = env.recompute == Recompute::full;
     const std::string s = "layer." + std::to_string(l) + ".";
-    wg_ = register_weight_linear(env, {s + "gate_proj", h, f, env.N}, kWgate);
-    wu_ = register_weight_linear(env, {s + "up_proj", h, f, env.N}, kWup);
-    wd_ = register_weight_linear(env, {s + "down_proj", f, h, env.N}, kWdown);
+    wg_ = register_weight_linear(env, env.layer_linear(s + "gate_proj", h, f), kWgate);
+    wu_ = register_weight_linear(env, env.layer_linear(s + "up_proj", h, f), kWup);
+    wd_ = register_weight_linear(env, env.layer_linear(s + "down_proj", f, h), kWdown);
     // The norm output is read by gate and up (forward and wgrad), the SwiGLU
     // output by down (the same): transients when the recipe keeps its own
     // copies for the wgrad (SwiGLU's backward reads gate and up, the norm's
     // its input and rstd).
-    ln2_transient_ = env.keeps_wgrad_input({wg_, wu_});
-    swi_transient_ = env.keeps_wgrad_input({wd_});
-    ln2_ = ln2_transient_ ? a.transient_input(n * h * e) : a.kept("ln2", l, n * h * e, full);
+    // (Or recomputed for the wgrad: selective.)
+    ln2_plan_ = env.input_plan({wg_, wu_});
+    swi_plan_ = env.input_plan({wd_});
+    ln2_ = ln2_plan_.transient() ? a.transient_input(n * h * e) : a.kept("ln2", l, n * h * e, full);
     rstd2_ = a.kept("rstd2", l, n * 4, full);
     gate_ = a.kept("gate", l, n * f * e, full);
     up_ = a.kept("up", l, n * f * e, full);
-    swi_ = swi_transient_ ? a.transient_input(n * f * e) : a.kept("swi", l, n * f * e, full);
+    swi_ = swi_plan_.transient() ? a.transient_input(n * f * e) : a.kept("swi", l, n * f * e, full);
     tmp_ = a.shared("scratch.h", n * h * e);  // down_proj's output before the add; a gradient scratch in backward
     d_ln_ = a.shared("grad.ln", n * h * e);
     d_gate_ = a.shared("grad.gate", n * f * e);
@@ -76,14 +80,23 @@ class NativeFfn final : public FfnBlock {
     {
       Range r(be, "down.grad");
       Tensor dWd = param(u, kWdown, true);
-      const Tensor swi = swi_transient_ ? Tensor() : act(swi_, {N, f});
+      Tensor swi = swi_plan_.kept_by_recipe ? Tensor() : act(swi_, {N, f});
+      if (swi_plan_.recomputed) {
+        Range rr(be, "swiglu.recompute");
+        be.swiglu_forward(swi, act(gate_, {N, f}), act(up_, {N, f}));
+      }
       env_.precision->linear_backward(ctx, wd_, swi, param(u, kWdown), d, &d_swi, dWd, acc);
     }
     {
       Range r(be, "swiglu.grad");
       be.swiglu_backward(d_gate, d_up, d_swi, act(gate_, {N, f}), act(up_, {N, f}));
     }
-    Tensor ln2 = ln2_transient_ ? Tensor() : act(ln2_, {N, h});
+    Tensor ln2 = ln2_plan_.kept_by_recipe ? Tensor() : act(ln2_, {N, h});
+    if (ln2_plan_.recomputed) {
+      Range r(be, "rmsnorm.recompute");
+      Tensor rstd2 = f32(rstd2_, {N});  // rewritten with the values it holds
+      be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), static_cast<float>(spec_.norm_eps));
+    }
     Tensor d_ln = act(d_ln_, {N, h}), d_tmp = act(tmp_, {N, h});
     {
       Range r(be, "gate_up.grad");
@@ -105,7 +118,7 @@ class NativeFfn final : public FfnBlock {
   int ln2_ = -1, rstd2_ = -1, gate_ = -1, up_ = -1, swi_ = -1, tmp_ = -1;
   int d_ln_ = -1, d_gate_ = -1, d_up_ = -1, d_swi_ = -1;
   int wg_ = -1, wu_ = -1, wd_ = -1;
-  bool ln2_transient_ = false, swi_transient_ = false;
+  BlockEnv::InputPlan ln2_plan_, swi_plan_;
 };
 
 }  // namespace

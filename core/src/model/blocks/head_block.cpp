@@ -35,7 +35,10 @@ void HeadBlock::plan(const BlockEnv& env, ActivationPlan& a) {
   logits_ = a.own("logits", static_cast<size_t>(env.head_chunk * V) * e);
   losses_ = a.own("losses", n * 4);
   d_ln_ = a.shared("grad.ln", n * h * e);
-  lm_head_ = env.register_linear({"lm_head", h, V, env.head_chunk, LinearRole::lm_head});
+  LinearDesc head{"lm_head", h, V, env.head_chunk, LinearRole::lm_head};
+  // The final norm's output is kept whole and handed to each chunk's backward.
+  head.input_in_backward = env.recompute == Recompute::selective;
+  lm_head_ = env.register_linear(head);
 }
 
 Tensor HeadBlock::weight(std::vector<UnitState>& units, int self, bool grad) const {

@@ -1,0 +1,190 @@
+// `loom check` plans a CUDA run for a GPU it cannot see (--gpu NAME,
+// --device-memory SIZE, --world-size N): the sizes a user writes, the cards
+// it knows, the refusals (each one message naming the flag and what to
+// write), and the plan it prints — the arena plus what the process holds
+// beyond it — with whether it fits. Runs on a machine without a GPU: nothing
+// of the planned run touches a device.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "test_util.hpp"
+#include "train/memory_budget.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20, kGiB = uint64_t{1} << 30;
+
+// `loom check ARGS`: exit status and everything it printed.
+std::pair<int, std::string> check(const std::string& args) {
+  const fs::path d = loom::test::temp_dir("plan_device_cli");
+  const fs::path out = d / "out.txt";
+  const std::string cmd = std::string(LOOM_CLI) + " check " + args + " > " + out.string() + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream in(out);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return {rc, ss.str()};
+}
+
+std::string bench(const std::string& name) {
+  return (fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / (name + ".toml")).string();
+}
+
+// The "per rank in all" and arena "total" figures a plan prints, in MiB.
+double in_all_mib(const std::string& text) {
+  std::smatch m;
+  if (!std::regex_search(text, m, std::regex("per rank in all: ([0-9.]+) (GiB|MiB)"))) return -1;
+  return std::stod(m[1]) * (m[2] == "GiB" ? 1024.0 : 1.0);
+}
+double arena_mib(const std::string& text) {
+  std::smatch m;
+  if (!std::regex_search(text, m, std::regex("\\n  total +([0-9.]+) MiB"))) return -1;
+  return std::stod(m[1]);
+}
+
+}  // namespace
+
+TEST(PlanDevice, SizesAsUsersWriteThem) {
+  EXPECT_EQ(loom::parse_memory_size("80GiB", "--device-memory"), 80 * kGiB);
+  EXPECT_EQ(loom::parse_memory_size("80gib", "--device-memory"), 80 * kGiB);
+  EXPECT_EQ(loom::parse_memory_size("81559MiB", "--device-memory"), 81559 * kMiB);
+  EXPECT_EQ(loom::parse_memory_size("141GB", "--device-memory"), uint64_t{141000000000});
+  EXPECT_EQ(loom::parse_memory_size("1.5TiB", "--device-memory"), 1536 * kGiB);
+  EXPECT_EQ(loom::parse_memory_size("85899345920", "--device-memory"), 80 * kGiB);
+  EXPECT_EQ(loom::parse_memory_size("80 GiB", "--device-memory"), 80 * kGiB);
+  // Not a unit, not a number, nothing, and sizes no GPU has: one message each, naming the flag and the text.
+  loom::test::expect_error([] { loom::parse_memory_size("80XB", "--device-memory"); },
+                           {"--device-memory 80XB", "'XB' is not a unit of memory", "80GiB", "KiB, MiB, GiB, TiB"});
+  loom::test::expect_error([] { loom::parse_memory_size("GiB", "--device-memory"); },
+                           {"--device-memory GiB", "does not start with a number"});
+  loom::test::expect_error([] { loom::parse_memory_size("", "--device-memory"); }, {"does not start with a number"});
+  loom::test::expect_error([] { loom::parse_memory_size("-80GiB", "--device-memory"); },
+                           {"does not start with a number"});
+  loom::test::expect_error([] { loom::parse_memory_size("1.2.3GiB", "--device-memory"); },
+                           {"does not start with a number"});
+  loom::test::expect_error([] { loom::parse_memory_size("80", "--device-memory"); },
+                           {"--device-memory 80 is 80 bytes", "between 1 GiB and 1 PiB", "did you mean 80GiB?"});
+  loom::test::expect_error([] { loom::parse_memory_size("2PiB", "--device-memory"); }, {"'PiB' is not a unit"});
+  loom::test::expect_error([] { loom::parse_memory_size("2048TiB", "--device-memory"); }, {"between 1 GiB and 1 PiB"});
+}
+
+TEST(PlanDevice, NamedCards) {
+  EXPECT_EQ(loom::named_gpu("h100").total, 81559 * kMiB);
+  EXPECT_EQ(loom::named_gpu("H200").total, 143771 * kMiB);
+  EXPECT_EQ(loom::named_gpu("a100-80gb").total, 81920 * kMiB);
+  EXPECT_EQ(loom::named_gpu("a100-40gb").total, 40960 * kMiB);
+  EXPECT_NE(loom::named_gpu("h100").name.find("H100"), std::string::npos);
+  loom::test::expect_error([] { loom::named_gpu("h1000"); },
+                           {"--gpu h1000 is not a GPU loom knows", "did you mean 'h100'", "h200", "--device-memory"});
+  loom::test::expect_error([] { loom::named_gpu("b200"); }, {"--gpu b200", "a100-40gb", "--device-memory"});
+}
+
+// Beyond the arena: the context and libraries on every rank; NCCL's buffers
+// only with peers, growing with the peers on the node, more across nodes.
+TEST(PlanDevice, OutsideTheArenaGrowsWithPeers) {
+  const loom::OutsideArena one = loom::outside_arena_estimate(1, 1), two = loom::outside_arena_estimate(2, 2),
+                           four = loom::outside_arena_estimate(4, 4), eight = loom::outside_arena_estimate(8, 8),
+                           nodes = loom::outside_arena_estimate(16, 8);
+  EXPECT_EQ(one.nccl, 0u);
+  EXPECT_GT(one.context, kGiB);
+  EXPECT_LT(one.total(), 2 * kGiB);  // measured 1.9 GiB on one rank (docs/PERFORMANCE.md)
+  EXPECT_EQ(two.context, one.context);
+  EXPECT_GT(two.nccl, 0u);
+  EXPECT_LT(two.nccl, four.nccl);
+  EXPECT_LT(four.nccl, eight.nccl);
+  EXPECT_LT(eight.nccl, nodes.nccl);
+}
+
+// The CLI cases plan the shipped CUDA workloads: their recipes (bf16,
+// fp8_current) and cuDNN attention are built only with CUDA (though never run
+// here).
+#ifdef LOOM_HAVE_CUDA
+// The node workloads planned for named cards on a machine that has none:
+// the plan, what lies beyond it, the sum, whether it fits; the same for a
+// card given by its memory; and more ranks give each a smaller share.
+TEST(PlanDevice, CheckPlansForAGpuItCannotSee) {
+  const auto [rc, text] = check(bench("llama3-8b-8k") + " --gpu h100 --world-size 4 --breakdown --no-scan");
+  ASSERT_EQ(rc, 0) << text;
+  for (const char* want : {"ranks 4", "recompute selective", "beyond the arena, estimated: CUDA context",
+                           "of 79.65 GiB on NVIDIA H100 80GB HBM3 (--gpu h100): fits",
+                           "memory plan part by part", "gate_up.*", "(32 x 448.0 MiB)",
+                           "6N + 6LhS: NeMo's model TFLOP/s", ": ok"})
+    EXPECT_NE(text.find(want), std::string::npos) << "missing '" << want << "' in:\n" << text;
+  // In all = the arena's total plus the estimate beyond it (to the printed precision).
+  const double outside = static_cast<double>(loom::outside_arena_estimate(4, 4).total()) / kMiB;
+  EXPECT_NEAR(in_all_mib(text), arena_mib(text) + outside, 0.01 * 1024) << text;
+
+  const auto same = check(bench("llama3-8b-8k") + " --device-memory 81559MiB --world-size=4 --no-scan");
+  ASSERT_EQ(same.first, 0) << same.second;
+  EXPECT_EQ(in_all_mib(same.second), in_all_mib(text));
+  EXPECT_NE(same.second.find("a GPU of 79.65 GiB (--device-memory 81559MiB)"), std::string::npos) << same.second;
+
+  const auto eight = check(bench("llama3-8b-8k") + " --gpu h100 --world 8 --no-scan");
+  ASSERT_EQ(eight.first, 0) << eight.second;
+  EXPECT_LT(in_all_mib(eight.second), in_all_mib(text)) << "zero3 over 8 ranks holds less per rank";
+  // Two nodes of 8: the same shares, NCCL across nodes on top.
+  const auto nodes = check(bench("llama3-8b-8k") + " --gpu h100 --world-size 16 --gpus-per-node 8 --no-scan");
+  ASSERT_EQ(nodes.first, 0) << nodes.second;
+
+  // The FP8 twin under zero3: weight_cache "auto" casts per GEMM, and it fits too.
+  const auto fp8 = check(bench("llama3-8b-8k-fp8") + " --gpu h100 --world-size 4 --no-scan");
+  ASSERT_EQ(fp8.first, 0) << fp8.second;
+  EXPECT_NE(fp8.second.find("fits"), std::string::npos) << fp8.second;
+}
+
+// A card too small: the plan is printed, then the refusal naming the plan,
+// the card and what to change; exit status 1.
+TEST(PlanDevice, CheckSaysWhenItDoesNotFit) {
+  const auto [rc, text] = check(bench("llama3-8b-8k") + " --device-memory 40GiB --world-size 4 --no-scan");
+  EXPECT_NE(rc, 0);
+  for (const char* want : {"DOES NOT FIT", "the memory plan does not fit", "only 40.00 GiB is available",
+                           "a GPU of 40.00 GiB (--device-memory 40GiB)", "Nothing was allocated"})
+    EXPECT_NE(text.find(want), std::string::npos) << "missing '" << want << "' in:\n" << text;
+  // The FP8 run as the issue found it (no recompute, a weight cache for the
+  // step): 92 GiB, refused for an H100, and the advice names selective recompute.
+  const auto none = check(bench("llama3-8b-8k-fp8") + " --gpu h100 --world-size 4 --no-scan --set model.recompute=none "
+                          "--set precision.weight_cache=step");
+  EXPECT_NE(none.first, 0) << none.second;
+  EXPECT_NE(none.second.find("model.recompute = \"selective\""), std::string::npos) << none.second;
+}
+
+// Bad flags and worlds a strategy cannot use: one message each, before any work.
+TEST(PlanDevice, CheckRefusesBadFlagsWithOneMessage) {
+  const std::string c = bench("llama3-8b-8k");
+  const std::pair<std::string, std::string> cases[] = {
+      {c + " --device-memory 80XB", "--device-memory 80XB: 'XB' is not a unit of memory"},
+      {c + " --device-memory", "--device-memory needs a value"},
+      {c + " --gpu h1000", "--gpu h1000 is not a GPU loom knows (did you mean 'h100'?)"},
+      {c + " --gpu h100 --device-memory 80GiB", "give one"},
+      {c + " --world-size 0", "--world-size 0 is not a number of ranks in [1, 1048576]"},
+      {c + " --world-size four", "--world-size four is not a number of ranks"},
+      {c + " --gpus-per-node 8 --gpu h100", "--gpus-per-node needs --world-size"},
+      {c + " --gpu h100 --world-size 6 --gpus-per-node 4", "--world 6 is not a multiple of --gpus-per-node 4"},
+      // zero3 on one rank: the strategy splits work across ranks.
+      {c + " --gpu h100", "splits the work across ranks"},
+      {c + " --gpu h100 --world-size 1", "`loom check --world-size N` plans it for N ranks"},
+      // hybrid_shard's groups must divide the world.
+      {c + " --gpu h100 --world-size 6 --set sharding.plugin=hybrid_shard --set sharding.shard_group_size=4",
+       "shard_group_size = 4 does not divide the world size 6"},
+      // A CPU run planned for a GPU.
+      {c + " --gpu h100 --world-size 4 --set run.device=cpu", "--gpu and --device-memory plan a run.device = \"cuda\""},
+  };
+  for (const auto& [args, want] : cases) {
+    SCOPED_TRACE(args);
+    const auto [rc, text] = check(args + " --no-scan");
+    EXPECT_NE(rc, 0) << text;
+    EXPECT_NE(text.find(want), std::string::npos) << "missing '" << want << "' in:\n" << text;
+    EXPECT_EQ(text.find("memory plan per rank"), std::string::npos) << "refused after planning:\n" << text;
+  }
+}
+#endif
