@@ -1,4 +1,4 @@
-#include "data/parallel_tokenize.hpp"
+#include "parallel_tokenize.hpp"
 
 #include <unistd.h>
 

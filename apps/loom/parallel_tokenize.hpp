@@ -6,7 +6,7 @@
 #include <string_view>
 #include <vector>
 
-#include "data/tokenizers/tokenizer.hpp"
+#include "loom/ops/tokenizer.hpp"
 
 namespace loom::data {
 

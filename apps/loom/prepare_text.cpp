@@ -1,4 +1,4 @@
-#include "data/prepare_text.hpp"
+#include "prepare_text.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -14,10 +14,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "data/byte_tokenizer.hpp"
-#include "data/hash.hpp"
-#include "data/parallel_tokenize.hpp"
-#include "data/tokenizers/tokenizer.hpp"
+#include "loom/ops/byte_tokenizer.hpp"
+#include "loom/ops/hash.hpp"
+#include "parallel_tokenize.hpp"
+#include "loom/ops/tokenizer.hpp"
 #include "checkpoint/file_util.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"

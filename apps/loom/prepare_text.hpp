@@ -15,7 +15,7 @@ struct PrepareTextOptions {
   uint64_t shard_tokens = uint64_t{16} << 20;
   uint64_t seed = 0;
   bool force = false;  // replace shards a previous prepare left in out_dir
-  std::string tokenizer = "bytes";  // "bytes" or a tokenizer file (data/tokenizers/tokenizer.hpp)
+  std::string tokenizer = "bytes";  // "bytes" or a tokenizer file (loom/ops/tokenizer.hpp)
   std::string bos, eos;             // token names overriding the tokenizer's own (rarely needed)
   int threads = 0;                  // tokenizing threads; 0 = every core
   bool replace_invalid_utf8 = false;  // tokenize files with invalid UTF-8 (U+FFFD for each bad sequence) instead of skipping them

@@ -1,5 +1,7 @@
 // Typed reads of the JSON a checkpoint holds (COMPLETE, meta.json, a rank
-// file's header). A field edited by hand or damaged — another type, null, a
+// file's header, a data plugin's resume state). Part of the SDK: a data
+// plugin reads its state() back with it (plugins/data/common/data_state.hpp),
+// with the messages and strictness of the core's own reads. A field edited by hand or damaged — another type, null, a
 // negative or out-of-range number — is refused naming the file, the key, the
 // value found and what was expected: never nlohmann's type_error (an
 // "internal error" naming no file) and never a silent conversion (-1 read as
@@ -9,6 +11,8 @@
 #include <limits>
 #include <string>
 
+// The SDK's one third-party header: libloom's CMake package makes
+// nlohmann_json (3.x) a dependency of Loom::loom.
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"

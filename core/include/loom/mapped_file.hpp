@@ -1,5 +1,6 @@
 // Read-only memory mappings of data files (token shards, Megatron .bin/.idx)
-// that survive the file changing under them.
+// that survive the file changing under them. Part of the SDK: any data
+// source that maps its files gets the same guard and identity check.
 //
 // A mapped file that is truncated in place makes the next read of a page past
 // the new end fault with SIGBUS, which would kill the process with "Bus

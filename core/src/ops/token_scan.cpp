@@ -1,6 +1,6 @@
 // The key function of loom::TokenScan (loom/data.hpp), and the scanning loop
 // of data/token_scan.hpp.
-#include "data/token_scan.hpp"
+#include "loom/ops/token_scan.hpp"
 
 #include <type_traits>
 

@@ -14,11 +14,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "config/run_config.hpp"
-#include "data/token_scan.hpp"
+#include "loom/data.hpp"
 #include "loom/error.hpp"
+#include "loom/mapped_file.hpp"
+#include "loom/ops/token_scan.hpp"
 #include "util/files.hpp"
-#include "util/mapped_file.hpp"
 
 namespace loom {
 

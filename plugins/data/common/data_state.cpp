@@ -1,6 +1,5 @@
-#include "data/data_state.hpp"
+#include "data/common/data_state.hpp"
 
-#include "checkpoint/checkpoint.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 

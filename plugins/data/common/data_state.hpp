@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/json_fields.hpp"
+#include "loom/json_fields.hpp"
 
 namespace loom::data {
 

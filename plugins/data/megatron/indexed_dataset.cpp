@@ -1,4 +1,4 @@
-#include "data/indexed_dataset.hpp"
+#include "data/megatron/indexed_dataset.hpp"
 
 #include <cerrno>
 #include <cstring>
@@ -7,8 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "config/run_config.hpp"
-#include "data/token_scan.hpp"
+#include "loom/ops/token_scan.hpp"
 #include "loom/error.hpp"
 
 namespace loom::data {

@@ -21,12 +21,12 @@
 // Both files are memory-mapped and must not change while they are: a read
 // that faults because one was truncated in place (SIGBUS) is an error naming
 // that file, and verify_unchanged() refuses a file rewritten in place or
-// replaced (util/mapped_file.hpp).
+// replaced (the SDK's loom/mapped_file.hpp).
 #pragma once
 #include <cstdint>
 #include <string>
 
-#include "util/mapped_file.hpp"
+#include "loom/mapped_file.hpp"
 
 namespace loom::data {
 

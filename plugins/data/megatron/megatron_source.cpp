@@ -1,4 +1,4 @@
-#include "data/megatron_source.hpp"
+#include "data/megatron/megatron_source.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -6,8 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "data/data_state.hpp"
-#include "data/hash.hpp"
+#include "data/common/data_state.hpp"
+#include "loom/ops/hash.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 

@@ -31,7 +31,7 @@
 #include <string>
 #include <vector>
 
-#include "data/indexed_dataset.hpp"
+#include "data/megatron/indexed_dataset.hpp"
 #include "loom/data.hpp"
 
 namespace loom::data {

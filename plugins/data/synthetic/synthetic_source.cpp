@@ -1,10 +1,9 @@
-#include "data/synthetic_source.hpp"
+#include "data/synthetic/synthetic_source.hpp"
 
 #include <nlohmann/json.hpp>
 
-#include "config/run_config.hpp"
-#include "data/data_state.hpp"
-#include "data/hash.hpp"
+#include "data/common/data_state.hpp"
+#include "loom/ops/hash.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 

@@ -1,4 +1,4 @@
-#include "data/tokens_source.hpp"
+#include "data/tokens/tokens_source.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -10,9 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "config/run_config.hpp"
-#include "data/data_state.hpp"
-#include "data/hash.hpp"
+#include "data/common/data_state.hpp"
+#include "loom/ops/hash.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 

@@ -1,6 +1,7 @@
-// Stateless hashing used by the data sources: every token, window order and
-// train/val assignment is a pure function of (seed, indices), so a resumed or
-// resharded run reproduces exactly what an uninterrupted one would have seen.
+// Stateless hashing for data sources (the SDK's; the in-tree sources and
+// `loom prepare` use it): every token, window order and train/val assignment
+// is a pure function of (seed, indices), so a resumed or resharded run
+// reproduces exactly what an uninterrupted one would have seen.
 #pragma once
 #include <cstdint>
 #include <string_view>

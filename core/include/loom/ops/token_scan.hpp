@@ -1,5 +1,6 @@
-// The loop under every token scan (TokenShard::scan, IndexedDataset::scan):
-// the first token of an array outside [0, limit).
+// The loop under every token scan (TokenShard::scan, the megatron plugin's
+// IndexedDataset::scan, a third-party source's loom::TokenScan): the first
+// token of an array outside [0, limit).
 #pragma once
 #include <cstdint>
 

@@ -1,8 +1,10 @@
-// Tokenizers for `loom prepare text`: the byte-level one, SentencePiece models
-// (Llama 2, Mistral), tiktoken BPE files (Llama 3) and Hugging Face
-// tokenizer.json files of byte-level BPE type. One interface, so that prepare
-// does not care which it runs, and every one is safe to call from many threads
-// at once (prepare tokenizes documents on all cores).
+// Tokenizers, part of the SDK (implemented in libloom, core/src/ops/tokenizers):
+// the byte-level one, SentencePiece models (Llama 2, Mistral), tiktoken BPE
+// files (Llama 3) and Hugging Face tokenizer.json files of byte-level BPE
+// type. One interface, so that `loom prepare text` — or a data source that
+// tokenizes as it reads (examples/plugins/jsonl) — does not care which it
+// runs, and every one is safe to call from many threads at once (prepare
+// tokenizes documents on all cores).
 #pragma once
 #include <cstdint>
 #include <memory>

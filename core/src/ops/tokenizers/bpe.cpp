@@ -1,4 +1,4 @@
-#include "data/tokenizers/bpe.hpp"
+#include "ops/tokenizers/bpe.hpp"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>

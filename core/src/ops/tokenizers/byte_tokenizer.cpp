@@ -1,4 +1,4 @@
-#include "data/byte_tokenizer.hpp"
+#include "loom/ops/byte_tokenizer.hpp"
 
 #include "loom/error.hpp"
 

@@ -5,7 +5,7 @@
 #include <memory>
 #include <string>
 
-#include "data/tokenizers/tokenizer.hpp"
+#include "loom/ops/tokenizer.hpp"
 
 namespace loom::data {
 

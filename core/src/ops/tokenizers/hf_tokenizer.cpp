@@ -8,8 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "data/tokenizers/bpe.hpp"
-#include "data/tokenizers/formats.hpp"
+#include "ops/tokenizers/bpe.hpp"
+#include "ops/tokenizers/formats.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "util/files.hpp"

@@ -12,8 +12,8 @@
 #include <cstring>
 #include <map>
 
-#include "data/tokenizers/bpe.hpp"
-#include "data/tokenizers/formats.hpp"
+#include "ops/tokenizers/bpe.hpp"
+#include "ops/tokenizers/formats.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 

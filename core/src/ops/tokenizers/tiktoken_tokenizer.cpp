@@ -6,8 +6,8 @@
 // in the vocabulary, else byte pairs merged by lowest rank.
 #include <cstring>
 
-#include "data/tokenizers/bpe.hpp"
-#include "data/tokenizers/formats.hpp"
+#include "ops/tokenizers/bpe.hpp"
+#include "ops/tokenizers/formats.hpp"
 #include "loom/error.hpp"
 
 namespace loom::data {

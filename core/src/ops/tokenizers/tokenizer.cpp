@@ -1,6 +1,6 @@
 // load_tokenizer's format detection, the UTF-8 repair shared by every
 // tokenizer, and the byte-level tokenizer behind the Tokenizer interface.
-#include "data/tokenizers/tokenizer.hpp"
+#include "loom/ops/tokenizer.hpp"
 
 #include <cerrno>
 #include <cstring>
@@ -8,8 +8,8 @@
 
 #include <sys/stat.h>
 
-#include "data/byte_tokenizer.hpp"
-#include "data/tokenizers/formats.hpp"
+#include "loom/ops/byte_tokenizer.hpp"
+#include "ops/tokenizers/formats.hpp"
 #include "loom/error.hpp"
 #include "util/files.hpp"
 
