@@ -7,8 +7,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "loom/ops/token_scan.hpp"
+#include "loom/data.hpp"
 #include "loom/error.hpp"
+#include "loom/ops/token_scan.hpp"
 
 namespace loom::data {
 namespace {
