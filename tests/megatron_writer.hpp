@@ -1,5 +1,5 @@
 // Writes Megatron indexed datasets (PREFIX.bin + PREFIX.idx, the layout of
-// core/src/data/indexed_dataset.hpp) from C++, for the suites that need one
+// plugins/data/megatron/indexed_dataset.hpp) from C++, for the suites that need one
 // without the Python writer of tests/data/megatron_model.py: a dataset of any
 // size, of any token type, with any token (negative, beyond a vocabulary).
 #pragma once

@@ -22,12 +22,12 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.hpp"
-#include "data/byte_tokenizer.hpp"
-#include "data/hash.hpp"
-#include "data/prepare_text.hpp"
 #include "data/synthetic/synthetic_data.hpp"
 #include "data/tokens/tokens_data.hpp"
 #include "loom/error.hpp"
+#include "loom/ops/byte_tokenizer.hpp"
+#include "loom/ops/hash.hpp"
+#include "prepare_text.hpp"
 #include "loom/token_shard.hpp"
 #include "token_shard_writer.hpp"
 

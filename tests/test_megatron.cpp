@@ -18,7 +18,7 @@
 
 #include "checkpoint/checkpoint.hpp"
 #include "data/megatron/megatron_data.hpp"
-#include "data/megatron_source.hpp"
+#include "data/megatron/megatron_source.hpp"
 #include "loom/config.hpp"
 #include "loom/error.hpp"
 #include "megatron_writer.hpp"

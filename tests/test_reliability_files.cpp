@@ -12,9 +12,9 @@
 
 #include <csignal>
 
-#include "data/indexed_dataset.hpp"
-#include "data/megatron_source.hpp"
-#include "data/tokens_source.hpp"
+#include "data/megatron/indexed_dataset.hpp"
+#include "data/megatron/megatron_source.hpp"
+#include "data/tokens/tokens_source.hpp"
 #include "loom/token_shard.hpp"
 #include "megatron_writer.hpp"
 #include "reliability_util.hpp"

@@ -1,4 +1,4 @@
-// Real tokenizers for `loom prepare text` (core/src/data/tokenizers): ids equal
+// Real tokenizers for `loom prepare text` (loom/ops/tokenizer.hpp, core/src/ops/tokenizers): ids equal
 // to the reference libraries' on hard strings, invalid UTF-8 handled as
 // Python's decode("utf-8", "replace"), and prepare's shards, header vocabulary,
 // 4-byte tokens and parallel output.
@@ -21,10 +21,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "data/prepare_text.hpp"
-#include "data/tokenizers/bpe.hpp"
-#include "data/tokenizers/tokenizer.hpp"
 #include "data/tokens/tokens_data.hpp"
+#include "loom/ops/tokenizer.hpp"
+#include "ops/tokenizers/bpe.hpp"
+#include "prepare_text.hpp"
 #include "loom/error.hpp"
 #include "loom/token_shard.hpp"
 #include "test_util.hpp"

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "commands.hpp"
-#include "data/prepare_text.hpp"
+#include "prepare_text.hpp"
 #include "loom/error.hpp"
 
 namespace loom::app {

@@ -8,7 +8,7 @@ usage: megatron_model.py OUT_DIR      -> OUT_DIR/{a,b,c}.{bin,idx}, OUT_DIR/expe
 The model, as Loom documents it (plugins/data/README.md):
   * a dataset's documents are split by Megatron's get_split_indices;
   * epoch e orders the split's documents by a seeded permutation (Feistel
-    network over SplitMix64, the same function as core/src/data/hash.hpp) and
+    network over SplitMix64, the same function as core/include/loom/ops/hash.hpp) and
     concatenates them; sample j of the epoch is tokens [j*S, j*S + S + 1);
     the epoch's sample order is another seeded permutation;
   * several datasets are blended by Megatron's build_blending_indices;

@@ -26,7 +26,7 @@ run_step("cmake --install" ${CMAKE_COMMAND} --install ${LOOM_BUILD_DIR} --prefix
 #    CMake package, and every plugin the build produced.
 set(expected bin/loom lib/libloom.so lib/cmake/Loom/LoomConfig.cmake lib/cmake/Loom/LoomConfigVersion.cmake
   lib/cmake/Loom/LoomTargets.cmake lib/cmake/Loom/LoomPlugin.cmake)
-file(GLOB headers RELATIVE ${LOOM_SOURCE_DIR}/core/include ${LOOM_SOURCE_DIR}/core/include/loom/*.hpp)
+file(GLOB_RECURSE headers RELATIVE ${LOOM_SOURCE_DIR}/core/include ${LOOM_SOURCE_DIR}/core/include/loom/*.hpp)
 foreach(h ${headers})
   list(APPEND expected include/${h})
 endforeach()
@@ -81,3 +81,76 @@ if(NOT out MATCHES "\n  ${prefix}/lib/loom/plugins")
   message(FATAL_ERROR "the installed loom does not search its own plugin directory ${prefix}/lib/loom/plugins:\n${out}")
 endif()
 message(STATUS "installed loom lists the out-of-tree plugin:\n${out}")
+
+# 5. The third-party data source examples/plugins/jsonl, built the same way
+#    (find_package(Loom) + loom_add_plugin against the scratch prefix), into a
+#    folder tests/test_jsonl_example.cpp then loads it from.
+set(jsonl_build ${WORK_DIR}/jsonl-build)
+run_step("configuring examples/plugins/jsonl"
+  ${CMAKE_COMMAND} -S ${LOOM_SOURCE_DIR}/examples/plugins/jsonl -B ${jsonl_build} -G ${GENERATOR}
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX_COMPILER} ${launcher} -DCMAKE_PREFIX_PATH=${prefix})
+file(STRINGS ${jsonl_build}/CMakeCache.txt loom_dir REGEX "^Loom_DIR:")
+if(NOT loom_dir MATCHES "${prefix}/")
+  message(FATAL_ERROR "examples/plugins/jsonl found Loom outside the scratch prefix ${prefix}: ${loom_dir}")
+endif()
+run_step("building examples/plugins/jsonl" ${CMAKE_COMMAND} --build ${jsonl_build} -j 2)
+set(jsonl ${jsonl_build}/libloom-data-jsonl.so)
+if(NOT EXISTS ${jsonl})
+  message(FATAL_ERROR "building examples/plugins/jsonl produced no ${jsonl}")
+endif()
+run_step("${prefix}/bin/loom plugins --path ${jsonl_build}"
+  ${CMAKE_COMMAND} -E env --unset=LOOM_PLUGIN_PATH ${prefix}/bin/loom plugins --path ${jsonl_build})
+if(NOT step_output MATCHES "\ndata +jsonl +1\\.0\\.0 +JSON Lines text[^\n]* ${jsonl}\n")
+  message(FATAL_ERROR "the installed loom does not list examples/plugins/jsonl:\n${step_output}")
+endif()
+
+# 6. `loom train` (installed) with data.plugin = "jsonl": a few steps of a tiny
+#    model on the CPU, with validation, read from JSON Lines files.
+set(run_dir ${WORK_DIR}/jsonl-run)
+file(MAKE_DIRECTORY ${run_dir})
+set(lines "")
+foreach(i RANGE 1 60)
+  string(APPEND lines "{\"text\": \"Document ${i}: the quick brown fox jumps over the lazy dog ${i} times.\"}\n")
+endforeach()
+file(WRITE ${run_dir}/train.jsonl "${lines}")
+file(WRITE ${run_dir}/val.jsonl "{\"text\": \"A held-out document, long enough for a window or two of validation.\"}\n")
+file(WRITE ${run_dir}/jsonl.toml "[run]
+name = \"jsonl\"
+out_dir = \"${run_dir}/out\"
+device = \"cpu\"
+[model]
+hidden = 32
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+ffn_hidden = 64
+vocab_size = 258
+max_seq_len = 32
+[train]
+steps = 4
+micro_batch = 2
+seq_len = 32
+lr = 1e-3
+validation_every = 2
+validation_batches = 2
+[checkpoint]
+every = 0
+[precision]
+plugin = \"fp32\"
+[attention]
+plugin = \"naive\"
+[sharding]
+plugin = \"none\"
+[data]
+plugin = \"jsonl\"
+path = \"${jsonl}\"
+train = \"${run_dir}/train.jsonl\"
+val = \"${run_dir}/val.jsonl\"
+tokenizer = \"bytes\"
+")
+run_step("${prefix}/bin/loom train ${run_dir}/jsonl.toml"
+  ${CMAKE_COMMAND} -E env --unset=LOOM_PLUGIN_PATH OMP_NUM_THREADS=2 ${prefix}/bin/loom train ${run_dir}/jsonl.toml)
+if(NOT step_output MATCHES "done: 4 steps in [^\n]*val loss [0-9.]+ -> [0-9.]+")
+  message(FATAL_ERROR "loom train with data.plugin = \"jsonl\" did not finish its 4 steps with validation:\n${step_output}")
+endif()
+message(STATUS "installed loom trained on examples/plugins/jsonl")

@@ -8,6 +8,11 @@
 
 namespace loom {
 
+// The largest model.vocab_size: token ids are int32. A token, a shard's
+// vocabulary or a data plugin's vocab_hint() beyond it is no vocabulary Loom
+// can train.
+inline constexpr int64_t kMaxVocabSize = 2147483647;
+
 enum class Split { train, validation };
 
 struct DataSpec {

@@ -14,6 +14,20 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& msg) : std::runtime_error(msg) {}
 };
 
+namespace ckpt {
+// A checkpoint that cannot be used as it is on disk (damaged, edited,
+// incomplete). Its message names the file and what is wrong and ends with
+// "the checkpoint cannot be used"; whoever meets it adds what to do (resume
+// from the newest checkpoint that validates, convert another one). A data
+// plugin's restore() throws it for a damaged field of its state (a value of
+// another type or out of range), so that the core names the checkpoint to
+// resume instead; any other refusal is a plain Error.
+class CheckpointDamaged : public Error {
+ public:
+  using Error::Error;
+};
+}  // namespace ckpt
+
 // cat("a=", 1, " b=", 2.5) -> "a=1 b=2.5". Usable in .cu files (no fmt/spdlog).
 template <typename... Args>
 std::string cat(const Args&... args) {

@@ -15,7 +15,7 @@
 #include <set>
 
 #include "checkpoint/file_util.hpp"
-#include "checkpoint/json_fields.hpp"
+#include "loom/json_fields.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "util/files.hpp"

@@ -44,14 +44,8 @@
 
 namespace loom::ckpt {
 
-// A checkpoint that cannot be used as it is on disk (damaged, edited,
-// incomplete). Its message names the file and what is wrong and ends with
-// "the checkpoint cannot be used"; whoever meets it adds what to do (resume
-// from the newest checkpoint that validates, convert another one).
-class CheckpointDamaged : public Error {
- public:
-  using Error::Error;
-};
+// CheckpointDamaged (a checkpoint that cannot be used as it is on disk) is
+// the SDK's, loom/error.hpp: a data plugin's restore() throws it too.
 
 // Logs a warning the first time this process meets `msg`: checkpoints are
 // listed many times during a start and at every save, a warning about one of

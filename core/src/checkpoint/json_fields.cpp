@@ -1,4 +1,4 @@
-#include "checkpoint/json_fields.hpp"
+#include "loom/json_fields.hpp"
 
 #include <cmath>
 

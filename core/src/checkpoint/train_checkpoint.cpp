@@ -7,7 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/json_fields.hpp"
+#include "loom/json_fields.hpp"
 #include "config/run_config.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "loom/config.hpp"
+#include "loom/data.hpp"
 #include "loom/model.hpp"
 
 namespace loom {
@@ -19,7 +20,7 @@ namespace loom {
 // meant to be > 0 must stay a normal fp32 number (a smaller one becomes 0 or
 // a subnormal the GPU flushes to 0), none may become inf, and a beta must stay
 // below 1 after rounding (0.99999999 is 1.0f: the moment never moves again).
-inline constexpr int64_t kMaxVocabSize = 2147483647;
+// kMaxVocabSize (token ids are int32) is the SDK's: loom/data.hpp.
 // Ranges of the model's sizes (model.* keys, and an HF folder's config.json):
 // any width, length or batch beyond kMaxDim is a typo; layers and heads at most
 // 4096; experts at most 4096 (the CUDA backend's pinned expert counts hold that

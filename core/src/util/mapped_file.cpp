@@ -1,4 +1,4 @@
-#include "util/mapped_file.hpp"
+#include "loom/mapped_file.hpp"
 
 #include <cerrno>
 #include <csetjmp>

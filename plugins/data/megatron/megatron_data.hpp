@@ -8,7 +8,7 @@
 #pragma once
 #include <algorithm>
 
-#include "data/megatron_source.hpp"
+#include "data/megatron/megatron_source.hpp"
 #include "loom/config.hpp"
 #include "loom/error.hpp"
 #include "loom/plugin.hpp"

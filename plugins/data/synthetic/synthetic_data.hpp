@@ -3,7 +3,7 @@
 //   pattern = "random" | "ramp"   (default "random"; ramp = (start + position) % vocab, learnable)
 //   vocab   = 1000                (ids < vocab; default the model's vocab_size)
 #pragma once
-#include "data/synthetic_source.hpp"
+#include "data/synthetic/synthetic_source.hpp"
 #include "loom/config.hpp"
 #include "loom/error.hpp"
 #include "loom/plugin.hpp"

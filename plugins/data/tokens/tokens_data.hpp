@@ -4,7 +4,7 @@
 //   val     = "data/x/val.bin"      (path, glob or list; optional)
 //   shuffle = true                  (permute windows every epoch)
 #pragma once
-#include "data/tokens_source.hpp"
+#include "data/tokens/tokens_source.hpp"
 #include "loom/config.hpp"
 #include "loom/error.hpp"
 #include "loom/plugin.hpp"
