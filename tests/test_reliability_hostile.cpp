@@ -28,6 +28,7 @@
 #include "checkpoint/checkpoint.hpp"
 #include "checkpoint/train_checkpoint.hpp"
 #include "config/run_config.hpp"
+#include "gpu_test_util.hpp"
 #include "loom/fp8.hpp"
 #include "loom/precision.hpp"
 #include "reliability_util.hpp"
@@ -215,6 +216,7 @@ TEST(ReliabilityHostile, EveryFieldOfFp8DelayedStateIsCheckedAtResume) {
       {"fp8.scale", 5, 0.0, "is 0:", " dy)"},
       {"fp8.scale", 7, -1.0, "is -1:", " w)"},
       {"fp8.scale", 41, -0.0, "is -0:", "positive and finite"},
+      {"fp8.scale", 40, 1e-40, "is 9.9999461e-41:", "with a finite inverse"},
       {"fp8.amax_history", 1 * T + 3, kNaN, "nan", "an amax entry is finite and >= 0"},
       {"fp8.amax_history", 2 * T + 40, kInf, "inf", "row 2"},
       {"fp8.amax_history", 4 * T, -0.5, "-0.5", "finite and >= 0"},
@@ -520,4 +522,59 @@ TEST(ReliabilityHostile, CompareItemsSetOnlyTheirStrategysOwnKeys) {
   EXPECT_EQ(cfgs.code, 1) << cfgs.out;
   EXPECT_CONTAINS(cfgs.out, "--configs item");
   EXPECT_CONTAINS(cfgs.out, "is not a config file");
+}
+
+// The same on CUDA (the GPU recipe checks the restored state on the host with
+// the CPU's rules and uploads the scales a changed option started afresh):
+// an unchanged resume keeps every bit, hybrid -> e4m3 derives the dy scales
+// from the kept history for E4M3, a bad scale or counter is refused with the
+// way back. Skips without a device.
+TEST(ReliabilityHostile, GpuRecipeStateIsCheckedAndStaleScalesStartAfresh) {
+  LOOM_REQUIRE_GPU();
+  const fs::path dir = fresh_dir("state_gpu");
+  const std::string base = "plugin = \"fp8_delayed\"\namax_history_len = 8\nmargin = 1";
+  // Rows (4 x 32) and dims in multiples of 16, as the FP8 GEMMs need.
+  const std::vector<std::string> gpu = {"run.device=cuda", "train.seq_len=32"};
+  const fs::path step = trained(dir, base, gpu);
+  const auto saved_scale = tensor_values<float>(step, "precision.fp8.scale");
+  const auto saved_hist = tensor_values<float>(step, "precision.fp8.amax_history");
+  const int64_t T = static_cast<int64_t>(saved_scale.size());
+  auto resume = [&](const std::string& precision) {
+    std::vector<std::string> ov = gpu;
+    ov.push_back("checkpoint.every=0");
+    auto s = std::make_unique<Session>(parse(config_with(dir / "run", 6, precision), ov));
+    s->initialise();
+    return s;
+  };
+  {
+    auto s = resume(base);
+    EXPECT_EQ(state_values<float>(*s, "fp8.scale"), saved_scale);
+    EXPECT_EQ(state_values<float>(*s, "fp8.amax_history"), saved_hist);
+  }
+  {
+    auto s = resume(base + "\nformat = \"e4m3\"");
+    const auto scale = state_values<float>(*s, "fp8.scale");
+    for (int64_t t = 0; t < T; ++t)
+      EXPECT_EQ(scale[t], t % 3 == 2 ? loom::fp8::compute_scale(window_max(saved_hist, T, t), 448.0f, 1, 1.0f).scale
+                                     : saved_scale[t])
+          << t;
+    EXPECT_TRUE(std::isfinite(s->train().steps.back().loss));
+  }
+  for (const Edit& e : std::vector<Edit>{{"fp8.scale", 4, kNaN, "nan", "a scale is positive and finite"},
+                                         {"fp8.counters", 2, 1e300, "1.0000000000000001e+300", "[0, 2^53]"}}) {
+    SCOPED_TRACE(e.tensor);
+    const fs::path copy = dir / "copy";
+    fs::remove_all(copy);
+    fs::copy(dir / "run", copy, fs::copy_options::recursive);
+    const fs::path cstep = copy / "checkpoints" / "step_00000004";
+    apply(cstep, e);
+    expect_error(
+        [&] {
+          std::vector<std::string> ov = gpu;
+          ov.push_back("checkpoint.every=2");
+          Session s(parse(config_with(copy, 6, base), ov));
+          s.initialise();
+        },
+        {cstep.string(), "rank_00000.bin", "'" + e.tensor + "'", e.shown, e.says, "(it resumes from step 2)"});
+  }
 }

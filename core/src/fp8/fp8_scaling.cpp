@@ -228,9 +228,10 @@ std::vector<std::string> ScalingState::restore(const Counters& c, const double* 
                     " skipped scale updates (each non-finite amax also counts as skipped)"));
   for (int64_t t = 0; t < T; ++t) {
     const float s = scale_[static_cast<size_t>(t)];
-    if (!(s > 0.0f && is_finite(s)))
+    // Casts divide by the scale too (its inverse): that must stay finite.
+    if (!(s > 0.0f && is_finite(s) && is_finite(1.0f / s)))
       throw Error(cat("precision state '", names.scale, "' element ", t, " (the scale of ", where(t), ") is ",
-                      float_text(s), ": a scale is positive and finite"));
+                      float_text(s), ": a scale is positive and finite, with a finite inverse (about 2.94e-39 or more)"));
   }
   for (int64_t row = 0; row < (delayed ? len : 0); ++row) {
     // After n < len steps rows 1..n hold amaxes (the first step writes row 1); the others are still 0.
