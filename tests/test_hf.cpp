@@ -14,6 +14,8 @@
 #include <random>
 
 #include "checkpoint/file_util.hpp"
+#include "checkpoint/train_checkpoint.hpp"
+#include "config/run_config.hpp"
 #include "hf/hf_llama.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
@@ -713,8 +715,8 @@ TEST(MixtralHf, RefusesWhatLoomDoesNotImplement) {
   expect_error(parse(R"("num_local_experts":0)"), {"cfg.json", "num_local_experts", "positive integer"});
   expect_error(parse(R"("num_local_experts":1000000000)"), {"cfg.json", "num_local_experts", "at most 4096"});
   expect_error(parse(R"("num_local_experts":128,"num_experts_per_tok":65)"), {"cfg.json", "num_experts_per_tok", "at most 64"});
-  expect_error(parse(R"("router_jitter_noise":1.5)"), {"cfg.json", "router_jitter_noise", "[0, 1)"});
-  expect_error(parse(R"("router_aux_loss_coef":-0.1)"), {"cfg.json", "router_aux_loss_coef", ">= 0"});
+  expect_error(parse(R"("router_jitter_noise":1.5)"), {"cfg.json", "router_jitter_noise", "[0, 0.999]"});
+  expect_error(parse(R"("router_aux_loss_coef":-0.1)"), {"cfg.json", "router_aux_loss_coef", "[0, 1000000]"});
   expect_error([] { parse_hf_llama_config(R"({"model_type":"qwen2_moe"})", "cfg.json"); },
                {"cfg.json", "\"qwen2_moe\"", "\"mixtral\""});
   // MixtralConfig's defaults for what a config.json omits.
@@ -770,4 +772,182 @@ TEST(MixtralHf, ImportExportRoundTripIsByteEqual) {
   save_hf_llama(again, spec, [&](const std::string& n) { return w2.at(n).data(); }, DType::f32, HfExportOptions{1, 2});
   for (const char* f : {"model.safetensors", "config.json"})
     EXPECT_EQ(ckpt::read_file(out + "/" + f, "export"), ckpt::read_file(again + "/" + f, "export")) << f;
+}
+
+// ---------------------------------------------------------------------------
+// Every value config.json sets is held to the range of the model.* key it
+// becomes (config/run_config.hpp): a wrong JSON type, a fraction for a size,
+// a number written as a string ("NaN", "1e300"), NaN/Infinity literals
+// (Python's json writes them), 1e300, a negative, zero, one past the range —
+// each refused naming the file, the JSON key, the value, the range and the
+// model.* key. The edges of each range are accepted.
+// ---------------------------------------------------------------------------
+
+namespace {
+
+struct MappedKey {
+  const char* json;       // the config.json key ("rope_parameters.rope_theta": nested)
+  const char* model_key;  // the model.* key it sets
+  const char* range;      // as the message states it
+  bool mixtral;           // read for model_type "mixtral" only
+  std::vector<std::string> bad, good;  // JSON texts
+};
+
+// Every key parse_hf_llama_config maps onto a model.* key.
+std::vector<MappedKey> mapped_keys() {
+  const std::vector<std::string> not_ints = {"\"64\"", "true", "[64]", "{\"v\":64}", "64.5", "64.0", "\"NaN\"", "1e300",
+                                             "-64", "0", "-1e300"};
+  auto ints = [&](std::vector<std::string> more) {
+    std::vector<std::string> v = not_ints;
+    v.insert(v.end(), more.begin(), more.end());
+    return v;
+  };
+  const std::vector<std::string> not_numbers = {"\"1e-5\"", "\"NaN\"", "\"inf\"", "false", "[1]", "{}", "-1e300"};
+  auto numbers = [&](std::vector<std::string> more) {
+    std::vector<std::string> v = not_numbers;
+    v.insert(v.end(), more.begin(), more.end());
+    return v;
+  };
+  return {
+      {"hidden_size", "hidden", "a positive integer, at most 1048576", false, ints({"1048577"}), {"64"}},
+      {"num_hidden_layers", "num_layers", "a positive integer, at most 4096", false, ints({"4097"}), {"1", "4096"}},
+      {"num_attention_heads", "num_heads", "a positive integer, at most 4096", false, ints({"4097"}), {"4"}},
+      {"num_key_value_heads", "num_kv_heads", "a positive integer, at most 4096", false, ints({"4097"}), {"1", "4"}},
+      {"intermediate_size", "ffn_hidden", "a positive integer, at most 1048576", false, ints({"1048577"}),
+       {"1", "1048576"}},
+      {"vocab_size", "vocab_size", "a positive integer, at most 2147483647", false,
+       ints({"2147483648", "18446744073709551615"}), {"1", "2147483647"}},
+      {"max_position_embeddings", "max_seq_len", "a positive integer, at most 1048576", false,
+       ints({"1048577", "9223372036854775807"}), {"1", "1048576"}},
+      {"rms_norm_eps", "norm_eps", "a number in [1.17549435e-38, 1]", false,
+       numbers({"0", "-1e-6", "5e-324", "1.0000001", "1e300"}), {"1.17549435e-38", "1", "1e-5"}},
+      {"rope_theta", "rope_theta", "a finite number >= 1", false, numbers({"0.999", "0", "-10000"}),
+       {"1", "1e300", "500000"}},
+      {"rope_parameters.rope_theta", "rope_theta", "a finite number >= 1", false, numbers({"0.5"}), {"1", "1e300"}},
+      {"tie_word_embeddings", "tied_embeddings", "true or false", false, {"1", "0", "\"true\"", "[true]"},
+       {"true", "false"}},
+      {"num_local_experts", "num_experts", "a positive integer, at most 4096", true, ints({"4097"}), {"2", "4096"}},
+      {"num_experts_per_tok", "top_k", "a positive integer, at most 64", true, ints({"65"}), {"1", "2"}},
+      {"router_aux_loss_coef", "router_aux_loss_coef", "a number in [0, 1000000]", true,
+       numbers({"-0.001", "1000000.0001", "1e7", "1e300"}), {"0", "1000000", "0.02"}},
+      {"router_jitter_noise", "router_jitter_noise", "a number in [0, 0.999]", true,
+       numbers({"-0.01", "0.9991", "1", "1.5", "1e300"}), {"0", "0.999"}},
+  };
+}
+
+// config.json with `key` (dotted: nested) set to the JSON text `value`.
+std::string with_value(const MappedKey& k, const std::string& value) {
+  nlohmann::json j = nlohmann::json::parse(hf_config_json(k.mixtral ? "mixtral" : "llama"));
+  const std::string key = k.json;
+  const size_t dot = key.find('.');
+  nlohmann::json v = nlohmann::json::parse(value);
+  if (dot == std::string::npos) j[key] = v;
+  else j[key.substr(0, dot)] = {{"rope_type", "default"}, {key.substr(dot + 1), v}};
+  // num_experts_per_tok must stay within num_local_experts (8 by default).
+  return j.dump();
+}
+
+}  // namespace
+
+TEST(HfConfig, EveryValueIsHeldToTheRangeOfTheModelKeyItSets) {
+  int refused = 0, accepted = 0;
+  for (const MappedKey& k : mapped_keys()) {
+    for (const std::string& bad : k.bad) {
+      SCOPED_TRACE(std::string(k.json) + " = " + bad);
+      const std::string text = with_value(k, bad);
+      const std::string shown = nlohmann::json::parse(bad).dump();
+      expect_error([&] { parse_hf_llama_config(text, "/models/x/config.json"); },
+                   {"/models/x/config.json", "\"" + std::string(k.json) + "\" is " + shown, k.range,
+                    "model." + std::string(k.model_key)});
+      ++refused;
+    }
+    for (const std::string& good : k.good) {
+      SCOPED_TRACE(std::string(k.json) + " = " + good);
+      EXPECT_NO_THROW(parse_hf_llama_config(with_value(k, good), "ok.json"));
+      ++accepted;
+    }
+  }
+  EXPECT_GT(refused, 120);
+  EXPECT_GT(accepted, 25);
+  // NaN and Infinity as Python's json module writes them (not JSON): refused
+  // as not valid JSON, naming the key they stand for.
+  for (const char* lit : {"NaN", "Infinity", "-Infinity"})
+    for (const char* key : {"rope_theta", "rms_norm_eps", "router_aux_loss_coef"}) {
+      SCOPED_TRACE(std::string(key) + " " + lit);
+      std::string text = hf_config_json("mixtral", std::string("\"") + key + "\": " + lit);
+      expect_error([&] { parse_hf_llama_config(text, "cfg.json"); },
+                   {"cfg.json", "not valid JSON", std::string("\"") + key + "\" is NaN or Infinity", "finite"});
+    }
+}
+
+// A run never trains with a value its own written config.toml would refuse:
+// for config.json files drawn at random from every key's accepted edges, each
+// one the reader and the config accept gives an effective config (what a run
+// writes as config.toml) that parses again to the same model. Then `loom
+// check` itself, on folders with weights, at the edges of the float keys.
+TEST(HfConfig, AnyAcceptedConfigJsonRoundTripsThroughLoomCheck) {
+  TmpDir tmp;
+  std::mt19937 rng(30);
+  const std::vector<MappedKey> keys = mapped_keys();
+  int checked = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const bool mixtral = trial % 2 == 1;
+    nlohmann::json j = nlohmann::json::parse(hf_config_json(mixtral ? "mixtral" : "llama", "", {.hidden = 64}));
+    for (const MappedKey& k : keys) {
+      if (k.mixtral && !mixtral) continue;
+      if (rng() % 2) continue;  // left out: the reader's default
+      const std::string v = k.good[rng() % k.good.size()];
+      const std::string key = k.json;
+      if (key.find('.') != std::string::npos) {
+        if (!j.contains("rope_theta")) j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", nlohmann::json::parse(v)}};
+      } else if (key != "hidden_size" && key != "num_attention_heads") {  // kept: they must divide
+        j[key] = nlohmann::json::parse(v);
+      }
+    }
+    if (j.contains("rope_theta")) j.erase("rope_parameters");
+    const fs::path dir = tmp.path / ("m" + std::to_string(trial));
+    fs::create_directories(dir);
+    std::ofstream(dir / "config.json") << j.dump();
+    loom::Config c;
+    try {
+      c = loom::parse_config_string("[model]\ninit = \"hf:" + dir.string() + "\"\n[train]\nseq_len = 16\n", "rt.toml", {});
+    } catch (const loom::Error&) {
+      continue;  // refused as a whole (a model too large, heads that do not divide): nothing is trained
+    }
+    SCOPED_TRACE(j.dump());
+    loom::Config again;
+    ASSERT_NO_THROW(again = loom::parse_config_string(c.effective_toml, "config.toml", {})) << c.effective_toml;
+    EXPECT_EQ(loom::ckpt::model_json(again.model.spec), loom::ckpt::model_json(c.model.spec));
+    EXPECT_EQ(again.model.spec.max_seq_len, c.model.spec.max_seq_len);
+    ++checked;
+  }
+  EXPECT_GT(checked, 100);
+
+  // `loom check` on the config.toml a run would write, folders with weights.
+  for (const std::string& extra :
+       {std::string(R"("rms_norm_eps": 1.17549435e-38, "rope_theta": 1e300, "max_position_embeddings": 1048576)"),
+        std::string(R"("num_local_experts": 4, "num_experts_per_tok": 4, "router_aux_loss_coef": 1000000,
+                       "router_jitter_noise": 0.999, "rope_parameters": {"rope_type": "default", "rope_theta": 1})")}) {
+    SCOPED_TRACE(extra);
+    const bool moe = extra.find("experts") != std::string::npos;
+    const fs::path dir = tmp.path / (moe ? "cli_moe" : "cli_llama");
+    fs::create_directories(dir);
+    std::ofstream(dir / "config.json") << hf_config_json(moe ? "mixtral" : "llama", extra, {.hidden = 32, .ffn = 48, .vocab = 50});
+    const ModelSpec spec = read_hf_llama_config(dir.string());
+    std::map<std::string, std::vector<float>> w;
+    for (const UnitInfo& u : model_units(spec))
+      for (const ParamInfo& p : u.params) w[p.name] = iota_f(static_cast<size_t>(p.numel), 0.02f);
+    save_hf_llama(dir.string(), spec, [&](const std::string& n) { return w.at(n).data(); }, DType::f32);
+    const std::string toml = "[run]\nout_dir = \"" + (tmp.path / "run").string() + "\"\ndevice = \"cpu\"\nplugin_path = [\"" +
+                             LOOM_TEST_PLUGIN_DIR + "\"]\n[model]\ninit = \"hf:" + dir.string() +
+                             "\"\n[train]\nsteps = 1\nmicro_batch = 1\nseq_len = 16\n[data]\nplugin = \"synthetic\"\n";
+    const loom::Config c = loom::parse_config_string(toml, "run.toml", {});
+    std::ofstream(tmp.path / "config.toml") << c.effective_toml;
+    const std::string out = (tmp.path / "check.txt").string();
+    const int rc = std::system(("'" + std::string(LOOM_CLI) + "' check '" + (tmp.path / "config.toml").string() + "' > '" +
+                                out + "' 2>&1").c_str());
+    std::ifstream f(out);
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(rc, 0) << text;
+  }
 }

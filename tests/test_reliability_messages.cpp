@@ -312,7 +312,9 @@ struct DataStateRun {
   std::string loom = std::string("'") + LOOM_CLI + "' ";
 
   explicit DataStateRun(const std::string& name) : plugin(name) {
-    dir = fresh_dir("messages_data_state_" + plugin);
+    // One folder per test too: ctest runs tests of this suite side by side.
+    dir = fresh_dir("messages_data_state_" + plugin + "_" +
+                    ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::string text = tiny_config(dir / "run", 2);
     const std::string syn = "plugin = \"synthetic\"\npattern = \"ramp\"\n";
     if (plugin == "tokens") {

@@ -7,10 +7,15 @@
 // fixture run before this suite) on files fetched by scripts/setup.sh; a
 // missing file fails the suite, it does not skip it.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <functional>
 #include <cstdlib>
 #include <filesystem>
 #include <thread>
@@ -412,6 +417,205 @@ TEST(Tokenizers, TiktokenWithADamagedFirstLineNamesTheLine) {
   expect_error([&] { load_tokenizer(write("prose.txt", "hello there\nthis is text\n")); },
                {"prose.txt", "none of the formats"});
   expect_error([&] { load_tokenizer(write("one.txt", "IQ==0\nIg== 1\n")); }, {"one.txt", "none of the formats"});
+}
+
+namespace {
+
+// Runs `load` in a child process whose address space may grow by at most
+// `headroom` bytes past what it has: a loader that sized a table from a
+// number in the file before checking it runs out there (std::bad_alloc),
+// where the parent could not tell it from success. Returns the child's
+// message ("" for none), or "bad_alloc" / "crash".
+std::string load_with_memory_cap(const std::function<void()>& load, size_t headroom) {
+  int fds[2];
+  if (::pipe(fds) != 0) return "pipe";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    size_t vm_kb = 0;
+    std::ifstream st("/proc/self/status");
+    for (std::string line; std::getline(st, line);)
+      if (line.rfind("VmSize:", 0) == 0) vm_kb = std::stoull(line.substr(7));
+    const rlimit lim{vm_kb * 1024 + headroom, vm_kb * 1024 + headroom};
+    ::setrlimit(RLIMIT_AS, &lim);
+    std::string msg;
+    try {
+      load();
+    } catch (const std::bad_alloc&) {
+      msg = "bad_alloc";
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    (void)!::write(fds[1], msg.data(), msg.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? out : "crash";
+}
+
+}  // namespace
+
+// A tokenizer's sizes are checked before anything is sized from them: a
+// tiktoken rank beyond the file's lines (10^9, 2^30 - 1, or one past the
+// last), a file of more lines than the vocabulary loom reads, an HF
+// tokenizer.json id beyond the tokens the file holds — each refused naming
+// the file (and the line or the token), under a memory cap of 256 MiB that
+// sizing a table from the number would exceed.
+TEST(Tokenizers, SizesAreCheckedBeforeAnythingIsAllocated) {
+  TmpDir d;
+  auto write = [&](const std::string& name, const std::string& bytes) {
+    const std::string p = (d.path / name).string();
+    std::ofstream(p, std::ios::binary) << bytes;
+    return p;
+  };
+  const size_t cap = size_t{256} << 20;
+  for (const std::string rank : {"999999999", "1073741823", "3"}) {
+    SCOPED_TRACE(rank);
+    const std::string p = write("absurd" + rank + ".tiktoken", "IQ== 0\nIg== " + rank + "\nIw== 1\n");
+    const std::string msg = load_with_memory_cap([&] { load_tokenizer(p); }, cap);
+    for (const std::string part : {p, std::string("line 2 gives rank ") + rank, std::string("no token of rank 2"),
+                                   std::string("one per line of its 3")})
+      EXPECT_NE(msg.find(part), std::string::npos) << msg;
+  }
+  // Llama 3's real file with one absurd rank, far down.
+  const fs::path llama3 = kFiles / "llama3" / "tokenizer.model";
+  ASSERT_TRUE(fs::exists(llama3)) << llama3 << " is missing: run scripts/setup.sh";
+  std::string text;
+  {
+    std::ifstream in(llama3, std::ios::binary);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  size_t line_start = 0;
+  for (int l = 1; l < 5000; ++l) line_start = text.find('\n', line_start) + 1;
+  const size_t sp = text.find(' ', line_start), eol = text.find('\n', line_start);
+  std::string edited = text.substr(0, sp + 1) + "999999999" + text.substr(eol);
+  const std::string big = write("llama3_absurd.model", edited);
+  const std::string msg = load_with_memory_cap([&] { load_tokenizer(big); }, cap);
+  EXPECT_NE(msg.find(big), std::string::npos) << msg;
+  EXPECT_NE(msg.find("line 5000 gives rank 999999999"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("no token of rank 4999"), std::string::npos) << msg;
+  // More token lines than Llama 3's ranks: refused before a table is made.
+  const std::string more = write("more.model", text + "IQ== 128000\nIg== 128001\n");
+  expect_error([&] { load_tokenizer(more); }, {more, "has 128002 token lines", "128000 ranks"});
+  // HF: an id of 16 million in a vocabulary of 50257 (+ added tokens).
+  const fs::path src = kFiles / "gpt2-hf" / "tokenizer.json";
+  ASSERT_TRUE(fs::exists(src)) << src << " is missing: run scripts/setup.sh";
+  nlohmann::json j = nlohmann::json::parse(std::ifstream(src));
+  const size_t n = j["model"]["vocab"].size() + j["added_tokens"].size();
+  for (const int64_t id : {int64_t{16777215}, static_cast<int64_t>(n)}) {
+    SCOPED_TRACE(id);
+    nlohmann::json bad = j;
+    bad["model"]["vocab"]["\u0120The"] = id;
+    const std::string p = write("hugeid" + std::to_string(id) + ".json", bad.dump());
+    const std::string m = load_with_memory_cap([&] { load_tokenizer(p); }, cap);
+    for (const std::string part : {p, "the id " + std::to_string(id), "ids are integers in [0, " + std::to_string(n) + ")",
+                                   std::string("each with an id of its own")})
+      EXPECT_NE(m.find(part), std::string::npos) << m;
+  }
+  // The unedited files load under the same cap.
+  EXPECT_EQ(load_with_memory_cap([&] { load_tokenizer(src.string()); }, cap), "");
+}
+
+// A SentencePiece model the library loads but whose pieces loom's BPE path
+// cannot rank or read (a NaN score, a byte piece that is not <0xHH>) is
+// refused naming the file and the piece, not met deep inside (std::stoi,
+// std::map::at).
+TEST(Tokenizers, SentencePiecePiecesAreCheckedByName) {
+  TmpDir d;
+  const fs::path src = kFiles / "mistral" / "tokenizer.model";
+  ASSERT_TRUE(fs::exists(src)) << src << " is missing: run scripts/setup.sh";
+  std::string model;
+  {
+    std::ifstream in(src, std::ios::binary);
+    model.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  // A normal piece's score (field 2, fixed32: tag 0x15) set to NaN, in place.
+  const size_t piece = model.find(std::string("\x0a\x06") + "\xe2\x96\x81" + "the\x15");  // the piece "▁the", then its score
+  ASSERT_NE(piece, std::string::npos);
+  const size_t score = model.find('\x15', piece);
+  ASSERT_LT(score, piece + 16);
+  std::string nan_model = model;
+  const uint32_t nan_bits = 0x7FC00000u;
+  std::memcpy(&nan_model[score + 1], &nan_bits, 4);
+  const std::string p1 = (d.path / "nan.model").string();
+  std::ofstream(p1, std::ios::binary) << nan_model;
+  expect_error([&] { load_tokenizer(p1); }, {p1, "('\xe2\x96\x81the')", "score nan", "finite scores"});
+  // A byte piece "<0x41>" written as "<0xG1>".
+  const size_t byte = model.find("<0x41>");
+  ASSERT_NE(byte, std::string::npos);
+  std::string bad_byte = model;
+  bad_byte[byte + 3] = 'G';
+  const std::string p2 = (d.path / "byte.model").string();
+  std::ofstream(p2, std::ios::binary) << bad_byte;
+  try {
+    load_tokenizer(p2);
+    ADD_FAILURE() << "a byte piece <0xG1> was taken";
+  } catch (const loom::Error& e) {
+    // Refused by the library when it loads the model, or by loom's path: named either way.
+    const std::string m = e.what();
+    EXPECT_NE(m.find(p2), std::string::npos) << m;
+  }
+}
+
+// Input a pre-tokenizer regex gives up on (PCRE2's match limit) is an error
+// naming the tokenizer file, and from `loom prepare`, the input file and the
+// byte of it where the search that gave up started; never "pre-tokenizer
+// regex failed at byte 0".
+TEST(Tokenizers, InputTheRegexGivesUpOnNamesTheFilesAndTheByte) {
+  TmpDir d;
+  const fs::path src = kFiles / "gpt2-hf" / "tokenizer.json";
+  ASSERT_TRUE(fs::exists(src)) << src << " is missing: run scripts/setup.sh";
+  nlohmann::json j = nlohmann::json::parse(std::ifstream(src));
+  // A Split whose pattern backtracks exponentially on a run of letters that
+  // ends otherwise than it expects.
+  j["pre_tokenizer"] = {{"type", "Sequence"},
+                        {"pretokenizers",
+                         {{{"type", "Split"}, {"pattern", {{"Regex", "(?:\\w+\\s?)+$|\\s+|[^\\s\\w]+"}}},
+                           {"behavior", "Isolated"}, {"invert", false}},
+                          {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true},
+                           {"use_regex", false}}}}};
+  const std::string tok = (d.path / "tokenizer.json").string();
+  std::ofstream(tok) << j.dump();
+  const auto t = load_tokenizer(tok);
+  std::vector<uint32_t> ids;
+  EXPECT_NO_THROW(t->encode_document("fine text.", ids));
+  const std::string bad = "ok. " + std::string(40, 'a') + " " + std::string(40, 'b') + "!";
+  try {
+    t->encode_document(bad, ids);
+    ADD_FAILURE() << "the pattern did not give up";
+  } catch (const loom::data::TokenizeInputError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(tok), std::string::npos) << m;
+    EXPECT_NE(m.find("match limit"), std::string::npos) << m;
+    EXPECT_NE(m.find("byte " + std::to_string(e.offset) + " of the document"), std::string::npos) << m;
+    EXPECT_LE(e.offset, bad.size());
+  }
+  // Through `loom prepare`: the input file and the byte in it.
+  const fs::path in = d.path / "in.txt";
+  const std::string first = "a first document.\n%\n";
+  std::ofstream(in) << first << bad << "\n";
+  loom::data::PrepareTextOptions opt;
+  opt.inputs = {in.string()};
+  opt.out_dir = (d.path / "out").string();
+  opt.tokenizer = tok;
+  opt.val_fraction = 0;
+  opt.progress = false;
+  try {
+    loom::data::prepare_text(opt);
+    ADD_FAILURE() << "prepare took it";
+  } catch (const loom::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("input '" + in.string() + "' at byte "), std::string::npos) << m;
+    EXPECT_NE(m.find("in the document that starts at byte " + std::to_string(first.size())), std::string::npos) << m;
+    EXPECT_NE(m.find(tok), std::string::npos) << m;
+  }
+  EXPECT_FALSE(fs::exists(d.path / "out" / "prepare.json"));
 }
 
 TEST(Tokenizers, WhitespaceClassesAreUnicodeWhiteSpace) {

@@ -92,6 +92,9 @@ struct Job {
   std::string label;
   std::string file;
   std::vector<std::string> overrides;
+  // A --strategies item: the strategy it names and the [sharding] keys it sets.
+  std::string strategy;
+  std::vector<std::string> item_keys;
 };
 
 // One --strategies item: "name" or "name:key=value:key=value" (the keys are
@@ -100,19 +103,69 @@ Job strategy_job(const std::string& item, const std::string& file, const std::ve
   std::vector<std::string> parts;
   std::stringstream ss(item);
   for (std::string p; std::getline(ss, p, ':');) parts.push_back(p);
-  Job j{item, file, common};
+  Job j{item, file, common, "", {}};
   if (parts.empty() || parts[0].empty())
     throw Error(cat("loom compare: --strategies item '", item, "' names no strategy; write name or "
                     "name:key=value, e.g. hybrid_shard:shard_group_size=2"));
+  j.strategy = parts[0];
   j.overrides.push_back("sharding.plugin=\"" + parts[0] + "\"");
   for (size_t i = 1; i < parts.size(); ++i) {
     const size_t eq = parts[i].find('=');
     if (eq == std::string::npos || eq == 0 || eq + 1 == parts[i].size() || parts[i].find('.') < eq)
       throw Error(cat("loom compare: --strategies item '", item, "': '", parts[i], "' is not key=value (a key of ",
                       "the strategy's [sharding] table and a TOML value, e.g. shard_group_size=2)"));
+    std::string key = parts[i].substr(0, eq);
+    while (!key.empty() && key.back() == ' ') key.pop_back();
+    while (!key.empty() && key.front() == ' ') key.erase(0, 1);
+    if (std::find(j.item_keys.begin(), j.item_keys.end(), key) != j.item_keys.end())
+      throw Error(cat("loom compare: --strategies item '", item, "' sets '", key, "' twice; give each key once"));
+    j.item_keys.push_back(key);
     j.overrides.push_back("sharding." + parts[i]);
   }
   return j;
+}
+
+// The keys a --strategies item may set: the [sharding] keys its strategy
+// reads (what its table accepts, found by building the strategy without the
+// item's keys, as `loom check` would) and the core's row-wide ones
+// (expert_parallel) — never `plugin` or `path`, which pick the code that runs
+// and would run another strategy under this row's name. Refuses a key that
+// is not one, naming the item, the key and the keys the strategy accepts.
+// Keys the strategy's own table does not take are refused by the strategy
+// when the row is built (its message lists them too).
+void check_item_keys(const Job& j, const std::vector<std::string>& common) {
+  if (j.item_keys.empty()) return;
+  std::vector<std::string> bare = common;
+  bare.push_back("sharding.plugin=\"" + j.strategy + "\"");
+  std::vector<std::string> accepted;
+  std::string stopped;
+  try {
+    Config cfg = load_config(j.file, bare);
+    try {
+      Session probe(cfg);
+    } catch (const Error& e) {
+      stopped = e.what();  // e.g. started without a launcher: the table was read before that was found
+    }
+    for (const std::string& k : cfg.sharding.table.read_keys())
+      if (k != "plugin" && k != "path") accepted.push_back(k);
+  } catch (const Error&) {
+    return;  // the config itself is refused: the row's own probe says so
+  }
+  std::string list;
+  for (const std::string& k : accepted) list += cat(list.empty() ? "" : ", ", k);
+  for (const std::string& k : j.item_keys) {
+    if (k != "plugin" && k != "path" && (std::find(accepted.begin(), accepted.end(), k) != accepted.end() ||
+                                         !stopped.empty()))
+      continue;
+    throw Error(cat("loom compare: --strategies item '", j.label, "': '", k, "' is not one of strategy ", j.strategy,
+                    "'s own [sharding] keys",
+                    k == "plugin" ? " (the item's name picks the strategy; write another strategy as an item of its own, "
+                                    "e.g. --strategies=" + j.strategy + ",none)"
+                    : k == "path" ? " (a plugin file given here would run under this row's name)"
+                                  : "",
+                    ", so the row would not run what its label says. The keys ", j.strategy, " accepts: ",
+                    list.empty() ? std::string("none") : list));
+  }
 }
 
 // One run: warmup + steps optimizer steps; everything measured on the timed steps.
@@ -200,10 +253,21 @@ int cmd_compare(const Args& args) {
   common.push_back("train.steps=" + std::to_string(warmup + steps));
 
   std::vector<Job> jobs;
-  if (strategies.empty() && configs.empty()) jobs.push_back({fs::path(a.file).stem().string(), a.file, common});
+  if (strategies.empty() && configs.empty()) jobs.push_back({fs::path(a.file).stem().string(), a.file, common, "", {}});
   for (const std::string& st : strategies) jobs.push_back(strategy_job(st, a.file, common));
-  if (!configs.empty() && strategies.empty()) jobs.push_back({fs::path(a.file).stem().string(), a.file, common});
-  for (const std::string& c : configs) jobs.push_back({fs::path(c).stem().string(), c, common});
+  if (!configs.empty() && strategies.empty()) jobs.push_back({fs::path(a.file).stem().string(), a.file, common, "", {}});
+  for (const std::string& c : configs) {
+    // An item is a config file as it is; per-row keys (name:key=value) are
+    // --strategies' — in a file name they would be part of a path that the
+    // message about a missing file would not explain.
+    std::error_code ec;
+    const size_t colon = c.find(':');
+    if (colon != std::string::npos && !fs::exists(c, ec) && c.find('=', colon) != std::string::npos)
+      throw Error(cat("loom compare: --configs item '", c, "' is not a config file: --configs items are TOML files, "
+                      "each run as it is (with the --set overrides); keys of a row (name:key=value) belong to "
+                      "--strategies items, or set them in the file"));
+    jobs.push_back({fs::path(c).stem().string(), c, common, "", {}});
+  }
   // Every run must be able to start before any runs: a typo in the third
   // config, a strategy or plugin that does not exist, a key its plugin does
   // not take or a shape its kernel cannot do stops the comparison here, with
@@ -216,6 +280,7 @@ int cmd_compare(const Args& args) {
   std::vector<std::string> unfit(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) {
     const Job& j = jobs[i];
+    check_item_keys(j, common);
     try {
       Session probe(load_config(j.file, j.overrides));
     } catch (const MemoryPlanError& e) {

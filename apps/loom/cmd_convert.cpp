@@ -25,8 +25,10 @@
 #include "checkpoint/file_util.hpp"
 #include "checkpoint/train_checkpoint.hpp"
 #include "cli.hpp"
+#include "config/run_config.hpp"
 #include "commands.hpp"
 #include "hf/hf_llama.hpp"
+#include "hf/safetensors.hpp"
 #include "loom/config.hpp"
 #include "loom/error.hpp"
 #include "loom/model.hpp"
@@ -136,7 +138,8 @@ int64_t trained_max_seq_len(const std::string& dir, int64_t fallback) {
     const ConfigTable cfg = parse_config_table(meta["config"].get<std::string>(), dir + "/meta.json (config)");
     if (!cfg.has("model")) return fallback;
     const ConfigTable model = cfg.table("model");
-    return model.has("max_seq_len") ? model.get_int("max_seq_len", fallback, 1, int64_t{1} << 30) : fallback;
+    // model.max_seq_len's own range: the export's max_position_embeddings is held to it when read back.
+    return model.has("max_seq_len") ? model.get_int("max_seq_len", fallback, 1, kMaxDim) : fallback;
   } catch (const std::exception&) {
     return fallback;  // meta.json was certified and read already; an old or odd "config" record changes nothing
   }
@@ -225,6 +228,21 @@ int cmd_convert(const Args& args) {
     throw Error(cat(e.what(), ". ", convert_advice(ckpt_dir, out_dir)));
   }
   const ckpt::TrainMeta& m = set->meta();
+  // Every weight was read finite (CheckpointSet::read refuses NaN and inf, as
+  // resuming does). In bf16 a finite fp32 beyond bf16's largest value
+  // (3.3895314e38) rounds to inf, which `model.init = "hf:..."` would then
+  // refuse: refused here, before anything is written.
+  if (dtype == "bf16")
+    for (const auto& [name, w] : weights)
+      for (size_t i = 0; i < w.size(); ++i)
+        if ((hf::f32_to_bf16(w[i]) & 0x7F80u) == 0x7F80u) {
+          char v[32];
+          std::snprintf(v, sizeof v, "%.9g", static_cast<double>(w[i]));
+          throw Error(cat("checkpoint ", set->dir(), ": '", name, "' holds ", v, " at element ", i,
+                          ", beyond bf16's range (its largest value is 3.3895314e38; from 3.3961776e38 on, a value rounds to inf): --dtype bf16 "
+                          "would write inf there, which Loom refuses to load. Convert with --dtype fp32; nothing was "
+                          "written"));
+        }
   ModelSpec spec = m.spec;
   spec.max_seq_len = trained_max_seq_len(set->dir(), spec.max_seq_len);
   auto src = [&](const std::string& name) -> const float* {

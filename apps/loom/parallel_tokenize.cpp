@@ -64,7 +64,17 @@ void ParallelTokenizer::run(const std::vector<DocRef>& docs, std::vector<uint32_
       for (std::size_t c; (c = next.fetch_add(1)) < chunks;) {
         uint64_t b = 0;
         for (std::size_t i = first[c]; i < first[c + 1]; ++i) {
-          tok_.encode_document(docs[i].text, docs[i].val ? out_val[c] : out_train[c]);
+          try {
+            tok_.encode_document(docs[i].text, docs[i].val ? out_val[c] : out_train[c]);
+          } catch (const TokenizeInputError& e) {
+            // The tokenizer named its file and the byte of the document; the
+            // input file and the byte in it are known here.
+            const DocRef& d = docs[i];
+            if (d.file == nullptr) throw;
+            throw Error(cat("input '", *d.file, "' at byte ", d.offset + e.offset,
+                            d.repaired ? " (of its text after invalid UTF-8 was replaced by U+FFFD)" : "",
+                            ", in the document that starts at byte ", d.offset, ": ", e.what()));
+          }
           b += docs[i].text.size();
         }
         bytes += b;

@@ -3,6 +3,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -13,6 +14,11 @@ namespace loom::data {
 struct DocRef {
   std::string_view text;
   bool val = false;
+  // For messages: the input file and the byte of it where the document
+  // starts (in the text after invalid UTF-8 was replaced, when `repaired`).
+  const std::string* file = nullptr;
+  uint64_t offset = 0;
+  bool repaired = false;
 };
 
 class ParallelTokenizer {

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <new>
 #include <set>
 #include <system_error>
 
@@ -245,7 +246,18 @@ namespace {
 PrepareTextResult prepare_into(const PrepareTextOptions& opt, const fs::path& out, const fs::path& stage) {
   if (opt.tokenizer == "bytes" && !(opt.bos.empty() && opt.eos.empty()))
     throw Error("--bos and --eos name tokens of a tokenizer file; the byte-level tokenizer's are fixed (256, 257)");
-  const std::unique_ptr<Tokenizer> tok = load_tokenizer(opt.tokenizer, {opt.bos, opt.eos});
+  std::unique_ptr<Tokenizer> tok;
+  try {
+    tok = load_tokenizer(opt.tokenizer, {opt.bos, opt.eos});
+  } catch (const std::bad_alloc&) {
+    // Sizes are checked before they are allocated; what is left is a file
+    // whose real contents do not fit (its text alone may be up to 1 GiB).
+    std::error_code size_ec;
+    const auto bytes = std::filesystem::file_size(opt.tokenizer, size_ec);
+    throw Error(cat("out of memory loading tokenizer '", opt.tokenizer, "'",
+                    size_ec ? std::string() : cat(" (", bytes, " bytes)"),
+                    ": its contents do not fit in the memory loom prepare has here; check that it is the file meant"));
+  }
   const uint32_t vocab = tok->vocab_size();
   const int width = vocab > 65536 ? 4 : 2;  // ids up to 65535 fit two bytes
 
@@ -375,7 +387,7 @@ PrepareTextResult prepare_into(const PrepareTextOptions& opt, const fs::path& ou
       const Doc& d = docs[di];
       if (d.offset + d.size > t.size())
         throw Error(cat("input '", res.files_used[f], "' changed while it was being read; run loom prepare again"));
-      batch.push_back({std::string_view(t.data() + d.offset, d.size), d.val});
+      batch.push_back({std::string_view(t.data() + d.offset, d.size), d.val, &res.files_used[f], d.offset, repair[f]});
       batch_bytes += d.size;
     }
     if (batch_bytes >= kBatchBytes) run_batch();

@@ -47,6 +47,10 @@ class ConfigTable {
   bool has(std::string_view key) const;
   // Keys present in this table, sorted (does not mark them read).
   std::vector<std::string> keys() const;
+  // Keys read or probed in this table so far, by anyone holding a copy of it
+  // (the core, the plugin it was handed to), in first-use order: what
+  // finish() accepts and lists.
+  std::vector<std::string> read_keys() const;
   int64_t get_int(std::string_view key, int64_t def, int64_t min = INT64_MIN, int64_t max = INT64_MAX) const;
   // Floats must be finite and in [min, max]; an infinite bound is no bound.
   // Messages state exactly the bounds given (every finite one), so a value is

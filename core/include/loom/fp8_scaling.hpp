@@ -61,6 +61,11 @@ constexpr Format role_format(Formats formats, Role r) {
   return formats == Formats::hybrid && r == Role::dy ? Format::e5m2 : Format::e4m3;
 }
 
+// The names of a ScalingState's tensors in a checkpoint, for messages.
+struct ScalingStateNames {
+  std::string scale = "fp8.scale", history = "fp8.amax_history", counters = "fp8.counters", options = "fp8.options";
+};
+
 class ScalingState {
  public:
   explicit ScalingState(const ScalingConfig& cfg);  // validates cfg
@@ -106,11 +111,9 @@ class ScalingState {
 
   // Checkpointing (a recipe's state tensors): the scales, [tensors()], and the
   // history ring, [amax_history_len][tensors()] (empty under current
-  // scaling), as raw arrays, and the counters that go with them. After the
-  // arrays were overwritten from a checkpoint, restore() sets the counters and
-  // recomputes the inverse scales; it throws loom::Error (naming the tensor)
-  // for a scale that is not positive and finite or a history entry that is
-  // negative or not finite. This step's amaxes are not part of it.
+  // scaling), as raw arrays, the counters that go with them, and the record
+  // of the options that give them their meaning. This step's amaxes are not
+  // part of it.
   struct Counters {
     int64_t head = 0, steps = 0, skipped = 0, nonfinite = 0;
   };
@@ -118,7 +121,41 @@ class ScalingState {
   float* history_data() { return history_.data(); }
   int64_t history_floats() const { return static_cast<int64_t>(history_.size()); }
   Counters counters() const { return {head_, steps_, skipped_, nonfinite_}; }
-  void restore(const Counters& c);
+
+  // The options record saved beside the state (f64, kOptionsRecord values):
+  // record version 1, formats (0 hybrid, 1 e4m3), margin, amax_history_len
+  // and amax_compute_algo (0 max, 1 most_recent; both 0 under current scaling).
+  static constexpr int kOptionsRecord = 5;
+  void options_record(double* out) const;
+
+  using StateNames = ScalingStateNames;
+  // A checkpoint's f64 counters [head, steps, skipped, non-finite] as
+  // Counters: each must be a whole number in [0, 2^53] (throws loom::Error
+  // naming the tensor, the field and the value; nothing is converted first).
+  static Counters counters_from(const double* c, const StateNames& names = {});
+
+  // After the arrays were overwritten from a checkpoint: checks every
+  // restored value as a checkpoint's own fields are checked, then sets the
+  // counters and recomputes the inverse scales. Throws loom::Error naming the
+  // tensor, the element (linear and role, history row) and the value for a
+  // scale that is not positive and finite; a history entry that is negative
+  // or not finite, or not 0 in a row no step has written yet; a history head
+  // outside the ring or not steps mod its length (the two advance together);
+  // more non-finite amaxes than skipped updates; under delayed scaling more
+  // skipped updates than steps x tensors; an options record that is not one.
+  // `saved_options` (kOptionsRecord values; null: the checkpoint holds none,
+  // as one written before the record existed, and the state is taken as
+  // written under this state's options): where an option changed what a
+  // saved field means, that field starts afresh instead of being reused —
+  // the scales of a role whose format changed (hybrid <-> e4m3 changes dy's),
+  // every scale when the margin or amax_compute_algo changed — delayed
+  // scaling derives them from the kept amax history (amaxes of the unscaled
+  // tensors, which no option changes) as update_scales() would, 1 where the
+  // history holds no amax; current scaling sets them to 1 (its fallback for
+  // a cast whose amax is 0 or not finite). Returns one line per option that
+  // changed ("precision.format \"hybrid\" -> \"e4m3\": ..."), for the log.
+  std::vector<std::string> restore(const Counters& c, const double* saved_options = nullptr,
+                                   const StateNames& names = {});
 
   int64_t steps() const { return steps_; }
   // Scales kept since the start (amax 0 or not finite, or a scale that would be 0).

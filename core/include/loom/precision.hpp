@@ -188,9 +188,12 @@ class Precision : public Plugin {
   virtual void end_step(const ExecContext& /*ctx*/) {}
   // The recipe state a checkpoint saves (after setup; the same names, shapes
   // and dtypes for the object's lifetime). On resume the core fills these
-  // tensors from a checkpoint written by a recipe of the same name, then calls
-  // state_loaded(); a checkpoint of another recipe leaves them as they are
-  // (the state starts fresh, and the log says so).
+  // tensors from a checkpoint written by a recipe of the same name (one the
+  // checkpoint lacks keeps the recipe's value), then calls state_loaded(),
+  // which checks every restored value and throws loom::Error naming the
+  // tensor, element and value for one it refuses (the core adds the
+  // checkpoint, the rank file and the way back); a checkpoint of another
+  // recipe leaves them as they are (the state starts fresh, and the log says so).
   virtual std::vector<StateTensor> state_tensors() { return {}; }
   virtual void state_loaded() {}
   // A short description of the recipe's state for log steps (e.g. FP8 scales

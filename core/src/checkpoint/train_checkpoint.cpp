@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/json_fields.hpp"
+#include "train/finite_checks.hpp"
 #include "config/run_config.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
@@ -264,10 +265,10 @@ CheckpointSet::CheckpointSet(std::string dir) : dir_(std::move(dir)) {
     s.num_experts = f.find(mj, "model", "num_experts", key) ? f.integer_at(mj, "model", "num_experts", 0, kMaxExperts) : 0;
     if (s.moe()) {
       s.top_k = f.integer_at(mj, "model", "top_k", 1, std::min(kMaxTopK, s.num_experts));
-      s.router_aux_loss_coef = f.number(f.member(mj, "model", "router_aux_loss_coef", key, "a number >= 0"), key, 0.0,
-                                        std::numeric_limits<double>::max());
-      s.router_jitter_noise =
-          f.number(f.member(mj, "model", "router_jitter_noise", key, "a number in [0, 1)"), key, 0.0, 1.0, true);
+      s.router_aux_loss_coef = f.number(f.member(mj, "model", "router_aux_loss_coef", key, "a number in [0, 1000000]"),
+                                        key, 0.0, kMaxRouterAuxLossCoef);
+      s.router_jitter_noise = f.number(f.member(mj, "model", "router_jitter_noise", key, "a number in [0, 0.999]"), key,
+                                       0.0, kMaxRouterJitterNoise);
     }
     if (s.hidden % s.num_heads != 0 || s.num_heads % s.num_kv_heads != 0)
       throw bad(cat("model.hidden ", s.hidden, ", model.num_heads ", s.num_heads, " and model.num_kv_heads ",
@@ -493,6 +494,16 @@ void CheckpointSet::read(const std::string& kind, const SavedParam& p, int64_t b
     throw CheckpointDamaged(cat("checkpoint ", dir_, ": the shards hold ", covered, " of the ", b - a, " elements of ",
                                 p.name, " (", kind, ") this rank needs: a shard file is missing or the metadata is "
                                 "damaged", kCannotUse));
+  // NaN or inf in the weights or the AdamW state would make every step of a
+  // resumed run, and every use of an export, non-finite: the one read that
+  // resuming and `loom convert` share refuses them, naming what holds them
+  // (the CRCs only say the bytes are the ones written). Looked at as the
+  // caller takes them (a finite fp32 beyond bf16's range is inf in bf16).
+  if (const NonFiniteCount bad = count_nonfinite(dst, dtype, b - a))
+    throw CheckpointDamaged(cat("checkpoint ", dir_, ": the ", state_kind_words(kind), " of '", p.name, "' hold ",
+                                describe_nonfinite(bad, b - a), " (elements counted from ", begin,
+                                "): it was written from a diverged run (or changed by hand) and cannot be resumed or "
+                                "converted"));
 }
 
 std::vector<float> CheckpointSet::weights_f32(const SavedParam& p) {

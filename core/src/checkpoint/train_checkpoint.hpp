@@ -97,7 +97,9 @@ class CheckpointSet {
   const SavedParam& param(const std::string& name) const;  // throws naming the checkpoint
   // Elements [begin, end) of a parameter's saved `kind` ("params", "master",
   // "adam_m", "adam_v"), converted to `dtype` (f32 or bf16) into dst, from
-  // whichever rank files hold them. CRCs are checked (each piece once).
+  // whichever rank files hold them. CRCs are checked (each piece once), and
+  // the values: NaN or inf (after the conversion) throws CheckpointDamaged
+  // naming the parameter and the state, for resuming and `loom convert` alike.
   void read(const std::string& kind, const SavedParam& p, int64_t begin, int64_t end, DType dtype, void* dst);
   // The parameter's weights in fp32: the master copy when there is one (the
   // exact values), else the stored params.

@@ -239,6 +239,12 @@ std::vector<std::string> ConfigTable::keys() const {
   return out;
 }
 
+std::vector<std::string> ConfigTable::read_keys() const {
+  std::lock_guard<std::mutex> lock(impl_->shared->mu);
+  const auto it = impl_->shared->known.find(impl_->prefix);
+  return it == impl_->shared->known.end() ? std::vector<std::string>{} : it->second;
+}
+
 int64_t ConfigTable::get_int(std::string_view key, int64_t def, int64_t min, int64_t max) const {
   const toml::node* n = impl_->get(key);
   if (!n) return def;

@@ -127,8 +127,8 @@ ModelSection read_model(const ConfigTable& t) {
   // every angle (position x frequency) is a finite fp32; a huge theta only
   // rounds the slowest frequencies to 0, as in fp32 torch. Below 1 the ladder
   // is inverted and, for small theta, the angles overflow fp32.
-  s.rope_theta = t.get_float("rope_theta", s.rope_theta, 1.0);
-  s.norm_eps = get_positive_fp32(t, "norm_eps", s.norm_eps, 1.0);
+  s.rope_theta = t.get_float("rope_theta", s.rope_theta, kMinRopeTheta);
+  s.norm_eps = get_positive_fp32(t, "norm_eps", s.norm_eps, kMaxNormEps);
   s.tied_embeddings = t.get_bool("tied_embeddings", s.tied_embeddings);
   m.ffn = t.get_choice("ffn", m.ffn, {"dense", "moe"});
   if (m.ffn == "moe") {
@@ -138,8 +138,8 @@ ModelSection read_model(const ConfigTable& t) {
     if (s.top_k > s.num_experts)
       t.fail("top_k", cat("model.top_k = ", s.top_k, " exceeds model.num_experts = ", s.num_experts,
                           ": each token picks top_k distinct experts; lower top_k or add experts"));
-    s.router_aux_loss_coef = t.get_float("router_aux_loss_coef", s.router_aux_loss_coef, 0.0, 1e6);
-    s.router_jitter_noise = t.get_float("router_jitter_noise", s.router_jitter_noise, 0.0, 0.999);
+    s.router_aux_loss_coef = t.get_float("router_aux_loss_coef", s.router_aux_loss_coef, 0.0, kMaxRouterAuxLossCoef);
+    s.router_jitter_noise = t.get_float("router_jitter_noise", s.router_jitter_noise, 0.0, kMaxRouterJitterNoise);
   } else {
     for (const char* k : {"num_experts", "top_k", "router_aux_loss_coef", "router_jitter_noise"})
       // With hf: the folder says whether there are experts (apply_hf_init compares).

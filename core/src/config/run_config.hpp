@@ -45,6 +45,15 @@ inline constexpr int64_t kMaxTokensPerStep = int64_t{1} << 40;
 inline constexpr double kFp32MinNormal = 1.17549435e-38;  // FLT_MIN (every double from here rounds to >= it)
 inline constexpr double kFp32Max = 3.40282347e+38;        // FLT_MAX (every double up to here rounds to <= it)
 inline constexpr double kMaxBeta = 0.9999999;             // 0.99999988f; nearer 1 is 1.0f in fp32
+// The float [model] keys' ranges, shared with what sets them otherwise (an
+// HF folder's config.json, a checkpoint's model record): a value from there
+// is held to the range of the key it becomes, so that the config.toml a run
+// writes is one `loom check` takes. model.rope_theta is >= kMinRopeTheta
+// (no upper bound), model.norm_eps in [kFp32MinNormal, 1].
+inline constexpr double kMinRopeTheta = 1.0;
+inline constexpr double kMaxNormEps = 1.0;
+inline constexpr double kMaxRouterAuxLossCoef = 1e6;
+inline constexpr double kMaxRouterJitterNoise = 0.999;
 
 struct RunSection {
   std::string name = "run";

@@ -2,6 +2,9 @@
 // scaling and per-tensor current scaling on the host.
 #include "loom/fp8_scaling.hpp"
 
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <utility>
 
 #include "loom/error.hpp"
@@ -129,27 +132,170 @@ int64_t ScalingState::update_scales() {
   return kept;
 }
 
-void ScalingState::restore(const Counters& c) {
-  LOOM_CHECK(c.steps >= 0 && c.skipped >= 0 && c.nonfinite >= 0 && c.head >= 0 &&
-                 (cfg_.scaling != Scaling::delayed || c.head < cfg_.amax_history_len),
-             "fp8 scaling: restored counters are impossible (history head ", c.head, " of ", cfg_.amax_history_len,
-             ", steps ", c.steps, ", skipped ", c.skipped, ", non-finite ", c.nonfinite, ")");
-  for (int64_t t = 0; t < tensors(); ++t) {
-    const float s = scale_[static_cast<size_t>(t)];
-    LOOM_CHECK(s > 0.0f && is_finite(s), "fp8 scaling: restored scale of ", names_[static_cast<size_t>(t / kRolesPerLinear)],
-               " (role ", t % kRolesPerLinear, ") is ", s, "; a scale must be positive and finite");
-    set_scale(t, s);
+namespace {
+
+// A float as a message shows it: every digit that tells it apart ("-1",
+// "0.00048828125", "nan", "inf").
+std::string float_text(float v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(v));
+  return buf;
+}
+std::string double_text(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+const char* const kRoleNames[kRolesPerLinear] = {"x", "w", "dy"};
+
+// The value of a whole-number field of a checkpoint's f64 record, or why not.
+bool whole_in(double v, double lo, double hi) { return std::isfinite(v) && v == std::floor(v) && v >= lo && v <= hi; }
+
+constexpr double kMaxCount = 9007199254740992.0;  // 2^53: every whole number up to it is exact in f64
+
+const char* format_name_of(double f) { return f == 0.0 ? "hybrid" : "e4m3"; }
+const char* algo_name_of(double a) { return a == 0.0 ? "max" : "most_recent"; }
+
+}  // namespace
+
+void ScalingState::options_record(double* out) const {
+  const bool delayed = cfg_.scaling == Scaling::delayed;
+  out[0] = 1.0;
+  out[1] = cfg_.formats == Formats::hybrid ? 0.0 : 1.0;
+  out[2] = static_cast<double>(cfg_.margin);
+  out[3] = delayed ? static_cast<double>(cfg_.amax_history_len) : 0.0;
+  out[4] = delayed && cfg_.amax_compute_algo == AmaxAlgo::most_recent ? 1.0 : 0.0;
+}
+
+ScalingState::Counters ScalingState::counters_from(const double* c, const StateNames& names) {
+  static const char* const what[4] = {"the amax history position", "the steps taken", "the skipped scale updates",
+                                      "the non-finite amaxes"};
+  for (int i = 0; i < 4; ++i)
+    if (!whole_in(c[i], 0.0, kMaxCount))
+      throw Error(cat("precision state '", names.counters, "' [", i, "] (", what[i], ") is ", double_text(c[i]),
+                      ": a count is a whole number in [0, 2^53]"));
+  return {static_cast<int64_t>(c[0]), static_cast<int64_t>(c[1]), static_cast<int64_t>(c[2]),
+          static_cast<int64_t>(c[3])};
+}
+
+std::vector<std::string> ScalingState::restore(const Counters& c, const double* saved_options, const StateNames& names) {
+  const bool delayed = cfg_.scaling == Scaling::delayed;
+  const int64_t T = tensors();
+  const int64_t len = cfg_.amax_history_len;
+  auto where = [&](int64_t t) {
+    return cat("linear '", names_[static_cast<size_t>(t / kRolesPerLinear)], "' ", kRoleNames[t % kRolesPerLinear]);
+  };
+  // Every value is checked before anything is taken.
+  double mine[kOptionsRecord];
+  options_record(mine);
+  const double* saved = saved_options ? saved_options : mine;
+  {
+    const std::string rec = cat("precision state '", names.options, "'");
+    if (saved[0] != 1.0)
+      throw Error(cat(rec, " [0] (the record's version) is ", double_text(saved[0]),
+                      ": this Loom writes and reads version 1 (a newer Loom wrote it, or it was changed)"));
+    if (!(saved[1] == 0.0 || saved[1] == 1.0))
+      throw Error(cat(rec, " [1] (precision.format) is ", double_text(saved[1]), ": 0 (hybrid) or 1 (e4m3)"));
+    if (!whole_in(saved[2], 0.0, 126.0))
+      throw Error(cat(rec, " [2] (precision.margin) is ", double_text(saved[2]), ": a whole number in [0, 126]"));
+    if (saved[3] != mine[3])
+      throw Error(cat(rec, " [3] (precision.amax_history_len) is ", double_text(saved[3]), ", but the saved history ",
+                      delayed ? cat("has ", len, " rows") : std::string("is absent (current scaling: 0)"),
+                      ": the record does not describe the state beside it"));
+    if (!(saved[4] == 0.0 || (delayed && saved[4] == 1.0)))
+      throw Error(cat(rec, " [4] (precision.amax_compute_algo) is ", double_text(saved[4]), ": ",
+                      delayed ? "0 (max) or 1 (most_recent)" : "0 under current scaling"));
   }
-  for (size_t i = 0; i < history_.size(); ++i) {
-    const float a = history_[i];
-    LOOM_CHECK(a >= 0.0f && is_finite(a), "fp8 scaling: restored amax history entry ", i, " is ", a,
-               "; entries are finite and >= 0");
+  const std::string ctr = cat("precision state '", names.counters, "'");
+  if (delayed) {
+    if (c.head >= len)
+      throw Error(cat(ctr, " [0] (the amax history position) is ", c.head, ", but the history has ", len,
+                      " rows (positions 0..", len - 1, ")"));
+    if (c.head != c.steps % len)
+      throw Error(cat(ctr, " [0] (the amax history position) is ", c.head, " after ", c.steps,
+                      " steps, which leave it at ", c.steps % len, " (it advances one row per step, modulo ", len,
+                      "): the counters do not belong together"));
+    // Each step keeps at most every scale once.
+    if (T > 0 && c.steps <= INT64_MAX / T && c.skipped > c.steps * T)
+      throw Error(cat(ctr, " [2] (the skipped scale updates) is ", c.skipped, ", more than ", c.steps, " steps x ", T,
+                      " tensors can skip"));
+  } else if (c.head != 0) {
+    throw Error(cat(ctr, " [0] (the amax history position) is ", c.head, ": current scaling keeps no history (0)"));
+  }
+  if (c.nonfinite > c.skipped)
+    throw Error(cat(ctr, " [3] (the non-finite amaxes) is ", c.nonfinite, ", more than the ", c.skipped,
+                    " skipped scale updates (each non-finite amax also counts as skipped)"));
+  for (int64_t t = 0; t < T; ++t) {
+    const float s = scale_[static_cast<size_t>(t)];
+    // Casts divide by the scale too (its inverse): that must stay finite.
+    if (!(s > 0.0f && is_finite(s) && is_finite(1.0f / s)))
+      throw Error(cat("precision state '", names.scale, "' element ", t, " (the scale of ", where(t), ") is ",
+                      float_text(s), ": a scale is positive and finite, with a finite inverse (about 2.94e-39 or more)"));
+  }
+  for (int64_t row = 0; row < (delayed ? len : 0); ++row) {
+    // After n < len steps rows 1..n hold amaxes (the first step writes row 1); the others are still 0.
+    const bool written = c.steps >= len || (row >= 1 && row <= c.steps);
+    for (int64_t t = 0; t < T; ++t) {
+      const float a = history_[static_cast<size_t>(row * T + t)];
+      if (!(a >= 0.0f && is_finite(a)))
+        throw Error(cat("precision state '", names.history, "' row ", row, ", element ", t, " (", where(t), ") is ",
+                        float_text(a), ": an amax entry is finite and >= 0"));
+      if (!written && a != 0.0f)
+        throw Error(cat("precision state '", names.history, "' row ", row, ", element ", t, " (", where(t), ") is ",
+                        float_text(a), ", but after ", c.steps, " step(s) only rows 1..", c.steps,
+                        " hold amaxes: the history does not belong to its counters"));
+    }
+  }
+  // What changed since the state was saved, and which scales it concerns.
+  std::vector<std::string> changes;
+  bool fresh_role[kRolesPerLinear] = {false, false, false};
+  if (saved[1] != mine[1]) {
+    const Formats old = saved[1] == 0.0 ? Formats::hybrid : Formats::e4m3;
+    std::string roles;
+    for (int r = 0; r < kRolesPerLinear; ++r)
+      if (role_format(old, static_cast<Role>(r)) != role_format(cfg_.formats, static_cast<Role>(r))) {
+        fresh_role[r] = true;
+        roles += cat(roles.empty() ? "" : ", ", kRoleNames[r]);
+      }
+    changes.push_back(cat("precision.format \"", format_name_of(saved[1]), "\" -> \"", name(cfg_.formats),
+                          "\": the saved ", roles, " scales were made for ",
+                          role_format(old, Role::dy) == Format::e5m2 ? "E5M2 (max 57344)" : "E4M3 (max 448)",
+                          " casts and start afresh for ",
+                          role_format(cfg_.formats, Role::dy) == Format::e5m2 ? "E5M2" : "E4M3"));
+  }
+  if (delayed && saved[2] != mine[2]) {
+    for (bool& f : fresh_role) f = true;
+    changes.push_back(cat("precision.margin ", double_text(saved[2]), " -> ", cfg_.margin,
+                          ": every saved scale holds the old margin and starts afresh"));
+  }
+  if (delayed && saved[4] != mine[4]) {
+    for (bool& f : fresh_role) f = true;
+    changes.push_back(cat("precision.amax_compute_algo \"", algo_name_of(saved[4]), "\" -> \"",
+                          name(cfg_.amax_compute_algo), "\": every saved scale was computed the other way and starts "
+                          "afresh"));
   }
   head_ = c.head;
   steps_ = c.steps;
   skipped_ = c.skipped;
   nonfinite_ = c.nonfinite;
   for (auto& a : step_amax_) a = 0.0f;
+  for (int64_t t = 0; t < T; ++t) {
+    float s = scale_[static_cast<size_t>(t)];
+    if (fresh_role[t % kRolesPerLinear]) {
+      // What update_scales() would make of the kept history under the new
+      // options; 1 (a fresh state's) where there is no amax to go by.
+      s = 1.0f;
+      if (delayed) s = compute_scale(window_amax(t), max_value(format(static_cast<Role>(t % kRolesPerLinear))),
+                                     cfg_.margin, 1.0f).scale;
+    }
+    set_scale(t, s);
+  }
+  for (std::string& line : changes)
+    line += delayed ? " (delayed scaling: derived from the kept amax history, which holds the unscaled "
+                                "tensors' amaxes, as the next update would; 1 where it holds none)"
+                              : " (current scaling: 1, its fallback for a cast whose amax is 0 or not finite)";
+  return changes;
 }
 
 std::vector<float> ScalingState::history(int linear, Role r) const {

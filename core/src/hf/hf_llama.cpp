@@ -7,6 +7,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <string_view>
 #include <vector>
 
 #include "checkpoint/file_util.hpp"
@@ -22,42 +23,82 @@ namespace {
 
 using json = nlohmann::json;
 
-// `max` and `as` are the range of the model.* key the value becomes (run_config.hpp):
-// a size beyond it would only be found as a huge allocation, or not at all.
-// A key that sizes nothing (max_position_embeddings, head_dim) has no bound.
+using config_detail::format_number;
+
+// A JSON value as a message shows it, with its type where the text alone
+// would hide it ("\"4096\" (a string)", "true (a boolean)", "4096.0 (a
+// fraction)").
+std::string shown(const json& v) {
+  if (v.is_string()) return cat(v.dump(), " (a string)");
+  if (v.is_boolean()) return cat(v.dump(), " (a boolean)");
+  if (v.is_array()) return cat(v.dump(), " (an array)");
+  if (v.is_object()) return cat(v.dump(), " (an object)");
+  if (v.is_number_float()) {
+    const std::string t = v.dump();
+    return t.find_first_of(".eE") == std::string::npos ? t + " (a fraction)" : t;
+  }
+  return v.dump();
+}
+
+// Every value read from config.json is held to the range of the model.* key
+// it becomes (config/run_config.hpp): a value beyond it would be trained with
+// while the run's own config.toml, which records it under that key, is
+// refused by `loom check` — or, for a size, found only as a huge allocation.
+// The message names the file, the JSON key, the value, the range and the key.
+// `model_key` "" for a key that sets none (head_dim: checked against the sizes).
+[[noreturn]] void refuse(const std::string& origin, const std::string& key, const json& v, const std::string& model_key,
+                         const std::string& range) {
+  throw Error(cat(origin, ": \"", key, "\" is ", shown(v), ", outside what Loom accepts",
+                  model_key.empty() ? std::string() : cat(" for model.", model_key, ", which it sets"), ": ", range,
+                  model_key.empty() ? std::string() : cat(", the range of model.", model_key),
+                  ". The file is damaged, or describes a model Loom cannot train"));
+}
+
 int64_t get_int(const json& j, const std::string& origin, const char* key, std::optional<int64_t> def,
-                int64_t max = std::numeric_limits<int64_t>::max(), const char* as = "") {
+                const char* model_key, int64_t max) {
   if (!j.contains(key) || j[key].is_null()) {
     if (def) return *def;
     throw Error(cat(origin, ": required key \"", key, "\" is missing; this is not a complete Llama config.json"));
   }
   const auto& v = j[key];
-  const bool positive = v.is_number_unsigned() ? v.get<uint64_t>() > 0 : v.is_number_integer() && v.get<int64_t>() > 0;
-  if (!positive) throw Error(cat(origin, ": \"", key, "\" must be a positive integer, found ", v.dump()));
-  if (v.get<uint64_t>() > static_cast<uint64_t>(max))
-    throw Error(cat(origin, ": \"", key, "\" is ", v.dump(), ", beyond what Loom accepts (at most ", max,
-                    as[0] ? cat(", the range of ", as) : std::string(),
-                    "); the file is damaged, or describes a model larger than Loom can train"));
+  const std::string range = max == std::numeric_limits<int64_t>::max() ? std::string("a positive integer")
+                                                                        : cat("a positive integer, at most ", max);
+  // Unsigned first: a number beyond int64 is no negative one.
+  const bool ok = v.is_number_unsigned() ? v.get<uint64_t>() >= 1 && v.get<uint64_t>() <= static_cast<uint64_t>(max)
+                                         : v.is_number_integer() && v.get<int64_t>() >= 1 && v.get<int64_t>() <= max;
+  if (!ok) refuse(origin, key, v, model_key, range);
   return v.get<int64_t>();
 }
 
-double get_double(const json& j, const std::string& origin, const char* key, std::optional<double> def) {
-  if (!j.contains(key) || j[key].is_null()) {
-    if (def) return *def;
-    throw Error(cat(origin, ": required key \"", key, "\" is missing"));
-  }
+// A number in [lo, hi] (an infinite hi: no upper bound), finite; `range`
+// says it in words.
+double get_double(const json& j, const std::string& origin, const std::string& shown_key, const char* key,
+                  double def, const char* model_key, double lo, double hi) {
+  if (!j.contains(key) || j[key].is_null()) return def;
   const auto& v = j[key];
-  if (!v.is_number() || v.get<double>() <= 0)
-    throw Error(cat(origin, ": \"", key, "\" must be a positive number, found ", v.dump()));
+  const std::string range = std::isinf(hi) ? cat("a finite number >= ", format_number(lo))
+                                           : cat("a number in [", format_number(lo), ", ", format_number(hi), "]");
+  if (!v.is_number() || !std::isfinite(v.get<double>()) || !(v.get<double>() >= lo && v.get<double>() <= hi))
+    refuse(origin, shown_key, v, model_key, range);
   return v.get<double>();
 }
 
-double get_non_negative(const json& j, const std::string& origin, const char* key, double def) {
-  if (!j.contains(key) || j[key].is_null()) return def;
-  const auto& v = j[key];
-  if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>()))
-    throw Error(cat(origin, ": \"", key, "\" must be a finite number >= 0, found ", v.dump()));
-  return v.get<double>();
+// A JSON parse error at a NaN or Infinity (Python's json module writes them
+// for non-finite floats; JSON has no such numbers): the key it belongs to,
+// found by looking back from the error, for the message; "" when it is not that.
+std::string nonfinite_literal_key(const std::string& text, size_t at) {
+  // nlohmann reports how many bytes it read: the literal lies just around there.
+  const size_t lo = at > 12 ? at - 12 : 0;
+  const std::string window = text.substr(lo, 24);
+  size_t q = std::string::npos;
+  for (const char* lit : {"NaN", "Infinity"})
+    if (const size_t f = window.find(lit); f != std::string::npos) q = std::min(q, lo + f);
+  if (q == std::string::npos) return "";
+  size_t k = q;  // back over a sign, ':' and whitespace to the key's closing quote
+  while (k > 0 && std::string_view("-+: \t\r\n").find(text[k - 1]) != std::string_view::npos) --k;
+  if (k < 2 || text[k - 1] != '"') return "?";
+  const size_t open = text.rfind('"', k - 2);
+  return open == std::string::npos ? "?" : text.substr(open + 1, k - 2 - open);
 }
 
 // A RoPE block that means "no scaling": null, or a rope_type/type of "default".
@@ -115,6 +156,14 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
   json j;
   try {
     j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    const std::string key = nonfinite_literal_key(text, e.byte);
+    throw Error(cat(origin, ": not valid JSON (", e.what(), ")",
+                    key.empty() ? std::string()
+                                : cat(key == "?" ? std::string(": a value") : cat(": \"", key, "\""),
+                                      " is NaN or Infinity, which JSON has no number for (Python's json module writes "
+                                      "them for non-finite floats); every number Loom reads from config.json is a "
+                                      "finite one in the range of the model.* key it sets")));
   } catch (const json::exception& e) {
     throw Error(cat(origin, ": not valid JSON (", e.what(), ")"));
   }
@@ -138,38 +187,35 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
     throw Error(cat(origin, ": rope_scaling is ", j["rope_scaling"].dump(),
                     ", but Loom implements plain RoPE only; this model cannot be imported"));
   ModelSpec s;
-  s.hidden = get_int(j, origin, "hidden_size", std::nullopt, kMaxDim, "model.hidden");
-  s.num_layers = get_int(j, origin, "num_hidden_layers", std::nullopt, kMaxLayersOrHeads, "model.num_layers");
-  s.num_heads = get_int(j, origin, "num_attention_heads", std::nullopt, kMaxLayersOrHeads, "model.num_heads");
-  s.num_kv_heads = get_int(j, origin, "num_key_value_heads", s.num_heads, kMaxLayersOrHeads, "model.num_kv_heads");
-  s.ffn_hidden = get_int(j, origin, "intermediate_size", std::nullopt, kMaxDim, "model.ffn_hidden");
-  s.vocab_size = get_int(j, origin, "vocab_size", std::nullopt, kMaxVocabSize, "model.vocab_size: token ids are int32");
+  s.hidden = get_int(j, origin, "hidden_size", std::nullopt, "hidden", kMaxDim);
+  s.num_layers = get_int(j, origin, "num_hidden_layers", std::nullopt, "num_layers", kMaxLayersOrHeads);
+  s.num_heads = get_int(j, origin, "num_attention_heads", std::nullopt, "num_heads", kMaxLayersOrHeads);
+  s.num_kv_heads = get_int(j, origin, "num_key_value_heads", s.num_heads, "num_kv_heads", kMaxLayersOrHeads);
+  s.ffn_hidden = get_int(j, origin, "intermediate_size", std::nullopt, "ffn_hidden", kMaxDim);
+  s.vocab_size = get_int(j, origin, "vocab_size", std::nullopt, "vocab_size", kMaxVocabSize);
   // Defaults below are LlamaConfig's, so a config that omits a key means what it means in HF.
-  s.max_seq_len = get_int(j, origin, "max_position_embeddings", 2048);
-  s.norm_eps = get_double(j, origin, "rms_norm_eps", 1e-6);
+  // max_position_embeddings becomes model.max_seq_len (RoPE's tables are sized from it).
+  s.max_seq_len = get_int(j, origin, "max_position_embeddings", 2048, "max_seq_len", kMaxDim);
+  // The ranges of model.norm_eps and model.rope_theta (config/run_config.hpp):
+  // RMSNorm's epsilon is an fp32 on the device, RoPE's angles must stay finite.
+  s.norm_eps = get_double(j, origin, "rms_norm_eps", "rms_norm_eps", 1e-6, "norm_eps", kFp32MinNormal, kMaxNormEps);
+  const double inf = std::numeric_limits<double>::infinity();
   if (j.contains("rope_theta") && !j["rope_theta"].is_null()) {
-    s.rope_theta = get_double(j, origin, "rope_theta", std::nullopt);
+    s.rope_theta = get_double(j, origin, "rope_theta", "rope_theta", 10000.0, "rope_theta", kMinRopeTheta, inf);
   } else if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
     const auto& rp = j["rope_parameters"];
     if (!rope_is_default(rp))
       throw Error(cat(origin, ": rope_parameters is ", rp.dump(),
                       ", but Loom implements plain RoPE only (rope_type \"default\"); this model cannot be imported"));
-    s.rope_theta = rp.contains("rope_theta") ? get_double(rp, origin + " rope_parameters", "rope_theta", std::nullopt)
+    s.rope_theta = rp.contains("rope_theta") ? get_double(rp, origin, "rope_parameters.rope_theta", "rope_theta",
+                                                          10000.0, "rope_theta", kMinRopeTheta, inf)
                                              : 10000.0;
   } else {
     s.rope_theta = 10000.0;
   }
-  // The ranges of model.norm_eps and model.rope_theta (config/run_config.hpp):
-  // RMSNorm's epsilon is an fp32 on the device, RoPE's angles must stay finite.
-  if (!(std::isfinite(s.norm_eps) && s.norm_eps >= kFp32MinNormal && s.norm_eps <= 1.0))
-    throw Error(cat(origin, ": \"rms_norm_eps\" is ", j["rms_norm_eps"].dump(), ", outside what Loom accepts: [",
-                    config_detail::format_number(kFp32MinNormal), ", 1] (a smaller one is 0 in fp32)"));
-  if (!(std::isfinite(s.rope_theta) && s.rope_theta >= 1.0))
-    throw Error(cat(origin, ": rope_theta is ", config_detail::format_number(s.rope_theta),
-                    ", outside what Loom accepts: a finite number >= 1 (below 1 RoPE's angles can overflow fp32)"));
   if (j.contains("tie_word_embeddings") && !j["tie_word_embeddings"].is_null()) {
     if (!j["tie_word_embeddings"].is_boolean())
-      throw Error(cat(origin, ": tie_word_embeddings must be true or false, found ", j["tie_word_embeddings"].dump()));
+      refuse(origin, "tie_word_embeddings", j["tie_word_embeddings"], "tied_embeddings", "true or false");
     s.tied_embeddings = j["tie_word_embeddings"].get<bool>();
   } else {
     s.tied_embeddings = false;
@@ -181,23 +227,22 @@ ModelSpec parse_hf_llama_config(const std::string& text, const std::string& orig
                     s.num_kv_heads));
   if (mt == "mixtral") {
     // MixtralConfig's defaults for omitted keys, as for Llama's above.
-    s.num_experts = get_int(j, origin, "num_local_experts", 8, kMaxExperts, "model.num_experts");
-    s.top_k = get_int(j, origin, "num_experts_per_tok", 2, kMaxTopK, "model.top_k");
+    s.num_experts = get_int(j, origin, "num_local_experts", 8, "num_experts", kMaxExperts);
+    s.top_k = get_int(j, origin, "num_experts_per_tok", 2, "top_k", kMaxTopK);
     if (s.top_k > s.num_experts)
       throw Error(cat(origin, ": num_experts_per_tok ", s.top_k, " exceeds num_local_experts ", s.num_experts,
                       "; each token picks that many distinct experts"));
-    s.router_aux_loss_coef = get_non_negative(j, origin, "router_aux_loss_coef", 0.001);
-    s.router_jitter_noise = get_non_negative(j, origin, "router_jitter_noise", 0.0);
-    if (s.router_jitter_noise >= 1.0)
-      throw Error(cat(origin, ": router_jitter_noise is ", j["router_jitter_noise"].dump(),
-                      ", outside what Loom accepts: [0, 1) (the jitter factor is uniform in [1 - eps, 1 + eps))"));
+    s.router_aux_loss_coef = get_double(j, origin, "router_aux_loss_coef", "router_aux_loss_coef", 0.001,
+                                        "router_aux_loss_coef", 0.0, kMaxRouterAuxLossCoef);
+    s.router_jitter_noise = get_double(j, origin, "router_jitter_noise", "router_jitter_noise", 0.0,
+                                       "router_jitter_noise", 0.0, kMaxRouterJitterNoise);
     if (j.contains("sliding_window") && !j["sliding_window"].is_null())
       throw Error(cat(origin, ": sliding_window is ", j["sliding_window"].dump(),
                       ", but Loom's attention is full causal attention; this model cannot be imported "
                       "(Mixtral's published configs have sliding_window = null)"));
   }
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
-    int64_t hd = get_int(j, origin, "head_dim", std::nullopt);
+    const int64_t hd = get_int(j, origin, "head_dim", std::nullopt, "", std::numeric_limits<int64_t>::max());
     if (hd != s.hidden / s.num_heads)
       throw Error(cat(origin, ": head_dim is ", hd, " but hidden_size / num_attention_heads = ", s.hidden / s.num_heads,
                       "; Loom requires head_dim = hidden_size / num_attention_heads, so this model cannot be imported"));

@@ -2,9 +2,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <set>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/file_util.hpp"
 #include "checkpoint/train_checkpoint.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
@@ -425,21 +429,58 @@ void load_unit_range(ckpt::CheckpointSet& set, const std::string& kind, const Pa
   if (a >= b) return;
   const ckpt::SavedParam& sp = set.param(p.name);
   staging.resize(static_cast<size_t>(b - a) * dtype_size(dst_flat.dtype));
+  // Refuses NaN or inf (CheckpointDamaged, naming the parameter and which
+  // state holds them; the caller adds the way back), as `loom convert` does.
   set.read(kind, sp, a - p.offset, b - p.offset, dst_flat.dtype, staging.data());
-  // NaN or inf in the weights or the AdamW state would make every step of
-  // the resumed run non-finite: refused here, naming what holds them.
-  if (const NonFiniteCount bad = count_nonfinite(staging.data(), dst_flat.dtype, b - a))
-    throw Error(cat("checkpoint ", set.dir(), ": the ", state_kind_words(kind), " of '", p.name, "' hold ",
-                    describe_nonfinite(bad, b - a), " (elements counted from ", a - p.offset,
-                    "): it was written from a diverged run and cannot be resumed. Resume an earlier checkpoint "
-                    "(checkpoint.resume = <step>; complete ones: ", ckpt::complete_list(fs::path(set.dir()).parent_path().string()),
-                    ") or start fresh (checkpoint.resume = \"none\")"));
   Tensor dst = view(dst_flat, a - dst_begin, {b - a});
   be.upload(dst, staging.data(), staging.size());
 }
 
+// "key = value" lines of a table's TOML (its own keys, not its sub-tables).
+std::map<std::string, std::string> toml_values(const std::string& toml) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(toml);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line[0] == '[') break;  // sub-tables follow the plain keys
+    const size_t eq = line.find(" = ");
+    if (eq != std::string::npos) out[line.substr(0, eq)] = line.substr(eq + 3);
+  }
+  return out;
+}
+
+// The [precision] keys set otherwise than in the run that wrote the
+// checkpoint in `dir` (meta.json's "config"): "amax_history_len 4 -> 8,
+// fp8_head (not set) -> true"; "" when none differs or the record is absent.
+std::string precision_key_changes(const std::string& dir, const Config& cfg) {
+  try {
+    const nlohmann::json meta =
+        nlohmann::json::parse(ckpt::read_file((fs::path(dir) / "meta.json").string(), "checkpoint metadata"));
+    if (!meta.contains("config") || !meta["config"].is_string()) return "";
+    const ConfigTable old = parse_config_table(meta["config"].get<std::string>(), dir + "/meta.json (config)");
+    std::map<std::string, std::string> had = toml_values(old.table("precision").to_toml()),
+                                       has = toml_values(cfg.precision.table.to_toml());
+    std::set<std::string> keys;
+    for (const auto& [k, v] : had) keys.insert(k);
+    for (const auto& [k, v] : has) keys.insert(k);
+    std::string out;
+    for (const std::string& k : keys) {
+      if (k == "plugin" || k == "path") continue;
+      const auto a = had.find(k), b = has.find(k);
+      const std::string from = a == had.end() ? "(not set)" : a->second, to = b == has.end() ? "(not set)" : b->second;
+      if (from != to) out += cat(out.empty() ? "" : ", ", "precision.", k, " ", from, " -> ", to);
+    }
+    return out;
+  } catch (const std::exception&) {
+    return "";  // meta.json was certified and read already; an odd "config" record only loses the hint
+  }
+}
+
 // The recipe's state tensors, by name, from a checkpoint of the same recipe;
-// any other recipe's checkpoint leaves them fresh, and the log says so.
+// any other recipe's checkpoint leaves them fresh, and the log says so. Past
+// the certificate, every value is the recipe's to check (state_loaded()): a
+// value it refuses is damage, named with the checkpoint and the rank file it
+// came from, so the caller adds the way back to the newest earlier
+// checkpoint that validates.
 void restore_precision_state(ckpt::CheckpointSet& set, const Config& cfg, Runtime& rt) {
   const ckpt::TrainMeta& m = set.meta();
   std::vector<StateTensor> mine = rt.precision->state_tensors();
@@ -456,15 +497,29 @@ void restore_precision_state(ckpt::CheckpointSet& set, const Config& cfg, Runtim
                    cfg.precision.plugin, "\": its scales start fresh"));
     return;
   }
+  if (m.layers != cfg.model.layers && (!mine.empty() || !m.precision_tensors.empty())) {
+    // Native and fused layers resume each other's weights, but register
+    // other linears (one QKV and one gate-up GEMM against three and two):
+    // every slot of the recipe's state would mean another tensor.
+    log_warn(cat("checkpoint ", set.dir(), " was computed with model.layers = \"", m.layers, "\", this run with \"",
+                 cfg.model.layers, "\", whose linears are others: precision \"", cfg.precision.plugin,
+                 "\" does not take over its state (", m.precision_tensors.size(), " tensor(s)); its scales start fresh"));
+    return;
+  }
   Backend& be = *rt.backend;
   std::vector<std::byte> staging;
+  std::map<std::string, std::string> files;  // rank file -> the tensors read from it, for messages
+  size_t read = 0;
   for (StateTensor& st : mine) {
     const auto it = std::find_if(m.precision_tensors.begin(), m.precision_tensors.end(),
                                  [&](const ckpt::SavedState& s) { return s.name == st.name; });
-    if (it == m.precision_tensors.end())
-      throw Error(cat("checkpoint ", set.dir(), " has no precision state '", st.name, "', which precision \"",
-                      cfg.precision.plugin, "\" keeps: it was written by another version of the recipe. Resume "
-                      "with that version, or start fresh (checkpoint.resume = \"none\")"));
+    if (it == m.precision_tensors.end()) {
+      // Written by an earlier version of the recipe, before it kept this
+      // tensor: the recipe keeps its own value, and judges in state_loaded().
+      log_info(cat("checkpoint ", set.dir(), " holds no precision state '", st.name, "' (written before precision \"",
+                   cfg.precision.plugin, "\" kept it): this run's own value stands in for it"));
+      continue;
+    }
     if (it->replicated != st.replicated)
       throw Error(cat("checkpoint ", set.dir(), ": precision state '", st.name, "' was saved ",
                       it->replicated ? "replicated" : "per rank", " but the recipe keeps it ",
@@ -473,23 +528,55 @@ void restore_precision_state(ckpt::CheckpointSet& set, const Config& cfg, Runtim
       throw Error(cat("checkpoint ", set.dir(), ": precision state '", st.name, "' is kept per rank and was written by ",
                       m.world_size, " rank(s); this run has ", rt.world(), ". Resume with ", m.world_size,
                       " rank(s), or start fresh (checkpoint.resume = \"none\")"));
+    const std::vector<int64_t> shape(st.tensor.shape.begin(), st.tensor.shape.begin() + st.tensor.ndim);
+    if (it->dtype != st.tensor.dtype || it->shape != shape) {
+      // The state's layout follows the recipe's options (an FP8 amax history
+      // length; which linears run in FP8) and the model's linears: name the
+      // [precision] keys that changed, the usual cause, and the way back.
+      std::string saved = "[";
+      for (size_t i = 0; i < it->shape.size(); ++i) saved += cat(i ? "," : "", it->shape[i]);
+      saved += "]";
+      const std::string changed = precision_key_changes(set.dir(), cfg);
+      throw Error(cat("checkpoint ", set.dir(), ": precision state '", st.name, "' is ", dtype_name(it->dtype), " ",
+                      saved, " there and ", dtype_name(st.tensor.dtype), " ", st.tensor.shape_str(),
+                      " in this run's recipe: its state has another layout there",
+                      changed.empty() ? std::string(" (a [precision] setting that sizes it, such as an FP8 amax history "
+                                                    "length or fp8_head, or the model's linears changed)")
+                                      : cat(" (the [precision] settings changed since it was written: ", changed, ")"),
+                      ", and precision \"", cfg.precision.plugin, "\" cannot take it over. Resume with the settings "
+                      "that wrote it", changed.empty() ? "" : " (set those keys back)",
+                      ", or start fresh (checkpoint.resume = \"none\")"));
+    }
     Tensor host_t = st.tensor;
     if (host_t.device != Device::cpu) {
       staging.resize(host_t.bytes());
       host_t.data = staging.data();
       host_t.device = Device::cpu;
     }
-    set.read_precision_state(st.replicated ? 0 : rt.rank(), *it, host_t);
+    const int from = st.replicated ? 0 : rt.rank();
+    set.read_precision_state(from, *it, host_t);
     if (st.tensor.device != Device::cpu) be.upload(st.tensor, staging.data(), staging.size());
+    std::string& list = files[(fs::path(set.dir()) / ckpt::rank_file_name(from)).string()];
+    list += cat(list.empty() ? "" : ", ", st.name);
+    ++read;
   }
   for (const ckpt::SavedState& s : m.precision_tensors)
     if (std::none_of(mine.begin(), mine.end(), [&](const StateTensor& st) { return st.name == s.name; }))
       log_warn(cat("checkpoint ", set.dir(), ": precision state '", s.name, "' is not kept by precision \"",
                    cfg.precision.plugin, "\" any more; it is ignored"));
-  rt.precision->state_loaded();
-  if (!mine.empty())
-    log_info(cat("checkpoint ", set.dir(), ": precision \"", cfg.precision.plugin, "\" resumes its state (",
-                 mine.size(), " tensor(s))"));
+  try {
+    rt.precision->state_loaded();
+  } catch (const Error& e) {
+    std::string from;
+    for (const auto& [file, names] : files) from += cat(from.empty() ? "" : " and ", file, " (", names, ")");
+    throw ckpt::CheckpointDamaged(cat("checkpoint ", set.dir(), ": the state of precision \"", cfg.precision.plugin,
+                                      "\" read from ", from.empty() ? std::string("its rank files") : from,
+                                      " is refused: ", e.what(), ". The checkpoint cannot be resumed as it is"));
+  }
+  // Whether the state resumes or parts of it start afresh is the recipe's to say.
+  if (read > 0)
+    log_info(cat("checkpoint ", set.dir(), ": precision \"", cfg.precision.plugin, "\" read ", read,
+                 " state tensor(s)"));
 }
 
 }  // namespace
@@ -534,6 +621,10 @@ int64_t load_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const
                  " params", dt.has_master ? " with an fp32 master copy" : "", " and ", dtype_name(dt.optim_state),
                  " state (precision \"", cfg.precision.plugin, "\")"));
 
+  // The recipe's state next: a few small tensors, every value checked by the
+  // recipe, so a refused one costs no load of the weights.
+  restore_precision_state(set, cfg, rt);
+
   Backend& be = *rt.backend;
   std::vector<std::byte> staging;
   // fp32 params with an fp32 master in the checkpoint: take the exact master values.
@@ -551,7 +642,6 @@ int64_t load_checkpoint(const Config& cfg, Runtime& rt, TrainState& state, const
       load_unit_range(set, "adam_v", p, olo, ohi, u.adam_v, u.layout.optim_begin, be, staging);
     }
   }
-  restore_precision_state(set, cfg, rt);
   log_info(cat("resumed from ", info.dir, " at step ", m.step));
   return m.step;
 }

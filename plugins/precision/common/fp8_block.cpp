@@ -377,10 +377,14 @@ std::vector<StateTensor> Fp8BlockRecipe::state_tensors() {
 
 void Fp8BlockRecipe::state_loaded() {
   if (gpu_) return gpu_->state_loaded();
-  LOOM_CHECK(counters_[0] >= 0 && counters_[1] >= 0, "precision fp8_block: the checkpoint's fp8_block.counters (",
-             counters_[0], ", ", counters_[1], ") are negative");
-  steps_ = static_cast<int64_t>(counters_[0]);
-  nonfinite_ = static_cast<int64_t>(counters_[1]);
+  // Both counts are checked before either is taken; they mean the same under
+  // any [precision] option (steps, and tiles cast with scale 1 for an inf or
+  // NaN amax), so they resume whatever changed.
+  const int64_t steps = fp8_options::restored_count(counters_[0], "fp8_block.counters", 0, "the steps taken");
+  const int64_t nonfinite =
+      fp8_options::restored_count(counters_[1], "fp8_block.counters", 1, "the tiles with a non-finite amax");
+  steps_ = steps;
+  nonfinite_ = nonfinite;
   nonfinite_mark_ = nonfinite_;
   for (Linear& l : linears_) {
     l.weight_cast = false;

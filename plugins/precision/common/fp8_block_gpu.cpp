@@ -26,6 +26,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <sstream>
 
 #include "kernels/cuda/cuda_check.hpp"
@@ -304,10 +305,12 @@ class Fp8BlockGpu final : public Precision {
       l.weight_cast = false;
       l.saved_rows = -1;
     }
-    LOOM_CHECK(counters_[0] >= 0 && counters_[1] >= 0, "precision fp8_block: the checkpoint's fp8_block.counters (",
-               counters_[0], ", ", counters_[1], ") are negative");
-    steps_ = static_cast<int64_t>(counters_[0]);
-    h_count_ = static_cast<uint32_t>(counters_[1]);
+    // Both checked before either is taken (the device counts tiles in 32 bits).
+    const int64_t steps = fp8_options::restored_count(counters_[0], "fp8_block.counters", 0, "the steps taken");
+    const int64_t tiles = fp8_options::restored_count(counters_[1], "fp8_block.counters", 1,
+                                                      "the tiles with a non-finite amax", UINT32_MAX);
+    steps_ = steps;
+    h_count_ = static_cast<uint32_t>(tiles);
     mark_ = h_count_;
     if (counter_ != nullptr) {
       LOOM_CUDA_CHECK(cudaMemcpy(counter_, &h_count_, sizeof(h_count_), cudaMemcpyHostToDevice),

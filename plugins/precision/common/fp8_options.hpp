@@ -3,6 +3,9 @@
 // weight_cache key, the master / stochastic_rounding pair, the amax-history
 // keys only fp8_delayed takes, and the shape of a registered linear.
 #pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -98,6 +101,21 @@ inline void refuse_fused_casts(const ConfigTable& c, const std::string& plugin, 
     c.fail("fused_casts", cat("precision.plugin = \"", plugin, "\" ", why,
                               ", so no kernel can write a tensor in FP8 before it exists and 'fused_casts' has no "
                               "meaning here: remove it, or use precision.plugin = \"fp8_delayed\", whose key it is"));
+}
+
+// A count a recipe restores from a checkpoint's f64 tensor: a whole number
+// in [0, max] (2^53 at most, where f64 stops being exact), checked before it
+// is converted; else loom::Error naming the tensor, the element, what it
+// counts and the value (the core adds the checkpoint and the way back).
+inline int64_t restored_count(double v, const std::string& tensor, int index, const char* what,
+                              double max = 9007199254740992.0) {
+  if (!(std::isfinite(v) && v == std::floor(v) && v >= 0.0 && v <= max)) {
+    char buf[40];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    throw Error(cat("precision state '", tensor, "' [", index, "] (", what, ") is ", buf,
+                    ": a count is a whole number in [0, ", max == 9007199254740992.0 ? std::string("2^53") : cat(static_cast<int64_t>(max)), "]"));
+  }
+  return static_cast<int64_t>(v);
 }
 
 // A linear an FP8 recipe can plan its cast copies for (max_rows > 0).

@@ -456,17 +456,23 @@ std::vector<StateTensor> Fp8Recipe::state_tensors() {
                           {static_cast<int64_t>(state_->config().amax_history_len), T}),
                    true});
   out.push_back({"fp8.counters", Tensor(counters_, DType::f64, Device::cpu, {4}), replicated});
+  // Equal on every rank (the [precision] table is the run's). A checkpoint
+  // written before the record existed leaves this run's own record here.
+  state_->options_record(options_);
+  out.push_back({"fp8.options", Tensor(options_, DType::f64, Device::cpu, {fp8::ScalingState::kOptionsRecord}), true});
   return out;
 }
 
 void Fp8Recipe::state_loaded() {
   if (gpu_) return gpu_->state_loaded();
-  fp8::ScalingState::Counters c;
-  c.head = static_cast<int64_t>(counters_[0]);
-  c.steps = static_cast<int64_t>(counters_[1]);
-  c.skipped = static_cast<int64_t>(counters_[2]);
-  c.nonfinite = static_cast<int64_t>(counters_[3]);
-  state_->restore(c);
+  // Every restored value is checked before any is taken (throws naming the
+  // tensor, the element and the value; the core names the checkpoint).
+  const fp8::ScalingState::Counters c = fp8::ScalingState::counters_from(counters_);
+  const std::vector<std::string> changed = state_->restore(c, options_);
+  for (const std::string& line : changed) log_warn(cat("precision ", plugin_, ": ", line));
+  log_info(cat("precision ", plugin_, ": ", changed.empty() ? "its FP8 state resumes" : "the rest of its FP8 state resumes",
+               " (", state_->tensors(), " scales", scaling_ == fp8::Scaling::delayed ? ", the amax history" : "",
+               ", counters after ", c.steps, " step(s))"));
   skipped_mark_ = state_->skipped_updates();
   for (Linear& l : linears_) {
     l.weight_cast = l.w_scale_known = false;

@@ -145,8 +145,11 @@ class Fp8Recipe : public Precision {
   float* saved_ = nullptr;
   int64_t weight_floats_ = 0, gemm_floats_ = 0, saved_floats_ = 0;
   int64_t x_scratch_floats_ = 0;  // the largest x of a linear whose backward is handed x again
-  // Checkpointed beside the scaling state: head, steps, skipped, non-finite (f64).
+  // Checkpointed beside the scaling state: head, steps, skipped, non-finite
+  // (f64), and the options that give the state its meaning (ScalingState's
+  // options record), so that a resume under other options can tell.
   double counters_[4] = {0, 0, 0, 0};
+  double options_[fp8::ScalingState::kOptionsRecord] = {};
   // The log line: this step's largest amax (after the all-reduce), updates kept.
   float last_max_amax_ = 0.0f;
   int64_t last_kept_ = 0, skipped_mark_ = 0;

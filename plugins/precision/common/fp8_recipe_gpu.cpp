@@ -33,9 +33,11 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <cstdint>
 #include <cstring>
 #include <iomanip>
 #include <sstream>
+#include <utility>
 
 #include "kernels/cuda/cuda_check.hpp"
 #include "kernels/cuda/fp8_gemm.hpp"
@@ -454,6 +456,10 @@ class Fp8Gpu final : public Precision {
                             {static_cast<int64_t>(o_.scaling.amax_history_len), T_}),
                      true});
     out.push_back({"fp8.counters", Tensor(counters_, DType::f64, Device::cpu, {4}), replicated});
+    // The options that give the state its meaning (as on the CPU).
+    host_.options_record(options_);
+    out.push_back(
+        {"fp8.options", Tensor(options_, DType::f64, Device::cpu, {fp8::ScalingState::kOptionsRecord}), true});
     return out;
   }
 
@@ -474,17 +480,28 @@ class Fp8Gpu final : public Precision {
                                  static_cast<size_t>(host_.history_floats()) * sizeof(float), cudaMemcpyDeviceToHost),
                       "precision ", o_.plugin, ": reading the restored amax history (", host_.history_floats(),
                       " floats)");
-    fp8::ScalingState::Counters c;
-    c.head = static_cast<int64_t>(counters_[0]);
-    c.steps = static_cast<int64_t>(counters_[1]);
-    c.skipped = static_cast<int64_t>(counters_[2]);
-    c.nonfinite = static_cast<int64_t>(counters_[3]);
-    host_.restore(c);  // throws naming a bad scale or history entry
+    // Every restored value checked before any is taken (ScalingState's
+    // rules, as on the CPU; the core names the checkpoint and rank file).
+    const fp8::ScalingState::Counters c = fp8::ScalingState::counters_from(counters_);
+    // The device counts skipped updates and non-finite amaxes in 32 bits.
+    for (const auto& [v, what] : {std::pair<int64_t, const char*>{c.skipped, "[2] (the skipped scale updates)"},
+                                  std::pair<int64_t, const char*>{c.nonfinite, "[3] (the non-finite amaxes)"}})
+      if (v > static_cast<int64_t>(UINT32_MAX))
+        throw Error(cat("precision state 'fp8.counters' ", what, " is ", v, ", beyond the ", UINT32_MAX,
+                        " the CUDA recipe counts to"));
+    const std::vector<std::string> changed = host_.restore(c, options_);
+    for (const std::string& line : changed) log_warn(cat("precision ", o_.plugin, ": ", line));
+    log_info(cat("precision ", o_.plugin, ": ", changed.empty() ? "its FP8 state resumes" : "the rest of its FP8 state resumes",
+                 " (", T_, " scales", history_ != nullptr ? ", the amax history" : "", ", counters after ", c.steps,
+                 " step(s))"));
     head_ = c.head;
     steps_ = c.steps;
     h_counts_[0] = static_cast<uint32_t>(c.skipped);
     h_counts_[1] = static_cast<uint32_t>(c.nonfinite);
     skipped_mark_ = c.skipped;
+    // The scales too: restore() starts afresh those an option change made stale.
+    LOOM_CUDA_CHECK(cudaMemcpy(scale_, host_.scales(), tb, cudaMemcpyHostToDevice), "precision ", o_.plugin,
+                    ": writing ", T_, " restored scales");
     LOOM_CUDA_CHECK(cudaMemcpy(scale_inv_, host_.scale_invs(), tb, cudaMemcpyHostToDevice), "precision ", o_.plugin,
                     ": writing ", T_, " restored inverse scales");
     LOOM_CUDA_CHECK(cudaMemcpy(counts_, h_counts_, sizeof(h_counts_), cudaMemcpyHostToDevice), "precision ",
@@ -738,6 +755,7 @@ class Fp8Gpu final : public Precision {
   // Host side.
   int64_t head_ = 0, steps_ = 0;
   double counters_[4] = {0, 0, 0, 0};  // checkpointed: head, steps, skipped, non-finite
+  double options_[fp8::ScalingState::kOptionsRecord] = {};  // checkpointed: ScalingState::options_record
   uint32_t h_counts_[2] = {0, 0};
   mutable std::vector<float> h_scale_, h_amax_;
   mutable int64_t skipped_mark_ = 0;

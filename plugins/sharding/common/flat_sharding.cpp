@@ -258,6 +258,28 @@ FlatSharding::FlatSharding(const PluginInit& init, Strategy strategy, std::strin
   I.name = std::move(name);
   I.rank = init.rank;
   I.world = init.world;
+  // The table first: every key read and unknown ones refused before
+  // anything about the run is, so a key this strategy does not take is named
+  // as that (listing the ones it takes) however the process was started
+  // (`loom compare` lists them for a --strategies item's keys).
+  const ConfigTable& t = init.config;
+  const std::string rd = t.get_choice("reduce_dtype", "fp32", {"fp32", "bf16"});
+  I.reduce_dtype = rd == "fp32" ? DType::f32 : DType::bf16;
+  if (I.shard_params()) {
+    I.reshard_after_forward = t.get_bool("reshard_after_forward", true);
+    I.prefetch = static_cast<int>(t.get_int("prefetch", 1, 0, 8));
+    I.fp8_gather = t.get_choice("gather_dtype", "param", {"param", "fp8"}) == "fp8";
+    I.gather_where = t.where("gather_dtype");
+  } else if (const std::vector<std::string> present = t.keys();
+             std::find(present.begin(), present.end(), "gather_dtype") != present.end()) {
+    // Looked up without has(), which would list it among the keys this strategy takes.
+    t.fail("gather_dtype", cat("gather_dtype applies to the strategies that gather parameters before each unit's ",
+                               "compute (zero3, full_shard, hybrid_shard); sharding.plugin = \"", I.name,
+                               "\" keeps whole parameters on every rank: remove the key"));
+  }
+  const int64_t local = init.local_world > 0 ? init.local_world : 1;
+  const int64_t group = strategy == Strategy::hybrid ? t.get_int("shard_group_size", local, 1, 1 << 20) : 0;
+  t.finish();
   // A strategy splits the work across ranks: started as one plain process
   // there is nothing to split, and the user most likely forgot the launcher.
   if (!init.under_launcher && init.world == 1)
@@ -265,36 +287,20 @@ FlatSharding::FlatSharding(const PluginInit& init, Strategy strategy, std::strin
                     "alone: launch it with `mpirun -np N loom ...` (or `srun --mpi=pmix ...` under Slurm), or set "
                     "sharding.plugin = \"none\" for one process; `loom check --world-size N` plans it for N ranks "
                     "without starting them"));
-  const ConfigTable& t = init.config;
-  const std::string rd = t.get_choice("reduce_dtype", "fp32", {"fp32", "bf16"});
-  I.reduce_dtype = rd == "fp32" ? DType::f32 : DType::bf16;
   if (I.reduce_dtype == DType::bf16 && init.device != Device::cuda)
     t.fail("reduce_dtype", "reduce_dtype = \"bf16\" needs run.device = \"cuda\"; the CPU path reduces in fp32");
-  if (I.shard_params()) {
-    I.reshard_after_forward = t.get_bool("reshard_after_forward", true);
-    I.prefetch = static_cast<int>(t.get_int("prefetch", 1, 0, 8));
-    I.fp8_gather = t.get_choice("gather_dtype", "param", {"param", "fp8"}) == "fp8";
-    I.gather_where = t.where("gather_dtype");
-  } else if (t.has("gather_dtype")) {
-    t.fail("gather_dtype", cat("gather_dtype applies to the strategies that gather parameters before each unit's ",
-                               "compute (zero3, full_shard, hybrid_shard); sharding.plugin = \"", I.name,
-                               "\" keeps whole parameters on every rank: remove the key"));
-  }
   if (strategy == Strategy::hybrid) {
-    const int64_t def = init.local_world > 0 ? init.local_world : 1;
-    const int64_t g = t.get_int("shard_group_size", def, 1, 1 << 20);
-    if (init.world % g != 0)
-      t.fail("shard_group_size", cat("shard_group_size = ", g, " does not divide the world size ", init.world,
+    if (init.world % group != 0)
+      t.fail("shard_group_size", cat("shard_group_size = ", group, " does not divide the world size ", init.world,
                                      ": pick a divisor of ", init.world, " (the default is the ranks per node, ",
-                                     def, ")"));
-    I.group = static_cast<int>(g);
+                                     local, ")"));
+    I.group = static_cast<int>(group);
   } else if (strategy == Strategy::ddp) {
     I.group = 1;
   } else {
     I.group = init.world;
   }
   I.replicas = init.world / I.group;
-  t.finish();
 }
 
 FlatSharding::~FlatSharding() = default;

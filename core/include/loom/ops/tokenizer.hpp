@@ -12,7 +12,19 @@
 #include <string_view>
 #include <vector>
 
+#include "loom/error.hpp"
+
 namespace loom::data {
+
+// An input a tokenizer cannot encode: its pre-tokenizer regex gave up on it
+// (PCRE2's match, depth or JIT stack limit). The message names the tokenizer
+// file and the byte of the document; `offset` is that byte, for the caller
+// to name the input file and where in it the document starts.
+class TokenizeInputError : public Error {
+ public:
+  TokenizeInputError(const std::string& message, uint64_t offset) : Error(message), offset(offset) {}
+  uint64_t offset;
+};
 
 class Tokenizer {
  public:
@@ -32,11 +44,9 @@ class Tokenizer {
   // A piece of an id, for messages and tests ("▁the", "<|begin_of_text|>").
   virtual std::string piece(uint32_t id) const = 0;
   // Appends BOS, the ids of `doc`, EOS: what prepare writes per document.
-  void encode_document(std::string_view doc, std::vector<uint32_t>& out) const {
-    out.push_back(bos());
-    encode(doc, out);
-    out.push_back(eos());
-  }
+  // An input the tokenizer cannot encode throws TokenizeInputError with the
+  // byte of `doc` where it gave up.
+  void encode_document(std::string_view doc, std::vector<uint32_t>& out) const;
 };
 
 // Where BOS and EOS come from when the file does not say (an HF tokenizer.json

@@ -375,7 +375,8 @@ thread_local MatchState t_match;
 }  // namespace
 
 RegexSplitter::RegexSplitter(const std::string& pattern, bool keep_gaps, const std::string& what)
-    : impl_(std::make_unique<Impl>()), pattern_(rewrite_whitespace_classes(pattern, what)), keep_gaps_(keep_gaps) {
+    : impl_(std::make_unique<Impl>()), pattern_(rewrite_whitespace_classes(pattern, what)), what_(what),
+      keep_gaps_(keep_gaps) {
   int err = 0;
   PCRE2_SIZE off = 0;
   impl_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern_.data()), pattern_.size(),
@@ -407,10 +408,10 @@ bool RegexSplitter::next(std::string_view text, std::size_t from, std::size_t& b
     st.reset();
     st.md = pcre2_match_data_create_from_pattern(impl_->code, nullptr);
     st.mc = pcre2_match_context_create(nullptr);
-    if (!st.md || !st.mc) throw Error("out of memory creating PCRE2 match data");
+    if (!st.md || !st.mc) throw Error(cat(what_, ": out of memory creating PCRE2 match data for its pre-tokenizer"));
     if (impl_->jit) {
       st.stack = pcre2_jit_stack_create(64 * 1024, 64 * 1024 * 1024, nullptr);
-      if (!st.stack) throw Error("out of memory creating a PCRE2 JIT stack");
+      if (!st.stack) throw Error(cat(what_, ": out of memory creating a PCRE2 JIT stack for its pre-tokenizer"));
       pcre2_jit_stack_assign(st.mc, nullptr, st.stack);
     }
     st.owner = impl_.get();
@@ -423,7 +424,13 @@ bool RegexSplitter::next(std::string_view text, std::size_t from, std::size_t& b
   if (rc < 0) {
     PCRE2_UCHAR msg[256];
     pcre2_get_error_message(rc, msg, sizeof msg);
-    throw Error(cat("pre-tokenizer regex failed at byte ", from, ": ", reinterpret_cast<const char*>(msg)));
+    const std::string reason = reinterpret_cast<const char*>(msg);
+    // Named with the tokenizer file here; the caller that knows the document
+    // (Tokenizer::encode_document) turns `at` into its byte, and the one that
+    // knows the input file adds it.
+    throw RegexGaveUp(cat(what_, ": its pre-tokenizer pattern gave up on the text at byte ", from, " of the piece it was ",
+                          "given (PCRE2: ", reason, ")"),
+                      what_, pattern_, reason, text.data() + from);
   }
   const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(st.md);
   b = ov[0];

@@ -12,7 +12,10 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
+
+#include "loom/error.hpp"
 
 namespace loom::data {
 
@@ -74,6 +77,18 @@ class BytePairEncoder {
   uint64_t serial_ = 0;  // tells this encoder's per-thread cache from another's
 };
 
+// What RegexSplitter throws when PCRE2 gives up on a text (its match, depth
+// or heap limit, or the JIT stack): the tokenizer file, the pattern, PCRE2's
+// reason and where in the text, as a pointer, so that a caller that split a
+// document into pieces can say which byte of the document it was
+// (Tokenizer::encode_document does: TokenizeInputError).
+struct RegexGaveUp : Error {
+  RegexGaveUp(const std::string& message, std::string tokenizer, std::string pattern, std::string reason, const char* at)
+      : Error(message), tokenizer(std::move(tokenizer)), pattern(std::move(pattern)), reason(std::move(reason)), at(at) {}
+  std::string tokenizer, pattern, reason;
+  const char* at;
+};
+
 // Cuts text into words with a regex: every match is a word; what lies between
 // matches is dropped (tiktoken) or kept as words of its own (HF's "Isolated"
 // split). `\s` and `\S` in the pattern mean Unicode White_Space, as in the
@@ -111,6 +126,7 @@ class RegexSplitter {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::string pattern_;
+  std::string what_;  // the tokenizer file, for messages
   bool keep_gaps_;
 };
 

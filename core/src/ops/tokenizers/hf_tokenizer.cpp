@@ -3,6 +3,7 @@
 // ByteLevel or a Sequence of Split (regex, "Isolated") stages and a
 // ByteLevel, no normalizer. Anything else is refused by name rather than
 // tokenized differently from the reference.
+#include <algorithm>
 #include <cctype>
 #include <filesystem>
 
@@ -130,11 +131,19 @@ class HfBpeTokenizer final : public Tokenizer {
     std::unordered_map<std::string, uint32_t> ids;  // the vocabulary's own strings
     std::unordered_map<uint32_t, std::string> owner;  // and back: which string holds each id
     uint32_t max_id = 0;
+    // Every token of the file has an id of its own, so the ids fit below the
+    // number of tokens it holds (model.vocab's and added_tokens' together):
+    // an id beyond that would size the piece table from nothing in the file
+    // (one id of 16 million in a vocabulary of 100 asks for half a gigabyte).
+    const std::size_t n_added = j.contains("added_tokens") && j["added_tokens"].is_array() ? j["added_tokens"].size() : 0;
+    const int64_t id_limit = std::min<int64_t>(kMaxId, static_cast<int64_t>(vocab.size() + n_added));
     for (auto it = vocab.begin(); it != vocab.end(); ++it) {
       // Checked before use: a negative or huge id would size the piece table from it.
-      if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 || it.value().get<int64_t>() >= kMaxId)
-        fail(cat("model.vocab gives \"", it.key(), "\" the id ", it.value().dump(), "; ids are integers in [0, ", kMaxId,
-                 ")"));
+      if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 || it.value().get<int64_t>() >= id_limit)
+        fail(cat("model.vocab gives \"", it.key(), "\" the id ", it.value().dump(), "; ids are integers in [0, ", id_limit,
+                 ")", id_limit < kMaxId ? cat(", the ", vocab.size(), " tokens of model.vocab and ", n_added,
+                                              " added token(s) the file holds, each with an id of its own")
+                                        : std::string()));
       const auto id = it.value().get<uint32_t>();
       // Two tokens with one id would encode to the same id and decode to
       // only one of them: the file is damaged (the tiktoken loader refuses
@@ -346,7 +355,14 @@ class HfBpeTokenizer final : public Tokenizer {
     if (prefix_space_ && piece.front() != ' ') {
       std::string with(" ");
       with += piece;
-      stage(0, with, out);
+      try {
+        stage(0, with, out);
+      } catch (RegexGaveUp& e) {
+        // Where in `piece` (inside the document) the copy's byte is.
+        if (e.at >= with.data() && e.at <= with.data() + with.size())
+          e.at = piece.data() + (e.at > with.data() ? e.at - with.data() - 1 : 0);
+        throw;
+      }
       return;
     }
     stage(0, piece, out);

@@ -9,6 +9,7 @@
 // rule, user-defined or unused pieces) is encoded by the library.
 #include <sentencepiece_processor.h>
 
+#include <cmath>
 #include <cstring>
 #include <map>
 
@@ -121,7 +122,10 @@ std::size_t char_len(char lead) {
 // null (with the reason) when the model needs the library.
 class SpBpe {
  public:
-  static std::unique_ptr<SpBpe> make(const std::string& bytes, std::string& why) {
+  // `path` names the file in what is thrown: a model the library loaded but
+  // whose pieces this path cannot take (a NaN score, a byte piece that is
+  // not <0xHH>) is refused naming the piece, not met deep inside.
+  static std::unique_ptr<SpBpe> make(const std::string& path, const std::string& bytes, std::string& why) {
     SpModel m;
     if (!parse_model(bytes, m)) return why = "the model's protobuf could not be read", nullptr;
     if (m.model_type != 2) return why = "not a BPE model", nullptr;
@@ -134,22 +138,33 @@ class SpBpe {
       const auto& p = m.pieces[id];
       if (p.type == 4 || p.type == 5) return why = "user-defined or unused pieces", nullptr;
       if (p.type == 1) {
+        // Merges are ranked by score: a NaN has no place in that order.
+        if (!std::isfinite(p.score))
+          throw Error(cat("SentencePiece model '", path, "': piece ", id, " ('", p.text, "') has the score ", p.score,
+                          "; a BPE model ranks its merges by finite scores (the file is damaged)"));
         e->bpe_.add_token(p.text, id);
         by_score.emplace(p.score, 0);
         // A piece with "▁" after another character would let a merge cross
         // the start of a word; the word-by-word split below relies on none.
         for (std::size_t k = p.text.find(kSpace, 1); k != std::string::npos; k = p.text.find(kSpace, k + 1))
           if (k < 3 || p.text.compare(k - 3, 3, kSpace) != 0) return why = cat("piece '", p.text, "' spans a word start"), nullptr;
-      } else if (p.type == 6 && p.text.size() == 6) {
+      } else if (p.type == 6) {
+        // A byte piece is "<0xHH>" (SentencePiece writes no other).
+        const auto hex = [](char c) { return c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                                                   : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1; };
+        if (p.text.size() != 6 || p.text.compare(0, 3, "<0x") != 0 || p.text[5] != '>' || hex(p.text[3]) < 0 ||
+            hex(p.text[4]) < 0)
+          throw Error(cat("SentencePiece model '", path, "': piece ", id, " ('", p.text, "') is a byte piece, which "
+                          "SentencePiece writes as <0xHH>; the file is damaged"));
         e->byte_fallback_ = true;
-        e->byte_ids_[std::stoi(p.text.substr(3, 2), nullptr, 16)] = id;
+        e->byte_ids_[hex(p.text[3]) * 16 + hex(p.text[4])] = id;
       } else if (p.type == 2) {
         e->unk_ = id;
       }
     }
     uint32_t rank = 0;
     for (auto& [score, r] : by_score) r = rank++;
-    e->bpe_.finish_tokens(false, "SentencePiece model", true);
+    e->bpe_.finish_tokens(false, cat("SentencePiece model '", path, "'"), true);
     for (uint32_t id = 0; id < m.pieces.size(); ++id) {
       const auto& p = m.pieces[id];
       if (p.type != 1) continue;
@@ -226,7 +241,7 @@ class SentencePieceTokenizer final : public Tokenizer {
     eos_ = special(opt.eos, sp_.eos_id(), "EOS", "--eos");
     if (!opt.sentencepiece_library) {
       std::string why;
-      fast_ = SpBpe::make(bytes, why);
+      fast_ = SpBpe::make(path, bytes, why);
       if (!fast_) log_debug(cat("SentencePiece model '", path, "' is encoded by libsentencepiece: ", why));
     }
   }
@@ -241,7 +256,8 @@ class SentencePieceTokenizer final : public Tokenizer {
     thread_local std::vector<int> ids;
     ids.clear();
     const auto st = sp_.Encode(text, &ids);
-    if (!st.ok()) throw Error(cat("SentencePiece model '", path_, "' failed to encode a document: ", st.ToString()));
+    if (!st.ok())
+      throw TokenizeInputError(cat("SentencePiece model '", path_, "' failed to encode the document: ", st.ToString()), 0);
     for (int id : ids) out.push_back(static_cast<uint32_t>(id));
   }
   std::string piece(uint32_t id) const override { return sp_.IdToPiece(static_cast<int>(id)); }

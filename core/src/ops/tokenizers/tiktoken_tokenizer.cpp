@@ -64,10 +64,29 @@ class TiktokenTokenizer final : public Tokenizer {
                  ? cat(" (the file ends without a newline in that line: it looks truncated; fetch it again)")
                  : std::string();
     };
-    std::size_t last_line = 0;
-    for (char c : bytes) last_line += c == '\n';
-    ++last_line;
-    std::vector<std::string> by_rank;
+    std::size_t last_line = 0, tokens = 0;
+    for (std::size_t pos = 0; pos <= bytes.size();) {
+      std::size_t end = bytes.find('\n', pos);
+      if (end == std::string::npos) end = bytes.size();
+      std::size_t len = end - pos;
+      if (len > 0 && bytes[end - 1] == '\r') --len;
+      tokens += len > 0;
+      ++last_line;
+      pos = end + 1;
+    }
+    // Sizes first, before anything is allocated from them. Ranks are 0..N-1
+    // without gaps, one a line, so the rank table has one entry per token
+    // line and a rank of N or more cannot be right (sizing the table from
+    // one absurd rank of 10^9 would ask for tens of gigabytes). And loom
+    // reads Llama 3's file only: more lines than its ranks are refused
+    // before a table is made for them.
+    if (tokens > kLlama3Ranks)
+      throw Error(cat("tiktoken file '", path, "' has ", tokens, " token lines; loom knows the pre-tokenizer and special "
+                      "tokens of Llama 3's (", kLlama3Ranks, " ranks), which the file itself does not carry. Convert "
+                      "this vocabulary to an HF tokenizer.json (which records both) and pass that instead"));
+    std::vector<std::string> by_rank(tokens);
+    std::size_t beyond_line = 0;  // the first line whose rank is N or more
+    uint64_t beyond_rank = 0;
     std::size_t line_no = 0, pos = 0;
     std::string tok;
     while (pos < bytes.size()) {
@@ -88,7 +107,13 @@ class TiktokenTokenizer final : public Tokenizer {
       if (!ok)
         throw Error(cat("tiktoken file '", path, "' line ", line_no, " is not \"<base64 token> <rank>\": '",
                         std::string(line.substr(0, 80)), "'", truncated(line_no, last_line)));
-      if (rank >= by_rank.size()) by_rank.resize(rank + 1);
+      if (rank >= tokens) {
+        if (beyond_line == 0) {
+          beyond_line = line_no;
+          beyond_rank = rank;
+        }
+        continue;
+      }
       if (!by_rank[rank].empty())
         throw Error(cat("tiktoken file '", path, "' line ", line_no, ": rank ", rank, " is given twice",
                         truncated(line_no, last_line)));
@@ -97,7 +122,11 @@ class TiktokenTokenizer final : public Tokenizer {
     for (std::size_t r = 0; r < by_rank.size(); ++r)
       if (by_rank[r].empty())
         throw Error(cat("tiktoken file '", path, "' has no token of rank ", r, " (ranks must be 0..", by_rank.size() - 1,
-                        " without gaps); the file is damaged", truncated(last_line, last_line)));
+                        " without gaps, one per line of its ", tokens, ")",
+                        beyond_line > 0 ? cat("; line ", beyond_line, " gives rank ", beyond_rank, " instead, beyond ",
+                                              tokens - 1)
+                                        : std::string(),
+                        "; the file is damaged", truncated(last_line, last_line)));
     if (by_rank.size() != kLlama3Ranks)
       throw Error(cat("tiktoken file '", path, "' has ", by_rank.size(), " ranks", truncated(last_line, last_line),
                       "; loom knows the pre-tokenizer and special ",

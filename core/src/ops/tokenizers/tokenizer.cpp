@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "loom/ops/byte_tokenizer.hpp"
+#include "ops/tokenizers/bpe.hpp"
 #include "ops/tokenizers/formats.hpp"
 #include "loom/error.hpp"
 #include "util/files.hpp"
@@ -87,6 +88,25 @@ class BytesTokenizer final : public Tokenizer {
 }  // namespace
 
 std::unique_ptr<Tokenizer> make_byte_tokenizer() { return std::make_unique<BytesTokenizer>(); }
+
+void Tokenizer::encode_document(std::string_view doc, std::vector<uint32_t>& out) const {
+  out.push_back(bos());
+  try {
+    encode(doc, out);
+  } catch (const RegexGaveUp& e) {
+    // The piece PCRE2 was given lies inside the document (a tokenizer that
+    // copies text first maps its pointer back); else the document's start.
+    const bool inside = e.at >= doc.data() && e.at <= doc.data() + doc.size();
+    const uint64_t at = inside ? static_cast<uint64_t>(e.at - doc.data()) : 0;
+    std::string pattern = e.pattern.size() > 200 ? e.pattern.substr(0, 200) + "..." : e.pattern;
+    throw TokenizeInputError(
+        cat(e.tokenizer, ": its pre-tokenizer pattern gave up searching the input from byte ", at,
+            " of the document (PCRE2: ", e.reason, "); the pattern backtracks too much on the text there: fix the "
+            "tokenizer file's pattern (", pattern, ") or remove that text from the input"),
+        at);
+  }
+  out.push_back(eos());
+}
 
 std::string read_tokenizer_file(const std::string& path) {
   // A directory is named, with the tokenizer file it holds when there is one.
