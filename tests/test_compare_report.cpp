@@ -544,6 +544,17 @@ TEST(Drawing, FillsWholePixelsAsAReferenceArrayDoes) {
   loom::test::expect_error([] { Drawing(7, -1, {}); }, {"7x-1"});
 }
 
+// cairo is loaded, not linked: where it cannot be, the one message names the
+// library, the loader's reason and what to do. A library that is not cairo
+// is named with the call it lacks.
+TEST(Drawing, AMissingCairoIsNamedWithWhatToDo) {
+  EXPECT_NO_THROW(loom::report::require_cairo());
+  loom::test::expect_error([] { loom::report::require_cairo("libcairo-not-here.so.2"); },
+                           {"libcairo-not-here.so.2", "cannot open shared object file", "apt install libcairo2"});
+  loom::test::expect_error([] { loom::report::require_cairo("libz.so.1"); },
+                           {"libz.so.1 has no cairo_image_surface_create", "apt install libcairo2"});
+}
+
 // Text comes from a real, proportional font with antialiased glyphs: W is
 // wider than i (a fixed-width bitmap font makes them equal), widths grow with
 // the size, and the ink lies where the alignment puts it.

@@ -1,6 +1,7 @@
 #include "drawing.hpp"
 
 #include <cairo.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,9 +14,51 @@
 #include "loom/error.hpp"
 
 namespace loom::report {
+
+// The cairo calls the charts make. cairo is loaded when the first chart is
+// drawn, not linked: `loom train` and `loom bench` then start on machines
+// without it (GPU nodes often have no 2-D graphics stack), and only drawing
+// a chart needs it. cairo.h gives each call's type.
+#define LOOM_CAIRO_CALLS(X)                                                                                  \
+  X(cairo_image_surface_create) X(cairo_image_surface_get_data) X(cairo_image_surface_get_stride)            \
+  X(cairo_surface_status) X(cairo_surface_flush) X(cairo_surface_destroy) X(cairo_surface_write_to_png_stream) \
+  X(cairo_create) X(cairo_destroy) X(cairo_status) X(cairo_status_to_string) X(cairo_set_source_rgb)         \
+  X(cairo_paint) X(cairo_rectangle) X(cairo_fill) X(cairo_stroke) X(cairo_set_line_width)                    \
+  X(cairo_set_line_join) X(cairo_set_line_cap) X(cairo_move_to) X(cairo_line_to) X(cairo_new_sub_path)       \
+  X(cairo_arc) X(cairo_select_font_face) X(cairo_set_font_size) X(cairo_text_extents) X(cairo_show_text)
+
+struct Cairo {
+#define LOOM_CAIRO_MEMBER(f) decltype(&::f) f = nullptr;
+  LOOM_CAIRO_CALLS(LOOM_CAIRO_MEMBER)
+#undef LOOM_CAIRO_MEMBER
+};
+
 namespace {
 
-void set_source(cairo_t* cr, Rgb c) { cairo_set_source_rgb(cr, c.r / 255.0, c.g / 255.0, c.b / 255.0); }
+Cairo load_cairo(const char* library) {
+  const std::string what = cat("drawing a chart needs cairo (", library, ")");
+  const std::string fix = "install it (Debian/Ubuntu: apt install libcairo2) or run this command on a machine that has it";
+  // Never closed: the library stays for the process, as plugins do.
+  void* h = dlopen(library, RTLD_NOW | RTLD_LOCAL);
+  if (!h) throw Error(cat(what, ", which cannot be loaded: ", dlerror(), "; ", fix));
+  Cairo c;
+#define LOOM_CAIRO_LOAD(f)                                                                              \
+  c.f = reinterpret_cast<decltype(c.f)>(dlsym(h, #f));                                                  \
+  if (!c.f) throw Error(cat(what, ", but ", library, " has no ", #f, " (a cairo without PNG support?); ", fix));
+  LOOM_CAIRO_CALLS(LOOM_CAIRO_LOAD)
+#undef LOOM_CAIRO_LOAD
+  return c;
+}
+
+// Loaded once; a failed load is tried again (and named again) by the next chart.
+const Cairo& cairo() {
+  static const Cairo c = load_cairo(kCairoLibrary);
+  return c;
+}
+
+void set_source(const Cairo& c, cairo_t* cr, Rgb rgb) {
+  c.cairo_set_source_rgb(cr, rgb.r / 255.0, rgb.g / 255.0, rgb.b / 255.0);
+}
 
 // The length of the well-formed UTF-8 sequence at s[i] (RFC 3629: no
 // overlongs, no surrogates, nothing above U+10FFFF), or 0 when it is not one.
@@ -36,6 +79,11 @@ std::size_t utf8_length(std::string_view s, std::size_t i) {
 }
 
 }  // namespace
+
+void require_cairo(const char* library) {
+  if (std::strcmp(library, kCairoLibrary) == 0) cairo();
+  else load_cairo(library);
+}
 
 std::string printable(std::string_view s) {
   static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
@@ -58,34 +106,37 @@ std::string printable(std::string_view s) {
 
 Drawing::Drawing(int width, int height, Rgb background) : width_(width), height_(height) {
   if (width <= 0 || height <= 0) throw Error(cat("a chart of ", width, "x", height, " pixels cannot be drawn"));
-  surface_ = cairo_image_surface_create(CAIRO_FORMAT_RGB24, width, height);
-  if (const cairo_status_t st = cairo_surface_status(surface_); st != CAIRO_STATUS_SUCCESS) {
-    cairo_surface_destroy(surface_);
-    throw Error(cat("cairo_image_surface_create(RGB24, ", width, ", ", height, ") failed: ", cairo_status_to_string(st)));
+  c_ = &cairo();
+  surface_ = c_->cairo_image_surface_create(CAIRO_FORMAT_RGB24, width, height);
+  if (const cairo_status_t st = c_->cairo_surface_status(surface_); st != CAIRO_STATUS_SUCCESS) {
+    c_->cairo_surface_destroy(surface_);
+    throw Error(cat("cairo_image_surface_create(RGB24, ", width, ", ", height, ") failed: ", c_->cairo_status_to_string(st)));
   }
-  cr_ = cairo_create(surface_);
-  if (const cairo_status_t st = cairo_status(cr_); st != CAIRO_STATUS_SUCCESS) {
-    cairo_destroy(cr_);
-    cairo_surface_destroy(surface_);
-    throw Error(cat("cairo_create on a ", width, "x", height, " image failed: ", cairo_status_to_string(st)));
+  cr_ = c_->cairo_create(surface_);
+  if (const cairo_status_t st = c_->cairo_status(cr_); st != CAIRO_STATUS_SUCCESS) {
+    c_->cairo_destroy(cr_);
+    c_->cairo_surface_destroy(surface_);
+    throw Error(cat("cairo_create on a ", width, "x", height, " image failed: ", c_->cairo_status_to_string(st)));
   }
-  set_source(cr_, background);
-  cairo_paint(cr_);
+  set_source(*c_, cr_, background);
+  c_->cairo_paint(cr_);
 }
 
 Drawing::~Drawing() {
-  if (cr_) cairo_destroy(cr_);
-  if (surface_) cairo_surface_destroy(surface_);
+  if (cr_) c_->cairo_destroy(cr_);
+  if (surface_) c_->cairo_surface_destroy(surface_);
 }
 
 Drawing::Drawing(Drawing&& o) noexcept
-    : width_(o.width_), height_(o.height_), surface_(std::exchange(o.surface_, nullptr)), cr_(std::exchange(o.cr_, nullptr)) {}
+    : width_(o.width_), height_(o.height_), c_(o.c_), surface_(std::exchange(o.surface_, nullptr)),
+      cr_(std::exchange(o.cr_, nullptr)) {}
 
 Drawing& Drawing::operator=(Drawing&& o) noexcept {
   if (this != &o) {
     this->~Drawing();
     width_ = o.width_;
     height_ = o.height_;
+    c_ = o.c_;
     surface_ = std::exchange(o.surface_, nullptr);
     cr_ = std::exchange(o.cr_, nullptr);
   }
@@ -95,23 +146,24 @@ Drawing& Drawing::operator=(Drawing&& o) noexcept {
 // Any cairo call that failed left the context in an error state (and made
 // every later call a no-op): report it once, with what was being done.
 void Drawing::check(const char* what) const {
-  if (const cairo_status_t st = cairo_status(cr_); st != CAIRO_STATUS_SUCCESS)
-    throw Error(cat(what, ": cairo's drawing failed: ", cairo_status_to_string(st)));
+  if (const cairo_status_t st = c_->cairo_status(cr_); st != CAIRO_STATUS_SUCCESS)
+    throw Error(cat(what, ": cairo's drawing failed: ", c_->cairo_status_to_string(st)));
 }
 
 Rgb Drawing::at(int x, int y) const {
   if (x < 0 || y < 0 || x >= width_ || y >= height_) return {};
-  cairo_surface_flush(surface_);
-  const unsigned char* row = cairo_image_surface_get_data(surface_) + static_cast<std::size_t>(y) * cairo_image_surface_get_stride(surface_);
+  c_->cairo_surface_flush(surface_);
+  const unsigned char* row =
+      c_->cairo_image_surface_get_data(surface_) + static_cast<std::size_t>(y) * c_->cairo_image_surface_get_stride(surface_);
   uint32_t px;  // RGB24: one native-endian 0x00RRGGBB word per pixel
   std::memcpy(&px, row + 4 * static_cast<std::size_t>(x), 4);
   return {static_cast<uint8_t>(px >> 16), static_cast<uint8_t>(px >> 8), static_cast<uint8_t>(px)};
 }
 
 std::vector<uint8_t> Drawing::rgb() const {
-  cairo_surface_flush(surface_);
-  const unsigned char* data = cairo_image_surface_get_data(surface_);
-  const std::size_t stride = static_cast<std::size_t>(cairo_image_surface_get_stride(surface_));
+  c_->cairo_surface_flush(surface_);
+  const unsigned char* data = c_->cairo_image_surface_get_data(surface_);
+  const std::size_t stride = static_cast<std::size_t>(c_->cairo_image_surface_get_stride(surface_));
   std::vector<uint8_t> out;
   out.reserve(static_cast<std::size_t>(width_) * height_ * 3);
   for (int y = 0; y < height_; ++y)
@@ -125,53 +177,54 @@ std::vector<uint8_t> Drawing::rgb() const {
 
 void Drawing::fill(const Rect& r, Rgb c) {
   if (r.w <= 0 || r.h <= 0) return;
-  set_source(cr_, c);
-  cairo_rectangle(cr_, r.x, r.y, r.w, r.h);
-  cairo_fill(cr_);
+  set_source(*c_, cr_, c);
+  c_->cairo_rectangle(cr_, r.x, r.y, r.w, r.h);
+  c_->cairo_fill(cr_);
 }
 
 void Drawing::outline(const Rect& r, Rgb c) {
   if (r.w <= 0 || r.h <= 0) return;
-  set_source(cr_, c);
-  cairo_set_line_width(cr_, 1);
-  cairo_rectangle(cr_, r.x + 0.5, r.y + 0.5, r.w - 1, r.h - 1);  // on pixel centres: a crisp 1-pixel line
-  cairo_stroke(cr_);
+  set_source(*c_, cr_, c);
+  c_->cairo_set_line_width(cr_, 1);
+  c_->cairo_rectangle(cr_, r.x + 0.5, r.y + 0.5, r.w - 1, r.h - 1);  // on pixel centres: a crisp 1-pixel line
+  c_->cairo_stroke(cr_);
 }
 
 void Drawing::polyline(const std::vector<Point>& points, Rgb c, double width) {
   if (points.size() < 2) return;
-  set_source(cr_, c);
-  cairo_set_line_width(cr_, width);
-  cairo_set_line_join(cr_, CAIRO_LINE_JOIN_ROUND);
-  cairo_set_line_cap(cr_, CAIRO_LINE_CAP_ROUND);
-  cairo_move_to(cr_, points[0].x, points[0].y);
-  for (std::size_t i = 1; i < points.size(); ++i) cairo_line_to(cr_, points[i].x, points[i].y);
-  cairo_stroke(cr_);
+  set_source(*c_, cr_, c);
+  c_->cairo_set_line_width(cr_, width);
+  c_->cairo_set_line_join(cr_, CAIRO_LINE_JOIN_ROUND);
+  c_->cairo_set_line_cap(cr_, CAIRO_LINE_CAP_ROUND);
+  c_->cairo_move_to(cr_, points[0].x, points[0].y);
+  for (std::size_t i = 1; i < points.size(); ++i) c_->cairo_line_to(cr_, points[i].x, points[i].y);
+  c_->cairo_stroke(cr_);
 }
 
 void Drawing::dot(Point centre, double radius, Rgb c) {
-  set_source(cr_, c);
-  cairo_new_sub_path(cr_);
-  cairo_arc(cr_, centre.x, centre.y, radius, 0, 2 * std::numbers::pi);
-  cairo_fill(cr_);
+  set_source(*c_, cr_, c);
+  c_->cairo_new_sub_path(cr_);
+  c_->cairo_arc(cr_, centre.x, centre.y, radius, 0, 2 * std::numbers::pi);
+  c_->cairo_fill(cr_);
 }
 
 void Drawing::set_font(double size, bool bold) {
-  cairo_select_font_face(cr_, "sans-serif", CAIRO_FONT_SLANT_NORMAL, bold ? CAIRO_FONT_WEIGHT_BOLD : CAIRO_FONT_WEIGHT_NORMAL);
-  cairo_set_font_size(cr_, size);
+  c_->cairo_select_font_face(cr_, "sans-serif", CAIRO_FONT_SLANT_NORMAL,
+                             bold ? CAIRO_FONT_WEIGHT_BOLD : CAIRO_FONT_WEIGHT_NORMAL);
+  c_->cairo_set_font_size(cr_, size);
 }
 
 double Drawing::text_width(std::string_view s, double size, bool bold) {
   set_font(size, bold);
   cairo_text_extents_t e;
-  cairo_text_extents(cr_, printable(s).c_str(), &e);
+  c_->cairo_text_extents(cr_, printable(s).c_str(), &e);
   return e.x_advance;
 }
 
 double Drawing::cap_height(double size) {
   set_font(size, false);
   cairo_text_extents_t e;
-  cairo_text_extents(cr_, "H", &e);
+  c_->cairo_text_extents(cr_, "H", &e);
   return -e.y_bearing;
 }
 
@@ -181,9 +234,9 @@ void Drawing::text(double x, double y, std::string_view s, Rgb c, double size, A
   const double w = align == Align::kLeft ? 0 : text_width(t, size, bold);
   const double cap = cap_height(size);
   set_font(size, bold);
-  set_source(cr_, c);
-  cairo_move_to(cr_, x - (align == Align::kCenter ? w / 2 : align == Align::kRight ? w : 0), y + cap / 2);
-  cairo_show_text(cr_, t.c_str());
+  set_source(*c_, cr_, c);
+  c_->cairo_move_to(cr_, x - (align == Align::kCenter ? w / 2 : align == Align::kRight ? w : 0), y + cap / 2);
+  c_->cairo_show_text(cr_, t.c_str());
 }
 
 Drawing::Fitted Drawing::fit(std::string_view s, double max_width, double max_size, double min_size, bool bold) {
@@ -207,10 +260,10 @@ void Drawing::write_png(const std::string& path) const {
     static_cast<std::string*>(closure)->append(reinterpret_cast<const char*>(data), n);
     return CAIRO_STATUS_SUCCESS;
   };
-  cairo_surface_flush(surface_);
-  if (const cairo_status_t st = cairo_surface_write_to_png_stream(surface_, append, &bytes); st != CAIRO_STATUS_SUCCESS)
+  c_->cairo_surface_flush(surface_);
+  if (const cairo_status_t st = c_->cairo_surface_write_to_png_stream(surface_, append, &bytes); st != CAIRO_STATUS_SUCCESS)
     throw Error(cat("cairo_surface_write_to_png_stream for '", path, "' (", width_, "x", height_,
-                    ") failed: ", cairo_status_to_string(st)));
+                    ") failed: ", c_->cairo_status_to_string(st)));
   errno = 0;
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   if (f) f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

@@ -1,8 +1,12 @@
 // The 2-D drawing the charts of `loom plot` and `loom compare` are made of,
 // done by cairo: an RGB image, antialiased lines, text in a real font
-// (fontconfig's "sans-serif") and cairo's PNG writer. The charts' layout
-// (axes with ticks, legends, bars) is theirs; nothing here draws pixels by hand.
-// cairo stays out of this header, so that its users need not find cairo.h.
+// (fontconfig's "sans-serif"; cairo's built-in font where a machine has
+// none) and cairo's PNG writer. The charts' layout (axes with ticks,
+// legends, bars) is theirs; nothing here draws pixels by hand.
+//
+// cairo is loaded (dlopen) when the first Drawing is made, not linked, so
+// that loom starts where cairo is missing and only drawing needs it. It
+// stays out of this header, so that its users need not find cairo.h.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -14,6 +18,14 @@ struct _cairo;
 struct _cairo_surface;
 
 namespace loom::report {
+
+inline constexpr const char* kCairoLibrary = "libcairo.so.2";
+// Loads cairo (`library`: its file name, for tests) unless loaded already.
+// Throws loom::Error naming the library, why it cannot be loaded and what to
+// do; callers check it before work whose result includes a chart.
+void require_cairo(const char* library = kCairoLibrary);
+
+struct Cairo;  // the cairo calls, loaded
 
 struct Rgb {
   uint8_t r = 0, g = 0, b = 0;
@@ -38,7 +50,8 @@ struct Point {
 class Drawing {
  public:
   // A width x height image filled with `background`. Throws loom::Error
-  // naming the size when cairo cannot make it (a non-positive size, or memory).
+  // naming the size when cairo cannot make it (a non-positive size, or
+  // memory), and require_cairo's error when cairo cannot be loaded.
   Drawing(int width, int height, Rgb background);
   ~Drawing();
   Drawing(Drawing&&) noexcept;
@@ -87,6 +100,7 @@ class Drawing {
   void check(const char* what) const;
   void set_font(double size, bool bold);
   int width_ = 0, height_ = 0;
+  const Cairo* c_ = nullptr;
   _cairo_surface* surface_ = nullptr;
   _cairo* cr_ = nullptr;
 };
