@@ -313,6 +313,38 @@ TEST(Plot, DrawsEveryRunInEveryPanel) {
   EXPECT_NE(none.find("needs at least one RUN_DIR"), std::string::npos) << none;
 }
 
+// cairo is loaded to draw a chart, not linked: loom has no start-up need of
+// it (GPU nodes often lack it), and where it is missing `loom plot` says what
+// to install. The missing library is played by an empty file mounted over
+// cairo's in a mount namespace of its own, where one can be made (root).
+TEST(Plot, LoomStartsWithoutCairoAndPlotSaysWhatToInstall) {
+  int rc = 0;
+  const std::string needed = run_cmd(loom::cat("readelf -d ", LOOM_CLI), &rc);
+  ASSERT_EQ(rc, 0) << needed;
+  EXPECT_NE(needed.find("libloom.so"), std::string::npos) << needed;  // the listing is what it should be
+  EXPECT_EQ(needed.find("libcairo"), std::string::npos) << needed;
+  loom::report::require_cairo();  // here it loads: find which file it is
+  std::string cairo;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line) && cairo.empty();)
+    if (const auto at = line.find('/'); at != std::string::npos && line.find("libcairo.so.2", at) != std::string::npos)
+      cairo = line.substr(at);
+  ASSERT_FALSE(cairo.empty()) << "libcairo.so.2 is not mapped after require_cairo()";
+  TmpDir d;
+  fs::create_directories(d.path / "run");
+  std::ofstream(d.path / "run" / "metrics.jsonl") << "{\"step\": 1, \"loss\": 4.0}\n";
+  std::ofstream(d.path / "empty");
+  if (run_cmd("unshare --mount true", &rc), rc != 0) GTEST_SKIP() << "no mount namespace here (not root?)";
+  const std::string out = run_cmd(loom::cat("unshare --mount sh -c 'mount --bind ", (d.path / "empty").string(), " ", cairo,
+                                            " && ", LOOM_CLI, " version && ", LOOM_CLI, " plot ", (d.path / "run").string(),
+                                            " --out ", (d.path / "p.png").string(), "'"), &rc);
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_NE(out.find("loom 0."), std::string::npos) << "loom did not start:\n" << out;
+  EXPECT_NE(out.find("drawing a chart needs cairo (libcairo.so.2)"), std::string::npos) << out;
+  EXPECT_NE(out.find("apt install libcairo2"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(d.path / "p.png"));
+}
+
 // `loom bench` on the CPU: its report describes the timed steps, and only
 // them (the warm-up and the step queued after the last timed one, whose start
 // closes that one's period, are not in it).
