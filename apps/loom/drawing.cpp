@@ -131,15 +131,13 @@ Drawing::Drawing(Drawing&& o) noexcept
     : width_(o.width_), height_(o.height_), c_(o.c_), surface_(std::exchange(o.surface_, nullptr)),
       cr_(std::exchange(o.cr_, nullptr)) {}
 
+// A swap: `o` takes this image and frees it when it goes.
 Drawing& Drawing::operator=(Drawing&& o) noexcept {
-  if (this != &o) {
-    this->~Drawing();
-    width_ = o.width_;
-    height_ = o.height_;
-    c_ = o.c_;
-    surface_ = std::exchange(o.surface_, nullptr);
-    cr_ = std::exchange(o.cr_, nullptr);
-  }
+  std::swap(width_, o.width_);
+  std::swap(height_, o.height_);
+  std::swap(c_, o.c_);
+  std::swap(surface_, o.surface_);
+  std::swap(cr_, o.cr_);
   return *this;
 }
 
