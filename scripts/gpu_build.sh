@@ -22,6 +22,17 @@ for t in loom test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention
 done
 cp -a "$B"/lib/. .carry/lib/
 strip --strip-unneeded .carry/bin/* .carry/lib/libloom.so.*.*.* .carry/lib/loom/plugins/*.so
+# cairo (the charts of loom compare and loom plot) is not staged: loom loads it
+# only to draw a chart (apps/loom/drawing.hpp), so it starts on a GPU image
+# without it, and loom compare there writes its table and CSV files and says
+# the chart was not drawn. cairo and the 16 libraries it loads would add 5 MiB
+# to the carried tree. Nothing staged may need it at start-up:
+for f in .carry/bin/* .carry/lib/*.so* .carry/lib/loom/plugins/*.so; do
+  if readelf -d "$f" | grep -q 'NEEDED.*libcairo'; then
+    echo "gpu_build: $f links libcairo, which the GPU image may lack; load it when drawing instead (apps/loom/drawing.cpp)" >&2
+    exit 1
+  fi
+done
 # The fortune corpus (Debian's fortunes package, which GPU images lack) as
 # byte-level token shards: the GPU training test and the native-vs-fused
 # convergence run read it (5 MB).

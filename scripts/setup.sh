@@ -5,7 +5,7 @@ set -euo pipefail
 pkgs=(build-essential cmake ninja-build ccache pkg-config
       libboost-dev libtomlplusplus-dev libspdlog-dev libfmt-dev nlohmann-json3-dev
       libopenmpi-dev openmpi-bin libgtest-dev googletest
-      libsentencepiece-dev libpcre2-dev python3 python3-pip
+      libsentencepiece-dev libpcre2-dev libcairo2-dev python3 python3-pip
       fortunes)
 missing=()
 for p in "${pkgs[@]}"; do

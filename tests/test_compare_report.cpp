@@ -1,7 +1,7 @@
 // The report of `loom compare`: loss differences, the text table, the CSV
-// files read back, and the PNG chart decoded by an independent reader written
-// here (bitwise CRC-32, plain Adler-32, stored-block inflate), so that the
-// encoder is not checked against itself.
+// files read back, and the PNG chart decoded by a reader written here (zlib's
+// inflate, bitwise CRC-32, the five row filters), independent of libpng, which
+// cairo writes the file with; and the drawing layer the charts are made of.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,17 +10,19 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "canvas.hpp"
+#include <zlib.h>
+
 #include "compare_report.hpp"
 #include "loom/error.hpp"
-#include "png_writer.hpp"
 #include "test_util.hpp"
 
-using loom::report::Canvas;
+using loom::report::Drawing;
 using loom::report::CompareRow;
 using loom::report::Rgb;
 
@@ -109,7 +111,7 @@ double number(const std::string& s) {
 }
 
 // ---------------------------------------------------------------------------
-// A PNG reader for what the encoder writes: 8-bit RGB, stored deflate blocks.
+// A PNG reader for what the charts are: 8-bit RGB, not interlaced.
 // ---------------------------------------------------------------------------
 uint32_t bitwise_crc32(const uint8_t* p, size_t n) {
   uint32_t c = 0xFFFFFFFFu;
@@ -120,19 +122,9 @@ uint32_t bitwise_crc32(const uint8_t* p, size_t n) {
   return ~c;
 }
 
-uint32_t plain_adler32(const std::vector<uint8_t>& data) {
-  uint32_t a = 1, b = 0;
-  for (uint8_t x : data) {
-    a = (a + x) % 65521;
-    b = (b + a) % 65521;
-  }
-  return (b << 16) | a;
-}
-
 uint32_t be32(const uint8_t* p) {
   return (uint32_t(p[0]) << 24) | (uint32_t(p[1]) << 16) | (uint32_t(p[2]) << 8) | p[3];
 }
-uint32_t le16(const uint8_t* p) { return p[0] | (uint32_t(p[1]) << 8); }
 
 struct Image {
   uint32_t width = 0, height = 0;
@@ -143,26 +135,35 @@ struct Image {
   }
 };
 
-// Checks the zlib header, inflates the stored blocks and checks the Adler-32.
-void inflate_stored(const std::vector<uint8_t>& z, std::vector<uint8_t>* out) {
-  ASSERT_GE(z.size(), 2u + 5u + 4u);
-  EXPECT_EQ(z[0] & 0x0F, 8) << "compression method must be deflate";
-  EXPECT_EQ((z[0] * 256 + z[1]) % 31, 0) << "zlib header check bits";
-  EXPECT_EQ(z[1] & 0x20, 0) << "no preset dictionary";
-  size_t at = 2;
-  for (bool final = false; !final;) {
-    ASSERT_LE(at + 5, z.size());
-    final = z[at] & 1;
-    ASSERT_EQ((z[at] >> 1) & 3, 0) << "only stored blocks expected";
-    const uint32_t len = le16(&z[at + 1]), nlen = le16(&z[at + 3]);
-    ASSERT_EQ(len ^ 0xFFFFu, nlen) << "LEN and NLEN must be complements";
-    at += 5;
-    ASSERT_LE(at + len, z.size());
-    out->insert(out->end(), z.begin() + at, z.begin() + at + len);
-    at += len;
+// The zlib stream inflated to exactly `size` bytes (zlib checks the Adler-32).
+void inflate_all(const std::vector<uint8_t>& z, size_t size, std::vector<uint8_t>* out) {
+  out->assign(size + 1, 0);  // one spare byte: a longer stream is caught
+  uLongf n = out->size();
+  ASSERT_EQ(uncompress(out->data(), &n, z.data(), z.size()), Z_OK) << "IDAT is not one zlib stream";
+  ASSERT_EQ(n, size) << "inflated IDAT size";
+  out->resize(n);
+}
+
+// PNG's filter types 0..4 undone on one row (3 bytes a pixel): a is the
+// byte to the left, b the one above, c the one above and to the left.
+void unfilter(uint8_t type, uint8_t* row, const uint8_t* above, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const int a = i >= 3 ? row[i - 3] : 0, b = above[i], c = i >= 3 ? above[i - 3] : 0;
+    int pred = 0;
+    switch (type) {
+      case 0: break;
+      case 1: pred = a; break;
+      case 2: pred = b; break;
+      case 3: pred = (a + b) / 2; break;
+      case 4: {
+        const int p = a + b - c, pa = std::abs(p - a), pb = std::abs(p - b), pc = std::abs(p - c);
+        pred = pa <= pb && pa <= pc ? a : pb <= pc ? b : c;
+        break;
+      }
+      default: FAIL() << "filter type " << int(type);
+    }
+    row[i] = static_cast<uint8_t>(row[i] + pred);
   }
-  ASSERT_EQ(at + 4, z.size()) << "Adler-32 must end the stream";
-  EXPECT_EQ(be32(&z[at]), plain_adler32(*out));
 }
 
 void decode_png(const std::vector<uint8_t>& png, Image* img) {
@@ -197,19 +198,26 @@ void decode_png(const std::vector<uint8_t>& png, Image* img) {
   EXPECT_EQ(types.front(), "IHDR");
   EXPECT_EQ(types.back(), "IEND");
 
-  std::vector<uint8_t> raw;
-  ASSERT_NO_FATAL_FAILURE(inflate_stored(idat, &raw));
   const size_t row = size_t(img->width) * 3;
-  ASSERT_EQ(raw.size(), img->height * (row + 1));
+  std::vector<uint8_t> raw;
+  ASSERT_NO_FATAL_FAILURE(inflate_all(idat, img->height * (row + 1), &raw));
+  const std::vector<uint8_t> zeros(row, 0);
   for (size_t y = 0; y < img->height; ++y) {
-    ASSERT_EQ(raw[y * (row + 1)], 0) << "filter type of row " << y;
-    img->rgb.insert(img->rgb.end(), raw.begin() + y * (row + 1) + 1, raw.begin() + (y + 1) * (row + 1));
+    uint8_t* line = &raw[y * (row + 1) + 1];
+    ASSERT_NO_FATAL_FAILURE(unfilter(line[-1], line, y == 0 ? zeros.data() : line - (row + 1), row));
+    img->rgb.insert(img->rgb.end(), line, line + row);
   }
 }
 
 void decode_png_file(const std::string& path, Image* img) {
   const std::string bytes = read_text(path);
   ASSERT_NO_FATAL_FAILURE(decode_png(std::vector<uint8_t>(bytes.begin(), bytes.end()), img));
+}
+
+// Pixels within `tol` of colour c in every channel: antialiased lines keep c
+// exactly only where they cover a whole pixel, and their edges blend.
+bool near(Rgb a, Rgb c, int tol) {
+  return std::abs(a.r - c.r) <= tol && std::abs(a.g - c.g) <= tol && std::abs(a.b - c.b) <= tol;
 }
 
 // Writes rows as a PNG, decodes it and checks it is the rendered chart, pixel for pixel.
@@ -220,7 +228,7 @@ void write_and_check_png(const std::string& path, const std::vector<CompareRow>&
   const auto chart = loom::report::render_chart(rows, title);
   EXPECT_EQ(img.width, 1200u);
   EXPECT_EQ(img.height, 800u);
-  EXPECT_TRUE(img.rgb == chart.canvas.rgb()) << "decoded pixels differ from the rendered chart";
+  EXPECT_TRUE(img.rgb == chart.drawing.rgb()) << "decoded pixels differ from the rendered chart";
 }
 
 // ---------------------------------------------------------------------------
@@ -393,23 +401,6 @@ TEST(CompareReport, WriteErrorsNameThePath) {
 // ---------------------------------------------------------------------------
 // PNG
 // ---------------------------------------------------------------------------
-TEST(CompareReport, ChecksumsMatchTheirStandardCheckValues) {
-  const std::string digits = "123456789", wiki = "Wikipedia";
-  EXPECT_EQ(loom::png::crc32({reinterpret_cast<const uint8_t*>(digits.data()), digits.size()}), 0xCBF43926u);
-  EXPECT_EQ(loom::png::adler32({reinterpret_cast<const uint8_t*>(wiki.data()), wiki.size()}), 0x11E60398u);
-}
-
-TEST(CompareReport, EncoderRoundTripsSmallImages) {
-  const std::vector<uint8_t> rgb = {255, 0, 0, 0, 255, 0, 0, 0, 255, 10, 20, 30};  // 2x2
-  Image img;
-  ASSERT_NO_FATAL_FAILURE(decode_png(loom::png::encode_rgb(2, 2, rgb), &img));
-  EXPECT_EQ(img.width, 2u);
-  EXPECT_EQ(img.height, 2u);
-  EXPECT_EQ(img.rgb, rgb);
-  loom::test::expect_error([&] { loom::png::encode_rgb(3, 2, rgb); }, {"3x2", "18 bytes", "got 12"});
-  loom::test::expect_error([&] { loom::png::encode_rgb(0, 2, {}); }, {"0x2"});
-}
-
 TEST(CompareReport, PngChartHasBarsInRowColours) {
   loom::test::TmpDir dir;
   const auto rows = three_runs();
@@ -434,14 +425,38 @@ TEST(CompareReport, PngChartHasBarsInRowColours) {
   }
   EXPECT_EQ(img.at(3, 3), loom::report::kBackground);
   EXPECT_EQ(img.at(1196, 796), loom::report::kBackground);
-  // Each loss curve leaves a trail of its colour in the loss plot, more than its legend swatch.
+  // tests/metrics/check_png.py (Python's zlib and its own unfiltering, what
+  // the `loom plot` tests run) passes the file and decodes the same pixels.
+  const std::string raw = dir.str() + "/cmp.rgb", log = dir.str() + "/check_png.log";
+  const int rc = std::system(loom::cat("python3 ", LOOM_SOURCE_DIR, "/tests/metrics/check_png.py ", path,
+                                       " 1200 800 --raw ", raw, " > ", log, " 2>&1").c_str());
+  EXPECT_EQ(rc, 0) << read_text(log);
+  const std::string py = read_text(raw);
+  EXPECT_TRUE(std::vector<uint8_t>(py.begin(), py.end()) == img.rgb) << "the two decoders disagree";
+  // Each loss curve leaves a trail of its colour in the loss plot, more than
+  // its legend swatch (66 pixels). The tolerance takes in the antialiased
+  // edges and stays far from the other rows' colours (40 apart at least).
   for (size_t i = 0; i < rows.size(); ++i) {
     const auto& p = chart.loss_plot;
     int n = 0;
     for (int y = p.y; y < p.y + p.h; ++y)
-      for (int x = p.x; x < p.x + p.w; ++x) n += img.at(x, y) == loom::report::row_color(i);
+      for (int x = p.x; x < p.x + p.w; ++x) n += near(img.at(x, y), loom::report::row_color(i), 16);
     EXPECT_GT(n, 300) << "curve of row " << i;
   }
+  // The title is text: ink across the band above the plots, in many grey
+  // levels (antialiased glyphs), centred on the page.
+  std::set<int> greys;
+  int ink = 0, left = 1200, right = 0;
+  for (int y = 10; y < 50; ++y)
+    for (int x = 0; x < 1200; ++x) {
+      const Rgb c = img.at(x, y);
+      if (c == loom::report::kBackground) continue;
+      ++ink, left = std::min(left, x), right = std::max(right, x);
+      if (c.r == c.g && c.g == c.b) greys.insert(c.r);
+    }
+  EXPECT_GT(ink, 200);
+  EXPECT_GT(greys.size(), 16u);
+  EXPECT_NEAR((left + right) / 2.0, 600, 4) << "title from x=" << left << " to " << right;
 }
 
 TEST(CompareReport, PngEdgeCasesRender) {
@@ -491,18 +506,222 @@ TEST(CompareReport, FailedRunHasEmptyBars) {
   EXPECT_GT(chart.memory_bars[0].h, 100);
 }
 
-TEST(CompareReport, CanvasLinesAndText) {
-  Canvas c(20, 10, {0, 0, 0});
-  const Rgb red{255, 0, 0};
-  c.line(1, 1, 15, 7, red);
-  EXPECT_EQ(c.at(1, 1), red);
-  EXPECT_EQ(c.at(15, 7), red);
-  c.line(2, 9, 18, 9, red, 3);  // clipped at the bottom edge without harm
-  EXPECT_EQ(c.at(10, 8), red);
-  EXPECT_EQ(c.at(10, 9), red);
-  EXPECT_EQ(Canvas::text_width("ab", 2), (2 * 6 - 1) * 2);
-  EXPECT_EQ(Canvas::text_height(3), 21);
-  c.text(-5, -5, "clipped \x01", red, 4);  // off-canvas and unprintable: no crash
+// ---------------------------------------------------------------------------
+// The drawing layer
+// ---------------------------------------------------------------------------
+// Filled rectangles land on whole pixels with their exact colour, clipped at
+// the edges, later ones over earlier ones: checked against a pixel array
+// filled the same way, on random sizes and rectangles partly outside.
+TEST(Drawing, FillsWholePixelsAsAReferenceArrayDoes) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> size(1, 60), byte(0, 255);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int w = size(rng), h = size(rng);
+    const Rgb bg{uint8_t(byte(rng)), uint8_t(byte(rng)), uint8_t(byte(rng))};
+    Drawing d(w, h, bg);
+    std::vector<Rgb> ref(size_t(w) * h, bg);
+    for (int k = 0; k < 8; ++k) {
+      std::uniform_int_distribution<int> xs(-20, w + 5), ys(-20, h + 5), ext(0, 40);
+      const loom::report::Rect r{xs(rng), ys(rng), ext(rng), ext(rng)};
+      const Rgb c{uint8_t(byte(rng)), uint8_t(byte(rng)), uint8_t(byte(rng))};
+      d.fill(r, c);
+      for (int y = std::max(r.y, 0); y < std::min(r.y + r.h, h); ++y)
+        for (int x = std::max(r.x, 0); x < std::min(r.x + r.w, w); ++x) ref[size_t(y) * w + x] = c;
+    }
+    const std::vector<uint8_t> rgb = d.rgb();
+    ASSERT_EQ(rgb.size(), size_t(w) * h * 3);
+    for (int y = 0; y < h; ++y)
+      for (int x = 0; x < w; ++x) {
+        const Rgb want = ref[size_t(y) * w + x];
+        ASSERT_EQ(d.at(x, y), want) << "trial " << trial << " pixel " << x << "," << y;
+        const size_t i = (size_t(y) * w + x) * 3;
+        ASSERT_EQ((Rgb{rgb[i], rgb[i + 1], rgb[i + 2]}), want) << "rgb() at " << x << "," << y;
+      }
+    EXPECT_EQ(d.at(-1, 0), (Rgb{})) << "outside the image";
+    EXPECT_EQ(d.at(w, h - 1), (Rgb{}));
+  }
+  loom::test::expect_error([] { Drawing(0, 5, {}); }, {"0x5"});
+  loom::test::expect_error([] { Drawing(7, -1, {}); }, {"7x-1"});
+}
+
+// cairo is loaded, not linked: where it cannot be, the one message names the
+// library, the loader's reason and what to do. A library that is not cairo
+// is named with the call it lacks.
+TEST(Drawing, AMissingCairoIsNamedWithWhatToDo) {
+  EXPECT_NO_THROW(loom::report::require_cairo());
+  loom::test::expect_error([] { loom::report::require_cairo("libcairo-not-here.so.2"); },
+                           {"libcairo-not-here.so.2", "cannot open shared object file", "apt install libcairo2"});
+  loom::test::expect_error([] { loom::report::require_cairo("libz.so.1"); },
+                           {"libz.so.1 has no cairo_image_surface_create", "apt install libcairo2"});
+}
+
+// Text comes from a real, proportional font with antialiased glyphs: W is
+// wider than i (a fixed-width bitmap font makes them equal), widths grow with
+// the size, and the ink lies where the alignment puts it.
+TEST(Drawing, TextIsProportionalAntialiasedAndWhereItIsAligned) {
+  Drawing d(400, 100, loom::report::kBackground);
+  EXPECT_GT(d.text_width("WWWW", 20), 2 * d.text_width("iiii", 20));
+  for (const char* s : {"loss", "tokens/s per GPU", "0.0025"}) {
+    const double w10 = d.text_width(s, 10), w30 = d.text_width(s, 30);
+    EXPECT_NEAR(w30 / w10, 3.0, 0.3) << s;  // hinting rounds advances at small sizes
+  }
+  const double cap = d.cap_height(20);
+  EXPECT_GT(cap, 10);  // capitals of a 20-pixel font are 13-15 pixels tall
+  EXPECT_LT(cap, 18);
+  for (auto align : {loom::report::Align::kLeft, loom::report::Align::kCenter, loom::report::Align::kRight}) {
+    Drawing t(400, 100, loom::report::kBackground);
+    const std::string s = "Validation 42";
+    const double w = t.text_width(s, 20);
+    t.text(200, 50, s, loom::report::kInk, 20, align);
+    int left = 400, right = -1, top = 100, bottom = -1;
+    std::set<int> levels;
+    for (int y = 0; y < 100; ++y)
+      for (int x = 0; x < 400; ++x)
+        if (const Rgb c = t.at(x, y); !(c == loom::report::kBackground)) {
+          left = std::min(left, x), right = std::max(right, x), top = std::min(top, y), bottom = std::max(bottom, y);
+          levels.insert(c.r);
+        }
+    const double x0 = align == loom::report::Align::kLeft ? 200 : align == loom::report::Align::kCenter ? 200 - w / 2 : 200 - w;
+    // Glyphs' side bearings keep the ink a pixel or two inside the advance.
+    EXPECT_NEAR(left, x0, 3) << int(align);
+    EXPECT_NEAR(right, x0 + w, 4) << int(align);
+    EXPECT_NEAR(top, 50 - cap / 2, 2) << "the capitals' middle is on y";
+    EXPECT_NEAR(bottom, 50 + cap / 2, 2) << "no descender in the text";
+    EXPECT_GT(levels.size(), 8u) << "antialiased edges";
+  }
+}
+
+// Run names and labels are bytes: each ill-formed UTF-8 sequence's bytes and
+// each control character become U+FFFD, well-formed text is kept, and any
+// bytes at all draw (cairo refuses invalid UTF-8 and then draws nothing more).
+TEST(Drawing, AnyBytesDrawAsText) {
+  using loom::report::printable;
+  const std::string r = "\xEF\xBF\xBD";
+  EXPECT_EQ(printable("plain ascii"), "plain ascii");
+  EXPECT_EQ(printable("z\xC3\xA9ro \xE2\x9C\x93 \xF0\x9F\x98\x80"), "z\xC3\xA9ro \xE2\x9C\x93 \xF0\x9F\x98\x80");
+  EXPECT_EQ(printable("a\tb\x7F"), "a" + r + "b" + r);
+  EXPECT_EQ(printable("\xC2\x85"), r);                  // C1 control (NEL)
+  EXPECT_EQ(printable("\xC0\xAF"), r + r);              // overlong '/'
+  EXPECT_EQ(printable("\xED\xA0\x80"), r + r + r);      // a surrogate
+  EXPECT_EQ(printable("\xF4\x90\x80\x80"), r + r + r + r);  // above U+10FFFF
+  EXPECT_EQ(printable("\xE2\x82"), r + r);              // cut short
+  EXPECT_EQ(printable("\xE2\x82x"), r + r + "x");
+
+  // Random code points encoded by hand come back unchanged; random bytes draw.
+  std::mt19937 rng(11);
+  auto encode = [](uint32_t cp) {
+    std::string s;
+    if (cp < 0x80) s += char(cp);
+    else if (cp < 0x800) s += char(0xC0 | cp >> 6), s += char(0x80 | (cp & 0x3F));
+    else if (cp < 0x10000) s += char(0xE0 | cp >> 12), s += char(0x80 | (cp >> 6 & 0x3F)), s += char(0x80 | (cp & 0x3F));
+    else s += char(0xF0 | cp >> 18), s += char(0x80 | (cp >> 12 & 0x3F)), s += char(0x80 | (cp >> 6 & 0x3F)), s += char(0x80 | (cp & 0x3F));
+    return s;
+  };
+  std::uniform_int_distribution<uint32_t> cps(0xA0, 0x10FFFF), bytes(0, 255), len(0, 24);
+  loom::test::TmpDir dir;
+  Drawing d(120, 30, loom::report::kBackground);  // a failed cairo call would stay failed: checked each trial
+  for (int trial = 0; trial < 200; ++trial) {
+    std::string valid;
+    for (uint32_t n = len(rng); n > 0; --n) {
+      uint32_t cp = cps(rng);
+      if (cp >= 0xD800 && cp < 0xE000) cp -= 0x1000;  // no surrogates
+      valid += encode(cp);
+    }
+    ASSERT_EQ(printable(valid), valid);
+    std::string junk;
+    for (uint32_t n = len(rng); n > 0; --n) junk += char(bytes(rng));
+    d.text(2, 15, junk, loom::report::kInk, 12);
+    d.text(2, 15, valid, loom::report::kInk, 12);
+    d.text(2, 15, d.fit(junk + valid, 50, 12, 8).text, loom::report::kInk, 8);
+    ASSERT_NO_THROW(d.write_png(dir.str() + "/t.png")) << "trial " << trial;
+  }
+}
+
+// fit keeps the text when it fits at some size, else cuts whole characters
+// and ends with "…"; either way it is never wider than asked.
+TEST(Drawing, FitShrinksThenCutsWholeCharacters) {
+  Drawing d(10, 10, loom::report::kBackground);
+  std::mt19937 rng(3);
+  const std::vector<std::string> pieces = {"a", "W", "run", "-", "\xC3\xA9", "\xE2\x9C\x93", "\xF0\x9F\x98\x80", " "};
+  std::uniform_int_distribution<size_t> piece(0, pieces.size() - 1), count(1, 40);
+  std::uniform_real_distribution<double> width(5, 400);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::string s;
+    for (size_t n = count(rng); n > 0; --n) s += pieces[piece(rng)];
+    const double max_w = width(rng);
+    const auto f = d.fit(s, max_w, 14, 9);
+    ASSERT_GE(f.size, 9);
+    ASSERT_LE(f.size, 14);
+    if (!f.text.empty()) ASSERT_LE(d.text_width(f.text, f.size), max_w) << s;
+    if (f.text != s) {
+      ASSERT_EQ(f.size, 9) << "cut only at the smallest size";
+      if (f.text.empty()) continue;  // not even "…" fits
+      const std::string ellipsis = "\xE2\x80\xA6";
+      ASSERT_GE(f.text.size(), ellipsis.size());
+      ASSERT_EQ(f.text.substr(f.text.size() - ellipsis.size()), ellipsis) << f.text;
+      const std::string kept = f.text.substr(0, f.text.size() - ellipsis.size());
+      ASSERT_EQ(s.compare(0, kept.size(), kept), 0) << "a prefix of the text";
+      ASSERT_TRUE(kept.size() == s.size() || (static_cast<unsigned char>(s[kept.size()]) & 0xC0) != 0x80)
+          << "cut inside a character: " << f.text;
+      // One more character would not have fitted.
+      ASSERT_GT(d.text_width(s.substr(0, kept.size() + 1) + ellipsis, 9), max_w - 1e-9);
+    } else {
+      // The largest size that fits: one pixel larger would not (or it is the largest).
+      if (f.size < 14) ASSERT_GT(d.text_width(s, f.size + 1), max_w);
+    }
+  }
+}
+
+// Axes over every magnitude and sign: the ticks are 1, 2 or 5 times a power
+// of ten, cover the data, number about five, and their labels are distinct
+// and read back as the ticks.
+TEST(Drawing, NiceAxesCoverTheDataWithReadableTicks) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> expo(-9, 9), unit(-1, 1), span(-6, 0);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const double scale = std::pow(10.0, expo(rng));
+    double lo = unit(rng) * scale, hi = lo + std::fabs(unit(rng)) * scale * std::pow(10.0, span(rng));
+    if (trial % 10 == 0) hi = lo;  // flat
+    const auto a = loom::report::nice_axis(lo, hi);
+    SCOPED_TRACE(::testing::Message() << "lo=" << lo << " hi=" << hi);
+    ASSERT_LE(a.lo, lo);
+    ASSERT_GE(a.hi, hi);
+    if (lo == hi) ASSERT_TRUE(a.lo < lo && lo < a.hi) << "a flat range gets room around it";
+    const double mant = a.step / std::pow(10.0, std::floor(std::log10(a.step) + 1e-9));
+    ASSERT_TRUE(std::fabs(mant - 1) < 1e-6 || std::fabs(mant - 2) < 1e-6 || std::fabs(mant - 5) < 1e-6) << a.step;
+    ASSERT_GE(a.ticks.size(), 2u);
+    ASSERT_LE(a.ticks.size(), 12u);
+    ASSERT_NEAR(a.ticks.front(), a.lo, a.step * 1e-6);
+    ASSERT_NEAR(a.ticks.back(), a.hi, a.step * 1e-6);
+    std::set<std::string> labels;
+    for (size_t i = 0; i < a.ticks.size(); ++i) {
+      if (i > 0) ASSERT_NEAR(a.ticks[i] - a.ticks[i - 1], a.step, a.step * 1e-6);
+      const std::string l = a.label(a.ticks[i]);
+      ASSERT_LE(l.size(), 14u) << l;
+      ASSERT_TRUE(labels.insert(l).second) << "two ticks labelled " << l;
+      ASSERT_NEAR(std::strtod(l.c_str(), nullptr), a.ticks[i], a.step * 0.05) << l;
+    }
+  }
+  // Steps are whole numbers: with a minimum step of 1, so are the ticks.
+  for (auto [lo, hi] : {std::pair{1.0, 1.0}, {1.0, 3.0}, {0.0, 4.0}, {7.0, 9.0}, {1.0, 500.0}}) {
+    const auto a = loom::report::nice_axis(lo, hi, 5, 1);
+    EXPECT_GE(a.step, 1);
+    for (double t : a.ticks) EXPECT_EQ(t, std::round(t)) << lo << ".." << hi;
+    EXPECT_LE(a.lo, lo);
+    EXPECT_GE(a.hi, hi);
+  }
+  // Nothing finite, and finite extremes, still give a usable axis.
+  for (auto [lo, hi] : {std::pair{kNaN, kNaN}, {kInf, -kInf}, {-1e308, 1e308}, {0.0, 0.0}}) {
+    const auto a = loom::report::nice_axis(lo, hi);
+    EXPECT_TRUE(std::isfinite(a.lo) && std::isfinite(a.hi) && a.lo < a.hi) << lo << " " << hi;
+    EXPECT_FALSE(a.ticks.empty());
+  }
+  const loom::report::Frame f{{10, 20, 101, 51}, loom::report::nice_axis(0, 10), loom::report::nice_axis(-1, 1)};
+  EXPECT_DOUBLE_EQ(f.px(f.x.lo), 10);
+  EXPECT_DOUBLE_EQ(f.px(f.x.hi), 110);
+  EXPECT_DOUBLE_EQ(f.py(f.y.lo), 70);  // y grows upwards
+  EXPECT_DOUBLE_EQ(f.py(f.y.hi), 20);
+  EXPECT_LE(std::fabs(f.px(1e300)), 1e6) << "far values are clamped, so no int conversion overflows";
 }
 
 }  // namespace

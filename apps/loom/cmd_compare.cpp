@@ -327,7 +327,16 @@ int cmd_compare(const Args& args) {
   const std::string csv = (fs::path(out_dir) / "compare.csv").string();
   const std::string png = (fs::path(out_dir) / "compare.png").string();
   report::write_csv(csv, rows);
-  report::write_png(png, rows, cat("loom compare: ", a.file, ", ", steps, " steps"));
+  // The chart needs cairo, which a machine may lack (GPU nodes often do): the
+  // table and the CSV files hold the results, so a missing cairo is said, not fatal.
+  bool drawn = true;
+  try {
+    report::require_cairo();
+  } catch (const Error& e) {
+    drawn = false;
+    log_warn(cat(png, " not drawn: ", e.what()));
+  }
+  if (drawn) report::write_png(png, rows, cat("loom compare: ", a.file, ", ", steps, " steps"));
   for (const report::CompareRow& r : rows) {
     nlohmann::json j = {{"label", r.label},
                         {"ranks", r.ranks},
@@ -345,7 +354,8 @@ int cmd_compare(const Args& args) {
                         {"note", r.note}};
     std::printf("COMPARE_JSON %s\n", j.dump().c_str());
   }
-  std::printf("wrote %s, %s, %s\n", csv.c_str(), report::losses_csv_path(csv).c_str(), png.c_str());
+  std::printf("wrote %s, %s%s%s\n", csv.c_str(), report::losses_csv_path(csv).c_str(), drawn ? ", " : "",
+              drawn ? png.c_str() : "");
   return 0;
 }
 

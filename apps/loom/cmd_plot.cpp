@@ -37,6 +37,7 @@ int cmd_plot(const Args& args) {
   if (ext != ".png" && ext != ".PNG" && !std::filesystem::is_directory(out, ec))  // a folder is told as one when written
     throw Error(cat("--out ", out, ": loom plot writes a PNG image; give --out a name ending in .png (e.g. ",
                     std::filesystem::path(out).replace_extension(".png").string(), ")"));
+  report::require_cairo();  // before reading anything: the one thing this machine may lack
   std::vector<report::RunCurves> runs;
   for (auto& d : dirs) runs.push_back(report::read_run_curves(d));
   report::write_run_plot(out, runs);

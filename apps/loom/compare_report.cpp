@@ -17,7 +17,6 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
-#include "png_writer.hpp"
 #include "util/files.hpp"
 
 namespace loom::report {
@@ -284,10 +283,7 @@ void write_csv(const std::string& path, const std::vector<CompareRow>& rows) {
 }
 
 void write_png(const std::string& path, const std::vector<CompareRow>& rows, const std::string& title) {
-  const Chart chart = render_chart(rows, title);
-  const std::vector<uint8_t> png =
-      png::encode_rgb(chart.canvas.width(), chart.canvas.height(), chart.canvas.rgb());
-  write_file(path, std::string_view(reinterpret_cast<const char*>(png.data()), png.size()));
+  render_chart(rows, title).drawing.write_png(path);
 }
 
 std::vector<CompareRow> read_peer_rows(const std::string& path) {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "canvas.hpp"
+#include "drawing.hpp"
 
 namespace loom::report {
 
@@ -92,10 +92,9 @@ std::string format_bytes_decimal(double bytes); // 2.5e8 -> "250 MB", 1.5e9 -> "
 
 // The chart write_png encodes, with where its parts were drawn; for tests and
 // for callers that want the pixels rather than a file.
-inline constexpr Rgb kBackground{255, 255, 255};
 Rgb row_color(size_t index);  // the colour of row `index`'s curve and bars
 struct Chart {
-  Canvas canvas;
+  Drawing drawing;
   Rect loss_plot;                    // the plot area of the loss curves
   std::vector<Rect> throughput_bars; // one per row, in row order; h == 0 for a failed or zero value
   std::vector<Rect> memory_bars;

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -14,85 +13,79 @@
 #include "compare_report.hpp"
 #include "loom/error.hpp"
 #include "util/files.hpp"
-#include "png_writer.hpp"
 
 namespace loom::report {
 namespace {
 
 constexpr int kWidth = 1200, kHeight = 820;
-constexpr Rgb kInk{40, 40, 40}, kGrid{228, 228, 228}, kMuted{130, 130, 130};
-
-struct Range1 {
-  double lo = std::numeric_limits<double>::infinity(), hi = -std::numeric_limits<double>::infinity();
-  void add(double v) {
-    if (std::isfinite(v)) lo = std::min(lo, v), hi = std::max(hi, v);
-  }
-  bool empty() const { return !(hi >= lo); }
-};
-
-// Ticks at 1, 2 or 5 times a power of ten, about five of them.
-std::vector<double> ticks(double& lo, double& hi) {
-  if (!(hi - lo > 1e-12 * std::max(std::fabs(lo), std::fabs(hi)))) {
-    const double pad = lo != 0 ? std::fabs(lo) * 0.05 : 0.5;
-    lo -= pad;
-    hi += pad;
-  }
-  const double raw = (hi - lo) / 5, mag = std::pow(10.0, std::floor(std::log10(raw)));
-  const double f = raw / mag, step = (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag;
-  lo = std::floor(lo / step) * step;
-  hi = std::ceil(hi / step) * step;
-  std::vector<double> t;
-  for (int k = 0; k < 40 && lo + k * step <= hi + step * 1e-6; ++k) t.push_back(lo + k * step);
-  return t;
-}
-
-std::string label(double v) {
-  char b[32];
-  const double a = std::fabs(v);
-  if (a != 0 && (a < 1e-2 || a >= 1e5)) std::snprintf(b, sizeof b, "%.1e", v);
-  else if (a >= 100) std::snprintf(b, sizeof b, "%.0f", v);
-  else std::snprintf(b, sizeof b, "%.3g", v);
-  return b;
-}
+constexpr double kCaption = 17, kLegend = 15, kSmallest = 9;
 
 using Series = std::pair<const std::vector<double>*, const std::vector<double>*>;  // x, y
 
-void panel(Canvas& c, const Rect& p, const std::string& title, const std::vector<Series>& series, bool dots) {
-  c.text(p.x, p.y - 26, title, kInk, 2);
-  Range1 xr, yr;
+// One panel: its title, the frame over all runs' finite points, each run's
+// curve (a NaN, such as a skipped step's loss, leaves a gap), with a dot at
+// every point when `dots` (sparse validation losses) or where a point has no
+// finite neighbour.
+void panel(Drawing& d, const Rect& p, const std::string& title, const std::vector<Series>& series, bool dots) {
+  d.text(p.x, p.y - 22, title, kInk, kCaption, Align::kLeft, true);
+  double xlo = std::numeric_limits<double>::infinity(), xhi = -xlo, ylo = xlo, yhi = -xlo;
   for (auto [xs, ys] : series)
     for (size_t i = 0; i < xs->size() && i < ys->size(); ++i)
-      if (std::isfinite((*ys)[i])) xr.add((*xs)[i]), yr.add((*ys)[i]);
-  c.outline({p.x - 1, p.y - 1, p.w + 2, p.h + 2}, kMuted);
-  if (xr.empty() || yr.empty()) {
-    c.text(p.cx() - Canvas::text_width("no data", 2) / 2, p.cy(), "no data", kMuted, 2);
+      if (std::isfinite((*xs)[i]) && std::isfinite((*ys)[i])) {
+        xlo = std::min(xlo, (*xs)[i]), xhi = std::max(xhi, (*xs)[i]);
+        ylo = std::min(ylo, (*ys)[i]), yhi = std::max(yhi, (*ys)[i]);
+      }
+  if (!(xlo <= xhi)) {
+    d.outline({p.x - 1, p.y - 1, p.w + 2, p.h + 2}, kMuted);
+    d.text(p.cx(), p.cy(), "no data", kMuted, kCaption, Align::kCenter);
     return;
   }
-  double xlo = xr.lo, xhi = xr.hi, ylo = yr.lo, yhi = yr.hi;
-  const auto xt = ticks(xlo, xhi), yt = ticks(ylo, yhi);
-  auto px = [&](double x) { return p.x + static_cast<int>(std::lround((x - xlo) / (xhi - xlo) * (p.w - 1))); };
-  auto py = [&](double y) { return p.y + p.h - 1 - static_cast<int>(std::lround((y - ylo) / (yhi - ylo) * (p.h - 1))); };
-  for (double t : yt) {
-    c.fill({p.x, py(t), p.w, 1}, kGrid);
-    const std::string s = label(t);
-    c.text(p.x - 6 - Canvas::text_width(s, 1), py(t) - 3, s, kInk, 1);
-  }
-  for (double t : xt) {
-    c.fill({px(t), p.y, 1, p.h}, kGrid);
-    const std::string s = label(t);
-    c.text(px(t) - Canvas::text_width(s, 1) / 2, p.y + p.h + 6, s, kInk, 1);
-  }
+  const Frame f{p, nice_axis(xlo, xhi, 5, 1), nice_axis(ylo, yhi)};
+  draw_frame(d, f, "step");
   for (size_t r = 0; r < series.size(); ++r) {
     const auto& xs = *series[r].first;
     const auto& ys = *series[r].second;
     const Rgb col = row_color(r);
+    std::vector<Point> run;
+    auto flush = [&] {
+      if (run.size() == 1 && !dots) d.dot(run[0], 3, col);
+      d.polyline(run, col, 2);
+      run.clear();
+    };
     for (size_t i = 0; i < xs.size() && i < ys.size(); ++i) {
-      if (!std::isfinite(ys[i])) continue;
-      if (dots || xs.size() == 1) c.fill({px(xs[i]) - 3, py(ys[i]) - 3, 7, 7}, col);
-      if (i > 0 && std::isfinite(ys[i - 1])) c.line(px(xs[i - 1]), py(ys[i - 1]), px(xs[i]), py(ys[i]), col, 2);
+      if (!std::isfinite(xs[i]) || !std::isfinite(ys[i])) {
+        flush();
+        continue;
+      }
+      run.push_back({f.px(xs[i]), f.py(ys[i])});
+      if (dots) d.dot(run.back(), 3.5, col);
     }
+    flush();
   }
-  c.text(p.x + p.w - Canvas::text_width("step", 1), p.y + p.h + 18, "step", kMuted, 1);
+}
+
+// The legend across the top: each run's colour and name, in rows of the
+// page's width; what does not fit in three rows is counted ("+4 more").
+void legend(Drawing& d, const std::vector<RunCurves>& runs) {
+  constexpr int kLeft = 20, kRight = kWidth - 20, kRowHeight = 24, kRows = 3, kSwatch = 24;
+  constexpr double kMaxName = 360;
+  double x = kLeft;
+  int row = 0;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    const auto name = d.fit(runs[r].name, kMaxName, kLegend, kSmallest);
+    const double w = kSwatch + 6 + d.text_width(name.text, name.size) + 28;
+    if (x > kLeft && x + w > kRight && row + 1 < kRows) x = kLeft, ++row;
+    const int mid = 22 + row * kRowHeight;
+    // On the last row each entry leaves room for the count of those after it.
+    const double reserve = r + 1 < runs.size() ? d.text_width(cat("+", runs.size() - r - 1, " more"), kLegend) : 0;
+    if (row == kRows - 1 && x + w + reserve > kRight) {
+      d.text(x, mid, cat("+", runs.size() - r, " more"), kMuted, kLegend);
+      return;
+    }
+    d.fill({static_cast<int>(x), mid - 3, kSwatch, 6}, row_color(r));
+    d.text(x + kSwatch + 6, mid, name.text, kInk, name.size);
+    x += w;
+  }
 }
 
 }  // namespace
@@ -152,19 +145,13 @@ RunCurves read_run_curves(const std::string& run_dir) {
 
 RunPlot render_run_plot(const std::vector<RunCurves>& runs) {
   if (runs.empty()) throw Error("loom plot needs at least one run directory");
-  RunPlot out{Canvas(kWidth, kHeight, kBackground), {}};
-  Canvas& c = out.canvas;
-  // The legend across the top: each run's colour and name.
-  int x = 20;
-  for (size_t r = 0; r < runs.size(); ++r) {
-    c.fill({x, 20, 24, 6}, row_color(r));
-    c.text(x + 30, 16, runs[r].name, kInk, 2);
-    x += 30 + Canvas::text_width(runs[r].name, 2) + 30;
-  }
-  out.panels[0] = {90, 110, 460, 260};
-  out.panels[1] = {690, 110, 460, 260};
-  out.panels[2] = {90, 500, 460, 260};
-  out.panels[3] = {690, 500, 460, 260};
+  RunPlot out{Drawing(kWidth, kHeight, kBackground), {}};
+  Drawing& d = out.drawing;
+  legend(d, runs);
+  out.panels[0] = {90, 120, 460, 250};
+  out.panels[1] = {690, 120, 460, 250};
+  out.panels[2] = {90, 510, 460, 250};
+  out.panels[3] = {690, 510, 460, 250};
   std::vector<Series> loss, val, lr, tps;
   for (const auto& r : runs) {
     loss.push_back({&r.step, &r.loss});
@@ -172,10 +159,10 @@ RunPlot render_run_plot(const std::vector<RunCurves>& runs) {
     lr.push_back({&r.step, &r.lr});
     tps.push_back({&r.step, &r.tokens_per_s});
   }
-  panel(c, out.panels[0], "training loss", loss, false);
-  panel(c, out.panels[1], "validation loss", val, true);
-  panel(c, out.panels[2], "learning rate", lr, false);
-  panel(c, out.panels[3], "tokens/s", tps, false);
+  panel(d, out.panels[0], "training loss", loss, false);
+  panel(d, out.panels[1], "validation loss", val, true);
+  panel(d, out.panels[2], "learning rate", lr, false);
+  panel(d, out.panels[3], "tokens/s", tps, false);
   return out;
 }
 
@@ -184,12 +171,7 @@ void write_run_plot(const std::string& path, const std::vector<RunCurves>& runs)
   if (std::filesystem::is_directory(path, ec))
     throw Error(cat("--out '", path, "' is a directory; give a file name, e.g. --out ",
                     (std::filesystem::path(path) / "plot.png").string()));
-  const RunPlot p = render_run_plot(runs);
-  const std::vector<uint8_t> png = png::encode_rgb(p.canvas.width(), p.canvas.height(), p.canvas.rgb());
-  std::ofstream o(path, std::ios::binary);
-  o.write(reinterpret_cast<const char*>(png.data()), static_cast<std::streamsize>(png.size()));
-  o.close();
-  if (!o) throw Error(cat("cannot write '", path, "'; check that its directory exists and is writable"));
+  render_run_plot(runs).drawing.write_png(path);
 }
 
 }  // namespace loom::report

@@ -1,11 +1,11 @@
 // `loom plot`: the curves of one or several runs from their metrics.jsonl —
 // training loss, validation loss, learning rate and throughput against the
-// step — drawn with the comparison chart's canvas, palette and PNG encoder.
+// step — drawn with cairo (drawing.hpp) in the comparison chart's palette.
 #pragma once
 #include <string>
 #include <vector>
 
-#include "canvas.hpp"
+#include "drawing.hpp"
 
 namespace loom::report {
 
@@ -20,7 +20,7 @@ struct RunCurves {
 RunCurves read_run_curves(const std::string& run_dir);
 
 struct RunPlot {
-  Canvas canvas;
+  Drawing drawing;
   Rect panels[4];  // loss, validation loss, learning rate, tokens/s
 };
 RunPlot render_run_plot(const std::vector<RunCurves>& runs);
