@@ -69,7 +69,7 @@ if [ ! -f data/fortunes/val.bin ] && [ -f .carry/data/fortunes/val.bin ]; then
 fi
 
 # Python packages the GPU image lacks (torchao for the float8 peer of compare.sh)
-# travel as wheels in .whl/ (see benchmarks/README or docs/PERFORMANCE.md).
+# travel as wheels in .whl/ (docs/PERFORMANCE.md, "Reproducing").
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/loom-site .whl/*.whl &&
     export PYTHONPATH=/tmp/loom-site${PYTHONPATH:+:$PYTHONPATH}

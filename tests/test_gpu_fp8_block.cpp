@@ -682,8 +682,9 @@ TEST(GpuFp8Block, BenchUsesNoMoreDeviceMemoryThanBf16) {
     }
     // Fused layers on both sides, as the benchmark tables report them. With
     // native layers fp8_block measured 0.12 GiB (0.3%) above bf16 on llama-1b
-    // (docs/PERFORMANCE.md): the fp32 scale of every 1x128 tile of the saved
-    // xᵀ (1/32 of its FP8 bytes) is what it keeps beyond the per-tensor recipes.
+    // (docs/PERFORMANCE-LOG.md, 2026-11-25): the fp32 scale of every 1x128
+    // tile of the saved xᵀ (1/32 of its FP8 bytes) is what it keeps beyond the
+    // per-tensor recipes.
     const std::string fused = " --set model.layers=\\\"fused\\\"";
     const nlohmann::json a = bench(fp8, fp8 + "-block", extra + fused), b = bench(bf16, bf16, fused);
     if (a.is_null() || b.is_null()) continue;

@@ -97,7 +97,7 @@ TEST(PlanDevice, OutsideTheArenaGrowsWithPeers) {
                            nodes = loom::outside_arena_estimate(16, 8);
   EXPECT_EQ(one.nccl, 0u);
   EXPECT_GT(one.context, kGiB);
-  EXPECT_LT(one.total(), 2 * kGiB);  // measured 1.9 GiB on one rank (docs/PERFORMANCE.md)
+  EXPECT_LT(one.total(), 2 * kGiB);  // measured 1.9 GiB on one rank (docs/PERFORMANCE-LOG.md)
   EXPECT_EQ(two.context, one.context);
   EXPECT_GT(two.nccl, 0u);
   EXPECT_LT(two.nccl, four.nccl);

@@ -234,7 +234,7 @@ void check_strategy(const Case& c) {
     // The gradient's scale: AdamW is nearly blind to a constant factor on the
     // experts' gradients (and clipping may not act), the global norm is not.
     // A wrong factor (a missing 1/world, a double sum) moves the norm by far
-    // more than 1e-3. On 4 GPUs (docs/PERFORMANCE.md, 2026-11-27) the MoE
+    // more than 1e-3. On 4 GPUs (docs/PERFORMANCE-LOG.md, 2026-11-27) the MoE
     // runs drifted beyond rounding whether or not the experts were split:
     // MoeDdp, MoeZero1/2/3 and MoeHybridTwoGroupsOfTwo, and the expert-parallel
     // MoeExpertParallel4Ddp and MoeExpertParallel2HybridTwoGroupsOfTwo, all

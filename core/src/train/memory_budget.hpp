@@ -67,10 +67,11 @@ std::string named_gpu_list();
 // What a CUDA process holds on its GPU beyond the arena (the memory plan):
 // the CUDA context with the kernels it loads and the cuBLASLt and cuDNN
 // handles and graphs, and NCCL's buffers. Not plannable from the config: the
-// figures are measured ones (docs/PERFORMANCE.md, "Where the memory of an 8B
-// node run goes"): the device memory in use minus the arena was 1.9 GiB on
-// one and on two ranks of H100 and H200 (CUDA 13.0, cuDNN 9.19, NCCL 2.27),
-// which `loom bench` prints as `outside_arena_gib` for every run.
+// figures are measured ones (docs/PERFORMANCE-LOG.md, "Llama 3 8B at 8k
+// context on a node", 2026-11-28): the device memory in use minus the arena
+// was 1.9 GiB on one and on two ranks of H100 and H200 (CUDA 13.0, cuDNN
+// 9.19, NCCL 2.27), which `loom bench` prints as `outside_arena_gib` for
+// every run.
 struct OutsideArena {
   uint64_t context = 0;  // the CUDA context, its kernels, the cuBLASLt / cuDNN handles and graphs
   uint64_t nccl = 0;     // NCCL's channel buffers (0 on one rank)

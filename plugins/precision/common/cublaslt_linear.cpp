@@ -39,7 +39,8 @@
 // and the algorithm for a given m is a function of (max_rows, m) alone — a
 // resumed run computes the same bits. (One plan for max_rows alone, as
 // before, took the heuristic's answer for 4x the rows the experts of
-// mixtral-small get: its step was 3% slower, docs/PERFORMANCE.md.)
+// mixtral-small get: its step was 3% slower, docs/PERFORMANCE-LOG.md, "Mixtral:
+// expert GEMM plans per row bucket".)
 #include "precision/common/cublaslt_linear.hpp"
 
 #include <cublasLt.h>
@@ -382,8 +383,8 @@ void CublasLtLinears::matmul(const ExecContext& ctx, int id, Gemm g, int64_t row
     // The heuristic's answer under every gemm_algo: a pick timed at one row
     // count may not run at another, and each count it cannot run would build
     // a plan mid-training (timing the experts gained nothing on mixtral-small,
-    // docs/PERFORMANCE.md). Every bucket of the problem now: later steps'
-    // row counts then find theirs built.
+    // docs/PERFORMANCE-LOG.md, "cuBLASLt algorithms by timing"). Every bucket
+    // of the problem now: later steps' row counts then find theirs built.
     if (v == nullptr) {
       std::array<int64_t, 11> bkey = vkey;
       for (int64_t b = row_bucket(1, desc.max_rows);; b = row_bucket(b + 1, desc.max_rows)) {

@@ -13,7 +13,8 @@
 // operands, which k is) in the layouts and asks cublasLtMatmulAlgoCheck
 // whether the algorithm runs it; only where it does not is an exact plan
 // built. Exact plans for every count, each timed under "fastest", made an
-// FP8 Mixtral step 5x slower than bf16's (docs/PERFORMANCE.md).
+// FP8 Mixtral step 5x slower than bf16's (docs/PERFORMANCE-LOG.md, "FP8 on
+// the experts").
 #include "kernels/cuda/fp8_gemm.hpp"
 
 #include <cublasLt.h>
