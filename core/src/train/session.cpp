@@ -42,7 +42,7 @@ ModelSpec run_model_spec(const Config& cfg) {
 Session::Session(Config cfg, SessionOptions opts)
     : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, run_model_spec(cfg_), opts.single_process, opts.plan_world, opts.plan_local_world,
                       opts.plan_device)) {
-  model_ = std::make_unique<Model>(run_model_spec(cfg_), cfg_.model.layers, cfg_.expert_parallel);
+  model_ = std::make_unique<Model>(run_model_spec(cfg_), cfg_.model.layers, cfg_.model.ffn, cfg_.expert_parallel);
   state_ = std::make_unique<TrainState>(cfg_, rt_, *model_);
 }
 
@@ -124,7 +124,7 @@ void Session::train_step() {
   // a strategy whose step does not say so (Sharding::zeroes_grads) still gets
   // them zeroed here, as its own bookkeeping may read them before.
   if (!rt_.sharding->zeroes_grads()) state_->zero_grads();
-  Tensor loss_sum = view(scalars, kLossSum, {1});
+  Tensor loss_sum = view(scalars, kLossSum, {1}), aux_sum = view(scalars, kAuxSum, {1});
   for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
     last_micro_ = micro == t.grad_accum - 1;
     model_->set_first_micro(micro == 0);
@@ -132,8 +132,8 @@ void Session::train_step() {
       trace::Scope phase(trace::Track::host, "data");
       next_batch(Split::train);   // tokens -> pinned slot -> device, queued
     }
-    if (model_->spec().moe())  // router jitter: a pure function of (seed, micro-batch), so a resume draws the same
-      model_->set_moe_seed(cfg_.run.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step_ * t.grad_accum + micro));
+    // The micro-batch's random draws: a pure function of (seed, micro-batch), so a resume draws the same.
+    model_->begin_micro_batch(cfg_.run.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step_ * t.grad_accum + micro));
     {
       trace::Scope phase(trace::Track::host, "forward");
       forward(true, dloss_scale); // every unit, sharding hooks around each
@@ -143,10 +143,7 @@ void Session::train_step() {
       backward();                 // the head computes the loss chunk by chunk, then every unit in reverse
     }
     be.sum_into(loss_sum, model_->losses(), 0, model_->env().N, false);
-    if (model_->spec().moe()) {
-      Tensor aux_sum = view(scalars, kAuxSum, {1});
-      be.sum_into(aux_sum, model_->aux_loss(), 0, 1, false);
-    }
+    model_->add_extra_losses(aux_sum);
   }
   model_->set_first_micro(false);  // a backward outside a step (tests, --breakdown) accumulates
   {
@@ -226,15 +223,15 @@ std::vector<StepLog> Session::read_ring(bool keep_newest) {
   be.download(rows.data(), state_->scalar_log(), rows.size() * sizeof(double));  // the one wait
   stager_->device_caught_up();
   // Losses averaged over ranks in one collective (every rank reads the same steps).
-  // With experts, the aux losses ride in the same collective (the second half).
-  const bool moe = model_->spec().moe();
-  std::vector<double> losses(static_cast<size_t>(moe ? 2 * n : n));
+  // The blocks' extra losses (a mixture of experts' aux loss) ride in the same collective (the second half).
+  const bool extra = !model_->extra_losses().empty();
+  std::vector<double> losses(static_cast<size_t>(extra ? 2 * n : n));
   const double tokens_per_rank = static_cast<double>(model_->env().N * t.grad_accum);
   const int64_t first = step_ - pending_ + 1;  // the step number of the oldest unread row
   auto row_of = [&](int64_t step) { return rows.data() + ring_row(step) * kStepScalars; };
   for (int64_t i = 0; i < n; ++i) {
     losses[static_cast<size_t>(i)] = row_of(first + i)[kLossSum] / tokens_per_rank;
-    if (moe) losses[static_cast<size_t>(n + i)] = row_of(first + i)[kAuxSum] / static_cast<double>(t.grad_accum);
+    if (extra) losses[static_cast<size_t>(n + i)] = row_of(first + i)[kAuxSum] / static_cast<double>(t.grad_accum);
   }
   if (rt_.host->size() > 1) {
     Tensor lt(losses.data(), DType::f64, Device::cpu, {static_cast<int64_t>(losses.size())});
@@ -249,7 +246,7 @@ std::vector<StepLog> Session::read_ring(bool keep_newest) {
     StepLog s;
     s.step = first + i;
     s.loss = losses[static_cast<size_t>(i)];
-    if (moe) {
+    if (extra) {
       s.has_aux = true;
       s.aux_loss = losses[static_cast<size_t>(n + i)];
     }
@@ -313,8 +310,12 @@ double Session::batch_loss() {
 }
 
 double Session::batch_aux_loss() {
-  float aux = 0.f;
-  rt_.backend->download(&aux, model_->aux_loss(), sizeof aux);
+  double aux = 0;
+  for (size_t i = 0; i < model_->extra_losses().size(); ++i) {
+    float v = 0.f;
+    rt_.backend->download(&v, model_->extra_losses().at(i).value(), sizeof v);
+    aux += v;
+  }
   stager_->device_caught_up();
   return aux;
 }
