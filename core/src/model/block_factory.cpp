@@ -15,6 +15,7 @@
   X(ffn_native)              \
   X(ffn_fused)               \
   X(ffn_moe)                 \
+  X(ffn_geglu)               \
   /* end of the feed-forward variants */
 
 namespace loom {
