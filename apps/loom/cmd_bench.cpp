@@ -4,7 +4,7 @@
 // warm-up steps excluded, the median step time over N steps (CUDA events on
 // the GPU); tokens/s per GPU first, model TFLOP/s per GPU as NeMo counts them
 // (causal attention, 6N + 6LhS a token: figures set beside NeMo's published
-// ones need no conversion), MFU (DESIGN.md's 6N + 12LhS against
+// ones need no conversion), MFU (docs/ARCHITECTURE.md "MFU": 6N + 12LhS against
 // kMfuPeakFlops, loom/precision.hpp), the device memory in use after the steps
 // (cudaMemGetInfo: the arena, the CUDA context, the libraries, NCCL; the
 // fullest rank's under a launcher) beside the plan (the arena plus what lies
