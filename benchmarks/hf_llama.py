@@ -13,7 +13,7 @@ Modes (--modes, comma-separated):
               installs it from a carried wheel, scripts/gpu_check.sh).
 All use SDPA attention and fused AdamW. Prints one JSON line per mode
 (prefixed PEER_JSON) with the median step time over --steps after --warmup,
-tokens/s, MFU (DESIGN.md: 6N + 12LhS flops per token over 989 TFLOP/s) and peak
+tokens/s, MFU (docs/ARCHITECTURE.md "MFU": 6N + 12LhS flops per token over 989 TFLOP/s) and peak
 memory (torch.cuda.max_memory_allocated / max_memory_reserved).
 """
 import argparse
@@ -38,7 +38,7 @@ def model_from_config(path):
 
 
 def matmul_params(c):
-    """N of DESIGN.md's MFU: the matmul weights, LM head included, input embedding excluded."""
+    """N of the MFU formula (docs/ARCHITECTURE.md "MFU"): the matmul weights, LM head included, input embedding excluded."""
     h, L = c["hidden"], c["layers"]
     q = h
     kv = c["kv_heads"] * (h // c["heads"])
@@ -47,7 +47,7 @@ def matmul_params(c):
 
 
 def flops_per_token(c):
-    """What MFU counts (DESIGN.md): 6N + 12LhS, attention as if it were not causal."""
+    """What MFU counts (docs/ARCHITECTURE.md "MFU"): 6N + 12LhS, attention as if it were not causal."""
     return 6 * matmul_params(c) + 12 * c["layers"] * c["hidden"] * c["seq"]
 
 

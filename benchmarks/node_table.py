@@ -7,7 +7,7 @@ issue's targets, each marked met or missed.
   python3 benchmarks/node_table.py LOOM_BF16.json LOOM_FP8.json PEERS.jsonl [CHECK_BF16.txt CHECK_FP8.txt]
 
 Columns: tokens/s per GPU first; model TFLOP/s per GPU as NeMo counts them
-(causal attention, 6N + 6LhS a token); MFU (DESIGN.md, 6N + 12LhS over 989
+(causal attention, 6N + 6LhS a token); MFU (docs/ARCHITECTURE.md "MFU", 6N + 12LhS over 989
 TFLOP/s); peak GiB (Loom: the device memory in use after the steps on the
 fullest rank, CUDA context, libraries and NCCL included; the peer:
 torch.cuda.max_memory_reserved, context not included); planned GiB (Loom's

@@ -21,7 +21,7 @@
 
 #include "config/run_config.hpp"
 #include "loom/arena.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace loom::test {
 
@@ -29,10 +29,10 @@ namespace loom::test {
 // device memory alike).
 inline std::map<std::string, std::vector<char>> state_bytes(Session& s) {
   std::map<std::string, std::vector<char>> out;
-  for (const StateTensor& t : s.precision().state_tensors()) {
+  for (const StateTensor& t : loom::probe(s).precision().state_tensors()) {
     std::vector<char> b(t.tensor.bytes());
     if (t.tensor.device == Device::cpu) std::memcpy(b.data(), t.tensor.data, b.size());
-    else s.backend().download(b.data(), t.tensor, b.size());
+    else loom::probe(s).backend().download(b.data(), t.tensor, b.size());
     out[t.name] = std::move(b);
   }
   return out;
@@ -69,14 +69,14 @@ inline void stale_gradients_are_overwritten(const Config& config, int64_t steps)
     s.initialise();
     for (int64_t i = 0; i < steps; ++i) {
       if (poison) {
-        s.backend().synchronize();  // the last step's optimizer has read them
-        for (UnitState& u : s.units()) {
+        loom::probe(s).backend().synchronize();  // the last step's optimizer has read them
+        for (UnitState& u : loom::probe(s).units()) {
           if (u.grads.data == nullptr) continue;
           // The parameters' elements (an experts unit holds this rank's range only).
           Tensor g = view(u.grads, 0, {std::min<int64_t>(u.info->numel, u.grads.numel())});
           const std::vector<unsigned char> ff(g.bytes(), 0xFF);
           if (g.device == Device::cpu) std::memcpy(g.data, ff.data(), ff.size());
-          else s.backend().upload(g, ff.data(), ff.size());
+          else loom::probe(s).backend().upload(g, ff.data(), ff.size());
         }
       }
       s.train_step();
@@ -106,7 +106,7 @@ inline std::map<std::string, size_t> weight_cache_modes_match(
     Session s(config(mode));
     runs[mode] = s.train();
     states[mode] = state_bytes(s);
-    for (const ArenaBlock& b : s.memory_plan().blocks())
+    for (const ArenaBlock& b : loom::probe(s).memory_plan().blocks())
       if (b.name == "precision.workspace") ws[mode] = b.bytes;
   }
   for (const std::string mode : {"layer", "auto"}) {

@@ -26,7 +26,7 @@
 #include "fp8_recipe_rig.hpp"
 #include "session_runs.hpp"
 #include "test_util.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace fs = std::filesystem;
 using loom::Device;
@@ -530,7 +530,7 @@ TEST(Fp8Block, ResumesBitwise) {
   loom::RunSummary full, first, second;
   std::vector<double> full_c, resumed_c;
   auto counters = [](loom::Session& s) {
-    for (const loom::StateTensor& t : s.precision().state_tensors())
+    for (const loom::StateTensor& t : loom::probe(s).precision().state_tensors())
       if (t.name == "fp8_block.counters") return std::vector<double>(t.tensor.ptr<double>(), t.tensor.ptr<double>() + 2);
     return std::vector<double>{};
   };
@@ -674,8 +674,8 @@ TEST(Fp8Block, DroppingTheBlocksLinearInputsKeepsTheLossesBitwise) {
                                            "train.validation_every=2"};
       loom::Session a(parse(block_config(d / "a", "plugin = \"fp8_block\"", 4), ov));
       loom::Session b(parse(block_config(d / "b", "plugin = \"fp8_block_bf16_x\"", 4), ov));
-      const size_t act_a = a.memory_plan().category_bytes(loom::MemCategory::activations);
-      const size_t act_b = b.memory_plan().category_bytes(loom::MemCategory::activations);
+      const size_t act_a = loom::probe(a).memory_plan().category_bytes(loom::MemCategory::activations);
+      const size_t act_b = loom::probe(b).memory_plan().category_bytes(loom::MemCategory::activations);
       if (recompute == "none") EXPECT_LT(act_a, act_b) << "the blocks must drop the FP8 linears' inputs";
       std::printf("[fp8_block keeps x] %s recompute %s: activations %zu bytes, %zu keeping x\n", layers.c_str(),
                   recompute.c_str(), act_a, act_b);

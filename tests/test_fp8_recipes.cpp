@@ -37,7 +37,7 @@
 #include "fp8_recipe_rig.hpp"
 #include "session_runs.hpp"
 #include "test_util.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace fs = std::filesystem;
 using loom::DType;
@@ -510,7 +510,7 @@ TEST(Fp8Recipes, ResumeAcrossRecipes) {
     loom::Session s(parse(cfg, to_fp8));
     s.initialise();
     // Fresh scales: every scale TE's starting 1, no step counted.
-    for (const loom::StateTensor& t : s.precision().state_tensors()) {
+    for (const loom::StateTensor& t : loom::probe(s).precision().state_tensors()) {
       if (t.name == "fp8.scale")
         for (int64_t i = 0; i < t.tensor.numel(); ++i) ASSERT_EQ(t.tensor.ptr<float>()[i], 1.0f);
       if (t.name == "fp8.counters") ASSERT_EQ(t.tensor.ptr<double>()[1], 0.0);
@@ -570,7 +570,7 @@ TEST(Fp8Recipes, MemoryPlanCountsSavedActivations) {
     const size_t per_layer = static_cast<size_t>((hs * N * h + N * f) * 4);
     size_t saved = 0;
     bool scratch = false;
-    for (const loom::ArenaBlock& b : fp8.memory_plan().blocks()) {
+    for (const loom::ArenaBlock& b : loom::probe(fp8).memory_plan().blocks()) {
       if (b.name == "precision.saved_activations") saved = b.bytes;
       if (b.name == "scratch.linear_input") {
         scratch = true;
@@ -582,9 +582,9 @@ TEST(Fp8Recipes, MemoryPlanCountsSavedActivations) {
     }
     EXPECT_TRUE(scratch);
     EXPECT_EQ(saved, 2 * per_layer);
-    const size_t a8 = fp8.memory_plan().category_bytes(loom::MemCategory::activations);
-    const size_t a8_kept = kept.memory_plan().category_bytes(loom::MemCategory::activations);
-    const size_t a32 = fp32.memory_plan().category_bytes(loom::MemCategory::activations);
+    const size_t a8 = loom::probe(fp8).memory_plan().category_bytes(loom::MemCategory::activations);
+    const size_t a8_kept = loom::probe(kept).memory_plan().category_bytes(loom::MemCategory::activations);
+    const size_t a32 = loom::probe(fp32).memory_plan().category_bytes(loom::MemCategory::activations);
     // Every block size here is a multiple of the arena alignment but the saved activations' total.
     EXPECT_GE(a8_kept, a32 + saved);
     EXPECT_LE(a8_kept, a32 + saved + loom::ArenaPlan::kAlign);
@@ -780,13 +780,13 @@ TEST(Fp8Recipes, Bf16CheckpointResumesUnderFp8Delayed) {
   loom::Session s(parse(small_config(d / "fp8", "plugin = \"fp8_delayed\""), ov8));
   s.initialise();
   ASSERT_EQ(s.step(), 2);
-  for (const loom::StateTensor& t : s.precision().state_tensors()) {
+  for (const loom::StateTensor& t : loom::probe(s).precision().state_tensors()) {
     if (t.name == "fp8.scale")
       for (int64_t i = 0; i < t.tensor.numel(); ++i) ASSERT_EQ(t.tensor.ptr<float>()[i], 1.0f) << "fresh scales";
     if (t.name == "fp8.counters") EXPECT_EQ(t.tensor.ptr<double>()[1], 0.0);
   }
   // The fp32 params are the master copy, bit for bit (not the bf16 rounding).
-  for (const auto& u : s.units()) {
+  for (const auto& u : loom::probe(s).units()) {
     const auto it = masters.find(u.info->name);
     ASSERT_NE(it, masters.end()) << u.info->name;
     const float* p = u.params.ptr<const float>();

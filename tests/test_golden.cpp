@@ -19,7 +19,7 @@
 #include "config/run_config.hpp"
 #include "gpu_test_util.hpp"
 #include "hf/safetensors.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace fs = std::filesystem;
 
@@ -74,12 +74,12 @@ TEST_P(Golden, MatchesHFTransformers) {
   loom::Session s(loom::parse_config_string(cfg.str(), "golden.toml", {}));
   s.initialise();
   std::vector<int32_t> in(input_ids.begin(), input_ids.end()), tg(targets.begin(), targets.end());
-  s.load_batch(in.data(), tg.data());
+  loom::probe(s).load_batch(in.data(), tg.data());
 
   // Forward: logits and loss.
-  s.forward(false, 0.f);
-  const double loss = s.batch_loss();
-  const std::vector<float> logits = s.logits();
+  loom::probe(s).forward(false, 0.f);
+  const double loss = loom::probe(s).batch_loss();
+  const std::vector<float> logits = loom::probe(s).logits();
   const std::vector<float> ref_logits = ref.read_f32("logits");
   ASSERT_EQ(logits.size(), ref_logits.size());
   const double e_logits = rel_err(logits, ref_logits);
@@ -90,16 +90,16 @@ TEST_P(Golden, MatchesHFTransformers) {
 
   // Backward: every parameter's gradient.
   const int64_t N = B * S;
-  s.zero_grads();
-  s.forward(true, 1.0f / static_cast<float>(N));
-  s.backward();
+  loom::probe(s).zero_grads();
+  loom::probe(s).forward(true, 1.0f / static_cast<float>(N));
+  loom::probe(s).backward();
   double worst = 0;
   std::string worst_name;
   int checked = 0;
   for (const std::string& name : ref.names()) {
     if (name.rfind("grad.", 0) != 0) continue;
     const std::string p = name.substr(5);
-    const double e = rel_err(s.read_param(p, true), ref.read_f32(name));
+    const double e = rel_err(loom::probe(s).read_param(p, true), ref.read_f32(name));
     EXPECT_LT(e, path.tol_grad) << p;
     if (e > worst) { worst = e; worst_name = p; }
     ++checked;
@@ -111,11 +111,11 @@ TEST_P(Golden, MatchesHFTransformers) {
   const std::vector<float> ref_norms = ref.read_f32("adamw_grad_norms");
   double worst_step = 0, worst_norm = 0;
   for (int64_t i = 0; i < 5; ++i) {
-    s.zero_grads();
-    s.forward(true, 1.0f / static_cast<float>(N));
-    s.backward();
-    const double l = s.batch_loss();
-    loom::StepResult r = s.optimizer_step(i);
+    loom::probe(s).zero_grads();
+    loom::probe(s).forward(true, 1.0f / static_cast<float>(N));
+    loom::probe(s).backward();
+    const double l = loom::probe(s).batch_loss();
+    loom::StepResult r = loom::probe(s).optimizer_step(i);
     const double e = std::abs(l - ref_losses[static_cast<size_t>(i)]) / std::abs(ref_losses[static_cast<size_t>(i)]);
     const double en = std::abs(r.grad_norm - ref_norms[static_cast<size_t>(i)]) / ref_norms[static_cast<size_t>(i)];
     EXPECT_LT(e, path.tol_adamw) << "AdamW step " << i;
@@ -200,24 +200,24 @@ TEST_P(MixtralGolden, MatchesHFTransformers) {
       << "[sharding]\nplugin = \"none\"\n[data]\nplugin = \"synthetic\"\n";
   loom::Session s(loom::parse_config_string(cfg.str(), "golden_mixtral.toml", {}));
   s.initialise();
-  ASSERT_TRUE(s.model().spec().moe());
-  EXPECT_EQ(s.model().spec().num_experts, 4);
-  EXPECT_EQ(s.model().spec().top_k, 2);
-  EXPECT_DOUBLE_EQ(s.model().spec().router_aux_loss_coef, 0.02);
+  ASSERT_TRUE(loom::probe(s).model().spec().moe());
+  EXPECT_EQ(loom::probe(s).model().spec().num_experts, 4);
+  EXPECT_EQ(loom::probe(s).model().spec().top_k, 2);
+  EXPECT_DOUBLE_EQ(loom::probe(s).model().spec().router_aux_loss_coef, 0.02);
   std::vector<int32_t> in(input_ids.begin(), input_ids.end()), tg(targets.begin(), targets.end());
-  s.load_batch(in.data(), tg.data());
+  loom::probe(s).load_batch(in.data(), tg.data());
 
-  s.forward(false, 0.f);
+  loom::probe(s).forward(false, 0.f);
   const std::vector<float> ref_logits = ref.read_f32("logits");
-  const std::vector<float> logits = s.logits();
+  const std::vector<float> logits = loom::probe(s).logits();
   ASSERT_EQ(logits.size(), ref_logits.size());
   const double e_logits = rel_err(logits, ref_logits);
   EXPECT_LT(e_logits, path.tol_logits);
 
-  s.zero_grads();
-  s.forward(true, 1.0f / static_cast<float>(N));
-  s.backward();
-  const double lm = s.batch_loss(), aux = s.batch_aux_loss();
+  loom::probe(s).zero_grads();
+  loom::probe(s).forward(true, 1.0f / static_cast<float>(N));
+  loom::probe(s).backward();
+  const double lm = loom::probe(s).batch_loss(), aux = loom::probe(s).batch_aux_loss();
   const double ref_lm = ref.read_f32("lm_loss")[0], ref_aux = ref.read_f32("aux_loss")[0],
                ref_loss = ref.read_f32("loss")[0];
   const double e_lm = std::abs(lm - ref_lm) / ref_lm, e_aux = std::abs(aux - ref_aux) / ref_aux;
@@ -232,7 +232,7 @@ TEST_P(MixtralGolden, MatchesHFTransformers) {
   for (const std::string& name : ref.names()) {
     if (name.rfind("grad.", 0) != 0) continue;
     const std::string p = name.substr(5);
-    const double e = rel_err(s.read_param(p, true), ref.read_f32(name));
+    const double e = rel_err(loom::probe(s).read_param(p, true), ref.read_f32(name));
     const bool expert = p.find(".experts.") != std::string::npos;
     EXPECT_LT(e, expert ? path.tol_expert_grad : path.tol_grad) << p;
     if (e > worst) { worst = e; worst_name = p; }

@@ -47,7 +47,7 @@
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
 #include "session_runs.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -588,7 +588,7 @@ TEST(GpuFp8Block, StopAndResumeOnCudaIsBitwiseExact) {
   fs::path d = temp_dir("resume");
   const std::string prec = "plugin = \"fp8_block\"";
   auto counters = [](loom::Session& s) {
-    for (const loom::StateTensor& t : s.precision().state_tensors())
+    for (const loom::StateTensor& t : loom::probe(s).precision().state_tensors())
       if (t.name == "fp8_block.counters") return std::vector<double>(t.tensor.ptr<double>(), t.tensor.ptr<double>() + 2);
     return std::vector<double>{};
   };

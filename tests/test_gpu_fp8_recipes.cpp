@@ -53,7 +53,7 @@
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
 #include "session_runs.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -198,7 +198,7 @@ TEST(GpuFp8Recipes, QuickstartFollowsBf16) {
         "train.log_every=10", "train.validation_every=0", "checkpoint.every=0", "checkpoint.resume=none"};
     loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "quickstart.toml", ov));
     loom::RunSummary r = s.train();
-    states[precision] = state_bytes(s.precision());
+    states[precision] = state_bytes(loom::probe(s).precision());
     return r;
   };
   const loom::RunSummary ref = run("bf16");
@@ -270,7 +270,7 @@ TEST(GpuFp8Recipes, StopAndResumeOnCudaIsBitwiseExact) {
     {
       loom::Session s(parse(small_config(d / "full", prec)));
       full = s.train();
-      full_state = state_bytes(s.precision());
+      full_state = state_bytes(loom::probe(s).precision());
     }
     const std::vector<std::string> ov = {"checkpoint.every=3", "checkpoint.resume=auto"};
     {
@@ -280,7 +280,7 @@ TEST(GpuFp8Recipes, StopAndResumeOnCudaIsBitwiseExact) {
     {
       loom::Session s(parse(small_config(d / "split", prec), ov));
       second = s.train();
-      resumed_state = state_bytes(s.precision());
+      resumed_state = state_bytes(loom::probe(s).precision());
     }
     ASSERT_EQ(full.steps.size(), 10u);
     ASSERT_EQ(second.first_step, 6);
@@ -314,7 +314,7 @@ TEST(GpuFp8Recipes, ResumeAcrossBf16AndFp8Delayed) {
   {
     loom::Session s(parse(cfg, to_fp8));
     s.initialise();
-    for (const loom::StateTensor& t : s.precision().state_tensors()) {
+    for (const loom::StateTensor& t : loom::probe(s).precision().state_tensors()) {
       const std::vector<char> b = state_bytes_of(t);
       if (t.name == "fp8.scale") {
         for (float v : floats(b)) ASSERT_EQ(v, 1.0f);
@@ -365,7 +365,7 @@ Run125m run_125m(const std::string& name, const std::vector<std::string>& ov) {
   loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", all));
   Run125m r;
   r.summary = s.train();
-  r.state = state_bytes(s.precision());
+  r.state = state_bytes(loom::probe(s).precision());
   return r;
 }
 

@@ -8,7 +8,7 @@
 #include "config/run_config.hpp"
 #include "model/model.hpp"
 #include "test_util.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace {
 
@@ -107,12 +107,12 @@ TEST(ModelBlocks, RandomInitFollowsTheRoles) {
     return std::sqrt(ss / static_cast<double>(v.size()));
   };
   const double out_std = 0.05 / std::sqrt(2.0 * 8);
-  EXPECT_NEAR(stddev(s.read_param("model.embed_tokens.weight")), 0.05, 0.03 * 0.05);
-  EXPECT_NEAR(stddev(s.read_param("model.layers.3.mlp.gate_proj.weight")), 0.05, 0.03 * 0.05);
-  EXPECT_NEAR(stddev(s.read_param("model.layers.3.mlp.down_proj.weight")), out_std, 0.03 * out_std);
-  EXPECT_NEAR(stddev(s.read_param("model.layers.5.self_attn.o_proj.weight")), out_std, 0.03 * out_std);
-  for (float x : s.read_param("model.layers.2.post_attention_layernorm.weight")) EXPECT_EQ(x, 1.0f);
-  for (float x : s.read_param("model.norm.weight")) EXPECT_EQ(x, 1.0f);
+  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.embed_tokens.weight")), 0.05, 0.03 * 0.05);
+  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.layers.3.mlp.gate_proj.weight")), 0.05, 0.03 * 0.05);
+  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.layers.3.mlp.down_proj.weight")), out_std, 0.03 * out_std);
+  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.layers.5.self_attn.o_proj.weight")), out_std, 0.03 * out_std);
+  for (float x : loom::probe(s).read_param("model.layers.2.post_attention_layernorm.weight")) EXPECT_EQ(x, 1.0f);
+  for (float x : loom::probe(s).read_param("model.norm.weight")) EXPECT_EQ(x, 1.0f);
 }
 
 }  // namespace

@@ -22,7 +22,7 @@
 #include "session_runs.hpp"
 #include "test_util.hpp"
 #include "train/progress.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace fs = std::filesystem;
 using loom::RunSummary;
@@ -99,20 +99,20 @@ TEST(MoeTrain, AuxGradientScalesWithAccumulation) {
     in[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7) % 96);
     tg[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + 3) % 96);
   }
-  s.load_batch(in.data(), tg.data());
+  loom::probe(s).load_batch(in.data(), tg.data());
   const std::string router = "model.layers.1.block_sparse_moe.gate.weight";
-  s.zero_grads();
-  s.forward(true, 1.0f / static_cast<float>(N));
-  s.backward();
-  const double aux1 = s.batch_aux_loss();
-  const std::vector<float> once = s.read_param(router, true);
-  s.zero_grads();
+  loom::probe(s).zero_grads();
+  loom::probe(s).forward(true, 1.0f / static_cast<float>(N));
+  loom::probe(s).backward();
+  const double aux1 = loom::probe(s).batch_aux_loss();
+  const std::vector<float> once = loom::probe(s).read_param(router, true);
+  loom::probe(s).zero_grads();
   for (int i = 0; i < 2; ++i) {
-    s.forward(true, 0.5f / static_cast<float>(N));
-    s.backward();
-    EXPECT_EQ(s.batch_aux_loss(), aux1);
+    loom::probe(s).forward(true, 0.5f / static_cast<float>(N));
+    loom::probe(s).backward();
+    EXPECT_EQ(loom::probe(s).batch_aux_loss(), aux1);
   }
-  const std::vector<float> twice = s.read_param(router, true);
+  const std::vector<float> twice = loom::probe(s).read_param(router, true);
   ASSERT_EQ(once.size(), twice.size());
   double num = 0, den = 0;
   for (size_t i = 0; i < once.size(); ++i) {
@@ -124,12 +124,12 @@ TEST(MoeTrain, AuxGradientScalesWithAccumulation) {
   // And the aux term is in that gradient: without it the router's gradient differs.
   Session t(parse(moe_config(d / "run0"), {"model.router_aux_loss_coef=0", "train.grad_accum=1"}));
   t.initialise();
-  t.load_batch(in.data(), tg.data());
-  t.zero_grads();
-  t.forward(true, 1.0f / static_cast<float>(N));
-  t.backward();
-  EXPECT_EQ(t.batch_aux_loss(), aux1);  // the same routing: logged, not optimised
-  const std::vector<float> without = t.read_param(router, true);
+  loom::probe(t).load_batch(in.data(), tg.data());
+  loom::probe(t).zero_grads();
+  loom::probe(t).forward(true, 1.0f / static_cast<float>(N));
+  loom::probe(t).backward();
+  EXPECT_EQ(loom::probe(t).batch_aux_loss(), aux1);  // the same routing: logged, not optimised
+  const std::vector<float> without = loom::probe(t).read_param(router, true);
   double diff = 0;
   for (size_t i = 0; i < once.size(); ++i) diff += std::abs(static_cast<double>(once[i]) - without[i]);
   EXPECT_GT(diff, 1e-4);
@@ -219,7 +219,7 @@ TEST(MoeTrain, ConvertCheckpointToHfMixtral) {
   {
     Session s(parse(moe_config(d / "run"), {"checkpoint.every=3", "train.steps=3"}));
     s.train();
-    trained = s.read_param(name);
+    trained = loom::probe(s).read_param(name);
   }
   const fs::path ck = d / "run" / "checkpoints" / "step_00000003";
   const std::string cmd = std::string(LOOM_CLI) + " convert " + ck.string() + " --to-hf " + (d / "hf").string() +
@@ -238,7 +238,7 @@ TEST(MoeTrain, ConvertCheckpointToHfMixtral) {
   text.erase(text.find("max_seq_len = 64\n"), 17);
   Session s2(parse(text, {"model.init=\"hf:" + (d / "hf").string() + "\""}));
   s2.initialise();
-  EXPECT_EQ(s2.read_param(name), trained);
+  EXPECT_EQ(loom::probe(s2).read_param(name), trained);
 }
 
 // The first micro-batch writes the experts' gradients, and zeroes those of
@@ -341,12 +341,12 @@ TEST(MoeTrain, GradientWithJitterAndAuxMatchesFiniteDifferences) {
     in[static_cast<size_t>(i)] = static_cast<int32_t>((i * 13 + 5) % 96);
     tg[static_cast<size_t>(i)] = static_cast<int32_t>((i * 13 + 9) % 96);
   }
-  s.load_batch(in.data(), tg.data());
+  loom::probe(s).load_batch(in.data(), tg.data());
   auto objective = [&] {
-    s.zero_grads();
-    s.forward(true, 1.0f / static_cast<float>(N));
-    s.backward();
-    return s.batch_loss() + 0.5 * s.batch_aux_loss();
+    loom::probe(s).zero_grads();
+    loom::probe(s).forward(true, 1.0f / static_cast<float>(N));
+    loom::probe(s).backward();
+    return loom::probe(s).batch_loss() + 0.5 * loom::probe(s).batch_aux_loss();
   };
   const std::vector<std::string> names = {
       "model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.gate.weight",
@@ -356,8 +356,8 @@ TEST(MoeTrain, GradientWithJitterAndAuxMatchesFiniteDifferences) {
   std::vector<std::vector<float>> w0, g;
   double gnorm2 = 0;
   for (const auto& n : names) {
-    w0.push_back(s.read_param(n));
-    g.push_back(s.read_param(n, true));
+    w0.push_back(loom::probe(s).read_param(n));
+    g.push_back(loom::probe(s).read_param(n, true));
     for (float x : g.back()) gnorm2 += static_cast<double>(x) * x;
   }
   const double gnorm = std::sqrt(gnorm2);  // the directional derivative along g / |g|
@@ -367,7 +367,7 @@ TEST(MoeTrain, GradientWithJitterAndAuxMatchesFiniteDifferences) {
     for (size_t i = 0; i < names.size(); ++i) {
       std::vector<float> w = w0[i];
       for (size_t j = 0; j < w.size(); ++j) w[j] += static_cast<float>(sign * eps * g[i][j] / gnorm);
-      s.write_param(names[i], w.data());
+      loom::probe(s).write_param(names[i], w.data());
     }
     return objective();
   };

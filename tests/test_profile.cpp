@@ -13,7 +13,7 @@
 
 #include "config/run_config.hpp"
 #include "test_util.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 #include "util/trace.hpp"
 
 namespace fs = std::filesystem;
@@ -106,7 +106,7 @@ TEST(Profile, TheWindowAddsOnlyItsTwoWaits) {
   auto syncs = [&](const std::string& name, const std::string& extra) {
     loom::Session s(loom::parse_config_string(config(d.path / name, extra), name, {"train.log_every=3"}));
     s.train();
-    return s.host_syncs();
+    return loom::probe(s).host_syncs();
   };
   const int64_t plain = syncs("a", ""), traced = syncs("b", "[profile]\nsteps = [2, 3]\ntrace = true\n");
   EXPECT_EQ(traced - plain, 2);

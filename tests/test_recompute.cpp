@@ -21,7 +21,7 @@
 #include "session_runs.hpp"
 #include "test_util.hpp"
 #include "train/memory_budget.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace fs = std::filesystem;
 
@@ -68,8 +68,8 @@ size_t aligned(size_t bytes) { return (bytes + loom::ArenaPlan::kAlign - 1) / lo
 // Every parameter of the model, by name, as fp32 values.
 std::map<std::string, std::vector<float>> parameters(loom::Session& s) {
   std::map<std::string, std::vector<float>> out;
-  for (const loom::UnitState& u : s.units())
-    for (const loom::ParamInfo& p : u.info->params) out[p.name] = s.read_param(p.name);
+  for (const loom::UnitState& u : loom::probe(s).units())
+    for (const loom::ParamInfo& p : u.info->params) out[p.name] = loom::probe(s).read_param(p.name);
   return out;
 }
 
@@ -111,19 +111,19 @@ TEST(Recompute, SelectivePlansWhatItDrops) {
     {
       loom::Session none(parse(cpu_config(d / "a", "fp32"), none_ov));
       loom::Session sel(parse(cpu_config(d / "b", "fp32"), sel_ov));
-      const size_t a_none = none.memory_plan().category_bytes(loom::MemCategory::activations);
-      const size_t a_sel = sel.memory_plan().category_bytes(loom::MemCategory::activations);
+      const size_t a_none = loom::probe(none).memory_plan().category_bytes(loom::MemCategory::activations);
+      const size_t a_sel = loom::probe(sel).memory_plan().category_bytes(loom::MemCategory::activations);
       const size_t per_layer = aligned(kN * kH * 4) * 2 + aligned(kN * kF * 4);
       EXPECT_EQ(a_none - a_sel, kL * per_layer - aligned(kN * std::max(kH, kF) * 4));
-      EXPECT_EQ(block(sel.memory_plan(), "scratch.linear_input"), static_cast<size_t>(kN * std::max(kH, kF) * 4));
+      EXPECT_EQ(block(loom::probe(sel).memory_plan(), "scratch.linear_input"), static_cast<size_t>(kN * std::max(kH, kF) * 4));
       for (const char* gone : {"ln1.", "ln2.", "swi."}) {
-        EXPECT_TRUE(has_block(none.memory_plan(), gone)) << gone;
-        EXPECT_FALSE(has_block(sel.memory_plan(), gone)) << gone;
+        EXPECT_TRUE(has_block(loom::probe(none).memory_plan(), gone)) << gone;
+        EXPECT_FALSE(has_block(loom::probe(sel).memory_plan(), gone)) << gone;
       }
-      EXPECT_TRUE(has_block(sel.memory_plan(), "gate_up.") || has_block(sel.memory_plan(), "gate."))
+      EXPECT_TRUE(has_block(loom::probe(sel).memory_plan(), "gate_up.") || has_block(loom::probe(sel).memory_plan(), "gate."))
           << "the GEMM outputs stay";
-      EXPECT_EQ(none.memory_plan().category_bytes(loom::MemCategory::workspace),
-                sel.memory_plan().category_bytes(loom::MemCategory::workspace));
+      EXPECT_EQ(loom::probe(none).memory_plan().category_bytes(loom::MemCategory::workspace),
+                loom::probe(sel).memory_plan().category_bytes(loom::MemCategory::workspace));
     }
     for (const std::string precision : {"fp8_delayed", "fp8_current"}) {
       SCOPED_TRACE(precision);
@@ -131,17 +131,17 @@ TEST(Recompute, SelectivePlansWhatItDrops) {
       loom::Session sel(parse(cpu_config(d / ("d" + precision), precision), sel_ov));
       // native: q, k, v, o, gate and up read [N, h] (q_dim = h here), down [N, f]; fused: qkv, o, gate_up, down.
       const int64_t reads_h = layers == "native" ? 6 : 3;
-      EXPECT_EQ(block(none.memory_plan(), "precision.saved_activations"),
+      EXPECT_EQ(block(loom::probe(none).memory_plan(), "precision.saved_activations"),
                 static_cast<size_t>(kL * (reads_h * kN * kH + kN * kF) * 4));
-      EXPECT_EQ(block(sel.memory_plan(), "precision.saved_activations"), 0u);
-      EXPECT_EQ(block(sel.memory_plan(), "precision.workspace") - block(none.memory_plan(), "precision.workspace"),
+      EXPECT_EQ(block(loom::probe(sel).memory_plan(), "precision.saved_activations"), 0u);
+      EXPECT_EQ(block(loom::probe(sel).memory_plan(), "precision.workspace") - block(loom::probe(none).memory_plan(), "precision.workspace"),
                 static_cast<size_t>(kN * std::max(kH, kF) * 4));
       // The blocks' own buffers: the same transients either way (the recipe
       // kept x under none, the backward recomputes it under selective).
-      EXPECT_EQ(none.memory_plan().category_bytes(loom::MemCategory::activations) -
-                    aligned(block(none.memory_plan(), "precision.saved_activations")),
-                sel.memory_plan().category_bytes(loom::MemCategory::activations) -
-                    aligned(block(sel.memory_plan(), "precision.saved_activations")));
+      EXPECT_EQ(loom::probe(none).memory_plan().category_bytes(loom::MemCategory::activations) -
+                    aligned(block(loom::probe(none).memory_plan(), "precision.saved_activations")),
+                loom::probe(sel).memory_plan().category_bytes(loom::MemCategory::activations) -
+                    aligned(block(loom::probe(sel).memory_plan(), "precision.saved_activations")));
     }
   }
 }
@@ -188,15 +188,15 @@ TEST(Recompute, SelectiveOnTheGpuPlan) {
     auto sel = planned("fp8_current", "ddp", 4, {"model.recompute=selective"});
     // fused: qkv, gate_up read [N, h], o [N, q_dim], down [N, f].
     const size_t per_layer = 2 * round256(kGN * kGh) + round256(kGN * kGqd) + round256(kGN * kGf);
-    EXPECT_EQ(block(none->memory_plan(), "precision.saved_activations"), kGL * per_layer);
-    EXPECT_EQ(block(sel->memory_plan(), "precision.saved_activations"), 0u);
-    EXPECT_EQ(block(none->memory_plan(), "precision.workspace"), block(sel->memory_plan(), "precision.workspace"));
+    EXPECT_EQ(block(loom::probe(*none).memory_plan(), "precision.saved_activations"), kGL * per_layer);
+    EXPECT_EQ(block(loom::probe(*sel).memory_plan(), "precision.saved_activations"), 0u);
+    EXPECT_EQ(block(loom::probe(*none).memory_plan(), "precision.workspace"), block(loom::probe(*sel).memory_plan(), "precision.workspace"));
   }
   {
     auto none = planned("bf16", "ddp", 4);
     auto sel = planned("bf16", "ddp", 4, {"model.recompute=selective"});
-    const size_t a_none = none->memory_plan().category_bytes(loom::MemCategory::activations);
-    const size_t a_sel = sel->memory_plan().category_bytes(loom::MemCategory::activations);
+    const size_t a_none = loom::probe(*none).memory_plan().category_bytes(loom::MemCategory::activations);
+    const size_t a_sel = loom::probe(*sel).memory_plan().category_bytes(loom::MemCategory::activations);
     EXPECT_EQ(a_none - a_sel, kGL * (2 * round256(kGN * kGh * 2) + round256(kGN * kGf * 2)) -
                                   round256(kGN * std::max(kGh, kGf) * 2));
   }
@@ -233,13 +233,13 @@ TEST(Recompute, NodeWorkloadsFitAnH100OnFourRanks) {
                                       {"run.log_level=\"warn\""}),
                     o);
     const double gib = 1024.0 * 1024.0 * 1024.0;
-    const double in_all = static_cast<double>(s.state().planned_device_bytes()) / gib;
+    const double in_all = static_cast<double>(loom::probe(s).state().planned_device_bytes()) / gib;
     EXPECT_LE(in_all, 76.0);
-    EXPECT_EQ(s.state().planned_device_bytes(),
-              s.memory_plan().total_bytes() + loom::outside_arena_estimate(4, 4).total());
+    EXPECT_EQ(loom::probe(s).state().planned_device_bytes(),
+              loom::probe(s).memory_plan().total_bytes() + loom::outside_arena_estimate(4, 4).total());
     EXPECT_NO_THROW(s.check_memory_fits());
     std::printf("[node plan] %s on 4x H100: %.2f GiB per rank in all (arena %.2f GiB)\n", name.c_str(), in_all,
-                static_cast<double>(s.memory_plan().total_bytes()) / gib);
+                static_cast<double>(loom::probe(s).memory_plan().total_bytes()) / gib);
   }
 }
 #endif

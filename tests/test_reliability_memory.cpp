@@ -12,7 +12,7 @@
 #include "reliability_util.hpp"
 #include "test_util.hpp"
 #include "train/memory_budget.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 #include "train/train_state.hpp"
 
 namespace fs = std::filesystem;
@@ -124,7 +124,7 @@ TEST(ReliabilityMemory, EmptyConfigIsWhatTheDocsSay) {
   loom::Config c = loom::parse_config_string("", "empty.toml", {});
   EXPECT_EQ(c.model.spec.total_params(), 134105856);
   loom::Session s(c);
-  const double gib = static_cast<double>(s.memory_plan().total_bytes()) / static_cast<double>(GiB);
+  const double gib = static_cast<double>(loom::probe(s).memory_plan().total_bytes()) / static_cast<double>(GiB);
   EXPECT_GT(gib, 3.3);
   EXPECT_LT(gib, 3.6);
 }
@@ -156,15 +156,15 @@ TEST(ReliabilityMemory, PlanFloorIsALowerBoundOfTheDetailedPlan) {
     for (const auto& o : ov) trace += o + " ";
     SCOPED_TRACE(trace);
     loom::Session s(loom::parse_config_string(tiny_config(dir / "run"), "floor.toml", ov));
-    const loom::PlanFloor f = loom::plan_floor(s.config(), s.spec(), s.precision().dtypes(), 1);
+    const loom::PlanFloor f = loom::plan_floor(s.config(), s.spec(), loom::probe(s).precision().dtypes(), 1);
     EXPECT_EQ(f.params, static_cast<long double>(s.spec().total_params()));
     EXPECT_GT(f.plan, 0.0L);
-    EXPECT_LE(f.plan, static_cast<long double>(s.memory_plan().total_bytes()));
-    EXPECT_LE(f.state, static_cast<long double>(s.memory_plan().category_bytes(loom::MemCategory::params) +
-                                                s.memory_plan().category_bytes(loom::MemCategory::grads) +
-                                                s.memory_plan().category_bytes(loom::MemCategory::optimizer) +
-                                                s.memory_plan().category_bytes(loom::MemCategory::master)));
-    EXPECT_LE(f.activations, static_cast<long double>(s.memory_plan().category_bytes(loom::MemCategory::activations)));
+    EXPECT_LE(f.plan, static_cast<long double>(loom::probe(s).memory_plan().total_bytes()));
+    EXPECT_LE(f.state, static_cast<long double>(loom::probe(s).memory_plan().category_bytes(loom::MemCategory::params) +
+                                                loom::probe(s).memory_plan().category_bytes(loom::MemCategory::grads) +
+                                                loom::probe(s).memory_plan().category_bytes(loom::MemCategory::optimizer) +
+                                                loom::probe(s).memory_plan().category_bytes(loom::MemCategory::master)));
+    EXPECT_LE(f.activations, static_cast<long double>(loom::probe(s).memory_plan().category_bytes(loom::MemCategory::activations)));
   }
 }
 

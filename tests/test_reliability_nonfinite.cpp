@@ -25,7 +25,7 @@
 #include "reliability_util.hpp"
 #include "test_util.hpp"
 #include "train/finite_checks.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom::test;
@@ -177,19 +177,19 @@ TEST(ReliabilityNonFinite, CheckpointIsNeverWrittenFromNonFiniteState) {
   ASSERT_TRUE(fs::exists(root / "step_00000001" / "COMPLETE"));
   const std::string meta_before = read_text(root / "step_00000001" / "meta.json");
   // A NaN in the weights, then in the optimizer state: each refused by name.
-  std::vector<float> gain = s.read_param("model.layers.0.post_attention_layernorm.weight");
+  std::vector<float> gain = loom::probe(s).read_param("model.layers.0.post_attention_layernorm.weight");
   gain[3] = kNaN;
-  s.write_param("model.layers.0.post_attention_layernorm.weight", gain.data());
+  loom::probe(s).write_param("model.layers.0.post_attention_layernorm.weight", gain.data());
   expect_error([&] { s.save_checkpoint(2); },
                {"no checkpoint of step 2 was written", "'model.layers.0.post_attention_layernorm.weight' (element 3)",
                 "weights (params)", "1 NaN", "step_00000001"});
   EXPECT_FALSE(fs::exists(root / "step_00000002" / "COMPLETE"));
   gain[3] = 1.f;
-  s.write_param("model.layers.0.post_attention_layernorm.weight", gain.data());
-  loom::UnitState& head = s.units().back();
-  std::vector<float> v = s.read_tensor(head.adam_v);
+  loom::probe(s).write_param("model.layers.0.post_attention_layernorm.weight", gain.data());
+  loom::UnitState& head = loom::probe(s).units().back();
+  std::vector<float> v = loom::probe(s).read_tensor(head.adam_v);
   v[5] = kInf;
-  s.backend().upload(head.adam_v, v.data(), v.size() * 4);
+  loom::probe(s).backend().upload(head.adam_v, v.data(), v.size() * 4);
   expect_error([&] { s.save_checkpoint(3); }, {"no checkpoint of step 3", "AdamW second moment (adam_v)", "1 inf"});
   EXPECT_FALSE(fs::exists(root / "step_00000003" / "COMPLETE"));
   // The good checkpoint is untouched and still loads.
@@ -207,9 +207,9 @@ TEST(ReliabilityNonFinite, ConsecutiveSkippedStepsStopTheRun) {
                                                   "train.log_every=" + std::to_string(log_every)}));
     s.initialise();
     // NaN weights: every step's gradient norm is NaN, every step is skipped.
-    std::vector<float> w = s.read_param("model.layers.1.mlp.down_proj.weight");
+    std::vector<float> w = loom::probe(s).read_param("model.layers.1.mlp.down_proj.weight");
     w[0] = kNaN;
-    s.write_param("model.layers.1.mlp.down_proj.weight", w.data());
+    loom::probe(s).write_param("model.layers.1.mlp.down_proj.weight", w.data());
     // Found at the first log step at or after the limit: step 3, or step 4 with log_every = 4.
     expect_error([&] { s.train(); }, {"steps 1 to 3: 3 consecutive steps were skipped", "train.max_skipped_steps = 3"});
     EXPECT_EQ(count_lines(dir / "run" / "metrics.jsonl"), log_every == 1 ? 3 : 4);
@@ -223,15 +223,15 @@ TEST(ReliabilityNonFinite, ARunThatOnlySkippedDoesNotSucceed) {
   const fs::path dir = fresh_dir("nonfinite_all_skipped");
   Session s(parse(tiny_config(dir / "run", 2), {"train.max_skipped_steps=5"}));
   s.initialise();
-  std::vector<float> w = s.read_param("model.embed_tokens.weight");
+  std::vector<float> w = loom::probe(s).read_param("model.embed_tokens.weight");
   w[10] = kInf;
-  s.write_param("model.embed_tokens.weight", w.data());
+  loom::probe(s).write_param("model.embed_tokens.weight", w.data());
   expect_error([&] { s.train(); }, {"every one of the 2 steps", "skipped"});
   // max_skipped_steps = 0 disables the limit, not the end-of-run check.
   const fs::path dir2 = fresh_dir("nonfinite_no_limit");
   Session s2(parse(tiny_config(dir2 / "run", 7), {"train.max_skipped_steps=0"}));
   s2.initialise();
-  s2.write_param("model.embed_tokens.weight", w.data());
+  loom::probe(s2).write_param("model.embed_tokens.weight", w.data());
   expect_error([&] { s2.train(); }, {"every one of the 7 steps"});
 }
 
@@ -246,7 +246,7 @@ TEST(ReliabilityNonFinite, OptimizerStateOverflowIsDetected) {
     // A final-norm gain of 1e25 makes the head's input, and so its gradient,
     // about 1e24 per element: finite in fp32, but its square is not.
     std::vector<float> g(64, 1e25f);
-    s.write_param("model.norm.weight", g.data());
+    loom::probe(s).write_param("model.norm.weight", g.data());
     if (std::string(clip) == "0") {
       expect_error([&] { s.train(); }, {"step 1: the optimizer state overflowed", "train.grad_clip = 0",
                                         "AdamW second moment (adam_v) of 'model.embed_tokens.weight'", "inf"});

@@ -16,7 +16,7 @@
 #include "session_runs.hpp"
 #include "test_util.hpp"
 #include "hf/hf_llama.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 #include <cmath>
 #include <nlohmann/json.hpp>
@@ -242,7 +242,7 @@ TEST(TrainE2E, ConvertCheckpointToHF) {
   {
     Session s(parse(small_config(d / "run"), ov));
     s.train();
-    trained = s.read_param("model.layers.1.mlp.down_proj.weight");
+    trained = loom::probe(s).read_param("model.layers.1.mlp.down_proj.weight");
   }
   const fs::path ck = d / "run" / "checkpoints" / "step_00000003";
   const std::string cmd = std::string(LOOM_CLI) + " convert " + ck.string() + " --to-hf " + (d / "hf").string() +
@@ -265,7 +265,7 @@ TEST(TrainE2E, ConvertCheckpointToHF) {
   text.erase(text.find("max_seq_len = 64\n"), 17);
   Session s2(parse(text, {"model.init=\"hf:" + (d / "hf").string() + "\""}));
   s2.initialise();
-  EXPECT_EQ(s2.read_param("model.layers.1.mlp.down_proj.weight"), trained);
+  EXPECT_EQ(loom::probe(s2).read_param("model.layers.1.mlp.down_proj.weight"), trained);
 }
 
 TEST(TrainE2E, ResumeFromAnExplicitStep) {
@@ -517,7 +517,7 @@ TEST(TrainE2E, ConvertFusedCheckpointToHF) {
   {
     Session s(parse(small_config(d / "run"), ov));
     s.train();
-    trained = s.read_param("model.layers.0.self_attn.v_proj.weight");
+    trained = loom::probe(s).read_param("model.layers.0.self_attn.v_proj.weight");
   }
   const fs::path ck = d / "run" / "checkpoints" / "step_00000003";
   const std::string cmd = std::string(LOOM_CLI) + " convert " + ck.string() + " --to-hf " + (d / "hf").string() +
@@ -557,7 +557,7 @@ TEST(TrainE2E, StepMakesNoHostSynchronisation) {
     Session s(parse(small_config(d / layers), ov));
     s.initialise();
     for (int64_t step = 1; step <= 9; ++step) {
-      const int64_t before = s.host_syncs();
+      const int64_t before = loom::probe(s).host_syncs();
       s.train_step();
       if (step % 3 == 0) {
         const auto logs = s.read_step_logs();
@@ -565,7 +565,7 @@ TEST(TrainE2E, StepMakesNoHostSynchronisation) {
         EXPECT_EQ(logs.back().step, step);
         EXPECT_TRUE(std::isfinite(logs.back().loss));
       }
-      EXPECT_EQ(s.host_syncs() - before, step % 3 == 0 ? 1 : 0) << layers << " step " << step;
+      EXPECT_EQ(loom::probe(s).host_syncs() - before, step % 3 == 0 ? 1 : 0) << layers << " step " << step;
     }
   }
 }
@@ -607,7 +607,7 @@ TEST(TrainE2E, ARareLogEveryKeepsTheStepLogSmall) {
   ref.initialise();
   Session s(parse(small_config(d / "rare"), with("1000000000000")));
   s.initialise();
-  EXPECT_EQ(s.state().scalar_log_rows(), rows);
+  EXPECT_EQ(loom::probe(s).state().scalar_log_rows(), rows);
   EXPECT_EQ(s.arena_bytes(), ref.arena_bytes());
   const RunSummary r = s.train();
   ASSERT_EQ(r.steps.size(), static_cast<size_t>(steps));
@@ -639,15 +639,15 @@ TEST(TrainE2E, ReadingAllButTheNewestStepLosesNothing) {
   lag.initialise();
   std::vector<loom::StepLog> got;
   lag.train_step();
-  int64_t before = lag.host_syncs();
+  int64_t before = loom::probe(lag).host_syncs();
   EXPECT_TRUE(lag.read_step_logs_but_newest().empty()) << "only the newest step is queued";
-  EXPECT_EQ(lag.host_syncs(), before);
+  EXPECT_EQ(loom::probe(lag).host_syncs(), before);
   for (int i = 2; i <= 40; ++i) {
     lag.train_step();
     if (i % 3 == 0) continue;  // some reads cover several steps
-    before = lag.host_syncs();
+    before = loom::probe(lag).host_syncs();
     const auto logs = lag.read_step_logs_but_newest();
-    EXPECT_EQ(lag.host_syncs() - before, 1) << "step " << i;
+    EXPECT_EQ(loom::probe(lag).host_syncs() - before, 1) << "step " << i;
     ASSERT_FALSE(logs.empty());
     EXPECT_EQ(logs.back().step, i - 1) << "the newest step stays for the next read";
     got.insert(got.end(), logs.begin(), logs.end());

@@ -4,7 +4,7 @@
 // warm-up steps excluded, the median step time over N steps (CUDA events on
 // the GPU); tokens/s per GPU first, model TFLOP/s per GPU as NeMo counts them
 // (causal attention, 6N + 6LhS a token: figures set beside NeMo's published
-// ones need no conversion), MFU (DESIGN.md's 6N + 12LhS against
+// ones need no conversion), MFU (docs/ARCHITECTURE.md "MFU": 6N + 12LhS against
 // kMfuPeakFlops, loom/precision.hpp), the device memory in use after the steps
 // (cudaMemGetInfo: the arena, the CUDA context, the libraries, NCCL; the
 // fullest rank's under a launcher) beside the plan (the arena plus what lies
@@ -34,7 +34,7 @@
 #include "commands.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 #include "util/trace.hpp"
 
 namespace loom::app {
@@ -146,7 +146,8 @@ int cmd_bench(const Args& args) {
 
   Session s(cfg);
   s.initialise();
-  Backend& be = s.backend();
+  SessionProbe inside(s);  // the step's parts, timed one by one (--breakdown), and the plan's numbers
+  Backend& be = inside.backend();
   // Steps are queued as in training (the host never waits within a step).
   // A step's period runs from its start to the next step's start, so it
   // includes the previous step's optimizer running beside its forward. The
@@ -183,8 +184,8 @@ int cmd_bench(const Args& args) {
   const double used = gpu ? static_cast<double>(be.device_memory_used()) : static_cast<double>(s.arena_bytes());
   const double mem = all_reduce_scalar(s.host_comm(), used, ReduceOp::max) / gib;
   const double arena = static_cast<double>(s.arena_bytes()) / gib;
-  const double planned = static_cast<double>(s.state().planned_device_bytes()) / gib;
-  const double outside_planned = static_cast<double>(s.state().outside_arena_bytes()) / gib;
+  const double planned = static_cast<double>(s.planned_device_bytes()) / gib;
+  const double outside_planned = static_cast<double>(inside.state().outside_arena_bytes()) / gib;
 
   nlohmann::json j = {{"config", a.file},
                       {"device", be.device_name()},
@@ -220,29 +221,29 @@ int cmd_bench(const Args& args) {
   if (breakdown) {
     // One more step, one part at a time (each part synchronised), same data path.
     const float scale = 1.0f / static_cast<float>(t.micro_batch * t.seq_len);
-    const int units = s.model().num_units();
+    const int units = inside.model().num_units();
     nlohmann::json parts = nlohmann::json::object();
     auto timed = [&](const std::string& name, auto&& fn) {
       be.timer_start();
       fn();
       parts[name] = parts.value(name, 0.0) + be.timer_stop_ms();
     };
-    s.zero_grads();
-    timed("forward.embedding", [&] { s.forward_unit(0, true, scale); });
-    for (int u = 1; u < units - 1; ++u) timed("forward.layers", [&] { s.forward_unit(u, true, scale); });
-    timed("forward.head(norm)", [&] { s.forward_unit(units - 1, true, scale); });
-    timed("backward.head+loss", [&] { s.backward_unit(units - 1); });
-    for (int u = units - 2; u >= 1; --u) timed("backward.layers", [&] { s.backward_unit(u); });
-    timed("backward.embedding", [&] { s.backward_unit(0); });
-    timed("optimizer", [&] { s.optimizer_step(s.step()); });
+    inside.zero_grads();
+    timed("forward.embedding", [&] { inside.forward_unit(0, true, scale); });
+    for (int u = 1; u < units - 1; ++u) timed("forward.layers", [&] { inside.forward_unit(u, true, scale); });
+    timed("forward.head(norm)", [&] { inside.forward_unit(units - 1, true, scale); });
+    timed("backward.head+loss", [&] { inside.backward_unit(units - 1); });
+    for (int u = units - 2; u >= 1; --u) timed("backward.layers", [&] { inside.backward_unit(u); });
+    timed("backward.embedding", [&] { inside.backward_unit(0); });
+    timed("optimizer", [&] { inside.optimizer_step(s.step()); });
     if (s.spec().moe()) {
       // One more forward and backward (no update) with the MoE block's ranges timed one by one.
       RangeTimer rt(be);
-      s.zero_grads();
+      inside.zero_grads();
       be.synchronize();
       trace::Sink* prev = trace::g_sink.exchange(&rt);
-      for (int u = 0; u < units; ++u) s.forward_unit(u, true, scale);
-      for (int u = units - 1; u >= 0; --u) s.backward_unit(u);
+      for (int u = 0; u < units; ++u) inside.forward_unit(u, true, scale);
+      for (int u = units - 1; u >= 0; --u) inside.backward_unit(u);
       be.synchronize();
       trace::g_sink.store(prev);
       double routing = 0, experts = 0;

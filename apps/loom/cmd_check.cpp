@@ -125,7 +125,7 @@ int cmd_check(const Args& args) {
       return nullptr;
     });
   std::printf("%s\n", session.describe().c_str());
-  if (breakdown) std::printf("%s\n", session.state().plan_breakdown().c_str());
+  if (breakdown) std::printf("%s\n", session.plan_breakdown().c_str());
   std::fflush(stdout);
   session.check_memory_fits();  // after the plan is printed: the error refers to it
   // Training checks tokens only as windows reach them; here every one is

@@ -177,7 +177,7 @@ report::CompareRow run_one(const Job& job, int64_t steps, int64_t warmup) {
   row.ranks = s.world();
   // The plan with what the process holds beyond it (estimated on a GPU):
   // what "peak mem", the device memory in use, is to be set against.
-  row.planned_mem_bytes = static_cast<double>(s.state().planned_device_bytes());
+  row.planned_mem_bytes = static_cast<double>(s.planned_device_bytes());
   s.initialise();
   std::vector<double> ms;
   CommBytes before{};
@@ -204,11 +204,10 @@ report::CompareRow run_one(const Job& job, int64_t steps, int64_t warmup) {
   row.step_ms = all_reduce_scalar(s.host_comm(), median(ms), ReduceOp::max);
   const auto& t = cfg.train;
   row.tokens_per_s_per_gpu = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum) / (row.step_ms * 1e-3);
-  const double used = s.backend().device() == Device::cuda ? static_cast<double>(s.backend().device_memory_used())
-                                                           : static_cast<double>(s.arena_bytes());
+  const double used = static_cast<double>(s.memory_in_use());  // the device's on a GPU, the arena on the CPU
   row.peak_mem_bytes = all_reduce_scalar(s.host_comm(), used, ReduceOp::max);
   row.final_loss = row.losses.empty() ? 0 : row.losses.back();
-  row.note = cat(cfg.sharding.plugin, " ", cfg.precision.plugin, " ", s.backend().device_name());
+  row.note = cat(cfg.sharding.plugin, " ", cfg.precision.plugin, " ", s.device_name());
   return row;
 }
 

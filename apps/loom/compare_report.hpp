@@ -24,7 +24,7 @@ struct CompareRow {
   double step_ms = 0;                      // median step time
   double tokens_per_s_per_gpu = 0;
   // Model TFLOP/s per GPU as NeMo counts them (causal attention: 6N + 6LhS
-  // per token) and MFU (DESIGN.md: 6N + 12LhS over 989 TFLOP/s), both from
+  // per token) and MFU (docs/ARCHITECTURE.md "MFU": 6N + 12LhS over 989 TFLOP/s), both from
   // tokens_per_s_per_gpu and the compared model (peers run the same shape).
   double model_tflops = 0;
   double mfu = 0;

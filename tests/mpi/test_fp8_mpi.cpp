@@ -19,7 +19,7 @@
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
 #include "loom/fp8_scaling.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace {
 
@@ -49,12 +49,12 @@ loom::Config make_config(const std::string& precision, const std::string& strate
 }
 
 std::vector<float> state_of(loom::Session& s, const std::string& name) {
-  for (const loom::StateTensor& t : s.precision().state_tensors())
+  for (const loom::StateTensor& t : loom::probe(s).precision().state_tensors())
     if (t.name == name) {
       // On a GPU the state lives in device memory: the backend's download
       // waits for the step that wrote it.
       std::vector<float> v(static_cast<size_t>(t.tensor.numel()));
-      s.backend().download(v.data(), t.tensor, v.size() * sizeof(float));
+      loom::probe(s).backend().download(v.data(), t.tensor, v.size() * sizeof(float));
       return v;
     }
   ADD_FAILURE() << "no state tensor " << name;
@@ -141,7 +141,7 @@ GatherRun run_gathers(const std::string& strategy, const std::string& keys, cons
   // own size (4 bytes on the CPU, whose parameters are fp32; 2 on a GPU,
   // where they are bf16).
   double fp8 = 0, all = 0, elt = 0;
-  for (const loom::UnitState& u : s.units()) {
+  for (const loom::UnitState& u : loom::probe(s).units()) {
     // zero3 keeps the owned range resident and gathers the rest into scratch.
     const loom::Tensor& held = u.param_shard.data != nullptr ? u.param_shard : u.params;
     if (held.data == nullptr) ADD_FAILURE() << "unit " << u.info->name << " holds no parameters";

@@ -28,7 +28,7 @@
 #include "loom/error.hpp"
 #include "model/backend.hpp"
 #include "session_runs.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace {
 
@@ -122,7 +122,7 @@ struct Volume {
 Volume expected_volume(loom::Session& s, const std::string& strategy) {
   double psi_padded = 0, psi = 0, chunk = 0, experts = 0;
   int group = 1, ep = 1;
-  for (const auto& u : s.units()) {
+  for (const auto& u : loom::probe(s).units()) {
     if (u.info->expert_group > 1) {  // expert parallelism: the rank's experts, added up over their replicas
       experts += 4.0 * static_cast<double>(u.layout.optim_numel);
       ep = u.info->expert_group;
@@ -275,7 +275,7 @@ void check_strategy(const Case& c) {
     // Expert parallelism: every layer's experts in a unit of their own, of
     // which this rank holds exactly its 1/ep (params, grads, optimizer state).
     int experts_units = 0;
-    for (const auto& u : s.units())
+    for (const auto& u : loom::probe(s).units())
       if (u.info->expert_group > 1) {
         ++experts_units;
         EXPECT_EQ(u.info->expert_group, ep);
@@ -291,11 +291,11 @@ void check_strategy(const Case& c) {
   // grads and optimizer state); the difference is
   // only padding (each unit rounded up to a multiple of the group) and the
   // arena's 256-byte alignment of each block.
-  const loom::TrainState::MemoryFormula f = s.memory_formula();
-  const loom::ArenaPlan& plan = s.memory_plan();
+  const loom::TrainState::MemoryFormula f = loom::probe(s).memory_formula();
+  const loom::ArenaPlan& plan = loom::probe(s).memory_plan();
   double pad = 0;
-  for (const auto& u : s.units()) pad += static_cast<double>(u.layout.padded_numel - u.info->numel);
-  const double align = static_cast<double>(loom::ArenaPlan::kAlign) * 3.0 * static_cast<double>(s.units().size());
+  for (const auto& u : loom::probe(s).units()) pad += static_cast<double>(u.layout.padded_numel - u.info->numel);
+  const double align = static_cast<double>(loom::ArenaPlan::kAlign) * 3.0 * static_cast<double>(loom::probe(s).units().size());
   const double params = static_cast<double>(plan.category_bytes(loom::MemCategory::params));
   const double grads = static_cast<double>(plan.category_bytes(loom::MemCategory::grads));
   const double optim = static_cast<double>(plan.category_bytes(loom::MemCategory::optimizer) +
@@ -379,7 +379,7 @@ void check_zero_router(const std::string& strategy, int64_t ep) {
     for (int64_t l = 0; l < s.spec().num_layers; ++l) {
       const std::string name = "model.layers." + std::to_string(l) + ".block_sparse_moe.gate.weight";
       std::vector<float> z(static_cast<size_t>(s.spec().num_experts * s.spec().hidden), 0.f);
-      s.write_param(name, z.data());
+      loom::probe(s).write_param(name, z.data());
     }
   };
   const Run& ref = reference(kMoe, zero_router, "zero_router");
@@ -517,9 +517,9 @@ TEST(Sharding, ReplicasStartIdentical) {
   loom::Session s(make_config("ddp"));
   s.initialise();
   double sum = 0;
-  for (const auto& u : s.units())
+  for (const auto& u : loom::probe(s).units())
     for (const auto& p : u.info->params)
-      for (float x : s.read_param(p.name)) sum += static_cast<double>(x) * (1.0 + 1e-3 * static_cast<double>(p.offset % 97));
+      for (float x : loom::probe(s).read_param(p.name)) sum += static_cast<double>(x) * (1.0 + 1e-3 * static_cast<double>(p.offset % 97));
   std::vector<double> all(static_cast<size_t>(g_world->size()));
   loom::Tensor in(&sum, loom::DType::f64, loom::Device::cpu, {1});
   loom::Tensor out(all.data(), loom::DType::f64, loom::Device::cpu, {static_cast<int64_t>(all.size())});

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The SDK is the whole contract (DESIGN.md "Plugin ABI"): a plugin compiles
+"""The SDK is the whole contract (docs/PLUGINS.md): a plugin compiles
 against the installed SDK headers (core/include) and its own folder only.
 
     check_plugin_includes.py --source DIR --build DIR PLUGIN_DIR...

@@ -1,4 +1,4 @@
-// Memory is planned once and allocated once (DESIGN.md "Numerics and memory").
+// Memory is planned once and allocated once (docs/ARCHITECTURE.md "Memory").
 // ArenaPlan collects named blocks by category; Arena allocates the total in one
 // allocation and hands out pointers; nothing is allocated inside the step.
 #pragma once

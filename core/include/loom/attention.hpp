@@ -1,4 +1,4 @@
-// Attention plugins: causal GQA attention on BSHD tensors (DESIGN.md).
+// Attention plugins: causal GQA attention on BSHD tensors (docs/PLUGINS.md).
 //
 // q, out, dq, dout: [B, S, H, D];  k, v, dk, dv: [B, S, Hkv, D] with Hkv | H
 // (query head h reads kv head h / (H / Hkv)). Strides may be non-contiguous

@@ -64,6 +64,8 @@ class ConfigTable {
   // A string that must be one of `choices`.
   std::string get_choice(std::string_view key, std::string_view def,
                          std::initializer_list<std::string_view> choices) const;
+  // The same with choices known at run time (a registry's names).
+  std::string get_choice(std::string_view key, std::string_view def, const std::vector<std::string>& choices) const;
   std::vector<std::string> get_string_list(std::string_view key, std::vector<std::string> def = {}) const;
   // Arrays of numbers (integers accepted) and of integers, every element in [min, max].
   std::vector<double> get_float_list(std::string_view key, std::vector<double> def = {}, double min = -1e300,

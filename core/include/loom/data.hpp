@@ -1,5 +1,5 @@
 // Data plugins: batches of token ids for (rank, world), exact resume, a
-// validation split (DESIGN.md).
+// validation split (docs/PLUGINS.md).
 #pragma once
 #include <cstdint>
 #include <string>

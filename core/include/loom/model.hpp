@@ -47,7 +47,7 @@ struct ModelSpec {
     return vocab_size * hidden * (tied_embeddings ? 1 : 2) +
            num_layers * (attention_layer_params() + active_ffn_params()) + hidden;
   }
-  // N of DESIGN.md's MFU formula: the matmul weights one token's forward uses,
+  // N of the MFU formula (docs/ARCHITECTURE.md "MFU"): the matmul weights one token's forward uses,
   // all but the input embedding (the lm head counts even when tied, since it
   // is a GEMM). MoE: the router and top_k experts per layer (active).
   int64_t matmul_params() const {
@@ -62,7 +62,7 @@ struct ModelSpec {
     return 6.0 * static_cast<double>(matmul_params()) + 12.0 * num_layers * hidden * static_cast<double>(seq);
   }
   // NeMo / Megatron's "model TFLOP/s" count causal attention as half of the
-  // full S x S product: 6 N + 6 L h S (DESIGN.md "MFU").
+  // full S x S product: 6 N + 6 L h S (docs/ARCHITECTURE.md "MFU").
   double causal_flops_per_token(int64_t seq) const {
     return 6.0 * static_cast<double>(matmul_params()) + 6.0 * num_layers * hidden * static_cast<double>(seq);
   }
@@ -110,7 +110,8 @@ struct ParamInfo {
   bool weight_decay() const { return role != ParamRole::norm_gain; }
 };
 
-// A unit (DESIGN.md): the embedding, each decoder layer, the final norm + head.
+// A unit (docs/ARCHITECTURE.md "The model as blocks"): the embedding, each
+// decoder layer, the final norm + head.
 struct UnitInfo {
   std::string name;          // "embedding", "layer.3", "head"
   std::vector<ParamInfo> params;
@@ -127,7 +128,8 @@ struct UnitInfo {
 };
 
 // The units and their parameter layout for a spec (HF names, HF shapes [out, in]),
-// as the blocks of `layers` ("native" or "fused") declare them. Every layer
+// as the blocks of `layers` (an attention variant: "native" or "fused") and
+// the dense feed-forward block (a spec with experts: the "moe" one) declare them. Every layer
 // variant keeps the canonical HF names, shapes and order, so checkpoints of one
 // load into the other.
 std::vector<UnitInfo> model_units(const ModelSpec& spec, const std::string& layers = "native");

@@ -1,4 +1,4 @@
-// The plugin ABI (DESIGN.md "Plugin ABI").
+// The plugin ABI (docs/PLUGINS.md, docs/ARCHITECTURE.md "Plugin ABI").
 //
 // A plugin is libloom-<kind>-<name>.so exporting one extern "C" entry,
 // `loom_plugin_entry`, through Boost.DLL's alias. The entry returns a plain

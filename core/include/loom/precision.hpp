@@ -1,4 +1,4 @@
-// Precision plugins own storage dtypes and every GEMM (DESIGN.md).
+// Precision plugins own storage dtypes and every GEMM (docs/PLUGINS.md).
 //
 // Linear layers follow HF: weight W is [out, in] row-major, y = x W^T.
 // The core registers every linear once at start-up (register_linear) and then
@@ -32,7 +32,7 @@
 namespace loom {
 
 // Model flops utilisation is measured against one peak for every recipe: the
-// dense bf16 rate of an H100/H200 (DESIGN.md "MFU"), 989 TFLOP/s. An FP8
+// dense bf16 rate of an H100/H200 (docs/ARCHITECTURE.md "MFU"), 989 TFLOP/s. An FP8
 // recipe is not measured against the FP8 peak, so MFU compares across recipes.
 constexpr double kMfuPeakFlops = 989e12;
 

@@ -1,4 +1,4 @@
-// Plugin discovery and loading (DESIGN.md "Plugin ABI").
+// Plugin discovery and loading (docs/PLUGINS.md, docs/ARCHITECTURE.md "Plugin ABI").
 //
 // Search order: directories named in the config (run.plugin_path and a plugin
 // table's `path`), then $LOOM_PLUGIN_PATH (colon-separated), then

@@ -1,6 +1,6 @@
 // Sharding plugins decide where parameters, gradients and optimizer state live
-// on each rank and run the collectives around each unit (DESIGN.md "One
-// training step"). The core owns the buffers (one arena, sized from the plan
+// on each rank and run the collectives around each unit (docs/ARCHITECTURE.md
+// "The step, without waiting for the host"). The core owns the buffers (one arena, sized from the plan
 // the plugin returns) and the optimizer arithmetic; the plugin owns the
 // communication and which range of each unit this rank updates.
 #pragma once

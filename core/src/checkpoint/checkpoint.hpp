@@ -1,4 +1,4 @@
-// Training checkpoints (DESIGN.md "What a user sees"):
+// Training checkpoints (docs/RELIABILITY.md "Checkpoints"):
 //
 //   <root>/step_00000120/rank_00000.bin   one shard file per rank
 //                        rank_00001.bin

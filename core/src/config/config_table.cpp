@@ -308,7 +308,11 @@ std::string ConfigTable::get_string(std::string_view key, std::string_view def) 
 
 std::string ConfigTable::get_choice(std::string_view key, std::string_view def,
                                     std::initializer_list<std::string_view> choices) const {
-  std::vector<std::string> names(choices.begin(), choices.end());
+  return get_choice(key, def, std::vector<std::string>(choices.begin(), choices.end()));
+}
+
+std::string ConfigTable::get_choice(std::string_view key, std::string_view def,
+                                    const std::vector<std::string>& names) const {
   if (const toml::node* n = impl_->get(key); n && !n->is_string())
     impl_->type_error(key, *n, cat("one of the strings ", join(names, ", ")));
   std::string v = get_string(key, def);

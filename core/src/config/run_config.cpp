@@ -15,6 +15,7 @@
 #include "format_number.hpp"
 #include "hf/hf_llama.hpp"
 #include "loom/error.hpp"
+#include "model/block.hpp"
 #include "util/files.hpp"
 
 namespace loom {
@@ -115,7 +116,8 @@ ModelSection read_model(const ConfigTable& t) {
   if (m.init != "random" && !(m.init.rfind("hf:", 0) == 0 && m.init.size() > 3))
     t.fail("init", cat("model.init = \"", m.init,
                        "\" is not accepted: use \"random\" or \"hf:/path/to/dir\" (a Hugging Face Llama folder)"));
-  m.layers = t.get_choice("layers", m.layers, {"native", "fused"});
+  // The block factory's table (model/block_factory.cpp) names the variants.
+  m.layers = t.get_choice("layers", m.layers, attention_variant_names());
   s.hidden = t.get_int("hidden", s.hidden, 1, kMaxDim);
   s.num_layers = t.get_int("num_layers", s.num_layers, 1, kMaxLayersOrHeads);
   s.num_heads = t.get_int("num_heads", s.num_heads, 1, kMaxLayersOrHeads);
@@ -130,7 +132,7 @@ ModelSection read_model(const ConfigTable& t) {
   s.rope_theta = t.get_float("rope_theta", s.rope_theta, kMinRopeTheta);
   s.norm_eps = get_positive_fp32(t, "norm_eps", s.norm_eps, kMaxNormEps);
   s.tied_embeddings = t.get_bool("tied_embeddings", s.tied_embeddings);
-  m.ffn = t.get_choice("ffn", m.ffn, {"dense", "moe"});
+  m.ffn = t.get_choice("ffn", m.ffn, ffn_variant_names());
   if (m.ffn == "moe") {
     // kMaxExperts: the CUDA backend's pinned expert counts hold that many (cuda_backend.cpp).
     s.num_experts = t.get_int("num_experts", 8, 1, kMaxExperts);
@@ -152,10 +154,14 @@ ModelSection read_model(const ConfigTable& t) {
   m.head_chunk = t.get_int("head_chunk", m.head_chunk, 0, int64_t{1} << 40);
   // Like the experts' keys under a dense model: a key of another mode would
   // be accepted and do nothing (native layers compute every logit at once).
-  if (t.has("head_chunk") && m.layers != "fused")
+  if (t.has("head_chunk") && !attention_variant(m.layers).chunked_head) {
+    std::string chunked;
+    for (const std::string& n : attention_variant_names())
+      if (attention_variant(n).chunked_head) chunked += cat(chunked.empty() ? "" : " or ", "\"", n, "\"");
     t.fail("head_chunk", cat("model.head_chunk applies to fused layers only (their LM head runs in chunks of tokens): ",
-                             "set model.layers = \"fused\" or remove model.head_chunk (model.layers is \"", m.layers,
+                             "set model.layers = ", chunked, " or remove model.head_chunk (model.layers is \"", m.layers,
                              "\", which computes the whole micro-batch's logits at once)"));
+  }
   return m;
 }
 

@@ -5,7 +5,7 @@
 //   parameters (w, wte): the param dtype (fp32 or bf16); parameter gradients (dw, dwte): the grad dtype
 //   rstd, losses, stats: always fp32. Every op accumulates in fp32.
 // Combinations a backend must support: (act, param, grad) = (f32, f32, f32), (bf16, bf16, f32), (bf16, bf16, bf16).
-// The model (llama.cpp) is written once against this interface; the CPU
+// The model (model/, its blocks) is written once against this interface; the CPU
 // backend calls the fp32 reference kernels in kernels/cpu, the CUDA backend
 // (kernels/cuda) the device kernels. GEMMs and attention are not here: they
 // belong to the precision and attention plugins.

@@ -171,6 +171,27 @@ void AttentionBlock::declare(UnitInfo& u) {
   add_param(u, p + "self_attn.o_proj.weight", {spec_.hidden, spec_.q_dim()}, ParamRole::output_projection);
 }
 
+BlockFloor AttentionBlock::hf_floor(const FloorEnv& env) {
+  using LD = long double;
+  const ModelSpec& s = *env.spec;
+  const LD h = static_cast<LD>(s.hidden), hd = static_cast<LD>(s.head_dim());
+  const LD q = static_cast<LD>(s.num_heads) * hd, kv = static_cast<LD>(s.num_kv_heads) * hd;
+  BlockFloor f;
+  f.params = h + h * q + 2 * h * kv + q * h;
+  f.tensors = 5;
+  return f;
+}
+
+BlockFloor FfnBlock::hf_floor(const FloorEnv& env) {
+  using LD = long double;
+  const LD h = static_cast<LD>(env.spec->hidden), F = static_cast<LD>(env.spec->ffn_hidden);
+  BlockFloor f;
+  f.params = h + 3 * h * F;
+  f.tensors = 4;
+  f.activations = 2 * env.tokens * F;  // one layer's gate and up (shared by every layer under recompute = full)
+  return f;
+}
+
 void FfnBlock::declare(UnitInfo& u) {
   const std::string p = "model.layers." + std::to_string(layer_) + ".";
   add_param(u, p + "post_attention_layernorm.weight", {spec_.hidden}, ParamRole::norm_gain);

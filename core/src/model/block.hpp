@@ -38,18 +38,69 @@ namespace loom {
 enum class Recompute { none, selective, attention, full };
 Recompute parse_recompute(const std::string& s);
 
-// What the `moe` feed-forward blocks of a model share (the model owns it):
-// the load-balancing loss is over every layer's tokens together, so each layer
-// adds its routing statistics in forward, the model turns them into the loss
-// and its per-expert gradient after the last layer, and each layer's backward
-// reads that gradient.
-struct MoeShared {
-  bool training = false;  // this forward trains: jitter applies and statistics are kept
-  bool replay = false;    // a recompute forward inside backward: statistics are already taken
-  uint64_t seed = 0;      // jitter seed of this micro-batch (the layer is mixed in)
-  int stats = -1;         // f64 [2E + 1] (Backend::moe_aux_accumulate)
-  int dprobs = -1;        // fp32 [E]: coef-weighted, scaled d aux / d probs
-  int aux = -1;           // fp32 [1]: this micro-batch's aux loss
+// The micro-batch a forward computes, as the model tells its blocks
+// (BlockEnv::micro): the state a block may keep per micro-batch reads it.
+struct MicroBatch {
+  bool training = false;  // this forward trains: random draws (router jitter) apply, statistics are kept
+  bool replay = false;    // a recompute forward inside backward (model.recompute = "full"): the same
+                          // draws as the first forward, no statistics taken again
+  uint64_t seed = 0;      // the micro-batch's random draws (Model::begin_micro_batch): a pure function
+                          // of run.seed and the micro-batch's index, so a resume draws the same
+};
+
+struct BlockEnv;
+class ActivationPlan;
+
+// A term that blocks add to the training objective beside the LM loss (a
+// mixture of experts' load-balancing loss). It may be over every layer's
+// tokens together (HF Mixtral's is), so one instance, by name, is shared by
+// every block that adds to it: a block gets it in plan() with
+// ExtraLosses::get. The model starts it at each training micro-batch, finishes
+// it once every block's forward has run (its value, and whatever gradient the
+// blocks' backward then read), and reports its value beside the LM loss
+// ("aux loss" in the log, aux_loss in metrics.jsonl).
+class ExtraLoss {
+ public:
+  virtual ~ExtraLoss() = default;
+  // Its buffers (activations: one per model, ActivationPlan::own).
+  virtual void plan(const BlockEnv& env, ActivationPlan& acts) = 0;
+  virtual void bind(const ActivationPlan& acts) = 0;
+  // A training micro-batch's forward begins: statistics start from zero.
+  virtual void begin(Backend& be) = 0;
+  // Every block's training forward has run. dloss_scale: the LM loss's
+  // gradient scale (1 / the step's tokens on every rank), which a gradient
+  // the blocks read scales like.
+  virtual void finish(Backend& be, float dloss_scale) = 0;
+  // Its value ([1] fp32, unweighted: the objective's weight is the block's)
+  // after the last training forward.
+  virtual Tensor value() const = 0;
+  // A profiler range name for finish ("moe.aux_loss").
+  virtual const char* range() const = 0;
+};
+
+// The model's extra losses, in the order blocks first asked for them.
+class ExtraLosses {
+ public:
+  // The one named `name`, made (and planned with env and acts) by `make` the
+  // first time it is asked for.
+  template <class T, class Make>
+  T& get(const std::string& name, const BlockEnv& env, ActivationPlan& acts, Make make) {
+    for (auto& [n, l] : losses_)
+      if (n == name) return dynamic_cast<T&>(*l);
+    std::unique_ptr<T> made = make();
+    T& ref = *made;
+    losses_.emplace_back(name, std::move(made));
+    ref.plan(env, acts);
+    return ref;
+  }
+  bool empty() const { return losses_.empty(); }
+  size_t size() const { return losses_.size(); }
+  ExtraLoss& at(size_t i) { return *losses_.at(i).second; }
+  const ExtraLoss& at(size_t i) const { return *losses_.at(i).second; }
+  void clear() { losses_.clear(); }
+
+ private:
+  std::vector<std::pair<std::string, std::unique_ptr<ExtraLoss>>> losses_;
 };
 
 // Where a linear's weight sits: a range of one unit's flat parameters (the
@@ -72,7 +123,10 @@ struct BlockEnv {
   Attention* attention = nullptr;
   Backend* backend = nullptr;
   int64_t head_chunk = 0;       // tokens per LM-head chunk (the head block's)
-  MoeShared* moe = nullptr;     // the model's, for `moe` feed-forward blocks
+  // Per-micro-batch state (MicroBatch) and the extra losses (ExtraLoss):
+  // the model's, set by Model::plan.
+  const MicroBatch* micro = nullptr;
+  ExtraLosses* losses = nullptr;
   std::vector<int>* linear_ids = nullptr;  // every id the recipe returned, in order (Model::plan sets it)
   std::vector<LinearWeight>* linear_weights = nullptr;  // where each decoder linear's weight sits (Model::plan)
   // sharding.expert_parallel > 1: the ranks that split each MoE layer's
@@ -145,6 +199,24 @@ class ActivationPlan {
   std::vector<void*> ptrs_;
 };
 
+// What a block variant holds at least, from the spec alone: the memory
+// floor a config is checked against before any block is built (a model of
+// thousands of layers of hundreds of experts takes gigabytes to declare).
+// Every number is a lower bound of what the built blocks declare and plan.
+struct FloorEnv {
+  const ModelSpec* spec = nullptr;
+  long double tokens = 0;       // of a micro-batch (train.micro_batch x train.seq_len)
+  int64_t expert_parallel = 1;  // sharding.expert_parallel
+};
+struct BlockFloor {
+  long double params = 0;       // parameters one layer's block declares
+  int64_t tensors = 0;          // parameter tensors it declares
+  // Activation elements (of the recipe's activation dtype) that every plan
+  // of a model of these blocks holds for them, once for the whole model
+  // (the residual stream, the head and the tokens are the model's own).
+  long double activations = 0;
+};
+
 class Block {
  public:
   virtual ~Block() = default;
@@ -203,6 +275,9 @@ class AttentionBlock : public Block {
   enum Param { kLn1 = 0, kWq, kWk, kWv, kWo };
   AttentionBlock(const ModelSpec& spec, int64_t layer) : spec_(spec), layer_(layer) {}
   void declare(UnitInfo& unit) override;
+  // The floor of a variant that declares these parameters (declare) and
+  // plans nothing every plan must hold (AttentionVariant::floor).
+  static BlockFloor hf_floor(const FloorEnv& env);
   // in: the residual stream entering the layer; out: after the attention residual.
   virtual void forward(const UnitState& u, const Tensor& in, Tensor& out) = 0;
   // d: dL/d(out) on entry, dL/d(in) on return. `in` is the forward's input.
@@ -227,6 +302,9 @@ class FfnBlock : public Block {
   // That unit's state, set before each forward and backward.
   virtual void set_experts(const UnitState* /*experts*/) {}
   void declare(UnitInfo& unit) override;
+  // The floor of a variant that declares these parameters (declare) and
+  // keeps a [tokens, ffn_hidden] gate and up (FfnVariant::floor).
+  static BlockFloor hf_floor(const FloorEnv& env);
   virtual void forward(const UnitState& u, const Tensor& in, Tensor& out) = 0;
   virtual void backward(UnitState& u, const Tensor& in, Tensor& d) = 0;
 
@@ -235,11 +313,35 @@ class FfnBlock : public Block {
   int64_t layer_;
 };
 
-// Block variants by name (block_factory.cpp): "native", "fused"; the
-// feed-forward block also "moe" (a mixture of experts, spec.num_experts > 0,
-// with either attention variant).
-std::unique_ptr<AttentionBlock> make_attention_block(const std::string& variant, const ModelSpec& spec, int64_t layer);
-std::unique_ptr<FfnBlock> make_ffn_block(const std::string& variant, const ModelSpec& spec, int64_t layer);
+// A block variant, as its file defines it (blocks/<variant>.cpp) and the
+// factory's table lists it (block_factory.cpp): adding a variant is its file
+// and one row of that table.
+struct AttentionVariant {
+  const char* name;  // model.layers = name
+  std::unique_ptr<AttentionBlock> (*make)(const ModelSpec& spec, int64_t layer);
+  BlockFloor (*floor)(const FloorEnv& env);
+  // The LM head computes its logits in chunks of tokens (model.head_chunk)
+  // rather than the whole micro-batch's at once (HF's materialised logits).
+  bool chunked_head;
+};
+struct FfnVariant {
+  const char* name;  // model.ffn = name
+  std::unique_ptr<FfnBlock> (*make)(const ModelSpec& spec, int64_t layer);
+  BlockFloor (*floor)(const FloorEnv& env);
+};
+
+// The variants by name (block_factory.cpp). model.layers names an attention
+// variant; model.ffn = "dense" is the feed-forward variant of model.layers'
+// name (a spec with experts, spec.moe(), that of "moe": the config reader
+// makes model.ffn = "moe" for one), any other value a feed-forward variant by
+// name. An unknown name is refused with the key, the registered variants and
+// the nearest one.
+const AttentionVariant& attention_variant(const std::string& layers);
+const FfnVariant& ffn_variant(const std::string& ffn, const std::string& layers, const ModelSpec& spec);
+// The registered names, in table order ("native", "fused").
+std::vector<std::string> attention_variant_names();
+// model.ffn's accepted values: "dense", then the feed-forward variants.
+std::vector<std::string> ffn_variant_names();
 // The variants make_*_block knows, for messages ("native, fused").
 std::string layer_variants();
 // Whether model.layers = `variant` names one of them.

@@ -6,8 +6,8 @@
 
 namespace loom {
 
-Model::Model(const ModelSpec& spec, std::string layers, int64_t expert_parallel)
-    : spec_(spec), layers_(std::move(layers)), embedding_(spec_) {
+Model::Model(const ModelSpec& spec, std::string layers, std::string ffn, int64_t expert_parallel)
+    : spec_(spec), layers_(std::move(layers)), ffn_name_(std::move(ffn)), embedding_(spec_) {
   LOOM_CHECK(spec_.hidden % spec_.num_heads == 0, "hidden ", spec_.hidden, " not divisible by num_heads ",
              spec_.num_heads);
   LOOM_CHECK(spec_.num_heads % spec_.num_kv_heads == 0, "num_heads ", spec_.num_heads,
@@ -15,10 +15,11 @@ Model::Model(const ModelSpec& spec, std::string layers, int64_t expert_parallel)
   units_.push_back(UnitInfo{"embedding", {}, 0});
   embedding_.declare(units_.back());
   layer_of_.push_back(-1);
+  const AttentionVariant& attention = attention_variant(layers_);
+  const FfnVariant& ffn_v = ffn_variant(ffn_name_, layers_, spec_);
   for (int64_t l = 0; l < spec_.num_layers; ++l) {
-    attention_.push_back(make_attention_block(layers_, spec_, l));
-    // A mixture of experts replaces the feed-forward block of either variant.
-    ffn_.push_back(make_ffn_block(spec_.moe() ? "moe" : layers_, spec_, l));
+    attention_.push_back(attention.make(spec_, l));
+    ffn_.push_back(ffn_v.make(spec_, l));
     experts_of_.push_back(-1);
     if (expert_parallel > 1) {
       // Before the layer: its backward (which fills the experts' gradients)
@@ -62,13 +63,9 @@ void Model::plan(const BlockEnv& env, ArenaPlan& plan) {
   for (int64_t l = 0; l < spec_.num_layers; ++l) mid_.push_back(acts_.kept("res_mid", l, stream_bytes, full));
   d_res_ = acts_.shared("grad.res", stream_bytes);
   tokens_ = acts_.own("tokens", 2 * n * 4);
-  if (spec_.moe()) {
-    const size_t E = static_cast<size_t>(spec_.num_experts);
-    moe_.stats = acts_.own("moe.aux_stats", (2 * E + 1) * 8);
-    moe_.dprobs = acts_.own("moe.aux_dprobs", E * 4);
-    moe_.aux = acts_.own("moe.aux_loss", 4);
-    env_.moe = &moe_;
-  }
+  losses_.clear();
+  env_.losses = &losses_;  // blocks add theirs as they plan
+  env_.micro = &micro_;
   embedding_.plan(env_, acts_);
   for (size_t l = 0; l < attention_.size(); ++l) {
     attention_[l]->plan(env_, acts_);
@@ -87,6 +84,7 @@ void Model::bind(const Arena& arena) {
     ffn_[l]->bind(acts_);
   }
   head_->bind(acts_);
+  for (size_t i = 0; i < losses_.size(); ++i) losses_.at(i).bind(acts_);
 }
 
 Tensor Model::stream(int id) const {
@@ -97,22 +95,19 @@ Tensor Model::inputs() const {
   return Tensor(acts_.ptr(tokens_), DType::i32, env_.backend->device(), {env_.B, env_.S});
 }
 Tensor Model::targets() const { return view(tokens(), env_.N, {env_.N}); }
-Tensor Model::aux_loss() const {
-  LOOM_CHECK(spec_.moe(), "aux_loss() of a model without experts");
-  return Tensor(acts_.ptr(moe_.aux), DType::f32, env_.backend->device(), {1});
+void Model::add_extra_losses(Tensor& acc) const {
+  for (size_t i = 0; i < losses_.size(); ++i) env_.backend->sum_into(acc, losses_.at(i).value(), 0, 1, false);
 }
 
 void Model::forward_unit(int unit, std::vector<UnitState>& units, bool training, float dloss_scale) {
   Backend& be = *env_.backend;
   const int64_t L = spec_.num_layers;
   UnitState& u = units[static_cast<size_t>(unit)];
-  moe_.training = training;
-  moe_.replay = false;
+  micro_.training = training;
+  micro_.replay = false;
   if (unit == 0) {
-    if (spec_.moe() && training) {  // a new micro-batch: the aux loss's statistics start from zero
-      Tensor stats(acts_.ptr(moe_.stats), DType::f64, be.device(), {2 * spec_.num_experts + 1});
-      be.zero(stats);
-    }
+    if (training)  // a new micro-batch: the extra losses' statistics start from zero
+      for (size_t i = 0; i < losses_.size(); ++i) losses_.at(i).begin(be);
     Range r(be, "forward.embedding");
     Tensor x0 = stream(res_[0]);
     embedding_.forward(u, inputs(), x0);
@@ -128,18 +123,12 @@ void Model::forward_unit(int unit, std::vector<UnitState>& units, bool training,
     ffn_[l]->forward(u, mid, out);
     return;
   }
-  if (spec_.moe() && training) {
-    // Every layer has added its routing statistics: the load-balancing loss
-    // and its per-expert gradient, scaled like the LM loss's mean (1 / (grad
-    // accumulation x world): dloss_scale is 1 / (tokens x those)).
-    Range r(be, "moe.aux_loss");
-    const int64_t E = spec_.num_experts;
-    Tensor stats(acts_.ptr(moe_.stats), DType::f64, be.device(), {2 * E + 1});
-    Tensor dprobs(acts_.ptr(moe_.dprobs), DType::f32, be.device(), {E});
-    Tensor aux = aux_loss();
-    be.moe_aux_finish(aux, dprobs, stats, spec_.router_aux_loss_coef,
-                      static_cast<double>(dloss_scale) * static_cast<double>(env_.N));
-  }
+  if (training)  // every layer has run: each extra loss and the gradient its blocks' backward reads
+    for (size_t i = 0; i < losses_.size(); ++i) {
+      ExtraLoss& loss = losses_.at(i);
+      Range r(be, loss.range());
+      loss.finish(be, dloss_scale);
+    }
   Range r(be, "forward.head");
   dloss_scale_ = dloss_scale;
   head_->forward(units, unit, stream(res_[static_cast<size_t>(L)]), targets(), training);
@@ -165,8 +154,8 @@ void Model::backward_unit(int unit, std::vector<UnitState>& units) {
       // Only the residual stream was kept: rebuild this layer's activations
       // (its output, rewritten into res[l + 1], comes out the same).
       Tensor out = stream(res_[l + 1]);
-      moe_.training = true;
-      moe_.replay = true;  // the routing statistics were taken in the first forward
+      micro_.training = true;
+      micro_.replay = true;  // the same draws; the statistics were taken in the first forward
       attention_[l]->forward(u, x, mid);
       ffn_[l]->forward(u, mid, out);
     }
@@ -179,11 +168,32 @@ void Model::backward_unit(int unit, std::vector<UnitState>& units) {
 }
 
 int64_t head_chunk_tokens(const std::string& layers, int64_t configured, int64_t tokens, int64_t vocab, DType act) {
-  if (layers == "native") return tokens;
+  if (!attention_variant(layers).chunked_head) return tokens;
   if (configured > 0) return std::min(configured, tokens);
   const int64_t budget = (int64_t{1} << 30) / (vocab * static_cast<int64_t>(dtype_size(act)));
   int64_t c = budget >= 128 ? budget / 128 * 128 : std::max<int64_t>(budget, 1);
   return std::clamp<int64_t>(c, 1, tokens);
+}
+
+}  // namespace loom
+
+namespace loom {
+
+BlockFloor model_floor(const ModelSpec& spec, const std::string& layers, const std::string& ffn, const FloorEnv& env,
+                       int64_t head_chunk) {
+  using LD = long double;
+  const AttentionVariant& attention = attention_variant(layers);
+  const BlockFloor a = attention.floor(env), f = ffn_variant(ffn, layers, spec).floor(env);
+  const LD h = static_cast<LD>(spec.hidden), V = static_cast<LD>(spec.vocab_size), L = static_cast<LD>(spec.num_layers);
+  BlockFloor m;
+  // The embedding [V, h], the final norm, and an untied head's [V, h].
+  m.params = V * h * (spec.tied_embeddings ? 1 : 2) + h + L * (a.params + f.params);
+  m.tensors = (spec.tied_embeddings ? 2 : 3) + spec.num_layers * (a.tensors + f.tensors);
+  const LD head_rows = !attention.chunked_head ? env.tokens
+                       : head_chunk > 0        ? std::min(static_cast<LD>(head_chunk), env.tokens)
+                                               : 1;
+  m.activations = (L + 1) * env.tokens * h + head_rows * V + a.activations + f.activations;
+  return m;
 }
 
 }  // namespace loom

@@ -1,14 +1,17 @@
-// The Llama decoder as blocks (DESIGN.md "The model as blocks"):
+// The Llama decoder as blocks (docs/ARCHITECTURE.md "The model as blocks"):
 //
 //   embedding -> L x [attention block + feed-forward block] -> final norm + head
 //
 // Units: 0 = the embedding, 1..L = decoder layers, L + 1 = the head. The model
 // owns the residual stream between blocks (res[l] entering layer l, mid[l]
 // between its attention and feed-forward blocks) and one gradient buffer for
-// it; each block owns the rest of its activations. `layers` picks the block
-// variant of every decoder layer ("native" or "fused"); every variant declares
-// the same HF parameter names, shapes and order, so the units — and with them
-// checkpoints and HF folders — are the same whichever computes.
+// it; each block owns the rest of its activations. `layers` picks the
+// attention variant of every decoder layer and `ffn` its feed-forward variant
+// (block_factory.cpp's table); the variants of one layout declare the same HF
+// parameter names, shapes and order, so the units — and with them checkpoints
+// and HF folders — are the same whichever computes. What is particular to a
+// variant stays in its block: its extra losses (ExtraLoss), what it reads of
+// the micro-batch (MicroBatch), its memory floor (AttentionVariant::floor).
 #pragma once
 #include <memory>
 #include <string>
@@ -23,7 +26,12 @@ class Model {
  public:
   // expert_parallel > 1 (a MoE spec): every layer's experts go into a unit of
   // their own, just before the layer's unit (UnitInfo::expert_group).
-  Model(const ModelSpec& spec, std::string layers, int64_t expert_parallel = 1);
+  // ffn: model.ffn ("dense": the feed-forward variant of `layers`' name).
+  Model(const ModelSpec& spec, std::string layers, std::string ffn = "dense", int64_t expert_parallel = 1);
+  // A model of the dense (or, for a spec with experts, MoE) feed-forward
+  // variant: what a layout needs when only the spec and layers are known.
+  Model(const ModelSpec& spec, std::string layers, int64_t expert_parallel)
+      : Model(spec, std::move(layers), "dense", expert_parallel) {}
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
@@ -53,12 +61,15 @@ class Model {
   void backward_unit(int unit, std::vector<UnitState>& units);
   // Per-token losses ([N] fp32) of the last evaluation forward or training backward.
   Tensor losses() const { return head_->losses(); }
-  // Mixture of experts (spec.moe()): the load-balancing loss of the last
-  // training forward ([1] fp32, unweighted: the objective adds
-  // router_aux_loss_coef times it), computed once the last layer has run.
-  Tensor aux_loss() const;
-  // The jitter seed of the next training micro-batch (router_jitter_noise > 0).
-  void set_moe_seed(uint64_t seed) { moe_.seed = seed; }
+  // The blocks' extra losses (ExtraLoss: a mixture of experts' load-balancing
+  // loss), each finished once the last layer's training forward has run;
+  // empty when no block adds one.
+  const ExtraLosses& extra_losses() const { return losses_; }
+  // acc (f64 [1]) += the sum of the extra losses' values (unweighted): what
+  // the step log reports beside the LM loss. Nothing without extra losses.
+  void add_extra_losses(Tensor& acc) const;
+  // A new training micro-batch: its random draws' seed (MicroBatch::seed).
+  void begin_micro_batch(uint64_t seed) { micro_.seed = seed; }
   // True while the step's first micro-batch runs (BlockEnv::first_micro):
   // its backward writes the gradients. False (the default) accumulates.
   void set_first_micro(bool first) { first_micro_ = first; }
@@ -68,7 +79,7 @@ class Model {
   Tensor stream(int id) const;  // a residual-stream buffer as [N, h]
 
   ModelSpec spec_;
-  std::string layers_;
+  std::string layers_, ffn_name_;
   EmbeddingBlock embedding_;
   std::vector<std::unique_ptr<AttentionBlock>> attention_;
   std::vector<std::unique_ptr<FfnBlock>> ffn_;
@@ -83,15 +94,25 @@ class Model {
   std::vector<LinearWeight> linear_weights_;
   ActivationPlan acts_;
   std::vector<int> res_, mid_;
-  MoeShared moe_;
+  MicroBatch micro_;
+  ExtraLosses losses_;
   int d_res_ = -1, tokens_ = -1;
   float dloss_scale_ = 0.f;
   bool first_micro_ = false;
 };
 
-// Tokens per LM-head chunk: the whole micro-batch for native layers; for fused
-// layers `configured` when > 0, else as many tokens as 1 GiB of logits hold
-// (a multiple of 128), at most the micro-batch.
+// Tokens per LM-head chunk: the whole micro-batch for an attention variant
+// without a chunked head (native); else `configured` when > 0, else as many
+// tokens as 1 GiB of logits hold (a multiple of 128), at most the micro-batch.
 int64_t head_chunk_tokens(const std::string& layers, int64_t configured, int64_t tokens, int64_t vocab, DType act);
+
+// The memory floor of a model (train_state.hpp plan_floor), from the spec and
+// the variants' floors alone, nothing built: every parameter and tensor the
+// blocks declare; the activations (elements of the activation dtype) that
+// every plan holds: the residual stream before and after each layer, the LM
+// head's logits (of the whole micro-batch, or of one chunk), and the blocks'.
+// head_chunk: model.head_chunk (0: as few as one row is a lower bound).
+BlockFloor model_floor(const ModelSpec& spec, const std::string& layers, const std::string& ffn, const FloorEnv& env,
+                       int64_t head_chunk);
 
 }  // namespace loom

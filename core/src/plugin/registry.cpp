@@ -1,4 +1,4 @@
-// Plugin discovery, loading and checking (DESIGN.md "Plugin ABI", docs/PLUGINS.md).
+// Plugin discovery, loading and checking (docs/PLUGINS.md, docs/ARCHITECTURE.md "Plugin ABI").
 //
 // Every check reads only the plain-C descriptor, in an order where each step
 // may rely on the previous ones (struct size before fields, kind and ABI before

@@ -42,8 +42,11 @@ ModelSpec run_model_spec(const Config& cfg) {
 Session::Session(Config cfg, SessionOptions opts)
     : cfg_(with_log_level(std::move(cfg))), rt_(make_runtime(cfg_, run_model_spec(cfg_), opts.single_process, opts.plan_world, opts.plan_local_world,
                       opts.plan_device)) {
-  model_ = std::make_unique<Model>(run_model_spec(cfg_), cfg_.model.layers, cfg_.expert_parallel);
+  model_ = std::make_unique<Model>(run_model_spec(cfg_), cfg_.model.layers, cfg_.model.ffn, cfg_.expert_parallel);
   state_ = std::make_unique<TrainState>(cfg_, rt_, *model_);
+  ring_ = std::make_unique<StepLogRing>(cfg_, rt_, *state_, *model_, [this] {
+    if (stager_) stager_->device_caught_up();
+  });
 }
 
 Session::~Session() = default;
@@ -88,7 +91,8 @@ void Session::initialise() {
 }
 
 // ---------------------------------------------------------------------------
-// The step (DESIGN.md "One training step"), queued on the device.
+// The step (docs/ARCHITECTURE.md "The step"), queued on the device: forward,
+// backward, reduce, clip, update.
 // ---------------------------------------------------------------------------
 
 void Session::train_step() {
@@ -98,33 +102,17 @@ void Session::train_step() {
   // strategies then reduce gradients with a plain sum.
   const float dloss_scale = 1.0f / static_cast<float>(model_->env().N * t.grad_accum * world());
   fault_point(rank(), step_ + 1);
-  if (pending_ == state_->scalar_log_rows()) {  // the ring is full: keep its rows on the host
-    std::vector<StepLog> early = read_ring();
-    unread_.insert(unread_.end(), early.begin(), early.end());
-  }
+  ring_->make_room();
   Range step_range(be, "step");  // NVTX and the tracer: the whole step on the compute stream
-
-  // The step's scalars (loss sum, norm, clip decision, timestamps), on the
-  // device. Two sets alternate: the previous step's optimizer may still be
-  // reading its set on the optimizer queue.
-  const int parity = state_->next_scalars();
-  Tensor& scalars = state_->scalars();
-  if (closed_[parity] != kNoMarker) be.wait(be.ctx(), closed_[parity]);  // its last reader (two steps ago) is done
-  be.zero(scalars);
-  Tensor begin = view(scalars, kTimeBegin, {1});
-  be.timestamp(begin);
-  // The step's start also goes straight into its log row (the rest of the row
-  // is copied when the step closes, on the optimizer queue), so a read that
-  // leaves this step for later still has the end of the step before it.
-  Tensor ring_begin = view(state_->scalar_log(), ring_row(step_ + 1) * kStepScalars + kTimeBegin, {1});
-  be.copy(ring_begin, begin);
+  // The step's scalars (loss sum, norm, clip decision, timestamps), on the device.
+  Tensor& scalars = ring_->open(step_ + 1);
   rt_.sharding->begin_step(state_->env(), units());
   // The first micro-batch's backward writes every parameter gradient
   // (BlockEnv::first_micro), so the gradients need no zeroing between steps;
   // a strategy whose step does not say so (Sharding::zeroes_grads) still gets
   // them zeroed here, as its own bookkeeping may read them before.
   if (!rt_.sharding->zeroes_grads()) state_->zero_grads();
-  Tensor loss_sum = view(scalars, kLossSum, {1});
+  Tensor loss_sum = view(scalars, kLossSum, {1}), extra_sum = view(scalars, kAuxSum, {1});
   for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
     last_micro_ = micro == t.grad_accum - 1;
     model_->set_first_micro(micro == 0);
@@ -132,8 +120,8 @@ void Session::train_step() {
       trace::Scope phase(trace::Track::host, "data");
       next_batch(Split::train);   // tokens -> pinned slot -> device, queued
     }
-    if (model_->spec().moe())  // router jitter: a pure function of (seed, micro-batch), so a resume draws the same
-      model_->set_moe_seed(cfg_.run.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step_ * t.grad_accum + micro));
+    // The micro-batch's random draws: a pure function of (seed, micro-batch), so a resume draws the same.
+    model_->begin_micro_batch(cfg_.run.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(step_ * t.grad_accum + micro));
     {
       trace::Scope phase(trace::Track::host, "forward");
       forward(true, dloss_scale); // every unit, sharding hooks around each
@@ -143,32 +131,14 @@ void Session::train_step() {
       backward();                 // the head computes the loss chunk by chunk, then every unit in reverse
     }
     be.sum_into(loss_sum, model_->losses(), 0, model_->env().N, false);
-    if (model_->spec().moe()) {
-      Tensor aux_sum = view(scalars, kAuxSum, {1});
-      be.sum_into(aux_sum, model_->aux_loss(), 0, 1, false);
-    }
+    model_->add_extra_losses(extra_sum);
   }
   model_->set_first_micro(false);  // a backward outside a step (tests, --breakdown) accumulates
   {
     trace::Scope phase(trace::Track::host, "optimizer");
-    queue_optimizer_step(step_);  // global norm -> clip -> AdamW -> re-gather, on the device
+    queue_optimizer_step(step_);  // reduce -> global norm, clip -> AdamW -> re-gather, on the device
   }
-
-  // Close the step where its last work runs (the optimizer queue, after the
-  // compute queue's): its end time, and a copy of its scalars into the log
-  // ring for the next log step.
-  const ExecContext& opt = be.side_ctx();
-  be.wait(opt, be.mark(be.ctx()));
-  {
-    QueueScope on(be, opt);
-    Tensor end = view(scalars, kTimeEnd, {1});
-    be.timestamp(end);
-    Tensor row = view(state_->scalar_log(), ring_row(step_ + 1) * kStepScalars, {kStepScalars});
-    be.copy(row, scalars);
-  }
-  closed_prev_ = closed_[parity ^ 1];
-  closed_[parity] = be.mark(opt);
-  ++pending_;
+  ring_->close(step_ + 1);  // its end time and scalars into the log ring, where its last work runs
   ++step_;
 }
 
@@ -185,103 +155,14 @@ void Session::queue_optimizer_step(int64_t step_index) {
   rt_.precision->end_step(rt_.backend->ctx());
 }
 
-std::vector<StepLog> Session::read_step_logs() {
-  std::vector<StepLog> out = std::move(unread_);
-  unread_.clear();
-  std::vector<StepLog> now = read_ring();
-  out.insert(out.end(), now.begin(), now.end());
-  return out;
-}
-
-std::vector<StepLog> Session::read_step_logs_but_newest() {
-  std::vector<StepLog> out = std::move(unread_);
-  unread_.clear();
-  std::vector<StepLog> now = read_ring(true);
-  out.insert(out.end(), now.begin(), now.end());
-  return out;
-}
-
-// keep_newest: read the steps before the newest one. The newest step's row is
-// written when its optimizer finishes; the rows before it were closed by the
-// previous step's optimizer, long done, so the compute queue waits only for
-// that (closed_prev_), not for the optimizer still running beside it. The one
-// download waits for the compute queue, which has just queued the newest
-// step's forward and backward; the host then queues the next step at once.
-std::vector<StepLog> Session::read_ring(bool keep_newest) {
-  std::vector<StepLog> out;
-  const int64_t n = keep_newest ? pending_ - 1 : pending_;  // rows reported
-  if (n <= 0) return out;
-  LOOM_CHECK(!keep_newest || closed_prev_ != kNoMarker, "step log: ", pending_, " steps pending but no previous step closed");
-  const auto& t = cfg_.train;
-  Backend& be = *rt_.backend;
-  // The whole ring in one call (a few KiB): rows are indexed by step number,
-  // so nothing on the device ever moves between reads.
-  const int64_t ring = state_->scalar_log_rows();
-  std::vector<double> rows(static_cast<size_t>(ring * kStepScalars));
-  if (keep_newest) be.wait(be.ctx(), closed_prev_);   // rows [0, n) are complete there
-  else be.wait(be.ctx(), be.mark(be.side_ctx()));     // the ring's last rows are written on the optimizer queue
-  // Every pending row, the newest included: the n reported rows whole, and
-  // the newest row's start (written on the compute queue) ends the period of
-  // the step before it.
-  be.download(rows.data(), state_->scalar_log(), rows.size() * sizeof(double));  // the one wait
-  stager_->device_caught_up();
-  // Losses averaged over ranks in one collective (every rank reads the same steps).
-  // With experts, the aux losses ride in the same collective (the second half).
-  const bool moe = model_->spec().moe();
-  std::vector<double> losses(static_cast<size_t>(moe ? 2 * n : n));
-  const double tokens_per_rank = static_cast<double>(model_->env().N * t.grad_accum);
-  const int64_t first = step_ - pending_ + 1;  // the step number of the oldest unread row
-  auto row_of = [&](int64_t step) { return rows.data() + ring_row(step) * kStepScalars; };
-  for (int64_t i = 0; i < n; ++i) {
-    losses[static_cast<size_t>(i)] = row_of(first + i)[kLossSum] / tokens_per_rank;
-    if (moe) losses[static_cast<size_t>(n + i)] = row_of(first + i)[kAuxSum] / static_cast<double>(t.grad_accum);
-  }
-  if (rt_.host->size() > 1) {
-    Tensor lt(losses.data(), DType::f64, Device::cpu, {static_cast<int64_t>(losses.size())});
-    rt_.host->all_reduce(ExecContext{}, lt, ReduceOp::avg);
-  }
-  const double tokens_per_step = static_cast<double>(t.micro_batch * t.seq_len * t.grad_accum * world());
-  const double samples_per_step = static_cast<double>(t.micro_batch * t.grad_accum * world());
-  const bool gpu = be.device() == Device::cuda;
-  const size_t mem = gpu ? be.device_memory_used() : peak_resident_bytes();
-  for (int64_t i = 0; i < n; ++i) {
-    const double* r = row_of(first + i);
-    StepLog s;
-    s.step = first + i;
-    s.loss = losses[static_cast<size_t>(i)];
-    if (moe) {
-      s.has_aux = true;
-      s.aux_loss = losses[static_cast<size_t>(n + i)];
-    }
-    s.lr = lr_at(s.step - 1, t.steps, t.warmup_steps, t.lr, t.min_lr, t.schedule);
-    s.grad_norm = r[kGradNorm];
-    s.skipped = r[kSkip] != 0.0;
-    // A step's time is the period from its start to the next step's: with the
-    // optimizer overlapping the next forward, that is what each step costs.
-    // The last step of a read has no successor yet: start to end of its work.
-    s.step_ms = i + 1 < pending_ ? row_of(first + i + 1)[kTimeBegin] - r[kTimeBegin] : r[kTimeEnd] - r[kTimeBegin];
-    const double secs = std::max(s.step_ms, 1e-6) * 1e-3;
-    s.tokens_per_s = tokens_per_step / secs;
-    s.samples_per_s = samples_per_step / secs;
-    if (gpu) {
-      // MFU (DESIGN.md): flops per token x tokens/s per GPU over the one peak.
-      s.mfu = mfu(model_->spec().flops_per_token(t.seq_len), s.tokens_per_s / static_cast<double>(world()));
-    }
-    s.peak_mem_bytes = mem;
-    out.push_back(s);
-  }
-  pending_ -= n;  // keep_newest: the newest step stays unread, in its row
-  return out;
+size_t Session::memory_in_use() const {
+  const Backend& be = *rt_.backend;
+  return be.device() == Device::cuda ? be.device_memory_used() : state_->arena_bytes();
 }
 
 void Session::next_batch(Split split) {
   Tensor tokens = model_->tokens();
   stager_->stage(*rt_.data, split, tokens, model_->spec().vocab_size, cfg_.data.plugin);
-}
-
-void Session::load_batch(const int32_t* inputs, const int32_t* targets) {
-  Tensor tokens = model_->tokens();
-  stager_->stage(inputs, targets, tokens);
 }
 
 void Session::forward_unit(int unit, bool training, float dloss_scale) {
@@ -304,36 +185,6 @@ void Session::forward(bool training, float dloss_scale) {
 
 void Session::backward() {
   for (int u = model_->num_units() - 1; u >= 0; --u) backward_unit(u);
-}
-
-double Session::batch_loss() {
-  const double sum = rt_.backend->sum(model_->losses());
-  stager_->device_caught_up();
-  return sum / static_cast<double>(model_->env().N);
-}
-
-double Session::batch_aux_loss() {
-  float aux = 0.f;
-  rt_.backend->download(&aux, model_->aux_loss(), sizeof aux);
-  stager_->device_caught_up();
-  return aux;
-}
-
-void Session::zero_grads() {
-  Backend& be = *rt_.backend;
-  be.wait(be.ctx(), be.mark(be.side_ctx()));  // nothing on the optimizer queue still reads them
-  state_->zero_grads();
-  be.zero(state_->scalars());  // a new step's loss and norm accumulators
-}
-
-StepResult Session::optimizer_step(int64_t step_index) {
-  Backend& be = *rt_.backend;
-  queue_optimizer_step(step_index);
-  be.wait(be.ctx(), be.mark(be.side_ctx()));
-  double sc[kStepScalars];
-  be.download(sc, state_->scalars(), sizeof sc);
-  stager_->device_caught_up();
-  return {sc[kGradNorm], sc[kSkip] != 0.0};
 }
 
 double Session::evaluate() {
@@ -363,21 +214,6 @@ void Session::save_checkpoint(int64_t step) {
   }
   loom::save_checkpoint(cfg_, rt_, *state_, *model_, step);
   stager_->device_caught_up();
-}
-
-std::vector<float> Session::logits() {
-  LOOM_CHECK(initialised_, "logits() before initialise()");
-  HeadBlock& head = model_->head();
-  const int64_t N = model_->env().N, V = model_->spec().vocab_size, C = head.chunk();
-  std::vector<float> out;
-  out.reserve(static_cast<size_t>(N * V));
-  const int head_unit = model_->num_units() - 1;
-  for (int64_t c = 0; c * C < N; ++c) {
-    std::vector<float> part = read_tensor(head.logits_of_chunk(units(), head_unit, c));
-    out.insert(out.end(), part.begin(), part.end());
-  }
-  stager_->device_caught_up();
-  return out;
 }
 
 // ---------------------------------------------------------------------------

@@ -1,21 +1,23 @@
 // A training session: one run, put together from parts with one job each —
 //
 //   runtime.hpp        launch, backend, communicators, the four plugins
-//   model/model.hpp    the model as blocks (native or fused layers)
+//   model/model.hpp    the model as blocks (the variants of model.layers and model.ffn)
 //   train_state.hpp    the memory plan and arena: parameters, gradients,
 //                      optimizer state, activations, the step's device scalars
 //   weights.hpp        random or HF initial weights
 //   checkpointing.hpp  save and resume (by parameter name)
 //   token_stager.hpp   tokens to the device without waiting
+//   session_log_ring.hpp  the step log on the device, read at log steps
 //   progress.hpp       log lines, metrics.jsonl, the progress bar
 //
-// — and the step loop, which reads top to bottom in train_step() below. The
-// step never makes the host wait for the device: the loss, the gradient norm,
-// the clipping decision and the step's timing stay on the device until a log
-// step reads them all at once (read_step_logs).
+// — and the step loop, which reads top to bottom in train_step(). The step
+// never makes the host wait for the device: the loss, the gradient norm, the
+// clipping decision and the step's timing stay on the device until a log step
+// reads them all at once (read_step_logs).
 //
-// Used by `loom train`, `check`, `bench`, `compare`, and directly by the tests
-// (goldens, end-to-end), which drive forward/backward on batches of their own.
+// Used by `loom train`, `check`, `compare` and `bench`. The tests and `loom
+// bench`, which drive forward and backward on batches of their own and look
+// at the state, do so through SessionProbe (session_probe.hpp).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -29,17 +31,11 @@
 #include "train/profiler.hpp"
 #include "train/progress.hpp"
 #include "train/runtime.hpp"
+#include "train/session_log_ring.hpp"
 #include "train/token_stager.hpp"
 #include "train/train_state.hpp"
 
 namespace loom {
-
-// Model flops utilisation (DESIGN.md "MFU"): flops per token times tokens/s
-// per GPU over the one peak of loom/precision.hpp (kMfuPeakFlops, dense bf16),
-// whatever the recipe. The step log and `loom bench` both use this.
-inline double mfu(double flops_per_token, double tokens_per_s_per_gpu) {
-  return flops_per_token * tokens_per_s_per_gpu / kMfuPeakFlops;
-}
 
 struct RunSummary {
   std::vector<StepLog> steps;                          // the steps this process ran
@@ -64,15 +60,11 @@ struct SessionOptions {
   std::optional<PlannedDevice> plan_device;
 };
 
-// What the tests' synchronous optimizer step reads back.
-struct StepResult {
-  double grad_norm = 0;  // global norm before clipping
-  bool skipped = false;  // non-finite gradients: no update
-};
-
 // The architecture a run of `cfg` builds: its [model] table, or with
 // model.init = "hf:DIR" the folder's config.json (read and checked; no weights).
 ModelSpec run_model_spec(const Config& cfg);
+
+class SessionProbe;
 
 class Session {
  public:
@@ -84,6 +76,8 @@ class Session {
   const ModelSpec& spec() const { return model_->spec(); }
   std::string describe() const { return state_->describe(); }
   std::string memory_report() const { return state_->memory_report(); }
+  // The plan part by part (`loom check --breakdown`; TrainState::plan_breakdown).
+  std::string plan_breakdown() const { return state_->plan_breakdown(); }
   // Throws loom::Error with the plan and what to change when it does not fit
   // the memory available (initialise() calls it before allocating).
   void check_memory_fits() const { state_->check_memory_fits(); }
@@ -117,65 +111,42 @@ class Session {
   // synchronisation): loss (averaged over ranks), grad norm, skipped, time.
   // A driver that queues more steps than the ring holds (TrainState::
   // scalar_log_rows; the train loop never does) makes train_step read early.
-  std::vector<StepLog> read_step_logs();
+  std::vector<StepLog> read_step_logs() { return ring_->read(step_, false); }
   // The same for every queued step but the newest, which stays for the next
   // read: the device need not finish the newest step's optimizer (AdamW on
   // its own queue, overlapping the next forward) before the host reads, so a
   // log step costs the compute queue no idle time. One host synchronisation
   // when there is a finished step to read, none otherwise.
-  std::vector<StepLog> read_step_logs_but_newest();
+  std::vector<StepLog> read_step_logs_but_newest() { return ring_->read(step_, true); }
+  double evaluate();  // mean validation loss over validation_batches (synchronises once)
+  void save_checkpoint(int64_t step);
+  int64_t step() const { return step_; }
 
   size_t arena_bytes() const { return state_->arena_bytes(); }
-  const ArenaPlan& memory_plan() const { return state_->plan(); }
-  TrainState::MemoryFormula memory_formula() const { return state_->memory_formula(); }
+  // The plan with what the process holds beyond the arena (TrainState::planned_device_bytes).
+  size_t planned_device_bytes() const { return state_->planned_device_bytes(); }
+  // The device memory in use on a GPU; the arena on the CPU.
+  size_t memory_in_use() const;
+  std::string device_name() const { return rt_.backend->device_name(); }
   int rank() const { return rt_.rank(); }
   int world() const { return rt_.world(); }
   Communicator& comm() { return *rt_.comm; }       // the data communicator (MPI on CPU, NCCL on CUDA)
   Communicator& host_comm() { return *rt_.host; }  // host scalars and barriers
-  Precision& precision() { return *rt_.precision; }  // the recipe (tests read its state tensors)
-  // Times the backend made the host wait for the device (model/backend.hpp).
-  int64_t host_syncs() const { return rt_.backend->host_syncs(); }
 
-  // Building blocks, public for tests and `loom bench --breakdown`.
-  void load_batch(const int32_t* inputs, const int32_t* targets);  // host [B*S] each
+ private:
+  friend class SessionProbe;  // the tests' and `loom bench`'s view inside (session_probe.hpp)
+
+  void next_batch(Split split);
   // Every unit forward, with the sharding hooks around each. Training keeps
   // what backward needs; its loss comes in the head's backward.
   void forward(bool training, float dloss_scale);
   void forward_unit(int unit, bool training, float dloss_scale);
-  void backward_unit(int unit);
   void backward();
-  // Mean token loss of the last evaluation forward or training backward (synchronises).
-  double batch_loss();
-  // Mixture of experts: the load-balancing loss (unweighted) of the last
-  // training forward, over its micro-batch's tokens of every layer (synchronises).
-  double batch_aux_loss();
-  // Zeroes every gradient and the step's loss and norm accumulators (a new step).
-  void zero_grads();
-  // A whole optimizer step on the gradients in place (after zero_grads, forward
-  // and backward), read back (synchronises): for tests.
-  StepResult optimizer_step(int64_t step_index);
-  double evaluate();  // mean validation loss over validation_batches (synchronises once)
-  void save_checkpoint(int64_t step);
-  int64_t step() const { return step_; }
-  std::vector<UnitState>& units() { return state_->units(); }
-  Model& model() { return *model_; }
-  Backend& backend() { return *rt_.backend; }
-  TrainState& state() { return *state_; }
-  // The logits [B*S, V] of the last evaluation forward, copied to host fp32
-  // (computed chunk by chunk when the head is chunked): for tests and tools.
-  std::vector<float> logits();
-  std::vector<float> read_tensor(const Tensor& t) const { return state_->read_tensor(t); }
-  std::vector<float> read_param(const std::string& hf_name, bool grad = false) const {
-    return state_->read_param(hf_name, grad);
-  }
-  void write_param(const std::string& hf_name, const float* src) { state_->write_param(hf_name, src); }
-
- private:
+  void backward_unit(int unit);
+  // Reduce, clip, update: the sharding strategy's step (the gradients'
+  // collectives, the global norm and clipping decision, AdamW) and the recipe's end of step.
   void queue_optimizer_step(int64_t step_index);
-  std::vector<StepLog> read_ring(bool keep_newest = false);
-  // The log ring's row of a step (1-based): rows go round by step number.
-  int64_t ring_row(int64_t step) const { return (step - 1) % state_->scalar_log_rows(); }
-  void next_batch(Split split);
+  std::vector<UnitState>& units() { return state_->units(); }
   double mean_over_ranks(double v) { return all_reduce_scalar(*rt_.host, v, ReduceOp::avg); }
   // The stop signal any rank received (0: none); the same on every rank.
   int agreed_stop_signal();
@@ -187,13 +158,9 @@ class Session {
   std::unique_ptr<Model> model_;
   std::unique_ptr<TrainState> state_;
   std::unique_ptr<TokenStager> stager_;
+  std::unique_ptr<StepLogRing> ring_;
   std::unique_ptr<Profiler> profiler_;  // the [profile] window
   int64_t step_ = 0;        // optimizer steps done (queued)
-  int64_t pending_ = 0;     // steps queued since the last read of the step log
-  std::vector<StepLog> unread_;  // read early because the ring was full, not yet handed out
-  static constexpr uint64_t kNoMarker = ~uint64_t{0};
-  uint64_t closed_[2] = {kNoMarker, kNoMarker};  // per scalar set: the marker after its step's last use
-  uint64_t closed_prev_ = kNoMarker;  // the previous step's closing marker (its log row written)
   bool log_due_ = false;    // an ordinary log step waits to be read after the next step is queued
   bool last_micro_ = true;  // the current micro-batch is the step's last (sharding may communicate)
   bool initialised_ = false;

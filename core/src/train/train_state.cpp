@@ -488,32 +488,27 @@ std::string fit_advice(const Config& cfg, const ModelSpec& spec, double acts, do
 PlanFloor plan_floor(const Config& cfg, const ModelSpec& spec, const PrecisionDTypes& dt, int world) {
   using LD = long double;
   PlanFloor f;
+  // The blocks' declarations and activations, from their variants' floors
+  // (model/block.hpp BlockFloor), nothing built.
+  FloorEnv fe;
+  fe.spec = &spec;
+  fe.tokens = static_cast<LD>(cfg.train.micro_batch) * static_cast<LD>(cfg.train.seq_len);
+  fe.expert_parallel = cfg.expert_parallel;
+  const BlockFloor m = model_floor(spec, cfg.model.layers, cfg.model.ffn, fe, cfg.model.head_chunk);
   // Weights, gradients and optimizer state: no strategy holds less of them
   // per rank than an equal share of every parameter (ZeRO-3 over all ranks).
-  f.params = spec.total_params_ld();
+  f.params = m.params;
   f.bytes_per_param = static_cast<LD>(dtype_size(dt.param) + dtype_size(dt.grad) + (dt.has_master ? 4 : 0) +
                                       2 * dtype_size(dt.optim_state));
   f.state = f.params * f.bytes_per_param / static_cast<LD>(std::max(1, world));
-  // Activations every plan holds (model/blocks): the residual stream before
-  // and after each layer, the LM head's logits (of a whole micro-batch with
-  // native layers, of one chunk with fused), one feed-forward layer's inner
-  // activations (gate and up; a mixture of experts' for every routed token)
-  // and the tokens.
-  const LD N = static_cast<LD>(cfg.train.micro_batch) * static_cast<LD>(cfg.train.seq_len);
-  const LD e = static_cast<LD>(dtype_size(dt.activation));
-  const LD h = static_cast<LD>(spec.hidden), F = static_cast<LD>(spec.ffn_hidden);
-  const LD head_rows = cfg.model.layers == "native" ? N
-                       : cfg.model.head_chunk > 0   ? std::min(static_cast<LD>(cfg.model.head_chunk), N)
-                                                    : 1;
-  const LD ffn = !spec.moe() ? 2 * N * F : cfg.expert_parallel == 1 ? 2 * N * static_cast<LD>(spec.top_k) * F : 0;
-  f.activations =
-      e * ((static_cast<LD>(spec.num_layers) + 1) * N * h + head_rows * static_cast<LD>(spec.vocab_size) + ffn) + 8 * N;
+  // Activations every plan holds (model_floor) and the tokens.
+  f.activations = static_cast<LD>(dtype_size(dt.activation)) * m.activations + 8 * fe.tokens;
   f.plan = f.state + f.activations;
   // Host memory that the description of the parameters takes before any plan
   // exists (a name, a shape and an offset per tensor, and the blocks that
   // declare them: about 400 bytes a tensor, counted as 384): with thousands
   // of layers of hundreds of experts that alone is gigabytes.
-  f.tensors = (spec.tied_embeddings ? 2 : 3) + spec.num_layers * (6 + (spec.moe() ? 1 + 3 * spec.num_experts : 3));
+  f.tensors = m.tensors;
   f.description = 384 * static_cast<LD>(f.tensors);
   return f;
 }

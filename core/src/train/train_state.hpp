@@ -1,5 +1,5 @@
-// The memory of a run, planned once and allocated once (DESIGN.md "Numerics
-// and memory"): every unit's parameters, gradients and optimizer state laid
+// The memory of a run, planned once and allocated once (docs/ARCHITECTURE.md
+// "Memory"): every unit's parameters, gradients and optimizer state laid
 // out as the sharding plugin asks, the plugin's scratch, the model's
 // activations, the precision recipe's workspace and the step's device
 // scalars — one arena. Also the parameters by HF name (read, write), which

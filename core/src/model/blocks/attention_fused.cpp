@@ -179,8 +179,14 @@ class FusedAttention final : public AttentionBlock {
 
 }  // namespace
 
-std::unique_ptr<AttentionBlock> make_fused_attention(const ModelSpec& spec, int64_t layer) {
-  return std::make_unique<FusedAttention>(spec, layer);
-}
+extern const AttentionVariant attention_fused;  // block_factory.cpp's table lists it
+const AttentionVariant attention_fused{
+    "fused",
+    [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<AttentionBlock> {
+      return std::make_unique<FusedAttention>(spec, layer);
+    },
+    AttentionBlock::hf_floor,
+    /*chunked_head=*/true,  // the [N, V] logits never exist at once (model.head_chunk)
+};
 
 }  // namespace loom

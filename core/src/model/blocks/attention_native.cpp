@@ -161,8 +161,14 @@ class NativeAttention final : public AttentionBlock {
 
 }  // namespace
 
-std::unique_ptr<AttentionBlock> make_native_attention(const ModelSpec& spec, int64_t layer) {
-  return std::make_unique<NativeAttention>(spec, layer);
-}
+extern const AttentionVariant attention_native;  // block_factory.cpp's table lists it
+const AttentionVariant attention_native{
+    "native",
+    [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<AttentionBlock> {
+      return std::make_unique<NativeAttention>(spec, layer);
+    },
+    AttentionBlock::hf_floor,
+    /*chunked_head=*/false,  // HF's materialised logits: the whole micro-batch's at once
+};
 
 }  // namespace loom

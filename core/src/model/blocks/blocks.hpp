@@ -1,17 +1,13 @@
-// The block variants (one file each in this folder) and the two blocks every
-// model has: the token embedding and the final norm + LM head.
+// The two blocks every model has: the token embedding and the final norm +
+// LM head. The variants of the decoder layers' blocks are one file each in
+// this folder, each defining its descriptor (model/block.hpp
+// AttentionVariant, FfnVariant) that block_factory.cpp's table lists.
 #pragma once
 #include <memory>
 
 #include "model/block.hpp"
 
 namespace loom {
-
-std::unique_ptr<AttentionBlock> make_native_attention(const ModelSpec& spec, int64_t layer);
-std::unique_ptr<AttentionBlock> make_fused_attention(const ModelSpec& spec, int64_t layer);
-std::unique_ptr<FfnBlock> make_native_ffn(const ModelSpec& spec, int64_t layer);
-std::unique_ptr<FfnBlock> make_fused_ffn(const ModelSpec& spec, int64_t layer);
-std::unique_ptr<FfnBlock> make_moe_ffn(const ModelSpec& spec, int64_t layer);
 
 // x0 = wte[tokens] (embedding_block.cpp).
 class EmbeddingBlock final : public Block {

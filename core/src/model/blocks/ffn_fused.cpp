@@ -150,8 +150,13 @@ class FusedFfn final : public FfnBlock {
 
 }  // namespace
 
-std::unique_ptr<FfnBlock> make_fused_ffn(const ModelSpec& spec, int64_t layer) {
-  return std::make_unique<FusedFfn>(spec, layer);
-}
+extern const FfnVariant ffn_fused;  // block_factory.cpp's table lists it
+const FfnVariant ffn_fused{
+    "fused",
+    [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<FfnBlock> {
+      return std::make_unique<FusedFfn>(spec, layer);
+    },
+    FfnBlock::hf_floor,
+};
 
 }  // namespace loom

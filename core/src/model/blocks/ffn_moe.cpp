@@ -16,9 +16,11 @@
 // host wait). Backward: SwiGLU writes its gradient into one packed [rows, 2f]
 // buffer, so one dgrad GEMM (K = 2f) gives the expert's input gradient and one
 // wgrad GEMM the [w1; w3] gradient, as in the fused dense block.
-// The load-balancing loss's statistics go into the model's MoeShared buffers in
-// forward; the model turns them into the per-expert gradient that backward
-// adds to the softmax's.
+// The load-balancing loss (MoeAuxLoss, the model's ExtraLoss "moe.aux", one
+// for every layer: HF's is over every layer's tokens together) takes each
+// layer's routing statistics in forward; the model finishes it after the last
+// layer, into the loss and the per-expert gradient that backward adds to the
+// softmax's.
 //
 // Parameters, HF Mixtral's names: post_attention_layernorm, the router
 // block_sparse_moe.gate [E, h], then per expert experts.E.w1 [f, h] (gate),
@@ -43,6 +45,46 @@
 
 namespace loom {
 namespace {
+
+// HF Mixtral's load_balancing_loss_func over every layer's routing of a
+// micro-batch: the statistics (Backend::moe_aux_accumulate) of every layer
+// add up in one buffer, and after the last layer become the loss and its
+// per-expert gradient, scaled like the LM loss's mean (Backend::moe_aux_finish).
+class MoeAuxLoss final : public ExtraLoss {
+ public:
+  explicit MoeAuxLoss(const ModelSpec& spec) : spec_(spec) {}
+  void plan(const BlockEnv& env, ActivationPlan& a) override {
+    const size_t E = static_cast<size_t>(spec_.num_experts);
+    dev_ = env.backend->device();
+    N_ = env.N;
+    stats_ = a.own("moe.aux_stats", (2 * E + 1) * 8);
+    dprobs_ = a.own("moe.aux_dprobs", E * 4);
+    aux_ = a.own("moe.aux_loss", 4);
+  }
+  void bind(const ActivationPlan& a) override { acts_ = &a; }
+  void begin(Backend& be) override {
+    Tensor s = stats();
+    be.zero(s);
+  }
+  void finish(Backend& be, float dloss_scale) override {
+    // 1 / (grad accumulation x world), as the LM loss's mean: dloss_scale is 1 / (tokens x those).
+    Tensor aux = value(), dprobs = this->dprobs();
+    be.moe_aux_finish(aux, dprobs, stats(), spec_.router_aux_loss_coef,
+                      static_cast<double>(dloss_scale) * static_cast<double>(N_));
+  }
+  Tensor value() const override { return Tensor(acts_->ptr(aux_), DType::f32, dev_, {1}); }
+  const char* range() const override { return "moe.aux_loss"; }
+  // f64 [2E + 1] (Backend::moe_aux_accumulate), and fp32 [E]: coef-weighted, scaled d aux / d probs.
+  Tensor stats() const { return Tensor(acts_->ptr(stats_), DType::f64, dev_, {2 * spec_.num_experts + 1}); }
+  Tensor dprobs() const { return Tensor(acts_->ptr(dprobs_), DType::f32, dev_, {spec_.num_experts}); }
+
+ private:
+  const ModelSpec& spec_;
+  const ActivationPlan* acts_ = nullptr;
+  Device dev_ = Device::cpu;
+  int64_t N_ = 0;
+  int stats_ = -1, dprobs_ = -1, aux_ = -1;
+};
 
 class MoeFfn final : public FfnBlock {
  public:
@@ -99,7 +141,8 @@ class MoeFfn final : public FfnBlock {
 
   void plan(const BlockEnv& env, ActivationPlan& a) override {
     env_ = env;
-    LOOM_CHECK(env.moe != nullptr, "ffn.moe: the model planned no MoE state");
+    LOOM_CHECK(env.losses != nullptr && env.micro != nullptr, "ffn.moe: the model gave no extra losses or micro-batch state");
+    aux_ = &env.losses->get<MoeAuxLoss>("moe.aux", env, a, [&] { return std::make_unique<MoeAuxLoss>(spec_); });
     const int64_t h = spec_.hidden, f = spec_.ffn_hidden, l = layer_, E = spec_.num_experts, k = spec_.top_k;
     const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act), R = n * static_cast<size_t>(k);
     const size_t H = static_cast<size_t>(h), F = static_cast<size_t>(f), EE = static_cast<size_t>(E),
@@ -187,14 +230,14 @@ class MoeFfn final : public FfnBlock {
   void forward(const UnitState& u, const Tensor& x, Tensor& out) override {
     Backend& be = *env_.backend;
     const ExecContext& ctx = be.ctx();
-    MoeShared& ms = *env_.moe;
+    const MicroBatch& mb = *env_.micro;
     const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
     Tensor ln2 = act(ln2_, {N, h}), rstd2 = f32(rstd2_, {N});
     {
       Range r(be, "rmsnorm");
       be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn), static_cast<float>(spec_.norm_eps));
     }
-    jittered_ = ms.training && spec_.router_jitter_noise > 0;
+    jittered_ = mb.training && spec_.router_jitter_noise > 0;
     Tensor xin = ln2;
     if (jittered_) {
       Range r(be, "router_jitter");
@@ -202,14 +245,14 @@ class MoeFfn final : public FfnBlock {
       Tensor noise = act(noise_, {N, h});
       // The seed mixes the micro-batch's with the layer, so layers draw independent noise.
       be.moe_jitter(xin, noise, ln2, spec_.router_jitter_noise,
-                    ms.seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(layer_ + 1)));
+                    mb.seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(layer_ + 1)));
     }
     MoeRouting rt = routing();
     {
       Range r(be, "router");
       be.moe_route(rt, xin, param(u, kRouter));
-      if (ms.training && !ms.replay) {
-        Tensor stats(buf(ms.stats), DType::f64, dev(), {2 * spec_.num_experts + 1});
+      if (mb.training && !mb.replay) {
+        Tensor stats = aux_->stats();
         be.moe_aux_accumulate(stats, rt);
       }
     }
@@ -265,7 +308,6 @@ class MoeFfn final : public FfnBlock {
     const bool acc = !env_.writes_grads();  // false: this micro-batch writes the weight gradients
     Backend& be = *env_.backend;
     const ExecContext& ctx = be.ctx();
-    MoeShared& ms = *env_.moe;
     const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden, R = padded_rows();
     MoeRouting rt = routing();
     Tensor d_eout = act(d_eout_, {R, h}), d_weights = f32(d_weights_, {N, spec_.top_k});
@@ -331,7 +373,7 @@ class MoeFfn final : public FfnBlock {
       Tensor dWr = param(u, kRouter, true);
       if (!acc) be.zero(dWr);  // moe_route_backward adds to it
       Tensor d_probs = f32(d_probs_, {N, spec_.num_experts}), d_logits = f32(d_logits_, {N, spec_.num_experts});
-      const Tensor aux_dprobs = f32(ms.dprobs, {spec_.num_experts});
+      const Tensor aux_dprobs = aux_->dprobs();
       const Tensor xin = jittered_ ? act(xin_, {N, h}) : act(ln2_, {N, h});
       be.moe_route_backward(d_ln, dWr, d_probs, d_logits, d_weights, xin, param(u, kRouter), rt, &aux_dprobs);
       const Tensor noise = jittered_ ? act(noise_, {N, h}) : Tensor();
@@ -476,6 +518,7 @@ class MoeFfn final : public FfnBlock {
     return view(t, r0 * t.size(1), {m, t.size(1)});
   }
 
+  MoeAuxLoss* aux_ = nullptr;  // the model's, shared by every layer
   int ln2_ = -1, rstd2_ = -1, noise_ = -1, xin_ = -1, logits_ = -1, probs_ = -1, weights_ = -1, experts_ = -1;
   int perm_ = -1, row_of_ = -1, counts_ = -1, xs_ = -1, gu_ = -1, act_ = -1, eout_ = -1, tmp_ = -1;
   int d_ln_ = -1, d_eout_ = -1, d_act_ = -1, d_gu_ = -1, d_xs_ = -1, d_weights_ = -1, d_probs_ = -1;
@@ -491,10 +534,26 @@ class MoeFfn final : public FfnBlock {
   int64_t row_align_ = 1;  // MoeRouting::row_align of this block's sorted rows
 };
 
+BlockFloor moe_floor(const FloorEnv& env) {
+  using LD = long double;
+  const ModelSpec& s = *env.spec;
+  const LD h = static_cast<LD>(s.hidden), F = static_cast<LD>(s.ffn_hidden), E = static_cast<LD>(s.num_experts);
+  BlockFloor f;
+  f.params = h + E * (h + 3 * h * F);  // the norm, the router [E, h], E experts of 3 matrices
+  f.tensors = 2 + 3 * s.num_experts;
+  // One layer's gate and up of every routed (token, slot) row; with expert
+  // parallelism the rows a rank's experts receive, which may be none.
+  f.activations = env.expert_parallel == 1 ? 2 * env.tokens * static_cast<LD>(s.top_k) * F : 0;
+  return f;
+}
+
 }  // namespace
 
-std::unique_ptr<FfnBlock> make_moe_ffn(const ModelSpec& spec, int64_t layer) {
-  return std::make_unique<MoeFfn>(spec, layer);
-}
+extern const FfnVariant ffn_moe;  // block_factory.cpp's table lists it
+const FfnVariant ffn_moe{
+    "moe",  // with either attention variant
+    [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<FfnBlock> { return std::make_unique<MoeFfn>(spec, layer); },
+    moe_floor,
+};
 
 }  // namespace loom

@@ -123,8 +123,13 @@ class NativeFfn final : public FfnBlock {
 
 }  // namespace
 
-std::unique_ptr<FfnBlock> make_native_ffn(const ModelSpec& spec, int64_t layer) {
-  return std::make_unique<NativeFfn>(spec, layer);
-}
+extern const FfnVariant ffn_native;  // block_factory.cpp's table lists it
+const FfnVariant ffn_native{
+    "native",
+    [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<FfnBlock> {
+      return std::make_unique<NativeFfn>(spec, layer);
+    },
+    FfnBlock::hf_floor,
+};
 
 }  // namespace loom
