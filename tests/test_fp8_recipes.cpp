@@ -12,6 +12,8 @@
 //     within 2% of fp32.
 #include <gtest/gtest.h>
 
+#include <numeric>
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -636,20 +638,48 @@ TEST(Fp8Recipes, WeightCacheLayerMatchesStepBitwise) {
     }
 }
 
-// Emulated FP8 on the quickstart model trains like fp32: after 300 steps on
-// the fortune corpus the validation loss of each FP8 recipe is within 2% of
-// fp32's. Both runs see the same data and initial weights. For CI on two
-// cores the batch is cut to 8 sequences of 128 (the quickstart's own is 16):
-// the same model, sequence length, optimiser and schedule, ~4 minutes for the
-// three runs alone (~20 beside the rest of the suite at ctest -j2, hence the
-// suite's timeout in tests/CMakeLists.txt) instead of ~25 on a busy machine. Measured (docs/
-// PERFORMANCE.md): batch 16 -0.60% (delayed) and +1.19% (current), batch 8
-// +1.37% and +0.41%, batch 4 +1.78% and +1.47% (too close to the bound for
-// CI). LOOM_FP8_CONVERGENCE_MICRO_BATCH=16 runs the quickstart's batch;
-// LOOM_FP8_CONVERGENCE_STEPS changes the step count.
-TEST(Fp8Recipes, QuickstartWithinTwoPercentOfFp32) {
+// Emulated FP8 on the quickstart model trains like fp32, on the fortune corpus,
+// 300 steps, micro-batch 8 (the quickstart's own is 16; 8 keeps CI on two cores
+// to a few minutes).
+//
+// One run's final validation loss is a poor witness. Training is chaotic: any
+// change of rounding moves the end point about as far as FP8 does. Measured
+// with this test's settings:
+//
+//   seed          fp32     fp8_delayed        fp8_current
+//   11           2.5150    2.5200 (+0.20%)    2.5184 (+0.13%)
+//   22           2.6171    2.6455 (+1.09%)    2.5694 (-1.82%)
+//   33           2.5890    2.6181 (+1.12%)    2.5903 (+0.05%)
+//   mean         2.5737    +0.81%             -0.56%
+//
+// fp32 alone spans 4% over the seeds. The single-seed test this replaces put
+// fp8_delayed at +1.37% on an Intel machine and +2.27% on an AMD one, for the
+// same seed, when the CPU GEMMs were OpenBLAS's: a 2% bound on one run sat
+// inside that spread.
+//
+// Why the bounds below hold on any x86-64 processor:
+//   - The CPU path's arithmetic is the same bits on every x86-64 processor
+//     (Loom's fixed-order fma GEMMs, chunk-ordered reductions: docs/
+//     ARCHITECTURE.md, "Numerics"; CpuGemm.RecordedBitsOfAFixedProblem and
+//     TrainE2E.LossBitsAreTheSameOnEveryProcessor hold it). So this test
+//     computes exactly the table above everywhere, with any thread count.
+//   - The bounds are far from the measured values, so a future change of
+//     rounding (a kernel reordered), which acts like another seed, does not
+//     cross them by chance. The mean over three seeds, each with its own
+//     initial weights and data order, must be within 2% of fp32's mean. The
+//     single-seed gaps have a standard deviation of 0.5% (delayed) and 1.1%
+//     (current), so the mean of three has 0.25% and 0.64%: the bound is 4.8
+//     and 2.3 of those above the measured means. Each seed's FP8 run must also
+//     learn, and be within 5% of its fp32 twin (largest measured: 1.82%).
+//   - What the bounds catch: a wrong scale, a saturating format or stale
+//     recipe state cost far more than 2% (the hostile-input tests show a stale
+//     dy scale cutting the gradient norm by 16% in one step).
+//
+// LOOM_FP8_CONVERGENCE_MICRO_BATCH and LOOM_FP8_CONVERGENCE_STEPS change the
+// batch and the step count (the table then no longer applies).
+TEST(Fp8Recipes, QuickstartTrainsLikeFp32AcrossSeeds) {
   const fs::path corpus = "/usr/share/games/fortunes";
-  if (!fs::exists(corpus)) GTEST_SKIP() << "fortunes package not installed (scripts/setup.sh installs it)";
+  ASSERT_TRUE(fs::exists(corpus)) << "fortunes package not installed (scripts/setup.sh installs it)";
   auto env_int = [](const char* name, int def) { return std::getenv(name) ? std::atoi(std::getenv(name)) : def; };
   const int steps = env_int("LOOM_FP8_CONVERGENCE_STEPS", 300);
   const int micro_batch = env_int("LOOM_FP8_CONVERGENCE_MICRO_BATCH", 8);
@@ -657,27 +687,44 @@ TEST(Fp8Recipes, QuickstartWithinTwoPercentOfFp32) {
   const std::string cmd = std::string(LOOM_CLI) + " prepare text " + (d / "data").string() + " " + corpus.string() +
                           " > " + (d / "prepare.log").string() + " 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << "loom prepare text failed; see " << (d / "prepare.log");
-  auto run = [&](const std::string& plugin) {
+  auto run = [&](const std::string& plugin, int seed) {
+    const std::string out = plugin + "_" + std::to_string(seed);
     std::vector<std::string> ov = {
-        "run.out_dir=\"" + (d / plugin).string() + "\"",
+        "run.out_dir=\"" + (d / out).string() + "\"",
         "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]", "run.log_level=\"warn\"",
         "data.train=\"" + (d / "data" / "train_*.bin").string() + "\"",
         "data.val=\"" + (d / "data" / "val.bin").string() + "\"", "train.steps=" + std::to_string(steps),
         "train.validation_every=" + std::to_string(steps), "train.validation_batches=8", "checkpoint.every=0",
         "checkpoint.resume=none", "run.threads=2", "precision.plugin=" + plugin,
-        "train.micro_batch=" + std::to_string(micro_batch)};
+        "train.micro_batch=" + std::to_string(micro_batch), "run.seed=" + std::to_string(seed)};
     loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "quickstart.toml", ov));
     loom::RunSummary r = s.train();
-    EXPECT_EQ(r.val_losses.size(), 2u);
-    return r.val_losses.back().second;
+    EXPECT_EQ(r.val_losses.size(), 2u) << out;
+    return r.val_losses.empty() ? std::nan("") : r.val_losses.back().second;
   };
-  const double ref = run("fp32");
-  EXPECT_LT(ref, 5.55 - 1.5) << "fp32 must have learned for the comparison to mean anything";
-  for (const std::string plugin : {"fp8_delayed", "fp8_current"}) {
-    const double v = run(plugin);
-    EXPECT_LT(std::fabs(v - ref) / ref, 0.02) << plugin << ": validation loss " << v << ", fp32 " << ref;
-    std::printf("quickstart model, micro_batch %d, %d steps: validation loss fp32 %.4f, %s %.4f (%+.2f%%)\n",
-                micro_batch, steps, ref, plugin.c_str(), v, 100.0 * (v - ref) / ref);
+  const std::vector<int> seeds = {11, 22, 33};
+  const std::vector<std::string> recipes = {"fp32", "fp8_delayed", "fp8_current"};
+  std::map<std::string, std::vector<double>> val;
+  for (const std::string& plugin : recipes)
+    for (int seed : seeds) val[plugin].push_back(run(plugin, seed));
+  auto mean = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / v.size(); };
+  const double ref = mean(val["fp32"]);
+  std::printf("quickstart model, micro_batch %d, %d steps, validation loss by seed", micro_batch, steps);
+  for (int seed : seeds) std::printf(" %d", seed);
+  std::printf(":\n");
+  for (const std::string& plugin : recipes) {
+    std::printf("  %-12s", plugin.c_str());
+    for (size_t i = 0; i < seeds.size(); ++i) {
+      const double v = val[plugin][i], f = val["fp32"][i];
+      std::printf("  %.4f (%+.2f%%)", v, 100.0 * (v - f) / f);
+      EXPECT_LT(v, 5.55 - 1.5) << plugin << " seed " << seeds[i] << " did not learn";
+      if (plugin != "fp32")
+        EXPECT_LT(std::fabs(v - f) / f, 0.05) << plugin << " seed " << seeds[i] << ": " << v << " against fp32 " << f;
+    }
+    const double m = mean(val[plugin]);
+    std::printf("  mean %.4f (%+.2f%%)\n", m, 100.0 * (m - ref) / ref);
+    if (plugin != "fp32")
+      EXPECT_LT(std::fabs(m - ref) / ref, 0.02) << plugin << ": mean validation loss " << m << ", fp32's " << ref;
   }
 }
 
