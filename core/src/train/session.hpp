@@ -133,7 +133,7 @@ class Session {
   Communicator& comm() { return *rt_.comm; }       // the data communicator (MPI on CPU, NCCL on CUDA)
   Communicator& host_comm() { return *rt_.host; }  // host scalars and barriers
   Precision& precision() { return *rt_.precision; }  // the recipe (tests read its state tensors)
-  // Times the backend made the host wait for the device (model/backend.hpp).
+  // Times the backend made the host wait for the device (kernels/backend.hpp).
   int64_t host_syncs() const { return rt_.backend->host_syncs(); }
 
   // Building blocks, public for tests and `loom bench --breakdown`.

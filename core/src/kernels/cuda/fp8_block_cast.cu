@@ -30,7 +30,7 @@
 #include <cstring>
 
 #include "kernels/cuda/cuda_common.cuh"
-#include "kernels/cuda/fp8_block_kernels.hpp"
+#include "loom/ops/fp8_block_cast.hpp"
 #include "loom/fp8.hpp"
 #include "loom/fp8_block.hpp"
 

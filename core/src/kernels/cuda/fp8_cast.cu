@@ -24,7 +24,7 @@
 #include <cfloat>
 
 #include "kernels/cuda/cuda_common.cuh"
-#include "kernels/cuda/fp8_kernels.hpp"
+#include "loom/ops/fp8_cast.hpp"
 #include "kernels/cuda/fp8_tile.cuh"
 #include "loom/fp8.hpp"
 
