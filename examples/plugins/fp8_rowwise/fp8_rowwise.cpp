@@ -25,7 +25,9 @@
 // lm_head = "fp8" (as the built-in FP8 recipes keep it).
 //
 // Keys of its [precision] table: plugin, path, lm_head ("high" | "fp8"),
-// pow2_scales (true), gemm_algo ("auto" | "heuristic" | "fastest", CUDA).
+// pow2_scales (true), gemm_algo ("auto" | "heuristic" | "fastest", CUDA),
+// master ("fp32" | "bf16": bf16 parameters, gradients and AdamW state without
+// an fp32 copy, CUDA only; the built-in FP8 recipes' key).
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -75,7 +77,11 @@ class RowwisePrecision final : public loom::Precision {
     lm_head_fp8_ = t.get_choice("lm_head", "high", {"high", "fp8"}) == "fp8";
     opt_.pow2_scales = t.get_bool("pow2_scales", true);
     algo_ = loom::read_gemm_algo(t, init.deterministic);
+    master_bf16_ = t.get_choice("master", "fp32", {"fp32", "bf16"}) == "bf16";
     t.finish();
+    LOOM_CHECK(!master_bf16_ || device_ == Device::cuda, "precision ", kName,
+               ": master = \"bf16\" (bf16 parameters, gradients and AdamW state) is for run.device = \"cuda\"; the "
+               "CPU emulation keeps everything in fp32");
 #ifndef FP8_ROWWISE_GPU
     LOOM_CHECK(device_ == Device::cpu, "precision ", kName, ": run.device = \"", loom::device_name(device_),
                "\" but this build of the plugin has no CUDA path (the Loom SDK it was built against has none); set "
@@ -85,6 +91,8 @@ class RowwisePrecision final : public loom::Precision {
 
   loom::PrecisionDTypes dtypes() const override {
     if (device_ == Device::cpu) return {DType::f32, DType::f32, DType::f32, DType::f32, DType::f32, false};
+    // master = "bf16": the bf16_pure layout (no fp32 copy), as the built-in FP8 recipes' key.
+    if (master_bf16_) return {DType::bf16, DType::bf16, DType::bf16, DType::bf16, DType::bf16, false};
     return {DType::bf16, DType::f32, DType::f32, DType::f32, DType::bf16, true};
   }
 
@@ -248,9 +256,9 @@ class RowwisePrecision final : public loom::Precision {
   bool gpu_fp8(const LinearDesc& d, int64_t rows) const { return fp8(d) && rows % 16 == 0 && d.in % 16 == 0 && d.out % 16 == 0; }
 
   struct Scratch {
-    char* a;      // codes of the first operand
-    char* b;      // codes of the weight (or x^T in wgrad)
-    char* c;      // codes of dy^T in wgrad
+    char* a;      // codes of x or dy (x^T in wgrad): activation-sized
+    char* b;      // codes of the weight (W or W^T)
+    char* c;      // codes of dy^T in wgrad: activation-sized
     float* s[4];  // scale, scale_inv of the first operand; then of the second
   };
   Scratch scratch() const {
@@ -345,7 +353,9 @@ class RowwisePrecision final : public loom::Precision {
       g.b = {&x, false};
       return run(ctx, d, g, loom::ops::GemmVarying::k, "fp8_rowwise: wgrad (bf16)");
     }
-    Tensor qdyt(s.c, DType::e4m3, Device::cuda, {d.out, m}), qxt(s.b, DType::e4m3, Device::cuda, {d.in, m});
+    // Both [features, tokens]: activation-sized, so into the two activation
+    // buffers (dgrad, queued before on the same stream, is done with s.a).
+    Tensor qdyt(s.c, DType::e4m3, Device::cuda, {d.out, m}), qxt(s.a, DType::e4m3, Device::cuda, {d.in, m});
     loom::gpu::fp8_cast_colwise(dy, qdyt, s.s[0], s.s[1], opt_, ctx.stream);
     loom::gpu::fp8_cast_colwise(x, qxt, s.s[2], s.s[3], opt_, ctx.stream);
     g.a = outer(qdyt, s.s[1]);
@@ -358,6 +368,7 @@ class RowwisePrecision final : public loom::Precision {
 
   Device device_;
   bool lm_head_fp8_ = false;
+  bool master_bf16_ = false;
   loom::ops::RowwiseOptions opt_;
   loom::GemmAlgo algo_ = loom::GemmAlgo::heuristic;
   std::vector<LinearDesc> linears_;
