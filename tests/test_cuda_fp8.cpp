@@ -1,5 +1,5 @@
 // The FP8 device building blocks (loom/ops/fp8_cast.hpp, loom/ops/gemm.hpp)
-// against the host FP8 code (loom/fp8.hpp, loom/fp8_scaling.hpp) and an fp64
+// against the host FP8 code (loom/fp8.hpp, precision/common/fp8_scaling.hpp) and an fp64
 // CPU GEMM:
 // - the hardware encode of the tile kernels: every fp32 input's code equal
 //   to encode_fast's (itself checked against the host's encode);
@@ -45,7 +45,7 @@
 #include "loom/ops/gemm.hpp"
 #include "loom/ops/fp8_cast.hpp"
 #include "loom/fp8.hpp"
-#include "loom/fp8_scaling.hpp"
+#include "precision/common/fp8_scaling.hpp"
 #include "loom/gemm_algo.hpp"
 
 namespace {

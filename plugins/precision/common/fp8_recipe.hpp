@@ -1,7 +1,7 @@
 // The FP8 recipes (fp8_delayed, fp8_current): one class, the scaling told
 // apart by the plugin that builds it. This file and fp8_recipe.cpp are free of
 // CUDA: on the CPU every FP8 GEMM is emulated (loom/fp8_emulated.hpp) and the
-// state is loom/fp8_scaling.hpp's ScalingState on the host. With run.device =
+// state is precision/common/fp8_scaling.hpp's ScalingState on the host. With run.device =
 // "cuda" the object hands every call to the GPU path (fp8_recipe_gpu.cpp, built
 // only with CUDA: device casts, cuBLASLt FP8 GEMMs, the state on the device).
 //
@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "loom/fp8_scaling.hpp"
+#include "precision/common/fp8_scaling.hpp"
 #include "loom/gemm_algo.hpp"
 #include "loom/precision.hpp"
 #include "precision/common/fp8_options.hpp"
