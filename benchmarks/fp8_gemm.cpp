@@ -9,7 +9,7 @@
 // down) and each of its GEMMs (fprop y = x W^T, dgrad dx = dy W, wgrad
 // dW += dy^T x), the bf16 GEMM as the bf16 recipe runs it (plugins/precision/
 // common/cublaslt_linear.cpp: TN / NN / NT) and the FP8 GEMM as
-// kernels/cuda/fp8_gemm.hpp maps it (all TN on transposed FP8 copies, E4M3
+// loom/ops/gemm.hpp maps it (all TN on transposed FP8 copies, E4M3
 // x/W, E5M2 dy, fast accumulation for fprop only); the wgrad twice, adding to
 // fp32 dW (a later micro-batch with fp32 gradients) and writing bf16 dW (the
 // one micro-batch of the bf16_pure and FP8 bench workloads, master = "bf16"),
@@ -22,7 +22,7 @@
 // FP8 with their transposed copies and amax, fp8_cast) are timed the same way
 // and reported apart; the W cast runs once per optimizer step, so with
 // gradient accumulation its share per micro-batch shrinks. Beside them, the
-// block-scaled GEMMs of the fp8_block recipe (kernels/cuda/fp8_block_gemm.hpp:
+// block-scaled GEMMs of the fp8_block recipe (loom/ops/gemm.hpp:
 // E4M3, x and dy in 1x128 tiles, W in 128x128 blocks, wgrad operands in 1x128
 // tiles along the tokens, no fast accumulation) and its block casts (x and
 // dy: the 1x128 cast plus the transposed 128x1 cast; W: 128x128 into W and

@@ -852,7 +852,7 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
   const int64_t timed0 = loom::gemm_timing_counts().timed;
   loom::ops::GemmPlans g(lt_, workspace_, loom::ops::GemmPlans::kWorkspaceBytes, algo);
   // The three GEMM shapes of a linear with 512 tokens, in = 384, out = 256
-  // (fp8_gemm.hpp): m, n, k all different within a shape, so that a swapped
+  // (loom/ops/gemm.hpp): m, n, k all different within a shape, so that a swapped
   // operand cannot pass; k up to 512 so that accumulation matters.
   struct Shape {
     const char* name;
@@ -1025,7 +1025,7 @@ TEST_F(CudaFp8Gemm, VaryingDimSharesOnePlanPerBucket) {
   EXPECT_EQ(loom::gemm_timing_counts().timed, timed0) << "a varying dim's plans are the heuristic's, untimed";
 }
 
-// The linear's three GEMMs as fp8_gemm.hpp maps them, from device casts with
+// The linear's three GEMMs as loom/ops/gemm.hpp maps them, from device casts with
 // device scales (amax -> update_scales -> cast), against the fp64 linear of
 // the dequantised operands: the mapping, the transposed copies and the
 // hybrid formats end to end.

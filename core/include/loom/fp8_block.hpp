@@ -3,7 +3,7 @@
 // everywhere. The per-tile rule, the scale-tensor layouts cuBLASLt's
 // block-scaled GEMMs read, and the host reference casts (core/src/kernels/cpu/
 // fp8_block.cpp) that the fp8_block recipe's CPU path runs and the device
-// casts (kernels/cuda/fp8_block_kernels.hpp) match bitwise.
+// casts (loom/ops/fp8_block_cast.hpp) match bitwise.
 //
 // Per tile (or block): amax = max |x| over its elements, scale = 448 / amax
 // in fp32 (compute_scale of loom/fp8.hpp, margin 0: FLT_MAX when the
