@@ -68,14 +68,11 @@ class Fp8BlockGpu final : public Precision {
     if (counter_ != nullptr) cudaFree(counter_);  // teardown: nothing worth reporting
   }
 
-  PrecisionDTypes dtypes() const override {
-    if (o_.master_bf16) {
-      PrecisionDTypes t{DType::bf16, DType::bf16, DType::bf16, DType::bf16, DType::bf16, /*has_master=*/false};
-      t.stochastic_rounding = o_.stochastic_rounding;
-      return t;
-    }
-    return {DType::bf16, DType::f32, DType::f32, DType::f32, DType::bf16, /*has_master=*/true};
-  }
+  PrecisionDTypes dtypes() const override { return fp8_common::device_dtypes(o_); }
+
+  // A 1x128 tile of every row: other counts of a variable-row linear split
+  // off a bf16 tail.
+  int64_t variable_row_multiple() const override { return blk::kBlock; }
 
   int register_linear(const LinearDesc& d) override {
     LOOM_CHECK(!set_up_, "precision fp8_block: linear '", d.name, "' registered after setup()");
@@ -237,10 +234,7 @@ class Fp8BlockGpu final : public Precision {
     const int64_t rows = have_x ? check_rows(d, matrix(x, d, "x", DType::bf16), "x") : mdy.rows;
     LOOM_CHECK(rows <= d.max_rows, "precision fp8_block: ", d.name, ": dy has ", rows,
                " rows, more than the max_rows=", d.max_rows, " it was registered with");
-    LOOM_CHECK(l.saved_rows == rows, "precision fp8_block: ", d.name, ": backward of ", rows,
-               " rows, but the forward before it cast ",
-               l.saved_rows < 0 ? std::string("none") : std::to_string(l.saved_rows),
-               " (every backward follows its own forward)");
+    fp8_common::check_saved_rows("fp8_block", d, l.saved_rows, rows);
     l.saved_rows = -1;
     if (!aligned(rows)) {
       LOOM_CHECK(have_x, "precision fp8_block: ", d.name, ": backward of ", rows,

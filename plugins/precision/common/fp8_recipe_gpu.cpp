@@ -74,17 +74,11 @@ class Fp8Gpu final : public Precision {
     if (dev_ != nullptr) cudaFree(dev_);
   }
 
-  PrecisionDTypes dtypes() const override {
-    if (o_.master_bf16) {
-      // bf16_pure's layout: no master copy, the optimizer rounds into the bf16
-      // parameters (stochastically when asked).
-      PrecisionDTypes t{DType::bf16, DType::bf16, DType::bf16, DType::bf16, DType::bf16, /*has_master=*/false};
-      t.stochastic_rounding = o_.stochastic_rounding;
-      return t;
-    }
-    // The bf16 recipe's: bf16 parameters and activations, fp32 master, gradients and AdamW state.
-    return {DType::bf16, DType::f32, DType::f32, DType::f32, DType::bf16, /*has_master=*/true};
-  }
+  PrecisionDTypes dtypes() const override { return fp8_common::device_dtypes(o_); }
+
+  // The FP8 GEMMs' row multiple: other counts of a variable-row linear split
+  // off a bf16 tail.
+  int64_t variable_row_multiple() const override { return 16; }
 
   int register_linear(const LinearDesc& d) override {
     LOOM_CHECK(!set_up_, "precision ", o_.plugin, ": linear '", d.name, "' registered after setup()");
@@ -322,10 +316,7 @@ class Fp8Gpu final : public Precision {
     }
     LOOM_CHECK(mdy.rows == rows && mdy.cols == d.out, "precision ", o_.plugin, ": ", d.name, ": dy is [", mdy.rows,
                ", ", mdy.cols, "], expected [", rows, ", ", d.out, "]");
-    LOOM_CHECK(l.saved_rows == rows, "precision ", o_.plugin, ": ", d.name, ": backward of ", rows,
-               " rows, but the forward before it cast ",
-               l.saved_rows < 0 ? std::string("none") : std::to_string(l.saved_rows),
-               " (every backward follows its own forward)");
+    fp8_common::check_saved_rows(o_.plugin, d, l.saved_rows, rows);
     if (dx != nullptr) {
       const RowMatrix mdx = matrix(*dx, d, "dx", DType::bf16);
       LOOM_CHECK(mdx.rows == rows && mdx.cols == d.in, "precision ", o_.plugin, ": ", d.name, ": dx is [", mdx.rows,
