@@ -21,8 +21,9 @@
 #   bash scripts/gpu_check.sh fp8-convergence     (bf16 against fp8_delayed and fp8_current: `loom compare`
 #       on the fortune corpus, fused layers, same initial weights, 1000 steps; the final validation
 #       loss of each FP8 run within 1% of bf16's; env CONV_STEPS)
-#   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8, test_gpu_fp8_recipes, test_gpu_fp8_block and
-#       test_fp8_rowwise_example (the out-of-tree recipe's outer-vector GEMMs against fp64), then
+#   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8, test_gpu_fp8_recipes, test_gpu_fp8_block,
+#       test_fp8_rowwise_example (the out-of-tree recipe's outer-vector GEMMs against fp64) and
+#       test_gpu_train's StepMakesNoHostSynchronisation (every FP8 recipe's log line without a host sync), then
 #       benchmarks/fp8_gemm.cpp: bf16 vs per-tensor and block-scaled FP8 cuBLASLt GEMMs on the llama-1b and
 #       llama2-7b linears, the cast kernels and the block-scaled FP8 probe; $OUT/fp8_gemm_bench.md; env FP8_BENCH_ARGS)
 #   bash scripts/gpu_check.sh fp8-rowwise [CONFIG] (examples/plugins/fp8_rowwise beside fp8_current: `loom bench` of
@@ -105,13 +106,16 @@ fi
 if [ "$WHAT" = fp8 ]; then
   # The FP8 building blocks: the suite (nothing may skip on a GPU), then the GEMM benchmark.
   : > "$OUT/tests.txt"
-  for n in test_cuda_fp8 test_gpu_fp8_recipes test_gpu_fp8_block test_fp8_rowwise_example; do
-  if .carry/bin/$n --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+  # name[:gtest filter]: test_gpu_train only for the FP8 recipes' log lines read without a host sync.
+  for nf in test_cuda_fp8 test_gpu_fp8_recipes test_gpu_fp8_block test_fp8_rowwise_example \
+            test_gpu_train:GpuTrain.StepMakesNoHostSynchronisation; do
+  n=${nf%%:*}; f=${nf#"$n"}; f=${f#:}
+  if .carry/bin/$n --gtest_brief=1 ${f:+--gtest_filter=$f} > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
   s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
   if [ "$s" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi
   echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
   [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -40
-  grep -hE '^\[fp8(_block|_rowwise)? (gemm|gpu|cuda|cpu|weight_cache|selective|memory)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+  grep -hE '^\[fp8(_block|_rowwise|_delayed|_current)? (gemm|gpu|cuda|cpu|weight_cache|selective|memory|log line)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
   done
   # shellcheck disable=SC2086
   if .carry/bin/fp8_gemm_bench ${FP8_BENCH_ARGS:-} > "$OUT/fp8_gemm_bench.md" 2> "$OUT/fp8_gemm_bench.log"; then
