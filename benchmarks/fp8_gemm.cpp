@@ -45,14 +45,16 @@
 #include <vector>
 
 #include "hf/safetensors.hpp"
-#include "loom/ops/gemm.hpp"
+#include "loom/error.hpp"
+#include "loom/fp8_block.hpp"
+#include "loom/gemm_algo.hpp"
 #include "loom/ops/cuda_check.hpp"
-#include "loom/ops/gemm.hpp"
 #include "loom/ops/fp8_block_cast.hpp"
 #include "loom/ops/fp8_cast.hpp"
-#include "loom/error.hpp"
-#include "loom/gemm_algo.hpp"
+#include "loom/ops/gemm.hpp"
 #include "bench_util.hpp"
+
+namespace {
 
 // The block-scaled product through the one plan cache (loom/ops/gemm.hpp),
 // with the scale modes of loom/fp8_block.hpp.
@@ -71,14 +73,11 @@ inline void block_gemm(loom::ops::GemmPlans& g, const BlockOp& a, const BlockOp&
                          varying ? loom::ops::GemmVarying::m : loom::ops::GemmVarying::none, varying ? d.shape[0] : 0);
 }
 
-namespace {
-
 using loom::Device;
 using loom::DType;
 using loom::Tensor;
 using loom::bench::DevMem;
 using loom::bench::fill_bf16;
-
 
 struct Model {
   const char* name;
@@ -99,8 +98,6 @@ std::vector<Linear> linears_of(const Model& m) {
           {"gate_up", 2 * m.ffn, m.hidden},
           {"down", m.hidden, m.ffn}};
 }
-
-
 
 // Median of `iters` event-timed calls after `warmup` untimed ones, in ms.
 template <typename F>
@@ -124,9 +121,23 @@ double time_ms(cudaStream_t s, int warmup, int iters, F&& f) {
 }
 
 // A column-major cuBLASLt problem D[M, N] = op(A) op(B) (+ beta D), built
-// once: the core's plan objects (C takes D's layout) and the algorithm.
-struct LtPlan : loom::gpu::LtMatmulObjects {
+// once: its descriptor and layouts (C takes D's layout), destroyed with it,
+// and the algorithm. The bench builds these raw plans itself for the bf16
+// GEMMs the bf16 recipe runs and for the probe of scale modes, which the
+// plan cache (loom/ops/gemm.hpp) keeps to itself.
+struct LtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  LtPlan() = default;
+  LtPlan(const LtPlan&) = delete;
+  LtPlan& operator=(const LtPlan&) = delete;
+  ~LtPlan() {  // host-side objects: nothing worth reporting at teardown
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
 };
 
 // Up to `want` of the heuristic's answers for plan p (C = D's layout) with a

@@ -236,19 +236,11 @@ class Fp8BlockEmulation final : public Precision {
   void count(int64_t nonfinite) {
     if (nonfinite == 0) return;
     nonfinite_ += nonfinite;
-    if (warned_nonfinite_) return;
-    warned_nonfinite_ = true;
-    log_warn(cat("precision fp8_block: ", nonfinite, " FP8 tile(s) had an inf or NaN amax at step ", steps_ + 1,
-                 "; they were cast with scale 1. Later ones are counted in the \"precision:\" part of the log line, "
-                 "not warned again"));
+    warn_nonfinite_tiles(warned_nonfinite_, nonfinite, cat("at step ", steps_ + 1));
   }
 
   void unaligned_rows(const Linear& l, int64_t rows) {
-    if (warned_rows_) return;
-    warned_rows_ = true;
-    log_warn(cat("precision fp8_block: ", l.desc.name, " was called with ", rows,
-                 " rows, not a multiple of 128, which 1x128 tiles along the tokens need: such calls run in full "
-                 "precision (this linear's and any other's; said once)"));
+    warn_unaligned_rows(warned_rows_, l.desc, rows, "full precision");
   }
 
   // The linears and calls kept in fp32 (fp8_skeleton.hpp's reference GEMMs).
@@ -329,6 +321,22 @@ Fp8BlockRecipe::Fp8BlockRecipe(const PluginInit& init) {
   static_cast<fp8_options::Common&>(o) = fp8_options::read_common(c, init);
   const bool gpu = init.device == Device::cuda;
   use(gpu ? make_gpu_recipe(o) : make_cpu_recipe(o), gpu);
+}
+
+void warn_unaligned_rows(bool& said, const LinearDesc& d, int64_t rows, const char* fallback) {
+  if (said) return;
+  said = true;
+  log_warn(cat("precision fp8_block: ", d.name, " was called with ", rows,
+               " rows, not a multiple of 128, which 1x128 tiles along the tokens need: such calls run in ", fallback,
+               " (this linear's and any other's; said once)"));
+}
+
+void warn_nonfinite_tiles(bool& said, int64_t tiles, const std::string& when) {
+  if (said || tiles <= 0) return;
+  said = true;
+  log_warn(cat("precision fp8_block: ", tiles, " FP8 tile(s) had an inf or NaN amax ", when,
+               "; they were cast with scale 1. Later ones are counted in the \"precision:\" part of the log line, "
+               "not warned again"));
 }
 
 #ifndef LOOM_FP8_BLOCK_GPU

@@ -55,6 +55,13 @@ std::unique_ptr<Precision> make_gpu_recipe(const Options& options);
 // The CPU emulation (fp8_block.cpp): every cast and GEMM emulated on the host.
 std::unique_ptr<Precision> make_cpu_recipe(const Options& options);
 
+// Both paths' warnings, each said once per recipe object (`said`): a call
+// of `rows` rows that 1x128 tiles along the tokens cannot take runs in
+// `fallback` ("full precision", "bf16"); `tiles` tiles were cast with scale 1
+// for an inf or NaN amax (`when`: "at step 3", "by step 3").
+void warn_unaligned_rows(bool& said, const LinearDesc& d, int64_t rows, const char* fallback);
+void warn_nonfinite_tiles(bool& said, int64_t tiles, const std::string& when);
+
 // fp8_block: the options, then the emulation or (device cuda) the GPU path.
 class Fp8BlockRecipe : public fp8_common::Fp8Skeleton {
  public:

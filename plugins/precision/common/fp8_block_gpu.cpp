@@ -328,12 +328,7 @@ class Fp8BlockGpu final : public Precision {
     std::memcpy(&count, got, sizeof(count));
     const int64_t since = static_cast<int64_t>(count) - mark_;
     mark_ = count;
-    if (since > 0 && !warned_) {
-      warned_ = true;
-      log_warn(cat("precision fp8_block: ", since, " FP8 tile(s) had an inf or NaN amax by step ", at,
-                   "; they were cast with scale 1. Later ones are counted in the \"precision:\" part of the log "
-                   "line, not warned again"));
-    }
+    warn_nonfinite_tiles(warned_, since, cat("by step ", at));
     std::ostringstream os;
     os << "fp8_block non-finite tiles " << count << " (" << since << " since the last log line) as of step " << at;
     return os.str();
@@ -394,13 +389,7 @@ class Fp8BlockGpu final : public Precision {
   }
   // Any other call whose rows are not a multiple of 128 (fewer than 128 rows
   // of an expert) runs in bf16.
-  void unaligned_rows(const Linear& l, int64_t rows) {
-    if (warned_rows_) return;
-    warned_rows_ = true;
-    log_warn(cat("precision fp8_block: ", l.desc.name, " was called with ", rows,
-                 " rows, fewer than 128 or not a multiple of 128, which 1x128 tiles along the tokens need: such calls "
-                 "run in bf16 (this linear's and any other's; said once)"));
-  }
+  void unaligned_rows(const Linear& l, int64_t rows) { warn_unaligned_rows(warned_rows_, l.desc, rows, "bf16"); }
 
   // W ([out, in], transposed = false) or Wᵀ ([in, out]) in FP8 for the
   // GEMM. "step": both cast together once per optimizer step into the
