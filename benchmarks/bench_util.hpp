@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "hf/safetensors.hpp"
-#include "kernels/cuda/cuda_check.hpp"
+#include "loom/ops/cuda_check.hpp"
 #include "loom/error.hpp"
 
 #define LT_CHECK(call, ...)                                                                                     \

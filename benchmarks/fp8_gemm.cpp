@@ -9,7 +9,7 @@
 // down) and each of its GEMMs (fprop y = x W^T, dgrad dx = dy W, wgrad
 // dW += dy^T x), the bf16 GEMM as the bf16 recipe runs it (plugins/precision/
 // common/cublaslt_linear.cpp: TN / NN / NT) and the FP8 GEMM as
-// kernels/cuda/fp8_gemm.hpp maps it (all TN on transposed FP8 copies, E4M3
+// loom/ops/gemm.hpp maps it (all TN on transposed FP8 copies, E4M3
 // x/W, E5M2 dy, fast accumulation for fprop only); the wgrad twice, adding to
 // fp32 dW (a later micro-batch with fp32 gradients) and writing bf16 dW (the
 // one micro-batch of the bf16_pure and FP8 bench workloads, master = "bf16"),
@@ -22,7 +22,7 @@
 // FP8 with their transposed copies and amax, fp8_cast) are timed the same way
 // and reported apart; the W cast runs once per optimizer step, so with
 // gradient accumulation its share per micro-batch shrinks. Beside them, the
-// block-scaled GEMMs of the fp8_block recipe (kernels/cuda/fp8_block_gemm.hpp:
+// block-scaled GEMMs of the fp8_block recipe (loom/ops/gemm.hpp:
 // E4M3, x and dy in 1x128 tiles, W in 128x128 blocks, wgrad operands in 1x128
 // tiles along the tokens, no fast accumulation) and its block casts (x and
 // dy: the 1x128 cast plus the transposed 128x1 cast; W: 128x128 into W and
@@ -45,24 +45,39 @@
 #include <vector>
 
 #include "hf/safetensors.hpp"
-#include "kernels/cuda/cublaslt_plan.hpp"
-#include "kernels/cuda/cuda_check.hpp"
-#include "kernels/cuda/fp8_block_gemm.hpp"
-#include "kernels/cuda/fp8_block_kernels.hpp"
-#include "kernels/cuda/fp8_gemm.hpp"
-#include "kernels/cuda/fp8_kernels.hpp"
 #include "loom/error.hpp"
+#include "loom/fp8_block.hpp"
 #include "loom/gemm_algo.hpp"
+#include "loom/ops/cuda_check.hpp"
+#include "loom/ops/fp8_block_cast.hpp"
+#include "loom/ops/fp8_cast.hpp"
+#include "loom/ops/gemm.hpp"
 #include "bench_util.hpp"
 
 namespace {
+
+// The block-scaled product through the one plan cache (loom/ops/gemm.hpp),
+// with the scale modes of loom/fp8_block.hpp.
+struct BlockOp {
+  const loom::Tensor* t;
+  const float* s;
+  loom::fp8::block::ScaleMode m;
+};
+inline void block_gemm(loom::ops::GemmPlans& g, const BlockOp& a, const BlockOp& b, loom::Tensor& d,
+                       const loom::Tensor* c, cudaStream_t stream, bool varying = false) {
+  auto mode = [](loom::fp8::block::ScaleMode m) {
+    return m == loom::fp8::block::ScaleMode::tile_1x128 ? loom::ops::GemmScale::tile_1x128
+                                                        : loom::ops::GemmScale::block_128x128;
+  };
+  loom::ops::scaled_gemm(g, {a.t, a.s, mode(a.m)}, {b.t, b.s, mode(b.m)}, d, c, stream,
+                         varying ? loom::ops::GemmVarying::m : loom::ops::GemmVarying::none, varying ? d.shape[0] : 0);
+}
 
 using loom::Device;
 using loom::DType;
 using loom::Tensor;
 using loom::bench::DevMem;
 using loom::bench::fill_bf16;
-
 
 struct Model {
   const char* name;
@@ -83,8 +98,6 @@ std::vector<Linear> linears_of(const Model& m) {
           {"gate_up", 2 * m.ffn, m.hidden},
           {"down", m.hidden, m.ffn}};
 }
-
-
 
 // Median of `iters` event-timed calls after `warmup` untimed ones, in ms.
 template <typename F>
@@ -108,9 +121,23 @@ double time_ms(cudaStream_t s, int warmup, int iters, F&& f) {
 }
 
 // A column-major cuBLASLt problem D[M, N] = op(A) op(B) (+ beta D), built
-// once: the core's plan objects (C takes D's layout) and the algorithm.
-struct LtPlan : loom::gpu::LtMatmulObjects {
+// once: its descriptor and layouts (C takes D's layout), destroyed with it,
+// and the algorithm. The bench builds these raw plans itself for the bf16
+// GEMMs the bf16 recipe runs and for the probe of scale modes, which the
+// plan cache (loom/ops/gemm.hpp) keeps to itself.
+struct LtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  LtPlan() = default;
+  LtPlan(const LtPlan&) = delete;
+  LtPlan& operator=(const LtPlan&) = delete;
+  ~LtPlan() {  // host-side objects: nothing worth reporting at teardown
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
 };
 
 // Up to `want` of the heuristic's answers for plan p (C = D's layout) with a
@@ -199,11 +226,11 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
   float* amax = static_cast<float*>(am.p);
   float* scale = static_cast<float*>(sc.p);
   float* scale_inv = static_cast<float*>(inv.p);
-  loom::gpu::Fp8Gemm fp8(lt, ws, ws_bytes, args.gemm_algo);
+  loom::ops::GemmPlans fp8(lt, ws, ws_bytes, args.gemm_algo);
   // Block-scaled: one scale inverse per 128 elements (tiles) or 128x128 (blocks), 16-byte aligned.
   const size_t tile_scales = static_cast<size_t>(T * std::max(max_in, max_out) / 128) * 4 + 256;
   DevMem sx(tile_scales), sxt(tile_scales), sdy(tile_scales), sdyt(tile_scales), sw(tile_scales), swt(tile_scales);
-  loom::gpu::Fp8BlockGemm blockgemm(lt, ws, ws_bytes, args.gemm_algo);
+  loom::ops::GemmPlans blockgemm(lt, ws, ws_bytes, args.gemm_algo);
   using BM = loom::fp8::block::ScaleMode;
 
   for (const Linear& l : lins) {
@@ -268,17 +295,17 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     const double bw = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pw, x.p, dy.p, dw.p, &one); });
     const double bwb = time_ms(s, args.warmup, args.iters, [&] { run_bf16(pwb, x.p, dy.p, dwb.p, &zero); });
 
-    loom::gpu::Fp8GemmOptions of, od, ow, owb;
+    loom::ops::Fp8GemmOptions of, od, ow, owb;
     of.fast_accum = true;
     ow.c = &tdw;
     const double ff =
-        time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(txq, scale_inv + 0, twq, scale_inv + 1, ty, of, s); });
+        time_ms(s, args.warmup, args.iters, [&] { loom::ops::fp8_gemm(fp8, txq, scale_inv + 0, twq, scale_inv + 1, ty, of, s); });
     const double fd =
-        time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(tdyq, scale_inv + 2, twqt, scale_inv + 1, tdx, od, s); });
+        time_ms(s, args.warmup, args.iters, [&] { loom::ops::fp8_gemm(fp8, tdyq, scale_inv + 2, twqt, scale_inv + 1, tdx, od, s); });
     const double fw =
-        time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(tdyqt, scale_inv + 2, txqt, scale_inv + 0, tdw, ow, s); });
+        time_ms(s, args.warmup, args.iters, [&] { loom::ops::fp8_gemm(fp8, tdyqt, scale_inv + 2, txqt, scale_inv + 0, tdw, ow, s); });
     const double fwb =
-        time_ms(s, args.warmup, args.iters, [&] { fp8.gemm(tdyqt, scale_inv + 2, txqt, scale_inv + 0, tdwb, owb, s); });
+        time_ms(s, args.warmup, args.iters, [&] { loom::ops::fp8_gemm(fp8, tdyqt, scale_inv + 2, txqt, scale_inv + 0, tdwb, owb, s); });
 
     // Block-scaled (the fp8_block recipe): E4M3 everywhere; x and dy cast in 1x128 tiles and, transposed, in
     // 128x1 tiles (one pass each, fp8_block_cast_rows_cols as the recipe), W in 128x128 blocks into W and W^T.
@@ -297,16 +324,16 @@ void bench_model(const Model& md, const Args& args, cublasLtHandle_t lt, void* w
     block_cast_ms.push_back({lname + " W [" + std::to_string(l.out) + "," + std::to_string(l.in) + "]", kw});
     block_cast_ms.push_back({lname + " dy [" + std::to_string(T) + "," + std::to_string(l.out) + "]", kdy});
     const double gf = time_ms(s, args.warmup, args.iters, [&] {
-      blockgemm.gemm({&txq, f32(sx), BM::tile_1x128}, {&twq, f32(sw), BM::block_128x128}, ty, nullptr, s);
+      block_gemm(blockgemm, {&txq, f32(sx), BM::tile_1x128}, {&twq, f32(sw), BM::block_128x128}, ty, nullptr, s);
     });
     const double gd = time_ms(s, args.warmup, args.iters, [&] {
-      blockgemm.gemm({&bdyq, f32(sdy), BM::tile_1x128}, {&twqt, f32(swt), BM::block_128x128}, tdx, nullptr, s);
+      block_gemm(blockgemm, {&bdyq, f32(sdy), BM::tile_1x128}, {&twqt, f32(swt), BM::block_128x128}, tdx, nullptr, s);
     });
     const double gw = time_ms(s, args.warmup, args.iters, [&] {
-      blockgemm.gemm({&bdyqt, f32(sdyt), BM::tile_1x128}, {&txqt, f32(sxt), BM::tile_1x128}, tdw, &tdw, s);
+      block_gemm(blockgemm, {&bdyqt, f32(sdyt), BM::tile_1x128}, {&txqt, f32(sxt), BM::tile_1x128}, tdw, &tdw, s);
     });
     const double gwb = time_ms(s, args.warmup, args.iters, [&] {
-      blockgemm.gemm({&bdyqt, f32(sdyt), BM::tile_1x128}, {&txqt, f32(sxt), BM::tile_1x128}, tdwb, nullptr, s);
+      block_gemm(blockgemm, {&bdyqt, f32(sdyt), BM::tile_1x128}, {&txqt, f32(sxt), BM::tile_1x128}, tdwb, nullptr, s);
     });
     rows.push_back({md.name, lname, "fprop", T, l.out, l.in, bf, ff, gf});
     rows.push_back({md.name, lname, "dgrad", T, l.in, l.out, bd, fd, gd});
@@ -566,7 +593,7 @@ int run(int argc, char** argv) {
   LOOM_CUDA_CHECK(cudaStreamCreate(&s), "stream");
   cublasLtHandle_t lt;
   LT_CHECK(cublasLtCreate(&lt), "handle");
-  const size_t ws_bytes = loom::gpu::Fp8Gemm::kWorkspaceBytes;
+  const size_t ws_bytes = loom::ops::GemmPlans::kWorkspaceBytes;
   DevMem ws(ws_bytes);
 
   if (args.algos) {

@@ -11,6 +11,9 @@ Modes (--modes, comma-separated):
               float8 path torchtitan uses), under torch.compile; "float8"
               without compile. torchao must be importable (the GPU check
               installs it from a carried wheel, scripts/gpu_check.sh).
+  float8-rowwise+compile, float8-rowwise   the same with torchao's "rowwise"
+              recipe (per-row scales along the contracted dim, power-of-two
+              scales): the peer of examples/plugins/fp8_rowwise.
 All use SDPA attention and fused AdamW. Prints one JSON line per mode
 (prefixed PEER_JSON) with the median step time over --steps after --warmup,
 tokens/s, MFU (docs/ARCHITECTURE.md "MFU": 6N + 12LhS flops per token over 989 TFLOP/s) and peak
@@ -100,8 +103,8 @@ def time_steps(c, step, steps, warmup, flops):
                 torch=torch.__version__, device=torch.cuda.get_device_name())
 
 
-def float8_convert(model, fsdp_float8_all_gather=False):
-    """torchao float8 training, tensorwise scaling, on every decoder linear; the
+def float8_convert(model, fsdp_float8_all_gather=False, recipe="tensorwise"):
+    """torchao float8 training, tensorwise (or `recipe`) scaling, on every decoder linear; the
     LM head stays in bf16 (as torchtitan and Loom's FP8 recipes keep it). With
     fsdp_float8_all_gather (torchtitan's recipe under FSDP2), FSDP2 gathers the
     weights as float8 (call torchao's precompute_float8_dynamic_scale_for_fsdp
@@ -119,13 +122,13 @@ def float8_convert(model, fsdp_float8_all_gather=False):
             converted.append(fqn)
         return ok
 
-    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_float8_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     if not converted:
         raise RuntimeError("torchao converted no linear to float8")
-    return dict(torchao=torchao.__version__, float8_recipe="tensorwise", float8_linears=len(converted),
+    return dict(torchao=torchao.__version__, float8_recipe=recipe, float8_linears=len(converted),
                 float8_all_gather=fsdp_float8_all_gather)
 
 
@@ -144,7 +147,7 @@ def run_mode(c, mode, steps, warmup, seed):
     model.train()
     extra = {}
     if float8:
-        extra = float8_convert(model)
+        extra = float8_convert(model, recipe="rowwise" if mode.startswith("float8-rowwise") else "tensorwise")
     opt = torch.optim.AdamW(adamw_param_groups(model, c), lr=c["lr"], betas=(c["beta1"], c["beta2"]),
                             eps=1e-8, fused=True)
     step_fn_model = torch.compile(model) if compiled else model
@@ -179,7 +182,8 @@ def main():
     c = model_from_config(a.config)
     import transformers
     for mode in a.modes.split(","):
-        if mode not in ("pure", "autocast", "pure+compile", "autocast+compile", "float8", "float8+compile"):
+        if mode not in ("pure", "autocast", "pure+compile", "autocast+compile", "float8", "float8+compile",
+                        "float8-rowwise", "float8-rowwise+compile"):
             sys.exit(f"hf_llama.py: unknown mode {mode!r}")
         try:
             r = run_mode(c, mode, a.steps, a.warmup, a.seed)

@@ -16,12 +16,20 @@ rm -rf .carry && mkdir -p .carry/bin .carry/lib
 # the symbols are for debuggers, and the tree travels without them.
 for t in loom test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_gpu_moe test_golden \
          test_gpu_train test_gpu_fp8_recipes test_gpu_fp8_block test_step_alloc test_nccl_comm test_sharding test_fp8_mpi \
-         test_reliability_hostile fp8_gemm_bench expert_streams_bench; do
+         test_reliability_hostile test_fp8_rowwise_example test_cpu_kernels test_train_e2e test_fp8_recipes \
+         fp8_gemm_bench expert_streams_bench; do
   [ -x "$B/bin/$t" ] || { echo "gpu_build: $B/bin/$t was not built" >&2; exit 1; }
   cp -a "$B/bin/$t" .carry/bin/
 done
 cp -a "$B"/lib/. .carry/lib/
-strip --strip-unneeded .carry/bin/* .carry/lib/libloom.so.*.*.* .carry/lib/loom/plugins/*.so
+# examples/plugins/fp8_rowwise, built from the installed SDK by the install
+# test, where test_fp8_rowwise_example loads it (its build folder, under .carry).
+ctest --test-dir "$B" -R '^install_sdk_and_build_example$' --output-on-failure > /dev/null ||
+  { echo "gpu_build: the install test (examples built from the installed SDK) failed" >&2; exit 1; }
+mkdir -p .carry/tests/install/work/fp8_rowwise-build
+cp -a "$B"/tests/install/work/fp8_rowwise-build/libloom-precision-fp8_rowwise.so .carry/tests/install/work/fp8_rowwise-build/
+strip --strip-unneeded .carry/bin/* .carry/lib/libloom.so.*.*.* .carry/lib/loom/plugins/*.so \
+  .carry/tests/install/work/fp8_rowwise-build/*.so
 # cairo (the charts of loom compare and loom plot) is not staged: loom loads it
 # only to draw a chart (apps/loom/drawing.hpp), so it starts on a GPU image
 # without it, and loom compare there writes its table and CSV files and says

@@ -21,9 +21,14 @@
 #   bash scripts/gpu_check.sh fp8-convergence     (bf16 against fp8_delayed and fp8_current: `loom compare`
 #       on the fortune corpus, fused layers, same initial weights, 1000 steps; the final validation
 #       loss of each FP8 run within 1% of bf16's; env CONV_STEPS)
-#   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8, test_gpu_fp8_recipes and test_gpu_fp8_block, then
+#   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8, test_gpu_fp8_recipes, test_gpu_fp8_block,
+#       test_fp8_rowwise_example (the out-of-tree recipe's outer-vector GEMMs against fp64) and
+#       test_gpu_train's StepMakesNoHostSynchronisation (every FP8 recipe's log line without a host sync), then
 #       benchmarks/fp8_gemm.cpp: bf16 vs per-tensor and block-scaled FP8 cuBLASLt GEMMs on the llama-1b and
 #       llama2-7b linears, the cast kernels and the block-scaled FP8 probe; $OUT/fp8_gemm_bench.md; env FP8_BENCH_ARGS)
+#   bash scripts/gpu_check.sh fp8-rowwise [CONFIG] (examples/plugins/fp8_rowwise beside fp8_current: `loom bench` of
+#       CONFIG (default llama-1b-fp8) with each, then the PyTorch peer with torchao float8 tensorwise and rowwise
+#       under torch.compile; median step ms and tokens/s in $OUT/fp8_rowwise.txt; env STEPS, WARMUP, PEER_STEPS)
 #   bash scripts/gpu_check.sh fp8-gathers [CONFIG] (FP8 weight gathers, sharding.gather_dtype = "fp8", on NP GPUs:
 #       test_fp8_mpi over NCCL (the gathers, and fp8_delayed's amax all-reduce: equal scales on every rank), then `loom bench` of CONFIG (default llama-1b-fp8) under zero3 with
 #       fp8_current and fused layers, gathering parameters and FP8; then `loom compare` of fp8_current under
@@ -101,13 +106,16 @@ fi
 if [ "$WHAT" = fp8 ]; then
   # The FP8 building blocks: the suite (nothing may skip on a GPU), then the GEMM benchmark.
   : > "$OUT/tests.txt"
-  for n in test_cuda_fp8 test_gpu_fp8_recipes test_gpu_fp8_block; do
-  if .carry/bin/$n --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+  # name[:gtest filter]: test_gpu_train only for the FP8 recipes' log lines read without a host sync.
+  for nf in test_cuda_fp8 test_gpu_fp8_recipes test_gpu_fp8_block test_fp8_rowwise_example \
+            test_gpu_train:GpuTrain.StepMakesNoHostSynchronisation; do
+  n=${nf%%:*}; f=${nf#"$n"}; f=${f#:}
+  if .carry/bin/$n --gtest_brief=1 ${f:+--gtest_filter=$f} > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
   s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
   if [ "$s" -gt 0 ]; then r=FAIL; status=1; grep -E '^\[  SKIPPED \]' "$OUT/$n.log" | head; fi
   echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
   [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -40
-  grep -hE '^\[fp8(_block)? (gemm|gpu|weight_cache|selective|memory)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+  grep -hE '^\[fp8(_block|_rowwise|_delayed|_current)? (gemm|gpu|cuda|cpu|weight_cache|selective|memory|log line)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
   done
   # shellcheck disable=SC2086
   if .carry/bin/fp8_gemm_bench ${FP8_BENCH_ARGS:-} > "$OUT/fp8_gemm_bench.md" 2> "$OUT/fp8_gemm_bench.log"; then
@@ -115,6 +123,23 @@ if [ "$WHAT" = fp8 ]; then
   cat "$OUT/fp8_gemm_bench.md"
   [ $r = FAIL ] && tail -20 "$OUT/fp8_gemm_bench.log"
   echo "$r fp8_gemm_bench" | tee -a "$OUT/tests.txt"
+fi
+if [ "$WHAT" = fp8-rowwise ]; then
+  CFG=${1:-configs/bench/llama-1b-fp8.toml}
+  RW=$ROOT/.carry/tests/install/work/fp8_rowwise-build/libloom-precision-fp8_rowwise.so
+  : > "$OUT/fp8_rowwise.txt"
+  for p in fp8_current fp8_rowwise fp8_current fp8_rowwise; do
+    extra=()
+    [ "$p" = fp8_rowwise ] && extra=(--set "precision.path=\"$RW\"")
+    L=$OUT/bench_$p.log
+    if .carry/bin/loom bench "$CFG" --steps="${STEPS:-10}" --warmup="${WARMUP:-3}" --set "precision.plugin=\"$p\"" \
+         "${extra[@]}" > "$L" 2>&1; then r=PASS; else r=FAIL; status=1; tail -20 "$L"; fi
+    ms=$(grep -o '"median_step_ms":[0-9.]*' "$L" | tail -1 | cut -d: -f2)
+    tps=$(grep -o '"tokens_per_s[a-z_]*":[0-9.]*' "$L" | tail -1 | cut -d: -f2)
+    echo "$r loom $p $(basename "$CFG"): ${ms:-?} ms/step, ${tps:-?} tokens/s" | tee -a "$OUT/fp8_rowwise.txt"
+  done
+  python3 benchmarks/hf_llama.py "$CFG" --modes float8+compile,float8-rowwise+compile --steps "${PEER_STEPS:-10}" \
+    --warmup 3 2>&1 | grep PEER_JSON | tee -a "$OUT/fp8_rowwise.txt"
 fi
 if [ "$WHAT" = fp8-gathers ]; then
   NP=${NP:-$(nvidia-smi -L | wc -l)}

@@ -3,7 +3,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 
 #define LOOM_REQUIRE_GPU()                                                                   \
   do {                                                                                       \

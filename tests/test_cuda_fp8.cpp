@@ -1,5 +1,5 @@
-// The FP8 device building blocks (kernels/cuda/fp8_kernels.hpp, fp8_gemm.hpp)
-// against the host FP8 code (loom/fp8.hpp, loom/fp8_scaling.hpp) and an fp64
+// The FP8 device building blocks (loom/ops/fp8_cast.hpp, loom/ops/gemm.hpp)
+// against the host FP8 code (loom/fp8.hpp, precision/common/fp8_scaling.hpp) and an fp64
 // CPU GEMM:
 // - the hardware encode of the tile kernels: every fp32 input's code equal
 //   to encode_fast's (itself checked against the host's encode);
@@ -42,10 +42,10 @@
 #include "gpu_test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
-#include "kernels/cuda/fp8_gemm.hpp"
-#include "kernels/cuda/fp8_kernels.hpp"
+#include "loom/ops/gemm.hpp"
+#include "loom/ops/fp8_cast.hpp"
 #include "loom/fp8.hpp"
-#include "loom/fp8_scaling.hpp"
+#include "precision/common/fp8_scaling.hpp"
 #include "loom/gemm_algo.hpp"
 
 namespace {
@@ -263,15 +263,15 @@ TEST(CudaFp8Args, RmsnormFp8RefusesWhatItCannotWrite) {
 }
 
 TEST(CudaFp8Args, GemmRefusesWhatCublasLtCannotDo) {
-  loom::gpu::Fp8Gemm g(nullptr, nullptr, 0);  // no handle: every call below must fail before using one
+  loom::ops::GemmPlans g(nullptr, nullptr, 0);  // no handle: every call below must fail before using one
   const float* sa = reinterpret_cast<const float*>(fake_ptr(1 << 18));
   const float* sb = sa + 1;
   Tensor a(fake_ptr(), DType::e4m3, Device::cuda, {64, 128});
   Tensor b(fake_ptr(1 << 14), DType::e4m3, Device::cuda, {96, 128});
   Tensor d(fake_ptr(1 << 16), DType::bf16, Device::cuda, {64, 96});
-  loom::gpu::Fp8GemmOptions o;
-  auto err = [&](const Tensor& ta, const Tensor& tb, Tensor td, const loom::gpu::Fp8GemmOptions& opt) {
-    return error_of([&] { g.gemm(ta, sa, tb, sb, td, opt, nullptr); });
+  loom::ops::Fp8GemmOptions o;
+  auto err = [&](const Tensor& ta, const Tensor& tb, Tensor td, const loom::ops::Fp8GemmOptions& opt) {
+    return error_of([&] { loom::ops::fp8_gemm(g, ta, sa, tb, sb, td, opt, nullptr); });
   };
   std::string e;
   Tensor a5 = a, b5 = b;
@@ -308,10 +308,10 @@ TEST(CudaFp8Args, GemmRefusesWhatCublasLtCannotDo) {
   av.stride[0] = 136;
   e = err(av, b, d, o);
   EXPECT_TRUE(contains(e, "row stride of 136 elements, not a multiple of 16 bytes")) << e;
-  e = error_of([&] { g.gemm(a, nullptr, b, sb, d, o, nullptr); });
+  e = error_of([&] { loom::ops::fp8_gemm(g, a, nullptr, b, sb, d, o, nullptr); });
   EXPECT_TRUE(contains(e, "inverse scales must be device floats")) << e;
   Tensor c32(fake_ptr(1 << 17), DType::f32, Device::cuda, {64, 96});
-  loom::gpu::Fp8GemmOptions oc;
+  loom::ops::Fp8GemmOptions oc;
   oc.c = &c32;
   e = err(a, b, d, oc);
   EXPECT_TRUE(contains(e, "C is fp32 but D is bf16")) << e;
@@ -832,7 +832,7 @@ class CudaFp8Gemm : public CudaFp8 {
     CudaFp8::SetUp();
     if (IsSkipped()) return;
     ASSERT_EQ(cublasLtCreate(&lt_), CUBLAS_STATUS_SUCCESS);
-    CUDA_OK(cudaMalloc(&workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes));
+    CUDA_OK(cudaMalloc(&workspace_, loom::ops::GemmPlans::kWorkspaceBytes));
   }
   void TearDown() override {
     if (workspace_) cudaFree(workspace_);
@@ -850,9 +850,9 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
  for (loom::GemmAlgo algo : {loom::GemmAlgo::heuristic, loom::GemmAlgo::fastest}) {
   SCOPED_TRACE(loom::gemm_algo_name(algo));
   const int64_t timed0 = loom::gemm_timing_counts().timed;
-  loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes, algo);
+  loom::ops::GemmPlans g(lt_, workspace_, loom::ops::GemmPlans::kWorkspaceBytes, algo);
   // The three GEMM shapes of a linear with 512 tokens, in = 384, out = 256
-  // (fp8_gemm.hpp): m, n, k all different within a shape, so that a swapped
+  // (loom/ops/gemm.hpp): m, n, k all different within a shape, so that a swapped
   // operand cannot pass; k up to 512 so that accumulation matters.
   struct Shape {
     const char* name;
@@ -894,7 +894,7 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
             const std::string what = std::string(sh.name) + "-shaped " + std::to_string(m) + "x" + std::to_string(n) +
                                      "x" + std::to_string(k) + ": " + cat_what(ta, tb, dt, fast, cmode);
             SCOPED_TRACE(what);
-            loom::gpu::Fp8GemmOptions o;
+            loom::ops::Fp8GemmOptions o;
             o.fast_accum = fast;
             o.d_amax = amax.as<float>();
             if (cmode == 0) {
@@ -909,7 +909,7 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
             }
             put_float(amax, 1e30f);  // larger than any D: the slot must be reset, not max-accumulated into
             const int64_t plans0 = g.plans_built();
-            g.gemm(ta_t, scales.as<float>(), tb_t, scales.as<float>() + 1, d, o, stream_);
+            loom::ops::fp8_gemm(g, ta_t, scales.as<float>(), tb_t, scales.as<float>() + 1, d, o, stream_);
             CUDA_OK(cudaStreamSynchronize(stream_));
             const Reference& ref = cmode == 0 ? ref_plain : ref_c;
             const Tol tol = tolerance(fast, dt);
@@ -930,11 +930,11 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
             // honours the new pointers: A's inverse scale doubled doubles D
             // exactly in the reference (and within the same bounds on the GPU).
             if (cmode == 0) {
-              loom::gpu::Fp8GemmOptions o2 = o;
+              loom::ops::Fp8GemmOptions o2 = o;
               o2.d_amax = amax.as<float>() + 1;
               put_float(amax, 1e30f, 1);
               CUDA_OK(cudaMemset(db.p, 0xFF, db.bytes));
-              g.gemm(ta_t, scales.as<float>() + 2, tb_t, scales.as<float>() + 1, d, o2, stream_);
+              loom::ops::fp8_gemm(g, ta_t, scales.as<float>() + 2, tb_t, scales.as<float>() + 1, d, o2, stream_);
               CUDA_OK(cudaStreamSynchronize(stream_));
               EXPECT_EQ(g.plans_built(), plans0 + 1);
               Reference twice = ref;
@@ -972,24 +972,26 @@ TEST_F(CudaFp8Gemm, EveryFormatPairAccumulationCAndOutputAgainstFp64) {
 // in fprop and dgrad, k as in wgrad (where the recipes' transposed copies
 // have k as their leading dimension too). Every count against fp64 of the
 // dequantised operands, under "fastest": one plan per bucket of counts (256
-// apart, above 2048 an eighth of the power of two), built at the bucket's
-// first count, none timed, and a later count in a bucket builds nothing.
+// apart, above 2048 an eighth of the power of two), all built at the
+// problem's first call, none timed, and a later count builds nothing.
 // The last call's A is a row view of a wider buffer (leading dimension 112,
 // k = 80): the bucket's plan holds k = 256 rows and a leading dimension of
 // 256, and takes the call's own (112) per call, so it is the plan of the
 // packed k = 48 and 160 calls.
 TEST_F(CudaFp8Gemm, VaryingDimSharesOnePlanPerBucket) {
-  loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes, loom::GemmAlgo::fastest);
+  loom::ops::GemmPlans g(lt_, workspace_, loom::ops::GemmPlans::kWorkspaceBytes, loom::GemmAlgo::fastest);
   const int64_t timed0 = loom::gemm_timing_counts().timed;
   const int64_t most = 4096, n = 128, fixed = 256;
   struct Call {
-    loom::gpu::Fp8Varying dim;
+    loom::ops::GemmVarying dim;
     int64_t v, new_plans, lda_pad = 0;
   };
-  using V = loom::gpu::Fp8Varying;
-  const Call calls[] = {{V::m, 80, 1},   {V::m, 96, 0},   {V::m, 256, 0},  {V::m, 272, 1}, {V::m, 2048, 1},
-                        {V::m, 2064, 1}, {V::m, 2288, 0}, {V::m, 4096, 1}, {V::k, 48, 1},  {V::k, 160, 0},
-                        {V::k, 4080, 1}, {V::k, 80, 0, 32}};
+  using V = loom::ops::GemmVarying;
+  // The first call of each dim builds the plans of all 16 buckets up to 4096
+  // (256 apart to 2048, then 2304 ... 4096); every later count finds its own.
+  const Call calls[] = {{V::m, 80, 16},  {V::m, 96, 0},   {V::m, 256, 0},  {V::m, 272, 0}, {V::m, 2048, 0},
+                        {V::m, 2064, 0}, {V::m, 2288, 0}, {V::m, 4096, 0}, {V::k, 48, 16}, {V::k, 160, 0},
+                        {V::k, 4080, 0}, {V::k, 80, 0, 32}};
   uint32_t seed = 40;
   for (const Call& c : calls) {
     const bool vm = c.dim == V::m;
@@ -1010,11 +1012,11 @@ TEST_F(CudaFp8Gemm, VaryingDimSharesOnePlanPerBucket) {
     Tensor ta(ab.p, DType::e4m3, Device::cuda, {m, k}), tb(bb.p, DType::e4m3, Device::cuda, {n, k});
     ta.stride[0] = lda;
     Tensor d(db.p, DType::bf16, Device::cuda, {m, n});
-    loom::gpu::Fp8GemmOptions o;
+    loom::ops::Fp8GemmOptions o;
     o.varying = c.dim;
     o.varying_max = most;
     const int64_t plans0 = g.plans_built();
-    g.gemm(ta, scales.as<float>(), tb, scales.as<float>() + 1, d, o, stream_);
+    loom::ops::fp8_gemm(g, ta, scales.as<float>(), tb, scales.as<float>() + 1, d, o, stream_);
     CUDA_OK(cudaStreamSynchronize(stream_));
     EXPECT_EQ(g.plans_built() - plans0, c.new_plans);
     check_gemm(download_matrix(db, DType::bf16, static_cast<size_t>(m * n)), reference(a, b, m, n, k, nullptr),
@@ -1023,12 +1025,12 @@ TEST_F(CudaFp8Gemm, VaryingDimSharesOnePlanPerBucket) {
   EXPECT_EQ(loom::gemm_timing_counts().timed, timed0) << "a varying dim's plans are the heuristic's, untimed";
 }
 
-// The linear's three GEMMs as fp8_gemm.hpp maps them, from device casts with
+// The linear's three GEMMs as loom/ops/gemm.hpp maps them, from device casts with
 // device scales (amax -> update_scales -> cast), against the fp64 linear of
 // the dequantised operands: the mapping, the transposed copies and the
 // hybrid formats end to end.
 TEST_F(CudaFp8Gemm, LinearFpropDgradWgradFromDeviceCasts) {
-  loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes);
+  loom::ops::GemmPlans g(lt_, workspace_, loom::ops::GemmPlans::kWorkspaceBytes);
   const int64_t tokens = 256, in = 320, out = 192;
   std::mt19937 rng(9);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -1079,12 +1081,12 @@ TEST_F(CudaFp8Gemm, LinearFpropDgradWgradFromDeviceCasts) {
   std::vector<float> dw0(static_cast<size_t>(out * in));
   for (float& v : dw0) v = nd(rng) * 1e-3f;
   upload(dwb, dw0);
-  loom::gpu::Fp8GemmOptions fprop, dgrad, wgrad;
+  loom::ops::Fp8GemmOptions fprop, dgrad, wgrad;
   fprop.fast_accum = true;  // as TransformerEngine: fast accumulation for fprop only
   wgrad.c = &tdw;
-  g.gemm(txq, iv + 0, twq, iv + 1, ty, fprop, stream_);      // y  = x W^T
-  g.gemm(tdyq, iv + 2, twqt, iv + 1, tdx, dgrad, stream_);   // dx = dy W
-  g.gemm(tdyqt, iv + 2, txqt, iv + 0, tdw, wgrad, stream_);  // dW += dy^T x
+  loom::ops::fp8_gemm(g, txq, iv + 0, twq, iv + 1, ty, fprop, stream_);      // y  = x W^T
+  loom::ops::fp8_gemm(g, tdyq, iv + 2, twqt, iv + 1, tdx, dgrad, stream_);   // dx = dy W
+  loom::ops::fp8_gemm(g, tdyqt, iv + 2, txqt, iv + 0, tdw, wgrad, stream_);  // dW += dy^T x
   CUDA_OK(cudaStreamSynchronize(stream_));
 
   // Host: the same scales (bitwise, from the host rule) and casts.
@@ -1135,7 +1137,7 @@ TEST_F(CudaFp8Gemm, LinearFpropDgradWgradFromDeviceCasts) {
 // amax included) allocate nothing on the host and build no plan.
 TEST_F(CudaFp8Gemm, HotPathAllocatesNothing) {
   loom_test::AllocCounter counter;
-  loom::gpu::Fp8Gemm g(lt_, workspace_, loom::gpu::Fp8Gemm::kWorkspaceBytes);
+  loom::ops::GemmPlans g(lt_, workspace_, loom::ops::GemmPlans::kWorkspaceBytes);
   const int64_t tokens = 128, in = 256, out = 192;
   DevBuf xb(tokens * in * 2), wb(out * in * 2), dyb(tokens * out * 2);
   DevBuf xq(tokens * in), xqt(tokens * in), wq(out * in), wqt(out * in), dyq(tokens * out), dyqt(tokens * out);
@@ -1156,7 +1158,7 @@ TEST_F(CudaFp8Gemm, HotPathAllocatesNothing) {
   float* a = am.as<float>();
   float* s = sc.as<float>();
   float* v = iv.as<float>();
-  loom::gpu::Fp8GemmOptions fprop, dgrad, wgrad;
+  loom::ops::Fp8GemmOptions fprop, dgrad, wgrad;
   fprop.fast_accum = true;
   fprop.d_amax = a + 3;
   wgrad.c = &tdw;
@@ -1165,9 +1167,9 @@ TEST_F(CudaFp8Gemm, HotPathAllocatesNothing) {
     loom::gpu::fp8_cast(tx, &txq, &txqt, s + 0, a + 0, stream_);
     loom::gpu::fp8_cast(tw, &twq, &twqt, s + 1, a + 1, stream_);
     loom::gpu::fp8_cast(tdy, &tdyq, &tdyqt, s + 2, a + 2, stream_);
-    g.gemm(txq, v + 0, twq, v + 1, ty, fprop, stream_);
-    g.gemm(tdyq, v + 2, twqt, v + 1, tdx, dgrad, stream_);
-    g.gemm(tdyqt, v + 2, txqt, v + 0, tdw, wgrad, stream_);
+    loom::ops::fp8_gemm(g, txq, v + 0, twq, v + 1, ty, fprop, stream_);
+    loom::ops::fp8_gemm(g, tdyq, v + 2, twqt, v + 1, tdx, dgrad, stream_);
+    loom::ops::fp8_gemm(g, tdyqt, v + 2, txqt, v + 0, tdw, wgrad, stream_);
   };
   step();  // builds the plans
   CUDA_OK(cudaStreamSynchronize(stream_));
@@ -1183,7 +1185,7 @@ TEST_F(CudaFp8Gemm, HotPathAllocatesNothing) {
   // The counter does see this code: a refused call formats its message.
   counter.start();
   try {
-    g.gemm(tdyq, v + 2, tdyqt, v + 2, ty, dgrad, stream_);  // E5M2 x E5M2
+    loom::ops::fp8_gemm(g, tdyq, v + 2, tdyqt, v + 2, ty, dgrad, stream_);  // E5M2 x E5M2
   } catch (const loom::Error&) {
   }
   const loom_test::AllocCounts err = counter.stop();

@@ -22,7 +22,7 @@
 #include "loom/error.hpp"
 #include "loom/fp8.hpp"
 #include "loom/fp8_emulated.hpp"
-#include "loom/fp8_scaling.hpp"
+#include "precision/common/fp8_scaling.hpp"
 #include "test_util.hpp"
 
 namespace {

@@ -37,8 +37,8 @@
 #include "config/run_config.hpp"
 #include "gpu_fp8_linear_pair.hpp"
 #include "gpu_test_util.hpp"
-#include "kernels/cuda/fp8_block_gemm.hpp"
-#include "kernels/cuda/fp8_block_kernels.hpp"
+#include "loom/ops/gemm.hpp"
+#include "loom/ops/fp8_block_cast.hpp"
 #include "loom/comm.hpp"
 #include "loom/config.hpp"
 #include "loom/fp8.hpp"
@@ -49,6 +49,23 @@
 #include "session_runs.hpp"
 #include "train/session_probe.hpp"
 #include "test_util.hpp"
+
+// The block-scaled product through the one plan cache (loom/ops/gemm.hpp),
+// with the scale modes of loom/fp8_block.hpp.
+struct BlockOp {
+  const loom::Tensor* t;
+  const float* s;
+  loom::fp8::block::ScaleMode m;
+};
+inline void block_gemm(loom::ops::GemmPlans& g, const BlockOp& a, const BlockOp& b, loom::Tensor& d,
+                       const loom::Tensor* c, cudaStream_t stream, bool varying = false) {
+  auto mode = [](loom::fp8::block::ScaleMode m) {
+    return m == loom::fp8::block::ScaleMode::tile_1x128 ? loom::ops::GemmScale::tile_1x128
+                                                        : loom::ops::GemmScale::block_128x128;
+  };
+  loom::ops::scaled_gemm(g, {a.t, a.s, mode(a.m)}, {b.t, b.s, mode(b.m)}, d, c, stream,
+                         varying ? loom::ops::GemmVarying::m : loom::ops::GemmVarying::none, varying ? d.shape[0] : 0);
+}
 
 namespace fs = std::filesystem;
 using loom::Device;
@@ -333,12 +350,12 @@ TEST(GpuFp8Block, BlockScaledGemmsAgainstFp64) {
   };
   cublasLtHandle_t lt = nullptr;
   ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
-  DevBuf ws(loom::gpu::Fp8BlockGemm::kWorkspaceBytes);
+  DevBuf ws(loom::ops::GemmPlans::kWorkspaceBytes);
   // Both ways of picking the algorithm (loom/gemm_algo.hpp): "fastest" times
   // the candidates on a scratch D, so the accumulated dW (C = D) and D must
   // come out as with the heuristic's answer.
   for (loom::GemmAlgo algo : {loom::GemmAlgo::heuristic, loom::GemmAlgo::fastest}) {
-  loom::gpu::Fp8BlockGemm g(lt, ws.p, loom::gpu::Fp8BlockGemm::kWorkspaceBytes, algo);
+  loom::ops::GemmPlans g(lt, ws.p, loom::ops::GemmPlans::kWorkspaceBytes, algo);
   uint32_t seed = 1;
   for (const GemmCase& c : cases) {
     SCOPED_TRACE(std::string(c.name) + ", gemm_algo " + loom::gemm_algo_name(algo));
@@ -353,7 +370,7 @@ TEST(GpuFp8Block, BlockScaledGemmsAgainstFp64) {
     CUDA_OK(cudaMemcpy(dd.p, c0.data(), nd * 4, cudaMemcpyHostToDevice));
     Tensor ta(A.q.p, DType::e4m3, Device::cuda, {c.m, c.k}), tb(B.q.p, DType::e4m3, Device::cuda, {c.n, c.k});
     Tensor td(dd.p, DType::f32, Device::cuda, {c.m, c.n});
-    g.gemm({&ta, A.scales(), c.ma}, {&tb, B.scales(), c.mb}, td,
+    block_gemm(g, {&ta, A.scales(), c.ma}, {&tb, B.scales(), c.mb}, td,
            c.with_c ? &td : nullptr, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     const std::vector<float> got = download<float>(dd.p, nd);
@@ -393,11 +410,11 @@ TEST(GpuFp8Block, BlockScaledGemmsAgainstFp64) {
   }
   }
   // 128x128 on both operands is refused before cuBLASLt sees it.
-  loom::gpu::Fp8BlockGemm g(lt, ws.p, loom::gpu::Fp8BlockGemm::kWorkspaceBytes);
+  loom::ops::GemmPlans g(lt, ws.p, loom::ops::GemmPlans::kWorkspaceBytes);
   DevBuf q(128 * 128), s(4096), d(128 * 128 * 4);
   Tensor tq(q.p, DType::e4m3, Device::cuda, {128, 128}), td(d.p, DType::f32, Device::cuda, {128, 128});
   try {
-    g.gemm({&tq, static_cast<const float*>(s.p), M::block_128x128}, {&tq, static_cast<const float*>(s.p), M::block_128x128},
+    block_gemm(g, {&tq, static_cast<const float*>(s.p), M::block_128x128}, {&tq, static_cast<const float*>(s.p), M::block_128x128},
            td, nullptr, nullptr);
     ADD_FAILURE() << "128x128 x 128x128 was not refused";
   } catch (const loom::Error& e) {
@@ -416,8 +433,8 @@ TEST(GpuFp8Block, VaryingCallsArePlannedWithoutTiming) {
   using M = blk::ScaleMode;
   cublasLtHandle_t lt = nullptr;
   ASSERT_EQ(cublasLtCreate(&lt), CUBLAS_STATUS_SUCCESS);
-  DevBuf ws(loom::gpu::Fp8BlockGemm::kWorkspaceBytes);
-  loom::gpu::Fp8BlockGemm g(lt, ws.p, loom::gpu::Fp8BlockGemm::kWorkspaceBytes, loom::GemmAlgo::fastest);
+  DevBuf ws(loom::ops::GemmPlans::kWorkspaceBytes);
+  loom::ops::GemmPlans g(lt, ws.p, loom::ops::GemmPlans::kWorkspaceBytes, loom::GemmAlgo::fastest);
   const int64_t n = 256, k = 384;
   uint32_t seed = 40;
   const CastOperand w(n, k, M::block_128x128, seed++);
@@ -426,7 +443,7 @@ TEST(GpuFp8Block, VaryingCallsArePlannedWithoutTiming) {
     Tensor tx(x.q.p, DType::e4m3, Device::cuda, {m, k});
     DevBuf dd(static_cast<size_t>(m * n) * 4);
     Tensor td(dd.p, DType::f32, Device::cuda, {m, n});
-    g.gemm({&tx, x.scales(), M::tile_1x128}, {&tw, w.scales(), M::block_128x128}, td, nullptr, nullptr, varying);
+    block_gemm(g, {&tx, x.scales(), M::tile_1x128}, {&tw, w.scales(), M::block_128x128}, td, nullptr, nullptr, varying);
     CUDA_OK(cudaDeviceSynchronize());
     const std::vector<float> got = download<float>(dd.p, static_cast<size_t>(m * n));
     std::vector<double> abs_sum;

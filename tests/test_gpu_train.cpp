@@ -2,7 +2,12 @@
 // Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <thread>
+
+#include <cuda_runtime.h>
 #include <filesystem>
 #include <sstream>
 
@@ -98,24 +103,58 @@ TEST(GpuTrain, DeterministicRunsAreBitwiseEqual) {
   }
 }
 
-// The step never makes the host wait for the GPU (model/backend.hpp counts
+// The step never makes the host wait for the GPU (kernels/backend.hpp counts
 // every blocking call of the CUDA backend): at the llama-125m shape, steps
-// that are not log steps make none, a log step exactly one.
+// that are not log steps make none, a log step exactly one. The FP8 recipes
+// (fp8_delayed, fp8_current, fp8_block: both families' GPU paths) log every
+// step, their log_summary() read after each step's log as `loom train`
+// prints it. The recipe's own CUDA calls are not the backend's to
+// count, so the test holds the compute stream behind a host function that
+// waits for the test's release (up to 20 s): a log_summary() that waited for
+// the device would run into that timeout; one that reads what the step
+// already copied back returns at once.
 TEST(GpuTrain, StepMakesNoHostSynchronisation) {
   LOOM_REQUIRE_GPU();
   fs::path d = temp_dir("gpu_syncs");
-  for (const char* layers : {"native", "fused"}) {
-    const std::vector<std::string> ov = {
+  for (const char* layers : {"native", "fused", "fp8_delayed", "fp8_current", "fp8_block"}) {
+    const bool fp8 = std::string(layers).rfind("fp8_", 0) == 0;
+    const int64_t every = fp8 ? 1 : 3;
+    std::vector<std::string> ov = {
         "run.out_dir=\"" + (d / layers).string() + "\"", "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
-        "model.layers=" + std::string(layers), "train.steps=9", "train.log_every=3", "checkpoint.every=0",
-        "checkpoint.resume=none"};
+        "model.layers=" + std::string(fp8 ? "fused" : layers), "train.steps=9",
+        "train.log_every=" + std::to_string(every), "checkpoint.every=0", "checkpoint.resume=none"};
+    if (fp8) ov.push_back("precision.plugin=\"" + std::string(layers) + "\"");
+    // What each family's log line says once the state it reads has been copied back.
+    const char* said = std::string(layers) == "fp8_block" ? "non-finite tiles" : "scales";
     loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov));
     s.initialise();
     for (int64_t step = 1; step <= 9; ++step) {
       const int64_t before = loom::probe(s).host_syncs();
       s.train_step();
-      if (step % 3 == 0) EXPECT_EQ(s.read_step_logs().size(), 3u);
-      EXPECT_EQ(loom::probe(s).host_syncs() - before, step % 3 == 0 ? 1 : 0) << layers << " step " << step;
+      if (step % every == 0) EXPECT_EQ(s.read_step_logs().size(), static_cast<size_t>(every));
+      EXPECT_EQ(loom::probe(s).host_syncs() - before, step % every == 0 ? 1 : 0) << layers << " step " << step;
+      if (!fp8) continue;
+      struct Gate {
+        std::atomic<bool> open{false}, timed_out{false};
+      } gate;
+      auto hold = [](void* p) {
+        auto* g = static_cast<Gate*>(p);
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (!g->open.load() && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        if (!g->open.load()) g->timed_out = true;
+      };
+      auto stream = static_cast<cudaStream_t>(loom::probe(s).backend().ctx().stream);
+      ASSERT_EQ(cudaLaunchHostFunc(stream, hold, &gate), cudaSuccess);
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::string summary = loom::probe(s).precision().log_summary();
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      gate.open = true;
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_FALSE(gate.timed_out.load()) << layers << ": log_summary() waited for the device at step " << step;
+      EXPECT_LT(ms, 1000.0) << layers << ": log_summary() took " << ms << " ms at step " << step;
+      EXPECT_NE(summary.find(said), std::string::npos) << layers << " step " << step << ": " << summary;
+      if (step == 9) std::printf("[%s log line, step 9] precision: %s\n", layers, summary.c_str());
     }
   }
 }

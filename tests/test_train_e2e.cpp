@@ -544,28 +544,35 @@ TEST(TrainE2E, ConvertFusedCheckpointToHF) {
 // the GPU (it counts the same blocking calls: downloads, synchronisations,
 // host-read reductions), a step that is not a log step makes no host
 // synchronisation and a log step exactly one (the read of the step log).
+// "fp8": an FP8 recipe (fp8_delayed, emulated) logging every step, its
+// log_summary() read after each step's log as `loom train` prints it: still
+// one synchronisation per step (the recipe reads state the step copied back).
 // tests/test_gpu_train.cpp runs the same on CUDA.
 TEST(TrainE2E, StepMakesNoHostSynchronisation) {
   fs::path d = temp_dir("host_syncs");
-  for (const char* layers : {"native", "fused", "moe"}) {
+  for (const char* layers : {"native", "fused", "moe", "fp8"}) {
     // "moe": native attention with the moe FFN block (its expert row counts are read in place on the CPU).
-    const bool moe = std::string(layers) == "moe";
-    std::vector<std::string> ov = {"train.steps=9", "train.log_every=3", "train.validation_every=0",
-                                   std::string("model.layers=\"") + (moe ? "native" : layers) + "\""};
+    const bool moe = std::string(layers) == "moe", fp8 = std::string(layers) == "fp8";
+    const int64_t every = fp8 ? 1 : 3;
+    std::vector<std::string> ov = {"train.steps=9", "train.log_every=" + std::to_string(every),
+                                   "train.validation_every=0",
+                                   std::string("model.layers=\"") + (moe || fp8 ? "native" : layers) + "\""};
     if (moe)
       for (const char* o : {"model.ffn=\"moe\"", "model.num_experts=4", "model.top_k=2"}) ov.push_back(o);
+    if (fp8) ov.push_back("precision.plugin=\"fp8_delayed\"");
     Session s(parse(small_config(d / layers), ov));
     s.initialise();
     for (int64_t step = 1; step <= 9; ++step) {
       const int64_t before = loom::probe(s).host_syncs();
       s.train_step();
-      if (step % 3 == 0) {
+      if (step % every == 0) {
         const auto logs = s.read_step_logs();
-        EXPECT_EQ(logs.size(), 3u);
+        EXPECT_EQ(logs.size(), static_cast<size_t>(every));
         EXPECT_EQ(logs.back().step, step);
         EXPECT_TRUE(std::isfinite(logs.back().loss));
+        if (fp8) EXPECT_NE(loom::probe(s).precision().log_summary().find("scales"), std::string::npos) << "step " << step;
       }
-      EXPECT_EQ(loom::probe(s).host_syncs() - before, step % 3 == 0 ? 1 : 0) << layers << " step " << step;
+      EXPECT_EQ(loom::probe(s).host_syncs() - before, step % every == 0 ? 1 : 0) << layers << " step " << step;
     }
   }
 }

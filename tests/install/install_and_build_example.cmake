@@ -154,3 +154,39 @@ if(NOT step_output MATCHES "done: 4 steps in [^\n]*val loss [0-9.]+ -> [0-9.]+")
   message(FATAL_ERROR "loom train with data.plugin = \"jsonl\" did not finish its 4 steps with validation:\n${step_output}")
 endif()
 message(STATUS "installed loom trained on examples/plugins/jsonl")
+
+# 7. The third-party precision recipe examples/plugins/fp8_rowwise, built the
+#    same way, into a folder tests/test_fp8_rowwise_example.cpp loads it from.
+set(rowwise_build ${WORK_DIR}/fp8_rowwise-build)
+run_step("configuring examples/plugins/fp8_rowwise"
+  ${CMAKE_COMMAND} -S ${LOOM_SOURCE_DIR}/examples/plugins/fp8_rowwise -B ${rowwise_build} -G ${GENERATOR}
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX_COMPILER} ${launcher} -DCMAKE_PREFIX_PATH=${prefix})
+file(STRINGS ${rowwise_build}/CMakeCache.txt loom_dir REGEX "^Loom_DIR:")
+if(NOT loom_dir MATCHES "${prefix}/")
+  message(FATAL_ERROR "examples/plugins/fp8_rowwise found Loom outside the scratch prefix ${prefix}: ${loom_dir}")
+endif()
+run_step("building examples/plugins/fp8_rowwise" ${CMAKE_COMMAND} --build ${rowwise_build} -j 2)
+set(rowwise ${rowwise_build}/libloom-precision-fp8_rowwise.so)
+if(NOT EXISTS ${rowwise})
+  message(FATAL_ERROR "building examples/plugins/fp8_rowwise produced no ${rowwise}")
+endif()
+run_step("${prefix}/bin/loom plugins --path ${rowwise_build}"
+  ${CMAKE_COMMAND} -E env --unset=LOOM_PLUGIN_PATH ${prefix}/bin/loom plugins --path ${rowwise_build})
+if(NOT step_output MATCHES "\nprecision +fp8_rowwise +1\\.0\\.0 +FP8 with per-row scales[^\n]* ${rowwise}\n")
+  message(FATAL_ERROR "the installed loom does not list examples/plugins/fp8_rowwise:\n${step_output}")
+endif()
+
+# 8. `loom train` (installed) with precision.plugin = "fp8_rowwise" on the CPU,
+#    on the JSON Lines files of step 6 (the FP8 emulation; the GPU run is
+#    tests/test_fp8_rowwise_example.cpp's).
+file(READ ${run_dir}/jsonl.toml toml)
+string(REPLACE "name = \"jsonl\"" "name = \"fp8_rowwise\"" toml "${toml}")
+string(REPLACE "${run_dir}/out" "${run_dir}/out-rowwise" toml "${toml}")
+string(REPLACE "plugin = \"fp32\"" "plugin = \"fp8_rowwise\"\npath = \"${rowwise}\"" toml "${toml}")
+file(WRITE ${run_dir}/fp8_rowwise.toml "${toml}")
+run_step("${prefix}/bin/loom train ${run_dir}/fp8_rowwise.toml"
+  ${CMAKE_COMMAND} -E env --unset=LOOM_PLUGIN_PATH OMP_NUM_THREADS=2 ${prefix}/bin/loom train ${run_dir}/fp8_rowwise.toml)
+if(NOT step_output MATCHES "done: 4 steps in [^\n]*val loss [0-9.]+ -> [0-9.]+")
+  message(FATAL_ERROR "loom train with precision.plugin = \"fp8_rowwise\" did not finish its 4 steps:\n${step_output}")
+endif()
+message(STATUS "installed loom trained with examples/plugins/fp8_rowwise")

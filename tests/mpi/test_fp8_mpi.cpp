@@ -18,7 +18,7 @@
 #include "comm/mpi_communicator.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
-#include "loom/fp8_scaling.hpp"
+#include "precision/common/fp8_scaling.hpp"
 #include "train/session_probe.hpp"
 
 namespace {

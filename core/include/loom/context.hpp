@@ -10,7 +10,6 @@ struct ExecContext {
   Device device = Device::cpu;
   void* stream = nullptr;        // cudaStream_t on CUDA, null on CPU
   void* blas_handle = nullptr;   // cublasLtHandle_t on CUDA (owned by the core)
-  void* dnn_handle = nullptr;    // cudnnHandle_t on CUDA (owned by the core)
   bool deterministic = false;    // pick deterministic kernels
   int rank = 0;
   int world = 1;

@@ -15,7 +15,7 @@
 //
 // Usable from CUDA later: C++17, no exceptions, no <format>/spdlog; the scalar
 // functions are __host__ __device__ under nvcc. The batched helpers at the end
-// are host code (core/src/fp8/fp8.cpp).
+// are host code (core/src/kernels/cpu/fp8.cpp).
 #pragma once
 #include <cfloat>
 #include <cstdint>
@@ -163,7 +163,7 @@ LOOM_FP8_HD inline ScaleUpdate compute_scale(float amax, float fp8_max, int marg
   return {s, false};
 }
 
-// ---- Batched host helpers (core/src/fp8/fp8.cpp) ----
+// ---- Batched host helpers (core/src/kernels/cpu/fp8.cpp) ----
 //
 // x * scale is rounded to fp32 before it is encoded, as a device cast kernel
 // computes it. amax is max |x| of the unscaled input, NaN when any element is

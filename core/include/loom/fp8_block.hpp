@@ -1,9 +1,9 @@
 // Fine-grained FP8 scaling (DeepSeek-V3): one scale per 1x128 tile of an
 // activation or gradient row, one per 128x128 block of a weight, E4M3
 // everywhere. The per-tile rule, the scale-tensor layouts cuBLASLt's
-// block-scaled GEMMs read, and the host reference casts (core/src/fp8/
+// block-scaled GEMMs read, and the host reference casts (core/src/kernels/cpu/
 // fp8_block.cpp) that the fp8_block recipe's CPU path runs and the device
-// casts (kernels/cuda/fp8_block_kernels.hpp) match bitwise.
+// casts (loom/ops/fp8_block_cast.hpp) match bitwise.
 //
 // Per tile (or block): amax = max |x| over its elements, scale = 448 / amax
 // in fp32 (compute_scale of loom/fp8.hpp, margin 0: FLT_MAX when the
@@ -84,7 +84,7 @@ LOOM_FP8_HD inline TileScale tile_scale(float amax) {
   return t;
 }
 
-// ---- Host reference casts (core/src/fp8/fp8_block.cpp) ----
+// ---- Host reference casts (core/src/kernels/cpu/fp8_block.cpp) ----
 // x is [rows, cols] fp32 with row stride ld >= cols; rows and cols multiples
 // of 128 (a loom::Error names them otherwise). Each returns the number of
 // tiles (or blocks) whose amax was not finite. Codes are E4M3.

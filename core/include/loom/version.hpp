@@ -13,9 +13,11 @@
 // Plugin ABI: the major changes when an interface breaks (a plugin built
 // against another major is refused); the minor grows when the host adds
 // something a plugin may use (a host accepts plugins with minor <= its own).
-#define LOOM_ABI_MAJOR 8
-#define LOOM_ABI_MINOR 2  // 8.2: PluginInit::planning (a run planned without its device), LinearDesc::input_in_backward,
-                          //      PrecisionSetup::params_sharded (setup() now comes after the strategy's plan)
+#define LOOM_ABI_MAJOR 9
+#define LOOM_ABI_MINOR 0  // 9.0: ExecContext::dnn_handle removed (the layout changed); the public ops
+                          //      (loom/ops/: the cuBLASLt plan cache, FP8 casts) that precision plugins build on
+// 8.2: PluginInit::planning (a run planned without its device), LinearDesc::input_in_backward,
+//      PrecisionSetup::params_sharded (setup() now comes after the strategy's plan)
 // 8.1: loom::TokenScan (data.hpp), an optional interface beside DataSource: loom check scans tokens
 // 8.0: Precision::fp8_operand (a new virtual), Fp8Operand: FP8 operands written by blocks
 // 7.0: Precision::variable_row_multiple (a new virtual): MoE expert rows padded to it

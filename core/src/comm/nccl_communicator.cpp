@@ -23,7 +23,7 @@
 #include <thread>
 
 #include "comm/launch.hpp"
-#include "kernels/cuda/cuda_check.hpp"
+#include "loom/ops/cuda_check.hpp"
 #include "comm/collective_checks.hpp"
 #include "loom/error.hpp"
 

@@ -12,6 +12,7 @@
 #include "loom/config.hpp"
 #include "loom/data.hpp"
 #include "loom/model.hpp"
+#include "kernels/cpu/moe.hpp"  // kMaxExperts: the kernels' bound
 
 namespace loom {
 
@@ -27,7 +28,6 @@ namespace loom {
 // many), each token picking at most 64.
 inline constexpr int64_t kMaxDim = int64_t{1} << 20;
 inline constexpr int64_t kMaxLayersOrHeads = 4096;
-inline constexpr int64_t kMaxExperts = 4096;
 inline constexpr int64_t kMaxTopK = 64;
 // Products of those sizes can leave 64 bits long before any one key leaves
 // its range, so the counts a run computes in int64 are bounded as well: the

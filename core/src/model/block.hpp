@@ -25,7 +25,7 @@
 #include "loom/model.hpp"
 #include "loom/precision.hpp"
 #include "loom/sharding.hpp"
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 #include "util/trace.hpp"
 
 namespace loom {

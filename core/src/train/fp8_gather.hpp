@@ -31,7 +31,7 @@
 
 #include "loom/precision.hpp"
 #include "loom/sharding.hpp"
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 #include "model/block.hpp"
 
 namespace loom {

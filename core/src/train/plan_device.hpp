@@ -7,7 +7,7 @@
 #pragma once
 #include <memory>
 
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 #include "train/memory_budget.hpp"
 
 namespace loom {

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "config/run_config.hpp"
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 #include "util/trace.hpp"
 
 namespace loom {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "loom/data.hpp"
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 
 namespace loom {
 

@@ -1,6 +1,6 @@
 // The fp8_block recipe on CUDA (fp8_block.hpp's make_gpu_recipe): the block
-// casts of kernels/cuda/fp8_block_kernels.hpp and the block-scaled cuBLASLt
-// GEMMs of kernels/cuda/fp8_block_gemm.hpp. Built only with CUDA.
+// casts of loom/ops/fp8_block_cast.hpp and the block-scaled cuBLASLt
+// GEMMs of loom/ops/gemm.hpp. Built only with CUDA.
 //
 // Per step and FP8 linear (all but the LM head unless fp8_head = true; the
 // head, and any call whose row count is not a multiple of 128, goes through
@@ -27,16 +27,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <sstream>
 
-#include "kernels/cuda/cuda_check.hpp"
-#include "kernels/cuda/fp8_block_gemm.hpp"
-#include "kernels/cuda/fp8_block_kernels.hpp"
+#include "loom/ops/cuda_check.hpp"
+#include "loom/ops/gemm.hpp"
+#include "loom/ops/fp8_block_cast.hpp"
 #include "loom/error.hpp"
 #include "loom/fp8_block.hpp"
 #include "loom/log.hpp"
 #include "precision/common/cublaslt_linear.hpp"
 #include "precision/common/fp8_gpu_checks.hpp"
+#include "precision/common/log_mirror.hpp"
 #include "precision/common/fp8_block.hpp"
 
 namespace loom::fp8_block {
@@ -66,14 +68,11 @@ class Fp8BlockGpu final : public Precision {
     if (counter_ != nullptr) cudaFree(counter_);  // teardown: nothing worth reporting
   }
 
-  PrecisionDTypes dtypes() const override {
-    if (o_.master_bf16) {
-      PrecisionDTypes t{DType::bf16, DType::bf16, DType::bf16, DType::bf16, DType::bf16, /*has_master=*/false};
-      t.stochastic_rounding = o_.stochastic_rounding;
-      return t;
-    }
-    return {DType::bf16, DType::f32, DType::f32, DType::f32, DType::bf16, /*has_master=*/true};
-  }
+  PrecisionDTypes dtypes() const override { return fp8_common::device_dtypes(o_); }
+
+  // A 1x128 tile of every row: other counts of a variable-row linear split
+  // off a bf16 tail.
+  int64_t variable_row_multiple() const override { return blk::kBlock; }
 
   int register_linear(const LinearDesc& d) override {
     LOOM_CHECK(!set_up_, "precision fp8_block: linear '", d.name, "' registered after setup()");
@@ -135,7 +134,7 @@ class Fp8BlockGpu final : public Precision {
   // GEMMs, one stream); the cast weights ("step": every FP8 linear's W, Wᵀ
   // and their block scales; "layer": one scratch for the largest W or Wᵀ and
   // its scales); the x, dy and dyᵀ scratch with their tile scales.
-  size_t gemm_bytes() const { return round_up(gpu::Fp8BlockGemm::kWorkspaceBytes); }
+  size_t gemm_bytes() const { return round_up(ops::GemmPlans::kWorkspaceBytes + ops::GemmPlans::kScaleSlotBytes); }
   // Before setup() "auto" is planned as "step" (the larger).
   bool per_layer() const { return set_up_ ? per_layer_ : o_.weight_cache == WeightCache::layer; }
   size_t weight_region() const { return per_layer() ? max_weight_bytes_ : weight_bytes_; }
@@ -170,10 +169,11 @@ class Fp8BlockGpu final : public Precision {
                       " bytes)");
       LOOM_CUDA_CHECK(cudaMemset(counter_, 0, kAlign), "precision fp8_block: clearing the non-finite tile counter");
       LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision fp8_block: initialising the counter");
+      mirror_.allocate({sizeof(uint32_t)}, "precision fp8_block");
     }
     ws_ = static_cast<char*>(ptr);
     lt_.set_workspace(ws_, precision_common::CublasLtLinears::kWorkspaceBytes);
-    if (gemm_) gemm_->set_workspace(ws_, gpu::Fp8BlockGemm::kWorkspaceBytes);
+    if (gemm_) gemm_->set_workspace(ws_, ops::GemmPlans::kWorkspaceBytes + ops::GemmPlans::kScaleSlotBytes);
     for (Linear& l : linears_) l.weight_cast = false;
   }
 
@@ -215,8 +215,8 @@ class Fp8BlockGpu final : public Precision {
     Tensor qxt(saved_ + l.saved_off, DType::e4m3, Device::cuda, {d.in, rows});
     gpu::fp8_block_cast_rows_cols(x, qx, sx, qxt, reinterpret_cast<float*>(saved_ + l.saved_off + l.sxt_rel),
                                   counter_, stream);
-    gemm(ctx).gemm({&qx, sx, ScaleMode::tile_1x128}, {&qw, weight_scales(l, false), ScaleMode::block_128x128}, y,
-                   residual, stream, d.variable_rows);
+    ops::scaled_gemm(gemm(ctx), {&qx, sx, ops::GemmScale::tile_1x128}, {&qw, weight_scales(l, false), ops::GemmScale::block_128x128}, y,
+                   residual, stream, d.variable_rows ? ops::GemmVarying::m : ops::GemmVarying::none, d.max_rows);
   }
 
   void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
@@ -234,10 +234,7 @@ class Fp8BlockGpu final : public Precision {
     const int64_t rows = have_x ? check_rows(d, matrix(x, d, "x", DType::bf16), "x") : mdy.rows;
     LOOM_CHECK(rows <= d.max_rows, "precision fp8_block: ", d.name, ": dy has ", rows,
                " rows, more than the max_rows=", d.max_rows, " it was registered with");
-    LOOM_CHECK(l.saved_rows == rows, "precision fp8_block: ", d.name, ": backward of ", rows,
-               " rows, but the forward before it cast ",
-               l.saved_rows < 0 ? std::string("none") : std::to_string(l.saved_rows),
-               " (every backward follows its own forward)");
+    fp8_common::check_saved_rows("fp8_block", d, l.saved_rows, rows);
     l.saved_rows = -1;
     if (!aligned(rows)) {
       LOOM_CHECK(have_x, "precision fp8_block: ", d.name, ": backward of ", rows,
@@ -277,13 +274,14 @@ class Fp8BlockGpu final : public Precision {
     if (dx != nullptr) {
       // "step": the copy cast by the forward; "layer": Wᵀ cast into the scratch now (only dgrad reads it).
       const Tensor qwt = cast_weight(l, w, /*transposed=*/true, stream);
-      gemm(ctx).gemm({&qdy, sdy, ScaleMode::tile_1x128}, {&qwt, weight_scales(l, true), ScaleMode::block_128x128},
-                     *dx, nullptr, stream, d.variable_rows);
+      ops::scaled_gemm(gemm(ctx), {&qdy, sdy, ops::GemmScale::tile_1x128}, {&qwt, weight_scales(l, true), ops::GemmScale::block_128x128},
+                     *dx, nullptr, stream, d.variable_rows ? ops::GemmVarying::m : ops::GemmVarying::none, d.max_rows);
     }
     const Tensor qxt(saved_ + l.saved_off, DType::e4m3, Device::cuda, {d.in, rows});
-    gemm(ctx).gemm({&qdyt, sdyt, ScaleMode::tile_1x128},
-                   {&qxt, reinterpret_cast<const float*>(saved_ + l.saved_off + l.sxt_rel), ScaleMode::tile_1x128}, dw,
-                   accumulate ? &dw : nullptr, stream, d.variable_rows);
+    ops::scaled_gemm(gemm(ctx), {&qdyt, sdyt, ops::GemmScale::tile_1x128},
+                   {&qxt, reinterpret_cast<const float*>(saved_ + l.saved_off + l.sxt_rel), ops::GemmScale::tile_1x128}, dw,
+                   accumulate ? &dw : nullptr, stream, d.variable_rows ? ops::GemmVarying::k : ops::GemmVarying::none,
+                   d.max_rows);
   }
 
   void end_step(const ExecContext& ctx) override {
@@ -291,6 +289,8 @@ class Fp8BlockGpu final : public Precision {
     stream_ = static_cast<cudaStream_t>(ctx.stream);
     for (Linear& l : linears_) l.weight_cast = false;  // the optimizer changed the weights
     ++steps_;
+    // What the log line of this step shows, read by log_summary() without a sync.
+    if (counter_ != nullptr) mirror_.queue(stream_, {counter_}, steps_, "precision fp8_block");
   }
 
   std::vector<StateTensor> state_tensors() override {
@@ -320,17 +320,17 @@ class Fp8BlockGpu final : public Precision {
   }
 
   std::string log_summary() const override {
-    const_cast<Fp8BlockGpu*>(this)->read_counter();
-    const int64_t since = static_cast<int64_t>(h_count_) - mark_;
-    mark_ = h_count_;
-    if (since > 0 && !warned_) {
-      warned_ = true;
-      log_warn(cat("precision fp8_block: ", since, " FP8 tile(s) had an inf or NaN amax by step ", steps_,
-                   "; they were cast with scale 1. Later ones are counted in the \"precision:\" part of the log "
-                   "line, not warned again"));
-    }
+    // The newest end_step copy the device has finished: no host sync.
+    int64_t at = 0;
+    const char* got = mirror_.newest(&at);
+    if (got == nullptr) return "fp8_block state not copied back yet";
+    uint32_t count = 0;
+    std::memcpy(&count, got, sizeof(count));
+    const int64_t since = static_cast<int64_t>(count) - mark_;
+    mark_ = count;
+    warn_nonfinite_tiles(warned_, since, cat("by step ", at));
     std::ostringstream os;
-    os << "fp8_block non-finite tiles " << h_count_ << " (" << since << " since the last log line)";
+    os << "fp8_block non-finite tiles " << count << " (" << since << " since the last log line) as of step " << at;
     return os.str();
   }
 
@@ -359,9 +359,9 @@ class Fp8BlockGpu final : public Precision {
     return l;
   }
 
-  gpu::Fp8BlockGemm& gemm(const ExecContext& ctx) {
+  ops::GemmPlans& gemm(const ExecContext& ctx) {
     if (!gemm_)
-      gemm_ = std::make_unique<gpu::Fp8BlockGemm>(ctx.blas_handle, ws_, gpu::Fp8BlockGemm::kWorkspaceBytes,
+      gemm_ = std::make_unique<ops::GemmPlans>(ctx.blas_handle, ws_, ops::GemmPlans::kWorkspaceBytes + ops::GemmPlans::kScaleSlotBytes,
                                                   o_.gemm_algo);
     return *gemm_;
   }
@@ -389,13 +389,7 @@ class Fp8BlockGpu final : public Precision {
   }
   // Any other call whose rows are not a multiple of 128 (fewer than 128 rows
   // of an expert) runs in bf16.
-  void unaligned_rows(const Linear& l, int64_t rows) {
-    if (warned_rows_) return;
-    warned_rows_ = true;
-    log_warn(cat("precision fp8_block: ", l.desc.name, " was called with ", rows,
-                 " rows, fewer than 128 or not a multiple of 128, which 1x128 tiles along the tokens need: such calls "
-                 "run in bf16 (this linear's and any other's; said once)"));
-  }
+  void unaligned_rows(const Linear& l, int64_t rows) { warn_unaligned_rows(warned_rows_, l.desc, rows, "bf16"); }
 
   // W ([out, in], transposed = false) or Wᵀ ([in, out]) in FP8 for the
   // GEMM. "step": both cast together once per optimizer step into the
@@ -440,7 +434,7 @@ class Fp8BlockGpu final : public Precision {
 
   Options o_;
   precision_common::CublasLtLinears lt_;
-  std::unique_ptr<gpu::Fp8BlockGemm> gemm_;
+  std::unique_ptr<ops::GemmPlans> gemm_;
   std::vector<Linear> linears_;
   bool set_up_ = false;
   char* ws_ = nullptr;
@@ -449,6 +443,7 @@ class Fp8BlockGpu final : public Precision {
   bool per_layer_ = false;       // weight_cache resolved at setup()
   size_t weight_bytes_ = 0, x_scratch_ = 0, dy_scratch_ = 0, dyt_scratch_ = 0, saved_total_ = 0;
   uint32_t* counter_ = nullptr;  // device: tiles with an inf or NaN amax
+  precision_common::LogMirror mirror_;  // the log line's pinned copy of the counter (log_summary)
   cudaStream_t stream_ = nullptr;
   int64_t steps_ = 0;
   uint32_t h_count_ = 0;

@@ -11,6 +11,8 @@
 
 #include "loom/config.hpp"
 #include "loom/error.hpp"
+#include "loom/gemm_algo.hpp"
+#include "loom/plugin.hpp"
 #include "loom/precision.hpp"
 
 namespace loom::fp8_options {
@@ -82,6 +84,30 @@ struct Master {
                        "stores and updates parameters in fp32 only: on the CPU use master = \"fp32\" (the default)");
   }
 };
+
+// The options every FP8 recipe takes alike, read after the family's own
+// keys by read_common, which then finishes the table (unknown keys are
+// refused first) and checks the master pair against the device.
+struct Common {
+  WeightCache weight_cache = WeightCache::automatic;
+  bool fp8_head = false;                     // the LM head in FP8 too
+  bool master_bf16 = false;                  // master = "bf16": bf16 parameters and AdamW state, no fp32 copy
+  bool stochastic_rounding = false;
+  GemmAlgo gemm_algo = GemmAlgo::heuristic;  // precision.gemm_algo, resolved (loom/gemm_algo.hpp)
+};
+
+inline Common read_common(const ConfigTable& c, const PluginInit& init) {
+  const Master master = Master::read(c);
+  Common o;
+  o.fp8_head = c.get_bool("fp8_head", false);
+  o.weight_cache = read_weight_cache(c);
+  o.gemm_algo = read_gemm_algo(c, init.deterministic);  // CUDA's GEMMs; the CPU emulation has one way
+  c.finish();
+  master.check(c, init.device);
+  o.master_bf16 = master.bf16;
+  o.stochastic_rounding = master.stochastic_rounding;
+  return o;
+}
 
 // The keys of delayed scaling's amax history, refused by a recipe that takes
 // every scale at the cast; `what` says from what (e.g. "its tensor's own amax").

@@ -17,8 +17,80 @@
 namespace loom::fp8_recipe {
 
 using fp8::Role;
+using fp8_common::host::check_shape;
+using fp8_common::host::matrix;
+using fp8_common::host::place_residual;
 
-struct Fp8Recipe::Linear {
+class Fp8Emulation final : public Precision {
+ public:
+  explicit Fp8Emulation(const GpuOptions& o);
+
+  PrecisionDTypes dtypes() const override;
+  int register_linear(const LinearDesc& desc) override;
+  size_t saved_activation_bytes(int id) const override;
+  bool keeps_wgrad_input(int id) const override;
+  size_t workspace_bytes() const override;
+  void setup(const PrecisionSetup& setup) override;
+  void set_workspace(void* ptr, size_t bytes) override;
+  void set_saved_activations(void* ptr, size_t bytes) override;
+  void linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
+                      const Tensor* residual) override;
+  void linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                       Tensor& dw, bool accumulate) override;
+  void end_step(const ExecContext& ctx) override;
+  std::vector<StateTensor> state_tensors() override;
+  void state_loaded() override;
+  std::string log_summary() const override;
+  bool current_fp8_weight(int id, Fp8WeightCast* cast) const override;
+
+  bool weights_per_layer() const;
+
+ private:
+  struct Linear;
+  // Checks the context, the id and that the memory was given; the linear.
+  Linear& lookup(const ExecContext& ctx, int id);
+  // The linears kept in fp32 (fp8_skeleton.hpp's reference GEMMs).
+  void full_forward(const Linear& l, const Tensor& x, const Tensor& w, Tensor& y, const Tensor* residual);
+  void full_backward(const Linear& l, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx, Tensor& dw,
+                     bool accumulate);
+  // Casts the weight of FP8 linear `l` unless this step already did.
+  const float* cast_weight(Linear& l, const Tensor& w);
+
+  std::string plugin_;
+  fp8::Scaling scaling_;
+  bool fp8_head_ = false;
+  GemmOptions gemm_;
+  bool fused_casts_ = true;
+  WeightCache weight_cache_ = WeightCache::automatic;
+  bool per_layer_ = false;  // resolved at setup()
+  int64_t max_weight_floats_ = 0;  // the largest FP8 weight: the "layer" scratch
+  int64_t weight_region_floats() const { return per_layer_ ? max_weight_floats_ : weight_floats_; }
+  // After the weights and the GEMM scratch: the cast x of a recast_x linear.
+  float* x_scratch() const { return workspace_ + weight_region_floats() + gemm_floats_; }
+  std::unique_ptr<fp8::ScalingState> state_;
+  std::vector<Linear> linears_;
+  Communicator* dp_ = nullptr;
+  bool set_up_ = false;
+  // Memory planned by the core: cast weights ("step": every FP8 linear's;
+  // "layer": one scratch for the largest) then the GEMM scratch (workspace),
+  // cast x per FP8 linear (saved activations).
+  float* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  float* saved_ = nullptr;
+  int64_t weight_floats_ = 0, gemm_floats_ = 0, saved_floats_ = 0;
+  int64_t x_scratch_floats_ = 0;  // the largest x of a linear whose backward is handed x again
+  // Checkpointed beside the scaling state: head, steps, skipped, non-finite
+  // (f64), and the options that give the state its meaning (ScalingState's
+  // options record), so that a resume under other options can tell.
+  double counters_[4] = {0, 0, 0, 0};
+  double options_[fp8::ScalingState::kOptionsRecord] = {};
+  // The log line: this step's largest amax (after the all-reduce), updates kept.
+  float last_max_amax_ = 0.0f;
+  int64_t last_kept_ = 0, skipped_mark_ = 0;
+  bool warned_skip_ = false;
+};
+
+struct Fp8Emulation::Linear {
   LinearDesc desc;
   bool fp8 = false;
   int slot = -1;                // the linear's index in the scaling state (FP8 linears)
@@ -33,6 +105,15 @@ struct Fp8Recipe::Linear {
   float w_amax = 0.0f, x_amax = 0.0f;  // delayed: the forward's amaxes, recorded by the backward
   int64_t saved_rows = -1;      // rows of x the last forward cast (-1: none since the last backward)
 };
+
+void Fp8Emulation::full_forward(const Linear& l, const Tensor& x, const Tensor& w, Tensor& y, const Tensor* residual) {
+  fp8_common::host::full_forward(plugin_, l.desc, x, w, y, residual);
+}
+
+void Fp8Emulation::full_backward(const Linear& l, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                                 Tensor& dw, bool accumulate) {
+  fp8_common::host::full_backward(plugin_, l.desc, x, w, dy, dx, dw, accumulate);
+}
 
 namespace {
 
@@ -63,9 +144,10 @@ float cast_rows(const float* p, int64_t rows, int64_t cols, int64_t ld, float sc
 
 }  // namespace
 
-Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const PluginInit& init)
-    : plugin_(plugin), scaling_(scaling) {
+Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const PluginInit& init) {
   const ConfigTable& c = init.config;
+  GpuOptions o;
+  o.plugin = plugin;
   fp8::ScalingConfig sc;
   sc.scaling = scaling;
   sc.formats = fp8::parse_formats(c.get_choice("format", "hybrid", {"hybrid", "e4m3"}));
@@ -74,39 +156,32 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
     sc.amax_compute_algo =
         fp8::parse_amax_algo(c.get_choice("amax_compute_algo", "max", {"max", "most_recent"}));
     sc.margin = static_cast<int>(c.get_int("margin", 0, 0, 126));
-    fused_casts_ = c.get_bool("fused_casts", true);
+    o.fused_casts = c.get_bool("fused_casts", true);
   } else {
     fp8_options::refuse_history_keys(c, plugin, "its tensor's own amax");
     fp8_options::refuse_fused_casts(c, plugin, "measures each tensor just before its cast");
-    fused_casts_ = false;
+    o.fused_casts = false;
   }
-  gemm_.fast_accum_fprop = c.get_bool("fast_accum_fprop", true);
-  gemm_.fast_accum_dgrad = c.get_bool("fast_accum_dgrad", false);
-  gemm_.fast_accum_wgrad = c.get_bool("fast_accum_wgrad", false);
-  const fp8_options::Master master = fp8_options::Master::read(c);
-  fp8_head_ = c.get_bool("fp8_head", false);
-  weight_cache_ = fp8_options::read_weight_cache(c);
-  const GemmAlgo gemm_algo = read_gemm_algo(c, init.deterministic);  // CUDA's GEMMs; the CPU emulation has one way
-  c.finish();
-  master.check(c, init.device);
-  state_ = std::make_unique<fp8::ScalingState>(sc);
-  if (init.device == Device::cuda) {
-    GpuOptions o;
-    o.plugin = plugin;
-    o.scaling = sc;
-    o.fp8_head = fp8_head_;
-    o.gemm = gemm_;
-    o.master_bf16 = master.bf16;
-    o.stochastic_rounding = master.stochastic_rounding;
-    o.weight_cache = weight_cache_;
-    o.gemm_algo = gemm_algo;
-    o.fused_casts = fused_casts_;
-    gpu_ = make_gpu_recipe(o);
-    return;
-  }
+  o.gemm.fast_accum_fprop = c.get_bool("fast_accum_fprop", true);
+  o.gemm.fast_accum_dgrad = c.get_bool("fast_accum_dgrad", false);
+  o.gemm.fast_accum_wgrad = c.get_bool("fast_accum_wgrad", false);
+  static_cast<fp8_options::Common&>(o) = fp8_options::read_common(c, init);
+  fp8::validate(sc);
+  o.scaling = sc;
+  const bool gpu = init.device == Device::cuda;
+  use(gpu ? make_gpu_recipe(o) : make_cpu_recipe(o), gpu);
 }
 
-Fp8Recipe::~Fp8Recipe() = default;
+Fp8Emulation::Fp8Emulation(const GpuOptions& o)
+    : plugin_(o.plugin),
+      scaling_(o.scaling.scaling),
+      fp8_head_(o.fp8_head),
+      gemm_(o.gemm),
+      fused_casts_(o.fused_casts),
+      weight_cache_(o.weight_cache),
+      state_(std::make_unique<fp8::ScalingState>(o.scaling)) {}
+
+std::unique_ptr<Precision> make_cpu_recipe(const GpuOptions& o) { return std::make_unique<Fp8Emulation>(o); }
 
 #ifndef LOOM_FP8_RECIPE_GPU
 std::unique_ptr<Precision> make_gpu_recipe(const GpuOptions& o) {
@@ -116,14 +191,12 @@ std::unique_ptr<Precision> make_gpu_recipe(const GpuOptions& o) {
 }
 #endif
 
-PrecisionDTypes Fp8Recipe::dtypes() const {
-  if (gpu_) return gpu_->dtypes();
+PrecisionDTypes Fp8Emulation::dtypes() const {
   // CPU: fp32 parameters are the master copy; the FP8 casts happen inside the GEMMs.
   return {DType::f32, DType::f32, DType::f32, DType::f32, DType::f32, /*has_master=*/false};
 }
 
-int Fp8Recipe::register_linear(const LinearDesc& desc) {
-  if (gpu_) return gpu_->register_linear(desc);
+int Fp8Emulation::register_linear(const LinearDesc& desc) {
   LOOM_CHECK(!set_up_, "precision ", plugin_, ": linear '", desc.name, "' registered after setup()");
   fp8_options::check_linear_shape(plugin_, desc);
   Linear l;
@@ -147,8 +220,7 @@ int Fp8Recipe::register_linear(const LinearDesc& desc) {
   return static_cast<int>(linears_.size()) - 1;
 }
 
-size_t Fp8Recipe::saved_activation_bytes(int id) const {
-  if (gpu_) return gpu_->saved_activation_bytes(id);
+size_t Fp8Emulation::saved_activation_bytes(int id) const {
   LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", plugin_, ": linear id ", id,
              " was never registered");
   const Linear& l = linears_[static_cast<size_t>(id)];
@@ -157,8 +229,7 @@ size_t Fp8Recipe::saved_activation_bytes(int id) const {
   return l.fp8 && !l.recast_x ? static_cast<size_t>(l.desc.max_rows * l.desc.in) * sizeof(float) : 0;
 }
 
-bool Fp8Recipe::keeps_wgrad_input(int id) const {
-  if (gpu_) return gpu_->keeps_wgrad_input(id);
+bool Fp8Emulation::keeps_wgrad_input(int id) const {
   LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", plugin_, ": linear id ", id,
              " was never registered");
   // The wgrad reads the cast x in the saved activations; a variable_rows
@@ -168,18 +239,16 @@ bool Fp8Recipe::keeps_wgrad_input(int id) const {
   return l.fp8 && !l.desc.variable_rows && !l.recast_x;
 }
 
-bool Fp8Recipe::weights_per_layer() const {
+bool Fp8Emulation::weights_per_layer() const {
   return set_up_ ? per_layer_ : weight_cache_ == WeightCache::layer;
 }
 
-size_t Fp8Recipe::workspace_bytes() const {
-  if (gpu_) return gpu_->workspace_bytes();
+size_t Fp8Emulation::workspace_bytes() const {
   const int64_t weights = weights_per_layer() ? max_weight_floats_ : weight_floats_;
   return static_cast<size_t>(weights + gemm_floats_ + x_scratch_floats_) * sizeof(float);
 }
 
-void Fp8Recipe::setup(const PrecisionSetup& setup) {
-  if (gpu_) return gpu_->setup(setup);
+void Fp8Emulation::setup(const PrecisionSetup& setup) {
   LOOM_CHECK(setup.data_parallel != nullptr, "precision ", plugin_, ": setup without a data-parallel communicator");
   LOOM_CHECK(!setup.data_parallel->device_tensors(), "precision ", plugin_,
              ": the data-parallel communicator carries device tensors, but this recipe keeps its amaxes on the host");
@@ -201,8 +270,7 @@ void Fp8Recipe::setup(const PrecisionSetup& setup) {
                ", dgrad ", gemm_.fast_accum_dgrad ? "on" : "off", ", wgrad ", gemm_.fast_accum_wgrad ? "on" : "off"));
 }
 
-void Fp8Recipe::set_workspace(void* ptr, size_t bytes) {
-  if (gpu_) return gpu_->set_workspace(ptr, bytes);
+void Fp8Emulation::set_workspace(void* ptr, size_t bytes) {
   LOOM_CHECK(bytes >= workspace_bytes() && (ptr != nullptr || workspace_bytes() == 0), "precision ", plugin_,
              ": workspace of ", bytes, " bytes, ", workspace_bytes(), " needed");
   workspace_ = static_cast<float*>(ptr);
@@ -210,15 +278,14 @@ void Fp8Recipe::set_workspace(void* ptr, size_t bytes) {
   for (Linear& l : linears_) l.weight_cast = l.w_scale_known = false;
 }
 
-void Fp8Recipe::set_saved_activations(void* ptr, size_t bytes) {
-  if (gpu_) return gpu_->set_saved_activations(ptr, bytes);
+void Fp8Emulation::set_saved_activations(void* ptr, size_t bytes) {
   LOOM_CHECK(bytes >= static_cast<size_t>(saved_floats_) * sizeof(float) && (ptr != nullptr || saved_floats_ == 0),
              "precision ", plugin_,
              ": saved activations of ", bytes, " bytes, ", saved_floats_ * 4, " needed");
   saved_ = static_cast<float*>(ptr);
 }
 
-Fp8Recipe::Linear& Fp8Recipe::lookup(const ExecContext& ctx, int id) {
+Fp8Emulation::Linear& Fp8Emulation::lookup(const ExecContext& ctx, int id) {
   LOOM_CHECK(ctx.device == Device::cpu, "precision ", plugin_, ": called with a ", device_name(ctx.device),
              " context; this recipe runs on the CPU");
   LOOM_CHECK(id >= 0 && id < static_cast<int>(linears_.size()), "precision ", plugin_, ": linear id ", id,
@@ -230,77 +297,7 @@ Fp8Recipe::Linear& Fp8Recipe::lookup(const ExecContext& ctx, int id) {
   return l;
 }
 
-namespace {
-
-RowMatrix matrix(const Tensor& t, const std::string& plugin, const LinearDesc& d, const char* what) {
-  LOOM_CHECK(t.data != nullptr, "precision ", plugin, ": ", d.name, ": ", what, " has no data");
-  LOOM_CHECK(t.dtype == DType::f32 && t.device == Device::cpu, "precision ", plugin, ": ", d.name, ": ", what,
-             " must be an fp32 host tensor, got ", dtype_name(t.dtype), " on ", device_name(t.device));
-  return fold_rows(t, "precision ", plugin, ": ", d.name, ": ", what);
-}
-
-void check_weight(const Tensor& t, const std::string& plugin, const LinearDesc& d, const char* what) {
-  matrix(t, plugin, d, what);
-  LOOM_CHECK(t.ndim == 2 && t.shape[0] == d.out && t.shape[1] == d.in && t.is_contiguous(), "precision ", plugin,
-             ": ", d.name, ": ", what, " must be a contiguous [out, in] = [", d.out, ",", d.in, "] matrix, got ",
-             t.shape_str());
-}
-
-void check_shape(const RowMatrix& m, const std::string& plugin, const LinearDesc& d, int64_t cols, int64_t rows,
-                 const char* what) {
-  LOOM_CHECK(m.cols == cols && m.rows == rows && m.rows <= d.max_rows, "precision ", plugin, ": ", d.name, ": ",
-             what, " is [", m.rows, ", ", m.cols, "], expected [", rows, ", ", cols, "] with at most max_rows=",
-             d.max_rows, " rows");
-}
-
-// y = residual first (unless it is y): the GEMM then adds onto y.
-void place_residual(const Tensor* residual, Tensor& y, const RowMatrix& my, const std::string& plugin,
-                    const LinearDesc& d) {
-  if (residual == nullptr) return;
-  const RowMatrix mr = matrix(*residual, plugin, d, "residual");
-  LOOM_CHECK(mr.rows == my.rows && mr.cols == my.cols, "precision ", plugin, ": ", d.name, ": residual is [", mr.rows,
-             ", ", mr.cols, "] but y is [", my.rows, ", ", my.cols, "]");
-  LOOM_CHECK(precision_common::residual_layout_ok(residual->data, mr.ld, y.data, my.ld, my.rows, my.cols,
-                                                  sizeof(float)),
-             "precision ", plugin, ": ", d.name, ": residual overlaps y without being y");
-  if (residual->data == y.data) return;
-  const float* src = residual->ptr<const float>();
-  float* dst = y.ptr<float>();
-  for (int64_t r = 0; r < my.rows; ++r) std::copy(src + r * mr.ld, src + r * mr.ld + my.cols, dst + r * my.ld);
-}
-
-}  // namespace
-
-void Fp8Recipe::full_forward(const Linear& l, const Tensor& x, const Tensor& w, Tensor& y, const Tensor* residual) {
-  const LinearDesc& d = l.desc;
-  const RowMatrix mx = matrix(x, plugin_, d, "x"), my = matrix(y, plugin_, d, "y");
-  check_weight(w, plugin_, d, "w");
-  check_shape(mx, plugin_, d, d.in, mx.rows, "x");
-  check_shape(my, plugin_, d, d.out, mx.rows, "y");
-  place_residual(residual, y, my, plugin_, d);
-  cpu::linear_forward(y.ptr<float>(), my.ld, x.ptr<const float>(), mx.ld, w.ptr<const float>(), mx.rows, d.in, d.out,
-                      residual != nullptr);
-}
-
-void Fp8Recipe::full_backward(const Linear& l, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
-                              Tensor& dw, bool accumulate) {
-  const LinearDesc& d = l.desc;
-  const RowMatrix mx = matrix(x, plugin_, d, "x"), mdy = matrix(dy, plugin_, d, "dy");
-  check_weight(w, plugin_, d, "w");
-  check_weight(dw, plugin_, d, "dw");
-  check_shape(mx, plugin_, d, d.in, mx.rows, "x");
-  check_shape(mdy, plugin_, d, d.out, mx.rows, "dy");
-  if (dx != nullptr) {
-    const RowMatrix mdx = matrix(*dx, plugin_, d, "dx");
-    check_shape(mdx, plugin_, d, d.in, mx.rows, "dx");
-    cpu::linear_backward_input(dx->ptr<float>(), mdx.ld, dy.ptr<const float>(), mdy.ld, w.ptr<const float>(), mx.rows,
-                               d.in, d.out);
-  }
-  cpu::linear_backward_weight(dw.ptr<float>(), dy.ptr<const float>(), mdy.ld, x.ptr<const float>(), mx.ld, mx.rows,
-                              d.in, d.out, accumulate);
-}
-
-const float* Fp8Recipe::cast_weight(Linear& l, const Tensor& w) {
+const float* Fp8Emulation::cast_weight(Linear& l, const Tensor& w) {
   const int64_t n = l.desc.out * l.desc.in;
   const float* src = w.ptr<const float>();
   if (per_layer_) {
@@ -327,16 +324,12 @@ const float* Fp8Recipe::cast_weight(Linear& l, const Tensor& w) {
   return qw;
 }
 
-void Fp8Recipe::linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
+void Fp8Emulation::linear_forward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, Tensor& y,
                                const Tensor* residual) {
-  if (gpu_) return gpu_->linear_forward(ctx, id, x, w, y, residual);
   Linear& l = lookup(ctx, id);
   if (!l.fp8) return full_forward(l, x, w, y, residual);
   const LinearDesc& d = l.desc;
-  const RowMatrix mx = matrix(x, plugin_, d, "x"), my = matrix(y, plugin_, d, "y");
-  check_weight(w, plugin_, d, "w");
-  check_shape(mx, plugin_, d, d.in, mx.rows, "x");
-  check_shape(my, plugin_, d, d.out, mx.rows, "y");
+  const auto [mx, my] = fp8_common::host::forward_operands(plugin_, d, x, w, y);
   const float* qw = cast_weight(l, w);
   // x, cast into its saved slot: the backward's wgrad reads this copy (or,
   // recast_x, into the x scratch: the backward casts x again).
@@ -354,24 +347,15 @@ void Fp8Recipe::linear_forward(const ExecContext& ctx, int id, const Tensor& x, 
                                residual != nullptr, workspace_ + weight_region_floats());
 }
 
-void Fp8Recipe::linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,
+void Fp8Emulation::linear_backward(const ExecContext& ctx, int id, const Tensor& x, const Tensor& w, const Tensor& dy,
                                 Tensor* dx, Tensor& dw, bool accumulate) {
-  if (gpu_) return gpu_->linear_backward(ctx, id, x, w, dy, dx, dw, accumulate);
   Linear& l = lookup(ctx, id);
   if (!l.fp8) return full_backward(l, x, w, dy, dx, dw, accumulate);
   const LinearDesc& d = l.desc;
   // x is not read (the wgrad reads the cast copy saved by the forward); it
   // may be empty (keeps_wgrad_input), else it must match dy.
-  const RowMatrix mdy = matrix(dy, plugin_, d, "dy");
-  const RowMatrix mx = x.data != nullptr ? matrix(x, plugin_, d, "x") : RowMatrix{mdy.rows, d.in, d.in};
-  check_weight(w, plugin_, d, "w");
-  check_weight(dw, plugin_, d, "dw");
-  check_shape(mx, plugin_, d, d.in, mx.rows, "x");
-  check_shape(mdy, plugin_, d, d.out, mx.rows, "dy");
-  LOOM_CHECK(l.saved_rows == mx.rows, "precision ", plugin_, ": ", d.name, ": backward of ", mx.rows,
-             " rows, but the forward before it cast ",
-             l.saved_rows < 0 ? std::string("none") : std::to_string(l.saved_rows),
-             " (every backward follows its own forward)");
+  const auto [mx, mdy] = fp8_common::host::backward_operands(plugin_, d, x, w, dy, dw);
+  fp8_common::check_saved_rows(plugin_, d, l.saved_rows, mx.rows);
   const float* qw = cast_weight(l, w);
   // dy, cast once for both GEMMs into the GEMM scratch.
   float* qdy = workspace_ + weight_region_floats();
@@ -409,8 +393,7 @@ void Fp8Recipe::linear_backward(const ExecContext& ctx, int id, const Tensor& x,
   l.saved_rows = -1;
 }
 
-void Fp8Recipe::end_step(const ExecContext& ctx) {
-  if (gpu_) return gpu_->end_step(ctx);
+void Fp8Emulation::end_step(const ExecContext& ctx) {
   LOOM_CHECK(set_up_, "precision ", plugin_, ": end_step before setup()");
   const int64_t T = state_->tensors();
   // The one all-reduce of the step: every rank's amaxes, max-reduced, so that
@@ -436,8 +419,7 @@ void Fp8Recipe::end_step(const ExecContext& ctx) {
   for (Linear& l : linears_) l.weight_cast = l.w_scale_known = false;  // the optimizer changed the weights
 }
 
-std::vector<StateTensor> Fp8Recipe::state_tensors() {
-  if (gpu_) return gpu_->state_tensors();
+std::vector<StateTensor> Fp8Emulation::state_tensors() {
   const int64_t T = state_->tensors();
   if (T == 0) return {};
   const fp8::ScalingState::Counters c = state_->counters();
@@ -463,8 +445,7 @@ std::vector<StateTensor> Fp8Recipe::state_tensors() {
   return out;
 }
 
-void Fp8Recipe::state_loaded() {
-  if (gpu_) return gpu_->state_loaded();
+void Fp8Emulation::state_loaded() {
   // Every restored value is checked before any is taken (throws naming the
   // tensor, the element and the value; the core names the checkpoint).
   const fp8::ScalingState::Counters c = fp8::ScalingState::counters_from(counters_);
@@ -480,12 +461,7 @@ void Fp8Recipe::state_loaded() {
   }
 }
 
-bool Fp8Recipe::fp8_operand(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows, Fp8Operand* op) {
-  return gpu_ ? gpu_->fp8_operand(ctx, id, role, rows, op) : false;
-}
-
-bool Fp8Recipe::current_fp8_weight(int id, Fp8WeightCast* cast) const {
-  if (gpu_) return gpu_->current_fp8_weight(id, cast);
+bool Fp8Emulation::current_fp8_weight(int id, Fp8WeightCast* cast) const {
   // Variable-row linears (MoE experts) are left out as on the GPU, where such
   // a call may run in bf16 and would then read the FP8-rounded weight.
   if (scaling_ != fp8::Scaling::current || id < 0 || static_cast<size_t>(id) >= linears_.size()) return false;
@@ -495,8 +471,7 @@ bool Fp8Recipe::current_fp8_weight(int id, Fp8WeightCast* cast) const {
   return true;
 }
 
-std::string Fp8Recipe::log_summary() const {
-  if (gpu_) return gpu_->log_summary();
+std::string Fp8Emulation::log_summary() const {
   const int64_t T = state_->tensors();
   if (T == 0) return {};
   float lo = FLT_MAX, hi = 0.0f;

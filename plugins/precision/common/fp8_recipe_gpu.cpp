@@ -1,6 +1,6 @@
 // The FP8 recipes on CUDA (fp8_recipe.hpp's make_gpu_recipe): the casts and
-// scale updates of kernels/cuda/fp8_kernels.hpp, the GEMMs of
-// kernels/cuda/fp8_gemm.hpp, the scaling state on the device in
+// scale updates of loom/ops/fp8_cast.hpp, the GEMMs of
+// the plan cache of loom/ops/gemm.hpp, the scaling state on the device in
 // ScalingState's layout (slot 3·linear + role). Built only with CUDA.
 //
 // Per step and FP8 linear (all but the LM head unless fp8_head = true; the
@@ -39,13 +39,14 @@
 #include <sstream>
 #include <utility>
 
-#include "kernels/cuda/cuda_check.hpp"
-#include "kernels/cuda/fp8_gemm.hpp"
-#include "kernels/cuda/fp8_kernels.hpp"
+#include "loom/ops/cuda_check.hpp"
+#include "loom/ops/gemm.hpp"
+#include "loom/ops/fp8_cast.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "precision/common/cublaslt_linear.hpp"
 #include "precision/common/fp8_gpu_checks.hpp"
+#include "precision/common/log_mirror.hpp"
 #include "precision/common/fp8_recipe.hpp"
 
 namespace loom::fp8_recipe {
@@ -73,17 +74,11 @@ class Fp8Gpu final : public Precision {
     if (dev_ != nullptr) cudaFree(dev_);
   }
 
-  PrecisionDTypes dtypes() const override {
-    if (o_.master_bf16) {
-      // bf16_pure's layout: no master copy, the optimizer rounds into the bf16
-      // parameters (stochastically when asked).
-      PrecisionDTypes t{DType::bf16, DType::bf16, DType::bf16, DType::bf16, DType::bf16, /*has_master=*/false};
-      t.stochastic_rounding = o_.stochastic_rounding;
-      return t;
-    }
-    // The bf16 recipe's: bf16 parameters and activations, fp32 master, gradients and AdamW state.
-    return {DType::bf16, DType::f32, DType::f32, DType::f32, DType::bf16, /*has_master=*/true};
-  }
+  PrecisionDTypes dtypes() const override { return fp8_common::device_dtypes(o_); }
+
+  // The FP8 GEMMs' row multiple: other counts of a variable-row linear split
+  // off a bf16 tail.
+  int64_t variable_row_multiple() const override { return 16; }
 
   int register_linear(const LinearDesc& d) override {
     LOOM_CHECK(!set_up_, "precision ", o_.plugin, ": linear '", d.name, "' registered after setup()");
@@ -142,7 +137,7 @@ class Fp8Gpu final : public Precision {
   // Fp8Gemm, whose aligned scale slots follow it); then the cast weights
   // ("step": every FP8 linear's W and Wᵀ; "layer": one scratch for the
   // largest W or Wᵀ); then the x, dy and dyᵀ scratch.
-  size_t gemm_bytes() const { return round_up(gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes); }
+  size_t gemm_bytes() const { return round_up(ops::GemmPlans::kWorkspaceBytes + ops::GemmPlans::kScaleSlotBytes); }
   // Before setup() "auto" is planned as "step" (the larger).
   bool per_layer() const { return set_up_ ? per_layer_ : o_.weight_cache == WeightCache::layer; }
   size_t weight_region() const { return per_layer() ? max_weight_bytes_ : weight_bytes_; }
@@ -216,8 +211,8 @@ class Fp8Gpu final : public Precision {
                       "precision ", o_.plugin, ": initial inverse scales (", T_, " floats)");
       // Complete before any stream of the core (which may not sync with the legacy stream) reads it.
       LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision ", o_.plugin, ": initialising the FP8 state");
-      h_scale_.assign(T, 0.0f);
-      h_amax_.assign(T, 0.0f);
+      // The log line's copies: scales, this step's amaxes, the counters.
+      mirror_.allocate({T * sizeof(float), T * sizeof(float), 2 * sizeof(uint32_t)}, cat("precision ", o_.plugin));
     }
   }
 
@@ -230,7 +225,7 @@ class Fp8Gpu final : public Precision {
     allocate_state();
     ws_ = static_cast<char*>(ptr);
     lt_.set_workspace(ws_, precision_common::CublasLtLinears::kWorkspaceBytes);
-    if (fp8gemm_) fp8gemm_->set_workspace(ws_, gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes);
+    if (fp8gemm_) fp8gemm_->set_workspace(ws_, ops::GemmPlans::kWorkspaceBytes + ops::GemmPlans::kScaleSlotBytes);
     for (Linear& l : linears_) l.weight_cast = l.w_scale_known = false;
   }
 
@@ -276,11 +271,11 @@ class Fp8Gpu final : public Precision {
     Tensor qx(ws_ + x_off(), tx, Device::cuda, {rows, d.in});
     Tensor qxt(saved_ + l.saved_off, tx, Device::cuda, {d.in, rows});
     if (!given) cast(x, &qx, l.recast_x ? nullptr : &qxt, xs, /*pending=*/true, stream);
-    gpu::Fp8GemmOptions opt;
+    ops::Fp8GemmOptions opt;
     opt.c = residual;
     opt.fast_accum = o_.gemm.fast_accum_fprop;
-    vary(opt, d, gpu::Fp8Varying::m);
-    gemm(ctx).gemm(qx, scale_inv_ + xs, qw, scale_inv_ + ws, y, opt, stream);
+    vary(opt, d, ops::GemmVarying::m);
+    ops::fp8_gemm(gemm(ctx), qx, scale_inv_ + xs, qw, scale_inv_ + ws, y, opt, stream);
     l.saved_rows = rows;
   }
 
@@ -321,10 +316,7 @@ class Fp8Gpu final : public Precision {
     }
     LOOM_CHECK(mdy.rows == rows && mdy.cols == d.out, "precision ", o_.plugin, ": ", d.name, ": dy is [", mdy.rows,
                ", ", mdy.cols, "], expected [", rows, ", ", d.out, "]");
-    LOOM_CHECK(l.saved_rows == rows, "precision ", o_.plugin, ": ", d.name, ": backward of ", rows,
-               " rows, but the forward before it cast ",
-               l.saved_rows < 0 ? std::string("none") : std::to_string(l.saved_rows),
-               " (every backward follows its own forward)");
+    fp8_common::check_saved_rows(o_.plugin, d, l.saved_rows, rows);
     if (dx != nullptr) {
       const RowMatrix mdx = matrix(*dx, d, "dx", DType::bf16);
       LOOM_CHECK(mdx.rows == rows && mdx.cols == d.in, "precision ", o_.plugin, ": ", d.name, ": dx is [", mdx.rows,
@@ -352,10 +344,10 @@ class Fp8Gpu final : public Precision {
     }
     if (dx != nullptr) {
       const Tensor qwt = weight_for_dgrad(l, w, stream);
-      gpu::Fp8GemmOptions opt;
+      ops::Fp8GemmOptions opt;
       opt.fast_accum = o_.gemm.fast_accum_dgrad;
-      vary(opt, d, gpu::Fp8Varying::m);
-      gemm(ctx).gemm(qdy, scale_inv_ + ds, qwt, scale_inv_ + ws, *dx, opt, stream);
+      vary(opt, d, ops::GemmVarying::m);
+      ops::fp8_gemm(gemm(ctx), qdy, scale_inv_ + ds, qwt, scale_inv_ + ws, *dx, opt, stream);
     }
     Tensor qxt(saved_ + l.saved_off, fp8_dtype(host_.format(Role::x)), Device::cuda, {d.in, rows});
     if (l.recast_x) {
@@ -367,11 +359,11 @@ class Fp8Gpu final : public Precision {
       qxt = Tensor(ws_ + x_off(), qxt.dtype, Device::cuda, {d.in, rows});
       gpu::fp8_cast(x, nullptr, &qxt, scale_ + xs, nullptr, stream);
     }
-    gpu::Fp8GemmOptions opt;
+    ops::Fp8GemmOptions opt;
     opt.c = accumulate ? &dw : nullptr;
     opt.fast_accum = o_.gemm.fast_accum_wgrad;
-    vary(opt, d, gpu::Fp8Varying::k);  // the tokens are the contracted dim
-    gemm(ctx).gemm(qdyt, scale_inv_ + ds, qxt, scale_inv_ + xs, dw, opt, stream);
+    vary(opt, d, ops::GemmVarying::k);  // the tokens are the contracted dim
+    ops::fp8_gemm(gemm(ctx), qdyt, scale_inv_ + ds, qxt, scale_inv_ + xs, dw, opt, stream);
   }
 
   // Delayed scaling knows a tensor's scale before the tensor exists, so a
@@ -436,6 +428,8 @@ class Fp8Gpu final : public Precision {
       LOOM_CUDA_CHECK(cudaMemsetAsync(step_amax_, 0, tb, stream_), "precision ", o_.plugin, ": clearing ", T_,
                       " step amaxes");
     }
+    // What the log line of this step shows, read by log_summary() without a sync.
+    mirror_.queue(stream_, {scale_, last_amax_, counts_}, steps_, cat("precision ", o_.plugin));
   }
 
   std::vector<StateTensor> state_tensors() override {
@@ -524,21 +518,21 @@ class Fp8Gpu final : public Precision {
 
   std::string log_summary() const override {
     if (T_ == 0 || dev_ == nullptr) return {};
-    // A log step: reading the device state here is the one host sync.
-    const size_t tb = static_cast<size_t>(T_) * sizeof(float);
-    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream_), "precision ", o_.plugin, ": waiting for the step to log");
-    LOOM_CUDA_CHECK(cudaMemcpy(h_scale_.data(), scale_, tb, cudaMemcpyDeviceToHost), "precision ", o_.plugin,
-                    ": reading ", T_, " scales for the log line");
-    LOOM_CUDA_CHECK(cudaMemcpy(h_amax_.data(), last_amax_, tb, cudaMemcpyDeviceToHost), "precision ", o_.plugin,
-                    ": reading ", T_, " amaxes for the log line");
-    const_cast<Fp8Gpu*>(this)->read_counts();
+    // The newest end_step copy the device has finished: no host sync (the
+    // step's own read is the log step's one, loom/precision.hpp).
+    int64_t at = 0;
+    const char* got = mirror_.newest(&at);
+    if (got == nullptr) return cat(o_.plugin, " state not copied back yet");
+    const auto* h_scale = reinterpret_cast<const float*>(got);
+    const auto* h_amax = reinterpret_cast<const float*>(got + mirror_.offset(1));
+    const auto* h_counts = reinterpret_cast<const uint32_t*>(got + mirror_.offset(2));
     float lo = FLT_MAX, hi = 0.0f, m = 0.0f;
     for (int64_t t = 0; t < T_; ++t) {
-      lo = std::min(lo, h_scale_[static_cast<size_t>(t)]);
-      hi = std::max(hi, h_scale_[static_cast<size_t>(t)]);
-      m = std::max(m, h_amax_[static_cast<size_t>(t)]);
+      lo = std::min(lo, h_scale[t]);
+      hi = std::max(hi, h_scale[t]);
+      m = std::max(m, h_amax[t]);
     }
-    const int64_t skipped = h_counts_[0];
+    const int64_t skipped = h_counts[0];
     const int64_t since = skipped - skipped_mark_;
     skipped_mark_ = skipped;
     if (since > 0 && !warned_skip_) {
@@ -550,7 +544,7 @@ class Fp8Gpu final : public Precision {
     std::ostringstream os;
     os << o_.plugin << " scales " << std::setprecision(4) << lo << ".." << hi << " over " << T_
        << " tensors, max amax " << m << ", skipped updates " << skipped << " (" << since
-       << " since the last log line, non-finite amaxes " << h_counts_[1] << ")";
+       << " since the last log line, non-finite amaxes " << h_counts[1] << ") as of step " << at;
     return os.str();
   }
 
@@ -605,11 +599,11 @@ class Fp8Gpu final : public Precision {
     return l;
   }
 
-  gpu::Fp8Gemm& gemm(const ExecContext& ctx) {
+  ops::GemmPlans& gemm(const ExecContext& ctx) {
     // Built at the first FP8 GEMM (the handle comes with the context); one per recipe.
     if (!fp8gemm_)
-      fp8gemm_ = std::make_unique<gpu::Fp8Gemm>(
-          ctx.blas_handle, ws_, gpu::Fp8Gemm::kWorkspaceBytes + gpu::Fp8Gemm::kScaleSlotBytes, o_.gemm_algo);
+      fp8gemm_ = std::make_unique<ops::GemmPlans>(
+          ctx.blas_handle, ws_, ops::GemmPlans::kWorkspaceBytes + ops::GemmPlans::kScaleSlotBytes, o_.gemm_algo);
     return *fp8gemm_;
   }
 
@@ -624,8 +618,8 @@ class Fp8Gpu final : public Precision {
   }
 
   // A variable-row linear's GEMMs (an MoE expert's: its token count changes
-  // every call) share plans per bucket of counts (fp8_gemm.cpp).
-  static void vary(gpu::Fp8GemmOptions& opt, const LinearDesc& d, gpu::Fp8Varying dim) {
+  // every call) share plans per bucket of counts (loom/ops/gemm.hpp).
+  static void vary(ops::Fp8GemmOptions& opt, const LinearDesc& d, ops::GemmVarying dim) {
     if (!d.variable_rows) return;
     opt.varying = dim;
     opt.varying_max = d.max_rows;
@@ -735,7 +729,7 @@ class Fp8Gpu final : public Precision {
   GpuOptions o_;
   fp8::ScalingState host_;  // names, formats; checks and inverse scales on resume
   precision_common::CublasLtLinears lt_;
-  std::unique_ptr<gpu::Fp8Gemm> fp8gemm_;
+  std::unique_ptr<ops::GemmPlans> fp8gemm_;
   std::vector<Linear> linears_;
   Communicator* dp_ = nullptr;
   bool set_up_ = false;
@@ -757,7 +751,7 @@ class Fp8Gpu final : public Precision {
   double counters_[4] = {0, 0, 0, 0};  // checkpointed: head, steps, skipped, non-finite
   double options_[fp8::ScalingState::kOptionsRecord] = {};  // checkpointed: ScalingState::options_record
   uint32_t h_counts_[2] = {0, 0};
-  mutable std::vector<float> h_scale_, h_amax_;
+  precision_common::LogMirror mirror_;  // the log line's pinned copies of the state (log_summary)
   mutable int64_t skipped_mark_ = 0;
   mutable bool warned_skip_ = false;
   bool warned_rows_ = false;

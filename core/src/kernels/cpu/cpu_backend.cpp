@@ -12,7 +12,7 @@
 #include "kernels/cpu/moe.hpp"
 #include "loom/error.hpp"
 #include "loom/fp8.hpp"
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 
 namespace loom {
 namespace {

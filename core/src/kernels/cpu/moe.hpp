@@ -49,6 +49,12 @@
 #include <string>
 #include <vector>
 
+namespace loom {
+// The most experts a routing takes: the CUDA backend's pinned expert counts
+// hold that many (model.num_experts is checked against it, config/run_config.hpp).
+inline constexpr int64_t kMaxExperts = 4096;
+}  // namespace loom
+
 namespace loom::cpu {
 
 struct MoeDims {

@@ -26,15 +26,14 @@
 #include <tuple>
 #include <vector>
 
-#include "config/run_config.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "kernels/cuda/cuda_check.hpp"
+#include "loom/ops/cuda_check.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
-#include "kernels/cuda/fp8_kernels.hpp"
+#include "loom/ops/fp8_cast.hpp"
 #include "kernels/cuda/moe_kernels.hpp"
 #include "loom/error.hpp"
 #include "loom/precision.hpp"
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 
 namespace loom {
 namespace {
@@ -591,7 +590,7 @@ class CudaBackend final : public Backend {
   gpu::Scratch scratch_;
   double* host_result_ = nullptr;
   // moe_read_counts' pinned landing buffer: counts and offsets of up to
-  // kMaxExperts, the most model.num_experts accepts (run_config.hpp), 64 KiB.
+  // kMaxExperts, the most experts a routing takes (kernels/cpu/moe.hpp), 64 KiB.
   static constexpr size_t kMoeCountSlots = 2 * static_cast<size_t>(kMaxExperts) + 1;
   int64_t* host_counts_ = nullptr;
   std::map<std::tuple<int64_t, int64_t, double>, RopeTable> rope_tables_;

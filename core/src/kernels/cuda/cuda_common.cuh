@@ -12,7 +12,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "kernels/cuda/cuda_check.hpp"
+#include "loom/ops/cuda_check.hpp"
 #include "loom/error.hpp"
 #include "loom/tensor.hpp"
 

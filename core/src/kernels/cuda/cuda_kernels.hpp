@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "loom/tensor.hpp"
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 
 namespace loom::gpu {
 

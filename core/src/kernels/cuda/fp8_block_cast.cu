@@ -1,4 +1,4 @@
-// Fine-grained FP8 casts on the GPU (fp8_block_kernels.hpp). Codes come from
+// Fine-grained FP8 casts on the GPU (loom/ops/fp8_block_cast.hpp). Codes come from
 // loom::fp8::encode_fast (bitwise encode), scales from
 // loom::fp8::block::tile_scale, layouts from loom::fp8::block::scale_index:
 // the same functions as the host reference.
@@ -30,7 +30,7 @@
 #include <cstring>
 
 #include "kernels/cuda/cuda_common.cuh"
-#include "kernels/cuda/fp8_block_kernels.hpp"
+#include "loom/ops/fp8_block_cast.hpp"
 #include "loom/fp8.hpp"
 #include "loom/fp8_block.hpp"
 

@@ -1,4 +1,4 @@
-// FP8 casts, amaxes and scale updates on the GPU (see fp8_kernels.hpp).
+// FP8 casts, amaxes and scale updates on the GPU (see loom/ops/fp8_cast.hpp).
 //
 // Codes come from loom::fp8::encode_fast, bitwise the host's encode (checked
 // over every input in test_fp8): with encode itself the cast is bound by
@@ -24,7 +24,7 @@
 #include <cfloat>
 
 #include "kernels/cuda/cuda_common.cuh"
-#include "kernels/cuda/fp8_kernels.hpp"
+#include "loom/ops/fp8_cast.hpp"
 #include "kernels/cuda/fp8_tile.cuh"
 #include "loom/fp8.hpp"
 

@@ -73,7 +73,7 @@ struct Shared {
 // to ±max, ±inf to ±max), which is loom::fp8::encode bitwise except that a
 // NaN may keep its sign: every NaN byte becomes kNaNCode (0x7F), as encode
 // makes it. Checked over every fp32 input against encode_fast by
-// fp8_encode_mismatches (fp8_kernels.hpp).
+// fp8_encode_mismatches (loom/ops/fp8_cast.hpp).
 template <fp8::Format F>
 __device__ __forceinline__ uint32_t encode4(float a, float b, float c, float d) {
   uint16_t lo, hi;  // cvt puts its first source in the upper byte

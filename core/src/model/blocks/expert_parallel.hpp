@@ -53,7 +53,7 @@
 #include <vector>
 
 #include "loom/comm.hpp"
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 #include "model/block.hpp"
 
 namespace loom {

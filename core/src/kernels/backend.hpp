@@ -5,10 +5,12 @@
 //   parameters (w, wte): the param dtype (fp32 or bf16); parameter gradients (dw, dwte): the grad dtype
 //   rstd, losses, stats: always fp32. Every op accumulates in fp32.
 // Combinations a backend must support: (act, param, grad) = (f32, f32, f32), (bf16, bf16, f32), (bf16, bf16, bf16).
-// The model (model/, its blocks) is written once against this interface; the CPU
-// backend calls the fp32 reference kernels in kernels/cpu, the CUDA backend
-// (kernels/cuda) the device kernels. GEMMs and attention are not here: they
-// belong to the precision and attention plugins.
+// The model (model/ and its blocks) is written once against this interface;
+// the CPU backend calls the fp32 reference kernels in kernels/cpu, the CUDA
+// backend (kernels/cuda) the device kernels. It lives with the kernels, which
+// depend on nothing above them (not model/, not config/). GEMMs and attention
+// are not here: they belong to the precision and attention plugins, which
+// build on the public ops of loom/ops/ (the cuBLASLt plan cache, the FP8 casts).
 #pragma once
 #include <cstdint>
 #include <memory>

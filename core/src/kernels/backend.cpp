@@ -1,7 +1,7 @@
 // The Backend's default MoE and FP8-operand entry points: a backend without
 // those kernels refuses at the first call, with one message (the CPU and CUDA
 // backends override the MoE ones, the CUDA backend the FP8 ones).
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 
 #include "loom/error.hpp"
 #include "loom/precision.hpp"

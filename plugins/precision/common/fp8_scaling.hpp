@@ -16,7 +16,10 @@
 // before update_scales(). Scales and inverse scales are laid out the same
 // way, and the history as [amax_history_len][tensors()] rows, a ring.
 //
-// Host-only (throws loom::Error); a device version keeps the same layout.
+// Host-only (throws loom::Error); a device version keeps the same layout
+// (loom/ops/fp8_slots.hpp; the device scale updates of loom/ops/fp8_cast.hpp
+// are bitwise update_scales'). The recipes' own logic: it lives with the FP8
+// precision plugins and is compiled into each (plugins/CMakeLists.txt).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -24,19 +27,11 @@
 #include <vector>
 
 #include "loom/fp8.hpp"
+#include "loom/ops/fp8_slots.hpp"
 
 namespace loom::fp8 {
 
 enum class Scaling : uint8_t { delayed, current };
-// Which format each tensor is cast to: "hybrid" is E4M3 forward (activations
-// and weights) and E5M2 for gradients, whose range matters more than their
-// precision; "e4m3" is E4M3 everywhere.
-enum class Formats : uint8_t { hybrid, e4m3 };
-enum class AmaxAlgo : uint8_t { max, most_recent };
-// The three tensors a linear casts: its input x and weight w (forward) and the
-// output gradient dy (backward).
-enum class Role : uint8_t { x = 0, w = 1, dy = 2 };
-constexpr int kRolesPerLinear = 3;
 
 struct ScalingConfig {
   Scaling scaling = Scaling::delayed;
@@ -57,9 +52,6 @@ const char* name(AmaxAlgo a);
 // Throws loom::Error naming the bad value (history length >= 1, margin in [0, 126]).
 void validate(const ScalingConfig& cfg);
 
-constexpr Format role_format(Formats formats, Role r) {
-  return formats == Formats::hybrid && r == Role::dy ? Format::e5m2 : Format::e4m3;
-}
 
 // The names of a ScalingState's tensors in a checkpoint, for messages.
 struct ScalingStateNames {

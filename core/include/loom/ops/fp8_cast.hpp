@@ -2,10 +2,11 @@
 // the FP8 recipes on the GPU, sharing loom::fp8::encode, decode and
 // compute_scale with the host code (loom/fp8.hpp), so that a device cast is
 // bitwise the host `loom::fp8::quantize` and a device scale update bitwise
-// `ScalingState`'s. Plain C++: tests, the benchmark and fp8_gemm.cpp include it
+// the FP8 recipes' ScalingState's (plugins/precision/common/fp8_scaling.hpp).
+// Plain C++: tests, the benchmark and the plan cache include it
 // without nvcc.
 //
-// Conventions (those of loom/fp8_scaling.hpp):
+// Conventions (the slot layout of loom/ops/fp8_slots.hpp):
 // - A cast computes q = encode(x * scale) in fp32 (round to nearest even,
 //   saturating to ±max, NaN to NaN), `scale` read from a device float.
 // - An amax slot is a device float holding max |x| so far (>= 0); a cast or
@@ -27,7 +28,7 @@
 
 #include <cstdint>
 
-#include "loom/fp8_scaling.hpp"
+#include "loom/ops/fp8_slots.hpp"
 #include "loom/tensor.hpp"
 
 namespace loom::gpu {

@@ -1,6 +1,6 @@
-// FP8 scaling state (loom/fp8_scaling.hpp): TransformerEngine's delayed
+// FP8 scaling state (precision/common/fp8_scaling.hpp): TransformerEngine's delayed
 // scaling and per-tensor current scaling on the host.
-#include "loom/fp8_scaling.hpp"
+#include "precision/common/fp8_scaling.hpp"
 
 #include <cmath>
 #include <cstdint>
