@@ -14,7 +14,9 @@
 // against another major is refused); the minor grows when the host adds
 // something a plugin may use (a host accepts plugins with minor <= its own).
 #define LOOM_ABI_MAJOR 8
-#define LOOM_ABI_MINOR 1  // 8.1: loom::TokenScan (data.hpp), an optional interface beside DataSource: loom check scans tokens
+#define LOOM_ABI_MINOR 2  // 8.2: document masking: loom::DocumentStarts (data.hpp), an optional interface beside
+                          // DataSource; AttentionShape::documents and ::spans (attention.hpp), appended
+// 8.1: loom::TokenScan (data.hpp), an optional interface beside DataSource: loom check scans tokens
 // 8.0: Precision::fp8_operand (a new virtual), Fp8Operand: FP8 operands written by blocks
 // 7.0: Precision::variable_row_multiple (a new virtual): MoE expert rows padded to it
 // 6.0: Precision::current_fp8_weight, Sharding's GatherCodec (ShardingEnv::codec): FP8 weight gathers
