@@ -40,6 +40,13 @@
 #   bash scripts/gpu_check.sh node-loss           (the same shape on NP GPUs, grad_accum 1, on the fortune corpus:
 #       bf16 against fp8_current (the FP8 twin), LOSS_STEPS (150) steps from the same weights, `loom compare`;
 #       passes when the FP8 loss is within 1% of bf16's at every step after 50)
+#   bash scripts/gpu_check.sh docmask             (document masking on one GPU, under 9 minutes: test_docmask's
+#       GPU cases (naive fp32 and cuDNN bf16 against separate documents); `loom bench --breakdown` with and
+#       without train.reset_attention_mask/reset_position_ids/eod_mask_loss on llama-1b (8 x 2048) and on the
+#       Llama-3-8B shape at 1 x 8192 with 4 of its 32 layers (the whole 8B model and its AdamW state do not
+#       fit one 80 GB GPU), synthetic documents of log-normal lengths, mean 1000 tokens (step and attention
+#       times); then 1000 steps on the fortune corpus with the switches on beside the same run without
+#       them, `loom plot` of both ($OUT/docmask_convergence.png); a summary table last. Env DM_STEPS, CONV_STEPS)
 #   bash scripts/gpu_check.sh ep [CONFIG]         (expert parallelism on NP GPUs, default 2: `loom compare` of
 #       CONFIG (default mixtral-small) under ddp with every expert on every rank, and under ddp and zero3
 #       with sharding.expert_parallel = NP, beside one GPU alone; losses of a deterministic run within 2e-3
@@ -85,7 +92,7 @@ status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   : > "$OUT/tests.txt"
   # The suites with GPU cases (the CPU suites run in CI).
-  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_golden test_gpu_train test_gpu_moe test_gpu_fp8_recipes test_gpu_fp8_block test_step_alloc}; do
+  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_golden test_gpu_train test_gpu_moe test_gpu_fp8_recipes test_gpu_fp8_block test_step_alloc test_docmask}; do
     t=.carry/bin/$n
     if "$t" --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
@@ -338,6 +345,72 @@ sys.exit(0 if worst <= 1e-5 else 1)
 PY
   then r=PASS; else r=FAIL; status=1; fi
   echo "$r reshard (cuda) np=$NP" | tee -a "$OUT/tests.txt"
+fi
+if [ "$WHAT" = docmask ]; then
+  DM=(--set train.reset_attention_mask=true --set train.reset_position_ids=true --set train.eod_mask_loss=true)
+  SUM=$OUT/docmask_summary.md
+  : > "$SUM"
+  # 1. The GPU cases of test_docmask (CUDA naive fp32 within 1e-5, cuDNN bf16 within 3e-2 of separate documents).
+  if .carry/bin/test_docmask --gtest_filter='DocMaskGpu.*' --gtest_brief=1 > "$OUT/test_docmask.log" 2>&1 &&
+     ! grep -q "SKIPPED" "$OUT/test_docmask.log"; then r=PASS; else r=FAIL; status=1; fi
+  grep '^\[docmask' "$OUT/test_docmask.log"
+  echo "| test_docmask GPU cases | $r |" >> "$SUM"
+  # 2. Speed: the step and the attention kernel alone, with and without the switches.
+  L3=(--set model.num_layers=4 --set model.num_kv_heads=8 --set model.ffn_hidden=14336 --set model.vocab_size=128256
+      --set model.max_seq_len=8192 --set model.rope_theta=500000 --set train.micro_batch=1 --set train.seq_len=8192)
+  for shape in llama-1b llama3-8b-4layers; do
+    if [ $shape = llama-1b ]; then CFG=configs/bench/llama-1b.toml; SH=(); else CFG=configs/bench/llama2-7b.toml; SH=("${L3[@]}"); fi
+    for mode in plain masked; do
+      M=(); [ $mode = masked ] && M=("${DM[@]}")
+      .carry/bin/loom bench "$CFG" "${SH[@]}" --set data.document_length=1000 "${M[@]}" --steps="${DM_STEPS:-10}" \
+        --warmup=3 --breakdown --json="$OUT/docmask_${shape}_$mode.json" > "$OUT/docmask_${shape}_$mode.log" 2>&1 || status=1
+    done
+  done
+  python3 - "$OUT" >> "$SUM" <<'PY' || status=1
+import json, os, sys
+out = sys.argv[1]
+print("| shape | mode | step ms | tokens/s | attention fwd ms | attention bwd ms | masked / plain step |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for shape in ("llama-1b", "llama3-8b-4layers"):
+    r = {}
+    for mode in ("plain", "masked"):
+        p = os.path.join(out, f"docmask_{shape}_{mode}.json")
+        r[mode] = json.load(open(p)) if os.path.exists(p) else None
+    for mode in ("plain", "masked"):
+        j = r[mode]
+        if j is None:
+            print(f"| {shape} | {mode} | failed | | | | |")
+            continue
+        b = j.get("breakdown_ms", {})
+        ratio = (f"{j['median_step_ms'] / r['plain']['median_step_ms']:.3f}x" if mode == "masked" and r["plain"] else "")
+        print(f"| {shape} {j['batch']}x{j['seq_len']} | {mode} | {j['median_step_ms']:.2f} | {j['tokens_per_s']:.0f} | "
+              f"{b.get('attention.forward', 0):.2f} | {b.get('attention.backward', 0):.2f} | {ratio} |")
+PY
+  # 3. Convergence on the fortune corpus (its documents as loom prepare wrote them): the switches on beside off.
+  C=configs/convergence; CC=$OUT/docmask-configs
+  rm -rf "$CC" && mkdir -p "$CC"
+  sed -e 's/^name = .*/name = "fortunes-docmask"/' -e 's|^out_dir = .*|out_dir = "runs/fortunes-docmask"|' \
+      -e 's/^\[train\]$/[train]\nreset_attention_mask = true\nreset_position_ids = true\neod_mask_loss = true/' \
+      "$C/fortunes-fused.toml" > "$CC/fortunes-docmask.toml"
+  .carry/bin/loom compare $C/fortunes-fused.toml --configs="$CC/fortunes-docmask.toml" --set run.overwrite=true \
+    --steps="${CONV_STEPS:-1000}" --warmup=0 --validate=100 --out="$OUT/docmask-convergence" \
+    > "$OUT/docmask-convergence.out" 2> "$OUT/docmask-convergence.log" || status=1
+  grep -v '^COMPARE_JSON' "$OUT/docmask-convergence.out"
+  .carry/bin/loom plot runs/fortunes-fused runs/fortunes-docmask --out "$OUT/docmask_convergence.png" \
+    > "$OUT/docmask_plot.log" 2>&1 || status=1
+  python3 - "$OUT/docmask-convergence/compare_val_losses.csv" >> "$SUM" <<'PY' || status=1
+import csv, math, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+ref, *others = [k for k in rows[0] if k != "step"]
+print(f"\nconvergence ({len(rows)} evaluations; validation loss first -> last):")
+for name in [ref] + others:
+    v = [float(r[name]) for r in rows]
+    print(f"  {name:24s} {v[0]:.4f} -> {v[-1]:.4f}")
+    if not all(math.isfinite(x) for x in v) or v[-1] >= v[0]:
+        sys.exit(1)
+PY
+  echo; echo "docmask summary ($OUT/docmask_summary.md, plot $OUT/docmask_convergence.png):"
+  cat "$SUM"
 fi
 if [ "$WHAT" = ep ]; then
   # Expert parallelism over NCCL: EP = NP against EP = 1 on the same ranks and

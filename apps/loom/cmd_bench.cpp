@@ -16,7 +16,9 @@
 // block's ranges, from one more forward and backward with each range timed
 // on its own: moe.routing (jitter, router GEMM + softmax + top-k + sort,
 // gather, combine, and their backward) and moe.experts (the expert GEMMs and
-// SwiGLU, forward and backward), each range also as moe.<range>.
+// SwiGLU, forward and backward), each range also as moe.<range>; and for
+// every model the attention kernel alone over all layers from that pass
+// (attention.forward, attention.backward).
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -235,16 +237,20 @@ int cmd_bench(const Args& args) {
     for (int u = units - 2; u >= 1; --u) timed("backward.layers", [&] { s.backward_unit(u); });
     timed("backward.embedding", [&] { s.backward_unit(0); });
     timed("optimizer", [&] { s.optimizer_step(s.step()); });
+    // One more forward and backward (no update) with the attention kernel's
+    // ranges (and a MoE block's) timed one by one: attention alone, forward
+    // and backward (with its recompute under model.recompute), every layer.
+    RangeTimer rt(be);
+    s.zero_grads();
+    be.synchronize();
+    trace::Sink* prev = trace::g_sink.exchange(&rt);
+    for (int u = 0; u < units; ++u) s.forward_unit(u, true, scale);
+    for (int u = units - 1; u >= 0; --u) s.backward_unit(u);
+    be.synchronize();
+    trace::g_sink.store(prev);
+    parts["attention.forward"] = rt.ms("attention");
+    parts["attention.backward"] = rt.ms("attention.grad") + rt.ms("attention.recompute");
     if (s.spec().moe()) {
-      // One more forward and backward (no update) with the MoE block's ranges timed one by one.
-      RangeTimer rt(be);
-      s.zero_grads();
-      be.synchronize();
-      trace::Sink* prev = trace::g_sink.exchange(&rt);
-      for (int u = 0; u < units; ++u) s.forward_unit(u, true, scale);
-      for (int u = units - 1; u >= 0; --u) s.backward_unit(u);
-      be.synchronize();
-      trace::g_sink.store(prev);
       double routing = 0, experts = 0;
       for (const char* n : kMoeRouting) routing += rt.ms(n);
       for (const char* n : kMoeExperts) experts += rt.ms(n);

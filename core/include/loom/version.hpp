@@ -14,8 +14,10 @@
 // against another major is refused); the minor grows when the host adds
 // something a plugin may use (a host accepts plugins with minor <= its own).
 #define LOOM_ABI_MAJOR 8
-#define LOOM_ABI_MINOR 2  // 8.2: PluginInit::planning (a run planned without its device), LinearDesc::input_in_backward,
-                          //      PrecisionSetup::params_sharded (setup() now comes after the strategy's plan)
+#define LOOM_ABI_MINOR 3  // 8.3: document masking: loom::DocumentStarts (data.hpp), an optional interface beside
+                          //      DataSource; AttentionShape::documents and ::spans (attention.hpp), appended
+// 8.2: PluginInit::planning (a run planned without its device), LinearDesc::input_in_backward,
+//      PrecisionSetup::params_sharded (setup() now comes after the strategy's plan)
 // 8.1: loom::TokenScan (data.hpp), an optional interface beside DataSource: loom check scans tokens
 // 8.0: Precision::fp8_operand (a new virtual), Fp8Operand: FP8 operands written by blocks
 // 7.0: Precision::variable_row_multiple (a new virtual): MoE expert rows padded to it

@@ -137,14 +137,17 @@ class Session {
   int64_t host_syncs() const { return rt_.backend->host_syncs(); }
 
   // Building blocks, public for tests and `loom bench --breakdown`.
-  void load_batch(const int32_t* inputs, const int32_t* targets);  // host [B*S] each
+  // Host [B*S] each; with the [train] document switches also the document
+  // starts, [B * (S + 1)] as loom::DocumentStarts writes them.
+  void load_batch(const int32_t* inputs, const int32_t* targets, const uint8_t* starts = nullptr);
   // Every unit forward, with the sharding hooks around each. Training keeps
   // what backward needs; its loss comes in the head's backward.
   void forward(bool training, float dloss_scale);
   void forward_unit(int unit, bool training, float dloss_scale);
   void backward_unit(int unit);
   void backward();
-  // Mean token loss of the last evaluation forward or training backward (synchronises).
+  // Mean token loss of the last evaluation forward or training backward, over
+  // the tokens that carry loss (synchronises).
   double batch_loss();
   // Mixture of experts: the load-balancing loss (unweighted) of the last
   // training forward, over its micro-batch's tokens of every layer (synchronises).
@@ -175,7 +178,9 @@ class Session {
   std::vector<StepLog> read_ring(bool keep_newest = false);
   // The log ring's row of a step (1-based): rows go round by step number.
   int64_t ring_row(int64_t step) const { return (step - 1) % state_->scalar_log_rows(); }
-  void next_batch(Split split);
+  // Stages the next micro-batch and tells the model what the host learnt of it.
+  StagedBatch next_batch(Split split);
+  void use_batch(const StagedBatch& b);
   double mean_over_ranks(double v) { return all_reduce_scalar(*rt_.host, v, ReduceOp::avg); }
   // The stop signal any rank received (0: none); the same on every rank.
   int agreed_stop_signal();
@@ -196,6 +201,7 @@ class Session {
   uint64_t closed_prev_ = kNoMarker;  // the previous step's closing marker (its log row written)
   bool log_due_ = false;    // an ordinary log step waits to be read after the next step is queued
   bool last_micro_ = true;  // the current micro-batch is the step's last (sharding may communicate)
+  int64_t loss_tokens_ = 0;  // targets that carry loss in the micro-batch staged last
   bool initialised_ = false;
   bool resumed_ = false;    // initialise() loaded a checkpoint
   std::shared_ptr<OutputLock> output_lock_;
