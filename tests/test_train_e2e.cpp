@@ -544,16 +544,22 @@ TEST(TrainE2E, ConvertFusedCheckpointToHF) {
 // the GPU (it counts the same blocking calls: downloads, synchronisations,
 // host-read reductions), a step that is not a log step makes no host
 // synchronisation and a log step exactly one (the read of the step log).
-// tests/test_gpu_train.cpp runs the same on CUDA.
+// tests/test_gpu_train.cpp runs the same on CUDA. "documents": the three
+// document switches (spans, positions and loss mask derived on the host,
+// staged with the tokens; the loss's weight per micro-batch known there too).
 TEST(TrainE2E, StepMakesNoHostSynchronisation) {
   fs::path d = temp_dir("host_syncs");
-  for (const char* layers : {"native", "fused", "moe"}) {
+  for (const char* layers : {"native", "fused", "moe", "documents"}) {
     // "moe": native attention with the moe FFN block (its expert row counts are read in place on the CPU).
-    const bool moe = std::string(layers) == "moe";
+    const bool moe = std::string(layers) == "moe", docs = std::string(layers) == "documents";
     std::vector<std::string> ov = {"train.steps=9", "train.log_every=3", "train.validation_every=0",
-                                   std::string("model.layers=\"") + (moe ? "native" : layers) + "\""};
+                                   std::string("model.layers=\"") + (moe || docs ? "native" : layers) + "\""};
     if (moe)
       for (const char* o : {"model.ffn=\"moe\"", "model.num_experts=4", "model.top_k=2"}) ov.push_back(o);
+    if (docs)
+      for (const char* o : {"train.reset_attention_mask=true", "train.reset_position_ids=true",
+                            "train.eod_mask_loss=true", "data.document_length=6"})
+        ov.push_back(o);
     Session s(parse(small_config(d / layers), ov));
     s.initialise();
     for (int64_t step = 1; step <= 9; ++step) {

@@ -25,18 +25,22 @@
 //   spans become the sequences of a ragged (THD) SDPA — per-sequence lengths,
 //   a padding mask and ragged offsets into the same BSHD buffers, causal
 //   within each sequence — so the masked blocks between documents cost no
-//   FLOPs. A graph's sequence count and longest sequence are fixed, so each is
-//   rounded up to a power of two (sequence count, from the spans' count) or to
-//   a power of two from 64 up to S (length, from the longest span): the host
-//   knows both when the micro-batch is staged, so picking the graph needs no
-//   device read, and the spans beyond `count` are empty. workspace_bytes()
-//   builds the graphs of one span per row; a graph of another rounding is
-//   built the first time a micro-batch needs it (a few, as document lengths
-//   vary). The ragged offsets (elements, per tensor: a span's first token
-//   times the tensor's token stride) are computed on the stream from the
-//   spans' cu_seqlens by a small kernel (cudnn_offsets.cu) into the front of
-//   the workspace, once per staged micro-batch (DocumentSpans::serial). The
-//   stats are laid out [tokens, H] in the [B, H, S] buffer in this mode.
+//   FLOPs. A graph's sequence count is fixed, so the spans' count is rounded
+//   up to a bucket, B x 2^k up to B x S (the spans beyond `count` are empty,
+//   length 0, and cost a few CTAs that exit at once); every graph's longest
+//   sequence is S (the kernels stop at each sequence's own length). The host
+//   knows the count when the micro-batch is staged, so picking the graph
+//   needs no device read. workspace_bytes(), at start-up, builds the graphs
+//   of every bucket (log2(S) + 1 of them per direction and layout) and sizes
+//   the workspace for the largest; a call never builds one (a step neither
+//   waits for the host nor allocates), and one whose graph was not built is
+//   refused, naming it. Each graph's workspace is bounded by the tokens of
+//   the micro-batch, not by buckets x S (max_total_seq_len). The ragged
+//   offsets (elements, per tensor: a span's first token times the tensor's
+//   token stride) are computed on the stream from the spans' cu_seqlens by a
+//   small kernel (cudnn_offsets.cu) into the front of the workspace, once per
+//   staged micro-batch (DocumentSpans::serial) and layout. The stats are laid
+//   out [tokens, H] in the [B, H, S] buffer in this mode.
 //
 // Threads: one. The core drives a plugin object from its step thread. The
 // caches and variant packs are unguarded and the cuDNN handle's stream is set
@@ -99,8 +103,6 @@ constexpr std::array<Uid, 9> kBackwardUids{kQ, kK, kV, kO, kStats, kDO, kDQ, kDK
 constexpr std::array<Uid, 7> kRaggedUids{kSeqQ, kSeqKV, kOffQ, kOffK, kOffV, kOffO, kOffStats};
 // The ragged offsets' order in the workspace (cudnn_offsets.hpp): q, k, v, o, stats.
 constexpr std::array<Uid, 5> kOffsetUids{kOffQ, kOffK, kOffV, kOffO, kOffStats};
-// Ragged graphs' smallest sequence length (cuDNN has known trouble with 1).
-constexpr int64_t kMinRaggedSeq = 64;
 
 // Element strides of a [B, S, heads, D] tensor (the D stride is 1).
 struct Bshd {
@@ -121,16 +123,23 @@ ShapeId shape_id(const AttentionShape& s, DType t) {
           static_cast<int64_t>(t), s.documents};
 }
 
-int64_t pow2_at_least(int64_t n) {
-  int64_t p = 1;
-  while (p < n) p *= 2;
-  return p;
+// The sequence counts of a document shape's ragged graphs: B, 2B, 4B, ...,
+// and B x S (every token a span of its own), the last bucket. Each count a
+// micro-batch can have (B to B x S spans: each row begins one) falls into
+// one: the smallest bucket >= it. Doubling bounds both the graphs built at
+// start-up (log2(S) + 1) and the empty sequences of a call (fewer than its
+// spans).
+std::vector<int64_t> ragged_counts(const AttentionShape& s) {
+  std::vector<int64_t> out;
+  const int64_t N = s.batch * s.seq;
+  for (int64_t c = s.batch; c < N; c *= 2) out.push_back(c);
+  out.push_back(N);
+  return out;
 }
-// A ragged graph's sequence count for `spans` spans, and its sequence length
-// for a longest span of `longest` tokens (rows of S tokens).
-int64_t ragged_count(int64_t spans) { return pow2_at_least(std::max<int64_t>(spans, 1)); }
-int64_t ragged_len(int64_t longest, int64_t S) {
-  return std::min(S, std::max(pow2_at_least(longest), kMinRaggedSeq));
+int64_t ragged_count(const AttentionShape& s, int64_t spans) {
+  int64_t c = s.batch;
+  while (c < spans) c *= 2;
+  return std::min(c, s.batch * s.seq);
 }
 
 // Everything a graph depends on. For forward only q/k/v/o are used.
@@ -141,7 +150,7 @@ struct GraphKey {
   bool deterministic = false;  // backward only: forward has a single algorithm
   Bshd q, k, v, o, dout, dq, dk, dv;
   // Document masking: a ragged graph of `seqs` sequences of at most `seq_len`
-  // tokens (0 and 0 without documents).
+  // tokens (S; 0 and 0 without documents).
   int64_t seqs = 0, seq_len = 0;
   bool ragged() const { return seqs > 0; }
 
@@ -439,23 +448,30 @@ class CudnnAttention final : public Attention {
   // Builds every graph a step can ask for with this shape: forward and backward
   // (with the determinism the plugin was created with), for packed tensors and
   // for the fused attention block's layout (fused_key).
-  // With documents: the ragged graphs of one span per row, and, when cuDNN
-  // builds them, those of the most spans (one token each), whose workspace
-  // bounds every other rounding; plus the ragged offsets' room.
+  // With documents: the ragged graphs of every sequence-count bucket
+  // (ragged_counts), so that no call builds one; the workspace is the
+  // largest of them plus the ragged offsets' room. A bucket cuDNN refuses
+  // refuses the run here, at start-up, naming it.
   size_t workspace_bytes(const AttentionShape& shape, DType dtype, Device device) const override {
     LOOM_CHECK(device == Device::cuda, "cudnn attention runs on cuda only, got device ", device_name(device), kUseNaive);
-    if (planning_) return planned_workspace(shape, deterministic_);
+    if (planning_) return planned_workspace(shape, deterministic_) + static_cast<size_t>(offsets_bytes(shape));
     int64_t most = 0;
     for (bool bwd : {false, true})
       for (const GraphKey& k :
            {packed_key(shape, dtype, bwd, deterministic_), fused_key(shape, dtype, bwd, deterministic_)}) {
-        const Entry& e = entry(first_key(k));
-        LOOM_CHECK(e.graph != nullptr, e.error, kUseNaive);
-        most = std::max(most, e.workspace);
-        if (shape.documents) {
-          const Entry& many = entry(ragged(k, ragged_count(shape.batch * shape.seq),
-                                           ragged_len(1, shape.seq)));
-          if (many.graph) most = std::max(most, many.workspace);
+        std::vector<GraphKey> keys;
+        if (shape.documents)
+          for (int64_t c : ragged_counts(shape)) keys.push_back(ragged(k, c, shape.seq));
+        else
+          keys.push_back(k);
+        for (const GraphKey& rk : keys) {
+          const Entry& e = entry(rk);
+          LOOM_CHECK(e.graph != nullptr, e.error,
+                     shape.documents ? " (train.reset_attention_mask: every bucket of document counts is built at "
+                                       "start-up)"
+                                     : "",
+                     kUseNaive);
+          most = std::max(most, e.workspace);
         }
       }
     int64_t& planned = planned_[shape_id(shape, dtype)];
@@ -527,11 +543,11 @@ class CudnnAttention final : public Attention {
                kUseNaive);
   }
 
-  // The key of the graph a shape's first call uses: with documents, the
-  // ragged graph of one span per row.
+  // The key supports() asks cuDNN about: with documents, the ragged graph
+  // of one span per row (workspace_bytes() builds the other buckets).
   static GraphKey first_key(const GraphKey& k) {
     const AttentionShape& s = k.shape;
-    return s.documents ? ragged(k, ragged_count(s.batch), ragged_len(s.seq, s.seq)) : k;
+    return s.documents ? ragged(k, ragged_count(s, s.batch), s.seq) : k;
   }
 
   // Document masking: the ragged graph this micro-batch's spans need, with
@@ -560,7 +576,7 @@ class CudnnAttention final : public Attention {
       LOOM_CHECK(st->b == s.seq * st->s, "cudnn attention with documents: ", what, "'s rows must follow each other ",
                  "(batch stride = S x token stride = ", s.seq * st->s, "), got batch stride ", st->b);
     LOOM_CHECK(workspace != nullptr, "cudnn attention with documents needs the workspace workspace_bytes() asked for");
-    const GraphKey rk = ragged(key, ragged_count(d.count), ragged_len(d.longest, s.seq));
+    const GraphKey rk = ragged(key, ragged_count(s, d.count), s.seq);
     auto* off = static_cast<int64_t*>(workspace);  // 5 arrays of N + 1: q, k, v, o, stats
     const std::array<int64_t, 5> strides{key.q.s, key.k.s, key.v.s, key.o.s, s.heads};
     if (!(d.serial == offsets_serial_ && &d == offsets_spans_ && workspace == offsets_at_ &&
@@ -620,11 +636,23 @@ class CudnnAttention final : public Attention {
   }
 
   // The graph of a forward/backward call: the one this direction used last
-  // (every layer of a model asks for the same), else the cache.
+  // (every layer of a model asks for the same), else the cache. A ragged
+  // graph is never built here: building one allocates and may wait for the
+  // device, in the middle of a step; workspace_bytes() built them all.
   Entry& call_entry(const GraphKey& key) {
     const GraphId id = key.id();
     Entry*& last = last_[key.backward ? 1 : 0];
-    if (last == nullptr || last->id != id) last = &entry(key, id);
+    if (last == nullptr || last->id != id) {
+      if (key.ragged()) {
+        auto it = cache_.find(id);
+        LOOM_CHECK(it != cache_.end(), "cudnn attention: the ", key.describe(),
+                   " graph was not built at start-up: workspace_bytes() builds every graph of a document shape, and "
+                   "was not asked for this one (B=", key.shape.batch, " S=", key.shape.seq, ")");
+        last = &it->second;
+      } else {
+        last = &entry(key, id);
+      }
+    }
     return *last;
   }
 
