@@ -5,7 +5,8 @@
 // in fp32 (both layer variants), with an FP8 recipe, with MoE, on CUDA with
 // the naive plugin in fp32 and with cuDNN in bf16 — and the edge cases:
 // documents of one token, a document ending exactly at a row's end, a row
-// that is one document, a row of 1000 one-token documents. Also: the host
+// that is one document, a row of 1000 one-token documents; and against HF
+// transformers' packed golden (tests/golden/docmask, below). Also: the host
 // derives the spans and the loss mask from the starts as promised
 // (loom/attention.hpp's DocumentSpans), and a run whose data or attention
 // plugin cannot honour the switches is refused at start-up, saying why.
@@ -30,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -39,6 +41,7 @@
 
 #include "config/run_config.hpp"
 #include "gpu_test_util.hpp"
+#include "hf/safetensors.hpp"
 #include "loom/error.hpp"
 #include "model/backend.hpp"
 #include "test_util.hpp"
@@ -370,5 +373,115 @@ TEST(DocMaskGpu, CudnnBf16PackedEqualsSeparate) {
     expect_packed_equals_separate(run, {7, 13, 1, 5, 1, 9}, 1, 36, 3e-2);
     expect_packed_equals_separate(run, {12, 12, 12}, 1, 36, 3e-2);
     expect_packed_equals_separate(run, std::vector<int64_t>(64, 1), 1, 64, 3e-2);
+  }
+}
+
+// HF transformers on the same packed documents (tests/golden/docmask, made by
+// make_docmask_golden.py from the "gqa" golden model: each document span fed
+// alone from position 0, checked there against the packed rows with
+// position_ids and a 4-D block-diagonal causal mask). Two rows of 33 tokens:
+// documents of 1 token, one ending exactly at a row's end (its last target
+// masked), one continuing from an earlier row and one running on into the
+// next (its last target kept). Loom stages the rows with their starts and all
+// three switches on: the logits, per-token losses, the loss (the mean over the
+// targets that carry loss) and every gradient must match. Tolerances are
+// test_golden.cpp's for the same model, as ‖a−b‖/‖b‖: fp32 on the CPU and on
+// CUDA with the naive plugin 1e-5 (logits, losses) and 1e-4 (gradients), both
+// sides fp32 with other summation orders; bf16 + cuDNN (ragged) 1e-2 and 3e-2,
+// bf16's rounding of every GEMM and attention input through 3 layers. A
+// document seeing one key of another, a position not restarted or a masked
+// target counted each moves the loss by ~1e-2 relative, the logits more.
+namespace {
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(num) / std::sqrt(den);
+}
+
+struct GoldenPath {
+  const char* device;
+  const char* precision;
+  const char* attention;
+  const char* layers;
+  double tol_logits, tol_grad;
+};
+
+void expect_matches_hf_golden(const GoldenPath& p) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(LOOM_SOURCE_DIR) / "tests" / "golden";
+  loom::hf::SafeTensorsFile ref((dir / "docmask" / "reference.safetensors").string());
+  const auto& shape = ref.info("input_ids").shape;
+  ASSERT_EQ(shape.size(), 2u);
+  const int64_t B = shape[0], S = shape[1], N = B * S;
+  auto ints = [&](const char* name) {
+    const std::vector<int64_t> v = ref.read_i64(name);
+    return std::vector<int32_t>(v.begin(), v.end());
+  };
+  const std::vector<int32_t> in = ints("input_ids"), tg = ints("targets"), st = ints("starts");
+  ASSERT_EQ(static_cast<int64_t>(st.size()), B * (S + 1));
+  const std::vector<uint8_t> starts(st.begin(), st.end());
+
+  std::ostringstream c;
+  c << "[run]\ndevice = \"" << p.device << "\"\nseed = 1\nthreads = 2\nlog_level = \"warn\"\nout_dir = \""
+    << LOOM_BINARY_DIR << "/test_tmp/docmask_golden\"\nplugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
+    << "[model]\ninit = \"hf:" << (dir / "gqa" / "hf").string() << "\"\nlayers = \"" << p.layers << "\"\n"
+    << (std::string(p.layers) == "fused" ? "head_chunk = 7\n" : "")
+    << "[train]\nsteps = 1\nmicro_batch = " << B << "\nseq_len = " << S << "\n"
+    << "reset_attention_mask = true\nreset_position_ids = true\neod_mask_loss = true\n"
+    << "[checkpoint]\nresume = \"none\"\n[precision]\nplugin = \"" << p.precision << "\"\n[attention]\nplugin = \""
+    << p.attention << "\"\n[sharding]\nplugin = \"none\"\n"
+    // The rows come from the golden file; the source only has to be one that tells documents.
+    << "[data]\nplugin = \"synthetic\"\ndocument_length = 8\n";
+  Session s(loom::parse_config_string(c.str(), "docmask_golden.toml", {}));
+  s.initialise();
+  s.load_batch(in.data(), tg.data(), starts.data());
+
+  s.forward(false, 0.f);
+  const double e_logits = rel_l2(s.logits(), ref.read_f32("logits"));
+  const double e_tokens = rel_l2(s.read_tensor(s.model().losses()), ref.read_f32("token_losses"));
+  const double ref_loss = ref.read_f32("loss")[0];
+  const double e_loss = std::abs(s.batch_loss() - ref_loss) / ref_loss;
+  EXPECT_LT(e_logits, p.tol_logits);
+  EXPECT_LT(e_tokens, p.tol_logits);
+  EXPECT_LT(e_loss, p.tol_logits);
+
+  // The gradient of the mean over the targets that carry loss: the session's
+  // own weighting (1 / N here, N / count in the model under eod_mask_loss).
+  s.zero_grads();
+  s.forward(true, 1.0f / static_cast<float>(N));
+  s.backward();
+  double worst = 0;
+  std::string worst_name;
+  int checked = 0;
+  for (const std::string& name : ref.names()) {
+    if (name.rfind("grad.", 0) != 0) continue;
+    const std::string param = name.substr(5);
+    const double e = rel_l2(s.read_param(param, true), ref.read_f32(name));
+    EXPECT_LT(e, p.tol_grad) << param;
+    if (e > worst) worst = e, worst_name = param;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 3 * 9 + 3);  // 3 layers of 9 tensors, the embedding, the final norm, the untied head
+  std::printf("[docmask golden %s %s+%s %s] logits %.2e  token losses %.2e  loss %.2e  worst grad %.2e (%s)\n",
+              p.device, p.precision, p.attention, p.layers, e_logits, e_tokens, e_loss, worst, worst_name.c_str());
+}
+
+}  // namespace
+
+TEST(DocMaskGolden, CpuMatchesHfTransformers) {
+  for (const char* layers : {"native", "fused"}) expect_matches_hf_golden({"cpu", "fp32", "naive", layers, 1e-5, 1e-4});
+}
+
+TEST(DocMaskGpu, GoldenMatchesHfTransformers) {
+  LOOM_REQUIRE_GPU();
+  for (const char* layers : {"native", "fused"}) {
+    expect_matches_hf_golden({"cuda", "fp32", "naive", layers, 1e-5, 1e-4});
+    expect_matches_hf_golden({"cuda", "bf16", "cudnn", layers, 1e-2, 3e-2});
   }
 }
