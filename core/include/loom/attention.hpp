@@ -6,7 +6,7 @@
 // stats: [B, H, S] fp32, the softmax log-sum-exp saved by forward for backward
 // (its layout is the plugin's own: forward writes it, backward reads it).
 //
-// Document masking (ABI 8.2, train.reset_attention_mask): each row packs
+// Document masking (ABI 8.3, train.reset_attention_mask): each row packs
 // several documents, and a query attends only to the keys of its own
 // document at or before it — causal and block-diagonal. The shape says so
 // (documents) and, in forward and backward, points at the micro-batch's
@@ -14,7 +14,7 @@
 // two host counts known when the micro-batch was staged, so a plugin needs no
 // device read to size its launch. A plugin that cannot do it says so in
 // supports() (the core asks with documents = true at start-up and refuses the
-// run with the plugin's reason); a plugin built before ABI 8.2 never sees the
+// run with the plugin's reason); a plugin built before ABI 8.3 never sees the
 // flag and is refused by the core.
 #pragma once
 #include <cstdint>
@@ -56,7 +56,7 @@ struct AttentionShape {
   int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
   bool causal = true;
   float scale = 0.f;  // softmax scale, normally 1/sqrt(head_dim)
-  // ABI 8.2 (appended): attention within document spans only (see above).
+  // ABI 8.3 (appended): attention within document spans only (see above).
   bool documents = false;
   // With documents: the micro-batch's spans, to read in forward() and
   // backward(). supports() and workspace_bytes() answer for any spans (null

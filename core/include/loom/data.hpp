@@ -73,7 +73,7 @@ class TokenScan {
   virtual TokenScanReport scan_tokens() const = 0;
 };
 
-// Optional interface of a data source whose rows pack documents (ABI 8.2):
+// Optional interface of a data source whose rows pack documents (ABI 8.3):
 // where each document begins, for the document switches of [train]
 // (reset_attention_mask, reset_position_ids, eod_mask_loss; docs/CONFIG.md).
 // Found with dynamic_cast on the DataSource, like TokenScan; the core calls

@@ -70,13 +70,13 @@ void check_document_starts(const Runtime& rt, const Config& cfg) {
     throw Error(cat(what, "cannot: ", why));
 }
 
-// An attention plugin built before document masking (ABI 8.2) would run
+// An attention plugin built before document masking (ABI 8.3) would run
 // causal attention over whole rows whatever the shape says: refused.
 void check_document_attention(const Runtime& rt, const Config& cfg) {
   for (const PluginRecord& r : rt.registry->loaded())
-    if (r.kind == PluginKind::attention && r.abi_minor < 2)
+    if (r.kind == PluginKind::attention && r.abi_minor < 3)
       throw Error(cat("train.reset_attention_mask = true needs an attention plugin that knows document spans (plugin ",
-                      "ABI 8.2), and attention.plugin = \"", r.name, "\" (", r.file.string(), ") was built for ABI ",
+                      "ABI 8.3), and attention.plugin = \"", r.name, "\" (", r.file.string(), ") was built for ABI ",
                       r.abi_major, ".", r.abi_minor, ": rebuild it against this loom's SDK, or use attention.plugin = "
                       "\"naive\" or \"cudnn\""));
 }
