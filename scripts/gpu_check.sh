@@ -428,9 +428,10 @@ PY
   sed -e 's/^name = .*/name = "fortunes-docmask"/' -e 's|^out_dir = .*|out_dir = "runs/fortunes-docmask"|' \
       -e 's/^\[train\]$/[train]\nreset_attention_mask = true\nreset_position_ids = true\neod_mask_loss = true/' \
       "$C/fortunes-fused.toml" > "$CC/fortunes-docmask.toml"
+  # cuDNN's ordinary (non-deterministic) backward in both runs: the curves are compared, not bits.
   .carry/bin/loom compare $C/fortunes-fused.toml --configs="$CC/fortunes-docmask.toml" --set run.overwrite=true \
-    --steps="${CONV_STEPS:-1000}" --warmup=0 --validate=100 --out="$OUT/docmask-convergence" \
-    > "$OUT/docmask-convergence.out" 2> "$OUT/docmask-convergence.log" || status=1
+    --set run.deterministic=false --steps="${CONV_STEPS:-1000}" --warmup=0 --validate=100 \
+    --out="$OUT/docmask-convergence" > "$OUT/docmask-convergence.out" 2> "$OUT/docmask-convergence.log" || status=1
   grep -v '^COMPARE_JSON' "$OUT/docmask-convergence.out"
   if python3 - "$OUT/docmask-convergence/compare_val_losses.csv" > "$OUT/docmask_convergence.txt" <<'PY'
 import csv, math, sys
