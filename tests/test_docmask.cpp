@@ -107,16 +107,20 @@ double scaled_err(const std::vector<float>& a, const std::vector<float>& b) {
   return diff / scale;
 }
 
-// One training forward and backward of a staged batch with the mean over
-// `dloss_count` tokens (0: the session's own weighting, 1 / N here and the
-// loss mask's N / count in the model).
+// One training forward and backward of a staged batch: the loss is the mean
+// over `loss_count` tokens (0: the session's own weighting). Either way the
+// scale is 1 / N and the model's loss weight N / count, as the session sets it
+// under eod_mask_loss: the MoE load-balancing loss is scaled by the scale
+// times N, not by the loss weight, so a reference run that put 1 / count in
+// the scale instead would weight it N / count times more.
 struct Result {
   std::vector<float> losses;                // per token, [N]
   std::vector<std::vector<float>> grads;    // per parameter, param_names order
 };
-Result train_once(Session& s, int64_t N, int64_t dloss_count = 0) {
+Result train_once(Session& s, int64_t N, int64_t loss_count = 0) {
+  if (loss_count > 0) s.model().set_loss_weight(static_cast<float>(static_cast<double>(N) / loss_count));
   s.zero_grads();
-  s.forward(true, 1.0f / static_cast<float>(dloss_count > 0 ? dloss_count : N));
+  s.forward(true, 1.0f / static_cast<float>(N));
   s.backward();
   Result r;
   r.losses = s.read_tensor(s.model().losses());
