@@ -43,13 +43,14 @@
 #   bash scripts/gpu_check.sh docmask             (document masking on one GPU, under 9 minutes: every GPU case
 #       with the switches (test_docmask's DocMaskGpu.*: naive fp32 and cuDNN bf16 against separate documents and
 #       against HF transformers' packed golden; the step's allocations and host waits; cuDNN's ragged attention
-#       against naive); `loom bench --breakdown` with and without train.reset_attention_mask/reset_position_ids/
+#       against naive; RoPE at given positions against the CPU); `loom bench --breakdown` with and without train.reset_attention_mask/reset_position_ids/
 #       eod_mask_loss on llama-1b (8 x 2048) and on the Llama-3-8B shape at 1 x 8192 with 4 of its 32 layers
 #       (the whole 8B model and its AdamW state do not fit one 80 GB GPU), synthetic documents of log-normal
 #       lengths, mean 1000 tokens (step, attention and start-up times, $OUT/docmask_speed.md); then 1000 steps on
 #       the fortune corpus with the switches on beside the same run without them, both runs' metrics in
 #       $OUT/docmask-runs and, where cairo is, `loom plot` of both ($OUT/docmask_convergence.png; the summary
-#       says which, and how to draw it elsewhere); a summary table last. Env DM_STEPS, CONV_STEPS)
+#       says which, and how to draw it elsewhere); a summary table last, with each part's seconds and the
+#       total. Env DM_STEPS, CONV_STEPS)
 #   bash scripts/gpu_check.sh ep [CONFIG]         (expert parallelism on NP GPUs, default 2: `loom compare` of
 #       CONFIG (default mixtral-small) under ddp with every expert on every rank, and under ddp and zero3
 #       with sharding.expert_parallel = NP, beside one GPU alone; losses of a deterministic run within 2e-3
@@ -357,14 +358,18 @@ if [ "$WHAT" = docmask ]; then
   # 1. Every GPU case with document masking (nothing may skip here): test_docmask's (naive fp32 within 1e-5
   #    and cuDNN bf16 within 3e-2 of separate documents; HF transformers' packed golden on both paths),
   #    the step's allocations and host waits with the switches on, cuDNN's ragged attention against naive.
+  #    RoPE at given positions on CUDA against the CPU. Each row of the summary gives its seconds: cuDNN builds
+  #    every ragged graph of a document shape at start-up (log2(S) + 1 sequence-count buckets, forward and
+  #    backward, packed and fused layouts), which is where this mode's time goes.
   for t in "test_docmask DocMaskGpu.*" "test_step_alloc *DocumentMasking*" "test_gpu_train *DocumentMasking*" \
-           "test_cuda_attention *Document*"; do
+           "test_cuda_attention *Document*" "test_cuda_kernels *RopeAtPositions*"; do
     read -r n f <<< "$t"
+    t1=$(date +%s)
     if .carry/bin/$n --gtest_filter="$f" --gtest_brief=1 > "$OUT/docmask_$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/docmask_$n.log" | grep -oE '[0-9]+$')
     s=$(grep -cE '^\[  SKIPPED \]' "$OUT/docmask_$n.log")
     if [ "$s" -gt 0 ] || [ "${p:-0}" -eq 0 ]; then r=FAIL; status=1; fi
-    echo "| $n $f | $r | passed ${p:-0}, skipped $s |" >> "$SUM"
+    echo "| $n $f | $r | passed ${p:-0}, skipped $s, $(( $(date +%s) - t1 )) s |" >> "$SUM"
     echo "$r $n $f passed=${p:-0} skipped=$s"
     [ $r = FAIL ] && grep -E "Failure|FAILED|error|SKIPPED" "$OUT/docmask_$n.log" | head -20
     grep -hE '^\[(docmask|step allocations)' "$OUT/docmask_$n.log"
@@ -374,6 +379,7 @@ if [ "$WHAT" = docmask ]; then
   #    its 32 layers: the whole model and its AdamW state do not fit one 80 GB GPU.
   L3=(--set model.num_layers=4 --set model.num_kv_heads=8 --set model.ffn_hidden=14336 --set model.vocab_size=128256
       --set model.max_seq_len=8192 --set model.rope_theta=500000 --set train.micro_batch=1 --set train.seq_len=8192)
+  t1=$(date +%s)
   for shape in llama-1b llama3-8b-4layers; do
     if [ $shape = llama-1b ]; then CFG=configs/bench/llama-1b.toml; SH=(); else CFG=configs/bench/llama2-7b.toml; SH=("${L3[@]}"); fi
     for mode in plain masked; do
@@ -421,6 +427,8 @@ PY
     if [ -n "$ratio" ] && python3 -c "import sys; sys.exit(0 if float('$ratio') <= 1.0 else 1)"; then r=PASS; else r=MISSED; fi
     echo "| masked step <= 1.00x plain, $shape | $r | ${ratio:-no measurement}x |" >> "$SUM"
   done
+  echo "| speed table, 4 loom bench runs | | $(( $(date +%s) - t1 )) s |" >> "$SUM"
+  t1=$(date +%s)
   # 3. Convergence on the fortune corpus (its documents as loom prepare wrote them, BOS/EOS recorded in the
   #    shards): 1000 steps with the switches on beside the same run without them, same initial weights.
   C=configs/convergence; CC=$OUT/docmask-configs
@@ -446,7 +454,7 @@ sys.exit(0 if ok else 1)
 PY
   then r=PASS; else r=FAIL; status=1; fi
   cat "$OUT/docmask_convergence.txt"
-  echo "| convergence, fortunes 1000 steps, switches on vs off | $r | $(paste -sd';' "$OUT/docmask_convergence.txt") |" >> "$SUM"
+  echo "| convergence, fortunes ${CONV_STEPS:-1000} steps, switches on vs off | $r | $(paste -sd';' "$OUT/docmask_convergence.txt"); $(( $(date +%s) - t1 )) s |" >> "$SUM"
   # The chart. Both runs' metrics go to $OUT either way; `loom plot` draws with cairo, which it loads only
   # to draw: where the GPU image lacks it, the chart is drawn from those metrics on a machine that has it.
   for run in fortunes-fused fortunes-docmask; do
