@@ -15,7 +15,7 @@ rm -rf .carry && mkdir -p .carry/bin .carry/lib
 # with the tree): loom, the suites with GPU cases, the benchmarks. Stripped:
 # the symbols are for debuggers, and the tree travels without them.
 for t in loom test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_gpu_moe test_golden \
-         test_gpu_train test_gpu_fp8_recipes test_gpu_fp8_block test_step_alloc test_nccl_comm test_sharding test_fp8_mpi \
+         test_gpu_train test_gpu_fp8_recipes test_gpu_fp8_block test_step_alloc test_docmask test_nccl_comm test_sharding test_fp8_mpi \
          test_reliability_hostile test_fp8_rowwise_example test_cpu_kernels test_train_e2e test_fp8_recipes \
          fp8_gemm_bench expert_streams_bench; do
   [ -x "$B/bin/$t" ] || { echo "gpu_build: $B/bin/$t was not built" >&2; exit 1; }

@@ -45,6 +45,17 @@
 #   bash scripts/gpu_check.sh node-loss           (the same shape on NP GPUs, grad_accum 1, on the fortune corpus:
 #       bf16 against fp8_current (the FP8 twin), LOSS_STEPS (150) steps from the same weights, `loom compare`;
 #       passes when the FP8 loss is within 1% of bf16's at every step after 50)
+#   bash scripts/gpu_check.sh docmask             (document masking on one GPU, under 9 minutes: every GPU case
+#       with the switches (test_docmask's DocMaskGpu.*: naive fp32 and cuDNN bf16 against separate documents and
+#       against HF transformers' packed golden; the step's allocations and host waits; cuDNN's ragged attention
+#       against naive; RoPE at given positions against the CPU); `loom bench --breakdown` with and without train.reset_attention_mask/reset_position_ids/
+#       eod_mask_loss on llama-1b (8 x 2048) and on the Llama-3-8B shape at 1 x 8192 with 4 of its 32 layers
+#       (the whole 8B model and its AdamW state do not fit one 80 GB GPU), synthetic documents of log-normal
+#       lengths, mean 1000 tokens (step, attention and start-up times, $OUT/docmask_speed.md); then 1000 steps on
+#       the fortune corpus with the switches on beside the same run without them, both runs' metrics in
+#       $OUT/docmask-runs and, where cairo is, `loom plot` of both ($OUT/docmask_convergence.png; the summary
+#       says which, and how to draw it elsewhere); a summary table last, with each part's seconds and the
+#       total. Env DM_STEPS, CONV_STEPS)
 #   bash scripts/gpu_check.sh ep [CONFIG]         (expert parallelism on NP GPUs, default 2: `loom compare` of
 #       CONFIG (default mixtral-small) under ddp with every expert on every rank, and under ddp and zero3
 #       with sharding.expert_parallel = NP, beside one GPU alone; losses of a deterministic run within 2e-3
@@ -90,7 +101,7 @@ status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   : > "$OUT/tests.txt"
   # The suites with GPU cases (the CPU suites run in CI).
-  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_golden test_gpu_train test_gpu_moe test_gpu_fp8_recipes test_gpu_fp8_block test_step_alloc}; do
+  for n in ${GPU_TESTS:-test_cuda_kernels test_cuda_gemm test_cuda_fp8 test_cuda_attention test_cuda_moe test_golden test_gpu_train test_gpu_moe test_gpu_fp8_recipes test_gpu_fp8_block test_step_alloc test_docmask}; do
     t=.carry/bin/$n
     if "$t" --gtest_brief=1 > "$OUT/$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
     s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.log" | grep -oE '[0-9]+$')
@@ -363,6 +374,128 @@ sys.exit(0 if worst <= 1e-5 else 1)
 PY
   then r=PASS; else r=FAIL; status=1; fi
   echo "$r reshard (cuda) np=$NP" | tee -a "$OUT/tests.txt"
+fi
+if [ "$WHAT" = docmask ]; then
+  T0=$(date +%s)
+  DM=(--set train.reset_attention_mask=true --set train.reset_position_ids=true --set train.eod_mask_loss=true)
+  SUM=$OUT/docmask_summary.md
+  { echo "| check | result | detail |"; echo "| --- | --- | --- |"; } > "$SUM"
+  # 1. Every GPU case with document masking (nothing may skip here): test_docmask's (naive fp32 within 1e-5
+  #    and cuDNN bf16 within 3e-2 of separate documents; HF transformers' packed golden on both paths),
+  #    the step's allocations and host waits with the switches on, cuDNN's ragged attention against naive.
+  #    RoPE at given positions on CUDA against the CPU. Each row of the summary gives its seconds: cuDNN builds
+  #    every ragged graph of a document shape at start-up (log2(S) + 1 sequence-count buckets, forward and
+  #    backward, packed and fused layouts), which is where this mode's time goes.
+  for t in "test_docmask DocMaskGpu.*" "test_step_alloc *DocumentMasking*" "test_gpu_train *DocumentMasking*" \
+           "test_cuda_attention *Document*" "test_cuda_kernels *RopeAtPositions*"; do
+    read -r n f <<< "$t"
+    t1=$(date +%s)
+    if .carry/bin/$n --gtest_filter="$f" --gtest_brief=1 > "$OUT/docmask_$n.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+    p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/docmask_$n.log" | grep -oE '[0-9]+$')
+    s=$(grep -cE '^\[  SKIPPED \]' "$OUT/docmask_$n.log")
+    if [ "$s" -gt 0 ] || [ "${p:-0}" -eq 0 ]; then r=FAIL; status=1; fi
+    echo "| $n $f | $r | passed ${p:-0}, skipped $s, $(( $(date +%s) - t1 )) s |" >> "$SUM"
+    echo "$r $n $f passed=${p:-0} skipped=$s"
+    [ $r = FAIL ] && grep -E "Failure|FAILED|error|SKIPPED" "$OUT/docmask_$n.log" | head -20
+    grep -hE '^\[(docmask|step allocations)' "$OUT/docmask_$n.log"
+  done
+  # 2. Speed: the step and the attention kernel alone (loom bench --breakdown), with and without the switches,
+  #    on synthetic documents of log-normal lengths (mean 1000 tokens, sigma 1). The Llama-3-8B shape keeps 4 of
+  #    its 32 layers: the whole model and its AdamW state do not fit one 80 GB GPU.
+  L3=(--set model.num_layers=4 --set model.num_kv_heads=8 --set model.ffn_hidden=14336 --set model.vocab_size=128256
+      --set model.max_seq_len=8192 --set model.rope_theta=500000 --set train.micro_batch=1 --set train.seq_len=8192)
+  t1=$(date +%s)
+  for shape in llama-1b llama3-8b-4layers; do
+    if [ $shape = llama-1b ]; then CFG=configs/bench/llama-1b.toml; SH=(); else CFG=configs/bench/llama2-7b.toml; SH=("${L3[@]}"); fi
+    for mode in plain masked; do
+      M=(); [ $mode = masked ] && M=("${DM[@]}")
+      .carry/bin/loom bench "$CFG" "${SH[@]}" --set data.document_length=1000 "${M[@]}" --steps="${DM_STEPS:-10}" \
+        --warmup=3 --breakdown --json="$OUT/docmask_${shape}_$mode.json" > "$OUT/docmask_${shape}_$mode.log" 2>&1 ||
+        { status=1; tail -5 "$OUT/docmask_${shape}_$mode.log"; }
+    done
+  done
+  SPEED=$OUT/docmask_speed.md
+  python3 - "$OUT" > "$SPEED" <<'PY' || status=1
+import json, os, sys
+out = sys.argv[1]
+print("| shape | mode | step ms | tokens/s | attention fwd ms | attention bwd ms | start-up s | masked / plain: step | attention |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+ok = True
+for shape in ("llama-1b", "llama3-8b-4layers"):
+    r = {}
+    for mode in ("plain", "masked"):
+        p = os.path.join(out, f"docmask_{shape}_{mode}.json")
+        r[mode] = json.load(open(p)) if os.path.exists(p) else None
+    for mode in ("plain", "masked"):
+        j = r[mode]
+        if j is None:
+            print(f"| {shape} | {mode} | failed | | | | | | |")
+            ok = False
+            continue
+        b = j.get("breakdown_ms", {})
+        att = b.get("attention.forward", 0) + b.get("attention.backward", 0)
+        step_ratio = att_ratio = ""
+        if mode == "masked" and r["plain"]:
+            pb = r["plain"].get("breakdown_ms", {})
+            patt = pb.get("attention.forward", 0) + pb.get("attention.backward", 0)
+            step_ratio = f"{j['median_step_ms'] / r['plain']['median_step_ms']:.3f}x"
+            att_ratio = f"{att / patt:.3f}x" if patt > 0 else ""
+        print(f"| {shape} {j['batch']}x{j['seq_len']} | {mode} | {j['median_step_ms']:.2f} | {j['tokens_per_s']:.0f} | "
+              f"{b.get('attention.forward', 0):.2f} | {b.get('attention.backward', 0):.2f} | {j.get('startup_s', 0):.1f} | "
+              f"{step_ratio} | {att_ratio} |")
+sys.exit(0 if ok else 1)
+PY
+  cat "$SPEED"
+  # The issue's target: the masked step no slower than the plain one (<= 1.00x) at both shapes.
+  for shape in llama-1b llama3-8b-4layers; do
+    ratio=$(grep "^| $shape .* | masked |" "$SPEED" | awk -F'|' '{gsub(/[ x]/, "", $9); print $9}')
+    if [ -n "$ratio" ] && python3 -c "import sys; sys.exit(0 if float('$ratio') <= 1.0 else 1)"; then r=PASS; else r=MISSED; fi
+    echo "| masked step <= 1.00x plain, $shape | $r | ${ratio:-no measurement}x |" >> "$SUM"
+  done
+  echo "| speed table, 4 loom bench runs | | $(( $(date +%s) - t1 )) s |" >> "$SUM"
+  t1=$(date +%s)
+  # 3. Convergence on the fortune corpus (its documents as loom prepare wrote them, BOS/EOS recorded in the
+  #    shards): 1000 steps with the switches on beside the same run without them, same initial weights.
+  C=configs/convergence; CC=$OUT/docmask-configs
+  rm -rf "$CC" && mkdir -p "$CC"
+  sed -e 's/^name = .*/name = "fortunes-docmask"/' -e 's|^out_dir = .*|out_dir = "runs/fortunes-docmask"|' \
+      -e 's/^\[train\]$/[train]\nreset_attention_mask = true\nreset_position_ids = true\neod_mask_loss = true/' \
+      "$C/fortunes-fused.toml" > "$CC/fortunes-docmask.toml"
+  # cuDNN's ordinary (non-deterministic) backward in both runs: the curves are compared, not bits.
+  .carry/bin/loom compare $C/fortunes-fused.toml --configs="$CC/fortunes-docmask.toml" --set run.overwrite=true \
+    --set run.deterministic=false --steps="${CONV_STEPS:-1000}" --warmup=0 --validate=100 \
+    --out="$OUT/docmask-convergence" > "$OUT/docmask-convergence.out" 2> "$OUT/docmask-convergence.log" || status=1
+  grep -v '^COMPARE_JSON' "$OUT/docmask-convergence.out"
+  if python3 - "$OUT/docmask-convergence/compare_val_losses.csv" > "$OUT/docmask_convergence.txt" <<'PY'
+import csv, math, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+names = [k for k in rows[0] if k != "step"]
+ok = True
+for name in names:
+    v = [float(r[name]) for r in rows]
+    print(f"{name}: validation loss {v[0]:.4f} -> {v[-1]:.4f} over {len(rows)} evaluations")
+    ok = ok and all(math.isfinite(x) for x in v) and v[-1] < v[0]
+sys.exit(0 if ok else 1)
+PY
+  then r=PASS; else r=FAIL; status=1; fi
+  cat "$OUT/docmask_convergence.txt"
+  echo "| convergence, fortunes ${CONV_STEPS:-1000} steps, switches on vs off | $r | $(paste -sd';' "$OUT/docmask_convergence.txt"); $(( $(date +%s) - t1 )) s |" >> "$SUM"
+  # The chart. Both runs' metrics go to $OUT either way; `loom plot` draws with cairo, which it loads only
+  # to draw: where the GPU image lacks it, the chart is drawn from those metrics on a machine that has it.
+  for run in fortunes-fused fortunes-docmask; do
+    mkdir -p "$OUT/docmask-runs/$run" && cp runs/$run/metrics.jsonl "$OUT/docmask-runs/$run/" 2>/dev/null
+  done
+  if .carry/bin/loom plot runs/fortunes-fused runs/fortunes-docmask --out "$OUT/docmask_convergence.png" \
+       > "$OUT/docmask_plot.log" 2>&1 && [ -s "$OUT/docmask_convergence.png" ]; then
+    plot="drawn here: $OUT/docmask_convergence.png"
+  else
+    plot="not drawn here ($(tail -1 "$OUT/docmask_plot.log")); draw it where cairo is: loom plot $OUT/docmask-runs/fortunes-fused $OUT/docmask-runs/fortunes-docmask --out docmask_convergence.png"
+  fi
+  echo "| convergence chart | $( [ -s "$OUT/docmask_convergence.png" ] && echo drawn || echo metrics only) | $plot |" >> "$SUM"
+  echo "| wall time | | $(( $(date +%s) - T0 )) s |" >> "$SUM"
+  echo; echo "docmask speed ($SPEED):"; cat "$SPEED"
+  echo; echo "docmask summary ($SUM):"
+  cat "$SUM"
 fi
 if [ "$WHAT" = ep ]; then
   # Expert parallelism over NCCL: EP = NP against EP = 1 on the same ranks and

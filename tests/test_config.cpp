@@ -346,7 +346,8 @@ TEST(Config, UnknownKeyWithDidYouMean) {
   EXPECT_EQ(parse_error("[train]\nlr = 0.001\n\nsetps = 10\n"),
             "q.toml:4:1: unknown key 'train.setps' (did you mean 'steps'?); keys accepted in [train]: steps, "
             "micro_batch, seq_len, grad_accum, lr, min_lr, warmup_steps, schedule, grad_clip, weight_decay, beta1, "
-            "beta2, eps, log_every, validation_every, validation_batches, max_skipped_steps");
+            "beta2, eps, log_every, validation_every, validation_batches, max_skipped_steps, reset_attention_mask, "
+            "reset_position_ids, eod_mask_loss");
 }
 
 TEST(Config, UnknownKeyWithoutCloseMatch) {
@@ -771,7 +772,8 @@ TEST(ConfigOverrides, ErrorsLocatedAtTheOverride) {
   EXPECT_EQ(parse_error("", {"train.setps=10"}),
             "--set train.setps=10: unknown key 'train.setps' (did you mean 'steps'?); keys accepted in [train]: "
             "steps, micro_batch, seq_len, grad_accum, lr, min_lr, warmup_steps, schedule, grad_clip, weight_decay, "
-            "beta1, beta2, eps, log_every, validation_every, validation_batches, max_skipped_steps");
+            "beta1, beta2, eps, log_every, validation_every, validation_batches, max_skipped_steps, reset_attention_mask, "
+            "reset_position_ids, eod_mask_loss");
   EXPECT_EQ(parse_error("", {"trian.steps=10"}).substr(0, 60),
             "--set trian.steps=10: unknown section [trian] (did you mean ");
   EXPECT_EQ(parse_error("", {"run.device=gpu"}),

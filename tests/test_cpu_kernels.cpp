@@ -292,6 +292,60 @@ TEST(CpuKernels, RopeBackwardMatchesFiniteDifferences) {
   EXPECT_LE(rel_err(xf, y), kFloatTol);
 }
 
+// RoPE at given positions (train.reset_position_ids: positions restart at
+// every document): row (b, s) at position p is rotated exactly as the plain
+// kernel rotates a row at index p, bit for bit (the same angle table), for
+// positions that restart anywhere, in float and double; positions s give the
+// plain kernel's bits; backward undoes forward; a position outside [0, S)
+// is refused before anything is written.
+TEST(CpuKernels, RopeAtPositionsIsTheRotationOfThatIndex) {
+  Rng rng(test_seed());
+  std::mt19937 gen(static_cast<uint32_t>(test_seed()));
+  const int64_t B = 3, S = 11, nh = 2, D = 8, row_stride = nh * D + 3;
+  const double theta = 10000.0;
+  for (int trial = 0; trial < 4; ++trial) {
+    std::vector<int32_t> pos(B * S);
+    for (int64_t b = 0; b < B; ++b) {  // documents of random lengths: positions restart at their starts
+      int32_t p = 0;
+      for (int64_t i = 0; i < S; ++i) pos[b * S + i] = (i > 0 && gen() % 3 == 0) ? (p = 0) : (i == 0 ? 0 : ++p);
+    }
+    const Vec x = rng.uniform(B * S * row_stride);
+    Vec y = x;
+    loom::cpu::rope_forward(y.data(), B, S, nh, D, row_stride, theta, pos.data());
+    FVec yf = to_float(x);
+    loom::cpu::rope_forward(yf.data(), B, S, nh, D, row_stride, theta, pos.data());
+    for (int64_t r = 0; r < B * S; ++r) {
+      // The plain kernel on one row placed at index pos[r] of an otherwise zero sequence.
+      Vec one(S * row_stride, 0.0);
+      FVec onef(S * row_stride, 0.f);
+      const int64_t p = pos[r];
+      for (int64_t c = 0; c < row_stride; ++c) one[p * row_stride + c] = x[r * row_stride + c];
+      for (int64_t c = 0; c < row_stride; ++c) onef[p * row_stride + c] = static_cast<float>(x[r * row_stride + c]);
+      loom::cpu::rope_forward(one.data(), 1, S, nh, D, row_stride, theta);
+      loom::cpu::rope_forward(onef.data(), 1, S, nh, D, row_stride, theta);
+      for (int64_t c = 0; c < row_stride; ++c) {
+        ASSERT_EQ(y[r * row_stride + c], one[p * row_stride + c]) << "row " << r << " at " << p << " col " << c;
+        ASSERT_EQ(yf[r * row_stride + c], onef[p * row_stride + c]) << "row " << r << " at " << p << " col " << c;
+      }
+    }
+    Vec back = y;
+    loom::cpu::rope_backward(back.data(), B, S, nh, D, row_stride, theta, pos.data());
+    EXPECT_LE(rel_err(back, x), 1e-15);
+  }
+  std::vector<int32_t> ident(B * S);
+  for (int64_t i = 0; i < B * S; ++i) ident[i] = static_cast<int32_t>(i % S);
+  FVec a = to_float(rng.uniform(B * S * row_stride)), b = a;
+  loom::cpu::rope_forward(a.data(), B, S, nh, D, row_stride, theta);
+  loom::cpu::rope_forward(b.data(), B, S, nh, D, row_stride, theta, ident.data());
+  EXPECT_TRUE(bitwise_equal(a, b));
+  ident[5] = static_cast<int32_t>(S);
+  FVec c = a;
+  const std::string msg =
+      error_of([&] { loom::cpu::rope_forward(c.data(), B, S, nh, D, row_stride, theta, ident.data()); });
+  EXPECT_NE(msg.find("rope: position 11 of row 5 is outside [0, S = 11)"), std::string::npos) << msg;
+  EXPECT_TRUE(bitwise_equal(c, a)) << "a refused call wrote";
+}
+
 // HF transformers builds the rotary table in fp32 (LlamaRotaryEmbedding):
 //   inv_freq = 1.0 / (theta ** (arange(0, D, 2).float() / D)); freqs = pos * inv_freq;
 //   cos/sin in fp32; q * cos + rotate_half(q) * sin in fp32.

@@ -1221,3 +1221,117 @@ TEST(PrepareText, SmallValidationSplitIsToldWhenMadeAndWhenUsed) {
   EXPECT_NE(e.find("--val-fraction"), std::string::npos) << e;
   EXPECT_EQ(e.find("shorten train.seq_len"), std::string::npos) << e;
 }
+
+// Document starts of token shards (loom::DocumentStarts): a token begins a
+// document when it is BOS or follows EOS, with the ids the shards record
+// (loom prepare writes them) or data.bos / data.eos; the flags follow the
+// window through shuffling and resume; shards without markers say so.
+TEST(TokensData, DocumentStartsFromTheShardsMarkers) {
+  TempDir d;
+  const uint32_t bos = 1, eos = 2;
+  std::vector<uint32_t> toks;
+  for (int doc = 0; doc < 40; ++doc) {  // BOS, 0..6 tokens, EOS
+    toks.push_back(bos);
+    for (int k = 0; k < doc % 7; ++k) toks.push_back(static_cast<uint32_t>(10 + (doc + k) % 30));
+    toks.push_back(eos);
+  }
+  loom::write_token_shard(d / "train_000.bin", toks.data(), toks.size(), 2, 50, loom::DocumentMarkers{bos, eos});
+  const loom::TokenShard shard(d / "train_000.bin");
+  ASSERT_TRUE(shard.has_markers());
+  EXPECT_EQ(shard.markers(), (loom::DocumentMarkers{bos, eos}));
+  TokensOptions o;
+  o.train = {d / "train_*.bin"};
+  o.shuffle = true;
+  const DataSpec s = spec(3, 6);
+  auto a = tokens_source(o, s), b = tokens_source(o, s);
+  EXPECT_EQ(a->starts_unavailable(), "");
+  const size_t row = 7;
+  std::string state;
+  std::vector<std::vector<uint8_t>> flags_after;
+  for (int g = 0; g < 12; ++g) {
+    if (g == 5) state = a->state();
+    Batch t(3 * row), u(3 * row);
+    std::vector<uint8_t> f(3 * row);
+    a->next_with_starts(Split::train, t.data(), f.data());
+    b->next(Split::train, u.data());
+    EXPECT_EQ(t, u);
+    for (size_t i = 0; i < 3; ++i)
+      for (size_t p = 0; p < row; ++p) {
+        const int32_t tok = t[i * row + p];
+        // The token before the window (shuffled windows: find it in the shard by the window's start).
+        bool prev_eos = false;
+        if (p > 0) prev_eos = t[i * row + p - 1] == static_cast<int32_t>(eos);
+        const bool begins = tok == static_cast<int32_t>(bos) || prev_eos;
+        if (p > 0 || tok == static_cast<int32_t>(bos)) EXPECT_EQ(f[i * row + p], begins) << g << " " << i << " " << p;
+      }
+    if (g >= 5) flags_after.push_back(f);
+  }
+  auto c = tokens_source(o, s);
+  c->restore(state);
+  for (size_t g = 0; g < flags_after.size(); ++g) {
+    Batch t(3 * row);
+    std::vector<uint8_t> f(3 * row);
+    c->next_with_starts(Split::train, t.data(), f.data());
+    EXPECT_EQ(f, flags_after[g]) << "step " << g + 5 << " after resume";
+  }
+  // A shard written without markers: none unless the config gives them.
+  const fs::path plain_dir = fs::path(d / "plain");
+  fs::create_directories(plain_dir);
+  write_tokens((plain_dir / "train_000.bin").string(), std::vector<uint32_t>(toks.begin(), toks.end()));
+  TokensOptions p;
+  p.train = {(plain_dir / "train_*.bin").string()};
+  auto plain = tokens_source(p, s);
+  EXPECT_NE(plain->starts_unavailable().find("records no document markers"), std::string::npos);
+  EXPECT_NE(plain->starts_unavailable().find("data.bos and data.eos"), std::string::npos);
+  p.markers = loom::DocumentMarkers{bos, eos};
+  auto given = tokens_source(p, s);
+  EXPECT_EQ(given->starts_unavailable(), "");
+}
+
+// loom prepare records the tokenizer's BOS and EOS in every shard it writes.
+TEST(PrepareText, ShardsRecordTheDocumentMarkers) {
+  TempDir d;
+  make_inputs(d);
+  loom::data::PrepareTextOptions o;
+  o.out_dir = d / "out";
+  o.inputs = {d / "in"};
+  o.val_fraction = 0.25;
+  o.shard_tokens = 100;
+  const auto r = loom::data::prepare_text(o);
+  for (const std::string& f : r.train_shards) {
+    const loom::TokenShard sh(f);
+    ASSERT_TRUE(sh.has_markers()) << f;
+    EXPECT_EQ(sh.markers(), (loom::DocumentMarkers{loom::data::ByteTokenizer::bos, loom::data::ByteTokenizer::eos}));
+  }
+  EXPECT_TRUE(loom::TokenShard(r.val_shard).has_markers());
+}
+
+// Synthetic documents: log-normal lengths with the configured mean, a pure
+// function of (seed, split, sample); none without document_length.
+TEST(SyntheticData, DocumentStartsHaveTheConfiguredMeanLength) {
+  loom::data::SyntheticOptions o;
+  o.document_length = 100;
+  const DataSpec s = spec(4, 1023);
+  auto a = std::make_unique<SyntheticData>(loom::PluginInit{}, o), b = std::make_unique<SyntheticData>(loom::PluginInit{}, o);
+  a->open(s);
+  b->open(s);
+  EXPECT_EQ(a->starts_unavailable(), "");
+  uint64_t starts = 0, tokens = 0;
+  for (int g = 0; g < 50; ++g) {
+    Batch t(4 * 1024), u(4 * 1024);
+    std::vector<uint8_t> f(4 * 1024), h(4 * 1024);
+    a->next_with_starts(Split::train, t.data(), f.data());
+    b->next_with_starts(Split::train, u.data(), h.data());
+    EXPECT_EQ(t, u);
+    EXPECT_EQ(f, h);
+    for (size_t i = 0; i < 4; ++i)
+      for (size_t p = 1; p < 1024; ++p) starts += f[i * 1024 + p], ++tokens;
+  }
+  // 204600 tokens at a mean of 100: the sample mean within 10% (sigma 1: the
+  // log-normal's spread gives a standard error of ~2%).
+  const double mean = static_cast<double>(tokens) / static_cast<double>(starts);
+  EXPECT_NEAR(mean, 100.0, 10.0);
+  auto none = std::make_unique<SyntheticData>(loom::PluginInit{}, loom::data::SyntheticOptions{});
+  none->open(s);
+  EXPECT_NE(none->starts_unavailable().find("data.document_length"), std::string::npos);
+}

@@ -159,6 +159,34 @@ TEST(GpuTrain, StepMakesNoHostSynchronisation) {
   }
 }
 
+// The same with packed documents (the three [train] switches, bf16 + cuDNN's
+// ragged attention): the spans, positions and loss mask travel with the
+// tokens, the count of spans picks a graph built at start-up, and the ragged
+// offsets are computed on the device: no step but a log step waits.
+TEST(GpuTrain, DocumentMaskingStepMakesNoHostSynchronisation) {
+  LOOM_REQUIRE_GPU();
+  fs::path d = temp_dir("gpu_syncs_docmask");
+  for (const char* layers : {"native", "fused"}) {
+    const std::vector<std::string> ov = {
+        "run.out_dir=\"" + (d / layers).string() + "\"", "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
+        "model.layers=" + std::string(layers), "train.steps=9", "train.log_every=3", "checkpoint.every=0",
+        "checkpoint.resume=none", "train.reset_attention_mask=true", "train.reset_position_ids=true",
+        "train.eod_mask_loss=true", "train.micro_batch=2", "train.grad_accum=2", "data.document_length=100"};
+    loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov));
+    s.initialise();
+    for (int64_t step = 1; step <= 9; ++step) {
+      const int64_t before = loom::probe(s).host_syncs();
+      s.train_step();
+      if (step % 3 == 0) {
+        const auto logs = s.read_step_logs();
+        ASSERT_EQ(logs.size(), 3u);
+        EXPECT_TRUE(std::isfinite(logs.back().loss)) << layers;
+      }
+      EXPECT_EQ(loom::probe(s).host_syncs() - before, step % 3 == 0 ? 1 : 0) << layers << " step " << step;
+    }
+  }
+}
+
 }  // namespace
 
 namespace {

@@ -267,3 +267,24 @@ TEST(JsonlExample, BadLinesAreRefusedNamingFileAndLine) {
   write_file(dir.path / "empty.jsonl", "\n \n");
   loom::test::expect_error([&] { make(train_key(dir.path / "empty.jsonl"), 1, 4); }, {"hold no document"});
 }
+
+// Document starts (loom::DocumentStarts, through the SDK): 1 exactly at each
+// document's BOS, for the windows next() gives.
+TEST(JsonlExample, DocumentStartsAreEachDocumentsBos) {
+  loom::test::TmpDir dir;
+  write_jsonl(dir.path / "t.jsonl", documents());
+  const int64_t B = 2, S = 9;
+  auto a = make(train_key(dir.path / "t.jsonl"), B, S), b = make(train_key(dir.path / "t.jsonl"), B, S);
+  auto* starts = dynamic_cast<loom::DocumentStarts*>(a->data.get());
+  ASSERT_NE(starts, nullptr);
+  EXPECT_EQ(starts->starts_unavailable(), "");
+  const auto tok = loom::data::load_tokenizer("bytes");
+  const size_t row = static_cast<size_t>(S + 1);
+  for (int g = 0; g < 20; ++g) {
+    std::vector<int32_t> t(B * row);
+    std::vector<uint8_t> f(B * row);
+    starts->next_with_starts(Split::train, t.data(), f.data());
+    EXPECT_EQ(t, next(*b->data, Split::train, B, S));
+    for (size_t i = 0; i < B * row; ++i) EXPECT_EQ(f[i], t[i] == static_cast<int32_t>(tok->bos()) ? 1 : 0) << i;
+  }
+}

@@ -5,6 +5,8 @@
 // indexes refused by name; a real `loom train` on one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -582,4 +584,48 @@ TEST(Megatron, CheckScansEveryTokenBeforeARun) {
   EXPECT_NE(rc, 0) << out;
   EXPECT_NE(out.find(prefix + ".bin': token 42 of sequence 1700 is -2"), std::string::npos) << out;
   EXPECT_FALSE(fs::exists(d.path / "run" / "metrics.jsonl"));
+}
+
+// Document starts (loom::DocumentStarts): with shuffle off the stream is the
+// documents in order, so a sample's token at stream offset o begins a
+// document exactly when o is a document's first offset; every document of
+// its own length. next_with_starts gives the tokens next() gives.
+TEST(Megatron, DocumentStartsAreTheIndexsDocuments) {
+  TmpDir d;
+  std::vector<std::vector<uint16_t>> docs;
+  std::vector<uint64_t> first;  // stream offset of each document's first token
+  uint64_t at = 0;
+  for (size_t i = 0; i < 60; ++i) {
+    const size_t len = 1 + (i * 7) % 23;  // lengths 1..23, one-token documents among them
+    docs.emplace_back(len, static_cast<uint16_t>(i % 90));
+    first.push_back(at);
+    at += len;
+  }
+  loom::test::write_megatron(d.path / "docs", docs);
+  MegatronOptions o;
+  o.prefixes = {(d.path / "docs").string()};
+  o.split = "1,0,0";
+  o.shuffle = false;
+  MegatronData a(loom::PluginInit{}, o), b(loom::PluginInit{}, o);
+  DataSpec spec;
+  spec.batch = 3;
+  spec.seq_len = 11;
+  spec.vocab_size = 96;
+  a.open(spec);
+  b.open(spec);
+  const size_t row = static_cast<size_t>(spec.seq_len + 1);
+  std::vector<int32_t> t(3 * row), u(3 * row);
+  std::vector<uint8_t> s(3 * row);
+  for (uint64_t g = 0; g < 4; ++g) {
+    a.next_with_starts(Split::train, t.data(), s.data());
+    b.next(Split::train, u.data());
+    EXPECT_EQ(t, u);
+    for (size_t i = 0; i < 3; ++i)
+      for (size_t p = 0; p < row; ++p) {
+        const uint64_t offset = (g * 3 + i) * static_cast<uint64_t>(spec.seq_len) + p;  // sample j starts at j * S
+        const bool begins = std::find(first.begin(), first.end(), offset) != first.end();
+        EXPECT_EQ(s[i * row + p], begins ? 1 : 0) << "sample " << g * 3 + i << " position " << p;
+      }
+  }
+  EXPECT_EQ(a.starts_unavailable(), "");
 }

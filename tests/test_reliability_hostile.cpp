@@ -33,7 +33,7 @@
 #include "loom/precision.hpp"
 #include "reliability_util.hpp"
 #include "test_util.hpp"
-#include "train/session.hpp"
+#include "train/session_probe.hpp"
 
 namespace fs = std::filesystem;
 using namespace loom::test;
@@ -118,7 +118,7 @@ std::vector<T> tensor_values(const fs::path& step_dir, const std::string& tensor
 
 // A recipe's state tensor of a session, by name, as raw bytes.
 std::vector<std::byte> state_of(Session& s, const std::string& name) {
-  for (const loom::StateTensor& t : s.precision().state_tensors())
+  for (const loom::StateTensor& t : loom::probe(s).precision().state_tensors())
     if (t.name == name) {
       const auto* p = static_cast<const std::byte*>(t.tensor.data);
       return {p, p + t.tensor.bytes()};

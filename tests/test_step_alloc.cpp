@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "alloc_counter.hpp"
 #include "config/run_config.hpp"
@@ -66,6 +68,21 @@ TEST(StepAllocations, CpuMoeStepAllocatesNothing) {
       "moe");
 }
 
+// Packed documents (the three [train] switches): the host derives each
+// micro-batch's spans, positions and loss mask into the tokens' staging slot,
+// and the count of spans, which changes every micro-batch, reaches the model
+// without allocating.
+const std::vector<std::string> kDocuments = {"train.reset_attention_mask=true", "train.reset_position_ids=true",
+                                             "train.eod_mask_loss=true", "data.document_length=6"};
+
+TEST(StepAllocations, CpuDocumentMaskingStepAllocatesNothing) {
+  for (const char* layers : {"native", "fused"}) {
+    const fs::path out = fs::path(LOOM_BINARY_DIR) / "test_tmp" / "step_alloc_docmask" / layers;
+    expect_steps_allocate_nothing(loom::parse_config_string(tiny(layers, out), "alloc.toml", kDocuments),
+                                  (std::string("documents ") + layers).c_str());
+  }
+}
+
 // The moe block on CUDA: expert GEMMs on row counts that change every step
 // run through one cuBLASLt plan per expert matrix (LinearDesc::variable_rows),
 // so after the warm-up no count builds a plan; jitter, aux loss, bf16 + cuDNN.
@@ -92,6 +109,29 @@ TEST(StepAllocations, CudaStepAllocatesNothing) {
                                          "checkpoint.resume=none"};
     expect_steps_allocate_nothing(
         loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov), layers);
+  }
+}
+
+// Packed documents on CUDA at the llama-125m shape (bf16, cuDNN): every
+// micro-batch has another count of document spans, so cuDNN's ragged
+// attention runs graphs of several sequence-count buckets, all built at
+// start-up (a graph built in the step would allocate). One row of 1024
+// tokens a micro-batch, two a step, documents of 64 tokens on average
+// (log-normal, sigma 1): about 17 +- 5 spans, on both sides of the bucket
+// boundary at 16.
+TEST(StepAllocations, CudaDocumentMaskingStepAllocatesNothing) {
+  LOOM_REQUIRE_GPU();
+  for (const char* layers : {"native", "fused"}) {
+    const fs::path out = fs::path(LOOM_BINARY_DIR) / "test_tmp" / "step_alloc_cuda_docmask" / layers;
+    std::vector<std::string> ov = {"run.out_dir=\"" + out.string() + "\"",
+                                   "run.plugin_path=[\"" + std::string(LOOM_TEST_PLUGIN_DIR) + "\"]",
+                                   "model.layers=" + std::string(layers), "train.log_every=10",
+                                   "checkpoint.resume=none", "train.reset_attention_mask=true",
+                                   "train.reset_position_ids=true", "train.eod_mask_loss=true",
+                                   "train.micro_batch=1", "train.grad_accum=2", "data.document_length=64"};
+    expect_steps_allocate_nothing(
+        loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "bench" / "llama-125m.toml", ov),
+        (std::string("documents ") + layers).c_str());
   }
 }
 

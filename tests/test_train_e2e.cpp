@@ -547,19 +547,26 @@ TEST(TrainE2E, ConvertFusedCheckpointToHF) {
 // "fp8": an FP8 recipe (fp8_delayed, emulated) logging every step, its
 // log_summary() read after each step's log as `loom train` prints it: still
 // one synchronisation per step (the recipe reads state the step copied back).
-// tests/test_gpu_train.cpp runs the same on CUDA.
+// "documents": the three document switches (spans, positions and loss mask
+// derived on the host, staged with the tokens; the loss's weight per
+// micro-batch known there too). tests/test_gpu_train.cpp runs the same on CUDA.
 TEST(TrainE2E, StepMakesNoHostSynchronisation) {
   fs::path d = temp_dir("host_syncs");
-  for (const char* layers : {"native", "fused", "moe", "fp8"}) {
+  for (const char* layers : {"native", "fused", "moe", "fp8", "documents"}) {
     // "moe": native attention with the moe FFN block (its expert row counts are read in place on the CPU).
-    const bool moe = std::string(layers) == "moe", fp8 = std::string(layers) == "fp8";
+    const bool moe = std::string(layers) == "moe", fp8 = std::string(layers) == "fp8",
+               docs = std::string(layers) == "documents";
     const int64_t every = fp8 ? 1 : 3;
     std::vector<std::string> ov = {"train.steps=9", "train.log_every=" + std::to_string(every),
                                    "train.validation_every=0",
-                                   std::string("model.layers=\"") + (moe || fp8 ? "native" : layers) + "\""};
+                                   std::string("model.layers=\"") + (moe || fp8 || docs ? "native" : layers) + "\""};
     if (moe)
       for (const char* o : {"model.ffn=\"moe\"", "model.num_experts=4", "model.top_k=2"}) ov.push_back(o);
     if (fp8) ov.push_back("precision.plugin=\"fp8_delayed\"");
+    if (docs)
+      for (const char* o : {"train.reset_attention_mask=true", "train.reset_position_ids=true",
+                            "train.eod_mask_loss=true", "data.document_length=6"})
+        ov.push_back(o);
     Session s(parse(small_config(d / layers), ov));
     s.initialise();
     for (int64_t step = 1; step <= 9; ++step) {

@@ -16,7 +16,9 @@
 // block's ranges, from one more forward and backward with each range timed
 // on its own: moe.routing (jitter, router GEMM + softmax + top-k + sort,
 // gather, combine, and their backward) and moe.experts (the expert GEMMs and
-// SwiGLU, forward and backward), each range also as moe.<range>.
+// SwiGLU, forward and backward), each range also as moe.<range>; and for
+// every model the attention kernel alone over all layers from that pass
+// (attention.forward, attention.backward).
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -144,8 +146,13 @@ int cmd_bench(const Args& args) {
     cfg.data = d;
   }
 
+  // Start-up (plugins, plan, arena, initial weights, and the attention
+  // graphs a plugin builds ahead of the step, e.g. cuDNN's per document-count
+  // bucket), reported beside the step times.
+  const auto init_t0 = std::chrono::steady_clock::now();
   Session s(cfg);
   s.initialise();
+  const double init_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - init_t0).count();
   SessionProbe inside(s);  // the step's parts, timed one by one (--breakdown), and the plan's numbers
   Backend& be = inside.backend();
   // Steps are queued as in training (the host never waits within a step).
@@ -201,6 +208,7 @@ int cmd_bench(const Args& args) {
                       {"warmup_steps", warmup},
                       {"steps", steps},
                       {"ranks", s.world()},
+                      {"startup_s", init_s},
                       {"median_step_ms", med},
                       {"min_step_ms", *std::min_element(ms.begin(), ms.end())},
                       {"max_step_ms", *std::max_element(ms.begin(), ms.end())},
@@ -236,16 +244,20 @@ int cmd_bench(const Args& args) {
     for (int u = units - 2; u >= 1; --u) timed("backward.layers", [&] { inside.backward_unit(u); });
     timed("backward.embedding", [&] { inside.backward_unit(0); });
     timed("optimizer", [&] { inside.optimizer_step(s.step()); });
+    // One more forward and backward (no update) with the attention kernel's
+    // ranges (and a MoE block's) timed one by one: attention alone, forward
+    // and backward (with its recompute under model.recompute), every layer.
+    RangeTimer rt(be);
+    inside.zero_grads();
+    be.synchronize();
+    trace::Sink* prev = trace::g_sink.exchange(&rt);
+    for (int u = 0; u < units; ++u) inside.forward_unit(u, true, scale);
+    for (int u = units - 1; u >= 0; --u) inside.backward_unit(u);
+    be.synchronize();
+    trace::g_sink.store(prev);
+    parts["attention.forward"] = rt.ms("attention");
+    parts["attention.backward"] = rt.ms("attention.grad") + rt.ms("attention.recompute");
     if (s.spec().moe()) {
-      // One more forward and backward (no update) with the MoE block's ranges timed one by one.
-      RangeTimer rt(be);
-      inside.zero_grads();
-      be.synchronize();
-      trace::Sink* prev = trace::g_sink.exchange(&rt);
-      for (int u = 0; u < units; ++u) inside.forward_unit(u, true, scale);
-      for (int u = units - 1; u >= 0; --u) inside.backward_unit(u);
-      be.synchronize();
-      trace::g_sink.store(prev);
       double routing = 0, experts = 0;
       for (const char* n : kMoeRouting) routing += rt.ms(n);
       for (const char* n : kMoeExperts) experts += rt.ms(n);

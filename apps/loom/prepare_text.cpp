@@ -346,12 +346,14 @@ PrepareTextResult prepare_into(const PrepareTextOptions& opt, const fs::path& ou
   // every core, a batch of files at a time; output keeps document order.
   std::vector<uint32_t> train_buf, val_buf;
   nlohmann::json shard_list = nlohmann::json::array();
+  // Every shard records the ids that delimit its documents (document masking).
+  const DocumentMarkers markers{tok->bos(), tok->eos()};
   auto flush_train = [&](bool final) {
     while (train_buf.size() >= opt.shard_tokens || (final && !train_buf.empty())) {
       const uint64_t n = std::min<uint64_t>(train_buf.size(), opt.shard_tokens);
       char name[64];
       std::snprintf(name, sizeof name, "train_%0*llu.bin", digits, static_cast<unsigned long long>(res.train_shards.size()));
-      write_token_shard((stage / name).string(), train_buf.data(), n, width, vocab);
+      write_token_shard((stage / name).string(), train_buf.data(), n, width, vocab, markers);
       res.train_shards.push_back((out / name).string());
       res.train_tokens += n;
       shard_list.push_back({{"file", name}, {"tokens", n}});
@@ -398,7 +400,7 @@ PrepareTextResult prepare_into(const PrepareTextOptions& opt, const fs::path& ou
   res.val_tokens = val_buf.size();
   if (opt.val_fraction > 0) {
     res.val_shard = (out / "val.bin").string();
-    write_token_shard((stage / "val.bin").string(), val_buf.data(), val_buf.size(), width, vocab);
+    write_token_shard((stage / "val.bin").string(), val_buf.data(), val_buf.size(), width, vocab, markers);
     res.val_warning = small_val_warning(opt.val_fraction, res);
     if (!res.val_warning.empty()) log_warn(cat("prepare: ", res.val_warning));
   }

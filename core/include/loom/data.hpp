@@ -73,6 +73,30 @@ class TokenScan {
   virtual TokenScanReport scan_tokens() const = 0;
 };
 
+// Optional interface of a data source whose rows pack documents (since ABI 8.3):
+// where each document begins, for the document switches of [train]
+// (reset_attention_mask, reset_position_ids, eod_mask_loss; docs/CONFIG.md).
+// Found with dynamic_cast on the DataSource, like TokenScan; the core calls
+// next_with_starts() instead of next() when one of the switches is on, and
+// nothing of it otherwise.
+class DocumentStarts {
+ public:
+  virtual ~DocumentStarts();
+  // Called after open(): "" when the source can tell where its documents
+  // begin; otherwise why it cannot, for the user (the core refuses the
+  // switches with it at start-up, before any GPU work).
+  virtual std::string starts_unavailable() const { return {}; }
+  // next() — the same rows, the same position afterwards — that also writes
+  // starts[batch * (seq_len + 1)], row-major like the tokens: 1 where a token
+  // begins a document, 0 where it continues one. The flag of the last token
+  // of a row (a target only) says whether the last input's target is the next
+  // document's first token. Starts are a function of the data position (a
+  // resumed or resharded run sees the same ones), never stored; a row's
+  // first token begins a span of the row whatever its flag (a document
+  // longer than a row continues in the next row as a span of its own).
+  virtual void next_with_starts(Split split, int32_t* tokens, uint8_t* starts) = 0;
+};
+
 template <> struct PluginInterface<PluginKind::data> { using type = DataSource; };
 
 }  // namespace loom

@@ -9,12 +9,20 @@
 //   12      4     token width in bytes (uint32): 2 (ids < 65536) or 4
 //   16      8     token count (uint64)
 //   24      4     vocabulary size (uint32): every id is < vocab; 0 = unknown
-//   28      996   zero (reserved; readers of version 1 ignore it)
+//   28      4     flags (uint32): bit 0 = the shard records its document markers
+//   32      4     BOS id (uint32), when bit 0 is set: the token that begins a document
+//   36      4     EOS id (uint32), when bit 0 is set: the token that ends one
+//   40      984   zero (reserved; readers of version 1 ignore it)
 //   1024    count * width   the tokens, little-endian, unsigned
 //
 // The header is a fixed 1024 bytes so that the tokens start page-aligned
 // enough for mmap and so that later versions can add fields without moving
-// the data. The file size must be exactly 1024 + count * width: anything else
+// the data. The document markers (flags, BOS, EOS) came later within version
+// 1: a shard written before them has zeros there and records none, which
+// every reader of version 1 reads as such. `loom prepare` writes BOS, the
+// document's ids, EOS per document and records both ids, so that the
+// `tokens` data plugin can tell where each document begins (document
+// masking, docs/CONFIG.md). The file size must be exactly 1024 + count * width: anything else
 // means a truncated or overwritten file, and is refused at open.
 #pragma once
 #include <cstddef>
@@ -27,12 +35,22 @@ inline constexpr std::size_t kTokenShardHeaderBytes = 1024;
 inline constexpr char kTokenShardMagic[8] = {'L', 'O', 'O', 'M', 'T', 'O', 'K', 'S'};
 inline constexpr uint32_t kTokenShardVersion = 1;
 
+// The ids that delimit the documents of a shard: every document is BOS, its
+// tokens, EOS (bos == eos for tokenizers with one separator token).
+struct DocumentMarkers {
+  uint32_t bos = 0, eos = 0;
+  bool operator==(const DocumentMarkers&) const = default;
+};
+
 // Writes `n` tokens as a shard of `width` bytes per token (2 or 4) with the
 // given vocabulary size (0 = unknown). Every token must fit the width and, if
 // vocab > 0, be < vocab. The data goes to `path`.tmp, is fsynced, then renamed
 // over `path`, so a reader never sees a half-written shard under its real name.
 void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t n, int width,
                        uint32_t vocab);
+// The same, recording the document markers (each < vocab when vocab > 0).
+void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t n, int width, uint32_t vocab,
+                       const DocumentMarkers& markers);
 
 // A read-only, memory-mapped shard. The header and the file size are checked
 // at open; each failure is a loom::Error naming the file, what was expected
@@ -58,6 +76,10 @@ class TokenShard {
   uint64_t size() const { return count_; }   // number of tokens
   int width() const { return width_; }       // 2 or 4
   uint32_t vocab() const { return vocab_; }  // 0 = unknown
+  // The document markers the header records; has_markers() is false for a
+  // shard written without them.
+  bool has_markers() const { return has_markers_; }
+  const DocumentMarkers& markers() const { return markers_; }
 
   // Token i (no bounds check beyond a debug assertion; use copy() for checked reads).
   uint32_t operator[](uint64_t i) const;
@@ -97,6 +119,8 @@ class TokenShard {
   uint64_t count_ = 0;
   int width_ = 0;
   uint32_t vocab_ = 0;
+  bool has_markers_ = false;
+  DocumentMarkers markers_;
   Identity id_;
 };
 

@@ -16,6 +16,8 @@
 #define LOOM_ABI_MAJOR 9
 #define LOOM_ABI_MINOR 0  // 9.0: ExecContext::dnn_handle removed (the layout changed); the public ops
                           //      (loom/ops/: the cuBLASLt plan cache, FP8 casts) that precision plugins build on
+// 8.3: document masking: loom::DocumentStarts (data.hpp), an optional interface beside
+//      DataSource; AttentionShape::documents and ::spans (attention.hpp), appended
 // 8.2: PluginInit::planning (a run planned without its device), LinearDesc::input_in_backward,
 //      PrecisionSetup::params_sharded (setup() now comes after the strategy's plan)
 // 8.1: loom::TokenScan (data.hpp), an optional interface beside DataSource: loom check scans tokens

@@ -188,6 +188,9 @@ TrainSection read_train(const ConfigTable& t) {
   r.validation_every = t.get_int("validation_every", r.validation_every, 0);
   r.validation_batches = t.get_int("validation_batches", r.validation_batches, 1);
   r.max_skipped_steps = t.get_int("max_skipped_steps", r.max_skipped_steps, 0);
+  r.reset_attention_mask = t.get_bool("reset_attention_mask", r.reset_attention_mask);
+  r.reset_position_ids = t.get_bool("reset_position_ids", r.reset_position_ids);
+  r.eod_mask_loss = t.get_bool("eod_mask_loss", r.eod_mask_loss);
   return r;
 }
 

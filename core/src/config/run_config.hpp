@@ -100,6 +100,11 @@ struct TrainSection {
   int64_t validation_every = 0;      // 0 = never
   int64_t validation_batches = 8;
   int64_t max_skipped_steps = 5;     // consecutive non-finite steps that stop the run; 0 = no limit
+  // Packed documents (Megatron-LM's switches of the same names; docs/CONFIG.md):
+  bool reset_attention_mask = false; // attention within each document only (causal, block-diagonal)
+  bool reset_position_ids = false;   // RoPE positions restart at 0 at each document start
+  bool eod_mask_loss = false;        // no loss on a document's last token (its target begins the next one)
+  bool documents() const { return reset_attention_mask || reset_position_ids || eod_mask_loss; }
 };
 
 struct CheckpointSection {

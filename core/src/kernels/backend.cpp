@@ -1,6 +1,7 @@
-// The Backend's default MoE and FP8-operand entry points: a backend without
-// those kernels refuses at the first call, with one message (the CPU and CUDA
-// backends override the MoE ones, the CUDA backend the FP8 ones).
+// The Backend's default MoE, FP8-operand and positioned-RoPE entry points: a
+// backend without those kernels refuses at the first call, with one message
+// (the CPU and CUDA backends override the MoE and RoPE ones, the CUDA backend
+// the FP8 ones).
 #include "kernels/backend.hpp"
 
 #include "loom/error.hpp"
@@ -21,6 +22,15 @@ namespace {
 }
 
 }  // namespace
+
+void Backend::rope_forward_at(Tensor&, double, const Tensor&) {
+  throw Error(cat("the ", ::loom::device_name(device()), " backend has no RoPE with given positions (rope_forward_at): "
+                  "train.reset_position_ids runs on the CPU and CUDA backends"));
+}
+void Backend::rope_backward_at(Tensor&, double, const Tensor&) {
+  throw Error(cat("the ", ::loom::device_name(device()), " backend has no RoPE with given positions (rope_backward_at): "
+                  "train.reset_position_ids runs on the CPU and CUDA backends"));
+}
 
 void Backend::swiglu_forward_fp8(const Fp8Operand&, const Tensor&, const Tensor&) {
   no_fp8_operand(*this, "swiglu_forward_fp8");

@@ -98,6 +98,13 @@ class Backend {
   // x: [B, S, nh, D] view (row stride x.stride[1]); in place.
   virtual void rope_forward(Tensor& x, double theta) = 0;
   virtual void rope_backward(Tensor& dx, double theta) = 0;
+  // The same with the position of each row given instead of its index s:
+  // positions is int32 [B * S] in backend memory, row (b, s) at position
+  // positions[b * S + s] in [0, S) (train.reset_position_ids: positions
+  // restart at every document start; DocumentSpans::positions). The
+  // defaults refuse with one message (the CPU and CUDA backends have them).
+  virtual void rope_forward_at(Tensor& x, double theta, const Tensor& positions);
+  virtual void rope_backward_at(Tensor& dx, double theta, const Tensor& positions);
   // Build whatever RoPE needs for (seq, head_dim, theta) now, at start-up, so
   // the step allocates nothing (the CUDA backend's cos/sin table).
   virtual void prepare_rope(int64_t /*seq*/, int64_t /*head_dim*/, double /*theta*/) {}

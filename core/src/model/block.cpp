@@ -53,7 +53,20 @@ AttentionShape BlockEnv::attention_shape() const {
   a.head_dim = spec->head_dim();
   a.causal = true;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.head_dim)));
+  a.documents = document_attention;
+  a.spans = document_attention ? documents : nullptr;
   return a;
+}
+
+void BlockEnv::rope(Tensor& x, double theta, bool backward) const {
+  if (document_positions) {
+    LOOM_CHECK(documents != nullptr, "rope: train.reset_position_ids without the model's document spans");
+    if (backward) backend->rope_backward_at(x, theta, documents->positions);
+    else backend->rope_forward_at(x, theta, documents->positions);
+    return;
+  }
+  if (backward) backend->rope_backward(x, theta);
+  else backend->rope_forward(x, theta);
 }
 
 // ---------------------------------------------------------------------------

@@ -141,7 +141,16 @@ struct BlockEnv {
   // before their accumulating kernels. Null or false: accumulate.
   const bool* first_micro = nullptr;
   bool writes_grads() const { return first_micro != nullptr && *first_micro; }
+  // Packed documents (the [train] switches; the spans are the model's,
+  // staged with each micro-batch's tokens, Model::plan points here):
+  bool document_attention = false;  // reset_attention_mask: attention within document spans
+  bool document_positions = false;  // reset_position_ids: RoPE positions restart at span starts
+  const DocumentSpans* documents = nullptr;
+  // The attention call's shape; with document_attention it carries the spans.
   AttentionShape attention_shape() const;
+  // RoPE of q/k heads [B, S, nh, D] (backward: the inverse, on their
+  // gradients), at the positions the run uses: s, or the spans' positions.
+  void rope(Tensor& x, double theta, bool backward) const;
   // precision->register_linear, recording the id (the memory plan asks the
   // recipe for each linear's saved activations).
   int register_linear(const LinearDesc& desc) const;

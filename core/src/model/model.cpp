@@ -54,6 +54,7 @@ void Model::plan(const BlockEnv& env, ArenaPlan& plan) {
   linear_weights_.clear();
   env_.linear_weights = &linear_weights_;
   env_.first_micro = &first_micro_;
+  env_.documents = documents_on() ? &documents_ : nullptr;
   const size_t n = static_cast<size_t>(env.N), e = dtype_size(env.act);
   const size_t stream_bytes = n * static_cast<size_t>(spec_.hidden) * e;
   const bool full = env.recompute == Recompute::full;
@@ -62,7 +63,7 @@ void Model::plan(const BlockEnv& env, ArenaPlan& plan) {
   for (int64_t l = 0; l <= spec_.num_layers; ++l) res_.push_back(acts_.own("res." + std::to_string(l), stream_bytes));
   for (int64_t l = 0; l < spec_.num_layers; ++l) mid_.push_back(acts_.kept("res_mid", l, stream_bytes, full));
   d_res_ = acts_.shared("grad.res", stream_bytes);
-  tokens_ = acts_.own("tokens", 2 * n * 4);
+  tokens_ = acts_.own("tokens", static_cast<size_t>(staged_words()) * 4);
   losses_.clear();
   env_.losses = &losses_;  // blocks add theirs as they plan
   env_.micro = &micro_;
@@ -78,6 +79,13 @@ void Model::plan(const BlockEnv& env, ArenaPlan& plan) {
 void Model::bind(const Arena& arena) {
   acts_.bind(arena);
   env_.backend->prepare_rope(env_.S, spec_.head_dim(), spec_.rope_theta);
+  if (documents_on()) {
+    const int64_t N = env_.N;
+    const Tensor t = tokens();
+    documents_.positions = view(t, 2 * N, {N});
+    documents_.cu_seqlens = view(t, 3 * N, {N + 1});
+    documents_.lengths = view(t, 4 * N + 1, {N});
+  }
   embedding_.bind(acts_);
   for (size_t l = 0; l < attention_.size(); ++l) {
     attention_[l]->bind(acts_);
@@ -90,7 +98,17 @@ void Model::bind(const Arena& arena) {
 Tensor Model::stream(int id) const {
   return Tensor(acts_.ptr(id), env_.act, env_.backend->device(), {env_.N, spec_.hidden});
 }
-Tensor Model::tokens() const { return Tensor(acts_.ptr(tokens_), DType::i32, env_.backend->device(), {2 * env_.N}); }
+Tensor Model::tokens() const {
+  return Tensor(acts_.ptr(tokens_), DType::i32, env_.backend->device(), {staged_words()});
+}
+void Model::set_documents(int64_t count, int64_t longest) {
+  LOOM_CHECK(documents_on(), "set_documents: the model was planned without document spans");
+  LOOM_CHECK(count >= 1 && count <= env_.N && longest >= 1 && longest <= env_.S, "set_documents: ", count,
+             " spans, the longest ", longest, " tokens, for ", env_.B, " rows of ", env_.S);
+  documents_.count = count;
+  documents_.longest = longest;
+  ++documents_.serial;
+}
 Tensor Model::inputs() const {
   return Tensor(acts_.ptr(tokens_), DType::i32, env_.backend->device(), {env_.B, env_.S});
 }
@@ -130,7 +148,7 @@ void Model::forward_unit(int unit, std::vector<UnitState>& units, bool training,
       loss.finish(be, dloss_scale);
     }
   Range r(be, "forward.head");
-  dloss_scale_ = dloss_scale;
+  dloss_scale_ = dloss_scale * loss_weight_;
   head_->forward(units, unit, stream(res_[static_cast<size_t>(L)]), targets(), training);
 }
 

@@ -50,8 +50,13 @@ class Model {
   // Where each decoder linear's weight sits in its unit (after plan()).
   const std::vector<LinearWeight>& linear_weights() const { return linear_weights_; }
 
-  // The micro-batch's tokens on the backend: [2 * N] int32, inputs then targets.
+  // The micro-batch's staged data on the backend, int32, one buffer that the
+  // host fills with one copy (train/token_stager.hpp): inputs [N], targets
+  // [N], and with document spans (BlockEnv::document_attention or
+  // document_positions) their positions [N], cu_seqlens [N + 1] and lengths
+  // [N] (loom/attention.hpp's DocumentSpans).
   Tensor tokens() const;
+  int64_t staged_words() const { return documents_on() ? 5 * env_.N + 1 : 2 * env_.N; }
   Tensor inputs() const;   // [B, S]
   Tensor targets() const;  // [N]
 
@@ -70,6 +75,16 @@ class Model {
   void add_extra_losses(Tensor& acc) const;
   // A new training micro-batch: its random draws' seed (MicroBatch::seed).
   void begin_micro_batch(uint64_t seed) { micro_.seed = seed; }
+  // The staged micro-batch's document spans (count and longest, host values
+  // the stager found), before its forward: attention plugins size their
+  // launches from them without a device read.
+  void set_documents(int64_t count, int64_t longest);
+  // Scales the LM loss's gradient of the next micro-batches: N / (tokens that
+  // carry loss) under train.eod_mask_loss (each micro-batch's loss is the mean
+  // over its tokens that carry loss), 1 otherwise. The MoE auxiliary loss is
+  // not scaled.
+  void set_loss_weight(float w) { loss_weight_ = w; }
+  float loss_weight() const { return loss_weight_; }
   // True while the step's first micro-batch runs (BlockEnv::first_micro):
   // its backward writes the gradients. False (the default) accumulates.
   void set_first_micro(bool first) { first_micro_ = first; }
@@ -77,6 +92,7 @@ class Model {
 
  private:
   Tensor stream(int id) const;  // a residual-stream buffer as [N, h]
+  bool documents_on() const { return env_.document_attention || env_.document_positions; }
 
   ModelSpec spec_;
   std::string layers_, ffn_name_;
@@ -98,7 +114,9 @@ class Model {
   ExtraLosses losses_;
   int d_res_ = -1, tokens_ = -1;
   float dloss_scale_ = 0.f;
+  float loss_weight_ = 1.f;
   bool first_micro_ = false;
+  DocumentSpans documents_;  // views into the staged buffer (bind), counts per micro-batch
 };
 
 // Tokens per LM-head chunk: the whole micro-batch for an attention variant

@@ -1,5 +1,5 @@
-// The key function of loom::TokenScan (loom/data.hpp), and the scanning loop
-// of data/token_scan.hpp.
+// The key functions of loom::TokenScan and loom::DocumentStarts
+// (loom/data.hpp), and the scanning loop of loom/ops/token_scan.hpp.
 #include "loom/ops/token_scan.hpp"
 
 #include <type_traits>
@@ -8,10 +8,11 @@
 
 namespace loom {
 
-// Defined here, out of line: the vtable and type information of TokenScan
-// live in libloom alone, so a dynamic_cast of a plugin's object finds the one
+// Defined here, out of line: the vtables and type information of TokenScan
+// and DocumentStarts live in libloom alone, so a dynamic_cast of a plugin's object finds the one
 // type the plugins and the host share.
 TokenScan::~TokenScan() = default;
+DocumentStarts::~DocumentStarts() = default;
 
 namespace data {
 namespace {

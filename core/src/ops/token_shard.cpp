@@ -56,6 +56,12 @@ void write_all(int fd, const void* buf, std::size_t n, const std::string& path) 
   }
 }
 
+// Header flag bit 0: the shard records BOS and EOS at bytes 32 and 36.
+constexpr uint32_t kMarkersFlag = 1;
+
+void write_shard(const std::string& path, const uint32_t* tokens, uint64_t n, int width, uint32_t vocab,
+                 const DocumentMarkers* markers);
+
 std::string magic_text(const unsigned char* m) {
   std::string s;
   for (int i = 0; i < 8; ++i) {
@@ -70,6 +76,22 @@ std::string magic_text(const unsigned char* m) {
 
 void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t n, int width,
                        uint32_t vocab) {
+  write_shard(path, tokens, n, width, vocab, nullptr);
+}
+
+void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t n, int width, uint32_t vocab,
+                       const DocumentMarkers& markers) {
+  for (const auto& [what, id] : {std::pair{"BOS", markers.bos}, std::pair{"EOS", markers.eos}})
+    if (vocab > 0 && id >= vocab)
+      throw Error(cat("cannot write token shard '", path, "': its ", what, " id ", id, " is outside the vocabulary (",
+                      vocab, ")"));
+  write_shard(path, tokens, n, width, vocab, &markers);
+}
+
+namespace {
+
+void write_shard(const std::string& path, const uint32_t* tokens, uint64_t n, int width, uint32_t vocab,
+                 const DocumentMarkers* markers) {
   if (width != 2 && width != 4)
     throw Error(cat("cannot write token shard '", path, "': token width ", width,
                     " is not supported; use 2 (ids < 65536) or 4"));
@@ -92,6 +114,11 @@ void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t
   put<uint32_t>(header + 12, static_cast<uint32_t>(width));
   put<uint64_t>(header + 16, n);
   put<uint32_t>(header + 24, vocab);
+  if (markers) {
+    put<uint32_t>(header + 28, kMarkersFlag);
+    put<uint32_t>(header + 32, markers->bos);
+    put<uint32_t>(header + 36, markers->eos);
+  }
 
   const std::string tmp = path + ".tmp";
   // A fresh file of our own (as ckpt::AtomicFile): O_TRUNC through a symbolic
@@ -134,6 +161,8 @@ void write_token_shard(const std::string& path, const uint32_t* tokens, uint64_t
     throw Error(cat("cannot rename '", tmp, "' to '", path, "': ", why));
   }
 }
+
+}  // namespace
 
 TokenShard::TokenShard(const std::string& path) : path_(path) {
   {
@@ -190,6 +219,14 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
     count_ = count;
     width_ = static_cast<int>(width);
     vocab_ = get<uint32_t>(map_ + 24);
+    has_markers_ = (get<uint32_t>(map_ + 28) & kMarkersFlag) != 0;
+    if (has_markers_) {
+      markers_ = {get<uint32_t>(map_ + 32), get<uint32_t>(map_ + 36)};
+      for (const auto& [what, id] : {std::pair{"BOS", markers_.bos}, std::pair{"EOS", markers_.eos}})
+        if (vocab_ > 0 && id >= vocab_)
+          throw Error(cat("token shard '", path, "' records ", what, " id ", id, " outside its own vocabulary of ",
+                          vocab_, " (the header is damaged; re-run loom prepare)"));
+    }
   } catch (...) {
     close();
     throw;
@@ -200,7 +237,8 @@ TokenShard::~TokenShard() { close(); }
 
 TokenShard::TokenShard(TokenShard&& o) noexcept
     : path_(std::move(o.path_)), map_(std::exchange(o.map_, nullptr)), map_bytes_(std::exchange(o.map_bytes_, 0)),
-      count_(o.count_), width_(o.width_), vocab_(o.vocab_), id_(o.id_) {}
+      count_(o.count_), width_(o.width_), vocab_(o.vocab_), has_markers_(o.has_markers_), markers_(o.markers_),
+      id_(o.id_) {}
 
 TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
   if (this != &o) {
@@ -211,6 +249,8 @@ TokenShard& TokenShard::operator=(TokenShard&& o) noexcept {
     count_ = o.count_;
     width_ = o.width_;
     vocab_ = o.vocab_;
+    has_markers_ = o.has_markers_;
+    markers_ = o.markers_;
     id_ = o.id_;
   }
   return *this;

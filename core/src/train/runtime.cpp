@@ -47,6 +47,29 @@ void start_communicators(Runtime& rt, const Config& cfg) {
   }
 }
 
+// The [train] document switches that are on, for messages, after where the first was set.
+std::string document_switches(const Config& cfg) {
+  std::string s;
+  for (const auto& [on, key] : {std::pair{cfg.train.reset_attention_mask, "train.reset_attention_mask"},
+                                std::pair{cfg.train.reset_position_ids, "train.reset_position_ids"},
+                                std::pair{cfg.train.eod_mask_loss, "train.eod_mask_loss"}})
+    if (on) s += s.empty() ? cat(cfg.where(key), ": ", key, " = true") : cat(", ", key, " = true");
+  return s;
+}
+
+// The switches need the data's document starts (loom::DocumentStarts), which
+// the source must be able to tell (shards that record their markers, ...).
+void check_document_starts(const Runtime& rt, const Config& cfg) {
+  const auto* starts = dynamic_cast<const DocumentStarts*>(rt.data.get());
+  const std::string what = cat(document_switches(cfg), " needs to know where the documents of the data begin, and "
+                               "data.plugin = \"", cfg.data.plugin, "\" ");
+  if (!starts)
+    throw Error(cat(what, "does not tell (it implements no loom::DocumentStarts, loom/data.hpp); use data.plugin = "
+                    "\"tokens\" or \"megatron\", or turn the switches off"));
+  if (const std::string why = starts->starts_unavailable(); !why.empty())
+    throw Error(cat(what, "cannot: ", why));
+}
+
 void load_plugins(Runtime& rt, const Config& cfg, const ModelSpec& spec) {
   std::vector<std::filesystem::path> dirs(cfg.run.plugin_path.begin(), cfg.run.plugin_path.end());
   rt.registry = std::make_unique<PluginRegistry>(dirs);
@@ -82,9 +105,11 @@ void load_plugins(Runtime& rt, const Config& cfg, const ModelSpec& spec) {
   probe.spec = &spec;
   probe.B = cfg.train.micro_batch;
   probe.S = cfg.train.seq_len;
+  probe.document_attention = cfg.train.reset_attention_mask;
   const Support sup = rt.attention->supports(probe.attention_shape(), rt.dtypes.activation, rt.backend->device());
   if (!sup.ok)
-    throw Error(cat("attention.plugin = \"", cfg.attention.plugin, "\" cannot run this model: ", sup.reason));
+    throw Error(cat("attention.plugin = \"", cfg.attention.plugin, "\" cannot run this model",
+                    probe.document_attention ? " with train.reset_attention_mask = true" : "", ": ", sup.reason));
 
   DataSpec ds;
   ds.batch = cfg.train.micro_batch;
@@ -97,6 +122,7 @@ void load_plugins(Runtime& rt, const Config& cfg, const ModelSpec& spec) {
   if (int64_t hint = rt.data->vocab_hint(); hint > spec.vocab_size)
     throw Error(cat("data.plugin = \"", cfg.data.plugin, "\" produces token ids up to ", hint - 1,
                     " but model.vocab_size = ", spec.vocab_size, ": raise model.vocab_size to at least ", hint));
+  if (cfg.train.documents()) check_document_starts(rt, cfg);
   if (cfg.train.validation_every > 0 && !rt.data->has_split(Split::validation))
     throw Error(cat("train.validation_every = ", cfg.train.validation_every, " but data.plugin = \"", cfg.data.plugin,
                     "\" has no validation split: configure one or set train.validation_every = 0"));

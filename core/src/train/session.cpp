@@ -76,7 +76,10 @@ void Session::initialise() {
   // cannot overflow: grad_accum <= kMaxDim, the ring <= kMaxStepLogRows.)
   const int64_t slots =
       t.grad_accum * state_->scalar_log_rows() + std::min<int64_t>(t.validation_batches, int64_t{1} << 30) + 2;
-  stager_ = std::make_unique<TokenStager>(*rt_.backend, t.micro_batch, t.seq_len, slots);
+  TokenStager::Documents docs;
+  docs.spans = t.reset_attention_mask || t.reset_position_ids;
+  docs.mask_loss = t.eod_mask_loss;
+  stager_ = std::make_unique<TokenStager>(*rt_.backend, t.micro_batch, t.seq_len, slots, docs);
   if (std::optional<int64_t> s = resume_checkpoint(cfg_, rt_, *state_, *model_)) {
     step_ = *s;
     resumed_ = true;
@@ -99,7 +102,9 @@ void Session::train_step() {
   const auto& t = cfg_.train;
   Backend& be = *rt_.backend;
   // The gradient of the mean loss over every token of the step, on every rank:
-  // strategies then reduce gradients with a plain sum.
+  // strategies then reduce gradients with a plain sum. Under eod_mask_loss
+  // the model scales it per micro-batch by N / (its tokens that carry loss):
+  // each micro-batch's loss is the mean over those (Model::set_loss_weight).
   const float dloss_scale = 1.0f / static_cast<float>(model_->env().N * t.grad_accum * world());
   fault_point(rank(), step_ + 1);
   ring_->make_room();
@@ -129,6 +134,14 @@ void Session::train_step() {
     {
       trace::Scope phase(trace::Track::host, "backward");
       backward();                 // the head computes the loss chunk by chunk, then every unit in reverse
+    }
+    // The step's loss: the sum of its micro-batches' mean losses, times N
+    // (read_ring divides by N x grad_accum). Masked targets have loss 0; the
+    // mean is over the tokens that carry loss, so their sum is weighted by
+    // N / count first (the losses are not read again before the next forward).
+    if (model_->loss_weight() != 1.f) {
+      Tensor losses = model_->losses();
+      be.scale(losses, model_->loss_weight());
     }
     be.sum_into(loss_sum, model_->losses(), 0, model_->env().N, false);
     model_->add_extra_losses(extra_sum);
@@ -160,9 +173,28 @@ size_t Session::memory_in_use() const {
   return be.device() == Device::cuda ? be.device_memory_used() : state_->arena_bytes();
 }
 
-void Session::next_batch(Split split) {
+StagedBatch Session::next_batch(Split split) {
   Tensor tokens = model_->tokens();
-  stager_->stage(*rt_.data, split, tokens, model_->spec().vocab_size, cfg_.data.plugin);
+  const StagedBatch b = stager_->stage(*rt_.data, split, tokens, model_->spec().vocab_size, cfg_.data.plugin);
+  use_batch(b);
+  return b;
+}
+
+void Session::load_batch(const int32_t* inputs, const int32_t* targets, const uint8_t* starts) {
+  Tensor tokens = model_->tokens();
+  use_batch(stager_->stage(inputs, targets, tokens, starts));
+}
+
+void Session::use_batch(const StagedBatch& b) {
+  if (stager_->documents().spans) model_->set_documents(b.spans, b.longest);
+  loss_tokens_ = b.loss_tokens;
+  // eod_mask_loss: the mean over the tokens that carry loss. When none does,
+  // every target is masked (-1): the cross-entropy gives each a zero loss and
+  // a zero gradient row at any nonzero scale, so the micro-batch adds nothing.
+  const int64_t N = model_->env().N;
+  model_->set_loss_weight(b.loss_tokens == N || b.loss_tokens == 0
+                              ? 1.f
+                              : static_cast<float>(static_cast<double>(N) / static_cast<double>(b.loss_tokens)));
 }
 
 void Session::forward_unit(int unit, bool training, float dloss_scale) {
@@ -195,15 +227,16 @@ double Session::evaluate() {
   Tensor& sum = state_->eval_sum();
   be.zero(sum);
   const int64_t n = cfg_.train.validation_batches;
+  int64_t counted = 0;  // validation tokens that carry loss (all of them without eod_mask_loss)
   for (int64_t i = 0; i < n; ++i) {
-    next_batch(Split::validation);
+    counted += next_batch(Split::validation).loss_tokens;
     forward(false, 0.f);
     be.sum_into(sum, model_->losses(), 0, model_->env().N, false);
   }
   double total = 0;
   be.download(&total, sum, sizeof total);
   stager_->device_caught_up();
-  return mean_over_ranks(total / static_cast<double>(n * model_->env().N));
+  return mean_over_ranks(counted > 0 ? total / static_cast<double>(counted) : 0.0);
 }
 
 void Session::save_checkpoint(int64_t step) {

@@ -136,7 +136,12 @@ class Session {
  private:
   friend class SessionProbe;  // the tests' and `loom bench`'s view inside (session_probe.hpp)
 
-  void next_batch(Split split);
+  // Host [B*S] each; with the [train] document switches also the document
+  // starts, [B * (S + 1)] as loom::DocumentStarts writes them (SessionProbe::load_batch).
+  void load_batch(const int32_t* inputs, const int32_t* targets, const uint8_t* starts = nullptr);
+  // Stages the next micro-batch and tells the model what the host learnt of it.
+  StagedBatch next_batch(Split split);
+  void use_batch(const StagedBatch& b);
   // Every unit forward, with the sharding hooks around each. Training keeps
   // what backward needs; its loss comes in the head's backward.
   void forward(bool training, float dloss_scale);
@@ -163,6 +168,7 @@ class Session {
   int64_t step_ = 0;        // optimizer steps done (queued)
   bool log_due_ = false;    // an ordinary log step waits to be read after the next step is queued
   bool last_micro_ = true;  // the current micro-batch is the step's last (sharding may communicate)
+  int64_t loss_tokens_ = 0;  // targets that carry loss in the micro-batch staged last
   bool initialised_ = false;
   bool resumed_ = false;    // initialise() loaded a checkpoint
   std::shared_ptr<OutputLock> output_lock_;

@@ -4,16 +4,16 @@
 
 namespace loom {
 
-void SessionProbe::load_batch(const int32_t* inputs, const int32_t* targets) {
+void SessionProbe::load_batch(const int32_t* inputs, const int32_t* targets, const uint8_t* starts) {
   LOOM_CHECK(s_.initialised_, "load_batch() before initialise()");
-  Tensor tokens = s_.model_->tokens();
-  s_.stager_->stage(inputs, targets, tokens);
+  s_.load_batch(inputs, targets, starts);
 }
 
 double SessionProbe::batch_loss() {
   const double sum = s_.rt_.backend->sum(s_.model_->losses());
   s_.stager_->device_caught_up();
-  return sum / static_cast<double>(s_.model_->env().N);
+  // Over the tokens that carry loss (all of them unless train.eod_mask_loss).
+  return s_.loss_tokens_ > 0 ? sum / static_cast<double>(s_.loss_tokens_) : 0.0;
 }
 
 double SessionProbe::batch_aux_loss() {

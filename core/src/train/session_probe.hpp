@@ -37,8 +37,10 @@ class SessionProbe {
   // Times the backend made the host wait for the device (kernels/backend.hpp).
   int64_t host_syncs() const { return s_.rt_.backend->host_syncs(); }
 
-  // A micro-batch of the caller's: host [B*S] inputs and targets.
-  void load_batch(const int32_t* inputs, const int32_t* targets);
+  // A micro-batch of the caller's: host [B*S] inputs and targets; with the
+  // [train] document switches also the document starts, [B * (S + 1)] as
+  // loom::DocumentStarts writes them.
+  void load_batch(const int32_t* inputs, const int32_t* targets, const uint8_t* starts = nullptr);
   // Every unit forward (backward), with the sharding hooks around each, as
   // the step runs them. Training keeps what backward needs; its loss comes in
   // the head's backward with gradient scale dloss_scale.
@@ -46,7 +48,8 @@ class SessionProbe {
   void forward_unit(int unit, bool training, float dloss_scale) { s_.forward_unit(unit, training, dloss_scale); }
   void backward() { s_.backward(); }
   void backward_unit(int unit) { s_.backward_unit(unit); }
-  // Mean token loss of the last evaluation forward or training backward (synchronises).
+  // Mean token loss of the last evaluation forward or training backward, over
+  // the tokens that carry loss (synchronises).
   double batch_loss();
   // The blocks' extra losses (a mixture of experts' load-balancing loss,
   // unweighted) of the last training forward, summed (synchronises); 0 without.

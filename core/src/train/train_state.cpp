@@ -95,6 +95,8 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   be.backend = rt_.backend.get();
   be.expert_group = expert_group_.get();
   be.head_chunk = head_chunk_tokens(model_.layers(), cfg_.model.head_chunk, be.N, model_.spec().vocab_size, be.act);
+  be.document_attention = cfg_.train.reset_attention_mask;
+  be.document_positions = cfg_.train.reset_position_ids;
   model_.plan(be, plan_);
   // Every linear is registered. The FP8 weight gathers learn which weights
   // the recipe casts per tensor from their current amax; the strategy asks

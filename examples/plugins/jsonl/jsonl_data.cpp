@@ -27,6 +27,10 @@
 // corpus. The files must not change between the two (their sizes are kept
 // and compared).
 //
+// Document starts: the source implements loom::DocumentStarts (each BOS
+// begins a document), so the run's train.reset_attention_mask,
+// reset_position_ids and eod_mask_loss see its documents.
+//
 // A line that is not a JSON object with a string "text" is refused, naming
 // the file and the line; blank lines are passed over.
 #include <algorithm>
@@ -235,7 +239,7 @@ class Stream {
   std::vector<uint32_t> ids_;
 };
 
-class JsonlData final : public loom::DataSource {
+class JsonlData final : public loom::DataSource, public loom::DocumentStarts {
  public:
   explicit JsonlData(const loom::PluginInit& init) : seed_(init.seed) {
     const loom::ConfigTable& cfg = init.config;
@@ -276,6 +280,11 @@ class JsonlData final : public loom::DataSource {
   bool has_split(loom::Split split) const override { return split == loom::Split::train || val_ != nullptr; }
 
   void next(loom::Split split, int32_t* tokens) override { read(split, tokens, nullptr); }
+
+  // DocumentStarts: the same windows with the documents' starts.
+  void next_with_starts(loom::Split split, int32_t* tokens, uint8_t* starts) override {
+    read(split, tokens, starts);
+  }
 
   void reset(loom::Split split) override {
     if (split == loom::Split::train)

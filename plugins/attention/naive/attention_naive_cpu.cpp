@@ -6,6 +6,7 @@
 // Backward, with dP_ij = do_i . v_j and D_i = sum_j P_ij dP_ij:
 //   dS_ij = P_ij (dP_ij - D_i)
 //   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i,  dv_j = sum_i P_ij do_i
+// Document masking narrows j to the query's own span: j >= i - positions[i].
 // D_i is summed from the recomputed P and dP rather than taken as do_i . o_i:
 // the two agree mathematically, and this way backward depends only on q, k, v
 // and the stats, not on the rounding of the stored output.
@@ -24,6 +25,8 @@ namespace loom::naive {
 void check_dims(const AttnDims& d) {
   LOOM_CHECK(d.B > 0 && d.S > 0 && d.H > 0 && d.Hkv > 0 && d.D > 0, "naive attention: dims must be positive, got B=",
              d.B, " S=", d.S, " H=", d.H, " Hkv=", d.Hkv, " D=", d.D);
+  LOOM_CHECK(d.positions == nullptr || d.causal, "naive attention: document masking is causal within each document; ",
+             "a non-causal shape with document positions is not supported");
   LOOM_CHECK(d.H % d.Hkv == 0, "naive attention: heads=", d.H, " is not a multiple of kv_heads=", d.Hkv,
              " (grouped-query attention shares each kv head among H/Hkv query heads)");
   LOOM_CHECK(std::isfinite(d.scale) && d.scale > 0, "naive attention: softmax scale must be finite and > 0, got ",
@@ -34,6 +37,15 @@ int64_t forward_scratch_doubles(const AttnDims& d) { return d.S + d.D; }
 int64_t backward_scratch_doubles(const AttnDims& d) { return 2 * d.S + d.D + 2 * d.S * d.D; }
 
 namespace {
+
+// The first key query i of row b sees: its document span's first token.
+int64_t first_key(const AttnDims& d, int64_t b, int64_t i) {
+  if (!d.positions) return 0;
+  const int64_t p = d.positions[b * d.S + i];
+  LOOM_CHECK(p >= 0 && p <= i, "naive attention: document position ", p, " of token ", i, " of row ", b,
+             " is outside [0, ", i, "]: positions count from each span's first token");
+  return i - p;
+}
 
 template <typename T>
 double dot(const T* a, const T* b, int64_t n) {
@@ -52,6 +64,8 @@ void attention_forward(const AttnDims& d, T* out, Bshd os, T* stats, const T* q,
              workers, " scratch=", static_cast<const void*>(scratch));
   const int64_t group = d.H / d.Hkv, D = d.D, S = d.S;
   const int64_t per_worker = forward_scratch_doubles(d);
+  for (int64_t b = 0; d.positions && b < d.B; ++b)  // checked here: an exception cannot leave the OpenMP region
+    for (int64_t i = 0; i < S; ++i) (void)first_key(d, b, i);
 #pragma omp parallel num_threads(workers)
   {
     double* p = scratch + omp_get_thread_num() * per_worker;  // scores of one query row, [S]
@@ -64,17 +78,18 @@ void attention_forward(const AttnDims& d, T* out, Bshd os, T* stats, const T* q,
       for (int64_t i = 0; i < S; ++i) {
         const T* qi = q + b * qs.b + i * qs.s + h * qs.h;
         const int64_t jend = d.causal ? i + 1 : S;  // keys after i are masked out
+        const int64_t jbeg = first_key(d, b, i);    // and keys of earlier documents
         double m = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < jend; ++j) {
+        for (int64_t j = jbeg; j < jend; ++j) {
           p[j] = d.scale * dot(qi, kb + j * ks.s, D);
           m = std::max(m, p[j]);
         }
         // Max-subtracted so that no exp overflows.
         double sum = 0.0;
-        for (int64_t j = 0; j < jend; ++j) sum += std::exp(p[j] - m);
+        for (int64_t j = jbeg; j < jend; ++j) sum += std::exp(p[j] - m);
         const double lse = m + std::log(sum);
         std::fill(acc, acc + D, 0.0);
-        for (int64_t j = 0; j < jend; ++j) {
+        for (int64_t j = jbeg; j < jend; ++j) {
           const double pij = std::exp(p[j] - lse);
           const T* vj = vb + j * vs.s;
           for (int64_t c = 0; c < D; ++c) acc[c] += pij * vj[c];
@@ -96,6 +111,8 @@ void attention_backward(const AttnDims& d, T* dq, Bshd dqs, T* dk, Bshd dks, T* 
              workers, " scratch=", static_cast<const void*>(scratch));
   const int64_t group = d.H / d.Hkv, D = d.D, S = d.S;
   const int64_t per_worker = backward_scratch_doubles(d);
+  for (int64_t b = 0; d.positions && b < d.B; ++b)  // checked here: an exception cannot leave the OpenMP region
+    for (int64_t i = 0; i < S; ++i) (void)first_key(d, b, i);
 #pragma omp parallel num_threads(workers)
   {
     double* p = scratch + omp_get_thread_num() * per_worker;  // P row, [S]
@@ -116,14 +133,15 @@ void attention_backward(const AttnDims& d, T* dq, Bshd dqs, T* dk, Bshd dks, T* 
           const T* doi = dout + b * dos.b + i * dos.s + h * dos.h;
           const double lse = stats[(b * d.H + h) * S + i];
           const int64_t jend = d.causal ? i + 1 : S;
+          const int64_t jbeg = first_key(d, b, i);
           double Di = 0.0;
-          for (int64_t j = 0; j < jend; ++j) {
+          for (int64_t j = jbeg; j < jend; ++j) {
             p[j] = std::exp(d.scale * dot(qi, kb + j * ks.s, D) - lse);  // P rebuilt from the saved lse
             ds[j] = dot(doi, vb + j * vs.s, D);                           // dP for now
             Di += p[j] * ds[j];
           }
           std::fill(dqa, dqa + D, 0.0);
-          for (int64_t j = 0; j < jend; ++j) {
+          for (int64_t j = jbeg; j < jend; ++j) {
             const double dsij = p[j] * (ds[j] - Di);
             const T* kj = kb + j * ks.s;
             double* dkj = dka + j * D;

@@ -1,6 +1,8 @@
 // Naive causal GQA attention on the CPU: each query row's softmax is
 // materialised (one row of S scores at a time), so the code reads like the
-// formulas. The reference the other attention plugins are checked against.
+// formulas. The reference the other attention plugins are checked against,
+// also for document masking (AttnDims::positions: a query sees the keys of
+// its own document span only).
 //
 // Layout BSHD: q, out, dq, dout are [B, S, H, D]; k, v, dk, dv are
 // [B, S, Hkv, D]; query head h reads kv head h / (H / Hkv). Each tensor has
@@ -29,6 +31,10 @@ struct AttnDims {
   int64_t B = 0, S = 0, H = 0, Hkv = 0, D = 0;
   double scale = 0.0;  // softmax scale, normally 1/sqrt(D)
   bool causal = true;  // query i sees keys j <= i
+  // Document masking (loom/attention.hpp's DocumentSpans::positions, in the
+  // memory of the call's device): query i of row b sees keys
+  // j in [i - positions[b * S + i], i] only. Null: every key the mask above allows.
+  const int32_t* positions = nullptr;
 };
 
 // Checks the dims (positive, H % Hkv == 0, scale finite and > 0); throws loom::Error.

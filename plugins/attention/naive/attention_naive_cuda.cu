@@ -1,6 +1,7 @@
 // Naive attention on CUDA (see the header): the CPU reference's formulas,
 //
-//   s_ij = scale * q_i . k_j (j <= i when causal),  lse_i = log sum_j exp(s_ij)
+//   s_ij = scale * q_i . k_j (j <= i when causal; with document positions also
+//          j >= i - pos_i: the keys of the query's own span), lse_i = log sum_j exp(s_ij)
 //   P_ij = exp(s_ij - lse_i),  o_i = sum_j P_ij v_j
 //   dP_ij = do_i . v_j,  D_i = sum_j P_ij dP_ij,  dS_ij = P_ij (dP_ij - D_i)
 //   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i,  dv_j = sum_i P_ij do_i
@@ -44,10 +45,13 @@ struct Dims {
   int64_t B, S, H, Hkv, D, group;
   float scale;
   bool causal;
+  const int32_t* pos;  // document positions [B * S] (device), or null
+  // The first key query i of row b sees: its document span's first token.
+  __device__ int64_t first_key(int64_t b, int64_t i) const { return pos ? i - pos[b * S + i] : 0; }
 };
 
 Dims dims_of(const AttnDims& d) {
-  return {d.B, d.S, d.H, d.Hkv, d.D, d.H / d.Hkv, static_cast<float>(d.scale), d.causal};
+  return {d.B, d.S, d.H, d.Hkv, d.D, d.H / d.Hkv, static_cast<float>(d.scale), d.causal, d.positions};
 }
 
 // Block-wide reduction over kThreads values through a fixed tree: the result
@@ -74,7 +78,7 @@ __global__ void scores_kernel(Dims d, const T* q, Bshd qs, const T* k, Bshd ks, 
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t j = idx % d.S, i = (idx / d.S) % d.S, bh = idx / (d.S * d.S);
     const int64_t b = bh / d.H, h = bh % d.H, hk = h / d.group;
-    if (d.causal && j > i) {
+    if ((d.causal && j > i) || j < d.first_key(b, i)) {
       ws[idx] = 0.f;
       continue;
     }
@@ -89,16 +93,16 @@ __global__ void softmax_rows_kernel(Dims d, float* ws, float* stats) {
   __shared__ float smem[kThreads];
   const int64_t rows = d.B * d.H * d.S;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t i = r % d.S, jend = d.causal ? i + 1 : d.S;
+    const int64_t i = r % d.S, jend = d.causal ? i + 1 : d.S, jbeg = d.first_key(r / (d.H * d.S), i);
     float* row = ws + r * d.S;
     float m = -INFINITY;
-    for (int64_t j = threadIdx.x; j < jend; j += kThreads) m = fmaxf(m, row[j]);
+    for (int64_t j = jbeg + threadIdx.x; j < jend; j += kThreads) m = fmaxf(m, row[j]);
     m = block_reduce(m, smem, [](float a, float b) { return fmaxf(a, b); });
     float sum = 0.f;
-    for (int64_t j = threadIdx.x; j < jend; j += kThreads) sum += expf(row[j] - m);
+    for (int64_t j = jbeg + threadIdx.x; j < jend; j += kThreads) sum += expf(row[j] - m);
     sum = block_reduce(sum, smem, [](float a, float b) { return a + b; });
     const float lse = m + logf(sum);
-    for (int64_t j = threadIdx.x; j < jend; j += kThreads) row[j] = expf(row[j] - lse);
+    for (int64_t j = jbeg + threadIdx.x; j < jend; j += kThreads) row[j] = expf(row[j] - lse);
     if (threadIdx.x == 0) stats[r] = lse;  // r = (b*H + h)*S + i: the [B, H, S] layout
   }
 }
@@ -115,7 +119,7 @@ __global__ void rows_times_kv_kernel(Dims d, const float* M, const T* x, Bshd xs
     const float* m = M + (bh * d.S + i) * d.S;
     const T* xc = x + b * xs.b + hk * xs.h + c;
     float acc = 0.f;
-    for (int64_t j = 0; j < jend; ++j) acc = fmaf(m[j], ld(xc + j * xs.s), acc);
+    for (int64_t j = d.first_key(b, i); j < jend; ++j) acc = fmaf(m[j], ld(xc + j * xs.s), acc);
     st(y + b * ys.b + i * ys.s + h * ys.h + c, alpha * acc);
   }
 }
@@ -135,7 +139,8 @@ __global__ void cols_times_q_kernel(Dims d, const float* M, const T* x, Bshd xs,
     for (int64_t h = hk * d.group; h < (hk + 1) * d.group; ++h) {
       const float* m = M + (b * d.H + h) * d.S * d.S + j;
       const T* xc = x + b * xs.b + h * xs.h + c;
-      for (int64_t i = ibeg; i < d.S; ++i) acc = fmaf(m[i * d.S], ld(xc + i * xs.s), acc);
+      // Queries of later documents do not see key j (their first key only grows with i).
+      for (int64_t i = ibeg; i < d.S && d.first_key(b, i) <= j; ++i) acc = fmaf(m[i * d.S], ld(xc + i * xs.s), acc);
     }
     st(y + b * ys.b + j * ys.s + hk * ys.h + c, alpha * acc);
   }
@@ -150,14 +155,16 @@ __global__ void dscores_rows_kernel(Dims d, float* ws, const T* dout, Bshd dos, 
   const int64_t rows = d.B * d.H * d.S;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t i = r % d.S, bh = r / d.S, b = bh / d.H, h = bh % d.H, hk = h / d.group;
-    const int64_t jend = d.causal ? i + 1 : d.S;
+    const int64_t jend = d.causal ? i + 1 : d.S, jbeg = d.first_key(b, i);
     const T* doi = dout + b * dos.b + i * dos.s + h * dos.h;
     const T* vb = v + b * vs.b + hk * vs.h;
     float* row = ws + r * d.S;
     float part = 0.f;
-    for (int64_t j = threadIdx.x; j < jend; j += kThreads) part = fmaf(row[j], dot(doi, vb + j * vs.s, d.D), part);
+    for (int64_t j = jbeg + threadIdx.x; j < jend; j += kThreads)
+      part = fmaf(row[j], dot(doi, vb + j * vs.s, d.D), part);
     const float Di = block_reduce(part, smem, [](float a, float b) { return a + b; });
-    for (int64_t j = threadIdx.x; j < jend; j += kThreads) row[j] = row[j] * (dot(doi, vb + j * vs.s, d.D) - Di);
+    for (int64_t j = jbeg + threadIdx.x; j < jend; j += kThreads)
+      row[j] = row[j] * (dot(doi, vb + j * vs.s, d.D) - Di);
   }
 }
 

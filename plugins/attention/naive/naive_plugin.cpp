@@ -1,7 +1,7 @@
 // The naive attention plugin: materialised softmax, fp32 on the CPU and, in
 // builds with the CUDA backend, fp32 or bf16 on a CUDA device (fp32 math).
 // Slow (O(S^2) per head, no tiling) and exact: the reference for the fast
-// plugins.
+// plugins, document masking included (a query sees its own span's keys).
 #include <omp.h>
 
 #include <algorithm>
@@ -19,7 +19,20 @@ namespace loom::naive {
 namespace {
 
 AttnDims dims_of(const AttentionShape& s) {
-  return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, static_cast<double>(s.scale), s.causal};
+  return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, static_cast<double>(s.scale), s.causal, nullptr};
+}
+
+// With document masking, the spans' positions (int32 [B * S] on the call's device).
+const int32_t* document_positions(const AttentionShape& s, Device device) {
+  if (!s.documents) return nullptr;
+  LOOM_CHECK(s.spans != nullptr, "naive attention: the shape asks for document masking but carries no spans");
+  const Tensor& p = s.spans->positions;
+  LOOM_CHECK(p.data != nullptr && p.dtype == DType::i32 && p.device == device && p.numel() == s.batch * s.seq &&
+                 p.is_contiguous(),
+             "naive attention: the document positions must be a contiguous int32 ", device_name(device),
+             " tensor of B * S = ", s.batch * s.seq, " entries, got ", dtype_name(p.dtype), " ", p.shape_str(),
+             " on ", device_name(p.device));
+  return p.ptr<const int32_t>();
 }
 
 // Checks one BSHD tensor against the shape, the dtype of the call and the
@@ -77,6 +90,9 @@ class NaiveAttention final : public Attention {
     } catch (const Error& e) {
       return Support::no(e.what());
     }
+    if (shape.documents && !shape.causal)
+      return Support::no("naive attention: document masking is causal within each document; a non-causal shape "
+                         "with documents is not supported");
     return Support::yes();
   }
 
@@ -158,7 +174,8 @@ class NaiveAttention final : public Attention {
                device_name(ctx.device), " (plugin created for ", device_name(device_),
                "); this build's naive plugin runs on the CPU only, CUDA comes with the CUDA backend");
 #endif
-    const AttnDims d = dims_of(shape);
+    AttnDims d = dims_of(shape);
+    d.positions = document_positions(shape, ctx.device);
     check_dims(d);
     LOOM_CHECK(workspace != nullptr, "naive attention: needs a workspace of ",
                workspace_bytes(shape, DType::f32, ctx.device), " bytes (workspace_bytes()), got none");
@@ -180,6 +197,6 @@ class NaiveAttention final : public Attention {
 }  // namespace loom::naive
 
 using loom::naive::NaiveAttention;
-LOOM_PLUGIN(attention, NaiveAttention, "naive", "1.1.0",
+LOOM_PLUGIN(attention, NaiveAttention, "naive", "1.2.0",
             "causal GQA attention with a materialised softmax: the exact reference (fp32 on the CPU; fp32 or bf16 "
-            "with fp32 math on CUDA)")
+            "with fp32 math on CUDA), document masking included")

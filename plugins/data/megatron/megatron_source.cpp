@@ -162,7 +162,7 @@ bool MegatronSource::has_split(Split split) const { return split == Split::train
 
 uint64_t MegatronSource::train_samples(std::size_t dataset) const { return train_.at(dataset)->samples; }
 
-void MegatronSource::read_sample(Stream& s, uint64_t k, bool shuffle, int32_t* out) const {
+void MegatronSource::read_sample(Stream& s, uint64_t k, bool shuffle, int32_t* out, uint8_t* starts) const {
   const uint64_t S = static_cast<uint64_t>(spec_.seq_len);
   const uint64_t epoch = k / s.samples, pos = k % s.samples;
   const uint64_t j = shuffle ? IndexPermutation(s.samples, s.sample_seed, epoch)(pos) : pos;
@@ -182,6 +182,11 @@ void MegatronSource::read_sample(Stream& s, uint64_t k, bool shuffle, int32_t* o
     const uint64_t seq = doc(i), in_doc = offset - s.cum[i];
     const uint64_t n = std::min<uint64_t>(need, s.ds->length(seq) - in_doc);
     s.ds->read(seq, in_doc, n, out, spec_.vocab_size);
+    if (starts && n > 0) {
+      for (uint64_t t = 0; t < n; ++t) starts[t] = 0;
+      starts[0] = in_doc == 0 ? 1 : 0;  // the document's first token, or a continuation
+      starts += n;
+    }
     out += n;
     need -= n;
     offset += n;
@@ -205,7 +210,11 @@ std::size_t MegatronSource::choose(uint64_t g) const {
   return best;
 }
 
-void MegatronSource::next(Split split, int32_t* tokens) {
+void MegatronSource::next(Split split, int32_t* tokens) { read(split, tokens, nullptr); }
+
+void MegatronSource::next_with_starts(Split split, int32_t* tokens, uint8_t* starts) { read(split, tokens, starts); }
+
+void MegatronSource::read(Split split, int32_t* tokens, uint8_t* starts) {
   require_open("next()");
   const uint64_t B = static_cast<uint64_t>(spec_.batch), row = static_cast<uint64_t>(spec_.seq_len) + 1;
   const uint64_t per_step = B * static_cast<uint64_t>(spec_.world);
@@ -218,7 +227,7 @@ void MegatronSource::next(Split split, int32_t* tokens) {
       uint64_t v = (val_cursor_ + first + i) % val_total_;
       std::size_t k = 0;
       while (v >= val_[k]->samples) v -= val_[k++]->samples;
-      read_sample(*val_[k], v, false, tokens + i * row);
+      read_sample(*val_[k], v, false, tokens + i * row, starts ? starts + i * row : nullptr);
     }
     val_cursor_ += per_step;
     return;
@@ -227,7 +236,9 @@ void MegatronSource::next(Split split, int32_t* tokens) {
   for (uint64_t i = 0; i < per_step; ++i) {
     const std::size_t d = choose(cursor_ + i);
     const uint64_t k = counts_[d]++;
-    if (i >= first && i < first + B) read_sample(*train_[d], k, opt_.shuffle, tokens + (i - first) * row);
+    if (i >= first && i < first + B)
+      read_sample(*train_[d], k, opt_.shuffle, tokens + (i - first) * row,
+                  starts ? starts + (i - first) * row : nullptr);
   }
   cursor_ += per_step;
 }

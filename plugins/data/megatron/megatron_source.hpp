@@ -25,6 +25,10 @@
 // (checkpoint); a read that faults because one was truncated in place is an
 // error naming the file. Tokens are checked against the model's vocabulary
 // as they are read; scan_tokens() (TokenScan, for `loom check`) reads them all.
+// Document starts (DocumentStarts): the first token of every sequence of the
+// index in a sample (the .idx's sequences are the documents GPTDataset
+// concatenates; with --split-sentences each sentence is one), from the same
+// cumulative counts the sampler reads.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -49,7 +53,7 @@ struct MegatronOptions {
 // the last one moved to `documents`. Returns 4 boundaries.
 std::vector<uint64_t> megatron_split_indices(const std::string& split, uint64_t documents, const std::string& key);
 
-class MegatronSource : public DataSource, public TokenScan {
+class MegatronSource : public DataSource, public TokenScan, public DocumentStarts {
  public:
   explicit MegatronSource(MegatronOptions opt);
   ~MegatronSource() override;
@@ -61,6 +65,7 @@ class MegatronSource : public DataSource, public TokenScan {
   std::string state() const override;
   void restore(const std::string& state) override;
   TokenScanReport scan_tokens() const override;
+  void next_with_starts(Split split, int32_t* tokens, uint8_t* starts) override;
 
   uint64_t cursor() const { return cursor_; }
   const std::vector<uint64_t>& counts() const { return counts_; }
@@ -69,7 +74,9 @@ class MegatronSource : public DataSource, public TokenScan {
 
  private:
   struct Stream;  // one dataset's documents of one split
-  void read_sample(Stream& s, uint64_t k, bool shuffle, int32_t* out) const;
+  void read(Split split, int32_t* tokens, uint8_t* starts);
+  // Sample k of stream s into out (seq_len + 1 tokens) and, when not null, its document starts.
+  void read_sample(Stream& s, uint64_t k, bool shuffle, int32_t* out, uint8_t* starts) const;
   std::size_t choose(uint64_t g) const;
   void require_open(const char* what) const;
 

@@ -2,6 +2,8 @@
 // Keys of its TOML table:
 //   pattern = "random" | "ramp"   (default "random"; ramp = (start + position) % vocab, learnable)
 //   vocab   = 1000                (ids < vocab; default the model's vocab_size)
+//   document_length = 1000        (mean tokens of a document, log-normal; 0 = no documents, the default)
+//   document_sigma  = 1.0         (sigma of the log of a document's length)
 #pragma once
 #include "data/synthetic/synthetic_source.hpp"
 #include "loom/config.hpp"
@@ -33,6 +35,11 @@ class SyntheticData final : public data::SyntheticSource {
     data::SyntheticOptions o;
     o.pattern = cfg.get_choice("pattern", "random", {"random", "ramp"});
     o.vocab = cfg.get_int("vocab", 0, 0, INT32_MAX);
+    o.document_length = cfg.get_float("document_length", 0.0, 0.0, 1e9);
+    if (o.document_length > 0 && o.document_length < 1)
+      cfg.fail("document_length", cat("data.document_length = ", o.document_length, " is below one token: give a "
+                                       "mean length of at least 1, or 0 for no documents"));
+    o.document_sigma = cfg.get_float("document_sigma", 1.0, 0.0, 4.0);
     cfg.finish();
     return o;
   }

@@ -1,5 +1,8 @@
 #include "data/synthetic/synthetic_source.hpp"
 
+#include <algorithm>
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
 #include "data/common/data_state.hpp"
@@ -14,11 +17,15 @@ namespace {
 constexpr uint64_t kTrainDomain = 0x545241494eull;  // "TRAIN"
 constexpr uint64_t kValDomain = 0x56414cull;        // "VAL"
 constexpr uint64_t kStartTag = 0x5354415254ull;     // "START"
+constexpr uint64_t kDocTag = 0x444f43554dull;       // "DOCUM"
 }  // namespace
 
 SyntheticSource::SyntheticSource(SyntheticOptions opt) : opt_(std::move(opt)) {
   if (opt_.pattern != "random" && opt_.pattern != "ramp")
     throw Error(cat("data plugin 'synthetic': pattern = \"", opt_.pattern, "\" is not known; use \"random\" or \"ramp\""));
+  if (!(opt_.document_length == 0 || opt_.document_length >= 1) || !(opt_.document_sigma >= 0))
+    throw Error(cat("data plugin 'synthetic': document_length = ", opt_.document_length, ", document_sigma = ",
+                    opt_.document_sigma, ": give a mean length of at least 1 token (0: no documents) and sigma >= 0"));
   if (opt_.vocab < 0)
     throw Error(cat("data plugin 'synthetic': vocab = ", opt_.vocab, " is negative; use a positive size or leave it out "
                     "to take the model's vocab_size"));
@@ -54,13 +61,44 @@ int32_t SyntheticSource::token(Split split, uint64_t sample, uint64_t pos) const
   return static_cast<int32_t>(bounded(hash_of(seed_, domain, sample, pos), v));
 }
 
-void SyntheticSource::next(Split split, int32_t* tokens) {
+void SyntheticSource::next(Split split, int32_t* tokens) { next_with_starts(split, tokens, nullptr); }
+
+std::string SyntheticSource::starts_unavailable() const {
+  if (opt_.document_length > 0) return {};
+  return "synthetic data has no documents unless data.document_length (their mean length in tokens) is set";
+}
+
+void SyntheticSource::starts(Split split, uint64_t sample, uint8_t* out) const {
+  const uint64_t row = static_cast<uint64_t>(spec_.seq_len) + 1;
+  const uint64_t domain = split == Split::train ? kTrainDomain : kValDomain;
+  // log-normal with mean m: exp(mu + sigma z), mu = ln m - sigma^2 / 2.
+  const double sigma = opt_.document_sigma, mu = std::log(opt_.document_length) - sigma * sigma / 2;
+  auto length = [&](uint64_t k) {
+    // z ~ N(0, 1) by Box-Muller from two hashed uniforms in (0, 1).
+    const double u1 = (static_cast<double>(hash_of(seed_, domain, kDocTag, sample, k, 1) >> 11) + 0.5) * 0x1p-53;
+    const double u2 = (static_cast<double>(hash_of(seed_, domain, kDocTag, sample, k, 2) >> 11) + 0.5) * 0x1p-53;
+    const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * 3.14159265358979323846 * u2);
+    return static_cast<uint64_t>(std::clamp(std::ceil(std::exp(mu + sigma * z)), 1.0, 1e15));
+  };
+  std::fill(out, out + row, uint8_t{0});
+  // The row begins inside document 0, a uniformly drawn number of its tokens before its end.
+  uint64_t at = 1 + bounded(hash_of(seed_, domain, kDocTag, sample, 0, 3), length(0));
+  for (uint64_t k = 1; at < row; ++k) {
+    out[at] = 1;
+    at += length(k);
+  }
+}
+
+void SyntheticSource::next_with_starts(Split split, int32_t* tokens, uint8_t* starts) {
   if (!opened_) throw Error("data plugin 'synthetic': next() called before open()");
+  if (starts && opt_.document_length <= 0) throw Error(cat("data plugin 'synthetic': ", starts_unavailable()));
   const uint64_t B = static_cast<uint64_t>(spec_.batch), row = static_cast<uint64_t>(spec_.seq_len) + 1;
   uint64_t& cur = split == Split::train ? cursor_ : val_cursor_;
   const uint64_t first = cur + static_cast<uint64_t>(spec_.rank) * B;
-  for (uint64_t i = 0; i < B; ++i)
+  for (uint64_t i = 0; i < B; ++i) {
     for (uint64_t p = 0; p < row; ++p) tokens[i * row + p] = token(split, first + i, p);
+    if (starts) this->starts(split, first + i, starts + i * row);
+  }
   cur += B * static_cast<uint64_t>(spec_.world);
 }
 

@@ -3,6 +3,7 @@
 //   train   = "data/x/train_*.bin"  or ["a/*.bin", "b/*.bin"]   (required)
 //   val     = "data/x/val.bin"      (path, glob or list; optional)
 //   shuffle = true                  (permute windows every epoch)
+//   bos, eos = 1, 2                 (document markers of shards that record none; both or neither)
 #pragma once
 #include "data/tokens/tokens_source.hpp"
 #include "loom/config.hpp"
@@ -25,6 +26,12 @@ class TokensData final : public data::TokensSource {
     o.train = patterns(cfg, "train");
     if (cfg.has("val")) o.val = patterns(cfg, "val");
     o.shuffle = cfg.get_bool("shuffle", true);
+    if (cfg.has("bos") != cfg.has("eos"))
+      cfg.fail(cfg.has("bos") ? "bos" : "eos", "data.bos and data.eos come together: the ids that begin and end "
+                                               "each document of shards that record no markers");
+    if (cfg.has("bos"))
+      o.markers = DocumentMarkers{static_cast<uint32_t>(cfg.get_int("bos", 0, 0, kMaxVocabSize - 1)),
+                                  static_cast<uint32_t>(cfg.get_int("eos", 0, 0, kMaxVocabSize - 1))};
     cfg.finish();
     // Patterns that match nothing, or name folders that cannot be listed, are
     // told here, located at their key (the shards are opened later, with the model).

@@ -120,6 +120,7 @@ void TokensSource::open(const DataSpec& spec) {
   train_ = open_stream(opt_.train, "train");
   val_ = opt_.val.empty() ? Stream{} : open_stream(opt_.val, "val");
   cursor_ = val_cursor_ = logged_epoch_ = 0;
+  find_markers();
   opened_ = true;
   log_info(cat("tokens: ", train_.shards.size(), " train shard(s), ", train_.windows, " windows of ", spec.seq_len + 1,
                " tokens an epoch", opt_.val.empty() ? std::string() : cat("; validation: ", val_.windows, " windows")));
@@ -131,14 +132,66 @@ void TokensSource::require_open(const char* what) const {
 
 bool TokensSource::has_split(Split split) const { return split == Split::train || !opt_.val.empty(); }
 
-void TokensSource::read_window(const Stream& s, uint64_t w, int32_t* out) const {
+void TokensSource::find_markers() {
+  starts_unavailable_.clear();
+  if (opt_.markers) {
+    markers_ = *opt_.markers;
+    for (const auto& [what, id] : {std::pair{"data.bos", markers_.bos}, std::pair{"data.eos", markers_.eos}})
+      if (static_cast<int64_t>(id) >= spec_.vocab_size)
+        throw Error(cat(what, " = ", id, " is outside the model's vocabulary (model.vocab_size = ", spec_.vocab_size,
+                        ")"));
+    return;
+  }
+  const TokenShard* first = nullptr;
+  for (const Stream* s : {&train_, &val_})
+    for (const TokenShard& sh : s->shards) {
+      if (!sh.has_markers()) {
+        starts_unavailable_ = cat("token shard '", sh.path(), "' records no document markers (BOS and EOS ids; it was "
+                                  "written before loom prepare recorded them, or by another tool): re-run loom prepare "
+                                  "text, or give the ids as data.bos and data.eos");
+        return;
+      }
+      if (!first) {
+        first = &sh;
+        markers_ = sh.markers();
+      } else if (!(sh.markers() == markers_)) {
+        starts_unavailable_ = cat("token shards '", first->path(), "' (BOS ", markers_.bos, ", EOS ", markers_.eos,
+                                  ") and '", sh.path(), "' (BOS ", sh.markers().bos, ", EOS ", sh.markers().eos,
+                                  ") record different document markers: they come from different tokenizers");
+        return;
+      }
+    }
+}
+
+void TokensSource::read_window(const Stream& s, uint64_t w, int32_t* out, uint8_t* starts) const {
   const auto it = std::upper_bound(s.first_window.begin(), s.first_window.end(), w);
   const std::size_t k = static_cast<std::size_t>(it - s.first_window.begin()) - 1;
   const uint64_t S = static_cast<uint64_t>(spec_.seq_len);
-  s.shards[k].copy((w - s.first_window[k]) * S, S + 1, out, spec_.vocab_size);
+  const uint64_t begin = (w - s.first_window[k]) * S;
+  s.shards[k].copy(begin, S + 1, out, spec_.vocab_size);
+  if (!starts) return;
+  // The token before the window decides whether its first token follows an
+  // EOS; a shard's first token has none before it (prepare cuts shards
+  // anywhere: a shard may begin inside a document, which then begins no span
+  // but the row's own).
+  int32_t before = -1;
+  if (begin > 0) s.shards[k].copy(begin - 1, 1, &before, spec_.vocab_size);
+  const auto bos = static_cast<int32_t>(markers_.bos), eos = static_cast<int32_t>(markers_.eos);
+  for (uint64_t p = 0; p <= S; ++p) {
+    const int32_t prev = p == 0 ? before : out[p - 1];
+    starts[p] = (out[p] == bos && bos != eos) || prev == eos ? 1 : 0;
+  }
 }
 
-void TokensSource::next(Split split, int32_t* tokens) {
+void TokensSource::next(Split split, int32_t* tokens) { read(split, tokens, nullptr); }
+
+void TokensSource::next_with_starts(Split split, int32_t* tokens, uint8_t* starts) {
+  require_open("next_with_starts()");
+  if (!starts_unavailable_.empty()) throw Error(cat("data plugin 'tokens': ", starts_unavailable_));
+  read(split, tokens, starts);
+}
+
+void TokensSource::read(Split split, int32_t* tokens, uint8_t* starts) {
   require_open("next()");
   const uint64_t B = static_cast<uint64_t>(spec_.batch), row = static_cast<uint64_t>(spec_.seq_len) + 1;
   const uint64_t per_step = B * static_cast<uint64_t>(spec_.world);
@@ -148,7 +201,7 @@ void TokensSource::next(Split split, int32_t* tokens) {
       throw Error("data plugin 'tokens' has no validation split: set data.val to a shard path or glob "
                   "(loom prepare text writes val.bin)");
     for (uint64_t i = 0; i < B; ++i)
-      read_window(val_, (val_cursor_ + first + i) % val_.windows, tokens + i * row);
+      read_window(val_, (val_cursor_ + first + i) % val_.windows, tokens + i * row, starts ? starts + i * row : nullptr);
     val_cursor_ += per_step;
     return;
   }
@@ -165,7 +218,7 @@ void TokensSource::next(Split split, int32_t* tokens) {
     const uint64_t g = cursor_ + first + i;
     const uint64_t e = g / W, pos = g % W;
     const uint64_t w = opt_.shuffle ? IndexPermutation(W, seed_, e)(pos) : pos;
-    read_window(train_, w, tokens + i * row);
+    read_window(train_, w, tokens + i * row, starts ? starts + i * row : nullptr);
   }
   cursor_ += per_step;
 }

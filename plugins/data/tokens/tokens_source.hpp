@@ -3,6 +3,7 @@
 // reuse it; plugins/data/tokens registers it and reads its TOML table.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,9 @@ struct TokensOptions {
   std::vector<std::string> train;  // glob patterns (at least one); files sorted within a pattern
   std::vector<std::string> val;    // glob patterns; empty = no validation split
   bool shuffle = true;             // permute windows each epoch (seeded); false = file order
+  // The ids that begin and end each document, for shards that record none
+  // (data.bos, data.eos); unset = the shards' own.
+  std::optional<DocumentMarkers> markers;
 };
 
 // Expands glob patterns into files: sorted within each pattern, patterns in
@@ -39,7 +43,11 @@ std::vector<std::string> expand_patterns(const std::vector<std::string>& pattern
 // shard was truncated in place is an error naming the file.
 // Tokens are checked against the model's vocabulary and the shard header's as
 // windows are read; scan_tokens() (TokenScan, for `loom check`) reads them all.
-class TokensSource : public DataSource, public TokenScan {
+// Document starts (DocumentStarts): a token begins a document when it is the
+// BOS id, or when the token before it in its shard is the EOS id (with one id
+// for both, only the latter); the ids are the ones every shard records
+// (loom prepare writes them), or data.bos / data.eos.
+class TokensSource : public DataSource, public TokenScan, public DocumentStarts {
  public:
   explicit TokensSource(TokensOptions opt);
 
@@ -51,6 +59,8 @@ class TokensSource : public DataSource, public TokenScan {
   void restore(const std::string& state) override;
   int64_t vocab_hint() const override;
   TokenScanReport scan_tokens() const override;
+  std::string starts_unavailable() const override { return starts_unavailable_; }
+  void next_with_starts(Split split, int32_t* tokens, uint8_t* starts) override;
 
   // Windows of one epoch of the train split and of the validation split.
   uint64_t train_windows() const { return train_.windows; }
@@ -65,7 +75,12 @@ class TokensSource : public DataSource, public TokenScan {
     uint64_t windows = 0;
   };
   Stream open_stream(const std::vector<std::string>& patterns, const std::string& key) const;
-  void read_window(const Stream& s, uint64_t w, int32_t* out) const;
+  void read(Split split, int32_t* tokens, uint8_t* starts);
+  // Window w of the stream into out (seq_len + 1 tokens) and, when not null,
+  // its document starts.
+  void read_window(const Stream& s, uint64_t w, int32_t* out, uint8_t* starts) const;
+  // The markers every shard of both splits records, or why there are none.
+  void find_markers();
   void require_open(const char* what) const;
   // Every shard of the stream is still the file opened (TokenShard::verify_unchanged).
   void verify_unchanged(const Stream& s) const;
@@ -78,6 +93,8 @@ class TokensSource : public DataSource, public TokenScan {
   uint64_t cursor_ = 0;      // global train windows consumed
   uint64_t val_cursor_ = 0;  // global validation windows consumed since reset
   uint64_t logged_epoch_ = 0;
+  DocumentMarkers markers_;
+  std::string starts_unavailable_;  // "" when markers_ holds
 };
 
 }  // namespace loom::data

@@ -113,6 +113,23 @@ class CpuBackend final : public Backend {
     LOOM_CHECK(dx.ndim == 4, "rope expects [B,S,nh,D], got ", dx.shape_str());
     cpu::rope_backward(f32(dx, "rope dx"), dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3], dx.stride[1], theta);
   }
+  void rope_forward_at(Tensor& x, double theta, const Tensor& positions) override {
+    LOOM_CHECK(x.ndim == 4, "rope expects [B,S,nh,D], got ", x.shape_str());
+    cpu::rope_forward(f32(x, "rope x"), x.shape[0], x.shape[1], x.shape[2], x.shape[3], x.stride[1], theta,
+                      rope_positions(positions, x));
+  }
+  void rope_backward_at(Tensor& dx, double theta, const Tensor& positions) override {
+    LOOM_CHECK(dx.ndim == 4, "rope expects [B,S,nh,D], got ", dx.shape_str());
+    cpu::rope_backward(f32(dx, "rope dx"), dx.shape[0], dx.shape[1], dx.shape[2], dx.shape[3], dx.stride[1], theta,
+                       rope_positions(positions, dx));
+  }
+  static const int32_t* rope_positions(const Tensor& p, const Tensor& x) {
+    LOOM_CHECK(p.data != nullptr && p.dtype == DType::i32 && p.device == Device::cpu &&
+                   p.numel() == x.shape[0] * x.shape[1] && p.is_contiguous(),
+               "rope: positions must be a contiguous int32 cpu tensor of B * S = ", x.shape[0] * x.shape[1],
+               " entries, got ", dtype_name(p.dtype), " ", p.shape_str(), " on ", ::loom::device_name(p.device));
+    return p.ptr<const int32_t>();
+  }
   // Row by row: gate/up (and their gradients) may be the two halves of a packed gate_up buffer.
   void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) override {
     const Rows o = rows_of(out, "swiglu out"), g = rows_of(gate, "swiglu gate"), u = rows_of(up, "swiglu up");

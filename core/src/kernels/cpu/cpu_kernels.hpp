@@ -49,14 +49,20 @@ void rmsnorm_backward(double* dx, double* dw, const double* dout, const double* 
 // rope.cpp -----------------------------------------------------------------
 // In place on x[B, S, nh, D] (any row stride: `row_stride` elements between
 // consecutive (b, s) rows; heads contiguous inside a row). HF Llama convention
-// ("rotate_half"): pairs (i, i + D/2), angle = pos * theta^(-2i/D), pos = s.
+// ("rotate_half"): pairs (i, i + D/2), angle = pos * theta^(-2i/D), pos = s,
+// or pos = positions[b * S + s] when `positions` is given (each in [0, S):
+// positions that restart at document starts, train.reset_position_ids).
 // The angles are HF's fp32 angles (see rope.cpp and rope_angle below), so the
 // float kernel reproduces transformers' fp32 rotary embedding; D must be even.
-void rope_forward(float* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta);
+void rope_forward(float* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta,
+                  const int32_t* positions = nullptr);
 // The inverse rotation applied to the gradient, in place.
-void rope_backward(float* dx, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta);
-void rope_forward(double* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta);
-void rope_backward(double* dx, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta);
+void rope_backward(float* dx, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta,
+                   const int32_t* positions = nullptr);
+void rope_forward(double* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta,
+                  const int32_t* positions = nullptr);
+void rope_backward(double* dx, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta,
+                   const int32_t* positions = nullptr);
 // The rotation angle of pair i at position pos, exactly as HF computes it in
 // fp32: inv_freq = fp32(theta^(-(fp32(2i/D)))), angle = fp32(pos * inv_freq).
 // Exposed so that the CUDA kernels and the tests use the same table.

@@ -37,15 +37,21 @@ namespace {
 // sign = +1 rotates by +angle (forward), -1 by -angle: the backward of a
 // rotation is its transpose, the rotation by the opposite angle.
 template <typename T>
-void rope_apply(T* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta, int sign) {
+void rope_apply(T* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta, int sign,
+                const int32_t* positions) {
   LOOM_CHECK(D > 0 && D % 2 == 0, "rope: head_dim must be even and positive, got D=", D);
+  // Checked up front: an exception cannot leave the OpenMP region.
+  if (positions)
+    for (int64_t bs = 0; bs < B * S; ++bs)
+      LOOM_CHECK(positions[bs] >= 0 && positions[bs] < S, "rope: position ", positions[bs], " of row ", bs,
+                 " is outside [0, S = ", S, ")");
   LOOM_CHECK(row_stride >= nh * D, "rope: row_stride=", row_stride, " is smaller than nh*D=", nh * D,
              " (nh=", nh, ", D=", D, ")");
   LOOM_CHECK(theta > 0, "rope: theta must be positive, got ", theta);
   const int64_t half = D / 2;
 #pragma omp parallel for schedule(static)
   for (int64_t bs = 0; bs < B * S; ++bs) {
-    const int64_t pos = bs % S;
+    const int64_t pos = positions ? positions[bs] : bs % S;
     T* row = x + bs * row_stride;
     for (int64_t i = 0; i < half; ++i) {
       // The table value for (pos, i) is shared by every head of the row.
@@ -64,17 +70,21 @@ void rope_apply(T* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_s
 
 }  // namespace
 
-void rope_forward(float* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta) {
-  rope_apply(x, B, S, nh, D, row_stride, theta, +1);
+void rope_forward(float* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta,
+                  const int32_t* positions) {
+  rope_apply(x, B, S, nh, D, row_stride, theta, +1, positions);
 }
-void rope_backward(float* dx, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta) {
-  rope_apply(dx, B, S, nh, D, row_stride, theta, -1);
+void rope_backward(float* dx, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta,
+                   const int32_t* positions) {
+  rope_apply(dx, B, S, nh, D, row_stride, theta, -1, positions);
 }
-void rope_forward(double* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta) {
-  rope_apply(x, B, S, nh, D, row_stride, theta, +1);
+void rope_forward(double* x, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta,
+                  const int32_t* positions) {
+  rope_apply(x, B, S, nh, D, row_stride, theta, +1, positions);
 }
-void rope_backward(double* dx, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta) {
-  rope_apply(dx, B, S, nh, D, row_stride, theta, -1);
+void rope_backward(double* dx, int64_t B, int64_t S, int64_t nh, int64_t D, int64_t row_stride, double theta,
+                   const int32_t* positions) {
+  rope_apply(dx, B, S, nh, D, row_stride, theta, -1, positions);
 }
 
 }  // namespace loom::cpu

@@ -251,6 +251,12 @@ class CudaBackend final : public Backend {
   }
   void rope_forward(Tensor& x, double theta) override { rope(x, theta, +1); }
   void rope_backward(Tensor& dx, double theta) override { rope(dx, theta, -1); }
+  void rope_forward_at(Tensor& x, double theta, const Tensor& positions) override {
+    rope(x, theta, +1, &positions);
+  }
+  void rope_backward_at(Tensor& dx, double theta, const Tensor& positions) override {
+    rope(dx, theta, -1, &positions);
+  }
   void prepare_rope(int64_t seq, int64_t head_dim, double theta) override { rope_table(seq, head_dim, theta); }
   void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up) override {
     gpu::swiglu_forward(out, gate, up, stream_);
@@ -475,11 +481,19 @@ class CudaBackend final : public Backend {
     float* sin = nullptr;
   };
 
-  void rope(Tensor& x, double theta, int sign) {
+  void rope(Tensor& x, double theta, int sign, const Tensor* positions = nullptr) {
     LOOM_CHECK(x.ndim == 4, "rope expects [B, S, nh, D], got ", x.shape_str());
     LOOM_CHECK(theta > 0, "rope: theta must be positive, got ", theta);
+    // The positions are staged by the host with the tokens, each in [0, S):
+    // the table's rows (a kernel cannot check them without a host wait).
+    if (positions)
+      LOOM_CHECK(positions->data != nullptr && positions->dtype == DType::i32 && positions->device == Device::cuda &&
+                     positions->numel() == x.shape[0] * x.shape[1] && positions->is_contiguous(),
+                 "rope: positions must be a contiguous int32 cuda tensor of B * S = ", x.shape[0] * x.shape[1],
+                 " entries, got ", dtype_name(positions->dtype), " ", positions->shape_str(), " on ",
+                 ::loom::device_name(positions->device));
     const RopeTable& t = rope_table(x.shape[1], x.shape[3], theta);
-    gpu::rope_apply(x, t.cos, t.sin, sign, stream_);
+    gpu::rope_apply(x, t.cos, t.sin, sign, stream_, positions ? positions->ptr<const int32_t>() : nullptr);
   }
 
   // The CPU's table (cpu::rope_angle: HF's fp32 angles; cos/sin in double,

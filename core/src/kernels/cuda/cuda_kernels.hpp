@@ -41,8 +41,11 @@ void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& 
 
 // rope.cu: x [B, S, nh, D] with row stride x.stride[1], in place. cos_table and
 // sin_table are device fp32 arrays [S, D/2] (the CPU's angles, see rope.cpp);
-// sign = +1 forward, -1 backward (the inverse rotation).
-void rope_apply(Tensor& x, const float* cos_table, const float* sin_table, int sign, cudaStream_t stream);
+// sign = +1 forward, -1 backward (the inverse rotation). Row (b, s) takes
+// position s, or positions[b * S + s] (device int32, each in [0, S)) when
+// positions is not null (train.reset_position_ids).
+void rope_apply(Tensor& x, const float* cos_table, const float* sin_table, int sign, cudaStream_t stream,
+                const int32_t* positions = nullptr);
 
 // swiglu.cu: [rows, f] row views (fold_rows; row strides may exceed f, as for
 // the halves of a packed [N, 2f] gate_up buffer), or 1-D contiguous.

@@ -3,7 +3,8 @@
 // cos/sin come from device tables [S, D/2] that the backend builds once per
 // (S, D, theta) from cpu::rope_angle, so both backends rotate by exactly the
 // same fp32 angles (HF's, see kernels/cpu/rope.cpp). Backward is the inverse
-// rotation (sign = -1 negates sin).
+// rotation (sign = -1 negates sin). A row's position is its index s in the
+// sequence, or the given positions[row] (restarting at document starts).
 //
 // One thread per (row, head, group of K pairs): it loads K elements of each
 // half, K cosines and K sines, all packed when D/2, the row stride and the
@@ -16,15 +17,15 @@ namespace loom::gpu {
 namespace {
 
 template <int K, typename T>
-__global__ void rope_kernel(T* x, const float* cos_table, const float* sin_table, int64_t rows, int64_t S,
-                            int64_t nh, int64_t D, int64_t row_stride, float sign) {
+__global__ void rope_kernel(T* x, const float* cos_table, const float* sin_table, const int32_t* positions,
+                            int64_t rows, int64_t S, int64_t nh, int64_t D, int64_t row_stride, float sign) {
   const int64_t half = D / 2, groups = half / K;
   const int64_t total = rows * nh * groups;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += stride) {
     const int64_t g = idx % groups, rh = idx / groups;
     const int64_t head = rh % nh, row = rh / nh;
-    const int64_t pos = row % S, i = g * K;
+    const int64_t pos = positions ? static_cast<int64_t>(positions[row]) : row % S, i = g * K;
     T* v = x + row * row_stride + head * D;
     float x1[K], x2[K], c[K], s[K], y1[K], y2[K];
     load_vec<K>(v + i, x1);
@@ -44,7 +45,8 @@ __global__ void rope_kernel(T* x, const float* cos_table, const float* sin_table
 
 }  // namespace
 
-void rope_apply(Tensor& x, const float* cos_table, const float* sin_table, int sign, cudaStream_t stream) {
+void rope_apply(Tensor& x, const float* cos_table, const float* sin_table, int sign, cudaStream_t stream,
+                const int32_t* positions) {
   check_device(x, "rope x");
   LOOM_CHECK(x.ndim == 4, "rope expects [B, S, nh, D], got ", x.shape_str());
   const int64_t B = x.shape[0], S = x.shape[1], nh = x.shape[2], D = x.shape[3], row_stride = x.stride[1];
@@ -72,13 +74,13 @@ void rope_apply(Tensor& x, const float* cos_table, const float* sin_table, int s
     const int64_t work = rows * nh * (vec ? half / K : half);
     const unsigned grid = grid_for(work, 256);
     if (vec)
-      rope_kernel<K, T><<<grid, 256, 0, stream>>>(x.ptr<T>(), cos_table, sin_table, rows, S, nh, D, row_stride,
-                                                  static_cast<float>(sign));
+      rope_kernel<K, T><<<grid, 256, 0, stream>>>(x.ptr<T>(), cos_table, sin_table, positions, rows, S, nh, D,
+                                                  row_stride, static_cast<float>(sign));
     else
-      rope_kernel<1, T><<<grid, 256, 0, stream>>>(x.ptr<T>(), cos_table, sin_table, rows, S, nh, D, row_stride,
-                                                  static_cast<float>(sign));
+      rope_kernel<1, T><<<grid, 256, 0, stream>>>(x.ptr<T>(), cos_table, sin_table, positions, rows, S, nh, D,
+                                                  row_stride, static_cast<float>(sign));
     LOOM_CUDA_LAUNCH_CHECK("rope_kernel", "B=", B, " S=", S, " nh=", nh, " D=", D, " row_stride=", row_stride,
-                           " sign=", sign, " vectorised=", vec);
+                           " sign=", sign, " vectorised=", vec, " positions=", positions ? "given" : "s");
   });
 }
 

@@ -87,7 +87,7 @@ class FusedAttention final : public AttentionBlock {
     {
       Range r(be, "rope");
       Tensor qk = heads_view(qkv_, 0, spec_.num_heads + spec_.num_kv_heads);
-      be.rope_forward(qk, spec_.rope_theta);
+      env_.rope(qk, spec_.rope_theta, false);
     }
     {
       Range r(be, "attention");
@@ -125,7 +125,7 @@ class FusedAttention final : public AttentionBlock {
     {
       Range r(be, "rope.grad");
       Tensor dqk = heads_view(d_qkv_, 0, H + Hkv);
-      be.rope_backward(dqk, spec_.rope_theta);
+      env_.rope(dqk, spec_.rope_theta, true);
     }
     Tensor d_ln = act(d_ln_, {N, h});
     {

@@ -76,8 +76,8 @@ class NativeAttention final : public AttentionBlock {
     {
       Range r(be, "rope");
       Tensor q4 = heads(q_, spec_.num_heads), k4 = heads(k_, spec_.num_kv_heads);
-      be.rope_forward(q4, spec_.rope_theta);
-      be.rope_forward(k4, spec_.rope_theta);
+      env_.rope(q4, spec_.rope_theta, false);
+      env_.rope(k4, spec_.rope_theta, false);
     }
     {
       Range r(be, "attention");
@@ -115,8 +115,8 @@ class NativeAttention final : public AttentionBlock {
     }
     {
       Range r(be, "rope.grad");
-      be.rope_backward(dq, spec_.rope_theta);
-      be.rope_backward(dk, spec_.rope_theta);
+      env_.rope(dq, spec_.rope_theta, true);
+      env_.rope(dk, spec_.rope_theta, true);
     }
     // Not kept when the recipe keeps its own copy for the wgrad: then empty.
     Tensor ln1 = ln1_plan_.kept_by_recipe ? Tensor() : act(ln1_, {N, h});
