@@ -191,9 +191,9 @@ void expect_packed_equals_separate(const Path& run, const std::vector<int64_t>& 
         ++counted;
       }
     }
-  ref->load_batch(in.data(), tg.data());
+  loom::probe(*ref).load_batch(in.data(), tg.data());
   const Result want = train_once(*ref, D * L, counted);
-  packed->load_batch(p.inputs.data(), p.targets.data(), p.starts.data());
+  loom::probe(*packed).load_batch(p.inputs.data(), p.targets.data(), p.starts.data());
   const Result got = train_once(*packed, rows * S);
   // Per-token losses: packed token of document d, position i <-> reference (d, i).
   std::vector<float> a, b;
@@ -318,18 +318,18 @@ TEST(DocMaskCpuEdges, ThousandOneTokenDocuments) {
   auto ref = session(run, S, 1, false);
   auto packed = session(run, 1, S, true, /*eod=*/false);
   copy_params(*ref, *packed);
-  ref->load_batch(p.inputs.data(), p.targets.data());
+  loom::probe(*ref).load_batch(p.inputs.data(), p.targets.data());
   const Result want = train_once(*ref, S);
-  packed->load_batch(p.inputs.data(), p.targets.data(), p.starts.data());
+  loom::probe(*packed).load_batch(p.inputs.data(), p.targets.data(), p.starts.data());
   const Result got = train_once(*packed, S);
   EXPECT_LT(scaled_err(got.losses, want.losses), 1e-5);
   for (size_t k = 0; k < want.grads.size(); ++k) EXPECT_LT(scaled_err(got.grads[k], want.grads[k]), 1e-5);
 
   auto masked = session(run, 1, S, true, /*eod=*/true);
   copy_params(*ref, *masked);
-  masked->load_batch(p.inputs.data(), p.targets.data(), p.starts.data());
+  loom::probe(*masked).load_batch(p.inputs.data(), p.targets.data(), p.starts.data());
   const Result none = train_once(*masked, S);
-  EXPECT_EQ(masked->batch_loss(), 0.0);
+  EXPECT_EQ(loom::probe(*masked).batch_loss(), 0.0);
   for (const auto& g : none.grads)
     for (float v : g) ASSERT_EQ(v, 0.0f);
 }
