@@ -45,4 +45,7 @@ done
 # byte-level token shards: the GPU training test and the native-vs-fused
 # convergence run read it (5 MB).
 .carry/bin/loom prepare text .carry/data/fortunes /usr/share/games/fortunes > /dev/null
+# The raw corpus too (2.8 MB): the CPU FP8 convergence test prepares it itself
+# (gpu_check.sh cpu-bits runs it on the GPU machine's processor).
+cp -a /usr/share/games/fortunes .carry/fortunes-raw
 du -sh .carry

@@ -21,6 +21,8 @@
 #   bash scripts/gpu_check.sh fp8-convergence     (bf16 against fp8_delayed and fp8_current: `loom compare`
 #       on the fortune corpus, fused layers, same initial weights, 1000 steps; the final validation
 #       loss of each FP8 run within 1% of bf16's; env CONV_STEPS)
+#   bash scripts/gpu_check.sh cpu-bits            (the CPU path's bits on this machine's processor: CpuGemm.*, the
+#       recorded loss bits, the three-seed FP8 convergence test on every core; docs/RELIABILITY.md "Reproducibility")
 #   bash scripts/gpu_check.sh fp8                 (test_cuda_fp8, test_gpu_fp8_recipes, test_gpu_fp8_block,
 #       test_fp8_rowwise_example (the out-of-tree recipe's outer-vector GEMMs against fp64) and
 #       test_gpu_train's StepMakesNoHostSynchronisation (every FP8 recipe's log line without a host sync), then
@@ -112,6 +114,29 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
     echo "$r $n passed=${p:-0} skipped=$s" | tee -a "$OUT/tests.txt"
     [ $r = FAIL ] && grep -E "Failure|FAILED|error" "$OUT/$n.log" | head -20
     grep -hE '^\[(golden|gpu curve|gpu moe|deterministic|timestamp|step allocations|fp8 gemm|fp8 gpu|fp8 weight_cache|fp8 selective|fp8 memory|fp8_block weight_cache|fp8_block memory)' "$OUT/$n.log" | tee -a "$OUT/tests.txt"
+  done
+fi
+if [ "$WHAT" = cpu-bits ]; then
+  # The CPU path's promise (docs/RELIABILITY.md, "Reproducibility") on this
+  # machine's processor, another x86-64 model than CI's: the recorded GEMM
+  # digests and loss bits, then the three-seed FP8 convergence test, whose
+  # table must be the one in its comment (threads change no bit, so it runs on
+  # every core here).
+  : > "$OUT/cpu_bits.txt"
+  lscpu | grep -E 'Model name|^CPU\(s\)' | tee -a "$OUT/cpu_bits.txt"
+  if [ ! -d /usr/share/games/fortunes ] && [ -d .carry/fortunes-raw ]; then
+    mkdir -p /usr/share/games && ln -sfn "$ROOT/.carry/fortunes-raw" /usr/share/games/fortunes
+  fi
+  for nf in "test_cpu_kernels:CpuGemm.*" "test_train_e2e:TrainE2E.LossBitsAreTheSameOnEveryProcessor" \
+            "test_fp8_recipes:Fp8Recipes.QuickstartTrainsLikeFp32AcrossSeeds"; do
+    n=${nf%%:*}; f=${nf#*:}
+    t0=$(date +%s)
+    if OMP_NUM_THREADS=$(nproc) LOOM_FP8_CONVERGENCE_THREADS=$(nproc) .carry/bin/$n --gtest_filter="$f" > "$OUT/$n.cpu.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
+    s=$(grep -cE '^\[  SKIPPED \]' "$OUT/$n.cpu.log"); p=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/$n.cpu.log" | grep -oE '[0-9]+$')
+    [ "$s" -gt 0 ] && { r=FAIL; status=1; }
+    echo "$r $n $f passed=${p:-0} skipped=$s $(( $(date +%s) - t0 ))s" | tee -a "$OUT/cpu_bits.txt"
+    [ $r = FAIL ] && grep -E "Failure|FAILED|Expected|Which is|digest|bits" "$OUT/$n.cpu.log" | head -20 | tee -a "$OUT/cpu_bits.txt"
+    grep -A4 "validation loss by seed" "$OUT/$n.cpu.log" | tee -a "$OUT/cpu_bits.txt"
   done
 fi
 if [ "$WHAT" = fp8 ]; then

@@ -676,13 +676,17 @@ TEST(Fp8Recipes, WeightCacheLayerMatchesStepBitwise) {
 //     dy scale cutting the gradient norm by 16% in one step).
 //
 // LOOM_FP8_CONVERGENCE_MICRO_BATCH and LOOM_FP8_CONVERGENCE_STEPS change the
-// batch and the step count (the table then no longer applies).
+// batch and the step count (the table then no longer applies);
+// LOOM_FP8_CONVERGENCE_THREADS the threads (the table still applies).
 TEST(Fp8Recipes, QuickstartTrainsLikeFp32AcrossSeeds) {
   const fs::path corpus = "/usr/share/games/fortunes";
   ASSERT_TRUE(fs::exists(corpus)) << "fortunes package not installed (scripts/setup.sh installs it)";
   auto env_int = [](const char* name, int def) { return std::getenv(name) ? std::atoi(std::getenv(name)) : def; };
   const int steps = env_int("LOOM_FP8_CONVERGENCE_STEPS", 300);
   const int micro_batch = env_int("LOOM_FP8_CONVERGENCE_MICRO_BATCH", 8);
+  // Threads change no bit of the CPU path (TrainE2E.LossBitsAreTheSameOnEveryProcessor
+  // runs 1 and 2): a machine with more cores may use them.
+  const int threads = env_int("LOOM_FP8_CONVERGENCE_THREADS", 2);
   fs::path d = temp_dir("quickstart_mb" + std::to_string(micro_batch));
   const std::string cmd = std::string(LOOM_CLI) + " prepare text " + (d / "data").string() + " " + corpus.string() +
                           " > " + (d / "prepare.log").string() + " 2>&1";
@@ -695,7 +699,7 @@ TEST(Fp8Recipes, QuickstartTrainsLikeFp32AcrossSeeds) {
         "data.train=\"" + (d / "data" / "train_*.bin").string() + "\"",
         "data.val=\"" + (d / "data" / "val.bin").string() + "\"", "train.steps=" + std::to_string(steps),
         "train.validation_every=" + std::to_string(steps), "train.validation_batches=8", "checkpoint.every=0",
-        "checkpoint.resume=none", "run.threads=2", "precision.plugin=" + plugin,
+        "checkpoint.resume=none", "run.threads=" + std::to_string(threads), "precision.plugin=" + plugin,
         "train.micro_batch=" + std::to_string(micro_batch), "run.seed=" + std::to_string(seed)};
     loom::Session s(loom::load_config(fs::path(LOOM_SOURCE_DIR) / "configs" / "quickstart.toml", ov));
     loom::RunSummary r = s.train();
