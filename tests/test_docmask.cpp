@@ -43,7 +43,7 @@
 #include "gpu_test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
-#include "model/backend.hpp"
+#include "kernels/backend.hpp"
 #include "test_util.hpp"
 #include "train/session_probe.hpp"
 #include "train/token_stager.hpp"
