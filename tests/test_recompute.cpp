@@ -209,7 +209,7 @@ TEST(Recompute, SelectiveOnTheGpuPlan) {
 // scratch; "layer" under ddp plans what "auto" plans under zero3.
 TEST(Recompute, WeightCacheAutoCastsPerGemmWhenParametersAreSharded) {
   auto ws = [](const std::string& sharding, const std::vector<std::string>& ov) {
-    return block(planned("fp8_current", sharding, 4, ov)->memory_plan(), "precision.workspace");
+    return block(loom::probe(*planned("fp8_current", sharding, 4, ov)).memory_plan(), "precision.workspace");
   };
   const size_t step = ws("ddp", {}), zero3 = ws("zero3", {}), layer = ws("ddp", {"precision.weight_cache=\"layer\""});
   const int64_t qkv = (kGqd + 2 * kGkv) * kGh, o = kGh * kGqd, gu = 2 * kGf * kGh, down = kGh * kGf;
