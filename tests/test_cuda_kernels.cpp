@@ -434,7 +434,7 @@ TEST_F(CudaKernels, RopeAtPositionsMatchesTheCpu) {
     // The positions matter: the plain rotation is far from it.
     std::vector<float> plain = buf;
     cpu::rope_forward(plain.data(), B, S, nh, D, row, theta);
-    EXPECT_GT(rel_err(plain, ref), 100 * tol(t));
+    EXPECT_GT(rel_err(plain, ref), 0.1);  // measured 0.62 in bf16: ten times bf16's tolerance
     // Backward is the inverse rotation: it brings the rotated q back.
     be_->rope_backward_at(q, theta, d_pos);
     EXPECT_LE(rel_err(get(d_buf), buf), 4 * tol(t));

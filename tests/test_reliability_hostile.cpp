@@ -116,12 +116,19 @@ std::vector<T> tensor_values(const fs::path& step_dir, const std::string& tensor
   return v;
 }
 
-// A recipe's state tensor of a session, by name, as raw bytes.
+// A recipe's state tensor of a session, by name, as raw bytes (a GPU recipe's
+// scales and history live on the device: read through the backend).
 std::vector<std::byte> state_of(Session& s, const std::string& name) {
   for (const loom::StateTensor& t : loom::probe(s).precision().state_tensors())
     if (t.name == name) {
-      const auto* p = static_cast<const std::byte*>(t.tensor.data);
-      return {p, p + t.tensor.bytes()};
+      std::vector<std::byte> out(t.tensor.bytes());
+      if (t.tensor.device == loom::Device::cuda) {
+        loom::probe(s).backend().download(out.data(), t.tensor, out.size());
+      } else {
+        const auto* p = static_cast<const std::byte*>(t.tensor.data);
+        std::copy(p, p + out.size(), out.begin());
+      }
+      return out;
     }
   ADD_FAILURE() << "no state tensor " << name;
   return {};

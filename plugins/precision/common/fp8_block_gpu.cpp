@@ -169,7 +169,7 @@ class Fp8BlockGpu final : public Precision {
                       " bytes)");
       LOOM_CUDA_CHECK(cudaMemset(counter_, 0, kAlign), "precision fp8_block: clearing the non-finite tile counter");
       LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision fp8_block: initialising the counter");
-      mirror_.allocate({sizeof(uint32_t)}, "precision fp8_block");
+      mirror_.allocate({sizeof(uint32_t)}, "fp8_block");
     }
     ws_ = static_cast<char*>(ptr);
     lt_.set_workspace(ws_, precision_common::CublasLtLinears::kWorkspaceBytes);
@@ -290,7 +290,7 @@ class Fp8BlockGpu final : public Precision {
     for (Linear& l : linears_) l.weight_cast = false;  // the optimizer changed the weights
     ++steps_;
     // What the log line of this step shows, read by log_summary() without a sync.
-    if (counter_ != nullptr) mirror_.queue(stream_, {counter_}, steps_, "precision fp8_block");
+    if (counter_ != nullptr) mirror_.queue(stream_, {counter_}, steps_, "fp8_block");
   }
 
   std::vector<StateTensor> state_tensors() override {

@@ -212,7 +212,7 @@ class Fp8Gpu final : public Precision {
       // Complete before any stream of the core (which may not sync with the legacy stream) reads it.
       LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision ", o_.plugin, ": initialising the FP8 state");
       // The log line's copies: scales, this step's amaxes, the counters.
-      mirror_.allocate({T * sizeof(float), T * sizeof(float), 2 * sizeof(uint32_t)}, cat("precision ", o_.plugin));
+      mirror_.allocate({T * sizeof(float), T * sizeof(float), 2 * sizeof(uint32_t)}, o_.plugin);
     }
   }
 
@@ -429,7 +429,7 @@ class Fp8Gpu final : public Precision {
                       " step amaxes");
     }
     // What the log line of this step shows, read by log_summary() without a sync.
-    mirror_.queue(stream_, {scale_, last_amax_, counts_}, steps_, cat("precision ", o_.plugin));
+    mirror_.queue(stream_, {scale_, last_amax_, counts_}, steps_, o_.plugin);
   }
 
   std::vector<StateTensor> state_tensors() override {

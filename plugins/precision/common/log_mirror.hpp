@@ -13,7 +13,8 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <string>
+#include <initializer_list>
+#include <string_view>
 #include <vector>
 
 #include "loom/error.hpp"
@@ -36,34 +37,38 @@ class LogMirror {
   }
 
   // Once, with the device at hand (never in planning): the byte sizes of the
-  // device ranges each copy takes, in order. `who` names the recipe in messages.
-  void allocate(std::vector<size_t> ranges, const std::string& who) {
+  // device ranges each copy takes, in order. `who` names the recipe (its plugin) in messages.
+  void allocate(std::vector<size_t> ranges, std::string_view who) {
     if (allocated_) return;
     ranges_ = std::move(ranges);
     bytes_ = 0;
     for (size_t r : ranges_) bytes_ += (r + 15) / 16 * 16;
     for (Slot& s : slots_) {
-      LOOM_CUDA_CHECK(cudaMallocHost(&s.host, bytes_ > 0 ? bytes_ : 16), who, ": pinned log copy of ", bytes_, " bytes");
-      LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming), who, ": log copy event");
+      LOOM_CUDA_CHECK(cudaMallocHost(&s.host, bytes_ > 0 ? bytes_ : 16), "precision ", who, ": pinned log copy of ", bytes_, " bytes");
+      LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming), "precision ", who, ": log copy event");
     }
     allocated_ = true;
   }
   bool allocated() const { return allocated_; }
 
   // Queues copies of the ranges at `srcs` (device pointers, as allocate() said)
-  // into the next slot, after the work queued on `stream` so far.
-  void queue(cudaStream_t stream, const std::vector<const void*>& srcs, int64_t step, const std::string& who) {
+  // into the next slot, after the work queued on `stream` so far. Called in
+  // the step: it allocates nothing (the sources come as an initializer list,
+  // the name as a view; messages are built only when a check fails).
+  void queue(cudaStream_t stream, std::initializer_list<const void*> srcs, int64_t step, std::string_view who) {
     if (!allocated_) return;
-    LOOM_CHECK(srcs.size() == ranges_.size(), who, ": log copy of ", srcs.size(), " ranges, ", ranges_.size(),
+    LOOM_CHECK(srcs.size() == ranges_.size(), "precision ", who, ": log copy of ", srcs.size(), " ranges, ", ranges_.size(),
                " allocated");
     Slot& s = slots_[static_cast<size_t>(next_ % kSlots)];
     char* dst = static_cast<char*>(s.host);
-    for (size_t i = 0; i < srcs.size(); ++i) {
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, srcs[i], ranges_[i], cudaMemcpyDeviceToHost, stream), who,
+    size_t i = 0;
+    for (const void* src : srcs) {
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, ranges_[i], cudaMemcpyDeviceToHost, stream), "precision ", who,
                       ": queueing the log copy of ", ranges_[i], " bytes");
       dst += (ranges_[i] + 15) / 16 * 16;
+      ++i;
     }
-    LOOM_CUDA_CHECK(cudaEventRecord(s.done, stream), who, ": recording the log copy");
+    LOOM_CUDA_CHECK(cudaEventRecord(s.done, stream), "precision ", who, ": recording the log copy");
     s.step = step;
     s.queued = true;
     ++next_;
