@@ -70,7 +70,6 @@
 #include "attention/cudnn/cudnn_offsets.hpp"
 #include "loom/attention.hpp"
 #include "loom/error.hpp"
-#include "loom/ops/cuda_check.hpp"
 
 namespace {
 // Graphs built (cuDNN asked, whether it accepted or refused) by every
@@ -518,31 +517,10 @@ class CudnnAttention final : public Attention {
                  "cudnn attention with documents: dq, dk, dv and dout must have the token strides of q, k, v and ",
                  "out (", key.q.s, ", ", key.k.s, ", ", key.v.s, ", ", key.o.s, "), got ", key.dq.s, ", ", key.dk.s,
                  ", ", key.dv.s, ", ", key.dout.s);
-    if (shape.documents) {
-      // A one-token document's query attends to itself alone: its dq and dk
-      // are exactly 0 (softmax over one key has no gradient), but cuDNN's
-      // ragged backward leaves those rows unwritten (measured on an H200:
-      // every span of length 1 came back as the buffer's old bytes). Zero dq
-      // and dk first; the rows cuDNN writes overwrite it.
-      zero_token_rows(dq, shape.heads, t, ctx);
-      zero_token_rows(dk, shape.kv_heads, t, ctx);
-    }
     execute(ctx, documents(ctx, key, ptrs, workspace), ptrs, workspace);
   }
 
  private:
-  // Zeroes a [B, S, heads, D] view whose tokens are `stride[1]` elements apart
-  // (a plain tensor or a slice of the fused QKV buffer), on the step's stream.
-  static void zero_token_rows(const Tensor& x, int64_t heads, DType t, const ExecContext& ctx) {
-    const size_t elt = dtype_size(t), width = static_cast<size_t>(heads * x.shape[3]) * elt;
-    const size_t pitch = static_cast<size_t>(x.stride[1]) * elt;
-    for (int64_t b = 0; b < x.shape[0]; ++b)
-      LOOM_CUDA_CHECK(cudaMemset2DAsync(static_cast<char*>(x.data) + static_cast<size_t>(b * x.stride[0]) * elt, pitch,
-                                        0, width, static_cast<size_t>(x.shape[1]), static_cast<cudaStream_t>(ctx.stream)),
-                      "cudnn attention: zeroing the gradient rows of one-token documents (batch row ", b, ", ",
-                      x.shape[1], " tokens of ", width, " bytes, pitch ", pitch, ")");
-  }
-
   // Without a GPU (PluginInit::planning) the graphs cannot be built, so the
   // workspace is the most cudnn-frontend's SDPA backward asks for (its
   // scaled_dot_product_flash_attention.h): the fp32 dQ accumulator
