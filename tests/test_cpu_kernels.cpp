@@ -753,7 +753,7 @@ TEST(CpuGemm, EmptyDimensions) {
 
 // The same bits on every machine, recorded: a fixed integer-generated problem
 // (no library random numbers) whose result bits were recorded once (on an AMD
-// EPYC, and found equal on the Intel Xeon of an H100 machine); any
+// EPYC, and found equal on the Intel Xeon of an H200 machine, 2026-11-28); any
 // processor, path or thread count that rounds differently fails here first,
 // naming the GEMM, rather than as a drifting training run elsewhere.
 TEST(CpuGemm, RecordedBitsOfAFixedProblem) {

@@ -94,7 +94,8 @@ TEST(TrainE2E, SameSeedGivesBitwiseEqualLosses) {
 // So a run gives the same loss bits on every x86-64 machine, Intel or AMD, with
 // 1 or 2 threads: the digest of ten steps' losses and gradient norms, and of the
 // validation losses, under fp32 and under emulated FP8 (casts, amax histories,
-// scale updates), was recorded once (AMD EPYC) and checked on an Intel Xeon.
+// scale updates), was recorded once (AMD EPYC) and checked on the Intel Xeon
+// of an H200 machine (scripts/gpu_check.sh cpu-bits, 2026-11-28).
 // Trajectory tests elsewhere (the FP8 convergence test, native against fused
 // layers, the learning checks) rely on this: they compare numbers that are the
 // same everywhere, so a bound that holds on one machine holds on all.
