@@ -82,27 +82,35 @@ if(NOT out MATCHES "\n  ${prefix}/lib/loom/plugins")
 endif()
 message(STATUS "installed loom lists the out-of-tree plugin:\n${out}")
 
-# 5. The third-party data source examples/plugins/jsonl, built the same way
-#    (find_package(Loom) + loom_add_plugin against the scratch prefix), into a
-#    folder tests/test_jsonl_example.cpp then loads it from.
-set(jsonl_build ${WORK_DIR}/jsonl-build)
-run_step("configuring examples/plugins/jsonl"
-  ${CMAKE_COMMAND} -S ${LOOM_SOURCE_DIR}/examples/plugins/jsonl -B ${jsonl_build} -G ${GENERATOR}
-  -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX_COMPILER} ${launcher} -DCMAKE_PREFIX_PATH=${prefix})
-file(STRINGS ${jsonl_build}/CMakeCache.txt loom_dir REGEX "^Loom_DIR:")
-if(NOT loom_dir MATCHES "${prefix}/")
-  message(FATAL_ERROR "examples/plugins/jsonl found Loom outside the scratch prefix ${prefix}: ${loom_dir}")
-endif()
-run_step("building examples/plugins/jsonl" ${CMAKE_COMMAND} --build ${jsonl_build} -j 2)
-set(jsonl ${jsonl_build}/libloom-data-jsonl.so)
-if(NOT EXISTS ${jsonl})
-  message(FATAL_ERROR "building examples/plugins/jsonl produced no ${jsonl}")
-endif()
-run_step("${prefix}/bin/loom plugins --path ${jsonl_build}"
-  ${CMAKE_COMMAND} -E env --unset=LOOM_PLUGIN_PATH ${prefix}/bin/loom plugins --path ${jsonl_build})
-if(NOT step_output MATCHES "\ndata +jsonl +1\\.0\\.0 +JSON Lines text[^\n]* ${jsonl}\n")
-  message(FATAL_ERROR "the installed loom does not list examples/plugins/jsonl:\n${step_output}")
-endif()
+# An example of examples/plugins/<name>, built as a user builds it
+# (find_package(Loom) + loom_add_plugin against the scratch prefix, nothing
+# else on the include path) into WORK_DIR/<name>-build, where the test suites
+# load it from; the installed `loom plugins` must list it with its kind,
+# version and description. The plugin's path lands in ${out_var}.
+function(build_example name kind description out_var)
+  set(dir ${WORK_DIR}/${name}-build)
+  run_step("configuring examples/plugins/${name}"
+    ${CMAKE_COMMAND} -S ${LOOM_SOURCE_DIR}/examples/plugins/${name} -B ${dir} -G ${GENERATOR}
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX_COMPILER} ${launcher} -DCMAKE_PREFIX_PATH=${prefix})
+  file(STRINGS ${dir}/CMakeCache.txt loom_dir REGEX "^Loom_DIR:")
+  if(NOT loom_dir MATCHES "${prefix}/")
+    message(FATAL_ERROR "examples/plugins/${name} found Loom outside the scratch prefix ${prefix}: ${loom_dir}")
+  endif()
+  run_step("building examples/plugins/${name}" ${CMAKE_COMMAND} --build ${dir} -j 2)
+  set(plugin ${dir}/libloom-${kind}-${name}.so)
+  if(NOT EXISTS ${plugin})
+    message(FATAL_ERROR "building examples/plugins/${name} produced no ${plugin}")
+  endif()
+  run_step("${prefix}/bin/loom plugins --path ${dir}"
+    ${CMAKE_COMMAND} -E env --unset=LOOM_PLUGIN_PATH ${prefix}/bin/loom plugins --path ${dir})
+  if(NOT step_output MATCHES "\n${kind} +${name} +1\\.0\\.0 +${description}[^\n]* ${plugin}\n")
+    message(FATAL_ERROR "the installed loom does not list examples/plugins/${name}:\n${step_output}")
+  endif()
+  set(${out_var} ${plugin} PARENT_SCOPE)
+endfunction()
+
+# 5. The third-party data source examples/plugins/jsonl.
+build_example(jsonl data "JSON Lines text" jsonl)
 
 # 6. `loom train` (installed) with data.plugin = "jsonl": a few steps of a tiny
 #    model on the CPU, with validation, read from JSON Lines files.
@@ -155,26 +163,9 @@ if(NOT step_output MATCHES "done: 4 steps in [^\n]*val loss [0-9.]+ -> [0-9.]+")
 endif()
 message(STATUS "installed loom trained on examples/plugins/jsonl")
 
-# 7. The third-party precision recipe examples/plugins/fp8_rowwise, built the
-#    same way, into a folder tests/test_fp8_rowwise_example.cpp loads it from.
-set(rowwise_build ${WORK_DIR}/fp8_rowwise-build)
-run_step("configuring examples/plugins/fp8_rowwise"
-  ${CMAKE_COMMAND} -S ${LOOM_SOURCE_DIR}/examples/plugins/fp8_rowwise -B ${rowwise_build} -G ${GENERATOR}
-  -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX_COMPILER} ${launcher} -DCMAKE_PREFIX_PATH=${prefix})
-file(STRINGS ${rowwise_build}/CMakeCache.txt loom_dir REGEX "^Loom_DIR:")
-if(NOT loom_dir MATCHES "${prefix}/")
-  message(FATAL_ERROR "examples/plugins/fp8_rowwise found Loom outside the scratch prefix ${prefix}: ${loom_dir}")
-endif()
-run_step("building examples/plugins/fp8_rowwise" ${CMAKE_COMMAND} --build ${rowwise_build} -j 2)
-set(rowwise ${rowwise_build}/libloom-precision-fp8_rowwise.so)
-if(NOT EXISTS ${rowwise})
-  message(FATAL_ERROR "building examples/plugins/fp8_rowwise produced no ${rowwise}")
-endif()
-run_step("${prefix}/bin/loom plugins --path ${rowwise_build}"
-  ${CMAKE_COMMAND} -E env --unset=LOOM_PLUGIN_PATH ${prefix}/bin/loom plugins --path ${rowwise_build})
-if(NOT step_output MATCHES "\nprecision +fp8_rowwise +1\\.0\\.0 +FP8 with per-row scales[^\n]* ${rowwise}\n")
-  message(FATAL_ERROR "the installed loom does not list examples/plugins/fp8_rowwise:\n${step_output}")
-endif()
+# 7. The third-party precision recipe examples/plugins/fp8_rowwise, loaded
+#    from its folder by tests/test_fp8_rowwise_example.cpp as well.
+build_example(fp8_rowwise precision "FP8 with per-row scales" rowwise)
 
 # 8. `loom train` (installed) with precision.plugin = "fp8_rowwise" on the CPU,
 #    on the JSON Lines files of step 6 (the FP8 emulation; the GPU run is
