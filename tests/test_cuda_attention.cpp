@@ -547,7 +547,9 @@ TEST(CudnnAttention, DocumentSpansMatchNaiveCuda) {
   std::mt19937 gen(17);
   std::vector<std::vector<uint8_t>> patterns;
   patterns.emplace_back(B * S, 0);  // one span a row
-  for (int every : {60, 9}) {       // spans of random lengths, about `every` tokens
+  // Spans of random lengths, about `every` tokens; every 2: half the spans
+  // one token long beside longer ones, in a large bucket.
+  for (int every : {60, 9, 2}) {
     std::vector<uint8_t> p(B * S);
     for (auto& f : p) f = gen() % static_cast<unsigned>(every) == 0;
     patterns.push_back(p);
