@@ -38,12 +38,9 @@
 //   the micro-batch, not by buckets x S (max_total_seq_len). The ragged
 //   offsets (elements, per tensor: a span's first token times the tensor's
 //   token stride) are computed on the stream from the spans' cu_seqlens by a
-//   small kernel (cudnn_ragged.cu) into the front of the workspace, once per
+//   small kernel (cudnn_offsets.cu) into the front of the workspace, once per
 //   staged micro-batch (DocumentSpans::serial) and layout. The stats are laid
-//   out [tokens, H] in the [B, H, S] buffer in this mode. After each ragged
-//   backward a second small kernel writes the exact gradients of one-token
-//   spans (dq = dk = 0, dv = the group's dout): cuDNN's are non-finite when
-//   every span is one token long (sm_90).
+//   out [tokens, H] in the [B, H, S] buffer in this mode.
 //
 // Threads: one. The core drives a plugin object from its step thread. The
 // caches and variant packs are unguarded and the cuDNN handle's stream is set
@@ -70,7 +67,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "attention/cudnn/cudnn_ragged.hpp"
+#include "attention/cudnn/cudnn_offsets.hpp"
 #include "loom/attention.hpp"
 #include "loom/error.hpp"
 
@@ -104,7 +101,7 @@ constexpr int kUidSlots = kOffStats + 1;  // indexed by Uid; slot 0 unused
 constexpr std::array<Uid, 5> kForwardUids{kQ, kK, kV, kO, kStats};
 constexpr std::array<Uid, 9> kBackwardUids{kQ, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV};
 constexpr std::array<Uid, 7> kRaggedUids{kSeqQ, kSeqKV, kOffQ, kOffK, kOffV, kOffO, kOffStats};
-// The ragged offsets' order in the workspace (cudnn_ragged.hpp): q, k, v, o, stats.
+// The ragged offsets' order in the workspace (cudnn_offsets.hpp): q, k, v, o, stats.
 constexpr std::array<Uid, 5> kOffsetUids{kOffQ, kOffK, kOffV, kOffO, kOffStats};
 
 // Element strides of a [B, S, heads, D] tensor (the D stride is 1).
@@ -521,14 +518,6 @@ class CudnnAttention final : public Attention {
                  "out (", key.q.s, ", ", key.k.s, ", ", key.v.s, ", ", key.o.s, "), got ", key.dq.s, ", ", key.dk.s,
                  ", ", key.dv.s, ", ", key.dout.s);
     execute(ctx, documents(ctx, key, ptrs, workspace), ptrs, workspace);
-    if (shape.documents) {  // one-token spans: exact gradients in place of cuDNN's (cudnn_ragged.hpp)
-      const DocumentSpans& d = *shape.spans;
-      using G = cudnn_ragged::GradTensor;
-      cudnn_ragged::one_token_span_grads(d.lengths.ptr<const int32_t>(), d.cu_seqlens.ptr<const int32_t>(), d.count,
-                                         G{dq.data, key.dq.s, key.dq.h}, G{dk.data, key.dk.s, key.dk.h},
-                                         G{dv.data, key.dv.s, key.dv.h}, G{dout.data, key.dout.s, key.dout.h},
-                                         shape.heads, shape.kv_heads, shape.head_dim, t == DType::f16, ctx.stream);
-    }
   }
 
  private:
@@ -592,7 +581,7 @@ class CudnnAttention final : public Attention {
     const std::array<int64_t, 5> strides{key.q.s, key.k.s, key.v.s, key.o.s, s.heads};
     if (!(d.serial == offsets_serial_ && &d == offsets_spans_ && workspace == offsets_at_ &&
           strides == offsets_strides_)) {
-      cudnn_ragged::ragged_offsets(d.cu_seqlens.ptr<const int32_t>(), N + 1, strides.data(), off, ctx.stream);
+      cudnn_offsets::ragged_offsets(d.cu_seqlens.ptr<const int32_t>(), N + 1, strides.data(), off, ctx.stream);
       offsets_serial_ = d.serial, offsets_spans_ = &d, offsets_at_ = workspace, offsets_strides_ = strides;
     }
     for (size_t i = 0; i < kOffsetUids.size(); ++i) ptrs[kOffsetUids[i]] = off + static_cast<int64_t>(i) * (N + 1);
