@@ -18,6 +18,7 @@
 #       PyTorch HSDP peer in groups of 2, the resume onto 2 GPUs, and llama2-7b under zero3
 #       and hybrid_shard with planned against measured memory (compare_7b))
 #   bash scripts/gpu_check.sh sharding-tests      (the test part of `sharding` only)
+#   bash scripts/gpu_check.sh sharding-7b         (the llama2-7b part of `sharding` only; env STEPS_7B, WARMUP_7B)
 #   bash scripts/gpu_check.sh fp8-convergence     (bf16 against fp8_delayed and fp8_current: `loom compare`
 #       on the fortune corpus, fused layers, same initial weights, 1000 steps; the final validation
 #       loss of each FP8 run within 1% of bf16's; env CONV_STEPS)
@@ -505,12 +506,23 @@ PY
   then r=PASS; else r=FAIL; status=1; fi
   cat "$OUT/docmask_convergence.txt"
   echo "| convergence, fortunes ${CONV_STEPS:-1000} steps, switches on vs off | $r | $(paste -sd';' "$OUT/docmask_convergence.txt"); $(( $(date +%s) - t1 )) s |" >> "$SUM"
-  # The chart. Both runs' metrics go to $OUT either way; `loom plot` draws with cairo, which it loads only
-  # to draw: where the GPU image lacks it, the chart is drawn from those metrics on a machine that has it.
-  for run in fortunes-fused fortunes-docmask; do
-    mkdir -p "$OUT/docmask-runs/$run" && cp runs/$run/metrics.jsonl "$OUT/docmask-runs/$run/" 2>/dev/null
-  done
-  if .carry/bin/loom plot runs/fortunes-fused runs/fortunes-docmask --out "$OUT/docmask_convergence.png" \
+  # The chart. `loom compare` keeps both runs' losses in its CSV files; they become each run's
+  # metrics.jsonl under $OUT/docmask-runs. `loom plot` draws with cairo, which it loads only to draw:
+  # where the GPU image lacks it, the chart is drawn from those files on a machine that has it.
+  python3 - "$OUT/docmask-convergence" "$OUT/docmask-runs" <<'PY' || status=1
+import csv, json, os, sys
+src, dst = sys.argv[1], sys.argv[2]
+train = list(csv.DictReader(open(os.path.join(src, "compare_losses.csv"))))
+val = list(csv.DictReader(open(os.path.join(src, "compare_val_losses.csv"))))
+for name in (k for k in train[0] if k != "step"):
+    os.makedirs(os.path.join(dst, name), exist_ok=True)
+    with open(os.path.join(dst, name, "metrics.jsonl"), "w") as f:
+        for r in train:
+            f.write(json.dumps({"step": int(r["step"]), "loss": float(r[name])}) + "\n")
+        for r in val:
+            f.write(json.dumps({"step": int(r["step"]), "val_loss": float(r[name])}) + "\n")
+PY
+  if .carry/bin/loom plot "$OUT/docmask-runs/fortunes-fused" "$OUT/docmask-runs/fortunes-docmask" --out "$OUT/docmask_convergence.png" \
        > "$OUT/docmask_plot.log" 2>&1 && [ -s "$OUT/docmask_convergence.png" ]; then
     plot="drawn here: $OUT/docmask_convergence.png"
   else
@@ -651,13 +663,18 @@ if [ "$WHAT" = sharding ]; then
   grep -v '^COMPARE_JSON' "$OUT/compare_det.out"
   python3 benchmarks/sharding_targets.py "$OUT/single.json" "$OUT/compare.out" "$OUT/compare_det.out" \
     | tee "$OUT/targets.md" || status=1
-  if [ $GROUPS2 = 1 ]; then
+fi
+if [ "$WHAT" = sharding ] || [ "$WHAT" = sharding-7b ]; then
+  NP=${NP:-$(nvidia-smi -L | wc -l)}
+  if [ "$NP" -ge 4 ] && [ $((NP % 2)) = 0 ]; then
     # llama2-7b sharded over the GPUs: the memory plan ("planned mem") against the
     # device memory in use ("peak mem") per GPU, zero3 and hybrid_shard in groups of 2.
-    "${MPI[@]}" .carry/bin/loom compare configs/bench/llama2-7b.toml --strategies=zero3,$HYBRID \
-      --steps="${STEPS_7B:-5}" --warmup=2 --out="$OUT/compare_7b" > "$OUT/compare_7b.out" 2> "$OUT/compare_7b.log" || status=1
+    mpi_on "$NP" .carry/bin/loom compare configs/bench/llama2-7b.toml --strategies=zero3,hybrid_shard:shard_group_size=2 \
+      --steps="${STEPS_7B:-5}" --warmup="${WARMUP_7B:-2}" --out="$OUT/compare_7b" > "$OUT/compare_7b.out" 2> "$OUT/compare_7b.log" || status=1
     grep -v '^COMPARE_JSON' "$OUT/compare_7b.out"
     grep -E "error|Error" "$OUT/compare_7b.log" | head -10
+  else
+    echo "sharding-7b: needs 4 or more GPUs, an even count (hybrid_shard in groups of 2); NP=$NP" >&2; status=1
   fi
 fi
 exit $status
