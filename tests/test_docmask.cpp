@@ -403,16 +403,7 @@ TEST(DocMaskGpu, CudnnBf16PackedEqualsSeparate) {
 // target counted each moves the loss by ~1e-2 relative, the logits more.
 namespace {
 
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    const double d = static_cast<double>(a[i]) - b[i];
-    num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(num) / std::sqrt(den);
-}
+using loom::test::rel_l2;
 
 struct GoldenPath {
   const char* device;

@@ -18,22 +18,13 @@
 
 #include "config/run_config.hpp"
 #include "gpu_test_util.hpp"
+#include "test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "train/session_probe.hpp"
 
 namespace fs = std::filesystem;
 
 namespace {
-
-double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double d = static_cast<double>(a[i]) - b[i];
-    num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(num) / std::sqrt(den);
-}
 
 struct Path {
   const char* device;
@@ -82,7 +73,7 @@ TEST_P(Golden, MatchesHFTransformers) {
   const std::vector<float> logits = loom::probe(s).logits();
   const std::vector<float> ref_logits = ref.read_f32("logits");
   ASSERT_EQ(logits.size(), ref_logits.size());
-  const double e_logits = rel_err(logits, ref_logits);
+  const double e_logits = loom::test::rel_l2(logits, ref_logits);
   const double ref_loss = ref.read_f32("loss")[0];
   const double e_loss = std::abs(loss - ref_loss) / std::abs(ref_loss);
   EXPECT_LT(e_logits, path.tol_logits);
@@ -99,7 +90,7 @@ TEST_P(Golden, MatchesHFTransformers) {
   for (const std::string& name : ref.names()) {
     if (name.rfind("grad.", 0) != 0) continue;
     const std::string p = name.substr(5);
-    const double e = rel_err(loom::probe(s).read_param(p, true), ref.read_f32(name));
+    const double e = loom::test::rel_l2(loom::probe(s).read_param(p, true), ref.read_f32(name));
     EXPECT_LT(e, path.tol_grad) << p;
     if (e > worst) { worst = e; worst_name = p; }
     ++checked;
@@ -211,7 +202,7 @@ TEST_P(MixtralGolden, MatchesHFTransformers) {
   const std::vector<float> ref_logits = ref.read_f32("logits");
   const std::vector<float> logits = loom::probe(s).logits();
   ASSERT_EQ(logits.size(), ref_logits.size());
-  const double e_logits = rel_err(logits, ref_logits);
+  const double e_logits = loom::test::rel_l2(logits, ref_logits);
   EXPECT_LT(e_logits, path.tol_logits);
 
   loom::probe(s).zero_grads();
@@ -232,7 +223,7 @@ TEST_P(MixtralGolden, MatchesHFTransformers) {
   for (const std::string& name : ref.names()) {
     if (name.rfind("grad.", 0) != 0) continue;
     const std::string p = name.substr(5);
-    const double e = rel_err(loom::probe(s).read_param(p, true), ref.read_f32(name));
+    const double e = loom::test::rel_l2(loom::probe(s).read_param(p, true), ref.read_f32(name));
     const bool expert = p.find(".experts.") != std::string::npos;
     EXPECT_LT(e, expert ? path.tol_expert_grad : path.tol_grad) << p;
     if (e > worst) { worst = e; worst_name = p; }

@@ -3,13 +3,28 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "loom/error.hpp"
 
 namespace loom::test {
+
+// ||a - b|| / ||b|| over the common length (the sizes must match), in double.
+inline double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(num) / std::sqrt(den);
+}
 
 // A fresh directory per test (named after it), removed afterwards.
 struct TmpDir {
