@@ -443,10 +443,6 @@ class NoMoeBackend final : public loom::Backend {
   void scale(Tensor&, float) override {}
   void adamw(Tensor&, Tensor*, const Tensor&, Tensor&, Tensor&, const AdamWArgs&) override {}
   void convert(Tensor&, const Tensor&) override {}
-  void fp8_amax(Tensor&, const Tensor&) override {}
-  void fp8_scales(Tensor&, Tensor&, const Tensor&, int) override {}
-  void fp8_encode(Tensor&, const Tensor&, const Tensor&) override {}
-  void fp8_decode(Tensor&, const Tensor&, const Tensor&) override {}
   void timer_start() override {}
   double timer_stop_ms() override { return 0; }
   void timer_reserve(int) override {}

@@ -26,7 +26,9 @@ constexpr uint64_t kMiB = uint64_t{1} << 20, kGiB = uint64_t{1} << 30;
 
 // `loom check ARGS`: exit status and everything it printed.
 std::pair<int, std::string> check(const std::string& args) {
-  const fs::path d = loom::test::temp_dir("plan_device_cli");
+  // One folder per test: ctest runs this suite's tests as parallel processes.
+  const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const fs::path d = loom::test::temp_dir("plan_device_cli_" + test);
   const fs::path out = d / "out.txt";
   const std::string cmd = std::string(LOOM_CLI) + " check " + args + " > " + out.string() + " 2>&1";
   const int rc = std::system(cmd.c_str());

@@ -123,6 +123,7 @@ struct GatherRun {
   std::vector<double> losses;
   uint64_t gather_bytes = 0;  // all_gather bytes this rank sent over the steps
   double expected_ratio = 0;  // FP8 gathers against fp32 ones, from the model's parameters
+  size_t codec_state = 0;     // the memory plan's "sharding.fp8_gather.scales" bytes (the codec's state)
 };
 
 GatherRun run_gathers(const std::string& strategy, const std::string& keys, const std::string& model_keys) {
@@ -136,6 +137,8 @@ GatherRun run_gathers(const std::string& strategy, const std::string& keys, cons
     for (const loom::StepLog& l : s.read_step_logs()) r.losses.push_back(l.loss);
   }
   r.gather_bytes = s.comm().bytes_moved().bytes[k] - before;
+  for (const loom::ArenaBlock& b : loom::probe(s).memory_plan().blocks())
+    if (b.name == "sharding.fp8_gather.scales") r.codec_state += b.bytes;
   // Every unit is gathered as often in either run: FP8 weights (the decoder
   // layers' matrices) 1 byte an element, everything else the parameters'
   // own size (4 bytes on the CPU, whose parameters are fp32; 2 on a GPU,
@@ -179,6 +182,12 @@ void check_fp8_gathers(const std::string& strategy, const std::string& keys) {
     const GatherRun fp8 = run_gathers(strategy, keys + "\ngather_dtype = \"fp8\"", mk);
     ASSERT_EQ(ref.losses.size(), 6u);
     ASSERT_EQ(fp8.losses.size(), 6u);
+    // The recipe's codec asks for its amaxes, scales and inverse scales (3
+    // floats per FP8 weight, GatherCodec::state_bytes) only when the strategy
+    // gathers through it; the core plans them in the arena.
+    EXPECT_EQ(ref.codec_state, 0u);
+    EXPECT_GT(fp8.codec_state, 0u);
+    EXPECT_EQ(fp8.codec_state % (3 * sizeof(float)), 0u);
     // On the GPU the activations are bf16: a last-bit difference of the
     // weight's inverse scale can flip the rounding of a GEMM output, which
     // the later steps carry on; 1e-3 relative there (a wrong scale or segment

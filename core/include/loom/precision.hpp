@@ -5,13 +5,13 @@
 // calls forward/backward with the returned id, so a recipe can keep per-GEMM
 // state (cached descriptors, fp8 scales and amax history).
 //
-// Life of a recipe object (plugin ABI 7):
+// Life of a recipe object (plugin ABI 10):
 //   constructor(PluginInit)        reads and checks its [precision] table
 //   variable_row_multiple()        asked by blocks that pad variable rows (MoE), ABI 7.0
 //   register_linear(desc) ...      every linear, before anything is planned
 //                                  (keeps_wgrad_input(id) is known from here on)
-//   current_fp8_weight(id)         asked by the FP8 weight gathers while the sharding
-//                                  strategy plans (ABI 6.0; before setup() since 8.2)
+//   gather_codec(GatherCodecSetup) once, before the sharding strategy plans: the recipe's
+//                                  FP8 weight gathers, or null (ABI 10.0)
 //   setup(PrecisionSetup)          communicator, determinism, device, the strategy's
 //                                  layout (params_sharded: after its plan since ABI 8.2)
 //   saved_activation_bytes(id), workspace_bytes()   planned by the core (memory plan, `loom check`)
@@ -21,12 +21,15 @@
 //   fp8_operand(id, role, rows)    asked in a step before a block's kernel makes x or dy (ABI 8.0)
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "loom/comm.hpp"
 #include "loom/context.hpp"
+#include "loom/model.hpp"
 #include "loom/plugin.hpp"
+#include "loom/sharding.hpp"
 #include "loom/tensor.hpp"
 
 namespace loom {
@@ -109,17 +112,26 @@ struct StateTensor {
   bool replicated = true;
 };
 
-// How a recipe casts a linear's weight when it casts it to FP8 per tensor
-// with a scale taken from that weight's own amax at the time of the cast
-// (current scaling): q = encode(w * scale) with scale = compute_scale(amax(w),
-// the format's max, margin) (loom/fp8.hpp). A sharding strategy that gathers
-// parameters may then move the weight already in FP8 (sharding.gather_dtype =
-// "fp8", as torchtitan's float8 all-gather): it measures the same amax (the
-// max over the shards), encodes the same codes, and the recipe, casting the
-// decoded weight again, gets those codes back. ABI 6.0.
-struct Fp8WeightCast {
-  DType dtype = DType::e4m3;
-  int margin = 0;
+// Where a linear's weight sits: a range of one unit's flat parameters
+// (UnitInfo; the fused blocks' [q; k; v] and [gate; up] span several
+// parameters, one range). The blocks record one for the linears of the
+// decoder layers as they register them (not the LM head). ABI 10.0.
+struct LinearWeight {
+  int id = -1;           // the recipe's id (register_linear)
+  std::string unit;      // UnitInfo::name
+  int64_t offset = 0;    // elements from the start of the unit's flat parameters
+  int64_t numel = 0;     // out * in
+};
+
+// What a recipe's FP8 weight gathers are built from (Precision::gather_codec,
+// ABI 10.0): the model's units, where each linear's weight sits in them, and
+// how the parameters are stored. Valid during the call only (copy what the
+// codec keeps).
+struct GatherCodecSetup {
+  std::vector<UnitInfo> units;         // every unit, in the order the strategy's plan sees them
+  std::vector<LinearWeight> weights;   // the decoder layers' linears, in registration order
+  DType param_dtype = DType::f32;      // dtypes().param: what the strategy gathers
+  Device device = Device::cpu;         // where the parameters live (host memory on the CPU)
 };
 
 // A linear's FP8 operand that a block's own kernel writes in place of the
@@ -200,13 +212,21 @@ class Precision : public Plugin {
   // and skipped updates), "" for nothing; the core prints it after the step's
   // log line as "precision: <text>".
   virtual std::string log_summary() const { return {}; }
-  // True when linear `id`'s weight is cast to FP8 per tensor from its current
-  // amax on every call (see Fp8WeightCast, filled in): the only casts an FP8
-  // gather of the weight reproduces exactly. False for everything else (a
-  // bf16 GEMM, delayed scaling's scale from past amaxes, block scales, the LM
-  // head kept in bf16). Asked after every register_linear and before setup()
-  // (the strategy plans with it; ABI 6.0, before setup() since 8.2).
-  virtual bool current_fp8_weight(int /*id*/, Fp8WeightCast* /*cast*/) const { return false; }
+  // The recipe's FP8 weight gathers (sharding.gather_dtype = "fp8", as
+  // torchtitan's float8 all-gather): a GatherCodec (loom/sharding.hpp) that
+  // moves the weights the recipe casts to FP8 in the very codes its own cast
+  // would make, and every other parameter as it is. Only a weight cast per
+  // tensor with a scale from its own current amax on every call can travel
+  // so (the codec measures the same amax over the shards, encodes the same
+  // codes, and the recipe, casting the decoded weight again, gets them
+  // back); delayed scaling's scales from past amaxes, block scales and
+  // full-precision linears cannot. Null (the default): the recipe offers
+  // none, and a strategy asked for FP8 gathers refuses the run saying so.
+  // Asked once, after every register_linear and before setup() (the strategy
+  // plans with the codec); the codec must touch no device memory before its
+  // bind(). plugins/precision/common/fp8_gather.{hpp,cpp} is fp8_current's.
+  // ABI 10.0.
+  virtual std::unique_ptr<GatherCodec> gather_codec(const GatherCodecSetup& /*setup*/) { return nullptr; }
   // The row multiple the recipe runs a variable-row linear's call in whole
   // (LinearDesc::variable_rows, the MoE experts): a call whose row count is a
   // multiple of it takes the recipe's fast path in one piece, any other count

@@ -107,14 +107,15 @@ class OptimizerOps {
 };
 
 // A unit's parameters on the wire of a sharded gather in compact form
-// (sharding.gather_dtype = "fp8", ABI 6.0), provided by the core. The weights
-// the precision recipe casts to FP8 per tensor from their current amax
-// (Precision::current_fp8_weight) travel as FP8 codes, one byte an element,
-// with the scale the recipe will use; every other parameter (norm gains, the
-// embedding, the LM head, weights under other casts) travels as it is. A unit
-// gathered over `group` ranks is group chunks of `chunk` elements; on the wire
-// each chunk takes wire_chunk_bytes(unit) bytes (its other parameters first,
-// then its FP8 weights), so one all_gather of bytes moves it.
+// (sharding.gather_dtype = "fp8", ABI 6.0). The precision recipe supplies it
+// (Precision::gather_codec, ABI 10.0; the core's stand-in, for a recipe that
+// supplies none, has no FP8 weight and says why): the weights the recipe
+// casts to FP8 per tensor from their current amax travel as FP8 codes, one
+// byte an element, with the scale the recipe will use; every other parameter
+// (norm gains, the embedding, the LM head, weights under other casts) travels
+// as it is. A unit gathered over `group` ranks is group chunks of `chunk`
+// elements; on the wire each chunk takes wire_chunk_bytes(unit) bytes, so one
+// all_gather of bytes moves it.
 class GatherCodec {
  public:
   virtual ~GatherCodec() = default;
@@ -122,10 +123,20 @@ class GatherCodec {
   // why in words naming the configuration (for the strategy's message).
   virtual int fp8_weights() const = 0;
   virtual std::string why_none() const = 0;
-  // Once, after plan(): the shard group's size, this rank's position in it,
-  // and each unit's chunk in elements (0 for a unit that is never gathered).
+  // Once, in the strategy's plan(): the shard group's size, this rank's
+  // position in it, and each unit's chunk in elements (0 for a unit that is
+  // never gathered).
   virtual void plan(int group, int position, const std::vector<int64_t>& chunk) = 0;
   virtual int64_t wire_chunk_bytes(int unit) const = 0;
+  // The codec's own state (amaxes, scales) where the model runs, in bytes:
+  // asked by the core after the strategy's plan(), which it planned in the
+  // arena as "sharding.fp8_gather.scales" (comm) when not 0. A codec no
+  // strategy planned (plan() never called) answers 0. ABI 10.0.
+  virtual size_t state_bytes() const { return 0; }
+  // That memory (state_bytes() bytes, 256-byte aligned), once the arena is
+  // allocated and before the first encode(); start-up, so it may wait for
+  // the device. Not called when state_bytes() is 0. ABI 10.0.
+  virtual void bind(void* /*ptr*/) {}
   // After the parameters changed (start, resume, every optimizer step): the
   // amax of every FP8 weight over the whole weight (this rank's ranges,
   // max-reduced over `group` with one all-reduce for all units), its scale,
@@ -146,7 +157,7 @@ struct ShardingEnv {
   DType param_dtype = DType::f32; // the precision recipe's parameter and gradient dtypes
   DType grad_dtype = DType::f32;
   int64_t grad_accum = 1;         // micro-batches per step
-  GatherCodec* codec = nullptr;   // ABI 6.0: never null when the core plans the strategy
+  GatherCodec* codec = nullptr;   // ABI 6.0: never null when the core plans the strategy (the recipe's, ABI 10.0)
   // Gradients arrive already divided by the number of ranks (the core scales
   // the loss by 1 / (tokens * grad_accum * world)): strategies reduce with sum.
 };

@@ -174,18 +174,6 @@ class Backend {
   // dst = src converted (fp32 <-> bf16, or a copy when equal); same element count.
   virtual void convert(Tensor& dst, const Tensor& src) = 0;
 
-  // FP8 weight gathers (train/fp8_gather.cpp), the casts of loom/fp8.hpp over
-  // contiguous tensors of any shape and alignment, E4M3 only:
-  //   fp8_amax: amax[0] = max(amax[0], max |x|), x fp32 or bf16 (NaN -> +inf)
-  //   fp8_scales: for every i, scale[i] = compute_scale(amax[i], 448, margin,
-  //     scale[i]).scale and scale_inv[i] = 1 / scale[i] (fp32 [n] each)
-  //   fp8_encode: q = encode(x * scale[0]), saturating (q e4m3, same numel)
-  //   fp8_decode: y = decode(q) / scale[0], y fp32 or bf16
-  virtual void fp8_amax(Tensor& amax, const Tensor& x) = 0;
-  virtual void fp8_scales(Tensor& scale, Tensor& scale_inv, const Tensor& amax, int margin) = 0;
-  virtual void fp8_encode(Tensor& q, const Tensor& x, const Tensor& scale) = 0;
-  virtual void fp8_decode(Tensor& y, const Tensor& q, const Tensor& scale) = 0;
-
   // Mixture of experts: the routing steps of the `moe` feed-forward block
   // (model/blocks/ffn_moe.cpp), which runs the expert GEMMs itself through the
   // precision plugin. The defaults refuse with one message: a backend without

@@ -103,16 +103,6 @@ class ExtraLosses {
   std::vector<std::pair<std::string, std::unique_ptr<ExtraLoss>>> losses_;
 };
 
-// Where a linear's weight sits: a range of one unit's flat parameters (the
-// fused blocks' [q; k; v] and [gate; up] span several parameters). The FP8
-// weight gathers (train/fp8_gather.hpp) read it.
-struct LinearWeight {
-  int id = -1;           // the recipe's id
-  std::string unit;      // UnitInfo::name
-  int64_t offset = 0;    // elements from the start of the unit's flat buffer
-  int64_t numel = 0;
-};
-
 // What every block computes with, fixed at start-up.
 struct BlockEnv {
   const ModelSpec* spec = nullptr;
@@ -128,7 +118,9 @@ struct BlockEnv {
   const MicroBatch* micro = nullptr;
   ExtraLosses* losses = nullptr;
   std::vector<int>* linear_ids = nullptr;  // every id the recipe returned, in order (Model::plan sets it)
-  std::vector<LinearWeight>* linear_weights = nullptr;  // where each decoder linear's weight sits (Model::plan)
+  // Where each decoder linear's weight sits (loom::LinearWeight, Model::plan):
+  // the recipe's FP8 weight gathers are built from it (Precision::gather_codec).
+  std::vector<LinearWeight>* linear_weights = nullptr;
   // sharding.expert_parallel > 1: the ranks that split each MoE layer's
   // experts between them (blocks/expert_parallel.hpp); null otherwise.
   Communicator* expert_group = nullptr;

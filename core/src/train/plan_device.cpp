@@ -49,10 +49,6 @@ class PlannedBackend final : public Backend {
   LOOM_PLANNED(void scale(Tensor&, float), "scale")
   LOOM_PLANNED(void adamw(Tensor&, Tensor*, const Tensor&, Tensor&, Tensor&, const AdamWArgs&), "adamw")
   LOOM_PLANNED(void convert(Tensor&, const Tensor&), "convert")
-  LOOM_PLANNED(void fp8_amax(Tensor&, const Tensor&), "fp8_amax")
-  LOOM_PLANNED(void fp8_scales(Tensor&, Tensor&, const Tensor&, int), "fp8_scales")
-  LOOM_PLANNED(void fp8_encode(Tensor&, const Tensor&, const Tensor&), "fp8_encode")
-  LOOM_PLANNED(void fp8_decode(Tensor&, const Tensor&, const Tensor&), "fp8_decode")
   LOOM_PLANNED(void timer_start(), "timer_start")
   double timer_stop_ms() override { refuse("timer_stop_ms"); }
   LOOM_PLANNED(void timer_reserve(int), "timer_reserve")

@@ -5,11 +5,11 @@
 #include <fstream>
 #include <iomanip>
 #include <sstream>
+#include <utility>
 
 #include "comm/plan_communicator.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
-#include "train/fp8_gather.hpp"
 #include "train/memory_budget.hpp"
 
 namespace loom {
@@ -32,6 +32,31 @@ std::string gib(double b) {
   else m << std::fixed << std::setprecision(1) << b / (1024.0 * 1024.0) << " MiB";
   return m.str();
 }
+
+// The FP8 weight gathers of a recipe that supplies none
+// (Precision::gather_codec returned null): no weight qualifies, and why_none()
+// says so for the strategy that was asked for them.
+class NoFp8Gathers final : public GatherCodec {
+ public:
+  explicit NoFp8Gathers(std::string why) : why_(std::move(why)) {}
+  int fp8_weights() const override { return 0; }
+  std::string why_none() const override { return why_; }
+  void plan(int /*group*/, int /*position*/, const std::vector<int64_t>& /*chunk*/) override {}
+  int64_t wire_chunk_bytes(int unit) const override { refuse(cat("wire_chunk_bytes(", unit, ")")); }
+  void encode(const ExecContext& /*ctx*/, Communicator& /*group*/, const std::vector<UnitState>& /*units*/,
+              std::vector<Tensor>& /*wire*/) override {
+    refuse("encode()");
+  }
+  void decode(const ExecContext& /*ctx*/, int unit, const Tensor& /*wire*/, Tensor& /*params*/) override {
+    refuse(cat("decode(", unit, ")"));
+  }
+
+ private:
+  [[noreturn]] void refuse(const std::string& call) const {
+    throw Error(cat("FP8 gathers: ", call, " called, but there are none: ", why_));
+  }
+  std::string why_;
+};
 
 }  // namespace
 
@@ -98,20 +123,27 @@ TrainState::TrainState(const Config& cfg, Runtime& rt, Model& model) : cfg_(cfg)
   be.document_attention = cfg_.train.reset_attention_mask;
   be.document_positions = cfg_.train.reset_position_ids;
   model_.plan(be, plan_);
-  // Every linear is registered. The FP8 weight gathers learn which weights
-  // the recipe casts per tensor from their current amax; the strategy asks
-  // them in plan() and scratch().
-  codec_ = std::make_unique<Fp8GatherCodec>(
-      *rt_.backend, model_.units(), model_.linear_weights(), *rt_.precision, dt.param,
-      cat("precision.plugin = \"", cfg_.precision.plugin,
-          "\" casts no decoder weight to FP8 per tensor from its current amax (fp8_current does; delayed "
-          "scaling's scales come from past amaxes, which a gather of FP8 codes cannot measure)"));
+  // Every linear is registered. The recipe supplies its FP8 weight gathers
+  // (the weights it casts per tensor from their current amax) from where
+  // each decoder linear's weight sits, or none; the strategy asks them in
+  // plan() and scratch().
+  GatherCodecSetup gather;
+  gather.units = model_.units();
+  gather.weights = model_.linear_weights();
+  gather.param_dtype = dt.param;
+  gather.device = rt_.backend->device();
+  codec_ = rt_.precision->gather_codec(gather);
+  if (!codec_)
+    codec_ = std::make_unique<NoFp8Gathers>(
+        cat("precision.plugin = \"", cfg_.precision.plugin,
+            "\" casts no decoder weight to FP8 per tensor from its current amax (fp8_current does; delayed "
+            "scaling's scales come from past amaxes, which a gather of FP8 codes cannot measure)"));
   env_.codec = codec_.get();
   const std::vector<UnitInfo>& infos = model_.units();
   layouts_ = rt_.sharding->plan(env_, infos);
-  // Its amaxes and scales only where the strategy gathers through it.
-  if (codec_->planned())
-    codec_blk_ = plan_.add("sharding.fp8_gather.scales", MemCategory::comm, codec_->state_bytes());
+  // Its state (amaxes and scales) only where the strategy gathers through it.
+  codec_bytes_ = codec_->state_bytes();
+  if (codec_bytes_ > 0) codec_blk_ = plan_.add("sharding.fp8_gather.scales", MemCategory::comm, codec_bytes_);
   LOOM_CHECK(layouts_.size() == infos.size(), "sharding plugin returned ", layouts_.size(), " layouts for ",
              infos.size(), " units");
   // The recipe learns its data-parallel group (FP8 amaxes are reduced over
@@ -187,7 +219,7 @@ void TrainState::allocate() {
   Backend& be = *rt_.backend;
   arena_.allocate(plan_, be.device());
   model_.bind(arena_);
-  if (codec_->planned()) codec_->bind(arena_.ptr(codec_blk_));
+  if (codec_bytes_ > 0) codec_->bind(arena_.ptr(codec_blk_));
   rt_.precision->set_workspace(arena_.ptr(precision_ws_), precision_ws_bytes_);
   if (precision_saved_bytes_ > 0)
     rt_.precision->set_saved_activations(arena_.ptr(precision_saved_), precision_saved_bytes_);

@@ -11,8 +11,8 @@
 
 #include "config/run_config.hpp"
 #include "loom/arena.hpp"
+#include "loom/sharding.hpp"
 #include "model/model.hpp"
-#include "train/fp8_gather.hpp"
 #include "train/optimizer.hpp"
 #include "train/runtime.hpp"
 
@@ -115,8 +115,8 @@ class TrainState {
   std::unique_ptr<BackendOptimizerOps> ops_;
   std::unique_ptr<Communicator> expert_group_;  // sharding.expert_parallel > 1: this rank's group
   ShardingEnv env_;
-  std::unique_ptr<Fp8GatherCodec> codec_;  // env_.codec
-  size_t codec_blk_ = 0;  // its scales, planned only when a strategy gathers through it
+  std::unique_ptr<GatherCodec> codec_;  // env_.codec: the recipe's FP8 weight gathers, or the stand-in without any
+  size_t codec_blk_ = 0, codec_bytes_ = 0;  // its state, planned only when a strategy gathers through it
   std::vector<UnitLayout> layouts_;
   std::vector<UnitState> units_;
   struct UnitBlocks { size_t params, grads, grad_shard, master, m, v; bool has_master; };

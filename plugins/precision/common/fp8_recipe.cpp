@@ -12,6 +12,7 @@
 #include "loom/fp8.hpp"
 #include "loom/fp8_emulated.hpp"
 #include "loom/log.hpp"
+#include "precision/common/fp8_gather.hpp"
 #include "precision/common/residual.hpp"
 
 namespace loom::fp8_recipe {
@@ -41,7 +42,7 @@ class Fp8Emulation final : public Precision {
   std::vector<StateTensor> state_tensors() override;
   void state_loaded() override;
   std::string log_summary() const override;
-  bool current_fp8_weight(int id, Fp8WeightCast* cast) const override;
+  std::unique_ptr<GatherCodec> gather_codec(const GatherCodecSetup& setup) override;
 
   bool weights_per_layer() const;
 
@@ -461,14 +462,22 @@ void Fp8Emulation::state_loaded() {
   }
 }
 
-bool Fp8Emulation::current_fp8_weight(int id, Fp8WeightCast* cast) const {
+std::unique_ptr<GatherCodec> Fp8Emulation::gather_codec(const GatherCodecSetup& setup) {
+  // Current scaling casts every FP8 weight from its own amax on every call;
+  // delayed scaling's scales come from past amaxes, which a gather of FP8
+  // codes cannot measure (the core's stand-in then says so).
+  if (scaling_ != fp8::Scaling::current) return nullptr;
+  const int margin = state_->config().margin;
   // Variable-row linears (MoE experts) are left out as on the GPU, where such
   // a call may run in bf16 and would then read the FP8-rounded weight.
-  if (scaling_ != fp8::Scaling::current || id < 0 || static_cast<size_t>(id) >= linears_.size()) return false;
-  const Linear& l = linears_[static_cast<size_t>(id)];
-  if (!l.fp8 || l.desc.variable_rows) return false;
-  if (cast) *cast = {DType::e4m3, state_->config().margin};
-  return true;
+  auto casts = [this, margin](int id, int* m) {
+    if (id < 0 || static_cast<size_t>(id) >= linears_.size()) return false;
+    const Linear& l = linears_[static_cast<size_t>(id)];
+    if (!l.fp8 || l.desc.variable_rows) return false;
+    *m = margin;
+    return true;
+  };
+  return fp8_gather::make_codec(setup, casts, fp8_gather::host_ops(), plugin_);
 }
 
 std::string Fp8Emulation::log_summary() const {

@@ -45,6 +45,7 @@
 #include "loom/error.hpp"
 #include "loom/log.hpp"
 #include "precision/common/cublaslt_linear.hpp"
+#include "precision/common/fp8_gather.hpp"
 #include "precision/common/fp8_gpu_checks.hpp"
 #include "precision/common/log_mirror.hpp"
 #include "precision/common/fp8_recipe.hpp"
@@ -505,15 +506,20 @@ class Fp8Gpu final : public Precision {
     LOOM_CUDA_CHECK(cudaDeviceSynchronize(), "precision ", o_.plugin, ": writing the restored FP8 state");
   }
 
-  // Current scaling casts W from its own amax on every call of a linear whose
-  // rows always suit the FP8 GEMMs (a variable_rows linear may fall back to bf16).
-  bool current_fp8_weight(int id, Fp8WeightCast* cast) const override {
-    if (o_.scaling.scaling != fp8::Scaling::current || id < 0 || static_cast<size_t>(id) >= linears_.size())
-      return false;
-    const Linear& l = linears_[static_cast<size_t>(id)];
-    if (!l.fp8 || l.desc.variable_rows || l.desc.max_rows % 16 != 0) return false;
-    if (cast) *cast = {DType::e4m3, o_.scaling.margin};
-    return true;
+  // The FP8 weight gathers (fp8_gather.hpp, on the device casts): current
+  // scaling casts W from its own amax on every call of a linear whose rows
+  // always suit the FP8 GEMMs (a variable_rows linear may fall back to bf16).
+  // Delayed scaling offers none (the core's stand-in says why).
+  std::unique_ptr<GatherCodec> gather_codec(const GatherCodecSetup& setup) override {
+    if (o_.scaling.scaling != fp8::Scaling::current) return nullptr;
+    auto casts = [this](int id, int* margin) {
+      if (id < 0 || static_cast<size_t>(id) >= linears_.size()) return false;
+      const Linear& l = linears_[static_cast<size_t>(id)];
+      if (!l.fp8 || l.desc.variable_rows || l.desc.max_rows % 16 != 0) return false;
+      *margin = o_.scaling.margin;
+      return true;
+    };
+    return fp8_gather::make_codec(setup, casts, fp8_gather::device_ops(), o_.plugin);
   }
 
   std::string log_summary() const override {

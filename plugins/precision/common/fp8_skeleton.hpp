@@ -48,7 +48,9 @@ class Fp8Skeleton : public Precision {
   std::vector<StateTensor> state_tensors() override { return impl().state_tensors(); }
   void state_loaded() override { impl().state_loaded(); }
   std::string log_summary() const override { return impl().log_summary(); }
-  bool current_fp8_weight(int id, Fp8WeightCast* cast) const override { return impl().current_fp8_weight(id, cast); }
+  std::unique_ptr<GatherCodec> gather_codec(const GatherCodecSetup& setup) override {
+    return impl().gather_codec(setup);
+  }
   int64_t variable_row_multiple() const override { return impl().variable_row_multiple(); }
   bool fp8_operand(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows, Fp8Operand* op) override {
     return impl().fp8_operand(ctx, id, role, rows, op);

@@ -83,7 +83,7 @@ struct FlatSharding::Impl {
 
   std::vector<UnitState>* state = nullptr;
 
-  // FP8 weight gathers (gather_dtype = "fp8", the core's GatherCodec): each
+  // FP8 weight gathers (gather_dtype = "fp8", the recipe's GatherCodec): each
   // gathered unit's own chunk is encoded once after the parameters change
   // (wire_shard, `encoded` false until then), every gather moves wire bytes
   // into a wire slot, and the unit's params are decoded from it just before

@@ -11,7 +11,6 @@
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/moe.hpp"
 #include "loom/error.hpp"
-#include "loom/fp8.hpp"
 #include "kernels/backend.hpp"
 
 namespace loom {
@@ -289,35 +288,6 @@ class CpuBackend final : public Backend {
     f32(dst, "convert dst");
     f32(src, "convert src");
     if (dst.data != src.data) std::memcpy(dst.data, src.data, src.bytes());
-  }
-  void fp8_amax(Tensor& amax, const Tensor& x) override {
-    float* a = f32(amax, "fp8_amax amax");
-    float m = fp8::amax(f32(x, "fp8_amax x"), x.numel());
-    if (fp8::is_nan(m)) m = INFINITY;  // recorded as +inf, as the device casts do
-    a[0] = std::max(a[0], m);
-  }
-  void fp8_scales(Tensor& scale, Tensor& scale_inv, const Tensor& amax, int margin) override {
-    LOOM_CHECK(scale.numel() == amax.numel() && scale_inv.numel() == amax.numel(), "fp8_scales: scale ",
-               scale.shape_str(), ", scale_inv ", scale_inv.shape_str(), " and amax ", amax.shape_str(), " differ");
-    float* s = f32(scale, "fp8_scales scale");
-    float* si = f32(scale_inv, "fp8_scales scale_inv");
-    const float* a = f32(amax, "fp8_scales amax");
-    for (int64_t i = 0; i < amax.numel(); ++i) {
-      s[i] = fp8::compute_scale(a[i], fp8::kE4M3Max, margin, s[i]).scale;
-      si[i] = 1.0f / s[i];
-    }
-  }
-  void fp8_encode(Tensor& q, const Tensor& x, const Tensor& scale) override {
-    LOOM_CHECK(q.dtype == DType::e4m3 && q.numel() == x.numel(), "fp8_encode: q ", q.shape_str(), " (",
-               dtype_name(q.dtype), ") for x ", x.shape_str());
-    fp8::quantize(f32(x, "fp8_encode x"), x.numel(), f32(scale, "fp8_encode scale")[0], fp8::Format::e4m3,
-                  q.ptr<uint8_t>());
-  }
-  void fp8_decode(Tensor& y, const Tensor& q, const Tensor& scale) override {
-    LOOM_CHECK(q.dtype == DType::e4m3 && q.numel() == y.numel(), "fp8_decode: q ", q.shape_str(), " (",
-               dtype_name(q.dtype), ") for y ", y.shape_str());
-    fp8::dequantize(q.ptr<const uint8_t>(), q.numel(), f32(scale, "fp8_decode scale")[0], fp8::Format::e4m3,
-                    f32(y, "fp8_decode y"));
   }
   void timer_start() override { t0_ = std::chrono::steady_clock::now(); }
   double timer_stop_ms() override {

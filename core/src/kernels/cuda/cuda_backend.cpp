@@ -29,7 +29,6 @@
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "loom/ops/cuda_check.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
-#include "loom/ops/fp8_cast.hpp"
 #include "kernels/cuda/moe_kernels.hpp"
 #include "loom/error.hpp"
 #include "loom/precision.hpp"
@@ -293,48 +292,6 @@ class CudaBackend final : public Backend {
     gpu::adamw(param, master, grad, m, v, a, cur_);
   }
   void convert(Tensor& dst, const Tensor& src) override { gpu::convert(dst, src, cur_); }
-
-  // The FP8 weight gathers' casts: a contiguous range seen as rows of up to
-  // 4096 columns, so that the cast kernels' 2-D tiles are full (a [1, n] view
-  // would leave all but one row of each tile idle).
-  static Tensor as_rows(const Tensor& t) {
-    const int64_t n = t.numel();
-    int64_t c = 4096;
-    while (c > 1 && n % c != 0) c /= 2;
-    return Tensor(t.data, t.dtype, t.device, {n / c, c});
-  }
-  static float* slot(const Tensor& t, const char* what) {
-    check_dev(t, what);
-    LOOM_CHECK(t.dtype == DType::f32 && t.numel() >= 1, what, ": expected fp32, got ", dtype_name(t.dtype), " ",
-               t.shape_str());
-    return static_cast<float*>(t.data);
-  }
-  void fp8_amax(Tensor& amax, const Tensor& x) override {
-    check_dev(x, "fp8_amax x");
-    if (x.numel() > 0) gpu::fp8_amax(as_rows(x), slot(amax, "fp8_amax amax"), cur_);
-  }
-  void fp8_scales(Tensor& scale, Tensor& scale_inv, const Tensor& amax, int margin) override {
-    LOOM_CHECK(scale.numel() == amax.numel() && scale_inv.numel() == amax.numel(), "fp8_scales: scale ",
-               scale.shape_str(), ", scale_inv ", scale_inv.shape_str(), " and amax ", amax.shape_str(), " differ");
-    gpu::fp8_update_scales(slot(amax, "fp8_scales amax"), slot(scale, "fp8_scales scale"),
-                           slot(scale_inv, "fp8_scales scale_inv"), 0, amax.numel(), fp8::Formats::e4m3, margin,
-                           nullptr, cur_);
-  }
-  void fp8_encode(Tensor& q, const Tensor& x, const Tensor& scale) override {
-    check_dev(x, "fp8_encode x");
-    check_dev(q, "fp8_encode q");
-    LOOM_CHECK(q.dtype == DType::e4m3 && q.numel() == x.numel(), "fp8_encode: q ", q.shape_str(), " (",
-               dtype_name(q.dtype), ") for x ", x.shape_str());
-    if (x.numel() == 0) return;
-    Tensor qm = as_rows(q);
-    gpu::fp8_cast(as_rows(x), &qm, nullptr, slot(scale, "fp8_encode scale"), nullptr, cur_);
-  }
-  void fp8_decode(Tensor& y, const Tensor& q, const Tensor& scale) override {
-    check_dev(q, "fp8_decode q");
-    check_dev(y, "fp8_decode y");
-    if (y.numel() == 0) return;
-    gpu::fp8_dequantize(y, q, slot(scale, "fp8_decode scale"), cur_);
-  }
 
   // Mixture of experts: the routing kernels of moe.cu around the block's
   // expert GEMMs (kernels/cuda/moe_kernels.hpp). Router GEMM and softmax in
