@@ -15,7 +15,7 @@
 // device read to size its launch. A plugin that cannot do it says so in
 // supports() (the core asks with documents = true at start-up and refuses the
 // run with the plugin's reason). Plugins of an older ABI than 8.3 are refused
-// by the ABI check (major 9) before any of this.
+// by the ABI check (the major differs) before any of this.
 #pragma once
 #include <cstdint>
 #include <string>
