@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "config/run_config.hpp"
+#include "golden_grads.hpp"
 #include "gpu_test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
@@ -457,17 +458,8 @@ void expect_matches_hf_golden(const GoldenPath& p) {
   loom::probe(s).zero_grads();
   loom::probe(s).forward(true, 1.0f / static_cast<float>(N));
   loom::probe(s).backward();
-  double worst = 0;
-  std::string worst_name;
-  int checked = 0;
-  for (const std::string& name : ref.names()) {
-    if (name.rfind("grad.", 0) != 0) continue;
-    const std::string param = name.substr(5);
-    const double e = rel_l2(loom::probe(s).read_param(param, true), ref.read_f32(name));
-    EXPECT_LT(e, p.tol_grad) << param;
-    if (e > worst) worst = e, worst_name = param;
-    ++checked;
-  }
+  const auto [worst, worst_name, checked] =
+      loom::test::compare_grads(loom::probe(s), ref, [&](const std::string&) { return p.tol_grad; });
   EXPECT_EQ(checked, 3 * 9 + 3);  // 3 layers of 9 tensors, the embedding, the final norm, the untied head
   std::printf("[docmask golden %s %s+%s %s] logits %.2e  token losses %.2e  loss %.2e  worst grad %.2e (%s)\n",
               p.device, p.precision, p.attention, p.layers, e_logits, e_tokens, e_loss, worst, worst_name.c_str());

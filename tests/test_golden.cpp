@@ -18,6 +18,7 @@
 
 #include "config/run_config.hpp"
 #include "gpu_test_util.hpp"
+#include "golden_grads.hpp"
 #include "test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "train/session_probe.hpp"
@@ -84,17 +85,8 @@ TEST_P(Golden, MatchesHFTransformers) {
   loom::probe(s).zero_grads();
   loom::probe(s).forward(true, 1.0f / static_cast<float>(N));
   loom::probe(s).backward();
-  double worst = 0;
-  std::string worst_name;
-  int checked = 0;
-  for (const std::string& name : ref.names()) {
-    if (name.rfind("grad.", 0) != 0) continue;
-    const std::string p = name.substr(5);
-    const double e = loom::test::rel_l2(loom::probe(s).read_param(p, true), ref.read_f32(name));
-    EXPECT_LT(e, path.tol_grad) << p;
-    if (e > worst) { worst = e; worst_name = p; }
-    ++checked;
-  }
+  const auto [worst, worst_name, checked] =
+      loom::test::compare_grads(loom::probe(s), ref, [&](const std::string&) { return path.tol_grad; });
   EXPECT_GE(checked, 3 * 9 + 2);
 
   // Five AdamW steps with clipping on the same batch.
@@ -217,18 +209,9 @@ TEST_P(MixtralGolden, MatchesHFTransformers) {
   EXPECT_LT(e_aux, path.tol_aux);
   EXPECT_LT(e_loss, path.tol_loss);
 
-  double worst = 0;
-  std::string worst_name;
-  int checked = 0;
-  for (const std::string& name : ref.names()) {
-    if (name.rfind("grad.", 0) != 0) continue;
-    const std::string p = name.substr(5);
-    const double e = loom::test::rel_l2(loom::probe(s).read_param(p, true), ref.read_f32(name));
-    const bool expert = p.find(".experts.") != std::string::npos;
-    EXPECT_LT(e, expert ? path.tol_expert_grad : path.tol_grad) << p;
-    if (e > worst) { worst = e; worst_name = p; }
-    ++checked;
-  }
+  const auto [worst, worst_name, checked] = loom::test::compare_grads(loom::probe(s), ref, [&](const std::string& p) {
+    return p.find(".experts.") != std::string::npos ? path.tol_expert_grad : path.tol_grad;
+  });
   // embedding, final norm, head; per layer 2 norms, q/k/v/o, the router and 4 x 3 expert matrices.
   EXPECT_EQ(checked, 3 + 2 * (2 + 4 + 1 + 12));
   std::printf("[golden mixtral %s %s+%s %s recompute=%s] logits %.2e  lm loss %.2e  aux %.2e  loss %.2e  worst grad "

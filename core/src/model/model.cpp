@@ -193,10 +193,6 @@ int64_t head_chunk_tokens(const std::string& layers, int64_t configured, int64_t
   return std::clamp<int64_t>(c, 1, tokens);
 }
 
-}  // namespace loom
-
-namespace loom {
-
 BlockFloor model_floor(const ModelSpec& spec, const std::string& layers, const std::string& ffn, const FloorEnv& env,
                        int64_t head_chunk) {
   using LD = long double;

@@ -76,7 +76,7 @@ void Session::initialise() {
   // cannot overflow: grad_accum <= kMaxDim, the ring <= kMaxStepLogRows.)
   const int64_t slots =
       t.grad_accum * state_->scalar_log_rows() + std::min<int64_t>(t.validation_batches, int64_t{1} << 30) + 2;
-  TokenStager::Documents docs;
+  StagedDocuments docs;
   docs.spans = t.reset_attention_mask || t.reset_position_ids;
   docs.mask_loss = t.eod_mask_loss;
   stager_ = std::make_unique<TokenStager>(*rt_.backend, t.micro_batch, t.seq_len, slots, docs);

@@ -6,7 +6,7 @@
 
 namespace loom {
 
-TokenStager::TokenStager(Backend& backend, int64_t batch, int64_t seq, int64_t slots, Documents docs)
+TokenStager::TokenStager(Backend& backend, int64_t batch, int64_t seq, int64_t slots, StagedDocuments docs)
     : be_(backend), B_(batch), S_(seq), docs_(docs) {
   const int64_t N = B_ * S_;
   words_ = docs_.spans ? 5 * N + 1 : 2 * N;

@@ -39,9 +39,8 @@ struct StagedDocuments {
 
 class TokenStager {
  public:
-  using Documents = StagedDocuments;
   // slots: the ring's length (capped so that it stays within 64 MiB).
-  TokenStager(Backend& backend, int64_t batch, int64_t seq, int64_t slots, Documents docs = {});
+  TokenStager(Backend& backend, int64_t batch, int64_t seq, int64_t slots, StagedDocuments docs = {});
   ~TokenStager();
   TokenStager(const TokenStager&) = delete;
   TokenStager& operator=(const TokenStager&) = delete;
@@ -57,7 +56,7 @@ class TokenStager {
   // The host has just synchronised with the device: every slot is free.
   void device_caught_up() { in_flight_ = 0; }
   int64_t slots() const { return slots_; }
-  const Documents& documents() const { return docs_; }
+  const StagedDocuments& documents() const { return docs_; }
 
  private:
   int32_t* next_slot();
@@ -66,7 +65,7 @@ class TokenStager {
   StagedBatch derive(int32_t* slot) const;
   Backend& be_;
   int64_t B_, S_, words_, slots_, next_ = 0, in_flight_ = 0;
-  Documents docs_;
+  StagedDocuments docs_;
   std::vector<int32_t> raw_;    // [B, S + 1] as the data source writes it
   std::vector<uint8_t> flags_;  // [B, S + 1] document starts, with documents
   int32_t* pinned_ = nullptr;   // slots x [words_]
