@@ -891,16 +891,22 @@ void make_inputs(const TempDir& d) {
   write_file(d / "in/sub/c.txt", "gamma\n");
   fs::create_symlink("a.txt", d / "in/link.txt");
 }
-}  // namespace
-
-TEST(PrepareText, DocumentsSkipsAndDeterministicSplit) {
-  TempDir d;
+// Writes make_inputs' corpus and returns the options that prepare it into
+// d/out: a quarter for validation, shards of 100 tokens.
+loom::data::PrepareTextOptions small_prepare(const TempDir& d) {
   make_inputs(d);
   loom::data::PrepareTextOptions o;
   o.out_dir = d / "out";
   o.inputs = {d / "in"};
   o.val_fraction = 0.25;
   o.shard_tokens = 100;
+  return o;
+}
+}  // namespace
+
+TEST(PrepareText, DocumentsSkipsAndDeterministicSplit) {
+  TempDir d;
+  loom::data::PrepareTextOptions o = small_prepare(d);
   o.seed = 1;
   const auto r = loom::data::prepare_text(o);
 
@@ -1008,12 +1014,7 @@ TEST(PrepareText, InputErrors) {
 // outputs (no stale shard of the old set).
 TEST(PrepareText, ForceReplacesTheOldOutputsOnlyAfterSuccess) {
   TempDir d;
-  make_inputs(d);
-  loom::data::PrepareTextOptions o;
-  o.out_dir = d / "out";
-  o.inputs = {d / "in"};
-  o.val_fraction = 0.25;
-  o.shard_tokens = 100;
+  loom::data::PrepareTextOptions o = small_prepare(d);
   const auto first = loom::data::prepare_text(o);
   ASSERT_GE(first.train_shards.size(), 3u);
   auto contents = [&](const std::string& dir) {
@@ -1291,12 +1292,7 @@ TEST(TokensData, DocumentStartsFromTheShardsMarkers) {
 // loom prepare records the tokenizer's BOS and EOS in every shard it writes.
 TEST(PrepareText, ShardsRecordTheDocumentMarkers) {
   TempDir d;
-  make_inputs(d);
-  loom::data::PrepareTextOptions o;
-  o.out_dir = d / "out";
-  o.inputs = {d / "in"};
-  o.val_fraction = 0.25;
-  o.shard_tokens = 100;
+  loom::data::PrepareTextOptions o = small_prepare(d);
   const auto r = loom::data::prepare_text(o);
   for (const std::string& f : r.train_shards) {
     const loom::TokenShard sh(f);
