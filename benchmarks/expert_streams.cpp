@@ -3,7 +3,7 @@
 //
 //   build/bin/expert_streams_bench [--rows=r0,r1,...] [--hidden=H] [--ffn=F] [--layers=L] [--iters=N]
 //
-// The MoE block (core/src/model/blocks/ffn_moe.cpp) runs each expert's GEMMs
+// The MoE block (blocks/ffn_moe.cpp) runs each expert's GEMMs
 // one after another on the compute stream: forward [w1; w3] (y = x W13^T,
 // [rows, 2f]) and w2; backward w2's dgrad and wgrad, then [w1; w3]'s dgrad
 // and wgrad. Each expert's GEMM has a few waves of tiles, and its last wave

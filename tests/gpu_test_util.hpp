@@ -3,7 +3,7 @@
 #pragma once
 #include <gtest/gtest.h>
 
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 
 #define LOOM_REQUIRE_GPU()                                                                   \
   do {                                                                                       \

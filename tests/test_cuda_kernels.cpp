@@ -29,7 +29,7 @@
 #include "hf/safetensors.hpp"
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "loom/arena.hpp"
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 
 namespace loom {
 namespace {

@@ -44,7 +44,7 @@
 #include "gpu_test_util.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 #include "test_util.hpp"
 #include "train/session_probe.hpp"
 #include "train/token_stager.hpp"

@@ -1,4 +1,4 @@
-// model.ffn = "geglu" (model/blocks/ffn_geglu.cpp): a block variant that is
+// model.ffn = "geglu" (blocks/ffn_geglu.cpp): a block variant that is
 // its own file and one row of the factory's table. Its gradient against
 // central differences of the loss, its recompute paths against keeping
 // everything, and what it shares with and changes from the dense block.

@@ -103,7 +103,7 @@ TEST(GpuTrain, DeterministicRunsAreBitwiseEqual) {
   }
 }
 
-// The step never makes the host wait for the GPU (kernels/backend.hpp counts
+// The step never makes the host wait for the GPU (loom/ops/backend.hpp counts
 // every blocking call of the CUDA backend): at the llama-125m shape, steps
 // that are not log steps make none, a log step exactly one. The FP8 recipes
 // (fp8_delayed, fp8_current, fp8_block: both families' GPU paths) log every

@@ -18,7 +18,7 @@
 #include "config/run_config.hpp"
 #include "hf/hf_llama.hpp"
 #include "loom/error.hpp"
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 #include "session_runs.hpp"
 #include "test_util.hpp"
 #include "train/progress.hpp"

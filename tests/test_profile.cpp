@@ -14,7 +14,7 @@
 #include "config/run_config.hpp"
 #include "test_util.hpp"
 #include "train/session_probe.hpp"
-#include "util/trace.hpp"
+#include "loom/trace.hpp"
 
 namespace fs = std::filesystem;
 using loom::test::expect_error;

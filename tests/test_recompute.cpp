@@ -1,4 +1,4 @@
-// model.recompute = "selective" (model/block.hpp): the norms' and SwiGLU's
+// model.recompute = "selective" (loom/block.hpp): the norms' and SwiGLU's
 // outputs are computed again in the backward instead of being kept, and the
 // FP8 recipes, handed the linears' x again (LinearDesc::input_in_backward),
 // keep no FP8 copies of them. Each switch is held to two things: the same

@@ -37,7 +37,7 @@
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
 #include "train/session_probe.hpp"
-#include "util/trace.hpp"
+#include "loom/trace.hpp"
 
 namespace loom::app {
 namespace {
@@ -60,7 +60,7 @@ const char* kUsage =
     "  --breakdown    add per-part times of one extra step\n"
     "  flags take their value as --flag=V or --flag V";
 
-// The MoE block's ranges (model/blocks/ffn_moe.cpp): the routing steps and the experts.
+// The MoE block's ranges (blocks/ffn_moe.cpp): the routing steps and the experts.
 constexpr const char* kMoeRouting[] = {"router_jitter", "router", "gather", "combine+residual", "combine.grad",
                                        "router.grad"};
 constexpr const char* kMoeExperts[] = {"experts", "experts.grad"};

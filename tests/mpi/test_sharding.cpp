@@ -26,7 +26,7 @@
 #include "comm/mpi_communicator.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 #include "session_runs.hpp"
 #include "train/session_probe.hpp"
 

@@ -5,7 +5,10 @@ against the installed SDK headers (core/include) and its own folder only.
     check_plugin_includes.py --source DIR --build DIR PLUGIN_DIR...
 
 For every plugin folder given (relative to --source, e.g. plugins/data/tokens;
-a kind's common/ folder counts as a plugin folder of its own):
+a kind's common/ folder counts as a plugin folder of its own). blocks/, the
+model's block variants, is checked the same way: built into libloom, it still
+sees only the SDK and its own folder (its own headers are included by file
+name, so no folder but core/include is on its include path).
 
 1. Include paths. Every compile command of a file in the folder (from
    <build>/compile_commands.json, which plugins/CMakeLists.txt asks CMake to
@@ -77,7 +80,11 @@ def check(source, build, folders, commands_file=None):
         if not os.path.isdir(folder):
             problems.append(f"{rel}: not a folder under {source}")
             continue
-        common = os.path.join(os.path.dirname(folder), "common")
+        in_plugins = under(folder, plugins_root)
+        # A plugin reaches its own and its kind's common/ headers as "kind/name/x.hpp"
+        # (plugins/ on its path); a folder outside plugins/ (blocks/) by file name.
+        root = plugins_root if in_plugins else folder
+        common = os.path.join(os.path.dirname(folder), "common") if in_plugins else folder
         own = [c for c in commands if under(os.path.join(c["directory"], c["file"]), folder)]
         # 1. What the compiler is told to search.
         search = []
@@ -85,7 +92,7 @@ def check(source, build, folders, commands_file=None):
             for flag, d in include_dirs(c, c["directory"]):
                 if d not in search:
                     search.append(d)
-                if under(d, source) and not (under(d, sdk) or os.path.realpath(d) == os.path.realpath(plugins_root)
+                if under(d, source) and not (under(d, sdk) or os.path.realpath(d) == os.path.realpath(root)
                                              or under(d, build)):
                     problems.append(f"{rel}: {os.path.relpath(c['file'], source)} is compiled with {flag}{d}, a "
                                     f"folder of the source tree outside the installed SDK (core/include): a plugin "
@@ -93,7 +100,7 @@ def check(source, build, folders, commands_file=None):
         if not own:
             # Not built in this configuration (cudnn without cuDNN): its #includes are
             # still checked, against what every plugin gets.
-            search = [sdk, plugins_root]
+            search = [sdk, root]
         # 2. What the sources include.
         files = []
         for root, _, names in os.walk(folder):
@@ -122,7 +129,7 @@ def self_test():
     with tempfile.TemporaryDirectory() as tmp:
         src, build = os.path.join(tmp, "src"), os.path.join(tmp, "build")
         for d in ("core/include/loom", "core/src/util", "plugins/data/good", "plugins/data/leaky",
-                  "plugins/data/common", "plugins/attention/other", build):
+                  "plugins/data/common", "plugins/attention/other", "blocks", "blocks_leaky", build):
             os.makedirs(os.path.join(src, d) if d != build else d, exist_ok=True)
         files = {
             "core/include/loom/data.hpp": "#pragma once\n",
@@ -134,6 +141,9 @@ def self_test():
                                           "#include <vector>\n",
             "plugins/data/leaky/leaky.cpp": "#include \"loom/data.hpp\"\n#include \"util/files.hpp\"\n"
                                             "#include \"attention/other/other.hpp\"\n",
+            "blocks/shared.hpp": "#pragma once\n#include \"loom/data.hpp\"\n",
+            "blocks/variant.cpp": "#include \"shared.hpp\"\n#include <vector>\n",
+            "blocks_leaky/variant.cpp": "#include \"loom/data.hpp\"\n#include \"util/files.hpp\"\n",
         }
         for rel, text in files.items():
             with open(os.path.join(src, rel), "w") as f:
@@ -142,12 +152,19 @@ def self_test():
         cmds = [{"directory": build, "file": f"{src}/plugins/data/good/good.cpp", "command": f"c++ {inc} -c good.cpp"},
                 {"directory": build, "file": f"{src}/plugins/data/leaky/leaky.cpp",
                  "command": f"c++ {inc} -I {src}/core/src -c leaky.cpp"}]
+        cmds += [{"directory": build, "file": f"{src}/blocks/variant.cpp", "command": f"c++ -I{src}/core/include -c v.cpp"},
+                 {"directory": build, "file": f"{src}/blocks_leaky/variant.cpp",
+                  "command": f"c++ -I{src}/core/include -I{src}/core/src -c v.cpp"}]
         with open(os.path.join(build, "compile_commands.json"), "w") as f:
             json.dump(cmds, f)
-        good, _ = check(src, build, ["plugins/data/good", "plugins/data/common"])
+        good, _ = check(src, build, ["plugins/data/good", "plugins/data/common", "blocks"])
         bad, _ = check(src, build, ["plugins/data/leaky"])
+        bad_blocks, _ = check(src, build, ["blocks_leaky"])
         ok = (not good and len(bad) == 3 and any("-I" in p and "core/src" in p for p in bad)
-              and any("util/files.hpp" in p for p in bad) and any("attention/other" in p for p in bad))
+              and any("util/files.hpp" in p for p in bad) and any("attention/other" in p for p in bad)
+              and len(bad_blocks) == 2 and any("-I" in p and "core/src" in p for p in bad_blocks)
+              and any("util/files.hpp" in p for p in bad_blocks))
+        bad += bad_blocks
         print("self-test:", "passed" if ok else "FAILED")
         for p in good + bad:
             print("  ", p)

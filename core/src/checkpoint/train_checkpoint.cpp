@@ -12,7 +12,7 @@
 #include "config/run_config.hpp"
 #include "hf/safetensors.hpp"
 #include "loom/error.hpp"
-#include "model/block.hpp"
+#include "loom/block.hpp"
 #include "model/model.hpp"
 
 namespace fs = std::filesystem;

@@ -1,7 +1,7 @@
 // MPI communicator (see mpi_communicator.hpp for types, byte counting and the
 // failure model).
 #include "comm/mpi_communicator.hpp"
-#include "util/trace.hpp"
+#include "loom/trace.hpp"
 
 #include "comm/collective_checks.hpp"
 #include "loom/error.hpp"

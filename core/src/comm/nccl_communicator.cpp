@@ -5,7 +5,7 @@
 
 #include <nvtx3/nvToolsExt.h>
 
-#include "util/trace.hpp"
+#include "loom/trace.hpp"
 
 #include <cuda_bf16.h>  // before nccl.h: older headers declare ncclBfloat16 only after it
 #include <cuda_runtime_api.h>

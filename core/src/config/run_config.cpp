@@ -15,7 +15,7 @@
 #include "format_number.hpp"
 #include "hf/hf_llama.hpp"
 #include "loom/error.hpp"
-#include "model/block.hpp"
+#include "loom/block.hpp"
 #include "util/files.hpp"
 
 namespace loom {
@@ -116,7 +116,7 @@ ModelSection read_model(const ConfigTable& t) {
   if (m.init != "random" && !(m.init.rfind("hf:", 0) == 0 && m.init.size() > 3))
     t.fail("init", cat("model.init = \"", m.init,
                        "\" is not accepted: use \"random\" or \"hf:/path/to/dir\" (a Hugging Face Llama folder)"));
-  // The block factory's table (model/block_factory.cpp) names the variants.
+  // The block factory's table (blocks/block_table.cpp) names the variants.
   m.layers = t.get_choice("layers", m.layers, attention_variant_names());
   s.hidden = t.get_int("hidden", s.hidden, 1, kMaxDim);
   s.num_layers = t.get_int("num_layers", s.num_layers, 1, kMaxLayersOrHeads);

@@ -74,7 +74,7 @@ struct RunSection {
 
 struct ModelSection {
   std::string init = "random";       // "random" | "hf:/path/to/dir"
-  std::string layers = "native";     // an attention variant (model/block_factory.cpp): native | fused
+  std::string layers = "native";     // an attention variant (blocks/block_table.cpp): native | fused
   std::string ffn = "dense";         // dense (model.layers' own) | a feed-forward variant: moe (spec.num_experts, top_k, router_* keys), ...
   ModelSpec spec;
   double init_std = 0.02;

@@ -2,7 +2,7 @@
 // backend without those kernels refuses at the first call, with one message
 // (the CPU and CUDA backends override the MoE and RoPE ones, the CUDA backend
 // the FP8 ones).
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 
 #include "loom/error.hpp"
 #include "loom/precision.hpp"

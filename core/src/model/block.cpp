@@ -1,4 +1,4 @@
-#include "model/block.hpp"
+#include "loom/block.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -7,7 +7,7 @@
 // between its attention and feed-forward blocks) and one gradient buffer for
 // it; each block owns the rest of its activations. `layers` picks the
 // attention variant of every decoder layer and `ffn` its feed-forward variant
-// (block_factory.cpp's table); the variants of one layout declare the same HF
+// (blocks/block_table.cpp's table); the variants of one layout declare the same HF
 // parameter names, shapes and order, so the units — and with them checkpoints
 // and HF folders — are the same whichever computes. What is particular to a
 // variant stays in its block: its extra losses (ExtraLoss), what it reads of
@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "model/block.hpp"
-#include "model/blocks/blocks.hpp"
+#include "loom/block.hpp"
+#include "model/model_blocks.hpp"
 
 namespace loom {
 

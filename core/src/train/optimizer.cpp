@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "loom/error.hpp"
-#include "util/trace.hpp"
+#include "loom/trace.hpp"
 
 namespace loom {
 namespace {

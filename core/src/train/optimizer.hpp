@@ -1,11 +1,11 @@
 // AdamW, the global gradient norm and clipping on the backend, as sharding
 // plugins see them (loom::OptimizerOps). The norm, the clipping coefficient
 // and the skip decision live in the step's device scalars (StepScalars in
-// kernels/backend.hpp), so the optimizer step never waits for the device.
+// loom/ops/backend.hpp), so the optimizer step never waits for the device.
 #pragma once
 #include "loom/error.hpp"
 #include "loom/sharding.hpp"
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 
 namespace loom {
 

@@ -7,7 +7,7 @@
 #pragma once
 #include <memory>
 
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 #include "train/memory_budget.hpp"
 
 namespace loom {

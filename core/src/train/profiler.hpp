@@ -3,14 +3,14 @@
 // its last, so `nsys profile --capture-range=cudaProfilerApi` records only
 // those steps; with trace = true, a Chrome/Perfetto trace per rank
 // (<out_dir>/trace/rank_<R>.json) of the window:
-//   * the compute stream: every op and block range (model/block.hpp Range)
+//   * the compute stream: every op and block range (loom/block.hpp Range)
 //     and the step, timed by CUDA events from a ring created at start-up
 //     (by the host clock on CPU, where ops run synchronously);
 //   * the comm stream: every collective (NCCL: events on its stream; MPI: the
 //     host clock around the call);
 //   * the host: the phases of each step (data, forward, backward, optimizer);
 //   * counters: memory in use (device memory on CUDA, resident set on CPU) and the arena.
-// While the window is open the profiler is the trace sink (util/trace.hpp);
+// While the window is open the profiler is the trace sink (loom/trace.hpp);
 // outside it the sink is null, so the ordinary step records nothing and never
 // waits. Opening the window waits for the device once (aligning the host and
 // device clocks); closing it waits once to read the events.
@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "config/run_config.hpp"
-#include "kernels/backend.hpp"
-#include "util/trace.hpp"
+#include "loom/ops/backend.hpp"
+#include "loom/trace.hpp"
 
 namespace loom {
 

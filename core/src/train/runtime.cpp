@@ -15,7 +15,7 @@
 #endif
 #include "loom/error.hpp"
 #include "loom/log.hpp"
-#include "model/block.hpp"
+#include "loom/block.hpp"
 #include "train/plan_device.hpp"
 #include "train/rank_agreement.hpp"
 #include "train/train_state.hpp"

@@ -14,7 +14,7 @@
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
 #include "loom/sharding.hpp"
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 #include "train/memory_budget.hpp"
 
 namespace loom {

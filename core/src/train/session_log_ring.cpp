@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "loom/error.hpp"
-#include "model/block.hpp"
+#include "loom/block.hpp"
 #include "train/optimizer.hpp"
 
 namespace loom {

@@ -34,7 +34,7 @@ class SessionProbe {
   std::vector<UnitState>& units() { return s_.units(); }
   const ArenaPlan& memory_plan() const { return s_.state_->plan(); }
   TrainState::MemoryFormula memory_formula() const { return s_.state_->memory_formula(); }
-  // Times the backend made the host wait for the device (kernels/backend.hpp).
+  // Times the backend made the host wait for the device (loom/ops/backend.hpp).
   int64_t host_syncs() const { return s_.rt_.backend->host_syncs(); }
 
   // A micro-batch of the caller's: host [B*S] inputs and targets; with the

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "loom/data.hpp"
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 
 namespace loom {
 

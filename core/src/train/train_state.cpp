@@ -523,7 +523,7 @@ PlanFloor plan_floor(const Config& cfg, const ModelSpec& spec, const PrecisionDT
   using LD = long double;
   PlanFloor f;
   // The blocks' declarations and activations, from their variants' floors
-  // (model/block.hpp BlockFloor), nothing built.
+  // (loom/block.hpp BlockFloor), nothing built.
   FloorEnv fe;
   fe.spec = &spec;
   fe.tokens = static_cast<LD>(cfg.train.micro_batch) * static_cast<LD>(cfg.train.seq_len);

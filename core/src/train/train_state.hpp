@@ -57,7 +57,7 @@ class TrainState {
   const std::vector<UnitLayout>& layouts() const { return layouts_; }
   ShardingEnv& env() { return env_; }
   BackendOptimizerOps& ops() { return *ops_; }
-  // The step's scalars (StepScalar in kernels/backend.hpp): f64[kStepScalars].
+  // The step's scalars (StepScalar in loom/ops/backend.hpp): f64[kStepScalars].
   // Two sets, one per step parity: a step's optimizer may still read its set
   // on the optimizer queue while the next step zeroes and fills the other.
   Tensor& scalars() { return scalars_[parity_]; }

@@ -1,4 +1,4 @@
-#include "util/trace.hpp"
+#include "loom/trace.hpp"
 
 namespace loom::trace {
 std::atomic<Sink*> g_sink{nullptr};

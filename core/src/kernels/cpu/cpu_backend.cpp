@@ -11,7 +11,7 @@
 #include "kernels/cpu/cpu_kernels.hpp"
 #include "kernels/cpu/moe.hpp"
 #include "loom/error.hpp"
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 
 namespace loom {
 namespace {

@@ -5,7 +5,7 @@
 // Why here, beside the other reference kernels, and not in model/: like
 // rmsnorm.cpp or swiglu.cpp this file defines what every backend must compute
 // for one layer, and the CUDA routing kernels and the future `moe` FFN block
-// (model/blocks/) are checked against it. It is the whole layer, GEMMs
+// (blocks/) are checked against it. It is the whole layer, GEMMs
 // included, because the expert GEMMs only make sense together with the routing
 // that chooses their rows; the block will run its GEMMs through the precision
 // plugin and keep this file as the definition. It has its own header (rather
@@ -168,7 +168,7 @@ void moe_backward(T* dx, MoeGrads<T>& g, const T* dy, const T* x, const T* noise
 
 // The steps of moe_forward and moe_backward, for a caller that runs the
 // expert GEMMs itself (the `moe` FFN block runs them through the precision
-// plugin, between these steps; model/blocks/ffn_moe.cpp):
+// plugin, between these steps; blocks/ffn_moe.cpp):
 //   forward:  [moe_jitter_apply] moe_route moe_sort moe_gather | experts | moe_combine
 //   backward: moe_combine_backward | experts | moe_route_backward moe_scatter_add
 // xin = x * noise (n elements).

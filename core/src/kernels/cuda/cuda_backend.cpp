@@ -32,7 +32,7 @@
 #include "kernels/cuda/moe_kernels.hpp"
 #include "loom/error.hpp"
 #include "loom/precision.hpp"
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 
 namespace loom {
 namespace {

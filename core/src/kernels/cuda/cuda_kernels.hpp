@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "loom/tensor.hpp"
-#include "kernels/backend.hpp"
+#include "loom/ops/backend.hpp"
 
 namespace loom::gpu {
 

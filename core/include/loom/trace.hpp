@@ -1,5 +1,5 @@
 // Hooks for the step tracer (train/profiler.hpp). Every op and block range
-// (model/block.hpp Range), every collective (comm/) and the host phases of the
+// (loom/block.hpp Range), every collective (comm/) and the host phases of the
 // step call these; while no profiling window is open the sink is null and a
 // hook costs one relaxed atomic load and a branch, with no host
 // synchronisation. C++17-clean: CUDA translation units may include it.

@@ -1,5 +1,5 @@
 // The final norm, the LM head and the fused cross-entropy, chunk by chunk
-// (see blocks.hpp for why):
+// (see model_blocks.hpp for why):
 //
 //   h = rmsnorm(x)
 //   for each chunk c of tokens:
@@ -10,7 +10,7 @@
 #include <algorithm>
 
 #include "loom/error.hpp"
-#include "model/blocks/blocks.hpp"
+#include "model/model_blocks.hpp"
 
 namespace loom {
 

@@ -1,6 +1,6 @@
 // The native feed-forward block (HF's LlamaMLP): the gated block
 // (gated_ffn.hpp) with SwiGLU, m = silu(g) * u, on the backend's kernels.
-#include "model/blocks/gated_ffn.hpp"
+#include "gated_ffn.hpp"
 
 namespace loom {
 namespace {
@@ -23,7 +23,7 @@ class NativeFfn final : public GatedFfn {
 
 }  // namespace
 
-extern const FfnVariant ffn_native;  // block_factory.cpp's table lists it
+extern const FfnVariant ffn_native;  // blocks/block_table.cpp's table lists it
 const FfnVariant ffn_native{
     "native",
     [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<FfnBlock> {

@@ -39,9 +39,9 @@
 #include <string>
 #include <vector>
 
+#include "expert_parallel.hpp"
+#include "loom/block.hpp"
 #include "loom/error.hpp"
-#include "model/blocks/blocks.hpp"
-#include "model/blocks/expert_parallel.hpp"
 
 namespace loom {
 namespace {
@@ -549,7 +549,7 @@ BlockFloor moe_floor(const FloorEnv& env) {
 
 }  // namespace
 
-extern const FfnVariant ffn_moe;  // block_factory.cpp's table lists it
+extern const FfnVariant ffn_moe;  // blocks/block_table.cpp's table lists it
 const FfnVariant ffn_moe{
     "moe",  // with either attention variant
     [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<FfnBlock> { return std::make_unique<MoeFfn>(spec, layer); },

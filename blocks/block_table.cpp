@@ -1,10 +1,11 @@
-// Block variants by name: the table. Adding a variant is its own file in
-// blocks/, which defines its descriptor (an AttentionVariant or FfnVariant
-// of external linkage, named like the row), and one row below; nothing else
-// in core names a variant.
+// Block variants by name: the table (what loom/block.hpp's attention_variant
+// and ffn_variant look up). Adding a variant is its own file in this folder,
+// which defines its descriptor (an AttentionVariant or FfnVariant of external
+// linkage, named like the row), and one row below; no file under core/ names
+// a variant.
+#include "loom/block.hpp"
 #include "loom/config.hpp"
 #include "loom/error.hpp"
-#include "model/blocks/blocks.hpp"
 
 // One row per variant, in the order messages list them.
 #define LOOM_ATTENTION_VARIANTS(X) \

@@ -13,11 +13,10 @@
 // here, on the host: the block runs on the CPU backend with fp32
 // activations (precision.plugin = "fp32") and refuses any other run when it
 // is planned. It is the example of a block variant that is its own file and
-// one row of block_factory.cpp's table.
+// one row of blocks/block_table.cpp's table.
 #include <cmath>
 
-#include "loom/error.hpp"
-#include "model/blocks/gated_ffn.hpp"
+#include "gated_ffn.hpp"
 
 namespace loom {
 namespace {
@@ -55,13 +54,7 @@ class GegluFfn final : public GatedFfn {
 
  protected:
   Names names() const override { return {"geglu", "geglu", "geglu.recompute", "geglu.grad"}; }
-  void check(const BlockEnv& env) const override {
-    if (env.backend->device() != Device::cpu || env.act != DType::f32)
-      throw Error(cat("model.ffn = \"geglu\" computes its activation on the host: it runs on the CPU backend ",
-                      "(run.device = \"cpu\") with fp32 activations (precision.plugin = \"fp32\"), but this run has ",
-                      env.backend->device() == Device::cpu ? "the CPU" : "a CUDA device", " and ", dtype_name(env.act),
-                      " activations. Use model.ffn = \"dense\" (SwiGLU) there"));
-  }
+  void check(const BlockEnv& env) const override { require_host_fp32(env, "geglu"); }
   void activation_forward(Backend&, Tensor& m, const Tensor& g, const Tensor& u) override {
     geglu_forward(m.ptr<float>(), g.ptr<float>(), u.ptr<float>(), g.numel());
   }
@@ -73,7 +66,7 @@ class GegluFfn final : public GatedFfn {
 
 }  // namespace
 
-extern const FfnVariant ffn_geglu;  // block_factory.cpp's table lists it
+extern const FfnVariant ffn_geglu;  // blocks/block_table.cpp's table lists it
 const FfnVariant ffn_geglu{
     "geglu",
     [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<FfnBlock> {

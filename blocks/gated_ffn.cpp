@@ -1,10 +1,18 @@
 // The gated feed-forward block (gated_ffn.hpp): the norm, the three linears,
 // the residual and their backward, around a variant's activation.
-#include "model/blocks/gated_ffn.hpp"
+#include "gated_ffn.hpp"
 
 #include "loom/error.hpp"
 
 namespace loom {
+
+void GatedFfn::require_host_fp32(const BlockEnv& env, const char* name) {
+  if (env.backend->device() != Device::cpu || env.act != DType::f32)
+    throw Error(cat("model.ffn = \"", name, "\" computes its activation on the host: it runs on the CPU backend ",
+                    "(run.device = \"cpu\") with fp32 activations (precision.plugin = \"fp32\"), but this run has ",
+                    env.backend->device() == Device::cpu ? "the CPU" : "a CUDA device", " and ", dtype_name(env.act),
+                    " activations. Use model.ffn = \"dense\" (SwiGLU) there"));
+}
 
 void GatedFfn::plan(const BlockEnv& env, ActivationPlan& a) {
   env_ = env;

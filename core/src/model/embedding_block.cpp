@@ -1,6 +1,6 @@
 // The token embedding: x0 = wte[tokens]; backward scatters the gradient back
 // by token in a fixed order (deterministic).
-#include "model/blocks/blocks.hpp"
+#include "model/model_blocks.hpp"
 
 namespace loom {
 

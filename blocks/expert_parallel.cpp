@@ -1,4 +1,4 @@
-#include "model/blocks/expert_parallel.hpp"
+#include "expert_parallel.hpp"
 
 #include <algorithm>
 

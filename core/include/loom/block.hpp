@@ -3,13 +3,20 @@
 // (what a sharding strategy moves with one collective) is the embedding, one
 // decoder layer (an attention block then a feed-forward block), or the head.
 //
-// Each block variant lives in its own file under blocks/ and declares
+// The SDK's block interface. The decoder layers' block variants live in the
+// repository's blocks/ folder, one file each, built into libloom against the
+// SDK alone (this header, loom/ops/backend.hpp for the ops, the precision and
+// attention plugins' interfaces) and listed by one row of
+// blocks/block_table.cpp each: adding one touches nothing under core/. The
+// embedding and the head are the model's own (core/src/model/). A variant
+// declares
+
 //   - its parameters: canonical HF names, shapes and roles (declare), in the
 //     order they sit in the unit's flat buffer;
 //   - its linears (registered with the precision plugin) and its activation
 //     buffers (plan);
 //   - its forward and backward.
-// The residual stream between blocks belongs to the model (model.hpp): a block
+// The residual stream between blocks belongs to the model (core's model.hpp): a block
 // reads `in` and writes `out` in forward, and turns dL/d(out) into dL/d(in) in
 // place in backward. A fusion never crosses a block, so it never crosses a unit
 // (zero3 gathers unit by unit).
@@ -25,8 +32,8 @@
 #include "loom/model.hpp"
 #include "loom/precision.hpp"
 #include "loom/sharding.hpp"
-#include "kernels/backend.hpp"
-#include "util/trace.hpp"
+#include "loom/ops/backend.hpp"
+#include "loom/trace.hpp"
 
 namespace loom {
 
@@ -315,7 +322,7 @@ class FfnBlock : public Block {
 };
 
 // A block variant, as its file defines it (blocks/<variant>.cpp) and the
-// factory's table lists it (block_factory.cpp): adding a variant is its file
+// factory's table lists it (blocks/block_table.cpp): adding a variant is its file
 // and one row of that table.
 struct AttentionVariant {
   const char* name;  // model.layers = name
@@ -331,7 +338,7 @@ struct FfnVariant {
   BlockFloor (*floor)(const FloorEnv& env);
 };
 
-// The variants by name (block_factory.cpp). model.layers names an attention
+// The variants by name (blocks/block_table.cpp). model.layers names an attention
 // variant; model.ffn = "dense" is the feed-forward variant of model.layers'
 // name (a spec with experts, spec.moe(), that of "moe": the config reader
 // makes model.ffn = "moe" for one), any other value a feed-forward variant by
@@ -349,7 +356,7 @@ std::string layer_variants();
 bool is_layer_variant(const std::string& variant);
 
 // A profiler range (NVTX on CUDA) for the scope of one op or block; also a
-// range of the step tracer while a profiling window is open (util/trace.hpp).
+// range of the step tracer while a profiling window is open (loom/trace.hpp).
 class Range {
  public:
   Range(Backend& b, const char* name) : b_(b), trace_(trace::Track::compute, name, b.ctx().stream) {

@@ -10,7 +10,7 @@
 // model.recompute = "selective": h and m are computed again (from x and rstd,
 // from g and u, which are kept) just before the wgrads that read them.
 #pragma once
-#include "model/blocks/blocks.hpp"
+#include "loom/block.hpp"
 
 namespace loom {
 
@@ -34,6 +34,9 @@ class GatedFfn : public FfnBlock {
   virtual Names names() const = 0;
   // Refuses a run the activation cannot do, at planning (before any GPU work).
   virtual void check(const BlockEnv&) const {}
+  // The check of an activation computed on the host (GeGLU, ReGLU): the CPU
+  // backend with fp32 activations, or a message naming model.ffn = `name`.
+  static void require_host_fp32(const BlockEnv& env, const char* name);
   // m = act(g) * u.
   virtual void activation_forward(Backend& be, Tensor& m, const Tensor& g, const Tensor& u) = 0;
   // dg = dm * u * act'(g), du = dm * act(g).

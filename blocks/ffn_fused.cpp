@@ -21,8 +21,8 @@
 // just before the gate_up and down wgrads instead of keeping them: two
 // element-wise passes for 2h + f values a token, 11 GiB of an 8B model's 8k
 // micro-batch.
+#include "loom/block.hpp"
 #include "loom/error.hpp"
-#include "model/blocks/blocks.hpp"
 
 namespace loom {
 namespace {
@@ -150,7 +150,7 @@ class FusedFfn final : public FfnBlock {
 
 }  // namespace
 
-extern const FfnVariant ffn_fused;  // block_factory.cpp's table lists it
+extern const FfnVariant ffn_fused;  // blocks/block_table.cpp's table lists it
 const FfnVariant ffn_fused{
     "fused",
     [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<FfnBlock> {

@@ -1,11 +1,12 @@
-// The two blocks every model has: the token embedding and the final norm +
-// LM head. The variants of the decoder layers' blocks are one file each in
-// this folder, each defining its descriptor (model/block.hpp
-// AttentionVariant, FfnVariant) that block_factory.cpp's table lists.
+// The two blocks every model has, which are the model's own: the token
+// embedding and the final norm + LM head. The variants of the decoder layers'
+// blocks are not core's: they are one file each in blocks/, built against the
+// SDK (loom/block.hpp), each defining its descriptor (AttentionVariant,
+// FfnVariant) that blocks/block_table.cpp's table lists.
 #pragma once
 #include <memory>
 
-#include "model/block.hpp"
+#include "loom/block.hpp"
 
 namespace loom {
 

@@ -5,10 +5,11 @@
 //   parameters (w, wte): the param dtype (fp32 or bf16); parameter gradients (dw, dwte): the grad dtype
 //   rstd, losses, stats: always fp32. Every op accumulates in fp32.
 // Combinations a backend must support: (act, param, grad) = (f32, f32, f32), (bf16, bf16, f32), (bf16, bf16, bf16).
-// The model (model/ and its blocks) is written once against this interface;
-// the CPU backend calls the fp32 reference kernels in kernels/cpu, the CUDA
-// backend (kernels/cuda) the device kernels. It lives with the kernels, which
-// depend on nothing above them (not model/, not config/). GEMMs and attention
+// The model and its blocks (core/src/model/, blocks/) are written once against
+// this interface, which is the SDK's (a block sees only loom/): the CPU
+// backend (core/src/kernels/cpu) calls the fp32 reference kernels, the CUDA
+// backend (core/src/kernels/cuda) the device kernels; they implement it, and
+// depend on nothing above them (not the model, not the config). GEMMs and attention
 // are not here: they belong to the precision and attention plugins, which
 // build on the public ops of loom/ops/ (the cuBLASLt plan cache, the FP8 casts).
 #pragma once
@@ -175,7 +176,7 @@ class Backend {
   virtual void convert(Tensor& dst, const Tensor& src) = 0;
 
   // Mixture of experts: the routing steps of the `moe` feed-forward block
-  // (model/blocks/ffn_moe.cpp), which runs the expert GEMMs itself through the
+  // (blocks/ffn_moe.cpp), which runs the expert GEMMs itself through the
   // precision plugin. The defaults refuse with one message: a backend without
   // MoE kernels stops at the first call (the CPU and CUDA backends have them).
   //   moe_jitter: noise = uniform [1 - eps, 1 + eps) from (seed, index); xin = x * noise

@@ -22,8 +22,8 @@
 // again just before the qkv wgrad instead of keeping it (x and rstd are kept).
 // RoPE is not recomputed: it rotates qkv in place, so the rotated q and k are
 // what is kept, and an unrotated copy would cost as much as it saves.
+#include "loom/block.hpp"
 #include "loom/error.hpp"
-#include "model/blocks/blocks.hpp"
 
 namespace loom {
 namespace {
@@ -179,7 +179,7 @@ class FusedAttention final : public AttentionBlock {
 
 }  // namespace
 
-extern const AttentionVariant attention_fused;  // block_factory.cpp's table lists it
+extern const AttentionVariant attention_fused;  // blocks/block_table.cpp's table lists it
 const AttentionVariant attention_fused{
     "fused",
     [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<AttentionBlock> {

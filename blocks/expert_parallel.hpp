@@ -53,8 +53,8 @@
 #include <vector>
 
 #include "loom/comm.hpp"
-#include "kernels/backend.hpp"
-#include "model/block.hpp"
+#include "loom/ops/backend.hpp"
+#include "loom/block.hpp"
 
 namespace loom {
 

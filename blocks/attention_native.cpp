@@ -6,8 +6,8 @@
 // model.recompute = "selective": h = rmsnorm(x) is computed again just before
 // the q, k and v wgrads instead of being kept (attention_fused.cpp says why
 // RoPE is not).
+#include "loom/block.hpp"
 #include "loom/error.hpp"
-#include "model/blocks/blocks.hpp"
 
 namespace loom {
 namespace {
@@ -161,7 +161,7 @@ class NativeAttention final : public AttentionBlock {
 
 }  // namespace
 
-extern const AttentionVariant attention_native;  // block_factory.cpp's table lists it
+extern const AttentionVariant attention_native;  // blocks/block_table.cpp's table lists it
 const AttentionVariant attention_native{
     "native",
     [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<AttentionBlock> {
