@@ -17,6 +17,7 @@
   X(ffn_fused)               \
   X(ffn_moe)                 \
   X(ffn_geglu)               \
+  X(ffn_reglu)               \
   /* end of the feed-forward variants */
 
 namespace loom {
