@@ -46,7 +46,8 @@
 #       tokens/s per GPU, model TFLOP/s (causal, as NeMo counts), MFU, peak and planned GiB, Loom / peer, and
 #       the issue's targets; logs, JSON and the plans' breakdowns in $OUT/node)
 #   bash scripts/gpu_check.sh node-loss           (the same shape on NP GPUs, grad_accum 1, on the fortune corpus:
-#       bf16 against fp8_current (the FP8 twin), LOSS_STEPS (150) steps from the same weights, `loom compare`;
+#       bf16 against fp8_current (the FP8 twin), LOSS_STEPS (150) steps from the same weights, `loom compare`,
+#       lr LOSS_LR (3e-4) after LOSS_WARMUP (15) warm-up steps;
 #       passes when the FP8 loss is within 1% of bf16's at every step after 50)
 #   bash scripts/gpu_check.sh docmask             (document masking on one GPU, under 9 minutes: every GPU case
 #       with the switches (test_docmask's DocMaskGpu.*: naive fp32 and cuDNN bf16 against separate documents and
@@ -602,7 +603,7 @@ if [ "$WHAT" = node-loss ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NP > 0 ? $(nproc) / NP : 1 ))}
   [ -f data/fortunes/val.bin ] || { echo "node-loss: data/fortunes is missing (scripts/gpu_build.sh stages it)"; exit 1; }
   L=(--set data.plugin='"tokens"' --set data.train="\"$ROOT/data/fortunes/train_*.bin\"" --set train.grad_accum=1
-     --set train.warmup_steps="${LOSS_WARMUP:-15}" --set train.validation_every=0 --set run.overwrite=true)
+     --set train.lr="${LOSS_LR:-3e-4}" --set train.warmup_steps="${LOSS_WARMUP:-15}" --set train.validation_every=0 --set run.overwrite=true)
   t0=$(date +%s)
   mpi_on "$NP" -x OMP_NUM_THREADS .carry/bin/loom compare configs/bench/llama3-8b-8k.toml \
     --configs=configs/bench/llama3-8b-8k-fp8.toml "${L[@]}" --steps="${LOSS_STEPS:-150}" --warmup=0 \
