@@ -10,16 +10,15 @@
 // blocks/block_table.cpp each: adding one touches nothing under core/. The
 // embedding and the head are the model's own (core/src/model/). A variant
 // declares
-
 //   - its parameters: canonical HF names, shapes and roles (declare), in the
 //     order they sit in the unit's flat buffer;
 //   - its linears (registered with the precision plugin) and its activation
 //     buffers (plan);
 //   - its forward and backward.
-// The residual stream between blocks belongs to the model (core's model.hpp): a block
-// reads `in` and writes `out` in forward, and turns dL/d(out) into dL/d(in) in
-// place in backward. A fusion never crosses a block, so it never crosses a unit
-// (zero3 gathers unit by unit).
+// The residual stream between blocks belongs to the model (core's
+// model.hpp): a block reads `in` and writes `out` in forward, and turns
+// dL/d(out) into dL/d(in) in place in backward. A fusion never crosses a
+// block, so it never crosses a unit (zero3 gathers unit by unit).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -30,9 +29,9 @@
 #include "loom/arena.hpp"
 #include "loom/attention.hpp"
 #include "loom/model.hpp"
+#include "loom/ops/backend.hpp"
 #include "loom/precision.hpp"
 #include "loom/sharding.hpp"
-#include "loom/ops/backend.hpp"
 #include "loom/trace.hpp"
 
 namespace loom {
