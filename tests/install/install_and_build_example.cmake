@@ -48,6 +48,17 @@ endif()
 list(LENGTH built_plugins n_plugins)
 message(STATUS "installed layout complete (${n_plugins} in-tree plugins)")
 
+# 2b. Every installed header compiles on its own against the prefix alone (no
+#     source tree on the path): what it needs it includes itself.
+set(header_tu ${WORK_DIR}/header.cpp)
+foreach(h ${headers})
+  file(WRITE ${header_tu} "#include \"${h}\"\n")
+  run_step("compiling the installed ${h} alone" ${CXX_COMPILER} -std=c++20 -fsyntax-only -DBOOST_DLL_USE_STD_FS
+    -I${prefix}/include ${header_tu})
+endforeach()
+list(LENGTH headers n_headers)
+message(STATUS "every installed header compiles on its own (${n_headers})")
+
 # 3. Build the example against the installed SDK only.
 set(launcher "")
 if(CXX_LAUNCHER)
