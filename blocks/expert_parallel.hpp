@@ -52,9 +52,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "loom/block.hpp"
 #include "loom/comm.hpp"
 #include "loom/ops/backend.hpp"
-#include "loom/block.hpp"
 
 namespace loom {
 

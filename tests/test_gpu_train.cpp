@@ -13,8 +13,8 @@
 
 #include "config/run_config.hpp"
 #include "gpu_test_util.hpp"
-#include "train/session_probe.hpp"
 #include "test_util.hpp"
+#include "train/session_probe.hpp"
 
 namespace fs = std::filesystem;
 

@@ -12,9 +12,9 @@
 #include <nlohmann/json.hpp>
 
 #include "config/run_config.hpp"
+#include "loom/trace.hpp"
 #include "test_util.hpp"
 #include "train/session_probe.hpp"
-#include "loom/trace.hpp"
 
 namespace fs = std::filesystem;
 using loom::test::expect_error;

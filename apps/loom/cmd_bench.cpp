@@ -36,8 +36,8 @@
 #include "commands.hpp"
 #include "config/run_config.hpp"
 #include "loom/error.hpp"
-#include "train/session_probe.hpp"
 #include "loom/trace.hpp"
+#include "train/session_probe.hpp"
 
 namespace loom::app {
 namespace {

@@ -7,13 +7,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include "loom/json_fields.hpp"
-#include "train/finite_checks.hpp"
 #include "config/run_config.hpp"
 #include "hf/safetensors.hpp"
-#include "loom/error.hpp"
 #include "loom/block.hpp"
+#include "loom/error.hpp"
+#include "loom/json_fields.hpp"
 #include "model/model.hpp"
+#include "train/finite_checks.hpp"
 
 namespace fs = std::filesystem;
 

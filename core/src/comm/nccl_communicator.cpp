@@ -22,10 +22,10 @@
 #include <string>
 #include <thread>
 
-#include "comm/launch.hpp"
-#include "loom/ops/cuda_check.hpp"
 #include "comm/collective_checks.hpp"
+#include "comm/launch.hpp"
 #include "loom/error.hpp"
+#include "loom/ops/cuda_check.hpp"
 
 namespace loom {
 namespace {

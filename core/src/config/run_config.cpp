@@ -14,8 +14,8 @@
 
 #include "format_number.hpp"
 #include "hf/hf_llama.hpp"
-#include "loom/error.hpp"
 #include "loom/block.hpp"
+#include "loom/error.hpp"
 #include "util/files.hpp"
 
 namespace loom {

@@ -9,10 +9,10 @@
 #include <string_view>
 #include <vector>
 
+#include "kernels/cpu/moe.hpp"  // kMaxExperts: the kernels' bound
 #include "loom/config.hpp"
 #include "loom/data.hpp"
 #include "loom/model.hpp"
-#include "kernels/cpu/moe.hpp"  // kMaxExperts: the kernels' bound
 
 namespace loom {
 

@@ -4,8 +4,8 @@
 // loom/ops/backend.hpp), so the optimizer step never waits for the device.
 #pragma once
 #include "loom/error.hpp"
-#include "loom/sharding.hpp"
 #include "loom/ops/backend.hpp"
+#include "loom/sharding.hpp"
 
 namespace loom {
 

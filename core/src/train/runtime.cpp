@@ -13,9 +13,9 @@
 #ifdef LOOM_HAVE_NCCL
 #include "comm/nccl_communicator.hpp"
 #endif
+#include "loom/block.hpp"
 #include "loom/error.hpp"
 #include "loom/log.hpp"
-#include "loom/block.hpp"
 #include "train/plan_device.hpp"
 #include "train/rank_agreement.hpp"
 #include "train/train_state.hpp"

@@ -11,10 +11,10 @@
 #include "loom/attention.hpp"
 #include "loom/comm.hpp"
 #include "loom/data.hpp"
+#include "loom/ops/backend.hpp"
 #include "loom/precision.hpp"
 #include "loom/registry.hpp"
 #include "loom/sharding.hpp"
-#include "loom/ops/backend.hpp"
 #include "train/memory_budget.hpp"
 
 namespace loom {

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "loom/error.hpp"
 #include "loom/block.hpp"
+#include "loom/error.hpp"
 #include "train/optimizer.hpp"
 
 namespace loom {

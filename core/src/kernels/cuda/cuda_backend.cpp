@@ -27,12 +27,12 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.hpp"
-#include "loom/ops/cuda_check.hpp"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/moe_kernels.hpp"
 #include "loom/error.hpp"
-#include "loom/precision.hpp"
 #include "loom/ops/backend.hpp"
+#include "loom/ops/cuda_check.hpp"
+#include "loom/precision.hpp"
 
 namespace loom {
 namespace {

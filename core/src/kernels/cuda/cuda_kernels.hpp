@@ -9,8 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "loom/tensor.hpp"
 #include "loom/ops/backend.hpp"
+#include "loom/tensor.hpp"
 
 namespace loom::gpu {
 
