@@ -9,8 +9,8 @@
 // The same parameters as Llama's MLP (post_attention_layernorm, gate_proj,
 // up_proj, down_proj: FfnBlock::declare), so its units, checkpoints and HF
 // names are the dense layout's, and the block around the activation is the
-// gated one (gated_ffn.hpp); only the activation differs. It is computed
-// here, on the host: the block runs on the CPU backend with fp32
+// gated one (gated_ffn.hpp); only the activation differs. It is computed on
+// the host (HostGatedFfn): the block runs on the CPU backend with fp32
 // activations (precision.plugin = "fp32") and refuses any other run when it
 // is planned. It is the example of a block variant that is its own file and
 // one row of blocks/block_table.cpp's table.
@@ -24,45 +24,13 @@ namespace {
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluA = 0.044715f;
 
-// m = gelu_tanh(g) * u over n elements.
-void geglu_forward(float* m, const float* g, const float* u, int64_t n) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float z = g[i];
-    const float t = std::tanh(kGeluC * (z + kGeluA * z * z * z));
-    m[i] = 0.5f * z * (1.0f + t) * u[i];
-  }
+void gelu_tanh(float z, float& a, float& da) {
+  const float t = std::tanh(kGeluC * (z + kGeluA * z * z * z));
+  a = 0.5f * z * (1.0f + t);
+  da = 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * kGeluC * (1.0f + 3.0f * kGeluA * z * z);
 }
 
-// dg = dm * u * gelu_tanh'(g), du = dm * gelu_tanh(g).
-void geglu_backward(float* dg, float* du, const float* dm, const float* g, const float* u, int64_t n) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float z = g[i];
-    const float t = std::tanh(kGeluC * (z + kGeluA * z * z * z));
-    const float gelu = 0.5f * z * (1.0f + t);
-    const float dgelu = 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * kGeluC * (1.0f + 3.0f * kGeluA * z * z);
-    dg[i] = dm[i] * u[i] * dgelu;
-    du[i] = dm[i] * gelu;
-  }
-}
-
-class GegluFfn final : public GatedFfn {
- public:
-  using GatedFfn::GatedFfn;
-  const char* kind() const override { return "ffn.geglu"; }
-
- protected:
-  Names names() const override { return {"geglu", "geglu", "geglu.recompute", "geglu.grad"}; }
-  void check(const BlockEnv& env) const override { require_host_fp32(env, "geglu"); }
-  void activation_forward(Backend&, Tensor& m, const Tensor& g, const Tensor& u) override {
-    geglu_forward(m.ptr<float>(), g.ptr<float>(), u.ptr<float>(), g.numel());
-  }
-  void activation_backward(Backend&, Tensor& dg, Tensor& du, const Tensor& dm, const Tensor& g,
-                           const Tensor& u) override {
-    geglu_backward(dg.ptr<float>(), du.ptr<float>(), dm.ptr<float>(), g.ptr<float>(), u.ptr<float>(), g.numel());
-  }
-};
+const HostActivation kGeglu{"geglu", "ffn.geglu", "geglu.recompute", "geglu.grad", gelu_tanh};
 
 }  // namespace
 
@@ -70,7 +38,7 @@ extern const FfnVariant ffn_geglu;  // blocks/block_table.cpp's table lists it
 const FfnVariant ffn_geglu{
     "geglu",
     [](const ModelSpec& spec, int64_t layer) -> std::unique_ptr<FfnBlock> {
-      return std::make_unique<GegluFfn>(spec, layer);
+      return std::make_unique<HostGatedFfn>(spec, layer, kGeglu);
     },
     FfnBlock::hf_floor,  // the dense layout, and a gate and up kept per layer
 };

@@ -6,14 +6,6 @@
 
 namespace loom {
 
-void GatedFfn::require_host_fp32(const BlockEnv& env, const char* name) {
-  if (env.backend->device() != Device::cpu || env.act != DType::f32)
-    throw Error(cat("model.ffn = \"", name, "\" computes its activation on the host: it runs on the CPU backend ",
-                    "(run.device = \"cpu\") with fp32 activations (precision.plugin = \"fp32\"), but this run has ",
-                    env.backend->device() == Device::cpu ? "the CPU" : "a CUDA device", " and ", dtype_name(env.act),
-                    " activations. Use model.ffn = \"dense\" (SwiGLU) there"));
-}
-
 void GatedFfn::plan(const BlockEnv& env, ActivationPlan& a) {
   env_ = env;
   check(env);
@@ -108,6 +100,40 @@ void GatedFfn::backward(UnitState& u, const Tensor& x, Tensor& d) {
     Tensor dln2 = param(u, kLn2, true);
     if (!acc) be.zero(dln2);  // the first micro-batch writes (BlockEnv::first_micro)
     be.rmsnorm_backward(d, dln2, d_ln, x, param(u, kLn2), f32(rstd2_, {N}));
+  }
+}
+
+void HostGatedFfn::check(const BlockEnv& env) const {
+  if (env.backend->device() != Device::cpu || env.act != DType::f32)
+    throw Error(cat("model.ffn = \"", a_.ffn, "\" computes its activation on the host: it runs on the CPU backend ",
+                    "(run.device = \"cpu\") with fp32 activations (precision.plugin = \"fp32\"), but this run has ",
+                    env.backend->device() == Device::cpu ? "the CPU" : "a CUDA device", " and ", dtype_name(env.act),
+                    " activations. Use model.ffn = \"dense\" (SwiGLU) there"));
+}
+
+void HostGatedFfn::activation_forward(Backend&, Tensor& m, const Tensor& g, const Tensor& u) {
+  float* mp = m.ptr<float>();
+  const float *gp = g.ptr<float>(), *up = u.ptr<float>();
+  const int64_t n = g.numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float a, da;
+    a_.act(gp[i], a, da);
+    mp[i] = a * up[i];
+  }
+}
+
+void HostGatedFfn::activation_backward(Backend&, Tensor& dg, Tensor& du, const Tensor& dm, const Tensor& g,
+                                       const Tensor& u) {
+  float *dgp = dg.ptr<float>(), *dup = du.ptr<float>();
+  const float *dmp = dm.ptr<float>(), *gp = g.ptr<float>(), *up = u.ptr<float>();
+  const int64_t n = g.numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float a, da;
+    a_.act(gp[i], a, da);
+    dgp[i] = dmp[i] * up[i] * da;
+    dup[i] = dmp[i] * a;
   }
 }
 

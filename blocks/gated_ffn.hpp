@@ -34,9 +34,6 @@ class GatedFfn : public FfnBlock {
   virtual Names names() const = 0;
   // Refuses a run the activation cannot do, at planning (before any GPU work).
   virtual void check(const BlockEnv&) const {}
-  // The check of an activation computed on the host (GeGLU, ReGLU): the CPU
-  // backend with fp32 activations, or a message naming model.ffn = `name`.
-  static void require_host_fp32(const BlockEnv& env, const char* name);
   // m = act(g) * u.
   virtual void activation_forward(Backend& be, Tensor& m, const Tensor& g, const Tensor& u) = 0;
   // dg = dm * u * act'(g), du = dm * act(g).
@@ -48,6 +45,38 @@ class GatedFfn : public FfnBlock {
   int d_ln_ = -1, d_gate_ = -1, d_up_ = -1, d_m_ = -1;
   int wg_ = -1, wu_ = -1, wd_ = -1;
   BlockEnv::InputPlan ln2_plan_, m_plan_;
+};
+
+// An activation computed on the host, one element at a time (GeGLU, ReGLU):
+// what a variant of HostGatedFfn says of itself. The names are literals.
+struct HostActivation {
+  const char* ffn;        // model.ffn = ffn; also the kept m's name and the trace range
+  const char* kind;       // "ffn.geglu"
+  const char* recompute;  // "geglu.recompute"
+  const char* grad;       // "geglu.grad"
+  // a = act(z), da = act'(z).
+  void (*act)(float z, float& a, float& da);
+};
+
+// The gated block around a HostActivation: m = act(g) * u, dg = dm * u *
+// act'(g), du = dm * act(g), in host loops. It runs on the CPU backend with
+// fp32 activations and refuses any other run when it is planned, naming
+// model.ffn. A variant is its activation and a descriptor (ffn_geglu.cpp).
+class HostGatedFfn final : public GatedFfn {
+ public:
+  HostGatedFfn(const ModelSpec& spec, int64_t layer, const HostActivation& a)
+      : GatedFfn(spec, layer), a_(a) {}
+  const char* kind() const override { return a_.kind; }
+
+ protected:
+  Names names() const override { return {a_.ffn, a_.ffn, a_.recompute, a_.grad}; }
+  void check(const BlockEnv& env) const override;
+  void activation_forward(Backend& be, Tensor& m, const Tensor& g, const Tensor& u) override;
+  void activation_backward(Backend& be, Tensor& dg, Tensor& du, const Tensor& dm, const Tensor& g,
+                           const Tensor& u) override;
+
+ private:
+  const HostActivation& a_;
 };
 
 }  // namespace loom
