@@ -45,6 +45,19 @@ done
 # byte-level token shards: the GPU training test and the native-vs-fused
 # convergence run read it (5 MB).
 .carry/bin/loom prepare text .carry/data/fortunes /usr/share/games/fortunes > /dev/null
+# The node-loss corpus's texts (gpu_check.sh node-loss prepares it there, with
+# the fortunes below): 150 steps of 8,192 tokens on 4 GPUs read 4.9M tokens,
+# more than the fortunes hold (2.45M). The King James Bible (Debian's
+# bible-kjv, one document a chapter) and the Jargon File (jargon-text) bring
+# it to 8.3M byte tokens; gzipped they carry in 2.2 MB.
+for p in bible-kjv jargon-text; do
+  dpkg -s "$p" > /dev/null 2>&1 || { apt-get install -y -qq "$p" > /dev/null ||
+    { echo "gpu_build: the node-loss corpus needs Debian's $p (apt-get install $p)" >&2; exit 1; }; }
+done
+mkdir -p .carry/node-text
+bible -f "gen1:1-rev22:21" | awk -F'[ :]' 'NR > 1 && $1 != prev { print "%" } { prev = $1; print }' |
+  gzip -9n > .carry/node-text/kjv.txt.gz
+cp /usr/share/doc/jargon-text/jargon.txt.gz .carry/node-text/jargon.txt.gz
 # The raw corpus too (2.8 MB): the CPU FP8 convergence test prepares it itself
 # (gpu_check.sh cpu-bits runs it on the GPU machine's processor).
 cp -a /usr/share/games/fortunes .carry/fortunes-raw

@@ -45,11 +45,12 @@
 #       PEER_WARMUP 1, PEER_STEPS 2), then one table:
 #       tokens/s per GPU, model TFLOP/s (causal, as NeMo counts), MFU, peak and planned GiB, Loom / peer, and
 #       the issue's targets; logs, JSON and the plans' breakdowns in $OUT/node)
-#   bash scripts/gpu_check.sh node-loss           (the same shape on NP GPUs, grad_accum 1, on the fortune corpus:
-#       bf16 against fp8_current (the FP8 twin), LOSS_STEPS (150) steps from the same weights, `loom compare`,
-#       lr LOSS_LR (default the config's, 3e-4) after LOSS_WARMUP (15) warm-up steps, and with LOSS_FLOOR=1 (default) bf16 again: the
-#       noise floor of two bf16 runs;
-#       passes when the FP8 loss is within 1% of bf16's at every step after 50)
+#   bash scripts/gpu_check.sh node-loss           (the same shape on NP GPUs, grad_accum 1, on LOSS_DATA (default
+#       data/node-corpus: the fortunes, the King James Bible and the Jargon File, 8.3M byte tokens, prepared there
+#       from .carry/node-text): bf16 against fp8_current (the FP8 twin), LOSS_STEPS (150) steps from the same
+#       weights, `loom compare`, lr LOSS_LR (default the config's, 3e-4) after LOSS_WARMUP (15) warm-up steps,
+#       deterministic kernels unless LOSS_DET=0, and with LOSS_FLOOR=1 (the default when LOSS_DET=0) bf16 again:
+#       the noise floor of two bf16 runs; passes when the FP8 loss is within 1% of bf16's at every step after 50)
 #   bash scripts/gpu_check.sh docmask             (document masking on one GPU, under 9 minutes: every GPU case
 #       with the switches (test_docmask's DocMaskGpu.*: naive fp32 and cuDNN bf16 against separate documents and
 #       against HF transformers' packed golden; the step's allocations and host waits; cuDNN's ragged attention
@@ -602,16 +603,28 @@ if [ "$WHAT" = node-loss ]; then
   # of bf16's at every step after 50.
   NP=${NP:-4}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NP > 0 ? $(nproc) / NP : 1 ))}
-  [ -f data/fortunes/val.bin ] || { echo "node-loss: data/fortunes is missing (scripts/gpu_build.sh stages it)"; exit 1; }
-  L=(--set data.plugin='"tokens"' --set data.train="\"$ROOT/data/fortunes/train_*.bin\"" --set train.grad_accum=1
+  # The corpus: fortunes, the King James Bible and the Jargon File, 8.3M byte
+  # tokens (scripts/gpu_build.sh stages it), so that 150 steps of 4 x 8,192
+  # tokens read it once. LOSS_DET=1 (the default) runs deterministic kernels:
+  # two bf16 runs are then bitwise equal, and what parts FP8 from bf16 is FP8.
+  LOSS_DATA=${LOSS_DATA:-data/node-corpus}
+  if [ "$LOSS_DATA" = data/node-corpus ] && [ ! -f data/node-corpus/val.bin ] && [ -f .carry/node-text/kjv.txt.gz ]; then
+    T=$(mktemp -d); for f in .carry/node-text/*.gz; do gzip -dc "$f" > "$T/$(basename "$f" .gz)"; done
+    .carry/bin/loom prepare text data/node-corpus .carry/fortunes-raw "$T"/*.txt > "$OUT/node-corpus.txt" 2>&1 ||
+      { tail -3 "$OUT/node-corpus.txt"; exit 1; }
+    rm -rf "$T"; grep -E "tokens:" "$OUT/node-corpus.txt"
+  fi
+  [ -f "$LOSS_DATA/val.bin" ] || { echo "node-loss: $LOSS_DATA is missing (scripts/gpu_build.sh stages it)"; exit 1; }
+  L=(--set data.plugin='"tokens"' --set data.train="\"$ROOT/$LOSS_DATA/train_*.bin\"" --set train.grad_accum=1
      --set train.warmup_steps="${LOSS_WARMUP:-15}" --set train.validation_every=0 --set run.overwrite=true)
   [ -n "${LOSS_LR:-}" ] && L+=(--set train.lr="$LOSS_LR")
-  # LOSS_FLOOR=1 (the default) runs bf16 a second time: the runs are not
-  # deterministic (cuBLASLt algorithms picked by timing, cuDNN's backward), so
-  # how far two bf16 runs drift apart is the noise floor the FP8 difference is
-  # read against. A floor above 1% means this workload cannot judge FP8 at 1%.
+  [ "${LOSS_DET:-1}" = 1 ] && L+=(--set run.deterministic=true)
+  # LOSS_FLOOR=1 runs bf16 a second time (the default with LOSS_DET=0): without
+  # deterministic kernels (cuBLASLt algorithms picked by timing, cuDNN's
+  # backward) how far two bf16 runs drift apart is the noise floor the FP8
+  # difference is read against; with them, it checks that the floor is 0.
   runs=configs/bench/llama3-8b-8k-fp8.toml
-  if [ "${LOSS_FLOOR:-1}" = 1 ]; then
+  if [ "${LOSS_FLOOR:-$(( 1 - ${LOSS_DET:-1} ))}" = 1 ]; then
     mkdir -p "$OUT/node-loss-configs"
     sed -e 's/^name = .*/name = "llama3-8b-8k-again"/' -e 's|^out_dir = .*|out_dir = "runs/llama3-8b-8k-again"|' \
       configs/bench/llama3-8b-8k.toml > "$OUT/node-loss-configs/llama3-8b-8k-again.toml"
@@ -642,6 +655,9 @@ def at_steps(label, other):
                   f"({100 * (other[s - 1] - ref[s - 1]) / ref[s - 1]:+.2f}%)")
 at_steps("fp8", fp8)
 ok = bool(late) and n >= 51 and worst[1] <= 0.01
+if late:
+    print(f"after step 50: mean |difference| {100 * sum(d for _, d in late) / len(late):.3f}%, signed mean "
+          f"{100 * sum((fp8[s - 1] - ref[s - 1]) / ref[s - 1] for s, _ in late) / len(late):+.3f}% (FP8 minus bf16)")
 print(f"worst relative difference after step 50: {100 * worst[1]:.3f}% at step {worst[0]} "
       f"({'within' if ok else 'OUTSIDE'} 1%)")
 if len(rows) > 2 and rows[2]["losses"]:
