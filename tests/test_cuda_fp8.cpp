@@ -584,6 +584,61 @@ TEST_F(CudaFp8, DequantizeMatchesHost) {
   }
 }
 
+TEST_F(CudaFp8, DequantizeLongAndMisalignedMatchesHost) {
+  // The packed path (8 codes a thread) and the element-by-element head and
+  // tail: 2^20 + 13 random codes read from and written to offsets of 0..9
+  // elements into their buffers (q and y aligned together, apart, or never),
+  // bitwise the host's dequantize for both formats and output dtypes.
+  const int64_t n = (int64_t{1} << 20) + 13;
+  std::mt19937 rng(11);
+  std::vector<uint8_t> codes(static_cast<size_t>(n));
+  for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() & 0xFFu);
+  DevBuf qb(static_cast<size_t>(n) + 16), yb(static_cast<size_t>(n + 16) * 4), sb(4);
+  ASSERT_TRUE(qb.p && yb.p && sb.p);
+  for (fp8::Format f : {fp8::Format::e4m3, fp8::Format::e5m2}) {
+    const float s = f == fp8::Format::e4m3 ? 0.37f : 1.0f / 3000.0f;
+    std::vector<float> want(static_cast<size_t>(n));
+    fp8::dequantize(codes.data(), n, s, f, want.data());
+    put_float(sb, s);
+    const DType qt = f == fp8::Format::e4m3 ? DType::e4m3 : DType::e5m2;
+    for (auto [qo, yo] : {std::pair<int, int>{0, 0}, {8, 8}, {1, 0}, {0, 3}, {5, 5}, {3, 9}}) {
+      std::vector<uint8_t> padded(static_cast<size_t>(n) + 16, 0);
+      std::copy(codes.begin(), codes.end(), padded.begin() + qo);
+      upload(qb, padded);
+      Tensor q(static_cast<uint8_t*>(qb.p) + qo, qt, Device::cuda, {n});
+      for (DType yt : {DType::f32, DType::bf16}) {
+        const size_t es = yt == DType::f32 ? 4 : 2;
+        CUDA_OK(cudaMemset(yb.p, 0xFF, static_cast<size_t>(n + 16) * 4));  // NaN everywhere
+        Tensor y(static_cast<char*>(yb.p) + static_cast<size_t>(yo) * es, yt, Device::cuda, {n});
+        loom::gpu::fp8_dequantize(y, q, sb.as<float>(), stream_);
+        CUDA_OK(cudaStreamSynchronize(stream_));
+        int bad = 0;
+        if (yt == DType::f32) {
+          const std::vector<float> got = download<float>(yb, static_cast<size_t>(n + yo));
+          for (int64_t i = 0; i < n && bad < 5; ++i) {
+            const float w = want[static_cast<size_t>(i)], g = got[static_cast<size_t>(i + yo)];
+            const bool ok = std::isnan(w) ? std::isnan(g) : bits(g) == bits(w);
+            if (!ok) ADD_FAILURE() << "fp32 element " << i << " code " << int(codes[static_cast<size_t>(i)]) << " got "
+                                   << g << " want " << w << " (q+" << qo << ", y+" << yo << ")";
+            bad += !ok;
+          }
+        } else {
+          const std::vector<uint16_t> got = download<uint16_t>(yb, static_cast<size_t>(n + yo));
+          for (int64_t i = 0; i < n && bad < 5; ++i) {
+            const float w = want[static_cast<size_t>(i)];
+            const uint16_t g = got[static_cast<size_t>(i + yo)];
+            const bool ok = std::isnan(w) ? std::isnan(loom::hf::bf16_to_f32(g)) : g == loom::hf::f32_to_bf16(w);
+            if (!ok) ADD_FAILURE() << "bf16 element " << i << " code " << int(codes[static_cast<size_t>(i)])
+                                   << " (q+" << qo << ", y+" << yo << ")";
+            bad += !ok;
+          }
+        }
+        EXPECT_EQ(bad, 0) << (f == fp8::Format::e4m3 ? "e4m3" : "e5m2") << " q+" << qo << " y+" << yo;
+      }
+    }
+  }
+}
+
 // ---- scale updates -------------------------------------------------------------------
 
 TEST_F(CudaFp8, UpdateScalesMatchesHostComputeScaleBitwise) {
