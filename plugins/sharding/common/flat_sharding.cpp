@@ -112,6 +112,7 @@ struct FlatSharding::Impl {
   std::vector<CommTicket> event_ticket;
   std::vector<int> event_slot;
   size_t next_event = 0, issued = 0;
+  bool started_early = false;  // the next micro-batch's first gathers were issued in the last backward
 
   // A reduce-scatter that landed in rtmp and still has to be added to the shard.
   struct Pending {
@@ -167,6 +168,27 @@ struct FlatSharding::Impl {
   size_t wire_index(size_t e, int ui) const {
     const int own = wire_slot_of.empty() ? -1 : wire_slot_of[static_cast<size_t>(ui)];
     return own >= 0 ? static_cast<size_t>(own) : e % gather_pool.size();
+  }
+
+  // A new micro-batch's (or evaluation's) schedule: nothing used, nothing issued.
+  void restart_schedule() {
+    next_event = 0;
+    issued = 0;
+    std::fill(event_slot.begin(), event_slot.end(), -1);
+  }
+
+  // The end of a backward that another micro-batch of the step follows: its
+  // first gathers go on the comm stream now, ahead of the reduce-scatter of
+  // the unit just finished. Issued at the next forward instead, they would
+  // wait behind that reduce-scatter (the embedding's gradient, the largest
+  // unit's), and the forward with them. Their buffers are free: the compute
+  // that read them is all queued, and each gather starts after it.
+  void start_next_micro(ShardingEnv& env) {
+    if (events.empty()) return;
+    restart_schedule();
+    const size_t last = std::min(events.size() - 1, static_cast<size_t>(prefetch));
+    while (issued <= last) issue_gather(env, issued++);
+    started_early = true;
   }
 
   // Make event e's gathered params ready for the compute stream, issuing up to
@@ -533,10 +555,10 @@ void FlatSharding::before_forward(ShardingEnv& env, UnitState& u) {
     return;
   }
   if (u.index == 0) {
-    // A new forward (training micro-batch or evaluation) starts the schedule over.
-    I.next_event = 0;
-    I.issued = 0;
-    std::fill(I.event_slot.begin(), I.event_slot.end(), -1);
+    // A new forward (training micro-batch or evaluation) starts the schedule
+    // over, unless the backward before it already did (start_next_micro).
+    if (!I.started_early) I.restart_schedule();
+    I.started_early = false;
     if (I.codec && !I.encoded) {
       // The parameters changed (start, resume, an optimizer step): encode
       // every unit's own chunk once, before its first gather.
@@ -606,6 +628,7 @@ void FlatSharding::after_backward(ShardingEnv& env, UnitState& u, bool last_micr
     case Strategy::zero2:
     case Strategy::zero3:
     case Strategy::hybrid:
+      if (u.index == 0 && !last_micro && I.shard_params()) I.start_next_micro(env);
       I.reduce_scatter_unit(env, u, first);
       if (last_micro && I.replicas > 1) {
         // Across shard groups: the shard must be complete before it is all-reduced.
