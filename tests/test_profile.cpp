@@ -128,3 +128,44 @@ TEST(Profile, ConfigChecks) {
   expect_error([&] { parse("[profile]\ntrace = true\n"); }, {"profile.trace = true needs profile.steps"});
   expect_error([&] { parse("[profile]\nstep = [1, 2]\n"); }, {"unknown key 'profile.step'", "did you mean 'steps'"});
 }
+
+TEST(Profile, TraceGapsReportsOpsAndIdleTimeOfAKnownTrace) {
+  // benchmarks/trace_gaps.py on a trace whose times are known (microseconds):
+  // two forward layers of 100 with 10 idle inside each and 20 between them,
+  // 30 before the backward, two backward layers with 40 between them, and an
+  // all-gather of 50 on the comm stream.
+  TmpDir d;
+  nlohmann::json ev = nlohmann::json::array();
+  const char* threads[] = {"compute stream", "comm stream (NCCL)", "host"};
+  for (int t = 1; t <= 3; ++t)
+    ev.push_back({{"ph", "M"}, {"pid", 0}, {"tid", t}, {"name", "thread_name"}, {"args", {{"name", threads[t - 1]}}}});
+  auto range = [&](const char* name, int tid, double ts, double dur) {
+    ev.push_back({{"name", name}, {"ph", "X"}, {"ts", ts}, {"dur", dur}, {"pid", 0}, {"tid", tid}, {"args", {{"step", 1}}}});
+  };
+  range("step", 1, 0, 1000);
+  range("forward.layer.0", 1, 10, 100);
+  range("qkv", 1, 10, 50);
+  range("attention", 1, 70, 40);
+  range("forward.layer.1", 1, 130, 100);
+  range("qkv", 1, 130, 60);
+  range("attention", 1, 200, 30);
+  range("backward.layer.1", 1, 260, 200);
+  range("attention.grad", 1, 260, 200);
+  range("backward.layer.0", 1, 500, 200);
+  range("attention.grad", 1, 500, 200);
+  range("all_gather", 2, 0, 50);
+  std::ofstream(d.path / "t.json") << nlohmann::json({{"traceEvents", ev}}).dump();
+  const std::string cmd = loom::cat("python3 ", LOOM_SOURCE_DIR, "/benchmarks/trace_gaps.py ", (d.path / "t.json").string(),
+                                    " > ", (d.path / "o.txt").string(), " 2>&1");
+  EXPECT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream c(d.path / "o.txt");
+  const std::string out((std::istreambuf_iterator<char>(c)), std::istreambuf_iterator<char>());
+  for (const char* line : {"forward: 2 layer calls, median 0.100 ms a layer, 0.2 ms in all; idle inside a layer: median 0.010 ms",
+                           "| qkv | 2 | 0.055 | 0.1 |", "| attention | 2 | 0.035 | 0.1 |",
+                           "backward: 2 layer calls, median 0.200 ms a layer",
+                           "| forward.layer.N -> forward.layer.N | 1 | 0.020 | 0.0 |",
+                           "| forward.layer.N -> backward.layer.N | 1 | 0.030 | 0.0 |",
+                           "| backward.layer.N -> backward.layer.N | 1 | 0.040 | 0.0 |",
+                           "(9.0% of the window)", "| all_gather | 1 | 0.05 | 0.1 |"})
+    EXPECT_NE(out.find(line), std::string::npos) << "no '" << line << "' in:\n" << out;
+}

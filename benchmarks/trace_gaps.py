@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Where a step's time goes on the compute stream, from one rank's trace of a
+`[profile]` window (`profile.trace = true`, docs/CONFIG.md): per decoder
+layer, the median device time of each op in the forward and the backward,
+then the compute stream's idle time — between two layers, inside a layer,
+and at the other joints (micro-batch boundaries, the head, the optimizer) —
+and the time each collective kind spent on the comm stream.
+
+  mpirun -np 4 loom train configs/bench/llama3-8b-8k-fp8.toml --set train.steps=3 \\
+      --set 'profile.steps=[3,3]' --set profile.trace=true --set run.out_dir='"runs/trace"'
+  python3 benchmarks/trace_gaps.py runs/trace/trace/rank_0.json
+
+Idle time on the compute stream is work the trace does not name (a kernel
+queued between two traced ranges, such as the FP8 gathers' decode or the
+sharding's gradient clears) or a wait for another stream (a gather or a
+reduce-scatter that was not done in time). Either way it is time the step
+spends outside the layers' own ops. Times are device times from CUDA events;
+a window of several steps is summed over them.
+"""
+import json
+import re
+import statistics as st
+import sys
+from collections import defaultdict
+
+LAYER = re.compile(r"(forward|backward)\.layer\.(\d+)$")
+# The top-level ranges of a step on the compute stream (everything else nests in them).
+TOP = re.compile(r"(forward|backward)\.layer\.\d+$|head\.chunk$|forward\.(embedding|head)$|backward\.embedding$|"
+                 r"adamw$|grad_norm$|clip$")
+
+
+def top_level(ranges):
+    out, end = [], -1.0
+    for e in sorted(ranges, key=lambda e: (e["ts"], -e["dur"])):
+        if out and e["ts"] + e["dur"] <= end:
+            continue
+        out.append(e)
+        end = e["ts"] + e["dur"]
+    return out
+
+
+def children(ranges, parent):
+    lo, hi = parent["ts"], parent["ts"] + parent["dur"]
+    inner = [e for e in ranges if e is not parent and e["ts"] >= lo and e["ts"] + e["dur"] <= hi]
+    return top_level(inner)
+
+
+def main(path):
+    events = json.load(open(path))["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    tid = {v: k for k, v in names.items()}
+    ranges = [e for e in events if e.get("ph") == "X"]
+    compute = [e for e in ranges if e["tid"] == tid.get("compute stream")]
+    comm = [e for e in ranges if e["tid"] == tid.get("comm stream (NCCL)")]
+    if not compute:
+        sys.exit(f"{path}: no compute-stream ranges (was the trace written with profile.trace = true?)")
+    steps = [e for e in compute if e["name"] == "step"]
+    span = sum(e["dur"] for e in steps) if steps else max(e["ts"] + e["dur"] for e in compute) - min(e["ts"] for e in compute)
+    print(f"{path}: {len(steps)} step(s), {span / 1e3:.1f} ms on the compute stream")
+
+    layers = [e for e in compute if LAYER.match(e["name"])]
+    for kind in ("forward", "backward"):
+        mine = [e for e in layers if e["name"].startswith(kind)]
+        if not mine:
+            continue
+        ops, inner_idle = defaultdict(list), []
+        for e in mine:
+            kids = children(compute, e)
+            for k in kids:
+                ops[k["name"]].append(k["dur"])
+            inner_idle.append(e["dur"] - sum(k["dur"] for k in kids))
+        durs = [e["dur"] for e in mine]
+        print(f"\n{kind}: {len(mine)} layer calls, median {st.median(durs) / 1e3:.3f} ms a layer, "
+              f"{sum(durs) / 1e3:.1f} ms in all; idle inside a layer: median {st.median(inner_idle) / 1e3:.3f} ms")
+        print("| op | calls | median ms | total ms |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, d in sorted(ops.items(), key=lambda kv: -sum(kv[1])):
+            print(f"| {name} | {len(d)} | {st.median(d) / 1e3:.3f} | {sum(d) / 1e3:.1f} |")
+
+    top = [e for e in top_level([e for e in compute if TOP.match(e["name"])])]
+    busy = sum(e["dur"] for e in top)
+    joints = defaultdict(list)
+    for a, b in zip(top, top[1:]):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        if gap <= 0:
+            continue
+        key = f"{re.sub(r'[0-9]+', 'N', a['name'])} -> {re.sub(r'[0-9]+', 'N', b['name'])}"
+        joints[key].append(gap)
+    idle = sum(sum(v) for v in joints.values())
+    print(f"\ncompute stream: {busy / 1e3:.1f} ms in traced ranges, {idle / 1e3:.1f} ms idle between them "
+          f"({100 * idle / span:.1f}% of the window)")
+    print("| between | times | median ms | total ms |")
+    print("| --- | ---: | ---: | ---: |")
+    for key, g in sorted(joints.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {key} | {len(g)} | {st.median(g) / 1e3:.3f} | {sum(g) / 1e3:.1f} |")
+
+    if comm:
+        kinds = defaultdict(list)
+        for e in comm:
+            kinds[e["name"]].append(e["dur"])
+        print("\ncomm stream:")
+        print("| collective | calls | mean ms | total ms |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, d in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+            print(f"| {name} | {len(d)} | {sum(d) / len(d) / 1e3:.2f} | {sum(d) / 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])
