@@ -139,21 +139,19 @@ TEST(Profile, TraceGapsReportsOpsAndIdleTimeOfAKnownTrace) {
   const char* threads[] = {"compute stream", "comm stream (NCCL)", "host"};
   for (int t = 1; t <= 3; ++t)
     ev.push_back({{"ph", "M"}, {"pid", 0}, {"tid", t}, {"name", "thread_name"}, {"args", {{"name", threads[t - 1]}}}});
-  auto range = [&](const char* name, int tid, double ts, double dur) {
-    ev.push_back({{"name", name}, {"ph", "X"}, {"ts", ts}, {"dur", dur}, {"pid", 0}, {"tid", tid}, {"args", {{"step", 1}}}});
+  struct Range {
+    const char* name;
+    int tid;
+    double ts, dur;
   };
-  range("step", 1, 0, 1000);
-  range("forward.layer.0", 1, 10, 100);
-  range("qkv", 1, 10, 50);
-  range("attention", 1, 70, 40);
-  range("forward.layer.1", 1, 130, 100);
-  range("qkv", 1, 130, 60);
-  range("attention", 1, 200, 30);
-  range("backward.layer.1", 1, 260, 200);
-  range("attention.grad", 1, 260, 200);
-  range("backward.layer.0", 1, 500, 200);
-  range("attention.grad", 1, 500, 200);
-  range("all_gather", 2, 0, 50);
+  const Range ranges[] = {
+      {"step", 1, 0, 1000},           {"forward.layer.0", 1, 10, 100},  {"qkv", 1, 10, 50},
+      {"attention", 1, 70, 40},       {"forward.layer.1", 1, 130, 100}, {"qkv", 1, 130, 60},
+      {"attention", 1, 200, 30},      {"backward.layer.1", 1, 260, 200}, {"attention.grad", 1, 260, 200},
+      {"backward.layer.0", 1, 500, 200}, {"attention.grad", 1, 500, 200}, {"all_gather", 2, 0, 50}};
+  for (const Range& r : ranges)
+    ev.push_back({{"name", r.name}, {"ph", "X"}, {"ts", r.ts}, {"dur", r.dur}, {"pid", 0}, {"tid", r.tid},
+                  {"args", {{"step", 1}}}});
   std::ofstream(d.path / "t.json") << nlohmann::json({{"traceEvents", ev}}).dump();
   const std::string cmd = loom::cat("python3 ", LOOM_SOURCE_DIR, "/benchmarks/trace_gaps.py ", (d.path / "t.json").string(),
                                     " > ", (d.path / "o.txt").string(), " 2>&1");
