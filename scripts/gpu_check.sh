@@ -45,6 +45,10 @@
 #       PEER_WARMUP 1, PEER_STEPS 2), then one table:
 #       tokens/s per GPU, model TFLOP/s (causal, as NeMo counts), MFU, peak and planned GiB, Loom / peer, and
 #       the issue's targets; logs, JSON and the plans' breakdowns in $OUT/node)
+#   bash scripts/gpu_check.sh node-trace          (the same shape on NP GPUs: a trace of step 3 of each config
+#       (`loom train`, [profile] steps = [3, 3], trace = true), then benchmarks/trace_gaps.py on rank 0's trace:
+#       each op's time per layer, the compute stream's idle time and where, the collectives' time; env
+#       NODE_SET (extra --set KEY=VALUE items for both runs); traces and reports in $OUT/node-trace)
 #   bash scripts/gpu_check.sh node-loss           (the same shape on NP GPUs, grad_accum 1, on LOSS_DATA (default
 #       data/node-corpus: the fortunes, the King James Bible and the Jargon File, 8.3M byte tokens, prepared there
 #       from .carry/node-text): bf16 against fp8_current (the FP8 twin), LOSS_STEPS (150) steps from the same
@@ -596,6 +600,27 @@ if [ "$WHAT" = node ]; then
   done
   python3 benchmarks/node_table.py "$N/loom_bf16.json" "$N/loom_fp8.json" "$N/peers.jsonl" \
     "$N/check_bf16.txt" "$N/check_fp8.txt" | tee "$N/table.md" || status=1
+fi
+if [ "$WHAT" = node-trace ]; then
+  # Where the node step's time goes (docs/PERFORMANCE.md, "Where the step's time goes").
+  NP=${NP:-4}
+  N=$OUT/node-trace; mkdir -p "$N"
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NP > 0 ? $(nproc) / NP : 1 ))}
+  extra=(); for kv in ${NODE_SET:-}; do extra+=(--set "$kv"); done
+  for name in bf16 fp8; do
+    cfg=configs/bench/llama3-8b-8k.toml; [ $name = fp8 ] && cfg=configs/bench/llama3-8b-8k-fp8.toml
+    t0=$(date +%s)
+    mpi_on "$NP" -x OMP_NUM_THREADS .carry/bin/loom train "$cfg" --set train.steps=3 --set 'profile.steps=[3,3]' \
+      --set profile.trace=true --set run.out_dir="\"$N/run_$name\"" --set run.overwrite=true "${extra[@]}" \
+      > "$N/train_$name.log" 2>&1 || { status=1; tail -5 "$N/train_$name.log"; }
+    echo "loom train $name (trace of step 3): $(( $(date +%s) - t0 )) s"
+    if python3 benchmarks/trace_gaps.py "$N/run_$name/trace/rank_0.json" > "$N/gaps_$name.md"; then
+      grep -E "^/|^(forward|backward):|^compute stream" "$N/gaps_$name.md"
+    else
+      status=1; tail -3 "$N/gaps_$name.md"
+    fi
+    rm -f "$N"/run_$name/trace/rank_[1-9]*.json  # rank 0's is the one analysed; keep $OUT small
+  done
 fi
 if [ "$WHAT" = node-loss ]; then
   # FP8 against bf16 at the node shape, one micro-batch a step, on real text:
