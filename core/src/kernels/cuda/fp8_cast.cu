@@ -23,7 +23,6 @@
 // the float's bits.
 #include <algorithm>
 #include <cfloat>
-#include <cstdint>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "loom/ops/fp8_cast.hpp"
@@ -354,7 +353,7 @@ __global__ void __launch_bounds__(kDequantThreads)
 template <typename TY>
 int64_t dequant_head(const TY* y, const uint8_t* q, int64_t n) {
   for (int64_t h = 0; h < 16 && h < n; ++h) {
-    if (reinterpret_cast<uintptr_t>(q + h) % 8 == 0 && reinterpret_cast<uintptr_t>(y + h) % 16 == 0) return h;
+    if (aligned_bytes(q + h, 8) && aligned_bytes(y + h, 16)) return h;
   }
   return n;
 }
