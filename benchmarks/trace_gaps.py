@@ -77,7 +77,7 @@ def main(path):
         for name, d in sorted(ops.items(), key=lambda kv: -sum(kv[1])):
             print(f"| {name} | {len(d)} | {st.median(d) / 1e3:.3f} | {sum(d) / 1e3:.1f} |")
 
-    top = [e for e in top_level([e for e in compute if TOP.match(e["name"])])]
+    top = top_level([e for e in compute if TOP.match(e["name"])])
     busy = sum(e["dur"] for e in top)
     joints = defaultdict(list)
     for a, b in zip(top, top[1:]):
