@@ -58,10 +58,13 @@ inline void expect_same_losses(const RunSummary& a, const RunSummary& b, size_t 
 // `config` for `steps` steps twice, the second time with every parameter's
 // gradient set to 0xFF bytes (NaN in fp32 and bf16) before each step: a
 // gradient that a step accumulated onto instead of writing would carry the
-// NaN into the norm and the update. (A unit's padding is not poisoned: no
+// NaN into the norm and the update. (A unit's own padding is not poisoned: no
 // kernel writes it, it stays zero from the arena's allocation, and a sharding
-// strategy may reduce it with the rest.) The two runs must log bitwise the
-// same losses and gradient norms, all finite. Any strategy, any world.
+// strategy may reduce it with the rest. A buffer the strategy lends for one
+// backward, UnitState::grads_fresh, is poisoned whole, padding included: the
+// strategy zeroes that padding, the backward writes the rest, nothing clears
+// it.) The two runs must log bitwise the same losses and gradient norms, all
+// finite. Any strategy, any world.
 inline void stale_gradients_are_overwritten(const Config& config, int64_t steps) {
   std::vector<StepLog> logs[2];
   for (int poison = 0; poison < 2; ++poison) {
@@ -72,8 +75,11 @@ inline void stale_gradients_are_overwritten(const Config& config, int64_t steps)
         loom::probe(s).backend().synchronize();  // the last step's optimizer has read them
         for (UnitState& u : loom::probe(s).units()) {
           if (u.grads.data == nullptr) continue;
-          // The parameters' elements (an experts unit holds this rank's range only).
-          Tensor g = view(u.grads, 0, {std::min<int64_t>(u.info->numel, u.grads.numel())});
+          // The parameters' elements (an experts unit holds this rank's range
+          // only); a lent buffer whole (the units take turns with the strategy's
+          // buffers, so every one of them is poisoned).
+          const int64_t n = u.grads_fresh ? u.grads.numel() : std::min<int64_t>(u.info->numel, u.grads.numel());
+          Tensor g = view(u.grads, 0, {n});
           const std::vector<unsigned char> ff(g.bytes(), 0xFF);
           if (g.device == Device::cpu) std::memcpy(g.data, ff.data(), ff.size());
           else loom::probe(s).backend().upload(g, ff.data(), ff.size());

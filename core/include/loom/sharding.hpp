@@ -46,6 +46,17 @@ struct UnitState {
   Tensor grad_shard;   // reduced fp32 gradient shard (empty when unused)
   Tensor master;       // fp32 master for the owned range (empty when the recipe has none)
   Tensor adam_m, adam_v;
+  // ABI 10.1. Set by the strategy in before_backward (the core clears it just
+  // before): true when `grads` now points at a buffer that this backward alone
+  // fills and nothing reads before it (zero2 / zero3 / hybrid_shard lend one
+  // per unit per micro-batch, then reduce it). The strategy then need not
+  // clear it: the unit's backward writes every gradient (BlockEnv::
+  // first_micro) where it can, and where it cannot (its layer also adds into
+  // an experts unit that accumulates over the step) the core zeroes `grads`
+  // first. The padding, [info->numel, padded), is the strategy's to zero. Not
+  // for a unit whose gradients another unit's backward writes first (the
+  // embedding when tied to the head): the core refuses it.
+  bool grads_fresh = false;
 };
 
 // A buffer a strategy needs beyond the per-unit ones (gather pools, gradient

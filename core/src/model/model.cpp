@@ -152,7 +152,44 @@ void Model::forward_unit(int unit, std::vector<UnitState>& units, bool training,
   head_->forward(units, unit, stream(res_[static_cast<size_t>(L)]), targets(), training);
 }
 
+bool Model::backward_writes_elsewhere(int unit) const {
+  if (unit + 1 == num_units()) return spec_.tied_embeddings;  // the head: dW into the embedding's gradients
+  if (unit == 0) return false;
+  const int l = layer_of_[static_cast<size_t>(unit)];
+  return l >= 0 && experts_of_[static_cast<size_t>(l)] >= 0;  // a MoE layer: its experts unit's gradients
+}
+
 void Model::backward_unit(int unit, std::vector<UnitState>& units) {
+  Backend& be = *env_.backend;
+  UnitState& u = units[static_cast<size_t>(unit)];
+  // A gradient buffer lent for this backward alone (UnitState::grads_fresh)
+  // is written like a step's first micro-batch, without a clearing pass: the
+  // unit's blocks write every gradient they own. A unit whose backward also
+  // adds into another unit's gradients (those accumulate over the step) keeps
+  // accumulating, so its own buffer is cleared first.
+  const bool step_first = first_micro_;
+  if (u.grads_fresh) {
+    const bool filled_before = (unit == 0 && spec_.tied_embeddings) ||
+                               (unit != 0 && unit + 1 < num_units() && layer_of_[static_cast<size_t>(unit)] < 0);
+    LOOM_CHECK(!filled_before, "the sharding strategy marked unit '", u.info->name,
+               "' gradients fresh (UnitState::grads_fresh), but another unit's backward has already written into ",
+               "them (", unit == 0 ? "the LM head, tied to the embedding" : "its MoE layer",
+               "): a strategy may lend a fresh buffer only to a unit that fills its own gradients");
+    if (backward_writes_elsewhere(unit)) {
+      if (!step_first) be.zero(u.grads);
+    } else {
+      first_micro_ = true;
+    }
+  }
+  struct Restore {
+    bool& flag;
+    bool value;
+    ~Restore() { flag = value; }
+  } restore{first_micro_, step_first};
+  backward_blocks(unit, units);
+}
+
+void Model::backward_blocks(int unit, std::vector<UnitState>& units) {
   Backend& be = *env_.backend;
   const int64_t L = spec_.num_layers;
   UnitState& u = units[static_cast<size_t>(unit)];

@@ -63,6 +63,8 @@ class Model {
   // training: keep what backward needs; the loss of a training micro-batch is
   // computed in the head's backward with gradient scale dloss_scale.
   void forward_unit(int unit, std::vector<UnitState>& units, bool training, float dloss_scale);
+  // Under UnitState::grads_fresh the unit's backward writes its gradients
+  // (or, when it also adds into another unit's, clears its buffer first).
   void backward_unit(int unit, std::vector<UnitState>& units);
   // Per-token losses ([N] fp32) of the last evaluation forward or training backward.
   Tensor losses() const { return head_->losses(); }
@@ -92,6 +94,10 @@ class Model {
 
  private:
   Tensor stream(int id) const;  // a residual-stream buffer as [N, h]
+  void backward_blocks(int unit, std::vector<UnitState>& units);
+  // True when the unit's backward also adds into another unit's gradients
+  // (the tied head into the embedding's, a MoE layer into its experts unit's).
+  bool backward_writes_elsewhere(int unit) const;
   bool documents_on() const { return env_.document_attention || env_.document_positions; }
 
   ModelSpec spec_;

@@ -206,6 +206,7 @@ void Session::forward_unit(int unit, bool training, float dloss_scale) {
 
 void Session::backward_unit(int unit) {
   UnitState& u = units()[static_cast<size_t>(unit)];
+  u.grads_fresh = false;  // a strategy that lends a fresh buffer says so again (a plugin of ABI 10.0 never does)
   rt_.sharding->before_backward(state_->env(), u);
   model_->backward_unit(unit, units());
   rt_.sharding->after_backward(state_->env(), u, last_micro_);

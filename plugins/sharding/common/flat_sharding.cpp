@@ -589,7 +589,13 @@ void FlatSharding::before_backward(ShardingEnv& env, UnitState& u) {
       I.grad_slot ^= 1;
       s.wait(env.ctx);
       u.grads = view(s.t, 0, {m.padded});
-      env.ops->zero(env.ctx, u.grads);
+      // The backward fills [0, numel) (UnitState::grads_fresh); the padding
+      // may hold another unit's gradient and goes into the reduce-scatter.
+      u.grads_fresh = true;
+      if (m.padded > m.numel) {
+        Tensor pad = view(s.t, m.numel, {m.padded - m.numel});
+        env.ops->zero(env.ctx, pad);
+      }
     }
   }
   if (I.shard_params() && I.reshard_after_forward && !m.tied_target) I.use_event(env, u);

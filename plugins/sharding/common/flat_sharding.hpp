@@ -61,9 +61,10 @@ class FlatSharding : public Sharding {
   void step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h) override;
   // The core's zeroing pass at a step's start is not needed: the first
   // micro-batch's backward writes every parameter gradient (BlockEnv::
-  // first_micro), the whole-unit buffers of zero2 / zero3 / hybrid_shard are
-  // zeroed in before_backward, and the padding of a unit's buffer is never
-  // written (zero since the arena was allocated).
+  // first_micro), the whole-unit buffers that zero2 / zero3 / hybrid_shard
+  // lend for one backward are written too (UnitState::grads_fresh; only their
+  // padding is zeroed in before_backward), and the padding of a unit's own
+  // buffer is never written (zero since the arena was allocated).
   bool zeroes_grads() const override { return true; }
 
  private:
