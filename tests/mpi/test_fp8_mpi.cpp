@@ -142,9 +142,14 @@ GatherRun run_gathers(const std::string& strategy, const std::string& keys, cons
   // Every unit is gathered as often in either run: FP8 weights (the decoder
   // layers' matrices) 1 byte an element, everything else the parameters'
   // own size (4 bytes on the CPU, whose parameters are fp32; 2 on a GPU,
-  // where they are bf16).
+  // where they are bf16). Resharding after forward: twice a micro-batch
+  // (forward, backward), but the last unit (the head) once, as the backward
+  // starts with its forward's gather; else once.
+  const bool reshard = keys.find("reshard_after_forward = false") == std::string::npos;
   double fp8 = 0, all = 0, elt = 0;
-  for (const loom::UnitState& u : loom::probe(s).units()) {
+  const auto& units = loom::probe(s).units();
+  for (const loom::UnitState& u : units) {
+    const double times = reshard && &u != &units.back() ? 2.0 : 1.0;
     // zero3 keeps the owned range resident and gathers the rest into scratch.
     const loom::Tensor& held = u.param_shard.data != nullptr ? u.param_shard : u.params;
     if (held.data == nullptr) ADD_FAILURE() << "unit " << u.info->name << " holds no parameters";
@@ -154,8 +159,8 @@ GatherRun run_gathers(const std::string& strategy, const std::string& keys, cons
     for (const loom::ParamInfo& p : u.info->params) {
       const bool layer = u.info->name.rfind("layer.", 0) == 0;
       const bool matrix = p.role == loom::ParamRole::matrix || p.role == loom::ParamRole::output_projection;
-      all += static_cast<double>(p.numel);
-      if (layer && matrix) fp8 += static_cast<double>(p.numel);
+      all += times * static_cast<double>(p.numel);
+      if (layer && matrix) fp8 += times * static_cast<double>(p.numel);
     }
   }
   r.expected_ratio = (fp8 + elt * (all - fp8)) / (elt * all);

@@ -113,6 +113,7 @@ struct FlatSharding::Impl {
   std::vector<int> event_slot;
   size_t next_event = 0, issued = 0;
   bool started_early = false;  // the next micro-batch's first gathers were issued in the last backward
+  int kept_unit = -1;  // the last unit of the forward, whose backward reads the forward's gather
 
   // A reduce-scatter that landed in rtmp and still has to be added to the shard.
   struct Pending {
@@ -524,9 +525,15 @@ void FlatSharding::setup(ShardingEnv& env, std::vector<UnitState>& units, std::v
       if (I.units[static_cast<size_t>(u)].tied_target) I.events.push_back(u);
     for (int u = 0; u < n; ++u)
       if (!I.units[static_cast<size_t>(u)].tied_target && gathered(u)) I.events.push_back(u);
-    if (I.reshard_after_forward)
+    if (I.reshard_after_forward) {
+      // The backward starts with the unit the forward ended with (the head):
+      // it keeps that gather instead of resharding and gathering it again at
+      // once (its buffer is next reused by a gather issued after its backward).
+      if (!I.events.empty() && !I.units[static_cast<size_t>(I.events.back())].tied_target)
+        I.kept_unit = I.events.back();
       for (int u = n - 1; u >= 0; --u)
-        if (!I.units[static_cast<size_t>(u)].tied_target && gathered(u)) I.events.push_back(u);
+        if (!I.units[static_cast<size_t>(u)].tied_target && gathered(u) && u != I.kept_unit) I.events.push_back(u);
+    }
     I.event_ticket.assign(I.events.size(), 0);
     I.event_slot.assign(I.events.size(), -1);
     LOOM_CHECK(I.events.empty() || I.events.front() == 0 || !I.units[0].tied_target, "sharding: tied target must be unit 0");
@@ -598,7 +605,7 @@ void FlatSharding::before_backward(ShardingEnv& env, UnitState& u) {
       }
     }
   }
-  if (I.shard_params() && I.reshard_after_forward && !m.tied_target) I.use_event(env, u);
+  if (I.shard_params() && I.reshard_after_forward && !m.tied_target && u.index != I.kept_unit) I.use_event(env, u);
 }
 
 void FlatSharding::after_backward(ShardingEnv& env, UnitState& u, bool last_micro) {
