@@ -54,7 +54,9 @@
 #       from .carry/node-text): bf16 against fp8_current (the FP8 twin), LOSS_STEPS (150) steps from the same
 #       weights, `loom compare`, lr LOSS_LR (default the config's, 3e-4) after LOSS_WARMUP (15) warm-up steps,
 #       deterministic kernels unless LOSS_DET=0, and with LOSS_FLOOR=1 (the default when LOSS_DET=0) bf16 again:
-#       the noise floor of two bf16 runs; passes when the FP8 loss is within 1% of bf16's at every step after 50)
+#       the noise floor of two bf16 runs; LOSS_START=N first trains bf16 N steps and starts both runs from
+#       those weights (a Hugging Face export in LOSS_WORK, default /tmp/loom-node-loss);
+#       passes when the FP8 loss is within 1% of bf16's at every step after 50)
 #   bash scripts/gpu_check.sh docmask             (document masking on one GPU, under 9 minutes: every GPU case
 #       with the switches (test_docmask's DocMaskGpu.*: naive fp32 and cuDNN bf16 against separate documents and
 #       against HF transformers' packed golden; the step's allocations and host waits; cuDNN's ragged attention
@@ -656,6 +658,24 @@ if [ "$WHAT" = node-loss ]; then
     runs=$runs,$OUT/node-loss-configs/llama3-8b-8k-again.toml
   fi
   t0=$(date +%s)
+  if [ "${LOSS_START:-0}" -gt 0 ]; then
+    # A common trained start: bf16 alone for LOSS_START steps (same corpus and
+    # settings), its weights exported as a Hugging Face folder, which both runs
+    # then load (model.init = "hf:..."), with fresh optimizer state, a new warm-up
+    # and another data order (run.seed). From random weights the first steps
+    # are chaotic: two bf16 runs whose reductions merely add in another order
+    # part by more than 1% (LOSS_DET=0 LOSS_FLOOR=1 shows it). The checkpoint
+    # and the folder stay outside $OUT (tens of GB): LOSS_WORK, default /tmp/loom-node-loss.
+    W=${LOSS_WORK:-/tmp/loom-node-loss}; rm -rf "$W"; mkdir -p "$W"
+    mpi_on "$NP" -x OMP_NUM_THREADS .carry/bin/loom train configs/bench/llama3-8b-8k.toml "${L[@]}" \
+      --set train.steps="$LOSS_START" --set checkpoint.every="$LOSS_START" --set run.out_dir="\"$W/start\"" \
+      > "$OUT/node-loss-start.log" 2>&1 || { status=1; tail -20 "$OUT/node-loss-start.log"; }
+    .carry/bin/loom convert "$W/start/checkpoints/$(printf 'step_%08d' "$LOSS_START")" --to-hf "$W/hf" --dtype bf16 \
+      >> "$OUT/node-loss-start.log" 2>&1 || { status=1; tail -5 "$OUT/node-loss-start.log"; }
+    grep -E "loss" "$OUT/node-loss-start.log" | grep -v "^COMPARE" | tail -2
+    echo "start: $LOSS_START bf16 steps and the export, $(( $(date +%s) - t0 )) s"
+    L+=(--set model.init="\"hf:$W/hf\"" --set run.seed=7)
+  fi
   mpi_on "$NP" -x OMP_NUM_THREADS .carry/bin/loom compare configs/bench/llama3-8b-8k.toml \
     --configs="$runs" "${L[@]}" --steps="${LOSS_STEPS:-150}" --warmup=0 \
     --out="$OUT/node-loss" > "$OUT/node-loss.out" 2> "$OUT/node-loss.log" || { status=1; tail -20 "$OUT/node-loss.log"; }
