@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "loom/attention.hpp"
+#include "loom/config.hpp"
 #include "loom/registry.hpp"
 
 #ifdef LOOM_HAVE_CUDA
@@ -75,11 +76,13 @@ GraphsBuilt cudnn_graph_counter() {
   return lib ? reinterpret_cast<GraphsBuilt>(dlsym(lib, "loom_attention_cudnn_graphs_built")) : nullptr;
 }
 
-std::unique_ptr<loom::Attention> load(const std::string& name, Device device, bool deterministic = false) {
+std::unique_ptr<loom::Attention> load(const std::string& name, Device device, bool deterministic = false,
+                                      const std::string& toml = "") {
   loom::PluginRegistry reg({kPluginDir});
   loom::PluginInit init;
   init.device = device;
   init.deterministic = deterministic;
+  if (!toml.empty()) init.config = loom::parse_config_table("[attention]\n" + toml, "attention.toml").table("attention");
   return reg.create_as<loom::PluginKind::attention>(name, init);
 }
 
@@ -348,6 +351,49 @@ TEST(CudnnAttention, MatchesNaiveCuda) {
     const Results want = run_gpu(*naive, c, DType::bf16, in);
     const Results got = run_gpu(*cudnn, c, DType::bf16, in);
     expect_close(got, want, 2e-2, 1e-3, "cudnn vs naive " + c.name());
+  }
+}
+
+// attention.sdpa_forward: each forward implementation against naive at the
+// MatchesNaiveCuda cases and tolerances (the backward reads each one's out and
+// stats). "composite" is cuDNN's graph of separate operations, which every
+// cuDNN 9 supports; "unified" needs a newer library: where it cannot build a
+// graph, the refusal must name the key and the way out.
+TEST(CudnnAttention, EachForwardImplementationMatchesNaive) {
+  REQUIRE_GPU();
+  if (!plugin_built("cudnn")) GTEST_SKIP() << "the cudnn plugin was not built (see the CMake warning)";
+  auto naive = load("naive", Device::cuda);
+  const Case cases[] = {{2, 257, 8, 2, 64}, {2, 100, 8, 2, 128, true}, {1, 512, 4, 4, 128}};
+  for (const char* impl : {"composite", "unified", "auto"}) {
+    auto cudnn = load("cudnn", Device::cuda, false, std::string("sdpa_forward = \"") + impl + "\"");
+    for (const Case& c : cases) {
+      // supports() builds the graphs, as the core asks before any GPU work.
+      const loom::Support sup = cudnn->supports(c.shape(), DType::bf16, Device::cuda);
+      if (!sup.ok) {
+        EXPECT_EQ(std::string(impl), "unified") << impl << " " << c.name() << ": " << sup.reason;
+        EXPECT_NE(sup.reason.find("attention.sdpa_forward = \"unified\""), std::string::npos) << sup.reason;
+        std::printf("[sdpa_forward] unified refused for %s: %s\n", c.name().c_str(), sup.reason.c_str());
+        continue;
+      }
+      const Inputs in = make_inputs(c, true, 31 + static_cast<uint32_t>(c.S));
+      const Results want = run_gpu(*naive, c, DType::bf16, in);
+      const Results got = run_gpu(*cudnn, c, DType::bf16, in);
+      expect_close(got, want, 2e-2, 1e-3, std::string("cudnn (") + impl + ") vs naive " + c.name());
+    }
+  }
+}
+
+// A value outside the three is refused when the plugin is made (before any
+// device work, so on any machine), naming the key, the value and the choices.
+TEST(CudnnAttention, UnknownForwardImplementationIsRefused) {
+  if (!plugin_built("cudnn")) GTEST_SKIP() << "the cudnn plugin was not built (see the CMake warning)";
+  try {
+    load("cudnn", Device::cuda, false, "sdpa_forward = \"unifed\"");
+    ADD_FAILURE() << "sdpa_forward = \"unifed\" was accepted";
+  } catch (const loom::Error& e) {
+    const std::string m = e.what();
+    for (const char* part : {"sdpa_forward", "unifed", "composite", "unified", "auto"})
+      EXPECT_NE(m.find(part), std::string::npos) << "missing '" << part << "' in: " << m;
   }
 }
 

@@ -42,6 +42,12 @@
 //   staged micro-batch (DocumentSpans::serial) and layout. The stats are laid
 //   out [tokens, H] in the [B, H, S] buffer in this mode.
 //
+// - attention.sdpa_forward picks cuDNN's forward implementation: "auto"
+//   (cudnn-frontend's choice: its unified SDPA operation where the cuDNN
+//   library supports the graph, else the composite graph), "composite" or
+//   "unified". The backward has one implementation. docs/PERFORMANCE.md
+//   ("Attention beside PyTorch's") has what each costs.
+//
 // Threads: one. The core drives a plugin object from its step thread. The
 // caches and variant packs are unguarded and the cuDNN handle's stream is set
 // per call, so two threads calling one object at the same time are not
@@ -292,7 +298,14 @@ struct Entry {
   const int64_t* planned = nullptr;
 };
 
-std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const GraphKey& key, int64_t& workspace) {
+// attention.sdpa_forward's values, in the order of kForwardImplNames.
+constexpr std::array<const char*, 3> kForwardImplNames = {"auto", "composite", "unified"};
+constexpr std::array<fe::AttentionImplementation_t, 3> kForwardImpls = {
+    fe::AttentionImplementation_t::AUTO, fe::AttentionImplementation_t::COMPOSITE,
+    fe::AttentionImplementation_t::UNIFIED};
+
+std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const GraphKey& key, int64_t& workspace,
+                                              fe::AttentionImplementation_t forward_impl) {
   const AttentionShape& s = key.shape;
   const int64_t tokens = s.batch * s.seq;
   auto g = std::make_shared<fe::graph::Graph>();
@@ -314,7 +327,8 @@ std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const GraphK
                      .set_name("sdpa_forward")
                      .set_generate_stats(true)  // training: backward needs the log-sum-exp
                      .set_causal_mask(s.causal)
-                     .set_attn_scale(s.scale);
+                     .set_attn_scale(s.scale)
+                     .set_implementation(forward_impl);
     if (key.ragged())
       attrs.set_padding_mask(true).set_seq_len_q(rag.seq_q).set_seq_len_kv(rag.seq_kv)
           .set_max_total_seq_len_q(tokens).set_max_total_seq_len_kv(tokens);
@@ -395,8 +409,11 @@ class CudnnAttention final : public Attention {
  public:
   explicit CudnnAttention(const PluginInit& init)
       : device_(init.device), deterministic_(init.deterministic), planning_(init.planning) {
-    // No options; finish() rejects any key given.
-    init.config.finish();
+    const std::string impl = init.config.get_choice(
+        "sdpa_forward", "auto", std::vector<std::string>(kForwardImplNames.begin(), kForwardImplNames.end()));
+    for (size_t i = 0; i < kForwardImplNames.size(); ++i)
+      if (impl == kForwardImplNames[i]) forward_impl_ = i;
+    init.config.finish();  // rejects any other key
   }
 
   ~CudnnAttention() override {
@@ -616,10 +633,13 @@ class CudnnAttention final : public Attention {
     e.key = key;
     ++g_graphs_built;
     try {
-      e.graph = build_graph(h, key, e.workspace);
+      e.graph = build_graph(h, key, e.workspace, kForwardImpls[forward_impl_]);
     } catch (const Error& err) {
       e.graph.reset();
       e.error = err.what();
+      if (!key.backward && forward_impl_ != 0)
+        e.error += cat(" (with attention.sdpa_forward = \"", kForwardImplNames[forward_impl_],
+                       "\"; \"auto\" takes whichever implementation cuDNN supports)");
     }
     Entry& placed = cache_.emplace(id, std::move(e)).first->second;
     if (placed.graph) {
@@ -687,6 +707,7 @@ class CudnnAttention final : public Attention {
 
   Device device_;
   bool deterministic_;
+  size_t forward_impl_ = 0;  // attention.sdpa_forward, an index into kForwardImplNames
   bool planning_ = false;  // PluginInit::planning: no GPU to ask
   mutable cudnnHandle_t handle_ = nullptr;
   // std::map: entries never move, so `last_` and Entry::slot stay valid.
