@@ -325,6 +325,26 @@ TEST(TrainE2E, GradAccumulationMatchesOneLargeBatch) {
 // the run, for native and fused layers, tied and untied embeddings (the
 // head writes the embedding's gradient, the scatter adds to it), one and two
 // micro-batches.
+// UnitState::grads_fresh on a unit whose gradients another unit's backward
+// writes first (the embedding tied to the head) would lose the head's part:
+// the model refuses it before any kernel, naming the unit and the flag.
+TEST(TrainE2E, FreshGradientsAreRefusedOnTheTiedEmbedding) {
+  fs::path d = temp_dir("fresh_tied");
+  Session s(parse(small_config(d), {"model.tied_embeddings=true", "train.steps=4", "train.validation_every=0"}));
+  s.initialise();
+  s.train_step();
+  auto& units = loom::probe(s).units();
+  units[0].grads_fresh = true;
+  try {
+    loom::probe(s).model().backward_unit(0, units);
+    ADD_FAILURE() << "a fresh gradient buffer on the tied embedding was accepted";
+  } catch (const loom::Error& e) {
+    const std::string m = e.what();
+    for (const char* part : {"embedding", "grads_fresh", "tied"})
+      EXPECT_NE(m.find(part), std::string::npos) << "missing '" << part << "' in: " << m;
+  }
+}
+
 TEST(TrainE2E, StaleGradientsAreOverwritten) {
   fs::path d = temp_dir("stale_grads");
   for (const std::string layers : {"native", "fused"})
