@@ -44,7 +44,8 @@
 #       torchao float8 (torchtitan's recipe, per-op selective AC, whole-layer AC if that runs out of memory;
 #       PEER_WARMUP 1, PEER_STEPS 2), then one table:
 #       tokens/s per GPU, model TFLOP/s (causal, as NeMo counts), MFU, peak and planned GiB, Loom / peer, and
-#       the issue's targets; logs, JSON and the plans' breakdowns in $OUT/node)
+#       the issue's targets; logs, JSON and the plans' breakdowns in $OUT/node; NODE_FP8_SET="KEY=VALUE ..."
+#       benches the FP8 workload once more with those settings, beside the table)
 #   bash scripts/gpu_check.sh node-trace          (the same shape on NP GPUs: a trace of step 3 of each config
 #       (`loom train`, [profile] steps = [3, 3], trace = true), then benchmarks/trace_gaps.py on rank 0's trace:
 #       each op's time per layer, the compute stream's idle time and where, the collectives' time; env
@@ -584,6 +585,16 @@ if [ "$WHAT" = node ]; then
     echo "loom bench $name: $(( $(date +%s) - t0 )) s"
     grep -E "^config|llama3-8b" "$N/bench_$name.log" | grep -v BENCH_JSON
   done
+  if [ -n "${NODE_FP8_SET:-}" ]; then
+    # The FP8 workload again with switches (space-separated KEY=VALUE items),
+    # beside the rows above: e.g. "precision.fp8_head=true".
+    read -ra items <<< "$NODE_FP8_SET"; sets=(); for x in "${items[@]}"; do sets+=(--set "$x"); done
+    t0=$(date +%s)
+    mpi_on "$NP" -x OMP_NUM_THREADS .carry/bin/loom bench "$F8" "${sets[@]}" --steps="${STEPS:-3}" --warmup="${WARMUP:-2}" \
+      --json="$N/loom_fp8_set.json" > "$N/bench_fp8_set.log" 2>&1 || { status=1; tail -20 "$N/bench_fp8_set.log"; }
+    echo "loom bench fp8 with $NODE_FP8_SET: $(( $(date +%s) - t0 )) s"
+    grep -E "^config|llama3-8b" "$N/bench_fp8_set.log" | grep -v BENCH_JSON
+  fi
   : > "$N/peers.jsonl"
   for name in bf16 fp8; do
     extra=(); [ $name = fp8 ] && extra=(--float8)
