@@ -105,6 +105,23 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/loom-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+# A copy of config SRC named NAME (run.name, run.out_dir = "runs/NAME") in
+# folder DIR, with more sed expressions applied; prints its path:
+#   renamed SRC NAME DIR [-e EXPR]...
+renamed() {
+  local src=$1 name=$2 dir=$3; shift 3
+  mkdir -p "$dir"
+  sed -e "s/^name = .*/name = \"$name\"/" -e "s|^out_dir = .*|out_dir = \"runs/$name\"|" "$@" "$src" > "$dir/$name.toml"
+  echo "$dir/$name.toml"
+}
+# --set arguments from a space-separated list of KEY=VALUE items, into SETS:
+#   set_args "$LIST"; loom ... "${SETS[@]}"
+set_args() {
+  SETS=()
+  local kv
+  for kv in $1; do SETS+=(--set "$kv"); done
+}
+
 # N ranks, one per GPU, with this environment: mpi_on N COMMAND...
 mpi_on() {
   local n=$1; shift
@@ -251,15 +268,13 @@ if [ "$WHAT" = convergence ] || [ "$WHAT" = all ]; then
   runs=$C/fortunes-fused.toml
   for layers in native fused; do
     for i in $(seq "${REPEAT:-3}"); do
-      n=fortunes-$layers-nondet-$i
-      sed -e "s/^name = .*/name = \"$n\"/" -e "s|^out_dir = .*|out_dir = \"runs/$n\"|" \
-          -e 's/^deterministic = .*/deterministic = false/' "$C/fortunes-$layers.toml" > "$CC/$n.toml"
-      runs=$runs,$CC/$n.toml
+      runs=$runs,$(renamed "$C/fortunes-$layers.toml" "fortunes-$layers-nondet-$i" "$CC" \
+                     -e 's/^deterministic = .*/deterministic = false/')
     done
   done
   # CONV_SET="train.lr=3e-4 train.min_lr=3e-5": more --set overrides, for every run alike.
-  extra=(); for kv in ${CONV_SET:-}; do extra+=(--set "$kv"); done
-  .carry/bin/loom compare $C/fortunes-native.toml --configs="$runs" --set run.overwrite=true "${extra[@]}" \
+  set_args "${CONV_SET:-}"
+  .carry/bin/loom compare $C/fortunes-native.toml --configs="$runs" --set run.overwrite=true "${SETS[@]}" \
     --steps="${CONV_STEPS:-1000}" --warmup=0 --validate=100 --out="$OUT/convergence" \
     > "$OUT/convergence.out" 2> "$OUT/convergence.log" || status=1
   grep -v '^COMPARE_JSON' "$OUT/convergence.out"
@@ -495,9 +510,8 @@ PY
   #    shards): 1000 steps with the switches on beside the same run without them, same initial weights.
   C=configs/convergence; CC=$OUT/docmask-configs
   rm -rf "$CC" && mkdir -p "$CC"
-  sed -e 's/^name = .*/name = "fortunes-docmask"/' -e 's|^out_dir = .*|out_dir = "runs/fortunes-docmask"|' \
-      -e 's/^\[train\]$/[train]\nreset_attention_mask = true\nreset_position_ids = true\neod_mask_loss = true/' \
-      "$C/fortunes-fused.toml" > "$CC/fortunes-docmask.toml"
+  renamed "$C/fortunes-fused.toml" fortunes-docmask "$CC" \
+    -e 's/^\[train\]$/[train]\nreset_attention_mask = true\nreset_position_ids = true\neod_mask_loss = true/' > /dev/null
   # cuDNN's ordinary (non-deterministic) backward in both runs: the curves are compared, not bits.
   .carry/bin/loom compare $C/fortunes-fused.toml --configs="$CC/fortunes-docmask.toml" --set run.overwrite=true \
     --set run.deterministic=false --steps="${CONV_STEPS:-1000}" --warmup=0 --validate=100 \
@@ -588,9 +602,9 @@ if [ "$WHAT" = node ]; then
   if [ -n "${NODE_FP8_SET:-}" ]; then
     # The FP8 workload again with switches (space-separated KEY=VALUE items),
     # beside the rows above: e.g. "precision.fp8_head=true".
-    read -ra items <<< "$NODE_FP8_SET"; sets=(); for x in "${items[@]}"; do sets+=(--set "$x"); done
+    set_args "$NODE_FP8_SET"
     t0=$(date +%s)
-    mpi_on "$NP" -x OMP_NUM_THREADS .carry/bin/loom bench "$F8" "${sets[@]}" --steps="${STEPS:-3}" --warmup="${WARMUP:-2}" \
+    mpi_on "$NP" -x OMP_NUM_THREADS .carry/bin/loom bench "$F8" "${SETS[@]}" --steps="${STEPS:-3}" --warmup="${WARMUP:-2}" \
       --json="$N/loom_fp8_set.json" > "$N/bench_fp8_set.log" 2>&1 || { status=1; tail -20 "$N/bench_fp8_set.log"; }
     echo "loom bench fp8 with $NODE_FP8_SET: $(( $(date +%s) - t0 )) s"
     grep -E "^config|llama3-8b" "$N/bench_fp8_set.log" | grep -v BENCH_JSON
@@ -620,12 +634,12 @@ if [ "$WHAT" = node-trace ]; then
   NP=${NP:-4}
   N=$OUT/node-trace; mkdir -p "$N"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NP > 0 ? $(nproc) / NP : 1 ))}
-  extra=(); for kv in ${NODE_SET:-}; do extra+=(--set "$kv"); done
+  set_args "${NODE_SET:-}"
   for name in bf16 fp8; do
     cfg=configs/bench/llama3-8b-8k.toml; [ $name = fp8 ] && cfg=configs/bench/llama3-8b-8k-fp8.toml
     t0=$(date +%s)
     mpi_on "$NP" -x OMP_NUM_THREADS .carry/bin/loom train "$cfg" --set train.steps=3 --set 'profile.steps=[3,3]' \
-      --set profile.trace=true --set run.out_dir="\"$N/run_$name\"" --set run.overwrite=true "${extra[@]}" \
+      --set profile.trace=true --set run.out_dir="\"$N/run_$name\"" --set run.overwrite=true "${SETS[@]}" \
       > "$N/train_$name.log" 2>&1 || { status=1; tail -5 "$N/train_$name.log"; }
     echo "loom train $name (trace of step 3): $(( $(date +%s) - t0 )) s"
     if python3 benchmarks/trace_gaps.py "$N/run_$name/trace/rank_0.json" > "$N/gaps_$name.md"; then
@@ -668,17 +682,11 @@ if [ "$WHAT" = node-loss ]; then
   # above; docs/PERFORMANCE.md). Its weights then gather in bf16: only
   # fp8_current supplies FP8 gathers.
   if [ -n "${LOSS_RECIPE:-}" ] && [ "$LOSS_RECIPE" != fp8_current ]; then
-    mkdir -p "$OUT/node-loss-configs"
-    sed -e "s/^plugin = \"fp8_current\"/plugin = \"$LOSS_RECIPE\"/" -e '/^gather_dtype/d' \
-      -e "s/^name = .*/name = \"llama3-8b-8k-$LOSS_RECIPE\"/" -e "s|^out_dir = .*|out_dir = \"runs/llama3-8b-8k-$LOSS_RECIPE\"|" \
-      configs/bench/llama3-8b-8k-fp8.toml > "$OUT/node-loss-configs/llama3-8b-8k-$LOSS_RECIPE.toml"
-    runs=$OUT/node-loss-configs/llama3-8b-8k-$LOSS_RECIPE.toml
+    runs=$(renamed configs/bench/llama3-8b-8k-fp8.toml "llama3-8b-8k-$LOSS_RECIPE" "$OUT/node-loss-configs" \
+           -e "s/^plugin = \"fp8_current\"/plugin = \"$LOSS_RECIPE\"/" -e '/^gather_dtype/d')
   fi
   if [ "${LOSS_FLOOR:-$(( 1 - ${LOSS_DET:-1} ))}" = 1 ]; then
-    mkdir -p "$OUT/node-loss-configs"
-    sed -e 's/^name = .*/name = "llama3-8b-8k-again"/' -e 's|^out_dir = .*|out_dir = "runs/llama3-8b-8k-again"|' \
-      configs/bench/llama3-8b-8k.toml > "$OUT/node-loss-configs/llama3-8b-8k-again.toml"
-    runs=$runs,$OUT/node-loss-configs/llama3-8b-8k-again.toml
+    runs=$runs,$(renamed configs/bench/llama3-8b-8k.toml llama3-8b-8k-again "$OUT/node-loss-configs")
   fi
   t0=$(date +%s)
   if [ "${LOSS_START:-0}" -gt 0 ]; then
