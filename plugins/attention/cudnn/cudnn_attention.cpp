@@ -298,11 +298,14 @@ struct Entry {
   const int64_t* planned = nullptr;
 };
 
-// attention.sdpa_forward's values, in the order of kForwardImplNames.
-constexpr std::array<const char*, 3> kForwardImplNames = {"auto", "composite", "unified"};
-constexpr std::array<fe::AttentionImplementation_t, 3> kForwardImpls = {
-    fe::AttentionImplementation_t::AUTO, fe::AttentionImplementation_t::COMPOSITE,
-    fe::AttentionImplementation_t::UNIFIED};
+// attention.sdpa_forward's values; the first is the default.
+struct ForwardImpl {
+  const char* name;
+  fe::AttentionImplementation_t impl;
+};
+constexpr std::array<ForwardImpl, 3> kForwardImpls = {{{"auto", fe::AttentionImplementation_t::AUTO},
+                                                       {"composite", fe::AttentionImplementation_t::COMPOSITE},
+                                                       {"unified", fe::AttentionImplementation_t::UNIFIED}}};
 
 std::shared_ptr<fe::graph::Graph> build_graph(cudnnHandle_t handle, const GraphKey& key, int64_t& workspace,
                                               fe::AttentionImplementation_t forward_impl) {
@@ -409,10 +412,11 @@ class CudnnAttention final : public Attention {
  public:
   explicit CudnnAttention(const PluginInit& init)
       : device_(init.device), deterministic_(init.deterministic), planning_(init.planning) {
-    const std::string impl = init.config.get_choice(
-        "sdpa_forward", "auto", std::vector<std::string>(kForwardImplNames.begin(), kForwardImplNames.end()));
-    for (size_t i = 0; i < kForwardImplNames.size(); ++i)
-      if (impl == kForwardImplNames[i]) forward_impl_ = i;
+    std::vector<std::string> names;
+    for (const ForwardImpl& f : kForwardImpls) names.emplace_back(f.name);
+    const std::string impl = init.config.get_choice("sdpa_forward", kForwardImpls[0].name, names);
+    for (const ForwardImpl& f : kForwardImpls)
+      if (impl == f.name) forward_impl_ = &f;
     init.config.finish();  // rejects any other key
   }
 
@@ -633,12 +637,12 @@ class CudnnAttention final : public Attention {
     e.key = key;
     ++g_graphs_built;
     try {
-      e.graph = build_graph(h, key, e.workspace, kForwardImpls[forward_impl_]);
+      e.graph = build_graph(h, key, e.workspace, forward_impl_->impl);
     } catch (const Error& err) {
       e.graph.reset();
       e.error = err.what();
-      if (!key.backward && forward_impl_ != 0)
-        e.error += cat(" (with attention.sdpa_forward = \"", kForwardImplNames[forward_impl_],
+      if (!key.backward && forward_impl_ != &kForwardImpls[0])
+        e.error += cat(" (with attention.sdpa_forward = \"", forward_impl_->name,
                        "\"; \"auto\" takes whichever implementation cuDNN supports)");
     }
     Entry& placed = cache_.emplace(id, std::move(e)).first->second;
@@ -707,7 +711,7 @@ class CudnnAttention final : public Attention {
 
   Device device_;
   bool deterministic_;
-  size_t forward_impl_ = 0;  // attention.sdpa_forward, an index into kForwardImplNames
+  const ForwardImpl* forward_impl_ = &kForwardImpls[0];  // attention.sdpa_forward
   bool planning_ = false;  // PluginInit::planning: no GPU to ask
   mutable cudnnHandle_t handle_ = nullptr;
   // std::map: entries never move, so `last_` and Entry::slot stay valid.
