@@ -152,11 +152,14 @@ void Model::forward_unit(int unit, std::vector<UnitState>& units, bool training,
   head_->forward(units, unit, stream(res_[static_cast<size_t>(L)]), targets(), training);
 }
 
-bool Model::backward_writes_elsewhere(int unit) const {
-  if (unit + 1 == num_units()) return spec_.tied_embeddings;  // the head: dW into the embedding's gradients
-  if (unit == 0) return false;
+Model::FreshGrads Model::fresh_grads(int unit) const {
+  // The tied embedding holds the head's part already; the tied head adds into the embedding's.
+  if (unit == 0) return spec_.tied_embeddings ? FreshGrads::refused : FreshGrads::written;
+  if (unit + 1 == num_units()) return spec_.tied_embeddings ? FreshGrads::cleared : FreshGrads::written;
   const int l = layer_of_[static_cast<size_t>(unit)];
-  return l >= 0 && experts_of_[static_cast<size_t>(l)] >= 0;  // a MoE layer: its experts unit's gradients
+  if (l < 0) return FreshGrads::refused;  // an experts unit: its layer's backward filled it
+  // A MoE layer under expert parallelism also adds into its experts unit's gradients.
+  return experts_of_[static_cast<size_t>(l)] >= 0 ? FreshGrads::cleared : FreshGrads::written;
 }
 
 void Model::backward_unit(int unit, std::vector<UnitState>& units) {
@@ -169,17 +172,13 @@ void Model::backward_unit(int unit, std::vector<UnitState>& units) {
   // accumulating, so its own buffer is cleared first.
   const bool step_first = first_micro_;
   if (u.grads_fresh) {
-    const bool filled_before = (unit == 0 && spec_.tied_embeddings) ||
-                               (unit != 0 && unit + 1 < num_units() && layer_of_[static_cast<size_t>(unit)] < 0);
-    LOOM_CHECK(!filled_before, "the sharding strategy marked unit '", u.info->name,
+    const FreshGrads f = fresh_grads(unit);
+    LOOM_CHECK(f != FreshGrads::refused, "the sharding strategy marked unit '", u.info->name,
                "' gradients fresh (UnitState::grads_fresh), but another unit's backward has already written into ",
                "them (", unit == 0 ? "the LM head, tied to the embedding" : "its MoE layer",
                "): a strategy may lend a fresh buffer only to a unit that fills its own gradients");
-    if (backward_writes_elsewhere(unit)) {
-      if (!step_first) be.zero(u.grads);
-    } else {
-      first_micro_ = true;
-    }
+    if (f == FreshGrads::written) first_micro_ = true;
+    else if (!step_first) be.zero(u.grads);
   }
   struct Restore {
     bool& flag;

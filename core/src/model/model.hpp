@@ -95,9 +95,13 @@ class Model {
  private:
   Tensor stream(int id) const;  // a residual-stream buffer as [N, h]
   void backward_blocks(int unit, std::vector<UnitState>& units);
-  // True when the unit's backward also adds into another unit's gradients
-  // (the tied head into the embedding's, a MoE layer into its experts unit's).
-  bool backward_writes_elsewhere(int unit) const;
+  // What a unit's backward does with a fresh gradient buffer: writes it (as
+  // a first micro-batch); clears it and adds, as its backward also adds into
+  // another unit's gradients (the tied head into the embedding's, a MoE layer
+  // into its experts unit's); or refuses it, as another unit's backward has
+  // written it already (the tied embedding, an experts unit).
+  enum class FreshGrads { written, cleared, refused };
+  FreshGrads fresh_grads(int unit) const;
   bool documents_on() const { return env_.document_attention || env_.document_positions; }
 
   ModelSpec spec_;
