@@ -164,6 +164,7 @@ TEST(Config, FullConfigReadsEveryField) {
   EXPECT_DOUBLE_EQ(c.model.spec.norm_eps, 1e-6);
   EXPECT_TRUE(c.model.spec.tied_embeddings);
   EXPECT_DOUBLE_EQ(c.model.init_std, 0.01);
+  EXPECT_DOUBLE_EQ(c.model.embedding_init_std, 0.01);  // init_std's unless set
   EXPECT_EQ(c.model.recompute, "attention");
 
   EXPECT_EQ(c.train.steps, 2000);
@@ -228,6 +229,7 @@ TEST(Config, EmptyConfigGivesDefaults) {
   EXPECT_DOUBLE_EQ(c.model.spec.norm_eps, spec.norm_eps);
   EXPECT_EQ(c.model.spec.tied_embeddings, spec.tied_embeddings);
   EXPECT_DOUBLE_EQ(c.model.init_std, 0.02);
+  EXPECT_DOUBLE_EQ(c.model.embedding_init_std, 0.02);
   EXPECT_EQ(c.model.recompute, "none");
   EXPECT_EQ(c.train.steps, 100);
   EXPECT_EQ(c.train.micro_batch, 8);
@@ -493,7 +495,9 @@ TEST(Config, KeysOfAnotherModeAreRefused) {
            {moe, dense, "num_experts = 8\n", "model.num_experts applies to a mixture of experts only"},
            {moe, dense, "top_k = 1\n", "model.top_k applies to a mixture of experts only"},
            {moe, dense, "router_aux_loss_coef = 0.1\n", "model.router_aux_loss_coef applies to a mixture of experts only"},
-           {moe, dense, "router_jitter_noise = 0.1\n", "model.router_jitter_noise applies to a mixture of experts only"}}) {
+           {moe, dense, "router_jitter_noise = 0.1\n", "model.router_jitter_noise applies to a mixture of experts only"},
+           {"[model]\ntied_embeddings = false\n", "[model]\ntied_embeddings = true\n", "embedding_init_std = 1.0\n",
+            "model.embedding_init_std applies to an untied embedding"}}) {
     SCOPED_TRACE(c.line);
     EXPECT_NO_THROW(parse(c.on + c.line));
     const std::string msg = parse_error(c.off + c.line);
@@ -508,6 +512,7 @@ TEST(Config, KeysOfAnotherModeAreRefused) {
             "q.toml:2:14: model.head_chunk applies to fused layers only (their LM head runs in chunks of tokens): set "
             "model.layers = \"fused\" or remove model.head_chunk (model.layers is \"native\", which computes the "
             "whole micro-batch's logits at once)");
+  EXPECT_DOUBLE_EQ(parse("[model]\ninit_std = 0.01\nembedding_init_std = 1.0\n").model.embedding_init_std, 1.0);
   // The min_lr <= lr rule names the schedule that decays (constant has none).
   EXPECT_EQ(parse_error("[train]\nschedule = \"linear\"\nlr = 1e-4\nmin_lr = 1e-3\n"),
             "q.toml:4:10: train.min_lr = 0.001 exceeds train.lr = 0.0001: the linear schedule decays from lr down to "

@@ -150,6 +150,22 @@ ModelSection read_model(const ConfigTable& t) {
                       m.ffn, "\")"));
   }
   m.init_std = t.get_float("init_std", m.init_std, 0.0, 1.0);
+  // The token embedding's own scale. At N(0, init_std) the residual stream
+  // starts at 0.02 an element, and Adam's first updates (about lr per weight,
+  // whatever the gradient) let every layer's output swamp the token's
+  // identity: a Llama-3-8B run from such weights climbs from 12.5 to 16-20
+  // nats in its first steps. An untied embedding has no other use for a small
+  // scale (its rows only enter the first RMSNorm); a tied one is also the LM
+  // head, whose logits it would scale.
+  m.embedding_init_std = m.init_std;
+  if (t.has("embedding_init_std")) {
+    m.embedding_init_std = t.get_float("embedding_init_std", m.init_std, 0.0, 1.0);
+    if (s.tied_embeddings)
+      t.fail("embedding_init_std",
+             "model.embedding_init_std applies to an untied embedding: with model.tied_embeddings = true the "
+             "embedding is also the LM head and starts at model.init_std. Remove embedding_init_std or untie the "
+             "embeddings");
+  }
   m.recompute = t.get_choice("recompute", m.recompute, {"none", "selective", "attention", "full"});
   m.head_chunk = t.get_int("head_chunk", m.head_chunk, 0, int64_t{1} << 40);
   // Like the experts' keys under a dense model: a key of another mode would

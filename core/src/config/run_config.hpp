@@ -78,6 +78,7 @@ struct ModelSection {
   std::string ffn = "dense";         // dense (model.layers' own) | a feed-forward variant: moe (spec.num_experts, top_k, router_* keys), ...
   ModelSpec spec;
   double init_std = 0.02;
+  double embedding_init_std = 0.02;  // the token embedding's (untied); model.init_std unless set
   std::string recompute = "none";    // none | attention | full
   int64_t head_chunk = 0;            // fused layers: tokens per LM-head chunk, 0 = auto (256 MiB of logits)
 };

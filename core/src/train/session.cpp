@@ -86,7 +86,7 @@ void Session::initialise() {
   } else if (cfg_.model.init.rfind("hf:", 0) == 0) {
     init_from_hf(*state_, model_->spec(), cfg_.model.init.substr(3));
   } else {
-    init_random(*state_, model_->spec(), cfg_.run.seed, cfg_.model.init_std);
+    init_random(*state_, model_->spec(), cfg_.run.seed, cfg_.model.init_std, cfg_.model.embedding_init_std);
   }
   state_->setup_sharding();
   profiler_ = std::make_unique<Profiler>(cfg_.profile, *rt_.backend, rank(), world(), cfg_.run.out_dir, arena_bytes());

@@ -37,7 +37,7 @@ void fill_normal(float* out, int64_t n, uint64_t seed, uint64_t stream, double s
 
 }  // namespace
 
-void init_random(TrainState& state, const ModelSpec& spec, uint64_t seed, double init_std) {
+void init_random(TrainState& state, const ModelSpec& spec, uint64_t seed, double init_std, double embedding_std) {
   const double std_out = init_std / std::sqrt(2.0 * static_cast<double>(spec.num_layers));
   // Each parameter draws from its own stream, numbered in the canonical
   // (HF) order, so a layout that groups parameters otherwise (the experts
@@ -55,8 +55,8 @@ void init_random(TrainState& state, const ModelSpec& spec, uint64_t seed, double
       switch (p.role) {
         case ParamRole::norm_gain: std::fill(buf.begin(), buf.end(), 1.0f); break;
         case ParamRole::output_projection: fill_normal(buf.data(), p.numel, seed, stream, std_out); break;
-        case ParamRole::matrix:
-        case ParamRole::embedding: fill_normal(buf.data(), p.numel, seed, stream, init_std); break;
+        case ParamRole::matrix: fill_normal(buf.data(), p.numel, seed, stream, init_std); break;
+        case ParamRole::embedding: fill_normal(buf.data(), p.numel, seed, stream, embedding_std); break;
       }
       state.write_param(p.name, buf.data());
     }

@@ -10,11 +10,12 @@
 namespace loom {
 
 // Random initialisation read off each parameter's role (loom/model.hpp):
-// matrices and the embedding ~ N(0, init_std); output projections (o_proj,
+// matrices ~ N(0, init_std); the token embedding ~ N(0, embedding_std)
+// (model.embedding_init_std, init_std unless set); output projections (o_proj,
 // down_proj: they write into the residual stream) ~ N(0, init_std / sqrt(2 L))
 // as in GPT-2, so the residual stream's variance does not grow with depth;
 // norm gains = 1. Parameter i draws from stream i + 1 of `seed`.
-void init_random(TrainState& state, const ModelSpec& spec, uint64_t seed, double init_std);
+void init_random(TrainState& state, const ModelSpec& spec, uint64_t seed, double init_std, double embedding_std);
 
 // Every parameter from an HF Llama folder (config.json + safetensors).
 void init_from_hf(TrainState& state, const ModelSpec& spec, const std::string& dir);
