@@ -88,56 +88,42 @@ TEST(ModelBlocks, HeadChunkRule) {
 }
 
 // Random initialisation reads the role: matrices and the embedding ~ N(0,
-// init_std), output projections ~ N(0, init_std / sqrt(2 L)), norm gains 1.
-// The sample standard deviation of >= 18K draws is within 3% of its target
-// (its relative standard error is 1/sqrt(2n) < 0.6%).
-TEST(ModelBlocks, RandomInitFollowsTheRoles) {
+// init_std), output projections ~ N(0, init_std / sqrt(2 L)), norm gains 1;
+// model.embedding_init_std, when set, scales the (untied) embedding alone.
+// A model of init_std 0.05 with `extra` model keys; the sample standard
+// deviation of >= 18K draws is within 3% of its target (its relative
+// standard error is 1/sqrt(2n) < 0.6%).
+void expect_random_init(const std::string& extra, double embedding_std, const std::string& dir) {
   std::ostringstream c;
-  c << "[run]\ndevice = \"cpu\"\nseed = 11\nthreads = 2\nout_dir = \"" << LOOM_BINARY_DIR << "/test_tmp/init\"\n"
+  c << "[run]\ndevice = \"cpu\"\nseed = 11\nthreads = 2\nout_dir = \"" << LOOM_BINARY_DIR << "/test_tmp/" << dir << "\"\n"
     << "plugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
     << "[model]\nhidden = 96\nnum_layers = 8\nnum_heads = 6\nnum_kv_heads = 2\nffn_hidden = 200\nvocab_size = 200\n"
-    << "max_seq_len = 16\ninit_std = 0.05\n[train]\nmicro_batch = 1\nseq_len = 16\n[checkpoint]\nresume = \"none\"\n"
-    << "[precision]\nplugin = \"fp32\"\n[attention]\nplugin = \"naive\"\n[sharding]\nplugin = \"none\"\n"
-    << "[data]\nplugin = \"synthetic\"\n";
+    << "max_seq_len = 16\ninit_std = 0.05\n" << extra << "[train]\nmicro_batch = 1\nseq_len = 16\n[checkpoint]\n"
+    << "resume = \"none\"\n[precision]\nplugin = \"fp32\"\n[attention]\nplugin = \"naive\"\n[sharding]\n"
+    << "plugin = \"none\"\n[data]\nplugin = \"synthetic\"\n";
   loom::Session s(loom::parse_config_string(c.str(), "init.toml", {}));
   s.initialise();
-  auto stddev = [](const std::vector<float>& v) {
+  auto stddev = [&](const std::string& name) {
+    const std::vector<float> v = loom::probe(s).read_param(name);
     double ss = 0;
     for (float x : v) ss += static_cast<double>(x) * x;
     return std::sqrt(ss / static_cast<double>(v.size()));
   };
   const double out_std = 0.05 / std::sqrt(2.0 * 8);
-  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.embed_tokens.weight")), 0.05, 0.03 * 0.05);
-  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.layers.3.mlp.gate_proj.weight")), 0.05, 0.03 * 0.05);
-  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.layers.3.mlp.down_proj.weight")), out_std, 0.03 * out_std);
-  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.layers.5.self_attn.o_proj.weight")), out_std, 0.03 * out_std);
+  EXPECT_NEAR(stddev("model.embed_tokens.weight"), embedding_std, 0.03 * embedding_std);
+  EXPECT_NEAR(stddev("lm_head.weight"), 0.05, 0.03 * 0.05);
+  EXPECT_NEAR(stddev("model.layers.3.self_attn.q_proj.weight"), 0.05, 0.03 * 0.05);
+  EXPECT_NEAR(stddev("model.layers.3.mlp.gate_proj.weight"), 0.05, 0.03 * 0.05);
+  EXPECT_NEAR(stddev("model.layers.3.mlp.down_proj.weight"), out_std, 0.03 * out_std);
+  EXPECT_NEAR(stddev("model.layers.5.self_attn.o_proj.weight"), out_std, 0.03 * out_std);
   for (float x : loom::probe(s).read_param("model.layers.2.post_attention_layernorm.weight")) EXPECT_EQ(x, 1.0f);
   for (float x : loom::probe(s).read_param("model.norm.weight")) EXPECT_EQ(x, 1.0f);
 }
 
-// model.embedding_init_std sets the (untied) token embedding's scale alone:
-// the embedding ~ N(0, 0.7) while matrices, output projections and the LM
-// head keep init_std's. Same 3% bound as above.
+TEST(ModelBlocks, RandomInitFollowsTheRoles) { expect_random_init("", 0.05, "init"); }
+
 TEST(ModelBlocks, EmbeddingInitStdScalesTheEmbeddingOnly) {
-  std::ostringstream c;
-  c << "[run]\ndevice = \"cpu\"\nseed = 11\nthreads = 2\nout_dir = \"" << LOOM_BINARY_DIR << "/test_tmp/init_emb\"\n"
-    << "plugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
-    << "[model]\nhidden = 96\nnum_layers = 8\nnum_heads = 6\nnum_kv_heads = 2\nffn_hidden = 200\nvocab_size = 200\n"
-    << "max_seq_len = 16\ninit_std = 0.05\nembedding_init_std = 0.7\n[train]\nmicro_batch = 1\nseq_len = 16\n"
-    << "[checkpoint]\nresume = \"none\"\n[precision]\nplugin = \"fp32\"\n[attention]\nplugin = \"naive\"\n"
-    << "[sharding]\nplugin = \"none\"\n[data]\nplugin = \"synthetic\"\n";
-  loom::Session s(loom::parse_config_string(c.str(), "init.toml", {}));
-  s.initialise();
-  auto stddev = [](const std::vector<float>& v) {
-    double ss = 0;
-    for (float x : v) ss += static_cast<double>(x) * x;
-    return std::sqrt(ss / static_cast<double>(v.size()));
-  };
-  const double out_std = 0.05 / std::sqrt(2.0 * 8);
-  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.embed_tokens.weight")), 0.7, 0.03 * 0.7);
-  EXPECT_NEAR(stddev(loom::probe(s).read_param("lm_head.weight")), 0.05, 0.03 * 0.05);
-  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.layers.3.self_attn.q_proj.weight")), 0.05, 0.03 * 0.05);
-  EXPECT_NEAR(stddev(loom::probe(s).read_param("model.layers.3.mlp.down_proj.weight")), out_std, 0.03 * out_std);
+  expect_random_init("embedding_init_std = 0.7\n", 0.7, "init_emb");
 }
 
 }  // namespace
