@@ -639,6 +639,51 @@ TEST_F(CudaFp8, DequantizeLongAndMisalignedMatchesHost) {
   }
 }
 
+TEST_F(CudaFp8, TransposeOfCodesMatchesHost) {
+  // qt = qᵀ byte for byte: shapes of whole 64 x 64 tiles (the 16-byte path),
+  // of whole tiles and an edge strip, of rows or columns not a multiple of 16
+  // (the byte path everywhere), a single row and column, a Llama-3-8B weight
+  // ([4096, 14336]), and q at an offset that breaks the 16-byte alignment.
+  // The bytes around qt stay untouched.
+  std::mt19937 rng(3);
+  struct Shape { int64_t rows, cols, offset; };
+  for (const Shape sh : {Shape{128, 192, 0}, {4096, 14336, 0}, {200, 136, 0}, {96, 80, 0}, {37, 101, 0},
+                         {1, 70, 0}, {70, 1, 0}, {128, 128, 5}}) {
+    const int64_t n = sh.rows * sh.cols;
+    std::vector<uint8_t> codes(static_cast<size_t>(n));
+    for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() & 0xFFu);
+    std::vector<uint8_t> padded(static_cast<size_t>(n + 32), 0);
+    std::copy(codes.begin(), codes.end(), padded.begin() + sh.offset);
+    DevBuf qb(static_cast<size_t>(n + 32)), tb(static_cast<size_t>(n + 32));
+    ASSERT_TRUE(qb.p && tb.p);
+    upload(qb, padded);
+    CUDA_OK(cudaMemset(tb.p, 0xA5, static_cast<size_t>(n + 32)));
+    for (DType dt : {DType::e4m3, DType::e5m2}) {
+      Tensor q(static_cast<uint8_t*>(qb.p) + sh.offset, dt, Device::cuda, {sh.rows, sh.cols});
+      Tensor qt(static_cast<uint8_t*>(tb.p) + 16, dt, Device::cuda, {sh.cols, sh.rows});
+      loom::gpu::fp8_transpose(qt, q, stream_);
+      CUDA_OK(cudaStreamSynchronize(stream_));
+      const std::vector<uint8_t> got = download<uint8_t>(tb, static_cast<size_t>(n + 32));
+      int bad = 0;
+      for (int64_t r = 0; r < sh.rows && bad < 5; ++r)
+        for (int64_t c = 0; c < sh.cols && bad < 5; ++c) {
+          const uint8_t w = codes[static_cast<size_t>(r * sh.cols + c)], g = got[static_cast<size_t>(16 + c * sh.rows + r)];
+          if (g != w) ADD_FAILURE() << "[" << sh.rows << ", " << sh.cols << "] q(" << r << ", " << c << ") = " << int(w)
+                                    << ", qt(" << c << ", " << r << ") = " << int(g);
+          bad += g != w;
+        }
+      for (int64_t i = 0; i < 16; ++i) EXPECT_EQ(got[static_cast<size_t>(i)], 0xA5) << "byte " << i << " before qt";
+      for (int64_t i = 16 + n; i < n + 32; ++i) EXPECT_EQ(got[static_cast<size_t>(i)], 0xA5) << "byte " << i << " after qt";
+    }
+  }
+  // The refusals: mixed formats, shapes that are not each other's transpose.
+  DevBuf a(64), b(64);
+  Tensor q(a.p, DType::e4m3, Device::cuda, {4, 16}), bad_dt(b.p, DType::e5m2, Device::cuda, {16, 4}),
+      bad_shape(b.p, DType::e4m3, Device::cuda, {4, 16});
+  EXPECT_THROW(loom::gpu::fp8_transpose(bad_dt, q, stream_), loom::Error);
+  EXPECT_THROW(loom::gpu::fp8_transpose(bad_shape, q, stream_), loom::Error);
+}
+
 // ---- scale updates -------------------------------------------------------------------
 
 TEST_F(CudaFp8, UpdateScalesMatchesHostComputeScaleBitwise) {

@@ -34,12 +34,12 @@ std::string device() {
 }
 
 loom::Config make_config(const std::string& precision, const std::string& strategy,
-                         const std::string& sharding_keys = "", const std::string& model_keys = "") {
+                         const std::string& sharding_keys = "", const std::string& model_keys = "", int hidden = 64) {
   std::ostringstream t;
   t << "[run]\nname = \"fp8mpi\"\nout_dir = \"" << LOOM_BINARY_DIR << "/tests/mpi_runs/fp8\"\n"
     << "device = \"" << device() << "\"\nseed = 13\nthreads = 1\nlog_level = \"warn\"\n"
     << "plugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
-    << "[model]\nhidden = 64\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nffn_hidden = 160\n"
+    << "[model]\nhidden = " << hidden << "\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nffn_hidden = 160\n"
     << "vocab_size = 250\nmax_seq_len = 32\n" << model_keys << "\n"
     << "[train]\nsteps = 6\nmicro_batch = 2\nseq_len = 32\ngrad_accum = 2\nlr = 3e-3\nwarmup_steps = 2\n"
     << "[checkpoint]\nevery = 0\nresume = \"none\"\n"
@@ -126,8 +126,9 @@ struct GatherRun {
   size_t codec_state = 0;     // the memory plan's "sharding.fp8_gather.scales" bytes (the codec's state)
 };
 
-GatherRun run_gathers(const std::string& strategy, const std::string& keys, const std::string& model_keys) {
-  loom::Session s(make_config("plugin = \"fp8_current\"", strategy, keys, model_keys));
+GatherRun run_gathers(const std::string& strategy, const std::string& keys, const std::string& model_keys,
+                      const std::string& precision = "plugin = \"fp8_current\"", int hidden = 64) {
+  loom::Session s(make_config(precision, strategy, keys, model_keys, hidden));
   s.initialise();
   const auto k = static_cast<size_t>(loom::CollectiveKind::all_gather);
   const uint64_t before = s.comm().bytes_moved().bytes[k];
@@ -219,6 +220,37 @@ void check_fp8_gathers(const std::string& strategy, const std::string& keys) {
   }
 }
 
+// precision.gathered_codes (CUDA): the FP8 GEMMs read the gathered codes
+// in place of the weight decoded to bf16 and cast again. The codec measures
+// the same bf16 weight (max-reduced over the shard group), scales it with the
+// same function and encodes it with the same cast as the recipe's own cast of
+// the gathered bf16 parameters, so the run is bitwise the run that gathers
+// the parameters. Hidden 128: every weight starts a multiple of 256 bytes
+// into its unit, as in real models, so every FP8 weight is read as codes.
+void check_gathered_codes(const std::string& strategy, const std::string& keys) {
+  for (const char* layers : {"native", "fused"}) {
+    SCOPED_TRACE(std::string(strategy) + " " + keys + ", layers " + layers);
+    const std::string mk = std::string("layers = \"") + layers + "\"";
+    const std::string direct = "plugin = \"fp8_current\"\ngathered_codes = true";
+    const GatherRun ref = run_gathers(strategy, keys, mk, "plugin = \"fp8_current\"", 128);
+    const GatherRun codes = run_gathers(strategy, keys + "\ngather_dtype = \"fp8\"", mk, direct, 128);
+    const GatherRun decoded = run_gathers(strategy, keys + "\ngather_dtype = \"fp8\"", mk,
+                                          "plugin = \"fp8_current\"\ngathered_codes = false", 128);
+    ASSERT_EQ(ref.losses.size(), 6u);
+    ASSERT_EQ(codes.losses.size(), 6u);
+    ASSERT_EQ(decoded.losses.size(), 6u);
+    int differ = 0;
+    for (size_t i = 0; i < ref.losses.size(); ++i) {
+      EXPECT_EQ(codes.losses[i], ref.losses[i]) << "step " << i + 1 << ": codes read in place against parameters gathered";
+      differ += decoded.losses[i] != ref.losses[i];
+    }
+    if (g_world->rank() == 0)
+      std::printf("[fp8 gathers] %s %s, %s layers: losses %.9f -> %.9f; codes in place bitwise the parameter "
+                  "gathers'; decoded and cast again: %d of 6 steps differ in some bit\n",
+                  strategy.c_str(), keys.c_str(), layers, ref.losses.front(), ref.losses.back(), differ);
+  }
+}
+
 // A refused combination: the message names the key and what to do.
 void expect_refused(const std::string& precision, const std::string& strategy, const std::string& keys,
                     const std::vector<std::string>& parts) {
@@ -241,11 +273,22 @@ TEST(Fp8Mpi, Fp8GathersMatchParamGathersUnderHybridShard) {
   check_fp8_gathers("hybrid_shard", g_world->size() >= 2 ? "shard_group_size = 2" : "shard_group_size = 1");
 }
 
+TEST(Fp8Mpi, GatheredCodesAreTheParameterGathersBitwise) {
+  if (device() != "cuda")
+    GTEST_SKIP() << "the GEMMs read gathered codes on CUDA only: run with LOOM_FP8_MPI_DEVICE=cuda on GPUs "
+                    "(scripts/gpu_check.sh fp8-gathers)";
+  check_gathered_codes("zero3", "");
+  check_gathered_codes("hybrid_shard", g_world->size() >= 2 ? "shard_group_size = 2" : "shard_group_size = 1");
+}
+
 TEST(Fp8Mpi, Fp8GathersRefuseWhatTheyCannotReproduce) {
   // Delayed scaling casts with a scale from past amaxes; bf16 casts nothing.
   expect_refused("plugin = \"fp8_delayed\"", "zero3", "gather_dtype = \"fp8\"",
                  {"sharding.gather_dtype", "fp8_delayed", "fp8_current", "gather_dtype = \"param\""});
   expect_refused("plugin = \"fp32\"", "zero3", "gather_dtype = \"fp8\"", {"sharding.gather_dtype", "\"fp32\""});
+  // The key of the recipe that gathers codes, under one that gathers none.
+  expect_refused("plugin = \"fp8_delayed\"\ngathered_codes = true", "zero3", "",
+                 {"precision.gathered_codes", "fp8_delayed", "fp8_current", "remove it"});
   // Strategies that never gather parameters before compute.
   expect_refused("plugin = \"fp8_current\"", "ddp", "gather_dtype = \"fp8\"",
                  {"gather_dtype", "zero3, full_shard, hybrid_shard", "remove the key"});

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -78,7 +79,9 @@ class HostOps final : public Ops {
 
 // ---- the codec ----
 
-class Fp8GatherCodec final : public GatherCodec {
+constexpr int64_t kCodesAlign = 256;  // bytes: DirectCodes' weights start so far into an aligned unit
+
+class Fp8GatherCodec final : public GatherCodec, public DirectCodes {
  public:
   Fp8GatherCodec(const GatherCodecSetup& setup, const CastsFromCurrentAmax& casts, std::unique_ptr<Ops> ops,
                  const std::string& plugin);
@@ -98,11 +101,36 @@ class Fp8GatherCodec final : public GatherCodec {
               std::vector<Tensor>& wire) override;
   void decode(const ExecContext& ctx, int unit, const Tensor& wire, Tensor& params) override;
 
+  void set_direct(bool on) override { direct_ = on; }
+  bool holds_codes(int id) const override {
+    const int w = weight_of(id);
+    return direct_ && w >= 0 && weights_[static_cast<size_t>(w)].codes_aligned && !segments_.empty() &&
+           chunk_[static_cast<size_t>(weights_[static_cast<size_t>(w)].unit)] > 0;
+  }
+  const float* amax(int id) const override { return state_of(amax_, id); }
+  const float* scale(int id) const override { return state_of(scale_, id); }
+  const float* scale_inv(int id) const override { return state_of(scale_inv_, id); }
+
  private:
   struct Weight {
     int unit = 0;
     int64_t offset = 0, numel = 0;
+    int id = -1;  // the linear's
+    // The weight's place starts 256 bytes into an aligned unit: where the
+    // GEMMs read its codes in place, their pointer is as aligned as the
+    // recipe's own scratch (cuBLASLt picks its kernels by alignment), so the
+    // run is the same to the bit. Other weights are decoded.
+    bool codes_aligned = false;
   };
+  int weight_of(int id) const {
+    return id >= 0 && static_cast<size_t>(id) < weight_of_id_.size() ? weight_of_id_[static_cast<size_t>(id)] : -1;
+  }
+  const float* state_of(const Tensor& t, int id) const {
+    const int w = weight_of(id);
+    LOOM_CHECK(w >= 0 && t.data != nullptr, "FP8 gathers: linear ", id,
+               w < 0 ? " has no weight moved in FP8" : "'s scale asked before bind()");
+    return static_cast<const float*>(t.data) + w;
+  }
   // [lo, hi) of the flat unit; weight: index into weights_ or -1 (moved as it
   // is); wire: byte offset inside its chunk.
   struct Segment {
@@ -124,6 +152,8 @@ class Fp8GatherCodec final : public GatherCodec {
   std::vector<int64_t> chunk_, wire_bytes_;
   std::vector<std::vector<std::vector<Segment>>> segments_;  // [unit][rank]
   Tensor amax_, scale_, scale_inv_;
+  std::vector<int> weight_of_id_;  // linear id -> index in weights_, or -1
+  bool direct_ = false;            // DirectCodes: decode() leaves the FP8 weights as codes
 };
 
 Fp8GatherCodec::Fp8GatherCodec(const GatherCodecSetup& setup, const CastsFromCurrentAmax& casts,
@@ -153,11 +183,17 @@ Fp8GatherCodec::Fp8GatherCodec(const GatherCodecSetup& setup, const CastsFromCur
                margin_, " and ", margin, "; one margin is expected");
     margin_ = margin;
     have_margin = true;
-    weights_.push_back({unit, w.offset, w.numel});
+    weights_.push_back({unit, w.offset, w.numel, w.id,
+                        w.offset * static_cast<int64_t>(dtype_size(param_dtype_)) % kCodesAlign == 0});
   }
   std::sort(weights_.begin(), weights_.end(), [](const Weight& a, const Weight& b) {
     return a.unit != b.unit ? a.unit < b.unit : a.offset < b.offset;
   });
+  for (size_t i = 0; i < weights_.size(); ++i) {
+    const auto id = static_cast<size_t>(weights_[i].id);
+    if (id >= weight_of_id_.size()) weight_of_id_.resize(id + 1, -1);
+    weight_of_id_[id] = static_cast<int>(i);
+  }
   for (size_t i = 1; i < weights_.size(); ++i)
     LOOM_CHECK(weights_[i].unit != weights_[i - 1].unit ||
                    weights_[i].offset >= weights_[i - 1].offset + weights_[i - 1].numel,
@@ -287,11 +323,25 @@ void Fp8GatherCodec::decode(const ExecContext& ctx, int unit, const Tensor& wire
   for (int r = 0; r < group_; ++r) {
     const int64_t at = static_cast<int64_t>(r) * wire_bytes_[ui];
     for (const Segment& s : segments_[ui][static_cast<size_t>(r)]) {
+      const Tensor codes = wire_view(wire, at + s.wire, s.hi - s.lo, DType::e4m3);
+      if (s.weight >= 0 && direct_ && weights_[static_cast<size_t>(s.weight)].codes_aligned) {
+        // The codes as they are, at the weight's place: byte (element of the
+        // weight) after the weight's first byte.
+        const Weight& w = weights_[static_cast<size_t>(s.weight)];
+        LOOM_CHECK(reinterpret_cast<uintptr_t>(params.data) % kCodesAlign == 0, "FP8 gathers: unit ", unit,
+                   "'s parameters at ", params.data, " are not ", kCodesAlign,
+                   "-byte aligned; the GEMMs would read its weights' codes misaligned");
+        Tensor dst(static_cast<char*>(params.data) +
+                       w.offset * static_cast<int64_t>(dtype_size(param_dtype_)) + (s.lo - w.offset),
+                   DType::e4m3, params.device, {s.hi - s.lo});
+        ops_->copy(ctx, dst, codes);
+        continue;
+      }
       Tensor dst = view(params, s.lo, {s.hi - s.lo});
       if (s.weight < 0) {
         ops_->copy(ctx, dst, wire_view(wire, at + s.wire, s.hi - s.lo, param_dtype_));
       } else {
-        ops_->decode(ctx, dst, wire_view(wire, at + s.wire, s.hi - s.lo, DType::e4m3), f32_slot(scale_, s.weight));
+        ops_->decode(ctx, dst, codes, f32_slot(scale_, s.weight));
       }
     }
   }
@@ -302,8 +352,10 @@ void Fp8GatherCodec::decode(const ExecContext& ctx, int unit, const Tensor& wire
 std::unique_ptr<Ops> host_ops() { return std::make_unique<HostOps>(); }
 
 std::unique_ptr<GatherCodec> make_codec(const GatherCodecSetup& setup, const CastsFromCurrentAmax& casts,
-                                        std::unique_ptr<Ops> ops, const std::string& plugin) {
-  return std::make_unique<Fp8GatherCodec>(setup, casts, std::move(ops), plugin);
+                                        std::unique_ptr<Ops> ops, const std::string& plugin, DirectCodes** direct) {
+  auto codec = std::make_unique<Fp8GatherCodec>(setup, casts, std::move(ops), plugin);
+  if (direct != nullptr) *direct = codec.get();
+  return codec;
 }
 
 }  // namespace loom::fp8_gather

@@ -12,7 +12,9 @@
 //     codes the recipe's own cast would write;
 //   - the recipe casts the decoded weight (code / scale, in the parameter
 //     dtype) again and gets the same codes back: a decoded value is within
-//     2^-8 (bf16 rounding) of code / scale, far inside half an E4M3 step.
+//     2^-8 (bf16 rounding) of code / scale, far inside half an E4M3 step;
+//   - or, on CUDA (DirectCodes below, precision.gathered_codes), its GEMMs
+//     read the gathered codes themselves, with the codec's scale.
 // Everything else (norm gains, the LM head, embedding, router, padding) moves
 // in the parameter dtype.
 //
@@ -78,10 +80,37 @@ std::unique_ptr<Ops> device_ops();
 // reproduces exactly.
 using CastsFromCurrentAmax = std::function<bool(int id, int* margin)>;
 
+// The recipe's side of a codec it made: the FP8 GEMMs may read the gathered
+// codes themselves instead of a decoded weight cast again (the same codes
+// and the same scale: see above), which saves the decode (1 byte read, 2
+// written an element) and the cast (2 read, 1 written) at every gather.
+// With set_direct(true), decode() leaves each FP8 weight as its codes, in
+// the first numel bytes of the weight's own place in the unit's params
+// (row-major, as the weight), and its parameter-dtype values there are not
+// written: only the recipe that asked may read that weight, through
+// holds_codes() and the codec's scale of it.
+class DirectCodes {
+ public:
+  virtual ~DirectCodes() = default;
+  virtual void set_direct(bool on) = 0;
+  // True when a gathered unit's params hold linear `id`'s weight as codes:
+  // direct is on, a strategy planned gathers through the codec, and the
+  // weight is one it moves in FP8.
+  virtual bool holds_codes(int id) const = 0;
+  // The weight's amax, scale and 1 / scale (device floats on CUDA), as the
+  // last encode() set them: the codes are encode(W * scale).
+  virtual const float* amax(int id) const = 0;
+  virtual const float* scale(int id) const = 0;
+  virtual const float* scale_inv(int id) const = 0;
+};
+
 // The codec for the weights among setup.weights that `casts` names (one
 // margin for all of them), on `ops`. `plugin` names the recipe in messages
 // (why_none() when no weight qualifies). Touches no memory until bind().
+// `direct` (may be null): set to the codec's DirectCodes, which lives as long
+// as the codec.
 std::unique_ptr<GatherCodec> make_codec(const GatherCodecSetup& setup, const CastsFromCurrentAmax& casts,
-                                        std::unique_ptr<Ops> ops, const std::string& plugin);
+                                        std::unique_ptr<Ops> ops, const std::string& plugin,
+                                        DirectCodes** direct = nullptr);
 
 }  // namespace loom::fp8_gather

@@ -158,10 +158,18 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
         fp8::parse_amax_algo(c.get_choice("amax_compute_algo", "max", {"max", "most_recent"}));
     sc.margin = static_cast<int>(c.get_int("margin", 0, 0, 126));
     o.fused_casts = c.get_bool("fused_casts", true);
+    if (c.has("gathered_codes"))
+      c.fail("gathered_codes",
+             cat("precision.gathered_codes applies to FP8 weight gathers, and precision.plugin = \"", plugin,
+                 "\" gathers no weights as FP8 codes (sharding.gather_dtype = \"fp8\" needs the scale of each "
+                 "weight's own amax, which only fp8_current casts with): remove it, or use precision.plugin = "
+                 "\"fp8_current\""));
+    o.gathered_codes = false;
   } else {
     fp8_options::refuse_history_keys(c, plugin, "its tensor's own amax");
     fp8_options::refuse_fused_casts(c, plugin, "measures each tensor just before its cast");
     o.fused_casts = false;
+    o.gathered_codes = c.get_bool("gathered_codes", true);
   }
   o.gemm.fast_accum_fprop = c.get_bool("fast_accum_fprop", true);
   o.gemm.fast_accum_dgrad = c.get_bool("fast_accum_dgrad", false);

@@ -65,6 +65,11 @@ struct GpuOptions : fp8_options::Common {
   // precision.fused_casts (delayed scaling): offer x and dy to blocks that
   // write them in FP8 themselves (Precision::fp8_operand).
   bool fused_casts = true;
+  // precision.gathered_codes (fp8_current): under sharding.gather_dtype =
+  // "fp8" with weight_cache "layer", the FP8 GEMMs read the gathered codes
+  // themselves (fp8_gather.hpp's DirectCodes) instead of the weight decoded
+  // to bf16 and cast again: the same codes and scale, bitwise.
+  bool gathered_codes = true;
 };
 // The recipe on CUDA (fp8_recipe_gpu.cpp); in a build without CUDA it throws
 // a loom::Error saying so.

@@ -155,6 +155,10 @@ class Fp8Gpu final : public Precision {
                "communicator");
     dp_ = s.data_parallel;
     per_layer_ = weight_cache_per_layer(o_.weight_cache, s.grad_accum, s.params_sharded);
+    // The gathered codes serve the GEMMs where the weights are cast per
+    // layer at every gather anyway ("layer"); a "step" cache casts W once
+    // per step from the bf16 parameters, which must then hold bf16.
+    if (codes_ != nullptr) codes_->set_direct(per_layer_ && o_.gathered_codes);
     set_up_ = true;
     T_ = host_.tensors();
     const auto [fp8_linears, full] = fp8_options::split_linears(linears_);
@@ -175,7 +179,10 @@ class Fp8Gpu final : public Precision {
                                   : "; fused_casts off",
                  "; ",
                  fp8_options::weight_cache_summary(o_.weight_cache, per_layer_, s.params_sharded),
-                 " (cast weights ", weight_region(), " bytes)", "; master ",
+                 " (cast weights ", weight_region(), " bytes)",
+                 codes_ == nullptr ? "" : per_layer_ && o_.gathered_codes ? "; FP8-gathered weights: the GEMMs read the codes"
+                                                                           : "; FP8-gathered weights: decoded and cast again",
+                 "; master ",
                  o_.master_bf16 ? (o_.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16") : "fp32",
                  "; gemm_algo ", gemm_algo_name(o_.gemm_algo)));
   }
@@ -249,6 +256,7 @@ class Fp8Gpu final : public Precision {
     check_weight(w, d, "w", param_dtype());
     const int64_t rows = check_rows(d, mx, "x");
     if (rows % 16 != 0) {
+      refuse_bf16_of_codes(l, id, rows);
       const int64_t head = rows / 16 * 16;
       if (d.variable_rows && head > 0) {
         // An expert's rows: the first `head` in FP8, the rest (< 16) in bf16.
@@ -266,7 +274,7 @@ class Fp8Gpu final : public Precision {
       l.saved_rows = 0;
       return;
     }
-    const Tensor qw = weight_for_fprop(l, w, stream);
+    const Tensor qw = weight_for_fprop(l, id, w, stream);
     const int64_t xs = fp8::ScalingState::slot(l.slot, Role::x), ws = fp8::ScalingState::slot(l.slot, Role::w);
     const DType tx = fp8_dtype(host_.format(Role::x));
     Tensor qx(ws_ + x_off(), tx, Device::cuda, {rows, d.in});
@@ -300,6 +308,7 @@ class Fp8Gpu final : public Precision {
     LOOM_CHECK(rows <= d.max_rows, "precision ", o_.plugin, ": ", d.name, ": dy has ", rows,
                " rows, more than the max_rows=", d.max_rows, " it was registered with");
     if (rows % 16 != 0) {
+      refuse_bf16_of_codes(l, id, rows);
       LOOM_CHECK(have_x, "precision ", o_.plugin, ": ", d.name, ": backward of ", rows,
                  " rows (not a multiple of 16: a bf16 GEMM that reads x) was given an empty x; the linear "
                  "is not variable_rows, so keeps_wgrad_input said x was not needed");
@@ -344,7 +353,7 @@ class Fp8Gpu final : public Precision {
       merge_pending(ws, stream);
     }
     if (dx != nullptr) {
-      const Tensor qwt = weight_for_dgrad(l, w, stream);
+      const Tensor qwt = weight_for_dgrad(l, id, w, stream);
       ops::Fp8GemmOptions opt;
       opt.fast_accum = o_.gemm.fast_accum_dgrad;
       vary(opt, d, ops::GemmVarying::m);
@@ -519,7 +528,7 @@ class Fp8Gpu final : public Precision {
       *margin = o_.scaling.margin;
       return true;
     };
-    return fp8_gather::make_codec(setup, casts, fp8_gather::device_ops(), o_.plugin);
+    return fp8_gather::make_codec(setup, casts, fp8_gather::device_ops(), o_.plugin, &codes_);
   }
 
   std::string log_summary() const override {
@@ -696,14 +705,31 @@ class Fp8Gpu final : public Precision {
   // delayed puts W's amax in the pending slot, merged by each backward), the
   // later ones reuse that scale and leave the amaxes alone: the same bits and
   // the same bookkeeping as "step".
-  Tensor weight_for_fprop(Linear& l, const Tensor& w, cudaStream_t stream) {
+  Tensor weight_for_fprop(Linear& l, int id, const Tensor& w, cudaStream_t stream) {
     const DType tw = fp8_dtype(host_.format(Role::w));
     if (!per_layer_) {
       cast_weight(l, w, stream);
       return Tensor(ws_ + gemm_bytes() + l.w_off, tw, Device::cuda, {l.desc.out, l.desc.in});
     }
-    Tensor qw(ws_ + gemm_bytes(), tw, Device::cuda, {l.desc.out, l.desc.in});
     const int64_t t = fp8::ScalingState::slot(l.slot, Role::w);
+    if (holds_codes(id)) {
+      // The gathered codes are W's cast (encode(W * the codec's scale)): the
+      // GEMM reads them in place. The codec's scale, 1 / scale and amax
+      // become the slot's at the step's first forward, as cast() would set
+      // them from W's amax (the same value: the codec measured W).
+      if (!l.w_scale_known) {
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_ + t, codes_->scale(id), sizeof(float), cudaMemcpyDeviceToDevice, stream),
+                        "precision ", o_.plugin, ": ", l.desc.name, ": the gathered weight's scale into slot ", t);
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(scale_inv_ + t, codes_->scale_inv(id), sizeof(float), cudaMemcpyDeviceToDevice,
+                                        stream),
+                        "precision ", o_.plugin, ": ", l.desc.name, ": the gathered weight's 1 / scale into slot ", t);
+        gpu::fp8_amax(Tensor(const_cast<float*>(codes_->amax(id)), DType::f32, Device::cuda, {1, 1}), step_amax_ + t,
+                      stream);
+        l.w_scale_known = true;
+      }
+      return codes_of(l, w, tw);
+    }
+    Tensor qw(ws_ + gemm_bytes(), tw, Device::cuda, {l.desc.out, l.desc.in});
     if (!l.w_scale_known) {
       cast(w, &qw, nullptr, t, /*pending=*/true, stream);
       l.w_scale_known = true;
@@ -716,14 +742,39 @@ class Fp8Gpu final : public Precision {
   // The FP8 Wᵀ that dgrad reads: "step": the cached copy; "layer": cast now
   // into the shared scratch with the step's scale (the forward of this
   // backward measured W under current scaling).
-  Tensor weight_for_dgrad(Linear& l, const Tensor& w, cudaStream_t stream) {
+  Tensor weight_for_dgrad(Linear& l, int id, const Tensor& w, cudaStream_t stream) {
     const DType tw = fp8_dtype(host_.format(Role::w));
     if (!per_layer_) return Tensor(ws_ + gemm_bytes() + l.wt_off, tw, Device::cuda, {l.desc.in, l.desc.out});
     LOOM_CHECK(l.w_scale_known, "precision ", o_.plugin, ": ", l.desc.name,
                ": dgrad before any forward of this step cast the weight");
     Tensor qwt(ws_ + gemm_bytes(), tw, Device::cuda, {l.desc.in, l.desc.out});
+    if (holds_codes(id)) {
+      gpu::fp8_transpose(qwt, codes_of(l, w, tw), stream);  // Wᵀ from the gathered codes
+      return qwt;
+    }
     gpu::fp8_cast(w, nullptr, &qwt, scale_ + fp8::ScalingState::slot(l.slot, Role::w), nullptr, stream);
     return qwt;
+  }
+
+  // Linear `id`'s weight arrives as FP8 codes in its parameters (the codec's
+  // DirectCodes, enabled at setup() for "layer").
+  bool holds_codes(int id) const { return codes_ != nullptr && codes_->holds_codes(id); }
+
+  // W's codes [out, in]: the first out * in bytes of its parameter view w.
+  Tensor codes_of(const Linear& l, const Tensor& w, DType tw) const {
+    LOOM_CHECK(w.is_contiguous() && w.numel() == l.desc.out * l.desc.in, "precision ", o_.plugin, ": ", l.desc.name,
+               ": the gathered weight ", w.shape_str(), " is not the contiguous [", l.desc.out, ", ", l.desc.in,
+               "] its codes fill");
+    return Tensor(w.data, tw, Device::cuda, {l.desc.out, l.desc.in});
+  }
+
+  // A call the FP8 GEMMs cannot take goes through bf16 GEMMs that read W in
+  // bf16, which a weight gathered as codes does not hold. The codec only
+  // takes linears whose rows always suit the FP8 GEMMs, so this is a bug.
+  void refuse_bf16_of_codes(const Linear& l, int id, int64_t rows) const {
+    LOOM_CHECK(!holds_codes(id), "precision ", o_.plugin, ": ", l.desc.name, ": a call of ", rows,
+               " rows needs the bf16 GEMMs, but this linear's weight was gathered as FP8 codes "
+               "(precision.gathered_codes); set precision.gathered_codes = false to run it");
   }
 
   void read_counts() {
@@ -733,6 +784,7 @@ class Fp8Gpu final : public Precision {
   }
 
   GpuOptions o_;
+  fp8_gather::DirectCodes* codes_ = nullptr;  // the codec this recipe made (gather_codec), owned by the core
   fp8::ScalingState host_;  // names, formats; checks and inverse scales on resume
   precision_common::CublasLtLinears lt_;
   std::unique_ptr<ops::GemmPlans> fp8gemm_;

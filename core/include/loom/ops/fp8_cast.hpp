@@ -73,6 +73,11 @@ void fp8_delayed_update(float* step_amax, float* history, int history_len, int h
 // q e4m3 or e5m2, y fp32 or bf16 (bitwise loom::fp8::dequantize for fp32).
 void fp8_dequantize(Tensor& y, const Tensor& q, const float* scale, cudaStream_t stream);
 
+// qt [cols, rows] = transpose of q [rows, cols], codes moved as they are
+// (q and qt contiguous, one FP8 dtype). For Wᵀ from W's codes where the
+// codes arrive already cast (the FP8 weight gathers).
+void fp8_transpose(Tensor& qt, const Tensor& q, cudaStream_t stream);
+
 // The hardware conversion the tile kernels encode with (fp8_tile.cuh's
 // encode4: PTX cvt.rn.satfinite, NaN made kNaNCode) against
 // loom::fp8::encode_fast, which test_fp8 checks against the host's encode

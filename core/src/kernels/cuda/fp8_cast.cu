@@ -358,6 +358,55 @@ int64_t dequant_head(const TY* y, const uint8_t* q, int64_t n) {
   return n;
 }
 
+// ---- transpose of codes ------------------------------------------------------------
+// qt = qᵀ for 1-byte codes: 64 x 64 tiles through shared memory, 256
+// threads a tile (grid-stride over tiles). Where the tile is whole and q, qt
+// allow 16-byte accesses, each thread loads 16 codes of a row of q and stores
+// 16 codes of a row of qt; elsewhere (edge tiles, misaligned pointers or
+// strides) the same tile moves byte by byte. The FP8 weight gathers hand the
+// gathered codes to the GEMMs directly, and dgrad reads Wᵀ: this replaces a
+// cast of the bf16 weight (3 bytes an element) with 2 bytes an element.
+
+constexpr int kTransTile = 64;
+constexpr int kTransPad = 4;  // a row of the tile in shared memory: 68 bytes
+
+__global__ void __launch_bounds__(256)
+    transpose_codes_kernel(uint8_t* __restrict__ qt, const uint8_t* __restrict__ q, int64_t rows, int64_t cols,
+                           int64_t tiles_r, int64_t tiles_c, bool vec) {
+  __shared__ alignas(16) uint8_t tile[kTransTile][kTransTile + kTransPad];
+  const int t = threadIdx.x;
+  for (int64_t tix = blockIdx.x; tix < tiles_r * tiles_c; tix += gridDim.x) {
+    const int64_t r0 = (tix / tiles_c) * kTransTile, c0 = (tix % tiles_c) * kTransTile;
+    const bool whole = vec && r0 + kTransTile <= rows && c0 + kTransTile <= cols;
+    if (whole) {
+      const int r = t / 4, seg = t % 4;
+      const uint4 v = *reinterpret_cast<const uint4*>(q + (r0 + r) * cols + c0 + seg * 16);
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(&v);
+#pragma unroll
+      for (int k = 0; k < 16; ++k) tile[r][seg * 16 + k] = b[k];
+    } else {
+      for (int i = t; i < kTransTile * kTransTile; i += blockDim.x) {
+        const int r = i / kTransTile, c = i % kTransTile;
+        if (r0 + r < rows && c0 + c < cols) tile[r][c] = q[(r0 + r) * cols + c0 + c];
+      }
+    }
+    __syncthreads();
+    if (whole) {
+      const int j = t / 4, seg = t % 4;  // row c0 + j of qt, its codes from rows r0 + 16 seg .. + 16
+      alignas(16) uint8_t out[16];
+#pragma unroll
+      for (int k = 0; k < 16; ++k) out[k] = tile[seg * 16 + k][j];
+      *reinterpret_cast<uint4*>(qt + (c0 + j) * rows + r0 + seg * 16) = *reinterpret_cast<const uint4*>(out);
+    } else {
+      for (int i = t; i < kTransTile * kTransTile; i += blockDim.x) {
+        const int j = i / kTransTile, r = i % kTransTile;
+        if (c0 + j < cols && r0 + r < rows) qt[(c0 + j) * rows + r0 + r] = tile[r][j];
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // ---- the hardware encode against encode_fast ------------------------------------------
 
 // Every bit pattern u = 4 i .. 4 i + 3 for i in [0, 2^30), grid-stride.
@@ -540,6 +589,28 @@ void fp8_dequantize(Tensor& y, const Tensor& q, const float* scale, cudaStream_t
     LOOM_CUDA_LAUNCH_CHECK(fn, "n=", n, " head=", head, " grid=", grid, " y ", dtype_name(y.dtype), " at ",
                            static_cast<const void*>(yp), ", q at ", static_cast<const void*>(qp));
   });
+}
+
+void fp8_transpose(Tensor& qt, const Tensor& q, cudaStream_t stream) {
+  const char* fn = "fp8_transpose";
+  check_device(q, "fp8_transpose q");
+  check_device(qt, "fp8_transpose qt");
+  check_contiguous(q, "fp8_transpose q");
+  check_contiguous(qt, "fp8_transpose qt");
+  LOOM_CHECK(is_fp8(q.dtype) && qt.dtype == q.dtype, fn, ": q and qt must both be fp8_e4m3 or both fp8_e5m2, got ",
+             dtype_name(q.dtype), " and ", dtype_name(qt.dtype));
+  LOOM_CHECK(q.shape.size() == 2 && qt.shape.size() == 2 && qt.shape[0] == q.shape[1] && qt.shape[1] == q.shape[0],
+             fn, ": q ", q.shape_str(), " and qt ", qt.shape_str(), " are not [rows, cols] and [cols, rows]");
+  const int64_t rows = q.shape[0], cols = q.shape[1];
+  if (rows == 0 || cols == 0) return;
+  const uint8_t* qp = q.ptr<const uint8_t>();
+  uint8_t* tp = qt.ptr<uint8_t>();
+  const bool vec = rows % 16 == 0 && cols % 16 == 0 && aligned_bytes(qp, 16) && aligned_bytes(tp, 16);
+  const int64_t tiles_r = (rows + kTransTile - 1) / kTransTile, tiles_c = (cols + kTransTile - 1) / kTransTile;
+  const unsigned grid = grid_for(tiles_r * tiles_c, 1);
+  transpose_codes_kernel<<<grid, 256, 0, stream>>>(tp, qp, rows, cols, tiles_r, tiles_c, vec);
+  LOOM_CUDA_LAUNCH_CHECK(fn, "rows=", rows, " cols=", cols, " vec=", vec, " grid=", grid, " q at ",
+                         static_cast<const void*>(qp), ", qt at ", static_cast<const void*>(tp));
 }
 
 }  // namespace loom::gpu
