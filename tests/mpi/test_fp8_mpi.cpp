@@ -34,10 +34,11 @@ std::string device() {
 }
 
 loom::Config make_config(const std::string& precision, const std::string& strategy,
-                         const std::string& sharding_keys = "", const std::string& model_keys = "", int hidden = 64) {
+                         const std::string& sharding_keys = "", const std::string& model_keys = "", int hidden = 64,
+                         const std::string& run_keys = "") {
   std::ostringstream t;
   t << "[run]\nname = \"fp8mpi\"\nout_dir = \"" << LOOM_BINARY_DIR << "/tests/mpi_runs/fp8\"\n"
-    << "device = \"" << device() << "\"\nseed = 13\nthreads = 1\nlog_level = \"warn\"\n"
+    << "device = \"" << device() << "\"\nseed = 13\nthreads = 1\nlog_level = \"warn\"\n" << run_keys << "\n"
     << "plugin_path = [\"" << LOOM_TEST_PLUGIN_DIR << "\"]\n"
     << "[model]\nhidden = " << hidden << "\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nffn_hidden = 160\n"
     << "vocab_size = 250\nmax_seq_len = 32\n" << model_keys << "\n"
@@ -127,8 +128,9 @@ struct GatherRun {
 };
 
 GatherRun run_gathers(const std::string& strategy, const std::string& keys, const std::string& model_keys,
-                      const std::string& precision = "plugin = \"fp8_current\"", int hidden = 64) {
-  loom::Session s(make_config(precision, strategy, keys, model_keys, hidden));
+                      const std::string& precision = "plugin = \"fp8_current\"", int hidden = 64,
+                      const std::string& run_keys = "") {
+  loom::Session s(make_config(precision, strategy, keys, model_keys, hidden, run_keys));
   s.initialise();
   const auto k = static_cast<size_t>(loom::CollectiveKind::all_gather);
   const uint64_t before = s.comm().bytes_moved().bytes[k];
@@ -227,15 +229,18 @@ void check_fp8_gathers(const std::string& strategy, const std::string& keys) {
 // the gathered bf16 parameters, so the run is bitwise the run that gathers
 // the parameters. Hidden 128: every weight starts a multiple of 256 bytes
 // into its unit, as in real models, so every FP8 weight is read as codes.
+// Deterministic kernels (cuBLASLt's heuristic algorithm, not the fastest by
+// timing), so that equal inputs give equal bits.
 void check_gathered_codes(const std::string& strategy, const std::string& keys) {
   for (const char* layers : {"native", "fused"}) {
     SCOPED_TRACE(std::string(strategy) + " " + keys + ", layers " + layers);
     const std::string mk = std::string("layers = \"") + layers + "\"";
     const std::string direct = "plugin = \"fp8_current\"\ngathered_codes = true";
-    const GatherRun ref = run_gathers(strategy, keys, mk, "plugin = \"fp8_current\"", 128);
-    const GatherRun codes = run_gathers(strategy, keys + "\ngather_dtype = \"fp8\"", mk, direct, 128);
+    const std::string det = "deterministic = true";
+    const GatherRun ref = run_gathers(strategy, keys, mk, "plugin = \"fp8_current\"", 128, det);
+    const GatherRun codes = run_gathers(strategy, keys + "\ngather_dtype = \"fp8\"", mk, direct, 128, det);
     const GatherRun decoded = run_gathers(strategy, keys + "\ngather_dtype = \"fp8\"", mk,
-                                          "plugin = \"fp8_current\"\ngathered_codes = false", 128);
+                                          "plugin = \"fp8_current\"\ngathered_codes = false", 128, det);
     ASSERT_EQ(ref.losses.size(), 6u);
     ASSERT_EQ(codes.losses.size(), 6u);
     ASSERT_EQ(decoded.losses.size(), 6u);

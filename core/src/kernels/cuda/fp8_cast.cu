@@ -599,7 +599,7 @@ void fp8_transpose(Tensor& qt, const Tensor& q, cudaStream_t stream) {
   check_contiguous(qt, "fp8_transpose qt");
   LOOM_CHECK(is_fp8(q.dtype) && qt.dtype == q.dtype, fn, ": q and qt must both be fp8_e4m3 or both fp8_e5m2, got ",
              dtype_name(q.dtype), " and ", dtype_name(qt.dtype));
-  LOOM_CHECK(q.shape.size() == 2 && qt.shape.size() == 2 && qt.shape[0] == q.shape[1] && qt.shape[1] == q.shape[0],
+  LOOM_CHECK(q.ndim == 2 && qt.ndim == 2 && qt.shape[0] == q.shape[1] && qt.shape[1] == q.shape[0],
              fn, ": q ", q.shape_str(), " and qt ", qt.shape_str(), " are not [rows, cols] and [cols, rows]");
   const int64_t rows = q.shape[0], cols = q.shape[1];
   if (rows == 0 || cols == 0) return;
