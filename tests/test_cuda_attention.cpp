@@ -355,10 +355,11 @@ TEST(CudnnAttention, MatchesNaiveCuda) {
 }
 
 // attention.sdpa_forward: each forward implementation against naive (GQA,
-// the fused QKV layout, head dims 64 and 128; MatchesNaiveCuda's tolerances;
-// the backward reads each one's out and stats). "composite" is cuDNN's graph of separate operations, which every
-// cuDNN 9 supports; "unified" needs a newer library: where it cannot build a
-// graph, the refusal must name the key and the way out.
+// the fused QKV layout, head dims 64 and 128; MatchesNaiveCuda's
+// tolerances; the backward reads each one's out and stats). "composite" is
+// cuDNN's graph of separate operations, which every cuDNN 9 supports;
+// "unified" needs a newer library: where it cannot build a graph, the
+// refusal must name the key and the way out.
 TEST(CudnnAttention, EachForwardImplementationMatchesNaive) {
   REQUIRE_GPU();
   if (!plugin_built("cudnn")) GTEST_SKIP() << "the cudnn plugin was not built (see the CMake warning)";

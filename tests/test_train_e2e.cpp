@@ -319,12 +319,6 @@ TEST(TrainE2E, GradAccumulationMatchesOneLargeBatch) {
   }
 }
 
-// Nothing zeroes the gradients between steps (sharding "none" leaves them
-// as AdamW read them): the first micro-batch of each step writes every
-// parameter gradient. Poisoned gradients before every step change no bit of
-// the run, for native and fused layers, tied and untied embeddings (the
-// head writes the embedding's gradient, the scatter adds to it), one and two
-// micro-batches.
 // UnitState::grads_fresh on a unit whose gradients another unit's backward
 // writes first (the embedding tied to the head) would lose the head's part:
 // the model refuses it before any kernel, naming the unit and the flag.
@@ -345,6 +339,12 @@ TEST(TrainE2E, FreshGradientsAreRefusedOnTheTiedEmbedding) {
   }
 }
 
+// Nothing zeroes the gradients between steps (sharding "none" leaves them
+// as AdamW read them): the first micro-batch of each step writes every
+// parameter gradient. Poisoned gradients before every step change no bit of
+// the run, for native and fused layers, tied and untied embeddings (the
+// head writes the embedding's gradient, the scatter adds to it), one and two
+// micro-batches.
 TEST(TrainE2E, StaleGradientsAreOverwritten) {
   fs::path d = temp_dir("stale_grads");
   for (const std::string layers : {"native", "fused"})
