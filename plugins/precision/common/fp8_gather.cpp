@@ -323,11 +323,16 @@ void Fp8GatherCodec::decode(const ExecContext& ctx, int unit, const Tensor& wire
   for (int r = 0; r < group_; ++r) {
     const int64_t at = static_cast<int64_t>(r) * wire_bytes_[ui];
     for (const Segment& s : segments_[ui][static_cast<size_t>(r)]) {
+      if (s.weight < 0) {  // moved in the parameter dtype
+        Tensor dst = view(params, s.lo, {s.hi - s.lo});
+        ops_->copy(ctx, dst, wire_view(wire, at + s.wire, s.hi - s.lo, param_dtype_));
+        continue;
+      }
       const Tensor codes = wire_view(wire, at + s.wire, s.hi - s.lo, DType::e4m3);
-      if (s.weight >= 0 && direct_ && weights_[static_cast<size_t>(s.weight)].codes_aligned) {
+      const Weight& w = weights_[static_cast<size_t>(s.weight)];
+      if (direct_ && w.codes_aligned) {
         // The codes as they are, at the weight's place: byte (element of the
         // weight) after the weight's first byte.
-        const Weight& w = weights_[static_cast<size_t>(s.weight)];
         LOOM_CHECK(reinterpret_cast<uintptr_t>(params.data) % kCodesAlign == 0, "FP8 gathers: unit ", unit,
                    "'s parameters at ", params.data, " are not ", kCodesAlign,
                    "-byte aligned; the GEMMs would read its weights' codes misaligned");
@@ -335,12 +340,8 @@ void Fp8GatherCodec::decode(const ExecContext& ctx, int unit, const Tensor& wire
                        w.offset * static_cast<int64_t>(dtype_size(param_dtype_)) + (s.lo - w.offset),
                    DType::e4m3, params.device, {s.hi - s.lo});
         ops_->copy(ctx, dst, codes);
-        continue;
-      }
-      Tensor dst = view(params, s.lo, {s.hi - s.lo});
-      if (s.weight < 0) {
-        ops_->copy(ctx, dst, wire_view(wire, at + s.wire, s.hi - s.lo, param_dtype_));
       } else {
+        Tensor dst = view(params, s.lo, {s.hi - s.lo});
         ops_->decode(ctx, dst, codes, f32_slot(scale_, s.weight));
       }
     }
