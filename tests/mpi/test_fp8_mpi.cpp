@@ -180,7 +180,8 @@ GatherRun run_gathers(const std::string& strategy, const std::string& keys, cons
 // Traffic: an FP8 weight element is 1 byte against the parameter's 4 (CPU,
 // fp32) or 2 (GPU, bf16); norm gains, the embedding and the head travel as
 // parameters: the ratio the parameters predict,
-// within 1% (each chunk is padded to 16 bytes and to the largest rank's). Native and fused layers (the fused [q; k; v] and [gate;
+// within 1% (the head's and embedding's chunks are padded to 16 bytes and to
+// the largest rank's; the layers' norm gains travel once per step instead). Native and fused layers (the fused [q; k; v] and [gate;
 // up] weights are one scale each), and shard boundaries that cut weights.
 void check_fp8_gathers(const std::string& strategy, const std::string& keys) {
   for (const char* layers : {"native", "fused"}) {
@@ -191,11 +192,11 @@ void check_fp8_gathers(const std::string& strategy, const std::string& keys) {
     ASSERT_EQ(ref.losses.size(), 6u);
     ASSERT_EQ(fp8.losses.size(), 6u);
     // The recipe's codec asks for its amaxes, scales and inverse scales (3
-    // floats per FP8 weight, GatherCodec::state_bytes) only when the strategy
+    // floats per FP8 weight, GatherCodec::state_bytes; then the decoder
+    // layers' norm gains, which travel once per step) only when the strategy
     // gathers through it; the core plans them in the arena.
     EXPECT_EQ(ref.codec_state, 0u);
-    EXPECT_GT(fp8.codec_state, 0u);
-    EXPECT_EQ(fp8.codec_state % (3 * sizeof(float)), 0u);
+    EXPECT_GE(fp8.codec_state, 3 * sizeof(float));
     // On the GPU the activations are bf16: a last-bit difference of the
     // weight's inverse scale can flip the rounding of a GEMM output, which
     // the later steps carry on; 1e-3 relative there (a wrong scale or segment
@@ -307,6 +308,9 @@ TEST(Fp8Mpi, DelayedScalesAgreeUnderZero3) { check_delayed("zero3"); }
 // come from each rank's own data and do differ, which is also what shows that
 // the ranks' local amaxes differ, so the agreement above is the reduction's.
 TEST(Fp8Mpi, CurrentScalesFollowEachRanksData) {
+  if (g_world->size() < 2)
+    GTEST_SKIP() << "one rank has no other rank's data to differ from: run under mpirun -np 2 or more "
+                    "(ctest's mpi_fp8_np2 and mpi_fp8_np4)";
   loom::Session s(make_config("plugin = \"fp8_current\"", "ddp"));
   s.initialise();
   for (int step = 1; step <= 3; ++step) {

@@ -80,6 +80,11 @@ class HostOps final : public Ops {
 // ---- the codec ----
 
 constexpr int64_t kCodesAlign = 256;  // bytes: DirectCodes' weights start so far into an aligned unit
+// A unit of FP8 weights moves them in place (the codes layout, fp8_gather.hpp)
+// when its other elements are at most 1 / kOthersShare of it: those travel
+// once per encode to every rank of the group, whose copy of them all stays
+// small (a decoder layer's norm gains: 8,192 of 218M elements in Llama 3 8B).
+constexpr int64_t kOthersShare = 256;
 
 class Fp8GatherCodec final : public GatherCodec, public DirectCodes {
  public:
@@ -90,10 +95,11 @@ class Fp8GatherCodec final : public GatherCodec, public DirectCodes {
   std::string why_none() const override { return why_none_; }
   void plan(int group, int position, const std::vector<int64_t>& chunk) override;
   int64_t wire_chunk_bytes(int unit) const override;
-  // The amaxes and scales: 3 fp32 per FP8 weight, once a strategy planned
-  // gathers through this codec (plan() was called).
+  // Once a strategy planned gathers through this codec (plan() was called):
+  // the amaxes and scales, 3 fp32 per FP8 weight; then the other elements of
+  // the units in the codes layout, this rank's and the group's gathered.
   size_t state_bytes() const override {
-    return segments_.empty() ? 0 : static_cast<size_t>(weights_.size()) * 3 * sizeof(float);
+    return segments_.empty() ? 0 : scale_bytes() + others_bytes() * static_cast<size_t>(1 + group_);
   }
   // Binds that memory and sets every scale to 1.
   void bind(void* ptr) override;
@@ -104,9 +110,11 @@ class Fp8GatherCodec final : public GatherCodec, public DirectCodes {
   void set_direct(bool on) override { direct_ = on; }
   bool holds_codes(int id) const override {
     const int w = weight_of(id);
-    return direct_ && w >= 0 && weights_[static_cast<size_t>(w)].codes_aligned && !segments_.empty() &&
-           chunk_[static_cast<size_t>(weights_[static_cast<size_t>(w)].unit)] > 0;
+    if (!direct_ || w < 0 || segments_.empty()) return false;
+    const Weight& x = weights_[static_cast<size_t>(w)];
+    return chunk_[static_cast<size_t>(x.unit)] > 0 && (in_wire(x) || x.codes_aligned);
   }
+  const void* codes(int id, const void* place) const override;
   const float* amax(int id) const override { return state_of(amax_, id); }
   const float* scale(int id) const override { return state_of(scale_, id); }
   const float* scale_inv(int id) const override { return state_of(scale_inv_, id); }
@@ -121,7 +129,18 @@ class Fp8GatherCodec final : public GatherCodec, public DirectCodes {
     // recipe's own scratch (cuBLASLt picks its kernels by alignment), so the
     // run is the same to the bit. Other weights are decoded.
     bool codes_aligned = false;
+    // The last decode of its unit (direct): the weight's place in the params
+    // it wrote, and where its codes are (in the wire, or that place).
+    const void* place = nullptr;
+    const void* at = nullptr;
   };
+  // Direct and in the codes layout at a 256-byte offset: the GEMMs read the
+  // weight's codes in the gathered wire (256-byte aligned, as arena buffers).
+  bool in_wire(const Weight& w) const {
+    return direct_ && codes_unit_[static_cast<size_t>(w.unit)] && w.offset % kCodesAlign == 0;
+  }
+  size_t scale_bytes() const { return (weights_.size() * 3 * sizeof(float) + 255) / 256 * 256; }
+  size_t others_bytes() const { return static_cast<size_t>(others_) * dtype_size(param_dtype_); }
   int weight_of(int id) const {
     return id >= 0 && static_cast<size_t>(id) < weight_of_id_.size() ? weight_of_id_[static_cast<size_t>(id)] : -1;
   }
@@ -132,7 +151,9 @@ class Fp8GatherCodec final : public GatherCodec, public DirectCodes {
     return static_cast<const float*>(t.data) + w;
   }
   // [lo, hi) of the flat unit; weight: index into weights_ or -1 (moved as it
-  // is); wire: byte offset inside its chunk.
+  // is); wire: byte offset inside its chunk, but for a non-FP8 segment of a
+  // unit in the codes layout its element offset in the unit's block of the
+  // others buffers (others_at_).
   struct Segment {
     int64_t lo = 0, hi = 0;
     int weight = -1;
@@ -151,6 +172,10 @@ class Fp8GatherCodec final : public GatherCodec, public DirectCodes {
   int group_ = 1, position_ = 0;
   std::vector<int64_t> chunk_, wire_bytes_;
   std::vector<std::vector<std::vector<Segment>>> segments_;  // [unit][rank]
+  std::vector<char> codes_unit_;  // per unit: in the codes layout
+  std::vector<int64_t> others_at_;  // per unit in it: its block's element offset in a rank's others
+  int64_t others_ = 0;              // elements of each rank's others (a multiple of 8)
+  Tensor others_own_, others_all_;  // [others_] this rank's; [group * others_] every rank's, gathered by encode()
   Tensor amax_, scale_, scale_inv_;
   std::vector<int> weight_of_id_;  // linear id -> index in weights_, or -1
   bool direct_ = false;            // DirectCodes: decode() leaves the FP8 weights as codes
@@ -213,6 +238,11 @@ void Fp8GatherCodec::bind(void* ptr) {
   ops_->fill(scale_, 1.0f);
   ops_->fill(scale_inv_, 1.0f);
   ops_->fill(amax_, 0.0f);
+  if (others_ > 0) {
+    char* o = static_cast<char*>(ptr) + scale_bytes();
+    others_own_ = Tensor(o, param_dtype_, device_, {others_});
+    others_all_ = Tensor(o + others_bytes(), param_dtype_, device_, {group_ * others_});
+  }
 }
 
 void Fp8GatherCodec::plan(int group, int position, const std::vector<int64_t>& chunk) {
@@ -225,19 +255,25 @@ void Fp8GatherCodec::plan(int group, int position, const std::vector<int64_t>& c
   const int64_t esize = static_cast<int64_t>(dtype_size(param_dtype_));
   segments_.assign(numel_.size(), {});
   wire_bytes_.assign(numel_.size(), 0);
+  codes_unit_.assign(numel_.size(), 0);
+  others_at_.assign(numel_.size(), 0);
+  others_ = 0;
   for (size_t u = 0; u < numel_.size(); ++u) {
     const int64_t c = chunk_[u];
     if (c <= 0) continue;
     // The unit as intervals: its FP8 weights and the gaps between them.
     std::vector<Segment> parts;
-    int64_t at = 0;
+    int64_t at = 0, fp8 = 0;
     for (size_t w = 0; w < weights_.size(); ++w) {
       if (weights_[w].unit != static_cast<int>(u)) continue;
       if (weights_[w].offset > at) parts.push_back({at, weights_[w].offset, -1, 0});
       parts.push_back({weights_[w].offset, weights_[w].offset + weights_[w].numel, static_cast<int>(w), 0});
       at = weights_[w].offset + weights_[w].numel;
+      fp8 += weights_[w].numel;
     }
     if (at < numel_[u]) parts.push_back({at, numel_[u], -1, 0});
+    const bool codes = fp8 > 0 && (numel_[u] - fp8) * kOthersShare <= numel_[u];
+    codes_unit_[u] = codes;
     auto& per_rank = segments_[u];
     per_rank.assign(static_cast<size_t>(group), {});
     int64_t most = 0;
@@ -248,6 +284,17 @@ void Fp8GatherCodec::plan(int group, int position, const std::vector<int64_t>& c
         const int64_t a = std::max(lo, p.lo), b = std::min(hi, p.hi);
         if (a < b) segs.push_back({a, b, p.weight, 0});
       }
+      if (codes) {
+        // Codes at their elements' bytes; the other elements in the unit's
+        // block of the others, in flat order.
+        int64_t n = 0;
+        for (Segment& s : segs) {
+          if (s.weight >= 0) s.wire = s.lo - lo;
+          else s.wire = n, n += s.hi - s.lo;
+        }
+        most = std::max(most, n);
+        continue;
+      }
       // Elements in the parameter dtype first (aligned to their size), then codes.
       int64_t bytes = 0;
       for (Segment& s : segs)
@@ -256,8 +303,16 @@ void Fp8GatherCodec::plan(int group, int position, const std::vector<int64_t>& c
         if (s.weight >= 0) s.wire = bytes, bytes += s.hi - s.lo;
       most = std::max(most, bytes);
     }
-    // Chunks start 16-byte aligned in the gathered buffer.
-    wire_bytes_[u] = (most + 15) / 16 * 16;
+    if (codes) {
+      // Chunks follow each other byte for byte, so that a weight cut by a
+      // chunk boundary is whole in the gathered wire.
+      wire_bytes_[u] = c;
+      others_at_[u] = others_;
+      others_ += (most + 7) / 8 * 8;  // blocks 16-byte aligned in bf16, 32 in fp32
+    } else {
+      // Chunks start 16-byte aligned in the gathered buffer.
+      wire_bytes_[u] = (most + 15) / 16 * 16;
+    }
   }
 }
 
@@ -305,7 +360,8 @@ void Fp8GatherCodec::encode(const ExecContext& ctx, Communicator& group, const s
     for (const Segment& s : segments_[ui][static_cast<size_t>(position_)]) {
       const Tensor src = view(u.param_shard, s.lo - base, {s.hi - s.lo});
       if (s.weight < 0) {
-        Tensor dst = wire_view(out, s.wire, s.hi - s.lo, param_dtype_);
+        Tensor dst = codes_unit_[ui] ? view(others_own_, others_at_[ui] + s.wire, {s.hi - s.lo})
+                                     : wire_view(out, s.wire, s.hi - s.lo, param_dtype_);
         ops_->copy(ctx, dst, src);
       } else {
         Tensor q = wire_view(out, s.wire, s.hi - s.lo, DType::e4m3);
@@ -313,6 +369,21 @@ void Fp8GatherCodec::encode(const ExecContext& ctx, Communicator& group, const s
       }
     }
   }
+  // The codes layout's other elements, to every rank of the group once per
+  // encode (the decodes until the next one read them there).
+  if (others_ > 0) {
+    LOOM_CHECK(others_all_.data != nullptr, "FP8 gathers: encode before bind() gave the others their memory");
+    if (group.size() > 1) group.wait(ctx, group.all_gather(ctx, others_own_, others_all_));
+    else ops_->copy(ctx, others_all_, others_own_);
+  }
+}
+
+const void* Fp8GatherCodec::codes(int id, const void* place) const {
+  LOOM_CHECK(holds_codes(id), "FP8 gathers: the codes of linear ", id, " asked, but its gathers leave no codes");
+  const Weight& w = weights_[static_cast<size_t>(weight_of(id))];
+  LOOM_CHECK(w.place == place && w.at != nullptr, "FP8 gathers: the codes of linear ", id, " asked for parameters at ",
+             place, ", but the last decode of its unit wrote ", w.place);
+  return w.at;
 }
 
 void Fp8GatherCodec::decode(const ExecContext& ctx, int unit, const Tensor& wire, Tensor& params) {
@@ -320,26 +391,39 @@ void Fp8GatherCodec::decode(const ExecContext& ctx, int unit, const Tensor& wire
   LOOM_CHECK(ui < segments_.size() && chunk_[ui] > 0, "FP8 gathers: unit ", unit, " is not gathered");
   LOOM_CHECK(static_cast<int64_t>(wire.bytes()) >= group_ * wire_bytes_[ui], "FP8 gathers: unit ", unit,
              " gathered into ", wire.bytes(), " bytes, ", group_ * wire_bytes_[ui], " expected");
+  const bool codes_layout = codes_unit_[ui] != 0;
+  if (codes_layout) LOOM_CHECK(others_ == 0 || others_all_.data != nullptr, "FP8 gathers: decode before bind()");
+  const int64_t esize = static_cast<int64_t>(dtype_size(param_dtype_));
   for (int r = 0; r < group_; ++r) {
     const int64_t at = static_cast<int64_t>(r) * wire_bytes_[ui];
     for (const Segment& s : segments_[ui][static_cast<size_t>(r)]) {
       if (s.weight < 0) {  // moved in the parameter dtype
         Tensor dst = view(params, s.lo, {s.hi - s.lo});
-        ops_->copy(ctx, dst, wire_view(wire, at + s.wire, s.hi - s.lo, param_dtype_));
+        ops_->copy(ctx, dst,
+                   codes_layout ? view(others_all_, r * others_ + others_at_[ui] + s.wire, {s.hi - s.lo})
+                                : wire_view(wire, at + s.wire, s.hi - s.lo, param_dtype_));
         continue;
       }
       const Tensor codes = wire_view(wire, at + s.wire, s.hi - s.lo, DType::e4m3);
-      const Weight& w = weights_[static_cast<size_t>(s.weight)];
-      if (direct_ && w.codes_aligned) {
+      Weight& w = weights_[static_cast<size_t>(s.weight)];
+      char* place = static_cast<char*>(params.data) + w.offset * esize;
+      if (in_wire(w)) {
+        // Nothing to move: the weight's codes lie whole in the wire, from
+        // byte w.offset (the chunks follow each other byte for byte).
+        LOOM_CHECK(reinterpret_cast<uintptr_t>(wire.data) % kCodesAlign == 0, "FP8 gathers: unit ", unit,
+                   "'s gathered wire at ", wire.data, " is not ", kCodesAlign,
+                   "-byte aligned; the GEMMs would read its weights' codes misaligned");
+        w.place = place;
+        w.at = static_cast<const char*>(wire.data) + w.offset;
+      } else if (direct_ && w.codes_aligned) {
         // The codes as they are, at the weight's place: byte (element of the
         // weight) after the weight's first byte.
         LOOM_CHECK(reinterpret_cast<uintptr_t>(params.data) % kCodesAlign == 0, "FP8 gathers: unit ", unit,
                    "'s parameters at ", params.data, " are not ", kCodesAlign,
                    "-byte aligned; the GEMMs would read its weights' codes misaligned");
-        Tensor dst(static_cast<char*>(params.data) +
-                       w.offset * static_cast<int64_t>(dtype_size(param_dtype_)) + (s.lo - w.offset),
-                   DType::e4m3, params.device, {s.hi - s.lo});
+        Tensor dst(place + (s.lo - w.offset), DType::e4m3, params.device, {s.hi - s.lo});
         ops_->copy(ctx, dst, codes);
+        w.place = w.at = place;
       } else {
         Tensor dst = view(params, s.lo, {s.hi - s.lo});
         ops_->decode(ctx, dst, codes, f32_slot(scale_, s.weight));

@@ -18,12 +18,22 @@
 // Everything else (norm gains, the LM head, embedding, router, padding) moves
 // in the parameter dtype.
 //
-// Wire layout of one unit: group chunks of wire_chunk_bytes(unit) bytes, chunk
-// r holding the elements [r c, (r + 1) c) of the flat unit (c = the chunk in
-// elements): first its other parameters' elements in the parameter dtype, in
-// flat order, then its FP8 weights' codes, one byte each, in flat order;
-// padding is not sent. A bf16 unit of FP8 weights moves half its bytes; fp32
-// (the CPU path) a quarter.
+// Wire layout of one unit, c = its chunk in elements. A unit of FP8 weights
+// whose other elements are few (norm gains, a router: at most 1/256 of it,
+// kOthersShare in fp8_gather.cpp), as every decoder layer: chunk r is c
+// bytes, byte j the code of element r c + j when that element belongs to an
+// FP8 weight (other bytes unused), so the gathered wire of the unit holds
+// each FP8 weight's codes whole and in place, at byte (its offset in the
+// unit); the GEMMs can read them there (DirectCodes). Its other elements
+// travel once per encode instead, in the parameter dtype: every rank's own
+// ones of every such unit, in one all-gather into a buffer of the codec's
+// state that each decode copies them from. Any other unit (the embedding,
+// the head, a unit of many other elements): chunk r holds the elements
+// [r c, (r + 1) c), first its other parameters' elements in the parameter
+// dtype, in flat order, then its FP8 weights' codes, one byte each, in flat
+// order, padded to 16 bytes and to the largest rank's; padding is not sent.
+// A bf16 unit of FP8 weights moves half its bytes; fp32 (the CPU path) a
+// quarter.
 //
 // When: encode() runs once after the parameters change (the strategy calls it
 // at the first gather after an optimizer step), so each rank casts its own
@@ -84,19 +94,25 @@ using CastsFromCurrentAmax = std::function<bool(int id, int* margin)>;
 // codes themselves instead of a decoded weight cast again (the same codes
 // and the same scale: see above), which saves the decode (1 byte read, 2
 // written an element) and the cast (2 read, 1 written) at every gather.
-// With set_direct(true), decode() leaves each FP8 weight as its codes, in
-// the first numel bytes of the weight's own place in the unit's params
-// (row-major, as the weight), and its parameter-dtype values there are not
-// written: only the recipe that asked may read that weight, through
-// holds_codes() and the codec's scale of it.
+// With set_direct(true), decode() does not write an FP8 weight's values in
+// the unit's params: the weight's codes (row-major, as the weight) stay in
+// the gathered wire where its 256-byte-aligned place there allows (no copy
+// at all), else they are copied into the first numel bytes of the weight's
+// own place in the params. Only the recipe that asked may read that weight,
+// through codes() and the codec's scale of it.
 class DirectCodes {
  public:
   virtual ~DirectCodes() = default;
   virtual void set_direct(bool on) = 0;
-  // True when a gathered unit's params hold linear `id`'s weight as codes:
-  // direct is on, a strategy planned gathers through the codec, and the
-  // weight is one it moves in FP8.
+  // True when gathers leave linear `id`'s weight as codes: direct is on, a
+  // strategy planned gathers through the codec, and the weight is one it
+  // moves in FP8 and can leave so.
   virtual bool holds_codes(int id) const = 0;
+  // Where the codes of linear `id`'s weight are after the last decode of its
+  // unit, given `place`, the weight's place in the params that decode
+  // wrote (its parameter view's data): in the gathered wire, or `place`
+  // itself. Valid until the unit's next gather overwrites that wire.
+  virtual const void* codes(int id, const void* place) const = 0;
   // The weight's amax, scale and 1 / scale (device floats on CUDA), as the
   // last encode() set them: the codes are encode(W * scale).
   virtual const float* amax(int id) const = 0;

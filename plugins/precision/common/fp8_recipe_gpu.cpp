@@ -727,7 +727,7 @@ class Fp8Gpu final : public Precision {
                       stream);
         l.w_scale_known = true;
       }
-      return codes_of(l, w, tw);
+      return codes_of(l, id, w, tw);
     }
     Tensor qw(ws_ + gemm_bytes(), tw, Device::cuda, {l.desc.out, l.desc.in});
     if (!l.w_scale_known) {
@@ -749,23 +749,24 @@ class Fp8Gpu final : public Precision {
                ": dgrad before any forward of this step cast the weight");
     Tensor qwt(ws_ + gemm_bytes(), tw, Device::cuda, {l.desc.in, l.desc.out});
     if (holds_codes(id)) {
-      gpu::fp8_transpose(qwt, codes_of(l, w, tw), stream);  // Wᵀ from the gathered codes
+      gpu::fp8_transpose(qwt, codes_of(l, id, w, tw), stream);  // Wᵀ from the gathered codes
       return qwt;
     }
     gpu::fp8_cast(w, nullptr, &qwt, scale_ + fp8::ScalingState::slot(l.slot, Role::w), nullptr, stream);
     return qwt;
   }
 
-  // Linear `id`'s weight arrives as FP8 codes in its parameters (the codec's
+  // Linear `id`'s weight arrives as FP8 codes, not bf16 values (the codec's
   // DirectCodes, enabled at setup() for "layer").
   bool holds_codes(int id) const { return codes_ != nullptr && codes_->holds_codes(id); }
 
-  // W's codes [out, in]: the first out * in bytes of its parameter view w.
-  Tensor codes_of(const Linear& l, const Tensor& w, DType tw) const {
+  // W's codes [out, in], where the gather of the parameters w left them: in
+  // the gathered wire, or the first out * in bytes of w itself.
+  Tensor codes_of(const Linear& l, int id, const Tensor& w, DType tw) const {
     LOOM_CHECK(w.is_contiguous() && w.numel() == l.desc.out * l.desc.in, "precision ", o_.plugin, ": ", l.desc.name,
                ": the gathered weight ", w.shape_str(), " is not the contiguous [", l.desc.out, ", ", l.desc.in,
                "] its codes fill");
-    return Tensor(w.data, tw, Device::cuda, {l.desc.out, l.desc.in});
+    return Tensor(const_cast<void*>(codes_->codes(id, w.data)), tw, Device::cuda, {l.desc.out, l.desc.in});
   }
 
   // A call the FP8 GEMMs cannot take goes through bf16 GEMMs that read W in
