@@ -10,7 +10,9 @@
 //
 // When the recipe takes the qkv GEMM's input in FP8 (Precision::fp8_operand:
 // fp8_delayed on CUDA), the norm writes its FP8 codes directly: the cast to
-// the GEMM's input type is the norm's own store.
+// the GEMM's input type is the norm's own store. When the recipe measures
+// its input first (Fp8OperandAmax: fp8_current), the norm measures it as it
+// writes it.
 //
 // Backward mirrors it: attention writes dq/dk/dv as views of one packed
 // gradient buffer, RoPE's inverse runs once over dq and dk, one dgrad GEMM
@@ -72,11 +74,14 @@ class FusedAttention final : public AttentionBlock {
     const bool fp8_ln = fp8_input(wqkv_, ln1_plan_.kept_by_recipe, &q);
     {
       Range r(be, "rmsnorm");
+      const auto eps = static_cast<float>(spec_.norm_eps);
       if (fp8_ln) {
         ln1 = q.q;
-        be.rmsnorm_forward_fp8(q, rstd1, x, param(u, kLn1), static_cast<float>(spec_.norm_eps));
+        be.rmsnorm_forward_fp8(q, rstd1, x, param(u, kLn1), eps);
+      } else if (float* amax = operand_amax(wqkv_, Fp8OperandRole::x)) {
+        be.rmsnorm_forward_amax(ln1, rstd1, x, param(u, kLn1), eps, amax);
       } else {
-        be.rmsnorm_forward(ln1, rstd1, x, param(u, kLn1), static_cast<float>(spec_.norm_eps));
+        be.rmsnorm_forward(ln1, rstd1, x, param(u, kLn1), eps);
       }
     }
     {

@@ -14,7 +14,10 @@
 // CUDA), the norm writes h (the gate_up projection's x), SwiGLU m (the down
 // projection's x) and its packed gradient (the gate_up projection's dy) as
 // FP8 codes directly, and the bf16 copies that the recipe would read only to
-// cast them are never written.
+// cast them are never written. When the recipe measures each tensor before
+// casting it (Fp8OperandAmax: fp8_current), the same three kernels write bf16
+// and measure its amax for the recipe, which then casts without reading the
+// tensor a first time.
 //
 // model.recompute = "selective" keeps the gate_up GEMM's output (SwiGLU's
 // backward reads it) and computes h = rmsnorm(x) and m = SwiGLU(gu) again
@@ -64,11 +67,14 @@ class FusedFfn final : public FfnBlock {
     const bool fp8_ln = fp8_input(wgu_, ln2_plan_.kept_by_recipe, &qn);
     {
       Range r(be, "rmsnorm");
+      const auto eps = static_cast<float>(spec_.norm_eps);
       if (fp8_ln) {
         ln2 = qn.q;
-        be.rmsnorm_forward_fp8(qn, rstd2, x, param(u, kLn2), static_cast<float>(spec_.norm_eps));
+        be.rmsnorm_forward_fp8(qn, rstd2, x, param(u, kLn2), eps);
+      } else if (float* amax = operand_amax(wgu_, Fp8OperandRole::x)) {
+        be.rmsnorm_forward_amax(ln2, rstd2, x, param(u, kLn2), eps, amax);
       } else {
-        be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), static_cast<float>(spec_.norm_eps));
+        be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), eps);
       }
     }
     {
@@ -83,6 +89,8 @@ class FusedFfn final : public FfnBlock {
       Range r(be, "swiglu");
       const Tensor gu = act(gu_, {N, 2 * f});
       if (fp8_swi) be.swiglu_forward_fp8(q, column_half(gu, 0), column_half(gu, 1));
+      else if (float* amax = operand_amax(wd_, Fp8OperandRole::x))
+        be.swiglu_forward_amax(swi, column_half(gu, 0), column_half(gu, 1), amax);
       else be.swiglu_forward(swi, column_half(gu, 0), column_half(gu, 1));
     }
     {
@@ -118,7 +126,10 @@ class FusedFfn final : public FfnBlock {
         be.swiglu_backward_fp8(q, d_swi, column_half(gu, 0), column_half(gu, 1));
       } else {
         Tensor dg = column_half(d_gu, 0), du = column_half(d_gu, 1);
-        be.swiglu_backward(dg, du, d_swi, column_half(gu, 0), column_half(gu, 1));
+        if (float* amax = operand_amax(wgu_, Fp8OperandRole::dy))
+          be.swiglu_backward_amax(dg, du, d_swi, column_half(gu, 0), column_half(gu, 1), amax);
+        else
+          be.swiglu_backward(dg, du, d_swi, column_half(gu, 0), column_half(gu, 1));
       }
     }
     Tensor d_ln = act(d_ln_, {N, h});

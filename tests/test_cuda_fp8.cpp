@@ -1452,6 +1452,109 @@ TEST_F(CudaFp8, SwigluWritingFp8IsTheBf16KernelThenTheCast) {
   }
   EXPECT_EQ(checked, 6 * 2 * 2 * 2);
 }
+
+// ---- RMSNorm and SwiGLU measuring what they write (Fp8OperandAmax) ------------
+
+TEST_F(CudaFp8, NormAndSwigluMeasureWhatTheyWrite) {
+  // precision.producer_amax: rmsnorm_forward, swiglu_forward and
+  // swiglu_backward given an amax write the same bits as without one and
+  // max-accumulate into it exactly what fp8_amax (the recipe's own measure)
+  // reads from their output, NaN as +inf. Shapes: the packed path (widths
+  // multiples of 8: 2048, 4096, a [rows, 2f] gate_up buffer's halves) and the
+  // scalar path (h 100, f 37, separate gate and up), rows from 16 to 4096;
+  // bf16 and fp32. An amax already larger than the tensor's stays as it is.
+  struct Case {
+    int64_t rows, width;
+    DType dt;
+    bool packed;  // SwiGLU: gate and up the halves of one [rows, 2f] buffer
+  };
+  const Case cases[] = {{4096, 2048, DType::bf16, true}, {64, 4096, DType::bf16, true}, {48, 100, DType::bf16, false},
+                        {16, 37, DType::bf16, false},    {32, 96, DType::f32, true},    {24, 37, DType::f32, false}};
+  int checked = 0;
+  for (const Case& cc : cases) {
+    const int64_t R = cc.rows, h = cc.width, es = static_cast<int64_t>(loom::dtype_size(cc.dt));
+    std::mt19937 rng(static_cast<uint32_t>(R * 7 + h));
+    std::normal_distribution<float> nd(0.f, 2.f);
+    // Host values of the dtype, as raw bytes.
+    auto values = [&](size_t n, bool nan_at_3) {
+      std::vector<uint8_t> b(n * static_cast<size_t>(es));
+      for (size_t i = 0; i < n; ++i) {
+        float v = nd(rng);
+        if (nan_at_3 && i == 3) v = std::nanf("");
+        if (cc.dt == DType::bf16) {
+          const uint16_t x = loom::hf::f32_to_bf16(v);
+          std::memcpy(b.data() + 2 * i, &x, 2);
+        } else {
+          std::memcpy(b.data() + 4 * i, &v, 4);
+        }
+      }
+      return b;
+    };
+    for (int nan = 0; nan < 2; ++nan) {
+      for (int op = 0; op < 3; ++op) {  // rmsnorm, swiglu forward, swiglu backward
+        const char* what = op == 0 ? "rmsnorm_forward" : op == 1 ? "swiglu_forward" : "swiglu_backward";
+        SCOPED_TRACE(::testing::Message() << what << " [" << R << ", " << h << "] " << loom::dtype_name(cc.dt)
+                                          << (cc.packed ? " packed" : "") << (nan ? " NaN" : ""));
+        const int64_t ld = cc.packed ? 2 * h : h;
+        const size_t nout = static_cast<size_t>(R * h * (op == 2 ? 2 : 1));
+        DevBuf in_a(static_cast<size_t>(R * ld * es)), in_b(static_cast<size_t>(R * ld * es)),
+            in_d(static_cast<size_t>(R * h * es)), out_ref(nout * es), out_got(nout * es), r1(R * 4), r2(R * 4),
+            ab(12);
+        ASSERT_TRUE(in_a.p && in_b.p && in_d.p && out_ref.p && out_got.p && r1.p && r2.p && ab.p);
+        upload(in_a, values(static_cast<size_t>(R * ld), nan != 0));
+        upload(in_b, values(static_cast<size_t>(R * ld), false));
+        upload(in_d, values(static_cast<size_t>(R * h), false));
+        CUDA_OK(cudaMemset(out_ref.p, 0xAA, nout * es));
+        CUDA_OK(cudaMemset(out_got.p, 0x55, nout * es));
+        put_float(ab, 0.0f, 0);  // the kernel's
+        put_float(ab, 0.0f, 1);  // fp8_amax's of the same output
+        put_float(ab, 1e30f, 2);  // larger than anything here
+        float* amax = ab.as<float>();
+        auto out = [&](DevBuf& b, int64_t cols, int64_t off) {
+          Tensor t(static_cast<char*>(b.p) + off * es, cc.dt, Device::cuda, {R, cols});
+          t.stride[0] = op == 2 ? 2 * h : cols;
+          return t;
+        };
+        if (op == 0) {
+          const Tensor x(in_a.p, cc.dt, Device::cuda, {R, h}), w(in_b.p, cc.dt, Device::cuda, {h});
+          Tensor ref = out(out_ref, h, 0), got = out(out_got, h, 0), got2 = got;
+          Tensor rs1(r1.p, DType::f32, Device::cuda, {R}), rs2(r2.p, DType::f32, Device::cuda, {R});
+          loom::gpu::rmsnorm_forward(ref, rs1, x, w, 1e-5f, stream_);
+          loom::gpu::rmsnorm_forward(got, rs2, x, w, 1e-5f, stream_, amax);
+          loom::gpu::rmsnorm_forward(got2, rs2, x, w, 1e-5f, stream_, amax + 2);
+        } else {
+          Tensor gate(in_a.p, cc.dt, Device::cuda, {R, h}), up = gate;
+          gate.stride[0] = up.stride[0] = ld;
+          up.data = cc.packed ? static_cast<void*>(static_cast<char*>(in_a.p) + h * es) : in_b.p;
+          if (op == 1) {
+            Tensor ref = out(out_ref, h, 0), got = out(out_got, h, 0);
+            loom::gpu::swiglu_forward(ref, gate, up, stream_);
+            loom::gpu::swiglu_forward(got, gate, up, stream_, amax);
+            loom::gpu::swiglu_forward(got, gate, up, stream_, amax + 2);
+          } else {
+            const Tensor dout(in_d.p, cc.dt, Device::cuda, {R, h});
+            Tensor rg = out(out_ref, h, 0), ru = out(out_ref, h, h), gg = out(out_got, h, 0), gu = out(out_got, h, h);
+            loom::gpu::swiglu_backward(rg, ru, dout, gate, up, stream_);
+            loom::gpu::swiglu_backward(gg, gu, dout, gate, up, stream_, amax);
+            loom::gpu::swiglu_backward(gg, gu, dout, gate, up, stream_, amax + 2);
+          }
+        }
+        const Tensor whole(out_got.p, cc.dt, Device::cuda, {R, static_cast<int64_t>(nout) / R});
+        loom::gpu::fp8_amax(whole, amax + 1, stream_);
+        CUDA_OK(cudaStreamSynchronize(stream_));
+        EXPECT_TRUE(download<uint8_t>(out_got, nout * es) == download<uint8_t>(out_ref, nout * es))
+            << "the output differs from the kernel's without an amax";
+        const float a = get_float(ab, 0), want = get_float(ab, 1);
+        EXPECT_EQ(bits(a), bits(want)) << "amax " << a << ", fp8_amax of the output " << want;
+        EXPECT_GT(a, 0.0f);
+        if (nan) EXPECT_EQ(a, kInf) << "a NaN (in x or gate) counts as +inf";
+        EXPECT_EQ(get_float(ab, 2), 1e30f) << "a larger amax is kept";
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 6 * 2 * 3);
+}
 }  // namespace
 
 #else  // !LOOM_HAVE_CUDA

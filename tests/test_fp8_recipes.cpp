@@ -354,6 +354,14 @@ TEST(Fp8Recipes, ConfigErrors) {
                {"fp8.toml", "fused_casts", "fp8_current", "measures each tensor", "fp8_delayed"});
   expect_error([] { make("fp8_block", "fused_casts = false\n"); },
                {"fp8.toml", "fused_casts", "fp8_block", "1x128 tile", "fp8_delayed"});
+  // producer_amax: current per-tensor scaling's alone (delayed scaling's
+  // kernels write FP8 outright; block scaling measures each tile as it casts).
+  EXPECT_NO_THROW(make("fp8_current", "producer_amax = false\n"));
+  expect_error([] { make("fp8_current", "producer_amax = 1\n"); }, {"fp8.toml", "producer_amax"});
+  expect_error([] { make("fp8_delayed", "producer_amax = true\n"); },
+               {"fp8.toml", "producer_amax", "fp8_delayed", "fused_casts", "fp8_current"});
+  expect_error([] { make("fp8_block", "producer_amax = false\n"); },
+               {"fp8.toml", "producer_amax", "fp8_block", "1x128 tile", "fp8_current"});
   // gemm_algo (loom/gemm_algo.hpp): read on every device, refused when
   // "fastest" meets a deterministic run.
   for (const char* plugin : {"fp8_delayed", "fp8_current"}) {

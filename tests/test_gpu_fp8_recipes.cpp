@@ -20,6 +20,11 @@
 //     projection's dy, in FP8) gives bitwise the losses and
 //     state of the separate casts, at the llama-125m shape and at one whose
 //     rows and ffn columns leave partial tiles, with recompute;
+//   - producer_amax (the same kernels measuring, for fp8_current, the amax of
+//     the bf16 x or dy they write) gives bitwise the losses and state of the
+//     recipe's own measuring pass, at the same shapes;
+//   - Fp8OperandAmax::operand_amax: handed out only where fp8_operand would
+//     be, and a call with other rows is refused;
 //   - an FP8 bench run uses no more device memory than the bf16 run of the
 //     same model (`loom bench`'s memory column: cudaMemGetInfo in use).
 // GPU cases skip without a device.
@@ -545,6 +550,106 @@ TEST(GpuFp8Recipes, FusedCastsAreBitwiseTheSeparateCasts) {
     std::printf("[fp8 fused_casts] %s: separate %.6f -> %.6f, fused %.6f -> %.6f\n", c.what, a.steps.front().loss,
                 a.steps.back().loss, b.steps.front().loss, b.steps.back().loss);
   }
+}
+
+// fp8_current with fused layers: producer_amax = true (the norms, SwiGLU
+// forward and SwiGLU backward measure the x and dy they write in bf16,
+// Fp8OperandAmax) against false (the recipe measures each tensor itself).
+// The kernels measure each value as stored, so the amaxes, scales, losses
+// and validation losses must be bitwise equal. Shapes as for fused_casts,
+// with selective recompute (the recomputed norm and SwiGLU are not measured
+// again: the backward casts xᵀ with the forward's scale) in the last.
+TEST(GpuFp8Recipes, ProducerAmaxIsBitwiseTheRecipesOwnMeasure) {
+  LOOM_REQUIRE_GPU();
+  struct Case {
+    std::vector<std::string> ov;
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=1"}, "125m shape, grad_accum 1"},
+      {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=2", "model.recompute=\"full\""},
+       "125m shape, grad_accum 2, recompute full"},
+      {{"train.micro_batch=3", "train.seq_len=400", "train.grad_accum=2", "model.ffn_hidden=2000",
+        "model.recompute=\"selective\""},
+       "partial tiles, recompute selective"}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::map<std::string, loom::RunSummary> runs;
+    std::map<std::string, std::map<std::string, std::vector<char>>> states;
+    for (const std::string on : {"true", "false"}) {
+      std::vector<std::string> ov = {"precision.plugin=\"fp8_current\"", "precision.producer_amax=" + on,
+                                     "model.layers=\"fused\""};
+      ov.insert(ov.end(), c.ov.begin(), c.ov.end());
+      Run125m r = run_125m(std::string("producer_amax_") + on + std::to_string(&c - cases.data()), ov);
+      runs[on] = std::move(r.summary);
+      states[on] = std::move(r.state);
+    }
+    const loom::RunSummary &a = runs["false"], &b = runs["true"];
+    loom::test::expect_same_losses(a, b, 4);
+    EXPECT_EQ(states["true"], states["false"]) << "scales and counters";
+    std::printf("[fp8 producer_amax] %s: recipe's pass %.6f -> %.6f, producers' %.6f -> %.6f\n", c.what,
+                a.steps.front().loss, a.steps.back().loss, b.steps.front().loss, b.steps.back().loss);
+  }
+}
+
+// Fp8OperandAmax on CUDA: fp8_current hands out an amax where fp8_operand
+// would hand out an operand (not the bf16 head, a variable-row linear, rows
+// not a multiple of 16 or above max_rows, a dy before its forward), nothing
+// with producer_amax = false or under fp8_delayed; the amax serves the next
+// call of the linear with those rows, and a call with other rows is refused.
+TEST(GpuFp8Recipes, OperandAmaxesAreHandedOutOnlyWhereTheCastWouldMeasure) {
+  LOOM_REQUIRE_GPU();
+  using loom::Fp8OperandRole;
+  const loom::LinearDesc hid{"layer.0.down_proj", 64, 96, 48, loom::LinearRole::hidden};
+  const loom::LinearDesc head{"lm_head", 64, 128, 48, loom::LinearRole::lm_head};
+  const loom::LinearDesc expert{"layer.0.expert.0.w2", 64, 96, 48, loom::LinearRole::hidden, true};
+  loom_test::GpuCallContext call;
+  ASSERT_TRUE(call.lt && call.stream);
+  const loom::ExecContext& ctx = call.ctx;
+  for (const auto& [plugin, body] : std::vector<std::pair<std::string, std::string>>{
+           {"fp8_current", "producer_amax = false\n"}, {"fp8_delayed", ""}}) {
+    SCOPED_TRACE(plugin + " " + body);
+    loom::test::RecipeRig r(make(plugin, body, Device::cuda), {hid}, Device::cuda);
+    const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
+    ASSERT_TRUE(mem.ok());
+    auto* a = dynamic_cast<loom::Fp8OperandAmax*>(r.p.get());
+    ASSERT_NE(a, nullptr) << "the FP8 recipes' object offers the interface";
+    EXPECT_EQ(a->operand_amax(ctx, r.ids[0], Fp8OperandRole::x, 48), nullptr);
+  }
+  loom::test::RecipeRig r(make("fp8_current", "", Device::cuda), {hid, head, expert}, Device::cuda);
+  const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
+  ASSERT_TRUE(mem.ok());
+  auto* a = dynamic_cast<loom::Fp8OperandAmax*>(r.p.get());
+  ASSERT_NE(a, nullptr);
+  const int id = r.ids[0];
+  EXPECT_EQ(a->operand_amax(ctx, r.ids[1], Fp8OperandRole::x, 48), nullptr) << "the LM head stays bf16";
+  EXPECT_EQ(a->operand_amax(ctx, r.ids[2], Fp8OperandRole::x, 48), nullptr) << "variable rows";
+  EXPECT_EQ(a->operand_amax(ctx, id, Fp8OperandRole::x, 40), nullptr) << "40 rows";
+  EXPECT_EQ(a->operand_amax(ctx, id, Fp8OperandRole::x, 64), nullptr) << "above max_rows";
+  EXPECT_EQ(a->operand_amax(ctx, id, Fp8OperandRole::dy, 48), nullptr) << "dy before any forward";
+
+  loom_test::DevBuf w(96 * 64 * 2), x(48 * 64 * 2), y(48 * 96 * 2), dy(48 * 96 * 2), dx(48 * 64 * 2), dw(96 * 64 * 4);
+  ASSERT_TRUE(w.p && x.p && y.p && dy.p && dx.p && dw.p);
+  CUDA_OK(cudaMemset(w.p, 0, 96 * 64 * 2));
+  CUDA_OK(cudaMemset(x.p, 0, 48 * 64 * 2));
+  CUDA_OK(cudaMemset(dy.p, 0, 48 * 96 * 2));
+  const Tensor tw(w.p, DType::bf16, Device::cuda, {96, 64}), tx(x.p, DType::bf16, Device::cuda, {48, 64});
+  const Tensor tdy(dy.p, DType::bf16, Device::cuda, {48, 96});
+  Tensor ty(y.p, DType::bf16, Device::cuda, {48, 96}), tdx(dx.p, DType::bf16, Device::cuda, {48, 64});
+  Tensor tdw(dw.p, DType::f32, Device::cuda, {96, 64});
+  float* ax = a->operand_amax(ctx, id, Fp8OperandRole::x, 48);
+  ASSERT_NE(ax, nullptr);
+  const Tensor x32(x.p, DType::bf16, Device::cuda, {32, 64});
+  Tensor y32(y.p, DType::bf16, Device::cuda, {32, 96});
+  loom::test::expect_error([&] { r.p->linear_forward(ctx, id, x32, tw, y32, nullptr); },
+                           {"layer.0.down_proj", "operand_amax was asked for the amax of 48 rows of x",
+                            "passes 32 rows"});
+  ASSERT_NE(a->operand_amax(ctx, id, Fp8OperandRole::x, 48), nullptr);
+  EXPECT_NO_THROW(r.p->linear_forward(ctx, id, tx, tw, ty, nullptr));
+  EXPECT_NO_THROW(r.p->linear_forward(ctx, id, tx, tw, ty, nullptr)) << "the next call measures x itself";
+  ASSERT_NE(a->operand_amax(ctx, id, Fp8OperandRole::dy, 48), nullptr) << "dy after its forward";
+  EXPECT_NO_THROW(r.p->linear_backward(ctx, id, tx, tw, tdy, &tdx, tdw, false));
+  CUDA_OK(cudaStreamSynchronize(call.stream));
 }
 
 // `loom bench` (its "mem GiB" column: cudaMemGetInfo's total - free after

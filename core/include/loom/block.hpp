@@ -251,6 +251,10 @@ class Block {
   // no bf16 x for the linear's wgrad (BlockEnv::keeps_wgrad_input), which an
   // FP8 x requires; a recipe that offers one otherwise is refused.
   bool fp8_input(int linear, bool x_kept_by_recipe, Fp8Operand* op) const;
+  // Where the block's kernel that makes linear `linear`'s next operand of
+  // `role` (this micro-batch's rows) max-accumulates its amax for the recipe
+  // (Fp8OperandAmax, loom/precision.hpp), or null: the recipe measures it.
+  float* operand_amax(int linear, Fp8OperandRole role) const;
   void* buf(int id) const { return acts_->ptr(id); }
   Device dev() const { return env_.backend->device(); }
   // An activation buffer seen as a tensor of the recipe's activation dtype, or of fp32.

@@ -19,6 +19,7 @@
 //   state_tensors()                what a checkpoint saves and restores by name
 //   linear_forward / linear_backward ... end_step()   every step
 //   fp8_operand(id, role, rows)    asked in a step before a block's kernel makes x or dy (ABI 8.0)
+//   operand_amax(id, role, rows)   the same, for its amax only (Fp8OperandAmax below, ABI 10.2)
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -253,6 +254,28 @@ class Precision : public Plugin {
                            Fp8Operand* /*op*/) {
     return false;
   }
+};
+
+// Optional interface of a recipe object (since ABI 10.2), found with
+// dynamic_cast on the Precision: the amax of a linear's next operand measured
+// by the block's kernel that makes it, for a recipe that scales each tensor
+// from its own current amax and so cannot take the operand in FP8
+// (fp8_operand) but would otherwise read the whole tensor once just to
+// measure it before casting it. Asked on the compute stream just before the
+// block's kernel makes the operand (`rows` rows of linear `id`'s x or dy):
+// the recipe returns a device float, cleared on that stream, or null to
+// measure the tensor itself. Given a float, the kernel writes the operand in
+// the activation dtype as usual and max-accumulates |v| of every value as
+// stored into it (a NaN as +inf; atomicMax on the float's bits: the
+// Backend's *_amax kernels, loom/ops/backend.hpp); the next linear_forward
+// (x) or linear_backward (dy) call of `id`, with those rows, then takes that
+// amax as the tensor's. A block asks only where it has such a kernel (on
+// CUDA, the fused blocks' RMSNorm and SwiGLU) and only when fp8_operand
+// declined.
+class Fp8OperandAmax {
+ public:
+  virtual ~Fp8OperandAmax();
+  virtual float* operand_amax(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows) = 0;
 };
 
 template <> struct PluginInterface<PluginKind::precision> { using type = Precision; };

@@ -1,7 +1,7 @@
-// The Backend's default MoE, FP8-operand and positioned-RoPE entry points: a
-// backend without those kernels refuses at the first call, with one message
-// (the CPU and CUDA backends override the MoE and RoPE ones, the CUDA backend
-// the FP8 ones).
+// The Backend's default MoE, FP8-operand (written or measured) and
+// positioned-RoPE entry points: a backend without those kernels refuses at the
+// first call, with one message (the CPU and CUDA backends override the MoE
+// and RoPE ones, the CUDA backend the FP8 ones).
 #include "loom/ops/backend.hpp"
 
 #include "loom/error.hpp"
@@ -16,9 +16,10 @@ namespace {
 }
 
 [[noreturn]] void no_fp8_operand(const Backend& b, const char* op) {
-  throw Error(cat("the ", device_name(b.device()), " backend cannot write an FP8 operand (", op,
-                  "): a precision recipe offered one (Precision::fp8_operand) on a backend without those kernels; "
-                  "FP8 operands are written on CUDA only, so the recipe should decline them here"));
+  throw Error(cat("the ", device_name(b.device()), " backend cannot write or measure an FP8 operand (", op,
+                  "): a precision recipe offered one (Precision::fp8_operand, Fp8OperandAmax::operand_amax) on a "
+                  "backend without those kernels; FP8 operands are written and measured on CUDA only, so the recipe "
+                  "should decline them here"));
 }
 
 }  // namespace
@@ -40,6 +41,16 @@ void Backend::rmsnorm_forward_fp8(const Fp8Operand&, Tensor&, const Tensor&, con
 }
 void Backend::swiglu_backward_fp8(const Fp8Operand&, const Tensor&, const Tensor&, const Tensor&) {
   no_fp8_operand(*this, "swiglu_backward_fp8");
+}
+
+void Backend::rmsnorm_forward_amax(Tensor&, Tensor&, const Tensor&, const Tensor&, float, float*) {
+  no_fp8_operand(*this, "rmsnorm_forward_amax");
+}
+void Backend::swiglu_forward_amax(Tensor&, const Tensor&, const Tensor&, float*) {
+  no_fp8_operand(*this, "swiglu_forward_amax");
+}
+void Backend::swiglu_backward_amax(Tensor&, Tensor&, const Tensor&, const Tensor&, const Tensor&, float*) {
+  no_fp8_operand(*this, "swiglu_backward_amax");
 }
 
 void Backend::moe_jitter(Tensor&, Tensor&, const Tensor&, double, uint64_t) { no_moe(*this, "moe_jitter"); }

@@ -165,6 +165,13 @@ bool Block::fp8_input(int linear, bool x_kept_by_recipe, Fp8Operand* op) const {
   return fp8;
 }
 
+float* Block::operand_amax(int linear, Fp8OperandRole role) const {
+  auto* p = dynamic_cast<Fp8OperandAmax*>(env_.precision);
+  return p != nullptr ? p->operand_amax(env_.backend->ctx(), linear, role, env_.N) : nullptr;
+}
+
+Fp8OperandAmax::~Fp8OperandAmax() = default;
+
 Tensor Block::column_half(const Tensor& packed, int which) {
   LOOM_CHECK(packed.ndim == 2 && packed.size(1) % 2 == 0 && (which == 0 || which == 1),
              "column_half: a [rows, 2f] view and half 0 or 1, got ", packed.shape_str(), " and ", which);

@@ -310,6 +310,7 @@ Fp8BlockRecipe::Fp8BlockRecipe(const PluginInit& init) {
            "format = \"e4m3\" (the default), or precision.plugin = \"fp8_current\" / \"fp8_delayed\" for hybrid");
   fp8_options::refuse_history_keys(c, kPlugin, "its own 1x128 tile's or 128x128 block's amax");
   fp8_options::refuse_fused_casts(c, kPlugin, "takes each 1x128 tile's scale from that tile when it casts it");
+  fp8_options::refuse_producer_amax(c, kPlugin, "measures each 1x128 tile's amax in the kernel that casts it");
   for (const char* key : {"fast_accum_fprop", "fast_accum_dgrad", "fast_accum_wgrad"})
     if (c.get_bool(key, false))
       c.fail(key, cat(key, " = true: block-scaled FP8 GEMMs have no fast-accumulation mode; the per-block scales "

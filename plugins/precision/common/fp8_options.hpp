@@ -129,6 +129,17 @@ inline void refuse_fused_casts(const ConfigTable& c, const std::string& plugin, 
                               "meaning here: remove it, or use precision.plugin = \"fp8_delayed\", whose key it is"));
 }
 
+// precision.producer_amax belongs to current per-tensor scaling alone: the
+// fused layers' kernels measure a tensor's amax as they write it for a recipe
+// that would otherwise read the tensor once just to measure it. `why` says
+// what the refusing recipe does instead.
+inline void refuse_producer_amax(const ConfigTable& c, const std::string& plugin, const std::string& why) {
+  if (c.has("producer_amax"))
+    c.fail("producer_amax", cat("precision.plugin = \"", plugin, "\" ", why,
+                                ", so 'producer_amax' has no meaning here: remove it, or use precision.plugin = "
+                                "\"fp8_current\", whose key it is"));
+}
+
 // A count a recipe restores from a checkpoint's f64 tensor: a whole number
 // in [0, max] (2^53 at most, where f64 stops being exact), checked before it
 // is converted; else loom::Error naming the tensor, the element, what it

@@ -158,6 +158,10 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
         fp8::parse_amax_algo(c.get_choice("amax_compute_algo", "max", {"max", "most_recent"}));
     sc.margin = static_cast<int>(c.get_int("margin", 0, 0, 126));
     o.fused_casts = c.get_bool("fused_casts", true);
+    fp8_options::refuse_producer_amax(c, plugin,
+                                      "casts with the scale of past amaxes, which its fused layers' kernels write "
+                                      "in FP8 directly (precision.fused_casts)");
+    o.producer_amax = false;
     if (c.has("gathered_codes"))
       c.fail("gathered_codes",
              cat("precision.gathered_codes applies to FP8 weight gathers, and precision.plugin = \"", plugin,
@@ -170,6 +174,7 @@ Fp8Recipe::Fp8Recipe(const std::string& plugin, fp8::Scaling scaling, const Plug
     fp8_options::refuse_fused_casts(c, plugin, "measures each tensor just before its cast");
     o.fused_casts = false;
     o.gathered_codes = c.get_bool("gathered_codes", true);
+    o.producer_amax = c.get_bool("producer_amax", true);
   }
   o.gemm.fast_accum_fprop = c.get_bool("fast_accum_fprop", true);
   o.gemm.fast_accum_dgrad = c.get_bool("fast_accum_dgrad", false);

@@ -70,6 +70,10 @@ struct GpuOptions : fp8_options::Common {
   // themselves (fp8_gather.hpp's DirectCodes) instead of the weight decoded
   // to bf16 and cast again: the same codes and scale, bitwise.
   bool gathered_codes = true;
+  // precision.producer_amax (fp8_current): the fused layers' RMSNorm and
+  // SwiGLU measure the amax of the x or dy they write (loom::Fp8OperandAmax),
+  // and the cast of that tensor reads it once instead of twice.
+  bool producer_amax = true;
 };
 // The recipe on CUDA (fp8_recipe_gpu.cpp); in a build without CUDA it throws
 // a loom::Error saying so.

@@ -62,7 +62,7 @@ size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 DType fp8_dtype(fp8::Format f) { return f == fp8::Format::e4m3 ? DType::e4m3 : DType::e5m2; }
 
-class Fp8Gpu final : public Precision {
+class Fp8Gpu final : public Precision, public Fp8OperandAmax {
  public:
   explicit Fp8Gpu(const GpuOptions& o)
       : o_(o),
@@ -245,8 +245,8 @@ class Fp8Gpu final : public Precision {
                       const Tensor* residual) override {
     Linear& l = lookup(ctx, id);
     const bool given = is_fp8(x.dtype);  // written by the block (fp8_operand)
-    const int64_t offered = l.offered_x;
-    l.offered_x = -1;
+    const int64_t offered = l.offered_x, measured = l.measured_x;
+    l.offered_x = l.measured_x = -1;
     if (given) take_operand(l, x, offered, Fp8OperandRole::x);
     if (!l.fp8) return lt_.forward(ctx, l.lt_id, x, w, y, residual);
     const LinearDesc& d = l.desc;
@@ -279,7 +279,8 @@ class Fp8Gpu final : public Precision {
     const DType tx = fp8_dtype(host_.format(Role::x));
     Tensor qx(ws_ + x_off(), tx, Device::cuda, {rows, d.in});
     Tensor qxt(saved_ + l.saved_off, tx, Device::cuda, {d.in, rows});
-    if (!given) cast(x, &qx, l.recast_x ? nullptr : &qxt, xs, /*pending=*/true, stream);
+    if (!given)
+      cast(x, &qx, l.recast_x ? nullptr : &qxt, xs, /*pending=*/true, stream, took_amax(l, measured, rows, "x"));
     ops::Fp8GemmOptions opt;
     opt.c = residual;
     opt.fast_accum = o_.gemm.fast_accum_fprop;
@@ -292,8 +293,8 @@ class Fp8Gpu final : public Precision {
                        Tensor& dw, bool accumulate) override {
     Linear& l = lookup(ctx, id);
     const bool given = is_fp8(dy.dtype);  // written by the block (fp8_operand)
-    const int64_t offered = l.offered_dy;
-    l.offered_dy = -1;
+    const int64_t offered = l.offered_dy, measured = l.measured_dy;
+    l.offered_dy = l.measured_dy = -1;
     if (given) take_operand(l, dy, offered, Fp8OperandRole::dy);
     if (!l.fp8) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
     const LinearDesc& d = l.desc;
@@ -346,7 +347,7 @@ class Fp8Gpu final : public Precision {
     const DType tdy = fp8_dtype(host_.format(Role::dy));
     Tensor qdy(ws_ + dy_off(), tdy, Device::cuda, {rows, d.out});
     Tensor qdyt(ws_ + dy_off() + dy_scratch_, tdy, Device::cuda, {d.out, rows});
-    if (!given) cast(dy, &qdy, &qdyt, ds, /*pending=*/false, stream);
+    if (!given) cast(dy, &qdy, &qdyt, ds, /*pending=*/false, stream, took_amax(l, measured, rows, "dy"));
     if (o_.scaling.scaling == fp8::Scaling::delayed) {
       // The forward's amaxes count now that it is part of a training step.
       merge_pending(xs, stream);
@@ -412,6 +413,27 @@ class Fp8Gpu final : public Precision {
     return true;
   }
 
+  // Current scaling measures each x and dy just before casting it; the fused
+  // layers' RMSNorm and SwiGLU can measure what they write instead
+  // (precision.producer_amax): into the slot's amax, cleared here as cast()
+  // clears it, which the next call of the linear then takes. Where
+  // fp8_operand would decline (the bf16 LM head, a variable-row linear, rows
+  // the FP8 GEMMs cannot take), so does this; dy only for the rows the
+  // forward before it cast.
+  float* operand_amax(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows) override {
+    if (!o_.producer_amax || o_.scaling.scaling != fp8::Scaling::current) return nullptr;
+    Linear& l = lookup(ctx, id);
+    const LinearDesc& d = l.desc;
+    if (!l.fp8 || d.variable_rows || rows <= 0 || rows % 16 != 0 || rows > d.max_rows) return nullptr;
+    const bool is_x = role == Fp8OperandRole::x;
+    if (!is_x && l.saved_rows != rows) return nullptr;  // linear_backward reports the mismatch
+    const int64_t t = fp8::ScalingState::slot(l.slot, is_x ? Role::x : Role::dy);
+    LOOM_CUDA_CHECK(cudaMemsetAsync(cur_ + t, 0, sizeof(float), static_cast<cudaStream_t>(ctx.stream)), "precision ",
+                    o_.plugin, ": clearing the amax of slot ", t, " for ", d.name, "'s ", is_x ? "x" : "dy");
+    (is_x ? l.measured_x : l.measured_dy) = rows;
+    return cur_ + t;
+  }
+
   void end_step(const ExecContext& ctx) override {
     LOOM_CHECK(set_up_, "precision ", o_.plugin, ": end_step before setup()");
     stream_ = static_cast<cudaStream_t>(ctx.stream);
@@ -470,7 +492,7 @@ class Fp8Gpu final : public Precision {
   void state_loaded() override {
     for (Linear& l : linears_) {
       l.weight_cast = l.w_scale_known = false;
-      l.saved_rows = l.offered_x = l.offered_dy = -1;
+      l.saved_rows = l.offered_x = l.offered_dy = l.measured_x = l.measured_dy = -1;
     }
     if (T_ == 0 || dev_ == nullptr) return;
     // The core uploaded the device tensors; check them on the host (ScalingState's
@@ -576,9 +598,20 @@ class Fp8Gpu final : public Precision {
     bool w_scale_known = false;              // "layer": W was measured (and its amax kept) this step
     int64_t saved_rows = -1;                 // rows the last forward cast (-1: none since the last backward)
     int64_t offered_x = -1, offered_dy = -1;  // rows of the FP8 operand fp8_operand handed out for the next call
+    int64_t measured_x = -1, measured_dy = -1;  // rows whose amax operand_amax's kernel measures for the next call
   };
 
   static bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
+
+  // True when operand_amax handed out the amax of this call's x or dy (its
+  // producer measured it): the same rows, or a block broke the contract.
+  bool took_amax(const Linear& l, int64_t measured, int64_t rows, const char* what) const {
+    if (measured < 0) return false;
+    LOOM_CHECK(measured == rows, "precision ", o_.plugin, ": ", l.desc.name, ": operand_amax was asked for the amax of ",
+               measured, " rows of ", what, ", but the call passes ", rows, " rows (each amax serves exactly the next ",
+               "call of the linear, with those rows)");
+    return true;
+  }
 
   // An x or dy in FP8 is the operand fp8_operand handed out for this very
   // call: the same memory, dtype and shape, and never a second use.
@@ -666,11 +699,16 @@ class Fp8Gpu final : public Precision {
   // measures the tensor and sets the slot's scale from it (on the device);
   // the cast's amax goes to the step's buffer, or under delayed scaling to
   // the pending buffer when `pending` (a forward's tensors).
-  void cast(const Tensor& src, Tensor* q, Tensor* qt, int64_t t, bool pending, cudaStream_t stream) {
+  // measured: current scaling, and the tensor's producer already wrote its
+  // amax into the slot (operand_amax).
+  void cast(const Tensor& src, Tensor* q, Tensor* qt, int64_t t, bool pending, cudaStream_t stream,
+            bool measured = false) {
     if (o_.scaling.scaling == fp8::Scaling::current) {
-      LOOM_CUDA_CHECK(cudaMemsetAsync(cur_ + t, 0, sizeof(float), stream), "precision ", o_.plugin,
-                      ": clearing the amax of slot ", t);
-      gpu::fp8_amax(src, cur_ + t, stream);
+      if (!measured) {
+        LOOM_CUDA_CHECK(cudaMemsetAsync(cur_ + t, 0, sizeof(float), stream), "precision ", o_.plugin,
+                        ": clearing the amax of slot ", t);
+        gpu::fp8_amax(src, cur_ + t, stream);
+      }
       gpu::fp8_update_scales(cur_, scale_, scale_inv_, t, 1, o_.scaling.formats, o_.scaling.margin, counts_, stream);
       gpu::fp8_cast(src, q, qt, scale_ + t, step_amax_ + t, stream);
       return;

@@ -26,7 +26,7 @@
 
 namespace loom::fp8_common {
 
-class Fp8Skeleton : public Precision {
+class Fp8Skeleton : public Precision, public Fp8OperandAmax {
  public:
   PrecisionDTypes dtypes() const override { return impl().dtypes(); }
   int register_linear(const LinearDesc& desc) override { return impl().register_linear(desc); }
@@ -54,6 +54,12 @@ class Fp8Skeleton : public Precision {
   int64_t variable_row_multiple() const override { return impl().variable_row_multiple(); }
   bool fp8_operand(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows, Fp8Operand* op) override {
     return impl().fp8_operand(ctx, id, role, rows, op);
+  }
+  // The chosen path's, when it has one (the CPU emulations do not measure
+  // through the blocks' kernels).
+  float* operand_amax(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows) override {
+    auto* p = dynamic_cast<Fp8OperandAmax*>(&impl());
+    return p != nullptr ? p->operand_amax(ctx, id, role, rows) : nullptr;
   }
 
   bool on_gpu() const { return on_gpu_; }

@@ -236,6 +236,21 @@ class Backend {
   virtual void range_push(const char* /*name*/) {}
   virtual void range_pop() {}
 
+  // RMSNorm and SwiGLU that also measure what they write (ABI 10.2; appended
+  // so that the entries above keep their places): the outputs of
+  // rmsnorm_forward, swiglu_forward and swiglu_backward bit for bit, and max
+  // |v| over the values as stored (NaN as +inf) max-accumulated into the
+  // device float *amax: the amax a current-scaling recipe's cast of that
+  // tensor would measure, handed over instead (Fp8OperandAmax,
+  // loom/precision.hpp). swiglu_backward_amax measures dgate and dup
+  // together (the gate_up projection's dy). The defaults refuse with one
+  // message (the CUDA backend has them; no recipe asks on the CPU).
+  virtual void rmsnorm_forward_amax(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
+                                    float* amax);
+  virtual void swiglu_forward_amax(Tensor& out, const Tensor& gate, const Tensor& up, float* amax);
+  virtual void swiglu_backward_amax(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate,
+                                    const Tensor& up, float* amax);
+
  protected:
   int64_t host_syncs_ = 0;
 };

@@ -267,6 +267,20 @@ class CudaBackend final : public Backend {
                            float eps) override {
     gpu::rmsnorm_forward_fp8(out.q, out.q_t, rstd, x, w, eps, out.scale, out.amax, stream_);
   }
+  void rmsnorm_forward_amax(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
+                            float* amax) override {
+    LOOM_CHECK(amax != nullptr, "rmsnorm_forward_amax: no amax to accumulate into");
+    gpu::rmsnorm_forward(out, rstd, x, w, eps, stream_, amax);
+  }
+  void swiglu_forward_amax(Tensor& out, const Tensor& gate, const Tensor& up, float* amax) override {
+    LOOM_CHECK(amax != nullptr, "swiglu_forward_amax: no amax to accumulate into");
+    gpu::swiglu_forward(out, gate, up, stream_, amax);
+  }
+  void swiglu_backward_amax(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
+                            float* amax) override {
+    LOOM_CHECK(amax != nullptr, "swiglu_backward_amax: no amax to accumulate into");
+    gpu::swiglu_backward(dgate, dup, dout, gate, up, stream_, amax);
+  }
   void swiglu_forward_fp8(const Fp8Operand& out, const Tensor& gate, const Tensor& up) override {
     gpu::swiglu_forward_fp8(out.q, out.q_t, gate, up, out.scale, out.amax, stream_);
   }

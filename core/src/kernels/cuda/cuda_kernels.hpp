@@ -27,7 +27,11 @@ void embedding_forward(Tensor& out, const Tensor& tokens, const Tensor& wte, cud
 void embedding_backward(Tensor& dwte, const Tensor& dout, const Tensor& tokens, cudaStream_t stream);
 
 // rmsnorm.cu
-void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, cudaStream_t stream);
+// amax (may be null): max |v| over the stored values (after rounding to out's
+// dtype; NaN as +inf) max-accumulated into this device float, the amax the
+// FP8 recipe's cast of out would measure (Fp8OperandAmax, loom/precision.hpp).
+void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, cudaStream_t stream,
+                     float* amax = nullptr);
 // RMSNorm writing a linear's FP8 operand instead of its bf16 output
 // (Fp8Operand, loom/precision.hpp): every value as rmsnorm_forward stores it
 // (bf16), encoded as q = encode(v * *scale) into q [N, h] and q_t [h, N], max
@@ -48,10 +52,12 @@ void rope_apply(Tensor& x, const float* cos_table, const float* sin_table, int s
                 const int32_t* positions = nullptr);
 
 // swiglu.cu: [rows, f] row views (fold_rows; row strides may exceed f, as for
-// the halves of a packed [N, 2f] gate_up buffer), or 1-D contiguous.
-void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up, cudaStream_t stream);
+// the halves of a packed [N, 2f] gate_up buffer), or 1-D contiguous. amax
+// (may be null): as rmsnorm_forward's, over out (forward) or dgate and dup
+// together (backward: the gate_up projection's dy).
+void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up, cudaStream_t stream, float* amax = nullptr);
 void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
-                     cudaStream_t stream);
+                     cudaStream_t stream, float* amax = nullptr);
 // SwiGLU writing a linear's FP8 operand instead of bf16 (Fp8Operand,
 // loom/precision.hpp): forward v = silu(gate) up into q [rows, f] and q_t
 // [f, rows]; backward v = [dgate, dup] into q [rows, 2f] and q_t [2f, rows]

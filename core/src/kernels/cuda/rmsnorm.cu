@@ -1,7 +1,9 @@
 // RMSNorm (Llama) on the GPU: out = (x * rstd) * w, rstd = 1/sqrt(mean(x^2) + eps).
 //
 // Forward: one block per row, packed loads, fp32 sums through a fixed-shape
-// block reduction.
+// block reduction. Given an amax, it also max-accumulates |v| of every value
+// it stores (one atomicMax per row's block), the amax a current-scaling
+// recipe's cast of the output would measure (Fp8OperandAmax).
 // Backward: dw = sum over rows of dout * x * rstd is a column sum over N rows.
 // Float atomics would make it order-dependent, so each block of the backward
 // takes a chunk of consecutive rows: for each row it forms the row's dot
@@ -49,8 +51,10 @@ constexpr int64_t kMinFusedChunkRows = 4;
 constexpr int kMaxVecsPerThread = 4;  // the one-pass backward keeps 3 * 4 * K floats a thread
 
 // kOut = false: rstd only (the FP8 forward's first pass; the same sums, so the same bits).
-template <int K, typename T, bool kOut = true>
-__global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T* w, int64_t h, float eps) {
+// kAmax: also max |stored value| into *amax (one atomic per row's block).
+template <int K, typename T, bool kOut = true, bool kAmax = false>
+__global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T* w, int64_t h, float eps,
+                                       float* amax) {
   __shared__ float red[32];
   const int64_t n = blockIdx.x;
   const T* xr = x + n * h;
@@ -67,6 +71,7 @@ __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T*
   if (threadIdx.x == 0) rstd[n] = r;
   if constexpr (!kOut) return;
   T* o = out + n * h;
+  uint32_t m = 0;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * K; j < h; j += step) {
     float v[K], wv[K], y[K];
     load_vec<K>(xr + j, v);
@@ -75,7 +80,12 @@ __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T*
 #pragma unroll
     for (int k = 0; k < K; ++k) y[k] = to_f32(from_f32<T>(v[k] * r)) * wv[k];
     store_vec<K>(o + j, y);
+    if constexpr (kAmax) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) fp8_tile::amax_add(m, to_f32(from_f32<T>(y[k])));  // the value stored
+    }
   }
+  if constexpr (kAmax) fp8_tile::block_amax_to(fp8_tile::amax_value(m), amax);
 }
 
 // dx += r w dy - r^3 x / h * sum_j dy_j w_j x_j   (see kernels/cpu/rmsnorm.cpp)
@@ -327,7 +337,8 @@ __global__ void __launch_bounds__(kFinishWarps * 32) rmsnorm_dw_finish_kernel(TG
 
 }  // namespace
 
-void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, cudaStream_t stream) {
+void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w, float eps, cudaStream_t stream,
+                     float* amax) {
   check_device(out, "rmsnorm out");
   check_device(rstd, "rstd");
   check_device(x, "rmsnorm x");
@@ -341,6 +352,8 @@ void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w
   const int64_t N = x.numel() / h;
   LOOM_CHECK(out.numel() == x.numel() && rstd.numel() == N, "rmsnorm_forward: out ", out.shape_str(), " rstd ",
              rstd.shape_str(), " do not match x ", x.shape_str());
+  LOOM_CHECK(amax == nullptr || aligned_bytes(amax, 4), "rmsnorm_forward: amax at ", static_cast<const void*>(amax),
+             " is not a device float");
   if (N == 0) return;
   LOOM_CHECK(N <= 0x7fffffff, "rmsnorm: ", N, " rows exceed the grid limit");
   dispatch_float(x.dtype, "rmsnorm_forward", [&](auto tag) {
@@ -349,13 +362,16 @@ void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w
     const size_t a = K * sizeof(T);
     const bool vec = h % K == 0 && aligned_bytes(out.data, a) && aligned_bytes(x.data, a) && aligned_bytes(w.data, a);
     const int threads = row_threads(vec ? h / K : h, kRowThreads);
-    if (vec)
-      rmsnorm_forward_kernel<K, T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
-          out.ptr<T>(), rstd.ptr<float>(), x.ptr<T>(), w.ptr<T>(), h, eps);
+    auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(N), threads, 0, stream>>>(out.ptr<T>(), rstd.ptr<float>(), x.ptr<T>(),
+                                                               w.ptr<T>(), h, eps, amax);
+    };
+    if (amax != nullptr)
+      launch(vec ? rmsnorm_forward_kernel<K, T, true, true> : rmsnorm_forward_kernel<1, T, true, true>);
     else
-      rmsnorm_forward_kernel<1, T><<<static_cast<unsigned>(N), threads, 0, stream>>>(
-          out.ptr<T>(), rstd.ptr<float>(), x.ptr<T>(), w.ptr<T>(), h, eps);
-    LOOM_CUDA_LAUNCH_CHECK("rmsnorm_forward_kernel", "N=", N, " h=", h, " threads=", threads, " vectorised=", vec);
+      launch(vec ? rmsnorm_forward_kernel<K, T> : rmsnorm_forward_kernel<1, T>);
+    LOOM_CUDA_LAUNCH_CHECK("rmsnorm_forward_kernel", "N=", N, " h=", h, " threads=", threads, " vectorised=", vec,
+                           " amax=", amax != nullptr);
   });
 }
 
@@ -475,7 +491,7 @@ void rmsnorm_forward_fp8(const Tensor& q, const Tensor& q_t, Tensor& rstd, const
   // rmsnorm_forward takes it for these aligned rows).
   const int threads = row_threads(h / 8, kRowThreads);
   rmsnorm_forward_kernel<8, bf16, false><<<static_cast<unsigned>(N), threads, 0, stream>>>(
-      nullptr, rstd.ptr<float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), h, eps);
+      nullptr, rstd.ptr<float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), h, eps, nullptr);
   LOOM_CUDA_LAUNCH_CHECK(fn, " (rstd) N=", N, " h=", h, " threads=", threads);
   // Pass 2: the normalised values into q and q_t.
   const int64_t tiles_c = (h + fp8_tile::kCols - 1) / fp8_tile::kCols;

@@ -23,6 +23,11 @@
 // the bf16 kernel followed by fp8_cast, codes and amax alike, and skip that
 // pair's bf16 write and read: 4 of 10 bytes per forward output element, 8 of
 // 18 in the backward.
+//
+// Given an amax, the bf16 kernels also measure what they store (each thread
+// the max |v| of its stored values, then one atomicMax per block), for a
+// recipe that scales from the tensor's own amax (Fp8OperandAmax): its cast
+// then reads the tensor once instead of twice.
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/cuda_kernels.hpp"
 #include "kernels/cuda/fp8_tile.cuh"
@@ -50,18 +55,28 @@ __device__ __forceinline__ void swiglu_grads(float d, float g, float u, float& d
   du = d * g * sg;
 }
 
+// kAmax: the |values| as stored (rounded to T) max-accumulated into m.
+template <typename T, bool kAmax, int K>
+__device__ __forceinline__ void amax_of_stored(uint32_t& m, const float (&v)[K]) {
+  if constexpr (kAmax) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) fp8_tile::amax_add(m, to_f32(from_f32<T>(v[k])));
+  }
+}
+
 template <typename T>
 struct SwigluForward {
   RowPtr<T> out;
   RowPtr<const T> gate, up;
-  template <int K>
-  __device__ void apply(int64_t row, int64_t col) const {
+  template <int K, bool kAmax>
+  __device__ void apply(int64_t row, int64_t col, uint32_t& m) const {
     float g[K], u[K], o[K];
     load_vec<K>(gate.at(row, col), g);
     load_vec<K>(up.at(row, col), u);
 #pragma unroll
     for (int k = 0; k < K; ++k) o[k] = swiglu_value(g[k], u[k]);
     store_vec<K>(out.at(row, col), o);
+    amax_of_stored<T, kAmax>(m, o);
   }
 };
 
@@ -69,8 +84,8 @@ template <typename T>
 struct SwigluBackward {
   RowPtr<T> dgate, dup;
   RowPtr<const T> dout, gate, up;
-  template <int K>
-  __device__ void apply(int64_t row, int64_t col) const {
+  template <int K, bool kAmax>
+  __device__ void apply(int64_t row, int64_t col, uint32_t& m) const {
     float d[K], g[K], u[K], dg[K], du[K];
     load_vec<K>(dout.at(row, col), d);
     load_vec<K>(gate.at(row, col), g);
@@ -79,6 +94,8 @@ struct SwigluBackward {
     for (int k = 0; k < K; ++k) swiglu_grads(d[k], g[k], u[k], dg[k], du[k]);
     store_vec<K>(dgate.at(row, col), dg);
     store_vec<K>(dup.at(row, col), du);
+    amax_of_stored<T, kAmax>(m, dg);
+    amax_of_stored<T, kAmax>(m, du);
   }
 };
 
@@ -86,15 +103,18 @@ constexpr int kThreads = 256;
 
 // Rows blockIdx.y, blockIdx.y + gridDim.y, ...; in each, the groups of K
 // columns grid-strided over x, then the cols % K tail one column per thread.
-template <int K, typename Op>
-__global__ void __launch_bounds__(kThreads) rows_kernel(Op op, int64_t rows, int64_t cols) {
+// kAmax: the block's max |output| ends in one atomicMax on *amax.
+template <int K, bool kAmax, typename Op>
+__global__ void __launch_bounds__(kThreads) rows_kernel(Op op, int64_t rows, int64_t cols, float* amax) {
   const int64_t xstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t x0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nvec = cols / K;
+  uint32_t m = 0;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    for (int64_t v = x0; v < nvec; v += xstride) op.template apply<K>(r, v * K);
-    for (int64_t c = nvec * K + x0; c < cols; c += xstride) op.template apply<1>(r, c);
+    for (int64_t v = x0; v < nvec; v += xstride) op.template apply<K, kAmax>(r, v * K, m);
+    for (int64_t c = nvec * K + x0; c < cols; c += xstride) op.template apply<1, kAmax>(r, c, m);
   }
+  if constexpr (kAmax) fp8_tile::block_amax_to(fp8_tile::amax_value(m), amax);
 }
 
 // One operand seen as [rows, cols] with row stride ld: fold_rows for 2+
@@ -159,7 +179,9 @@ bool can_pack(const Operand (&ops)[N], bool flat) {
 }
 
 template <int K, typename Op>
-void launch_rows(const Op& op, const Shape& s, bool vectorise, cudaStream_t stream, const char* name) {
+void launch_rows(const Op& op, const Shape& s, bool vectorise, cudaStream_t stream, const char* name, float* amax) {
+  LOOM_CHECK(amax == nullptr || aligned_bytes(amax, 4), name, ": amax at ", static_cast<const void*>(amax),
+             " is not a device float");
   const int64_t rows = s.flat ? 1 : s.rows, cols = s.flat ? s.rows * s.cols : s.cols;
   if (rows == 0 || cols == 0) return;
   const int k = vectorise ? K : 1;
@@ -173,10 +195,15 @@ void launch_rows(const Op& op, const Shape& s, bool vectorise, cudaStream_t stre
   if (gy > 65535) gy = 65535;
   if (gy < 1) gy = 1;
   const dim3 grid(gx, static_cast<unsigned>(gy));
-  if (vectorise) rows_kernel<K><<<grid, threads, 0, stream>>>(op, rows, cols);
-  else rows_kernel<1><<<grid, threads, 0, stream>>>(op, rows, cols);
+  if (amax != nullptr) {
+    if (vectorise) rows_kernel<K, true><<<grid, threads, 0, stream>>>(op, rows, cols, amax);
+    else rows_kernel<1, true><<<grid, threads, 0, stream>>>(op, rows, cols, amax);
+  } else {
+    if (vectorise) rows_kernel<K, false><<<grid, threads, 0, stream>>>(op, rows, cols, nullptr);
+    else rows_kernel<1, false><<<grid, threads, 0, stream>>>(op, rows, cols, nullptr);
+  }
   LOOM_CUDA_LAUNCH_CHECK(name, "rows=", rows, " cols=", cols, " K=", k, " grid=(", gx, ",", gy, ") threads=", threads,
-                         s.flat ? " flat" : " row-strided");
+                         s.flat ? " flat" : " row-strided", amax != nullptr ? " amax" : "");
 }
 
 // ---- writing the FP8 operand ----------------------------------------------------
@@ -333,7 +360,7 @@ void launch_swiglu_fp8(bool backward, const Tensor& q, const Tensor& q_t, const 
 
 }  // namespace
 
-void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up, cudaStream_t stream) {
+void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up, cudaStream_t stream, float* amax) {
   static const char* const what[] = {"swiglu_forward out", "swiglu_forward gate", "swiglu_forward up"};
   const Operand ops[] = {operand(out, what[0]), operand(gate, what[1]), operand(up, what[2])};
   const Shape s = common_shape(ops, what, out.dtype);
@@ -342,12 +369,12 @@ void swiglu_forward(Tensor& out, const Tensor& gate, const Tensor& up, cudaStrea
     constexpr int K = vec_width<T>();
     const SwigluForward<T> op{row_ptr<T>(ops[0], s.flat), row_ptr<const T>(ops[1], s.flat),
                               row_ptr<const T>(ops[2], s.flat)};
-    launch_rows<K>(op, s, can_pack<T, K>(ops, s.flat), stream, "swiglu_forward");
+    launch_rows<K>(op, s, can_pack<T, K>(ops, s.flat), stream, "swiglu_forward", amax);
   });
 }
 
 void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tensor& gate, const Tensor& up,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, float* amax) {
   static const char* const what[] = {"swiglu_backward dout", "swiglu_backward dgate", "swiglu_backward dup",
                                      "swiglu_backward gate", "swiglu_backward up"};
   const Operand ops[] = {operand(dout, what[0]), operand(dgate, what[1]), operand(dup, what[2]),
@@ -359,7 +386,7 @@ void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tenso
     const SwigluBackward<T> op{row_ptr<T>(ops[1], s.flat), row_ptr<T>(ops[2], s.flat),
                                row_ptr<const T>(ops[0], s.flat), row_ptr<const T>(ops[3], s.flat),
                                row_ptr<const T>(ops[4], s.flat)};
-    launch_rows<K>(op, s, can_pack<T, K>(ops, s.flat), stream, "swiglu_backward");
+    launch_rows<K>(op, s, can_pack<T, K>(ops, s.flat), stream, "swiglu_backward", amax);
   });
 }
 
