@@ -347,21 +347,28 @@ TEST(Fp8Recipes, ConfigErrors) {
   expect_error([] { make("fp8_delayed", "weight_cache = \"micro_batch\"\n"); },
                {"fp8.toml", "weight_cache", "auto", "step", "layer"});
   expect_error([] { make("fp8_current", "weight_cache = 1\n"); }, {"fp8.toml", "weight_cache"});
-  // fused_casts: delayed scaling's alone (current scaling measures a tensor before it can cast it).
-  EXPECT_NO_THROW(make("fp8_delayed", "fused_casts = false\n"));
-  expect_error([] { make("fp8_delayed", "fused_casts = \"yes\"\n"); }, {"fp8.toml", "fused_casts"});
-  expect_error([] { make("fp8_current", "fused_casts = true\n"); },
-               {"fp8.toml", "fused_casts", "fp8_current", "measures each tensor", "fp8_delayed"});
-  expect_error([] { make("fp8_block", "fused_casts = false\n"); },
-               {"fp8.toml", "fused_casts", "fp8_block", "1x128 tile", "fp8_delayed"});
-  // producer_amax: current per-tensor scaling's alone (delayed scaling's
-  // kernels write FP8 outright; block scaling measures each tile as it casts).
-  EXPECT_NO_THROW(make("fp8_current", "producer_amax = false\n"));
-  expect_error([] { make("fp8_current", "producer_amax = 1\n"); }, {"fp8.toml", "producer_amax"});
-  expect_error([] { make("fp8_delayed", "producer_amax = true\n"); },
-               {"fp8.toml", "producer_amax", "fp8_delayed", "fused_casts", "fp8_current"});
-  expect_error([] { make("fp8_block", "producer_amax = false\n"); },
-               {"fp8.toml", "producer_amax", "fp8_block", "1x128 tile", "fp8_current"});
+  // The switches between the recipe's casts and the fused layers' kernels,
+  // each one recipe's alone: fused_casts delayed scaling's (current scaling
+  // measures a tensor before it can cast it), producer_amax current
+  // scaling's (delayed scaling's kernels write FP8 outright; block scaling
+  // measures each tile as it casts it). A wrong type names the key; another
+  // recipe refuses it, saying why and whose key it is.
+  struct Switch {
+    const char* key;
+    const char* owner;
+    std::vector<std::pair<const char*, const char*>> refused;  // recipe, the why its message gives
+  };
+  const Switch switches[] = {
+      {"fused_casts", "fp8_delayed", {{"fp8_current", "measures each tensor"}, {"fp8_block", "1x128 tile"}}},
+      {"producer_amax", "fp8_current", {{"fp8_delayed", "fused_casts"}, {"fp8_block", "1x128 tile"}}}};
+  for (const Switch& sw : switches) {
+    const std::string key = sw.key, owner = sw.owner;
+    EXPECT_NO_THROW(make(owner, key + " = false\n"));
+    expect_error([&] { make(owner, key + " = \"yes\"\n"); }, {"fp8.toml", key});
+    for (const auto& [recipe, why] : sw.refused)
+      expect_error([&, r = std::string(recipe)] { make(r, key + " = true\n"); },
+                   {"fp8.toml", key, recipe, why, owner});
+  }
   // gemm_algo (loom/gemm_algo.hpp): read on every device, refused when
   // "fastest" meets a deterministic run.
   for (const char* plugin : {"fp8_delayed", "fp8_current"}) {

@@ -374,6 +374,49 @@ Run125m run_125m(const std::string& name, const std::vector<std::string>& ov) {
   return r;
 }
 
+// A switch that moves work between the recipe and the blocks' kernels
+// without changing a bit: for each case (extra overrides, a label), the runs
+// with `key` true and false on top of `base` give bitwise the same losses,
+// validation losses and FP8 state, and the scales left their starting 1
+// (so the amaxes were recorded at all).
+struct SwitchCase {
+  std::vector<std::string> ov;
+  const char* what;
+};
+void expect_switch_is_bitwise(const std::vector<std::string>& base, const std::string& key,
+                              const std::vector<SwitchCase>& cases) {
+  for (const SwitchCase& c : cases) {
+    SCOPED_TRACE(key + ", " + c.what);
+    std::map<std::string, loom::RunSummary> runs;
+    std::map<std::string, std::map<std::string, std::vector<char>>> states;
+    for (const std::string on : {"true", "false"}) {
+      std::vector<std::string> ov = base;
+      ov.push_back(key + "=" + on);
+      ov.insert(ov.end(), c.ov.begin(), c.ov.end());
+      const std::string dir = key.substr(key.find('.') + 1) + "_" + on + std::to_string(&c - cases.data());
+      Run125m r = run_125m(dir, ov);
+      runs[on] = std::move(r.summary);
+      states[on] = std::move(r.state);
+    }
+    const loom::RunSummary &a = runs["false"], &b = runs["true"];
+    loom::test::expect_same_losses(a, b, 4);
+    EXPECT_EQ(states["true"], states["false"]) << "the FP8 state (scales, amaxes, counters)";
+    bool moved = false;
+    for (float v : floats(states["true"].at("fp8.scale"))) moved = moved || v != 1.0f;
+    EXPECT_TRUE(moved) << "the scales never left 1: the amaxes were not recorded";
+    std::printf("[%s] %s: false %.6f -> %.6f, true %.6f -> %.6f\n", key.c_str(), c.what, a.steps.front().loss,
+                a.steps.back().loss, b.steps.front().loss, b.steps.back().loss);
+  }
+}
+
+// The linears of the hand-out tests: a hidden one, the LM head (bf16) and a
+// variable-row MoE expert, each of 48 rows at most.
+struct HandoutLinears {
+  loom::LinearDesc hid{"layer.0.down_proj", 64, 96, 48, loom::LinearRole::hidden};
+  loom::LinearDesc head{"lm_head", 64, 128, 48, loom::LinearRole::lm_head};
+  loom::LinearDesc expert{"layer.0.expert.0.w2", 64, 96, 48, loom::LinearRole::hidden, true};
+};
+
 // model.recompute = "selective" on the GPU: the blocks recompute the norms'
 // and SwiGLU's outputs in the backward, and the FP8 recipes keep no xᵀ but
 // cast the x they are handed again with the forward's scale
@@ -442,9 +485,7 @@ TEST(GpuFp8Recipes, Fp8OperandsAreHandedOutOnlyWhereABlockCanWriteThem) {
   LOOM_REQUIRE_GPU();
   using loom::Fp8Operand;
   using loom::Fp8OperandRole;
-  const loom::LinearDesc hid{"layer.0.down_proj", 64, 96, 48, loom::LinearRole::hidden};
-  const loom::LinearDesc head{"lm_head", 64, 128, 48, loom::LinearRole::lm_head};
-  const loom::LinearDesc expert{"layer.0.expert.0.w2", 64, 96, 48, loom::LinearRole::hidden, true};
+  const auto [hid, head, expert] = HandoutLinears{};
   loom_test::GpuCallContext call;
   ASSERT_TRUE(call.lt && call.stream);
   const loom::ExecContext& ctx = call.ctx;
@@ -519,37 +560,14 @@ TEST(GpuFp8Recipes, Fp8OperandsAreHandedOutOnlyWhereABlockCanWriteThem) {
 // backward).
 TEST(GpuFp8Recipes, FusedCastsAreBitwiseTheSeparateCasts) {
   LOOM_REQUIRE_GPU();
-  struct Case {
-    std::vector<std::string> ov;
-    const char* what;
-  };
-  const std::vector<Case> cases = {
-      {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=1"}, "125m shape, grad_accum 1"},
-      {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=2"}, "125m shape, grad_accum 2"},
-      {{"train.micro_batch=3", "train.seq_len=400", "train.grad_accum=2", "model.ffn_hidden=2000",
-        "model.recompute=\"full\""},
-       "partial tiles, recompute full"}};
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.what);
-    std::map<std::string, loom::RunSummary> runs;
-    std::map<std::string, std::map<std::string, std::vector<char>>> states;
-    for (const std::string fused : {"true", "false"}) {
-      std::vector<std::string> ov = {"precision.plugin=\"fp8_delayed\"", "precision.fused_casts=" + fused,
-                                     "precision.amax_history_len=4", "model.layers=\"fused\""};
-      ov.insert(ov.end(), c.ov.begin(), c.ov.end());
-      Run125m r = run_125m(std::string("fused_casts_") + fused + std::to_string(&c - cases.data()), ov);
-      runs[fused] = std::move(r.summary);
-      states[fused] = std::move(r.state);
-    }
-    const loom::RunSummary &a = runs["false"], &b = runs["true"];
-    loom::test::expect_same_losses(a, b, 4);
-    EXPECT_EQ(states["true"], states["false"]) << "scales, history and counters";
-    bool moved = false;
-    for (float v : floats(states["true"].at("fp8.scale"))) moved = moved || v != 1.0f;
-    EXPECT_TRUE(moved) << "the scales never left 1: the amaxes were not recorded";
-    std::printf("[fp8 fused_casts] %s: separate %.6f -> %.6f, fused %.6f -> %.6f\n", c.what, a.steps.front().loss,
-                a.steps.back().loss, b.steps.front().loss, b.steps.back().loss);
-  }
+  expect_switch_is_bitwise(
+      {"precision.plugin=\"fp8_delayed\"", "precision.amax_history_len=4", "model.layers=\"fused\""},
+      "precision.fused_casts",
+      {{{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=1"}, "125m shape, grad_accum 1"},
+       {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=2"}, "125m shape, grad_accum 2"},
+       {{"train.micro_batch=3", "train.seq_len=400", "train.grad_accum=2", "model.ffn_hidden=2000",
+         "model.recompute=\"full\""},
+        "partial tiles, recompute full"}});
 }
 
 // fp8_current with fused layers: producer_amax = true (the norms, SwiGLU
@@ -561,35 +579,14 @@ TEST(GpuFp8Recipes, FusedCastsAreBitwiseTheSeparateCasts) {
 // again: the backward casts xᵀ with the forward's scale) in the last.
 TEST(GpuFp8Recipes, ProducerAmaxIsBitwiseTheRecipesOwnMeasure) {
   LOOM_REQUIRE_GPU();
-  struct Case {
-    std::vector<std::string> ov;
-    const char* what;
-  };
-  const std::vector<Case> cases = {
-      {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=1"}, "125m shape, grad_accum 1"},
-      {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=2", "model.recompute=\"full\""},
-       "125m shape, grad_accum 2, recompute full"},
-      {{"train.micro_batch=3", "train.seq_len=400", "train.grad_accum=2", "model.ffn_hidden=2000",
-        "model.recompute=\"selective\""},
-       "partial tiles, recompute selective"}};
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.what);
-    std::map<std::string, loom::RunSummary> runs;
-    std::map<std::string, std::map<std::string, std::vector<char>>> states;
-    for (const std::string on : {"true", "false"}) {
-      std::vector<std::string> ov = {"precision.plugin=\"fp8_current\"", "precision.producer_amax=" + on,
-                                     "model.layers=\"fused\""};
-      ov.insert(ov.end(), c.ov.begin(), c.ov.end());
-      Run125m r = run_125m(std::string("producer_amax_") + on + std::to_string(&c - cases.data()), ov);
-      runs[on] = std::move(r.summary);
-      states[on] = std::move(r.state);
-    }
-    const loom::RunSummary &a = runs["false"], &b = runs["true"];
-    loom::test::expect_same_losses(a, b, 4);
-    EXPECT_EQ(states["true"], states["false"]) << "scales and counters";
-    std::printf("[fp8 producer_amax] %s: recipe's pass %.6f -> %.6f, producers' %.6f -> %.6f\n", c.what,
-                a.steps.front().loss, a.steps.back().loss, b.steps.front().loss, b.steps.back().loss);
-  }
+  expect_switch_is_bitwise(
+      {"precision.plugin=\"fp8_current\"", "model.layers=\"fused\""}, "precision.producer_amax",
+      {{{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=1"}, "125m shape, grad_accum 1"},
+       {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=2", "model.recompute=\"full\""},
+        "125m shape, grad_accum 2, recompute full"},
+       {{"train.micro_batch=3", "train.seq_len=400", "train.grad_accum=2", "model.ffn_hidden=2000",
+         "model.recompute=\"selective\""},
+        "partial tiles, recompute selective"}});
 }
 
 // Fp8OperandAmax on CUDA: fp8_current hands out an amax where fp8_operand
@@ -600,9 +597,7 @@ TEST(GpuFp8Recipes, ProducerAmaxIsBitwiseTheRecipesOwnMeasure) {
 TEST(GpuFp8Recipes, OperandAmaxesAreHandedOutOnlyWhereTheCastWouldMeasure) {
   LOOM_REQUIRE_GPU();
   using loom::Fp8OperandRole;
-  const loom::LinearDesc hid{"layer.0.down_proj", 64, 96, 48, loom::LinearRole::hidden};
-  const loom::LinearDesc head{"lm_head", 64, 128, 48, loom::LinearRole::lm_head};
-  const loom::LinearDesc expert{"layer.0.expert.0.w2", 64, 96, 48, loom::LinearRole::hidden, true};
+  const auto [hid, head, expert] = HandoutLinears{};
   loom_test::GpuCallContext call;
   ASSERT_TRUE(call.lt && call.stream);
   const loom::ExecContext& ctx = call.ctx;
