@@ -417,6 +417,21 @@ struct HandoutLinears {
   loom::LinearDesc expert{"layer.0.expert.0.w2", 64, 96, 48, loom::LinearRole::hidden, true};
 };
 
+// Each recipe (plugin, [precision] body) over the one linear `d` on CUDA,
+// with its memory bound, handed to check(recipe, id): the recipes that must
+// decline every hand-out.
+template <typename F>
+void for_each_recipe(const std::vector<std::pair<std::string, std::string>>& recipes, const loom::LinearDesc& d,
+                     F&& check) {
+  for (const auto& [plugin, body] : recipes) {
+    SCOPED_TRACE(plugin + " " + body);
+    loom::test::RecipeRig r(make(plugin, body, Device::cuda), {d}, Device::cuda);
+    const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
+    ASSERT_TRUE(mem.ok());
+    check(*r.p, r.ids[0]);
+  }
+}
+
 // model.recompute = "selective" on the GPU: the blocks recompute the norms'
 // and SwiGLU's outputs in the backward, and the FP8 recipes keep no xᵀ but
 // cast the x they are handed again with the forward's scale
@@ -489,15 +504,11 @@ TEST(GpuFp8Recipes, Fp8OperandsAreHandedOutOnlyWhereABlockCanWriteThem) {
   loom_test::GpuCallContext call;
   ASSERT_TRUE(call.lt && call.stream);
   const loom::ExecContext& ctx = call.ctx;
-  for (const auto& [plugin, body] : std::vector<std::pair<std::string, std::string>>{
-           {"fp8_current", ""}, {"fp8_delayed", "fused_casts = false\n"}}) {
-    SCOPED_TRACE(plugin + " " + body);
-    loom::test::RecipeRig r(make(plugin, body, Device::cuda), {hid}, Device::cuda);
-    const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
-    ASSERT_TRUE(mem.ok());
-    Fp8Operand op;
-    EXPECT_FALSE(r.p->fp8_operand(ctx, r.ids[0], Fp8OperandRole::x, 48, &op));
-  }
+  for_each_recipe({{"fp8_current", ""}, {"fp8_delayed", "fused_casts = false\n"}}, hid,
+                  [&](loom::Precision& p, int id) {
+                    Fp8Operand op;
+                    EXPECT_FALSE(p.fp8_operand(ctx, id, Fp8OperandRole::x, 48, &op));
+                  });
   loom::test::RecipeRig r(make("fp8_delayed", "", Device::cuda), {hid, head, expert}, Device::cuda);
   const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
   ASSERT_TRUE(mem.ok());
@@ -601,16 +612,12 @@ TEST(GpuFp8Recipes, OperandAmaxesAreHandedOutOnlyWhereTheCastWouldMeasure) {
   loom_test::GpuCallContext call;
   ASSERT_TRUE(call.lt && call.stream);
   const loom::ExecContext& ctx = call.ctx;
-  for (const auto& [plugin, body] : std::vector<std::pair<std::string, std::string>>{
-           {"fp8_current", "producer_amax = false\n"}, {"fp8_delayed", ""}}) {
-    SCOPED_TRACE(plugin + " " + body);
-    loom::test::RecipeRig r(make(plugin, body, Device::cuda), {hid}, Device::cuda);
-    const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
-    ASSERT_TRUE(mem.ok());
-    auto* a = dynamic_cast<loom::Fp8OperandAmax*>(r.p.get());
-    ASSERT_NE(a, nullptr) << "the FP8 recipes' object offers the interface";
-    EXPECT_EQ(a->operand_amax(ctx, r.ids[0], Fp8OperandRole::x, 48), nullptr);
-  }
+  for_each_recipe({{"fp8_current", "producer_amax = false\n"}, {"fp8_delayed", ""}}, hid,
+                  [&](loom::Precision& p, int id) {
+                    auto* a = dynamic_cast<loom::Fp8OperandAmax*>(&p);
+                    ASSERT_NE(a, nullptr) << "the FP8 recipes' object offers the interface";
+                    EXPECT_EQ(a->operand_amax(ctx, id, Fp8OperandRole::x, 48), nullptr);
+                  });
   loom::test::RecipeRig r(make("fp8_current", "", Device::cuda), {hid, head, expert}, Device::cuda);
   const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
   ASSERT_TRUE(mem.ok());
