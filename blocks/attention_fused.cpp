@@ -12,7 +12,8 @@
 // fp8_delayed on CUDA), the norm writes its FP8 codes directly: the cast to
 // the GEMM's input type is the norm's own store. When the recipe measures
 // its input first (Fp8OperandAmax: fp8_current), the norm measures it as it
-// writes it.
+// writes it. Under selective recompute the backward's norm writes the qkv
+// wgrad's xᵀ in FP8 where the recipe offers it (Fp8RecastOperand).
 //
 // Backward mirrors it: attention writes dq/dk/dv as views of one packed
 // gradient buffer, RoPE's inverse runs once over dq and dk, one dgrad GEMM
@@ -140,7 +141,14 @@ class FusedAttention final : public AttentionBlock {
       if (ln1_plan_.recomputed) {
         Range rr(be, "rmsnorm.recompute");
         Tensor rstd1 = f32(rstd1_, {N});  // rewritten with the values it holds
-        be.rmsnorm_forward(ln1, rstd1, x, param(u, kLn1), static_cast<float>(spec_.norm_eps));
+        const auto eps = static_cast<float>(spec_.norm_eps);
+        Fp8Operand q;
+        if (recast_input(wqkv_, &q)) {  // the qkv wgrad's xᵀ in FP8, no bf16 ln1
+          be.rmsnorm_forward_fp8(q, rstd1, x, param(u, kLn1), eps);
+          ln1 = q.q_t;
+        } else {
+          be.rmsnorm_forward(ln1, rstd1, x, param(u, kLn1), eps);
+        }
       }
       env_.precision->linear_backward(ctx, wqkv_, ln1, param_rows(u, kWq, 3),
                                       act(d_qkv_, {N, width()}), &d_ln, dWqkv, acc);

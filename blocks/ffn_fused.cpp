@@ -17,7 +17,10 @@
 // cast them are never written. When the recipe measures each tensor before
 // casting it (Fp8OperandAmax: fp8_current), the same three kernels write bf16
 // and measure its amax for the recipe, which then casts without reading the
-// tensor a first time.
+// tensor a first time. Under selective recompute the backward's norm and
+// SwiGLU, which compute h and m again for the wgrads, write those wgrads' xᵀ
+// in FP8 where the recipe offers it (Fp8RecastOperand), with the forward's
+// scale: no bf16 copy is written and read again to be cast.
 //
 // model.recompute = "selective" keeps the gate_up GEMM's output (SwiGLU's
 // backward reads it) and computes h = rmsnorm(x) and m = SwiGLU(gu) again
@@ -112,7 +115,13 @@ class FusedFfn final : public FfnBlock {
       if (swi_plan_.recomputed) {
         Range rr(be, "swiglu.recompute");
         const Tensor gu = act(gu_, {N, 2 * f});
-        be.swiglu_forward(swi, column_half(gu, 0), column_half(gu, 1));
+        Fp8Operand q;
+        if (recast_input(wd_, &q)) {  // the down wgrad's xᵀ in FP8, no bf16 SwiGLU output
+          be.swiglu_forward_fp8(q, column_half(gu, 0), column_half(gu, 1));
+          swi = q.q_t;
+        } else {
+          be.swiglu_forward(swi, column_half(gu, 0), column_half(gu, 1));
+        }
       }
       env_.precision->linear_backward(ctx, wd_, swi, param(u, kWdown), d, &d_swi, dWd, acc);
     }
@@ -140,7 +149,14 @@ class FusedFfn final : public FfnBlock {
       if (ln2_plan_.recomputed) {
         Range rr(be, "rmsnorm.recompute");
         Tensor rstd2 = f32(rstd2_, {N});  // rewritten with the values it holds
-        be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), static_cast<float>(spec_.norm_eps));
+        const auto eps = static_cast<float>(spec_.norm_eps);
+        Fp8Operand q;
+        if (recast_input(wgu_, &q)) {  // the gate_up wgrad's xᵀ in FP8, no bf16 ln2
+          be.rmsnorm_forward_fp8(q, rstd2, x, param(u, kLn2), eps);
+          ln2 = q.q_t;
+        } else {
+          be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), eps);
+        }
       }
       env_.precision->linear_backward(ctx, wgu_, ln2, param_rows(u, kWgate, 2), d_gu, &d_ln, dWgu, acc);
     }

@@ -1453,6 +1453,62 @@ TEST_F(CudaFp8, SwigluWritingFp8IsTheBf16KernelThenTheCast) {
   EXPECT_EQ(checked, 6 * 2 * 2 * 2);
 }
 
+// ---- RMSNorm and SwiGLU writing xᵀ alone (Fp8RecastOperand) --------------------
+
+TEST_F(CudaFp8, NormAndSwigluWriteTheTransposeAloneWhenQIsEmpty) {
+  // Selective recompute's backward: rmsnorm_forward_fp8 and
+  // swiglu_forward_fp8 with an empty q write q_t (and rstd) bitwise as the
+  // call with q does, and nothing else. Shapes with whole and partial tiles
+  // (rows 144 = 128 + 16, columns 80 = 64 + 16), llama-1b's widths; E4M3.
+  struct Case {
+    int64_t rows, cols;
+  };
+  const Case cases[] = {{128, 64}, {144, 80}, {2048, 2048}, {256, 5632}};
+  int checked = 0;
+  for (const Case& cc : cases) {
+    for (int op = 0; op < 2; ++op) {  // rmsnorm, swiglu forward
+      const int64_t R = cc.rows, C = cc.cols;
+      SCOPED_TRACE(::testing::Message() << (op == 0 ? "rmsnorm_forward_fp8" : "swiglu_forward_fp8") << " [" << R
+                                        << ", " << C << "]");
+      std::mt19937 rng(static_cast<uint32_t>(R * 5 + C + op));
+      std::normal_distribution<float> nd(0.f, 2.f);
+      const size_t n = static_cast<size_t>(R * C);
+      std::vector<uint16_t> ha(2 * n), hw(static_cast<size_t>(C));
+      for (uint16_t& v : ha) v = loom::hf::f32_to_bf16(nd(rng));
+      for (uint16_t& v : hw) v = loom::hf::f32_to_bf16(1.0f + 0.1f * nd(rng));
+      DevBuf ab_(ha.size() * 2), wb(hw.size() * 2), sb(4), q(n), qt_ref(n), qt_got(n), r1(R * 4), r2(R * 4);
+      ASSERT_TRUE(ab_.p && wb.p && sb.p && q.p && qt_ref.p && qt_got.p && r1.p && r2.p);
+      upload(ab_, ha);
+      upload(wb, hw);
+      put_float(sb, 4.0f);
+      CUDA_OK(cudaMemset(qt_ref.p, 0xAA, n));
+      CUDA_OK(cudaMemset(qt_got.p, 0x55, n));
+      const Tensor none;
+      Tensor tq(q.p, DType::e4m3, Device::cuda, {R, C});
+      Tensor tref(qt_ref.p, DType::e4m3, Device::cuda, {C, R}), tgot(qt_got.p, DType::e4m3, Device::cuda, {C, R});
+      const float* scale = sb.as<float>();
+      if (op == 0) {
+        const Tensor x(ab_.p, DType::bf16, Device::cuda, {R, C}), w(wb.p, DType::bf16, Device::cuda, {C});
+        Tensor rs1(r1.p, DType::f32, Device::cuda, {R}), rs2(r2.p, DType::f32, Device::cuda, {R});
+        loom::gpu::rmsnorm_forward_fp8(tq, tref, rs1, x, w, 1e-5f, scale, nullptr, stream_);
+        loom::gpu::rmsnorm_forward_fp8(none, tgot, rs2, x, w, 1e-5f, scale, nullptr, stream_);
+        CUDA_OK(cudaStreamSynchronize(stream_));
+        EXPECT_TRUE(download<uint8_t>(r1, R * 4) == download<uint8_t>(r2, R * 4)) << "rstd";
+      } else {
+        Tensor gate(ab_.p, DType::bf16, Device::cuda, {R, C}), up = gate;
+        gate.stride[0] = up.stride[0] = 2 * C;
+        up.data = ab_.as<uint16_t>() + C;
+        loom::gpu::swiglu_forward_fp8(tq, tref, gate, up, scale, nullptr, stream_);
+        loom::gpu::swiglu_forward_fp8(none, tgot, gate, up, scale, nullptr, stream_);
+        CUDA_OK(cudaStreamSynchronize(stream_));
+      }
+      EXPECT_TRUE(download<uint8_t>(qt_got, n) == download<uint8_t>(qt_ref, n)) << "q_t";
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 4 * 2);
+}
+
 // ---- RMSNorm and SwiGLU measuring what they write (Fp8OperandAmax) ------------
 
 TEST_F(CudaFp8, NormAndSwigluMeasureWhatTheyWrite) {

@@ -578,7 +578,10 @@ TEST(GpuFp8Recipes, FusedCastsAreBitwiseTheSeparateCasts) {
        {{"train.micro_batch=4", "train.seq_len=512", "train.grad_accum=2"}, "125m shape, grad_accum 2"},
        {{"train.micro_batch=3", "train.seq_len=400", "train.grad_accum=2", "model.ffn_hidden=2000",
          "model.recompute=\"full\""},
-        "partial tiles, recompute full"}});
+        "partial tiles, recompute full"},
+       {{"train.micro_batch=3", "train.seq_len=400", "train.grad_accum=2", "model.ffn_hidden=2000",
+         "model.recompute=\"selective\""},
+        "partial tiles, recompute selective (xᵀ written by the recomputing kernels)"}});
 }
 
 // fp8_current with fused layers: producer_amax = true (the norms, SwiGLU
@@ -597,7 +600,7 @@ TEST(GpuFp8Recipes, ProducerAmaxIsBitwiseTheRecipesOwnMeasure) {
         "125m shape, grad_accum 2, recompute full"},
        {{"train.micro_batch=3", "train.seq_len=400", "train.grad_accum=2", "model.ffn_hidden=2000",
          "model.recompute=\"selective\""},
-        "partial tiles, recompute selective"}});
+        "partial tiles, recompute selective (xᵀ written by the recomputing kernels)"}});
 }
 
 // Fp8OperandAmax on CUDA: fp8_current hands out an amax where fp8_operand
@@ -652,6 +655,77 @@ TEST(GpuFp8Recipes, OperandAmaxesAreHandedOutOnlyWhereTheCastWouldMeasure) {
   ASSERT_NE(a->operand_amax(ctx, id, Fp8OperandRole::dy, 48), nullptr) << "dy after its forward";
   EXPECT_NO_THROW(r.p->linear_backward(ctx, id, tx, tw, tdy, &tdx, tdw, false));
   CUDA_OK(cudaStreamSynchronize(call.stream));
+}
+
+// Fp8RecastOperand on CUDA (selective recompute): the xᵀ of a linear
+// registered with input_in_backward, handed out after its forward cast those
+// rows, as op.q_t [in, rows] in the x format with the forward's scale and no
+// q or amax; declined for a linear without input_in_backward (the recipe
+// keeps its xᵀ), for other rows, before any forward, and with the switches
+// off (fused_casts under fp8_delayed, producer_amax under fp8_current). The
+// backward then takes op.q_t as its x, and refuses an FP8 x that is not it.
+TEST(GpuFp8Recipes, RecastOperandsAreHandedOutOnlyForARecomputedInput) {
+  LOOM_REQUIRE_GPU();
+  loom::LinearDesc again{"layer.0.down_proj", 64, 96, 48, loom::LinearRole::hidden};
+  again.input_in_backward = true;
+  const loom::LinearDesc kept{"layer.0.o_proj", 64, 96, 48, loom::LinearRole::hidden};
+  loom_test::GpuCallContext call;
+  ASSERT_TRUE(call.lt && call.stream);
+  const loom::ExecContext& ctx = call.ctx;
+  loom_test::DevBuf w(96 * 64 * 2), x(48 * 64 * 2), y(48 * 96 * 2), dy(48 * 96 * 2), dx(48 * 64 * 2), dw(96 * 64 * 4),
+      other(64 * 48);
+  ASSERT_TRUE(w.p && x.p && y.p && dy.p && dx.p && dw.p && other.p);
+  CUDA_OK(cudaMemset(w.p, 0, 96 * 64 * 2));
+  CUDA_OK(cudaMemset(x.p, 0, 48 * 64 * 2));
+  CUDA_OK(cudaMemset(dy.p, 0, 48 * 96 * 2));
+  const Tensor tw(w.p, DType::bf16, Device::cuda, {96, 64}), tx(x.p, DType::bf16, Device::cuda, {48, 64});
+  const Tensor tdy(dy.p, DType::bf16, Device::cuda, {48, 96});
+  Tensor ty(y.p, DType::bf16, Device::cuda, {48, 96}), tdx(dx.p, DType::bf16, Device::cuda, {48, 64});
+  Tensor tdw(dw.p, DType::f32, Device::cuda, {96, 64});
+  for (const auto& [plugin, body] : std::vector<std::pair<std::string, std::string>>{
+           {"fp8_current", "producer_amax = false\n"}, {"fp8_delayed", "fused_casts = false\n"}}) {
+    SCOPED_TRACE(plugin + " " + body);
+    loom::test::RecipeRig r(make(plugin, body, Device::cuda), {again}, Device::cuda);
+    const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
+    ASSERT_TRUE(mem.ok());
+    auto* a = dynamic_cast<loom::Fp8RecastOperand*>(r.p.get());
+    ASSERT_NE(a, nullptr) << "the FP8 recipes' object offers the interface";
+    r.p->linear_forward(ctx, r.ids[0], tx, tw, ty, nullptr);
+    loom::Fp8Operand op;
+    EXPECT_FALSE(a->recast_operand(ctx, r.ids[0], 48, &op)) << "switched off";
+  }
+  for (const std::string plugin : {"fp8_current", "fp8_delayed"}) {
+    SCOPED_TRACE(plugin);
+    loom::test::RecipeRig r(make(plugin, "", Device::cuda), {again, kept}, Device::cuda);
+    const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
+    ASSERT_TRUE(mem.ok());
+    auto* a = dynamic_cast<loom::Fp8RecastOperand*>(r.p.get());
+    ASSERT_NE(a, nullptr);
+    const int id = r.ids[0];
+    loom::Fp8Operand op;
+    EXPECT_FALSE(a->recast_operand(ctx, id, 48, &op)) << "before any forward";
+    r.p->linear_forward(ctx, id, tx, tw, ty, nullptr);
+    r.p->linear_forward(ctx, r.ids[1], tx, tw, ty, nullptr);
+    EXPECT_FALSE(a->recast_operand(ctx, r.ids[1], 48, &op)) << "the recipe keeps that linear's xᵀ";
+    EXPECT_FALSE(a->recast_operand(ctx, id, 32, &op)) << "other rows than the forward's";
+    ASSERT_TRUE(a->recast_operand(ctx, id, 48, &op));
+    EXPECT_EQ(op.q.data, nullptr) << "xᵀ alone";
+    EXPECT_EQ(op.q_t.dtype, DType::e4m3);
+    EXPECT_EQ(op.q_t.shape_str(), "[64,48]");
+    EXPECT_TRUE(op.q_t.is_contiguous());
+    EXPECT_TRUE(op.scale != nullptr && op.amax == nullptr);
+    const Tensor not_it(other.p, DType::e4m3, Device::cuda, {64, 48});
+    loom::test::expect_error([&] { r.p->linear_backward(ctx, id, not_it, tw, tdy, &tdx, tdw, false); },
+                             {"layer.0.down_proj", "is not the xᵀ recast_operand handed out", "pass op.q_t itself"});
+    r.p->linear_forward(ctx, id, tx, tw, ty, nullptr);  // the refused call used up the forward's rows
+    ASSERT_TRUE(a->recast_operand(ctx, id, 48, &op));
+    CUDA_OK(cudaMemsetAsync(op.q_t.data, 0, 64 * 48, call.stream));
+    EXPECT_NO_THROW(r.p->linear_backward(ctx, id, op.q_t, tw, tdy, &tdx, tdw, false));
+    r.p->linear_forward(ctx, id, tx, tw, ty, nullptr);
+    loom::test::expect_error([&] { r.p->linear_backward(ctx, id, op.q_t, tw, tdy, &tdx, tdw, false); },
+                             {"layer.0.down_proj", "recast_operand did not hand out an FP8 xᵀ for this backward"});
+    CUDA_OK(cudaStreamSynchronize(call.stream));
+  }
 }
 
 // `loom bench` (its "mem GiB" column: cudaMemGetInfo's total - free after

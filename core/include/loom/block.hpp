@@ -255,6 +255,11 @@ class Block {
   // `role` (this micro-batch's rows) max-accumulates its amax for the recipe
   // (Fp8OperandAmax, loom/precision.hpp), or null: the recipe measures it.
   float* operand_amax(int linear, Fp8OperandRole role) const;
+  // Linear `linear`'s xᵀ for its backward (this micro-batch's rows), to be
+  // written in FP8 by the block's kernel that recomputes x there, when the
+  // recipe offers it (Fp8RecastOperand, loom/precision.hpp): pass op->q_t
+  // as the linear_backward's x then.
+  bool recast_input(int linear, Fp8Operand* op) const;
   void* buf(int id) const { return acts_->ptr(id); }
   Device dev() const { return env_.backend->device(); }
   // An activation buffer seen as a tensor of the recipe's activation dtype, or of fp32.

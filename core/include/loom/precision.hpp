@@ -20,6 +20,8 @@
 //   linear_forward / linear_backward ... end_step()   every step
 //   fp8_operand(id, role, rows)    asked in a step before a block's kernel makes x or dy (ABI 8.0)
 //   operand_amax(id, role, rows)   the same, for its amax only (Fp8OperandAmax below, ABI 10.2)
+//   recast_operand(id, rows)       asked in a backward before a block's kernel recomputes x: its xᵀ
+//                                  in FP8 (Fp8RecastOperand below, ABI 10.2)
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -276,6 +278,25 @@ class Fp8OperandAmax {
  public:
   virtual ~Fp8OperandAmax();
   virtual float* operand_amax(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows) = 0;
+};
+
+// Optional interface of a recipe object (since ABI 10.2), found with
+// dynamic_cast on the Precision: the xᵀ that linear `id`'s backward needs,
+// written by the block's kernel that recomputes x there (model.recompute =
+// "selective": the linear was registered with input_in_backward, and the
+// recipe keeps no FP8 copy of x but casts the x it is handed again, with the
+// scale its forward used). Asked on the compute stream just before the
+// block's kernel recomputes x (`rows` rows): true and `op` filled when the
+// recipe takes it so — op.q empty (the kernel writes op.q_t [in, rows]
+// alone), op.scale the forward's scale of x, op.amax null (the forward
+// measured x) — or false to be handed x in bf16 as usual. The next
+// linear_backward of `id` must then pass op.q_t itself as its x. A block
+// asks only where it has a kernel that writes FP8 (on CUDA, the fused
+// blocks' RMSNorm and SwiGLU).
+class Fp8RecastOperand {
+ public:
+  virtual ~Fp8RecastOperand();
+  virtual bool recast_operand(const ExecContext& ctx, int id, int64_t rows, Fp8Operand* op) = 0;
 };
 
 template <> struct PluginInterface<PluginKind::precision> { using type = Precision; };

@@ -170,7 +170,13 @@ float* Block::operand_amax(int linear, Fp8OperandRole role) const {
   return p != nullptr ? p->operand_amax(env_.backend->ctx(), linear, role, env_.N) : nullptr;
 }
 
+bool Block::recast_input(int linear, Fp8Operand* op) const {
+  auto* p = dynamic_cast<Fp8RecastOperand*>(env_.precision);
+  return p != nullptr && p->recast_operand(env_.backend->ctx(), linear, env_.N, op);
+}
+
 Fp8OperandAmax::~Fp8OperandAmax() = default;
+Fp8RecastOperand::~Fp8RecastOperand() = default;
 
 Tensor Block::column_half(const Tensor& packed, int which) {
   LOOM_CHECK(packed.ndim == 2 && packed.size(1) % 2 == 0 && (which == 0 || which == 1),

@@ -62,7 +62,7 @@ size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 DType fp8_dtype(fp8::Format f) { return f == fp8::Format::e4m3 ? DType::e4m3 : DType::e5m2; }
 
-class Fp8Gpu final : public Precision, public Fp8OperandAmax {
+class Fp8Gpu final : public Precision, public Fp8OperandAmax, public Fp8RecastOperand {
  public:
   explicit Fp8Gpu(const GpuOptions& o)
       : o_(o),
@@ -293,18 +293,21 @@ class Fp8Gpu final : public Precision, public Fp8OperandAmax {
                        Tensor& dw, bool accumulate) override {
     Linear& l = lookup(ctx, id);
     const bool given = is_fp8(dy.dtype);  // written by the block (fp8_operand)
-    const int64_t offered = l.offered_dy, measured = l.measured_dy;
-    l.offered_dy = l.measured_dy = -1;
+    const int64_t offered = l.offered_dy, measured = l.measured_dy, recast = l.offered_recast;
+    l.offered_dy = l.measured_dy = l.offered_recast = -1;
     if (given) take_operand(l, dy, offered, Fp8OperandRole::dy);
+    const bool x_given = is_fp8(x.dtype);  // xᵀ, written by the block (recast_operand)
+    if (x_given) take_recast(l, x, recast);
     if (!l.fp8) return lt_.backward(ctx, l.lt_id, x, w, dy, dx, dw, accumulate);
     const LinearDesc& d = l.desc;
     auto stream = static_cast<cudaStream_t>(ctx.stream);
     const RowMatrix mdy = given ? RowMatrix{dy.shape[0], d.out, d.out} : matrix(dy, d, "dy", DType::bf16);
     check_weight(w, d, "w", param_dtype());
     check_weight(dw, d, "dw", grad_dtype());
-    // x is read only by the bf16 fallback (rows not a multiple of 16); an
-    // empty x (keeps_wgrad_input) takes the rows from dy.
-    const bool have_x = x.data != nullptr;
+    // x is read only by the bf16 fallback (rows not a multiple of 16) and the
+    // recast; an empty x (keeps_wgrad_input) or one given as xᵀ takes the
+    // rows from dy.
+    const bool have_x = x.data != nullptr && !x_given;
     const int64_t rows = have_x ? check_rows(d, matrix(x, d, "x", DType::bf16), "x") : mdy.rows;
     LOOM_CHECK(rows <= d.max_rows, "precision ", o_.plugin, ": ", d.name, ": dy has ", rows,
                " rows, more than the max_rows=", d.max_rows, " it was registered with");
@@ -327,6 +330,8 @@ class Fp8Gpu final : public Precision, public Fp8OperandAmax {
     }
     LOOM_CHECK(mdy.rows == rows && mdy.cols == d.out, "precision ", o_.plugin, ": ", d.name, ": dy is [", mdy.rows,
                ", ", mdy.cols, "], expected [", rows, ", ", d.out, "]");
+    LOOM_CHECK(!x_given || recast == rows, "precision ", o_.plugin, ": ", d.name, ": the xᵀ passed covers ", recast,
+               " rows, dy ", rows);
     fp8_common::check_saved_rows(o_.plugin, d, l.saved_rows, rows);
     if (dx != nullptr) {
       const RowMatrix mdx = matrix(*dx, d, "dx", DType::bf16);
@@ -364,11 +369,14 @@ class Fp8Gpu final : public Precision, public Fp8OperandAmax {
     if (l.recast_x) {
       // The forward's x, handed again: xᵀ cast now with the scale the forward
       // used (its amax was taken then), the same codes; into the x scratch,
-      // which only a forward uses.
-      LOOM_CHECK(have_x, "precision ", o_.plugin, ": ", d.name, ": the backward was given no x, but the linear was "
-                 "registered with input_in_backward (the block hands x again, and the recipe keeps no copy)");
+      // which only a forward uses. Or xᵀ itself, there already: the block's
+      // kernel that recomputed x wrote it (recast_operand).
       qxt = Tensor(ws_ + x_off(), qxt.dtype, Device::cuda, {d.in, rows});
-      gpu::fp8_cast(x, nullptr, &qxt, scale_ + xs, nullptr, stream);
+      if (!x_given) {
+        LOOM_CHECK(have_x, "precision ", o_.plugin, ": ", d.name, ": the backward was given no x, but the linear was "
+                   "registered with input_in_backward (the block hands x again, and the recipe keeps no copy)");
+        gpu::fp8_cast(x, nullptr, &qxt, scale_ + xs, nullptr, stream);
+      }
     }
     ops::Fp8GemmOptions opt;
     opt.c = accumulate ? &dw : nullptr;
@@ -434,6 +442,28 @@ class Fp8Gpu final : public Precision, public Fp8OperandAmax {
     return cur_ + t;
   }
 
+  // Selective recompute: the block recomputes a linear's x (an RMSNorm's or
+  // SwiGLU's output) just before its backward, which casts xᵀ from it with
+  // the forward's scale. The recomputing kernel can write that xᵀ itself
+  // (fused_casts under delayed scaling, producer_amax under current: the
+  // switches of the fused layers' kernels), straight into the x scratch the
+  // cast would write, and no bf16 x is written or read. Only for a linear
+  // whose forward cast those rows (the scale is the forward's).
+  bool recast_operand(const ExecContext& ctx, int id, int64_t rows, Fp8Operand* op) override {
+    const bool on = o_.scaling.scaling == fp8::Scaling::delayed ? o_.fused_casts : o_.producer_amax;
+    if (!on || op == nullptr) return false;
+    Linear& l = lookup(ctx, id);
+    const LinearDesc& d = l.desc;
+    if (!l.fp8 || !l.recast_x || rows <= 0 || rows % 16 != 0 || rows > d.max_rows || l.saved_rows != rows)
+      return false;
+    op->q = Tensor();
+    op->q_t = Tensor(ws_ + x_off(), fp8_dtype(host_.format(Role::x)), Device::cuda, {d.in, rows});
+    op->scale = scale_ + fp8::ScalingState::slot(l.slot, Role::x);
+    op->amax = nullptr;
+    l.offered_recast = rows;
+    return true;
+  }
+
   void end_step(const ExecContext& ctx) override {
     LOOM_CHECK(set_up_, "precision ", o_.plugin, ": end_step before setup()");
     stream_ = static_cast<cudaStream_t>(ctx.stream);
@@ -492,7 +522,7 @@ class Fp8Gpu final : public Precision, public Fp8OperandAmax {
   void state_loaded() override {
     for (Linear& l : linears_) {
       l.weight_cast = l.w_scale_known = false;
-      l.saved_rows = l.offered_x = l.offered_dy = l.measured_x = l.measured_dy = -1;
+      l.saved_rows = l.offered_x = l.offered_dy = l.measured_x = l.measured_dy = l.offered_recast = -1;
     }
     if (T_ == 0 || dev_ == nullptr) return;
     // The core uploaded the device tensors; check them on the host (ScalingState's
@@ -599,9 +629,26 @@ class Fp8Gpu final : public Precision, public Fp8OperandAmax {
     int64_t saved_rows = -1;                 // rows the last forward cast (-1: none since the last backward)
     int64_t offered_x = -1, offered_dy = -1;  // rows of the FP8 operand fp8_operand handed out for the next call
     int64_t measured_x = -1, measured_dy = -1;  // rows whose amax operand_amax's kernel measures for the next call
+    int64_t offered_recast = -1;  // rows of the xᵀ recast_operand handed out for the next backward
   };
 
   static bool is_fp8(DType t) { return t == DType::e4m3 || t == DType::e5m2; }
+
+  // An FP8 x in a backward is the xᵀ recast_operand handed out for this very
+  // call: the same memory, dtype and shape, and never a second use.
+  void take_recast(const Linear& l, const Tensor& t, int64_t offered) const {
+    const LinearDesc& d = l.desc;
+    LOOM_CHECK(offered > 0, "precision ", o_.plugin, ": ", d.name, ": x is ", dtype_name(t.dtype), " ",
+               t.shape_str(), ", but recast_operand did not hand out an FP8 xᵀ for this backward of the linear (each "
+               "one serves exactly the next linear_backward; otherwise pass x in bf16)");
+    const void* at = ws_ + x_off();
+    const DType want = fp8_dtype(host_.format(Role::x));
+    LOOM_CHECK(t.data == at && t.dtype == want && t.ndim == 2 && t.shape[0] == d.in && t.shape[1] == offered &&
+                   t.is_contiguous(),
+               "precision ", o_.plugin, ": ", d.name, ": the FP8 x passed (", dtype_name(t.dtype), " ", t.shape_str(),
+               " at ", t.data, ") is not the xᵀ recast_operand handed out (", dtype_name(want), " [", d.in, ", ",
+               offered, "] at ", at, "); pass op.q_t itself");
+  }
 
   // True when operand_amax handed out the amax of this call's x or dy (its
   // producer measured it): the same rows, or a block broke the contract.

@@ -26,7 +26,7 @@
 
 namespace loom::fp8_common {
 
-class Fp8Skeleton : public Precision, public Fp8OperandAmax {
+class Fp8Skeleton : public Precision, public Fp8OperandAmax, public Fp8RecastOperand {
  public:
   PrecisionDTypes dtypes() const override { return impl().dtypes(); }
   int register_linear(const LinearDesc& desc) override { return impl().register_linear(desc); }
@@ -60,6 +60,10 @@ class Fp8Skeleton : public Precision, public Fp8OperandAmax {
   float* operand_amax(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows) override {
     auto* p = dynamic_cast<Fp8OperandAmax*>(&impl());
     return p != nullptr ? p->operand_amax(ctx, id, role, rows) : nullptr;
+  }
+  bool recast_operand(const ExecContext& ctx, int id, int64_t rows, Fp8Operand* op) override {
+    auto* p = dynamic_cast<Fp8RecastOperand*>(&impl());
+    return p != nullptr && p->recast_operand(ctx, id, rows, op);
   }
 
   bool on_gpu() const { return on_gpu_; }

@@ -121,9 +121,12 @@ class Backend {
   // op.q [N, f] (the down projection's x); the backward's [dgate, dup] as
   // op.q [N, 2f] (the gate_up projection's dy, packed like its output). Each
   // value is rounded to bf16 before it is encoded, so the codes and the amax
-  // are those of swiglu_forward/backward followed by the recipe's cast. The
-  // defaults refuse with one message (the CPU backend has none, and no recipe
-  // on the CPU offers an FP8 operand).
+  // are those of swiglu_forward/backward followed by the recipe's cast. An
+  // empty op.q (no data; the forward and rmsnorm_forward_fp8 only) writes
+  // op.q_t alone: a recomputed x whose wgrad reads xᵀ only
+  // (Fp8RecastOperand, loom/precision.hpp). The defaults refuse with one
+  // message (the CPU backend has none, and no recipe on the CPU offers an FP8
+  // operand).
   virtual void swiglu_forward_fp8(const Fp8Operand& out, const Tensor& gate, const Tensor& up);
   // RMSNorm writing the next linear's x as an FP8 operand (op.q [N, h]) and
   // rstd, bitwise rmsnorm_forward followed by the recipe's cast (the fused

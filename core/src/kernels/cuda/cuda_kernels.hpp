@@ -37,7 +37,8 @@ void rmsnorm_forward(Tensor& out, Tensor& rstd, const Tensor& x, const Tensor& w
 // (bf16), encoded as q = encode(v * *scale) into q [N, h] and q_t [h, N], max
 // |v| max-accumulated into *amax (may be null), rstd as rmsnorm_forward
 // writes it: bitwise rmsnorm_forward followed by fp8_cast. x, w bf16, 16-byte
-// aligned; N and h multiples of 16; q and q_t contiguous, 16-byte aligned.
+// aligned; N and h multiples of 16; q and q_t contiguous, 16-byte aligned; q
+// may be empty (no data): q_t alone is written.
 void rmsnorm_forward_fp8(const Tensor& q, const Tensor& q_t, Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
                          const float* scale, float* amax, cudaStream_t stream);
 void rmsnorm_backward(Tensor& dx, Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
@@ -66,7 +67,8 @@ void swiglu_backward(Tensor& dgate, Tensor& dup, const Tensor& dout, const Tenso
 // max |v| is max-accumulated into *amax (may be null; NaN as +inf): bitwise
 // swiglu_forward/backward followed by fp8_cast. gate, up, dout: bf16 row
 // views as above, 16-byte aligned, row strides multiples of 8; rows and f
-// multiples of 16; q and q_t contiguous, 16-byte aligned.
+// multiples of 16; q and q_t contiguous, 16-byte aligned; q may be empty (no
+// data): q_t alone is written.
 void swiglu_forward_fp8(const Tensor& q, const Tensor& q_t, const Tensor& gate, const Tensor& up, const float* scale,
                         float* amax, cudaStream_t stream);
 void swiglu_backward_fp8(const Tensor& q, const Tensor& q_t, const Tensor& dout, const Tensor& gate, const Tensor& up,

@@ -194,16 +194,19 @@ inline unsigned grid_for_tiles(int64_t tiles, int per_sm, const char* name, int6
 // entry point in the message.
 inline void check_fp8_dest(const char* fn, const Tensor& q, const Tensor& q_t, int64_t rows, int64_t cols,
                            const float* scale, const float* amax) {
-  check_device(q, fn);
+  // q may be empty (no data): only q_t is written (a backward's recomputed x,
+  // whose wgrad reads xᵀ alone).
+  const bool has_q = q.data != nullptr;
+  if (has_q) check_device(q, fn);
   check_device(q_t, fn);
-  LOOM_CHECK((q.dtype == DType::e4m3 || q.dtype == DType::e5m2) && q_t.dtype == q.dtype, fn,
-             ": q and q_t must be one FP8 format (fp8_e4m3 or fp8_e5m2), got ", dtype_name(q.dtype), " and ",
-             dtype_name(q_t.dtype));
-  LOOM_CHECK(q.ndim == 2 && q.shape[0] == rows && q.shape[1] == cols && q.is_contiguous(), fn,
+  LOOM_CHECK((q_t.dtype == DType::e4m3 || q_t.dtype == DType::e5m2) && (!has_q || q_t.dtype == q.dtype), fn,
+             ": q and q_t must be one FP8 format (fp8_e4m3 or fp8_e5m2), got ",
+             has_q ? dtype_name(q.dtype) : "no q", " and ", dtype_name(q_t.dtype));
+  LOOM_CHECK(!has_q || (q.ndim == 2 && q.shape[0] == rows && q.shape[1] == cols && q.is_contiguous()), fn,
              ": q must be a contiguous [", rows, ", ", cols, "] tensor, got ", q.shape_str());
   LOOM_CHECK(q_t.ndim == 2 && q_t.shape[0] == cols && q_t.shape[1] == rows && q_t.is_contiguous(), fn,
              ": q_t must be a contiguous [", cols, ", ", rows, "] tensor, got ", q_t.shape_str());
-  LOOM_CHECK(aligned_bytes(q.data, 16) && aligned_bytes(q_t.data, 16), fn, ": q at ", q.data, " and q_t at ",
+  LOOM_CHECK((!has_q || aligned_bytes(q.data, 16)) && aligned_bytes(q_t.data, 16), fn, ": q at ", q.data, " and q_t at ",
              q_t.data, " must be 16-byte aligned");
   LOOM_CHECK(scale != nullptr && aligned_bytes(scale, 4) && aligned_bytes(amax, 4), fn, ": scale at ",
              static_cast<const void*>(scale), " must be a device float, amax at ", static_cast<const void*>(amax),

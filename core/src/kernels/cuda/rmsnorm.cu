@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(fp8_tile::kThreads)
         }
       }
       fp8_tile::encode<F>(v, s, wc);
-      fp8_tile::store_rows(q + r * h + c, h, wc);
+      if (q != nullptr) fp8_tile::store_rows(q + r * h + c, h, wc);
     }
     fp8_tile::store_transposed<true>(sh, ln, wc, qt + p.c0 * rows + p.r0, rows, rows - p.r0, h - p.c0);
   }
@@ -496,7 +496,7 @@ void rmsnorm_forward_fp8(const Tensor& q, const Tensor& q_t, Tensor& rstd, const
   // Pass 2: the normalised values into q and q_t.
   const int64_t tiles_c = (h + fp8_tile::kCols - 1) / fp8_tile::kCols;
   const int64_t tiles = (N + fp8_tile::kRows - 1) / fp8_tile::kRows * tiles_c;
-  const bool e4 = q.dtype == DType::e4m3;
+  const bool e4 = q_t.dtype == DType::e4m3;
   const unsigned grid = fp8_tile::grid_for_tiles(
       tiles,
       e4 ? fp8_tile::blocks_per_sm<rmsnorm_fp8_kernel<fp8::Format::e4m3>>(fn)
@@ -504,12 +504,12 @@ void rmsnorm_forward_fp8(const Tensor& q, const Tensor& q_t, Tensor& rstd, const
       fn);
   if (e4)
     rmsnorm_fp8_kernel<fp8::Format::e4m3><<<grid, fp8_tile::kThreads, 0, stream>>>(
-        q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), rstd.ptr<const float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), N, h,
-        tiles_c, tiles, scale, amax);
+        static_cast<uint8_t*>(q.data), q_t.ptr<uint8_t>(), rstd.ptr<const float>(), x.ptr<const bf16>(),
+        w.ptr<const bf16>(), N, h, tiles_c, tiles, scale, amax);
   else
     rmsnorm_fp8_kernel<fp8::Format::e5m2><<<grid, fp8_tile::kThreads, 0, stream>>>(
-        q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), rstd.ptr<const float>(), x.ptr<const bf16>(), w.ptr<const bf16>(), N, h,
-        tiles_c, tiles, scale, amax);
+        static_cast<uint8_t*>(q.data), q_t.ptr<uint8_t>(), rstd.ptr<const float>(), x.ptr<const bf16>(),
+        w.ptr<const bf16>(), N, h, tiles_c, tiles, scale, amax);
   LOOM_CUDA_LAUNCH_CHECK(fn, " (codes) N=", N, " h=", h, " tiles=", tiles, " grid=", grid);
 }
 

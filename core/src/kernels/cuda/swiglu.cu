@@ -294,10 +294,10 @@ __global__ void __launch_bounds__(fp8_tile::kThreads, kBackward ? 3 : 4)
       }
     }
     const int64_t rows_left = rows - r0, cols_left = cols - c0;
-    if (live) fp8_tile::store_rows(o.q + r * o.ldq + c, o.ldq, wa);
+    if (live && o.q != nullptr) fp8_tile::store_rows(o.q + r * o.ldq + c, o.ldq, wa);
     fp8_tile::store_transposed<true>(sh, ln, wa, o.qt + c0 * rows + r0, rows, rows_left, cols_left);
     if constexpr (kBackward) {
-      if (live) fp8_tile::store_rows(o.q + r * o.ldq + cols + c, o.ldq, wb);
+      if (live && o.q != nullptr) fp8_tile::store_rows(o.q + r * o.ldq + cols + c, o.ldq, wb);
       fp8_tile::store_transposed<true>(sh, ln, wb, o.qt + (cols + c0) * rows + r0, rows, rows_left, cols_left);
     }
   }
@@ -337,7 +337,7 @@ void launch_swiglu_fp8(bool backward, const Tensor& q, const Tensor& q_t, const 
   if (rows == 0) return;
   const int64_t tiles_c = (cols + fp8_tile::kCols - 1) / fp8_tile::kCols;
   const int64_t tiles = (rows + fp8_tile::kRows - 1) / fp8_tile::kRows * tiles_c;
-  const Fp8Dest o{q.ptr<uint8_t>(), q_t.ptr<uint8_t>(), outputs * cols, scale, amax};
+  const Fp8Dest o{static_cast<uint8_t*>(q.data), q_t.ptr<uint8_t>(), outputs * cols, scale, amax};
   const bf16* dp = dout != nullptr ? dout->ptr<const bf16>() : nullptr;
   auto go = [&](auto fmt, auto bwd) {
     constexpr fp8::Format F = decltype(fmt)::value;
@@ -349,7 +349,7 @@ void launch_swiglu_fp8(bool backward, const Tensor& q, const Tensor& q_t, const 
   };
   using E4 = std::integral_constant<fp8::Format, fp8::Format::e4m3>;
   using E5 = std::integral_constant<fp8::Format, fp8::Format::e5m2>;
-  if (q.dtype == DType::e4m3) {
+  if (q_t.dtype == DType::e4m3) {
     if (backward) go(E4{}, std::true_type{});
     else go(E4{}, std::false_type{});
   } else {
