@@ -140,15 +140,8 @@ class FusedAttention final : public AttentionBlock {
       Tensor ln1 = ln1_plan_.kept_by_recipe ? Tensor() : act(ln1_, {N, h});
       if (ln1_plan_.recomputed) {
         Range rr(be, "rmsnorm.recompute");
-        Tensor rstd1 = f32(rstd1_, {N});  // rewritten with the values it holds
-        const auto eps = static_cast<float>(spec_.norm_eps);
-        Fp8Operand q;
-        if (recast_input(wqkv_, &q)) {  // the qkv wgrad's xᵀ in FP8, no bf16 ln1
-          be.rmsnorm_forward_fp8(q, rstd1, x, param(u, kLn1), eps);
-          ln1 = q.q_t;
-        } else {
-          be.rmsnorm_forward(ln1, rstd1, x, param(u, kLn1), eps);
-        }
+        Tensor rstd1 = f32(rstd1_, {N});
+        ln1 = recompute_rmsnorm_for(wqkv_, ln1, rstd1, x, param(u, kLn1), static_cast<float>(spec_.norm_eps));
       }
       env_.precision->linear_backward(ctx, wqkv_, ln1, param_rows(u, kWq, 3),
                                       act(d_qkv_, {N, width()}), &d_ln, dWqkv, acc);

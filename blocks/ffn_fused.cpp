@@ -148,15 +148,8 @@ class FusedFfn final : public FfnBlock {
       Tensor ln2 = ln2_plan_.kept_by_recipe ? Tensor() : act(ln2_, {N, h});
       if (ln2_plan_.recomputed) {
         Range rr(be, "rmsnorm.recompute");
-        Tensor rstd2 = f32(rstd2_, {N});  // rewritten with the values it holds
-        const auto eps = static_cast<float>(spec_.norm_eps);
-        Fp8Operand q;
-        if (recast_input(wgu_, &q)) {  // the gate_up wgrad's xᵀ in FP8, no bf16 ln2
-          be.rmsnorm_forward_fp8(q, rstd2, x, param(u, kLn2), eps);
-          ln2 = q.q_t;
-        } else {
-          be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), eps);
-        }
+        Tensor rstd2 = f32(rstd2_, {N});
+        ln2 = recompute_rmsnorm_for(wgu_, ln2, rstd2, x, param(u, kLn2), static_cast<float>(spec_.norm_eps));
       }
       env_.precision->linear_backward(ctx, wgu_, ln2, param_rows(u, kWgate, 2), d_gu, &d_ln, dWgu, acc);
     }

@@ -260,6 +260,12 @@ class Block {
   // recipe offers it (Fp8RecastOperand, loom/precision.hpp): pass op->q_t
   // as the linear_backward's x then.
   bool recast_input(int linear, Fp8Operand* op) const;
+  // Selective recompute: the RMSNorm of x (gain w) computed again for linear
+  // `linear`'s backward, rstd rewritten with the values it holds; into `ln`
+  // (the activation dtype), or as the linear's xᵀ in FP8 where the recipe
+  // offers it (recast_input). Returns what that linear_backward takes as x.
+  Tensor recompute_rmsnorm_for(int linear, const Tensor& ln, Tensor& rstd, const Tensor& x, const Tensor& w,
+                               float eps) const;
   void* buf(int id) const { return acts_->ptr(id); }
   Device dev() const { return env_.backend->device(); }
   // An activation buffer seen as a tensor of the recipe's activation dtype, or of fp32.

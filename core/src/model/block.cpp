@@ -175,6 +175,19 @@ bool Block::recast_input(int linear, Fp8Operand* op) const {
   return p != nullptr && p->recast_operand(env_.backend->ctx(), linear, env_.N, op);
 }
 
+Tensor Block::recompute_rmsnorm_for(int linear, const Tensor& ln, Tensor& rstd, const Tensor& x, const Tensor& w,
+                                    float eps) const {
+  Backend& be = *env_.backend;
+  Fp8Operand q;
+  if (recast_input(linear, &q)) {  // the wgrad's xᵀ in FP8, no bf16 copy of the norm's output
+    be.rmsnorm_forward_fp8(q, rstd, x, w, eps);
+    return q.q_t;
+  }
+  Tensor out = ln;
+  be.rmsnorm_forward(out, rstd, x, w, eps);
+  return out;
+}
+
 Fp8OperandAmax::~Fp8OperandAmax() = default;
 Fp8RecastOperand::~Fp8RecastOperand() = default;
 
