@@ -70,20 +70,11 @@ class FusedAttention final : public AttentionBlock {
     Backend& be = *env_.backend;
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, qd = spec_.q_dim();
-    Tensor ln1 = act(ln1_, {N, h}), rstd1 = f32(rstd1_, {N});
-    Fp8Operand q;
-    const bool fp8_ln = fp8_input(wqkv_, ln1_plan_.kept_by_recipe, &q);
+    Tensor ln1, rstd1 = f32(rstd1_, {N});
     {
       Range r(be, "rmsnorm");
-      const auto eps = static_cast<float>(spec_.norm_eps);
-      if (fp8_ln) {
-        ln1 = q.q;
-        be.rmsnorm_forward_fp8(q, rstd1, x, param(u, kLn1), eps);
-      } else if (float* amax = operand_amax(wqkv_, Fp8OperandRole::x)) {
-        be.rmsnorm_forward_amax(ln1, rstd1, x, param(u, kLn1), eps, amax);
-      } else {
-        be.rmsnorm_forward(ln1, rstd1, x, param(u, kLn1), eps);
-      }
+      ln1 = rmsnorm_for(wqkv_, ln1_plan_.kept_by_recipe, act(ln1_, {N, h}), rstd1, x, param(u, kLn1),
+                        static_cast<float>(spec_.norm_eps));
     }
     {
       Range r(be, "qkv");

@@ -65,20 +65,11 @@ class FusedFfn final : public FfnBlock {
     Backend& be = *env_.backend;
     const ExecContext& ctx = be.ctx();
     const int64_t N = env_.N, h = spec_.hidden, f = spec_.ffn_hidden;
-    Tensor ln2 = act(ln2_, {N, h}), rstd2 = f32(rstd2_, {N});
-    Fp8Operand qn;
-    const bool fp8_ln = fp8_input(wgu_, ln2_plan_.kept_by_recipe, &qn);
+    Tensor ln2, rstd2 = f32(rstd2_, {N});
     {
       Range r(be, "rmsnorm");
-      const auto eps = static_cast<float>(spec_.norm_eps);
-      if (fp8_ln) {
-        ln2 = qn.q;
-        be.rmsnorm_forward_fp8(qn, rstd2, x, param(u, kLn2), eps);
-      } else if (float* amax = operand_amax(wgu_, Fp8OperandRole::x)) {
-        be.rmsnorm_forward_amax(ln2, rstd2, x, param(u, kLn2), eps, amax);
-      } else {
-        be.rmsnorm_forward(ln2, rstd2, x, param(u, kLn2), eps);
-      }
+      ln2 = rmsnorm_for(wgu_, ln2_plan_.kept_by_recipe, act(ln2_, {N, h}), rstd2, x, param(u, kLn2),
+                        static_cast<float>(spec_.norm_eps));
     }
     {
       Range r(be, "gate_up");

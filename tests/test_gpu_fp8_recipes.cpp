@@ -409,26 +409,32 @@ void expect_switch_is_bitwise(const std::vector<std::string>& base, const std::s
   }
 }
 
-// The linears of the hand-out tests: a hidden one, the LM head (bf16) and a
-// variable-row MoE expert, each of 48 rows at most.
-struct HandoutLinears {
+// The hand-out tests' rig: a CUDA call context, and a recipe (plugin,
+// [precision] body) over three linears with its device memory bound: a
+// hidden one (ids[0]), the LM head (bf16, ids[1]) and a variable-row MoE
+// expert (ids[2]), each of 48 rows at most.
+struct HandoutRig {
   loom::LinearDesc hid{"layer.0.down_proj", 64, 96, 48, loom::LinearRole::hidden};
   loom::LinearDesc head{"lm_head", 64, 128, 48, loom::LinearRole::lm_head};
   loom::LinearDesc expert{"layer.0.expert.0.w2", 64, 96, 48, loom::LinearRole::hidden, true};
+  loom_test::GpuCallContext call;
+  loom::test::RecipeRig r;
+  loom_test::RecipeDeviceMemory mem;
+  HandoutRig(const std::string& plugin, const std::string& body)
+      : r(make(plugin, body, Device::cuda), {hid, head, expert}, Device::cuda), mem(*r.p, r.ids) {}
+  bool ok() const { return call.lt && call.stream && mem.ok(); }
 };
 
-// Each recipe (plugin, [precision] body) over the one linear `d` on CUDA,
-// with its memory bound, handed to check(recipe, id): the recipes that must
+// Each recipe (plugin, [precision] body) on a HandoutRig, handed to
+// check(recipe, id of the hidden linear, context): the recipes that must
 // decline every hand-out.
 template <typename F>
-void for_each_recipe(const std::vector<std::pair<std::string, std::string>>& recipes, const loom::LinearDesc& d,
-                     F&& check) {
+void for_each_recipe(const std::vector<std::pair<std::string, std::string>>& recipes, F&& check) {
   for (const auto& [plugin, body] : recipes) {
     SCOPED_TRACE(plugin + " " + body);
-    loom::test::RecipeRig r(make(plugin, body, Device::cuda), {d}, Device::cuda);
-    const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
-    ASSERT_TRUE(mem.ok());
-    check(*r.p, r.ids[0]);
+    HandoutRig h(plugin, body);
+    ASSERT_TRUE(h.ok());
+    check(*h.r.p, h.r.ids[0], h.call.ctx);
   }
 }
 
@@ -500,18 +506,16 @@ TEST(GpuFp8Recipes, Fp8OperandsAreHandedOutOnlyWhereABlockCanWriteThem) {
   LOOM_REQUIRE_GPU();
   using loom::Fp8Operand;
   using loom::Fp8OperandRole;
-  const auto [hid, head, expert] = HandoutLinears{};
-  loom_test::GpuCallContext call;
-  ASSERT_TRUE(call.lt && call.stream);
-  const loom::ExecContext& ctx = call.ctx;
-  for_each_recipe({{"fp8_current", ""}, {"fp8_delayed", "fused_casts = false\n"}}, hid,
-                  [&](loom::Precision& p, int id) {
+  for_each_recipe({{"fp8_current", ""}, {"fp8_delayed", "fused_casts = false\n"}},
+                  [](loom::Precision& p, int id, const loom::ExecContext& ctx) {
                     Fp8Operand op;
                     EXPECT_FALSE(p.fp8_operand(ctx, id, Fp8OperandRole::x, 48, &op));
                   });
-  loom::test::RecipeRig r(make("fp8_delayed", "", Device::cuda), {hid, head, expert}, Device::cuda);
-  const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
-  ASSERT_TRUE(mem.ok());
+  HandoutRig h("fp8_delayed", "");
+  ASSERT_TRUE(h.ok());
+  loom::test::RecipeRig& r = h.r;
+  const loom::ExecContext& ctx = h.call.ctx;
+  loom_test::GpuCallContext& call = h.call;
   const int id = r.ids[0];
   Fp8Operand op;
   EXPECT_FALSE(r.p->fp8_operand(ctx, r.ids[1], Fp8OperandRole::x, 48, &op)) << "the LM head stays bf16";
@@ -611,19 +615,17 @@ TEST(GpuFp8Recipes, ProducerAmaxIsBitwiseTheRecipesOwnMeasure) {
 TEST(GpuFp8Recipes, OperandAmaxesAreHandedOutOnlyWhereTheCastWouldMeasure) {
   LOOM_REQUIRE_GPU();
   using loom::Fp8OperandRole;
-  const auto [hid, head, expert] = HandoutLinears{};
-  loom_test::GpuCallContext call;
-  ASSERT_TRUE(call.lt && call.stream);
-  const loom::ExecContext& ctx = call.ctx;
-  for_each_recipe({{"fp8_current", "producer_amax = false\n"}, {"fp8_delayed", ""}}, hid,
-                  [&](loom::Precision& p, int id) {
+  for_each_recipe({{"fp8_current", "producer_amax = false\n"}, {"fp8_delayed", ""}},
+                  [](loom::Precision& p, int id, const loom::ExecContext& ctx) {
                     auto* a = dynamic_cast<loom::Fp8OperandAmax*>(&p);
                     ASSERT_NE(a, nullptr) << "the FP8 recipes' object offers the interface";
                     EXPECT_EQ(a->operand_amax(ctx, id, Fp8OperandRole::x, 48), nullptr);
                   });
-  loom::test::RecipeRig r(make("fp8_current", "", Device::cuda), {hid, head, expert}, Device::cuda);
-  const loom_test::RecipeDeviceMemory mem(*r.p, r.ids);
-  ASSERT_TRUE(mem.ok());
+  HandoutRig h("fp8_current", "");
+  ASSERT_TRUE(h.ok());
+  loom::test::RecipeRig& r = h.r;
+  const loom::ExecContext& ctx = h.call.ctx;
+  loom_test::GpuCallContext& call = h.call;
   auto* a = dynamic_cast<loom::Fp8OperandAmax*>(r.p.get());
   ASSERT_NE(a, nullptr);
   const int id = r.ids[0];

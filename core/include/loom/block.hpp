@@ -260,6 +260,12 @@ class Block {
   // recipe offers it (Fp8RecastOperand, loom/precision.hpp): pass op->q_t
   // as the linear_backward's x then.
   bool recast_input(int linear, Fp8Operand* op) const;
+  // The RMSNorm of x (gain w) that makes linear `linear`'s x, and rstd: in
+  // FP8 where the recipe takes x so (fp8_input; x_kept_by_recipe as there),
+  // else into `ln` (the activation dtype), measured for the recipe where it
+  // asks (operand_amax). Returns what that linear_forward takes as x.
+  Tensor rmsnorm_for(int linear, bool x_kept_by_recipe, const Tensor& ln, Tensor& rstd, const Tensor& x,
+                     const Tensor& w, float eps) const;
   // Selective recompute: the RMSNorm of x (gain w) computed again for linear
   // `linear`'s backward, rstd rewritten with the values it holds; into `ln`
   // (the activation dtype), or as the linear's xᵀ in FP8 where the recipe

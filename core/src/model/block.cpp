@@ -175,6 +175,20 @@ bool Block::recast_input(int linear, Fp8Operand* op) const {
   return p != nullptr && p->recast_operand(env_.backend->ctx(), linear, env_.N, op);
 }
 
+Tensor Block::rmsnorm_for(int linear, bool x_kept_by_recipe, const Tensor& ln, Tensor& rstd, const Tensor& x,
+                          const Tensor& w, float eps) const {
+  Backend& be = *env_.backend;
+  Fp8Operand q;
+  if (fp8_input(linear, x_kept_by_recipe, &q)) {
+    be.rmsnorm_forward_fp8(q, rstd, x, w, eps);
+    return q.q;
+  }
+  Tensor out = ln;
+  if (float* amax = operand_amax(linear, Fp8OperandRole::x)) be.rmsnorm_forward_amax(out, rstd, x, w, eps, amax);
+  else be.rmsnorm_forward(out, rstd, x, w, eps);
+  return out;
+}
+
 Tensor Block::recompute_rmsnorm_for(int linear, const Tensor& ln, Tensor& rstd, const Tensor& x, const Tensor& w,
                                     float eps) const {
   Backend& be = *env_.backend;

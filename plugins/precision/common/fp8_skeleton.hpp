@@ -56,14 +56,12 @@ class Fp8Skeleton : public Precision, public Fp8OperandAmax, public Fp8RecastOpe
     return impl().fp8_operand(ctx, id, role, rows, op);
   }
   // The chosen path's, when it has one (the CPU emulations do not measure
-  // through the blocks' kernels).
+  // or recast through the blocks' kernels); found once, in use().
   float* operand_amax(const ExecContext& ctx, int id, Fp8OperandRole role, int64_t rows) override {
-    auto* p = dynamic_cast<Fp8OperandAmax*>(&impl());
-    return p != nullptr ? p->operand_amax(ctx, id, role, rows) : nullptr;
+    return amax_ != nullptr ? amax_->operand_amax(ctx, id, role, rows) : nullptr;
   }
   bool recast_operand(const ExecContext& ctx, int id, int64_t rows, Fp8Operand* op) override {
-    auto* p = dynamic_cast<Fp8RecastOperand*>(&impl());
-    return p != nullptr && p->recast_operand(ctx, id, rows, op);
+    return recast_ != nullptr && recast_->recast_operand(ctx, id, rows, op);
   }
 
   bool on_gpu() const { return on_gpu_; }
@@ -73,6 +71,8 @@ class Fp8Skeleton : public Precision, public Fp8OperandAmax, public Fp8RecastOpe
   void use(std::unique_ptr<Precision> impl, bool gpu) {
     impl_ = std::move(impl);
     on_gpu_ = gpu;
+    amax_ = dynamic_cast<Fp8OperandAmax*>(impl_.get());
+    recast_ = dynamic_cast<Fp8RecastOperand*>(impl_.get());
   }
 
  private:
@@ -81,6 +81,8 @@ class Fp8Skeleton : public Precision, public Fp8OperandAmax, public Fp8RecastOpe
     return *impl_;
   }
   std::unique_ptr<Precision> impl_;
+  Fp8OperandAmax* amax_ = nullptr;      // impl_'s optional interfaces, or null
+  Fp8RecastOperand* recast_ = nullptr;
   bool on_gpu_ = false;
 };
 

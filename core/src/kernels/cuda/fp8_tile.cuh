@@ -152,6 +152,16 @@ __device__ __forceinline__ void amax_add(uint32_t& m, float v) {
   m = a > m ? a : m;
 }
 
+// The |values| of v as a kernel stores them in T (rounded to T first; the
+// amax a recipe's cast of that output would measure) into m, when kAmax.
+template <typename T, bool kAmax, int K>
+__device__ __forceinline__ void amax_add_stored(uint32_t& m, const float (&v)[K]) {
+  if constexpr (kAmax) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) amax_add(m, to_f32(from_f32<T>(v[k])));
+  }
+}
+
 // Block-wide max of non-negative, non-NaN values, then one atomicMax on the bits.
 __device__ __forceinline__ void block_amax_to(float m, float* amax) {
   __shared__ float part[32];

@@ -80,10 +80,7 @@ __global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* x, const T*
 #pragma unroll
     for (int k = 0; k < K; ++k) y[k] = to_f32(from_f32<T>(v[k] * r)) * wv[k];
     store_vec<K>(o + j, y);
-    if constexpr (kAmax) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) fp8_tile::amax_add(m, to_f32(from_f32<T>(y[k])));  // the value stored
-    }
+    fp8_tile::amax_add_stored<T, kAmax>(m, y);
   }
   if constexpr (kAmax) fp8_tile::block_amax_to(fp8_tile::amax_value(m), amax);
 }

@@ -55,15 +55,6 @@ __device__ __forceinline__ void swiglu_grads(float d, float g, float u, float& d
   du = d * g * sg;
 }
 
-// kAmax: the |values| as stored (rounded to T) max-accumulated into m.
-template <typename T, bool kAmax, int K>
-__device__ __forceinline__ void amax_of_stored(uint32_t& m, const float (&v)[K]) {
-  if constexpr (kAmax) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) fp8_tile::amax_add(m, to_f32(from_f32<T>(v[k])));
-  }
-}
-
 template <typename T>
 struct SwigluForward {
   RowPtr<T> out;
@@ -76,7 +67,7 @@ struct SwigluForward {
 #pragma unroll
     for (int k = 0; k < K; ++k) o[k] = swiglu_value(g[k], u[k]);
     store_vec<K>(out.at(row, col), o);
-    amax_of_stored<T, kAmax>(m, o);
+    fp8_tile::amax_add_stored<T, kAmax>(m, o);
   }
 };
 
@@ -94,8 +85,8 @@ struct SwigluBackward {
     for (int k = 0; k < K; ++k) swiglu_grads(d[k], g[k], u[k], dg[k], du[k]);
     store_vec<K>(dgate.at(row, col), dg);
     store_vec<K>(dup.at(row, col), du);
-    amax_of_stored<T, kAmax>(m, dg);
-    amax_of_stored<T, kAmax>(m, du);
+    fp8_tile::amax_add_stored<T, kAmax>(m, dg);
+    fp8_tile::amax_add_stored<T, kAmax>(m, du);
   }
 };
 
