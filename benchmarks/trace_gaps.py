@@ -10,12 +10,15 @@ and the time each collective kind spent on the comm stream.
       --set 'profile.steps=[3,3]' --set profile.trace=true --set run.out_dir='"runs/trace"'
   python3 benchmarks/trace_gaps.py runs/trace/trace/rank_0.json
 
-Idle time on the compute stream is work the trace does not name (a kernel
-queued between two traced ranges, such as the FP8 gathers' decode or the
-sharding's gradient clears) or a wait for another stream (a gather or a
-reduce-scatter that was not done in time). Either way it is time the step
-spends outside the layers' own ops. Times are device times from CUDA events;
-a window of several steps is summed over them.
+Idle time on the compute stream is work outside the units' ranges (the
+sharding strategy's hooks, each traced as a `sharding.*` range: an FP8
+decode, a gradient buffer's padding cleared, a wait for a gather or a
+reduce-scatter that was not done in time) or a wait the trace does not name.
+Either way it is time the step spends outside the layers' own ops; a second
+table splits each joint's gaps by hook. Work queued on the optimizer stream
+(the gradient adds into the zero2/zero3 shards, AdamW under "none") runs
+beside the compute stream and is listed on its own. Times are device times
+from CUDA events; a window of several steps is summed over them.
 """
 import json
 import re
@@ -79,13 +82,22 @@ def main(path):
 
     top = top_level([e for e in compute if TOP.match(e["name"])])
     busy = sum(e["dur"] for e in top)
+    # What runs in the gaps: the sharding's hooks (sharding.* ranges, session.cpp)
+    # and what they trace inside (gather.wait, gather.decode, ...).
+    hooks = [e for e in compute if not TOP.match(e["name"]) and e["name"] not in ("step", "validation")]
     joints = defaultdict(list)
+    in_hooks = defaultdict(lambda: defaultdict(float))  # joint -> hook -> time inside its gaps
     for a, b in zip(top, top[1:]):
-        gap = b["ts"] - (a["ts"] + a["dur"])
+        lo, hi = a["ts"] + a["dur"], b["ts"]
+        gap = hi - lo
         if gap <= 0:
             continue
         key = f"{re.sub(r'[0-9]+', 'N', a['name'])} -> {re.sub(r'[0-9]+', 'N', b['name'])}"
         joints[key].append(gap)
+        for h in hooks:
+            overlap = min(hi, h["ts"] + h["dur"]) - max(lo, h["ts"])
+            if overlap > 0:
+                in_hooks[key][h["name"]] += overlap
     idle = sum(sum(v) for v in joints.values())
     print(f"\ncompute stream: {busy / 1e3:.1f} ms in traced ranges, {idle / 1e3:.1f} ms idle between them "
           f"({100 * idle / span:.1f}% of the window)")
@@ -93,17 +105,33 @@ def main(path):
     print("| --- | ---: | ---: | ---: |")
     for key, g in sorted(joints.items(), key=lambda kv: -sum(kv[1])):
         print(f"| {key} | {len(g)} | {st.median(g) / 1e3:.3f} | {sum(g) / 1e3:.1f} |")
+    if in_hooks:
+        # The compute stream's own work there, or its waits for a collective.
+        print("\nranges inside those gaps (a nested range is part of the hook that holds it; "
+              "the rest of a gap is between the ranges)")
+        print("| between | range | mean ms a gap | total ms |")
+        print("| --- | --- | ---: | ---: |")
+        for key, g in sorted(joints.items(), key=lambda kv: -sum(kv[1])):
+            for hook, t in sorted(in_hooks[key].items(), key=lambda kv: -kv[1]):
+                print(f"| {key} | {hook} | {t / len(g) / 1e3:.3f} | {t / 1e3:.1f} |")
 
-    if comm:
-        kinds = defaultdict(list)
-        for e in comm:
-            kinds[e["name"]].append(e["dur"])
-        print("\ncomm stream:")
-        print("| collective | calls | mean ms | total ms |")
-        print("| --- | ---: | ---: | ---: |")
-        for name, d in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
-            print(f"| {name} | {len(d)} | {sum(d) / len(d) / 1e3:.2f} | {sum(d) / 1e3:.1f} |")
+    side = [e for e in ranges if e["tid"] == tid.get("optimizer stream")]
+    per_name("optimizer stream (beside the compute stream)", "op", side)
+    per_name("comm stream", "collective", comm)
 
+
+def per_name(title, what, events):
+    """Calls and time per range name on one track."""
+    if not events:
+        return
+    kinds = defaultdict(list)
+    for e in events:
+        kinds[e["name"]].append(e["dur"])
+    print(f"\n{title}:")
+    print(f"| {what} | calls | mean ms | total ms |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, d in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {name} | {len(d)} | {sum(d) / len(d) / 1e3:.3f} | {sum(d) / 1e3:.1f} |")
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:

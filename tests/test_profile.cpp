@@ -132,12 +132,13 @@ TEST(Profile, ConfigChecks) {
 TEST(Profile, TraceGapsReportsOpsAndIdleTimeOfAKnownTrace) {
   // benchmarks/trace_gaps.py on a trace whose times are known (microseconds):
   // two forward layers of 100 with 10 idle inside each and 20 between them,
-  // 30 before the backward, two backward layers with 40 between them, and an
-  // all-gather of 50 on the comm stream.
+  // 30 before the backward, two backward layers with 40 between them, 25 of
+  // it in the sharding's after_backward hook, an all-gather of 50 on the comm
+  // stream and an accumulate of 30 on the optimizer stream.
   TmpDir d;
   nlohmann::json ev = nlohmann::json::array();
-  const char* threads[] = {"compute stream", "comm stream (NCCL)", "host"};
-  for (int t = 1; t <= 3; ++t)
+  const char* threads[] = {"compute stream", "comm stream (NCCL)", "host", "optimizer stream"};
+  for (int t = 1; t <= 4; ++t)
     ev.push_back({{"ph", "M"}, {"pid", 0}, {"tid", t}, {"name", "thread_name"}, {"args", {{"name", threads[t - 1]}}}});
   struct Range {
     const char* name;
@@ -148,7 +149,8 @@ TEST(Profile, TraceGapsReportsOpsAndIdleTimeOfAKnownTrace) {
       {"step", 1, 0, 1000},           {"forward.layer.0", 1, 10, 100},  {"qkv", 1, 10, 50},
       {"attention", 1, 70, 40},       {"forward.layer.1", 1, 130, 100}, {"qkv", 1, 130, 60},
       {"attention", 1, 200, 30},      {"backward.layer.1", 1, 260, 200}, {"attention.grad", 1, 260, 200},
-      {"backward.layer.0", 1, 500, 200}, {"attention.grad", 1, 500, 200}, {"all_gather", 2, 0, 50}};
+      {"backward.layer.0", 1, 500, 200}, {"attention.grad", 1, 500, 200}, {"all_gather", 2, 0, 50},
+      {"sharding.after_backward", 1, 462, 25}, {"accumulate", 4, 470, 30}};
   for (const Range& r : ranges)
     ev.push_back({{"name", r.name}, {"ph", "X"}, {"ts", r.ts}, {"dur", r.dur}, {"pid", 0}, {"tid", r.tid},
                   {"args", {{"step", 1}}}});
@@ -164,6 +166,8 @@ TEST(Profile, TraceGapsReportsOpsAndIdleTimeOfAKnownTrace) {
                            "| forward.layer.N -> forward.layer.N | 1 | 0.020 | 0.0 |",
                            "| forward.layer.N -> backward.layer.N | 1 | 0.030 | 0.0 |",
                            "| backward.layer.N -> backward.layer.N | 1 | 0.040 | 0.0 |",
-                           "(9.0% of the window)", "| all_gather | 1 | 0.05 | 0.1 |"})
+                           "(9.0% of the window)", "| all_gather | 1 | 0.050 | 0.1 |",
+                           "| backward.layer.N -> backward.layer.N | sharding.after_backward | 0.025 | 0.0 |",
+                           "| accumulate | 1 | 0.030 | 0.0 |"})
     EXPECT_NE(out.find(line), std::string::npos) << "no '" << line << "' in:\n" << out;
 }

@@ -80,10 +80,12 @@ void BackendOptimizerOps::zero(const ExecContext& ctx, Tensor& t) {
 }
 void BackendOptimizerOps::accumulate(const ExecContext& ctx, Tensor& dst, const Tensor& src) {
   QueueScope q(backend_, ctx);
+  trace::Scope r = op_range(backend_, ctx, "accumulate");
   backend_.accumulate(dst, src);
 }
 void BackendOptimizerOps::convert(const ExecContext& ctx, Tensor& dst, const Tensor& src) {
   QueueScope q(backend_, ctx);
+  trace::Scope r = op_range(backend_, ctx, "convert");
   backend_.convert(dst, src);
 }
 

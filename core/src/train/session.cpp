@@ -197,18 +197,33 @@ void Session::use_batch(const StagedBatch& b) {
                               : static_cast<float>(static_cast<double>(N) / static_cast<double>(b.loss_tokens)));
 }
 
+// The sharding's hooks run between the units' traced ranges: each gets a
+// range of its own (NVTX, and the tracer's compute track in a profiling
+// window), so that a trace names what the compute stream does there (a wait
+// for a gather, an FP8 decode, a gradient added into its shard) instead of
+// showing it as idle time (benchmarks/trace_gaps.py).
 void Session::forward_unit(int unit, bool training, float dloss_scale) {
+  Backend& be = *rt_.backend;
   UnitState& u = units()[static_cast<size_t>(unit)];
-  rt_.sharding->before_forward(state_->env(), u);
+  {
+    Range r(be, "sharding.before_forward");
+    rt_.sharding->before_forward(state_->env(), u);
+  }
   model_->forward_unit(unit, units(), training, dloss_scale);
+  Range r(be, "sharding.after_forward");
   rt_.sharding->after_forward(state_->env(), u);
 }
 
 void Session::backward_unit(int unit) {
+  Backend& be = *rt_.backend;
   UnitState& u = units()[static_cast<size_t>(unit)];
   u.grads_fresh = false;  // a strategy that lends a fresh buffer says so again (a plugin of ABI 10.0 never does)
-  rt_.sharding->before_backward(state_->env(), u);
+  {
+    Range r(be, "sharding.before_backward");
+    rt_.sharding->before_backward(state_->env(), u);
+  }
   model_->backward_unit(unit, units());
+  Range r(be, "sharding.after_backward");
   rt_.sharding->after_backward(state_->env(), u, last_micro_);
 }
 

@@ -5,6 +5,7 @@
 
 #include "loom/error.hpp"
 #include "loom/log.hpp"
+#include "loom/trace.hpp"
 
 namespace loom::shard {
 namespace {
@@ -115,13 +116,17 @@ struct FlatSharding::Impl {
   bool started_early = false;  // the next micro-batch's first gathers were issued in the last backward
   int kept_unit = -1;  // the last unit of the forward, whose backward reads the forward's gather
 
-  // A reduce-scatter that landed in rtmp and still has to be added to the shard.
-  struct Pending {
-    int unit = -1;
-    int slot = 0;
-    bool first = false;
-  };
-  Pending pending;
+  // A reduce-scatter that lands in rtmp is added into the unit's fp32 shard on
+  // the optimizer queue (OptimizerOps::optimizer_queue, the second stream on
+  // CUDA), which waits for the collective: the compute queue goes on with the
+  // next unit's backward instead of waiting for the reduce-scatter and then
+  // adding a whole shard between two layers. Markers on that queue: after
+  // the add that last read each rtmp slot (the collective that rewrites the
+  // slot waits for it) and after the last add of all (what reads a shard,
+  // the optimizer step or a replica all-reduce, waits for it).
+  static constexpr uint64_t kNoMarker = ~uint64_t{0};
+  uint64_t rtmp_read[2] = {kNoMarker, kNoMarker};
+  uint64_t landed = kNoMarker;
   int micro = 0;
   CommTicket last_shard = 0, last_replica = 0, last_world = 0;
 
@@ -200,7 +205,11 @@ struct FlatSharding::Impl {
     const size_t e = next_event++;
     const size_t last = std::min(events.size() - 1, e + static_cast<size_t>(prefetch));
     while (issued <= last) issue_gather(env, issued++);
-    shard->wait(env.ctx, event_ticket[e]);
+    {
+      // Traced (benchmarks/trace_gaps.py): how long the compute stream waits here for the gather.
+      trace::Scope r(trace::Track::compute, "gather.wait", env.ctx.stream);
+      shard->wait(env.ctx, event_ticket[e]);
+    }
     // The unit reads its params from this event's buffer until its next event.
     const int ui = events[e];
     if (!gather_own.empty() && gather_own[static_cast<size_t>(ui)].data) u.params = gather_own[static_cast<size_t>(ui)];
@@ -208,26 +217,32 @@ struct FlatSharding::Impl {
     if (fp8_gather) {
       // On the compute queue: the wire slot's next gather is issued after this.
       const Tensor w = view(wire_pool[wire_index(e, ui)].t, 0, {codec->wire_chunk_bytes(ui) * group});
+      trace::Scope r(trace::Track::compute, "gather.decode", env.ctx.stream);
       codec->decode(env.ctx, ui, w, u.params);
     }
   }
 
-  // Adds a reduce-scatter that landed in rtmp to the unit's fp32 shard.
-  void land_pending(ShardingEnv& env) {
-    if (pending.unit < 0) return;
-    UnitState& u = (*state)[static_cast<size_t>(pending.unit)];
-    const int64_t c = units[static_cast<size_t>(pending.unit)].chunk;
-    Slot& s = rtmp[pending.slot];
-    shard->wait(env.ctx, s.ticket);
-    Tensor src = view(s.t, 0, {c});
+  // The compute queue's later work sees every shard complete: it waits for
+  // the last add queued on the optimizer queue (no host wait).
+  void shards_landed(ShardingEnv& env) {
+    if (landed != kNoMarker) env.ops->wait(env.ctx, landed);
+  }
+
+  // On the optimizer queue, after reduce-scatter t into `out` (rtmp[slot]):
+  // out into the unit's fp32 shard (written on the step's first micro-batch,
+  // added to after it).
+  void land_on_queue(ShardingEnv& env, UnitState& u, const Tensor& out, int slot, CommTicket t, bool first) {
+    const ExecContext q = env.ops->optimizer_queue(env.ctx);
+    shard->wait(q, t);
+    Tensor src = out;
     if (reduce_dtype != DType::f32) {
-      Tensor f = view(ftmp, 0, {c});
-      env.ops->convert(env.ctx, f, src);
+      Tensor f = view(ftmp, 0, {out.numel()});  // one buffer: the adds run in order on their queue
+      env.ops->convert(q, f, src);
       src = f;
     }
-    if (pending.first) env.ops->convert(env.ctx, u.grad_shard, src);
-    else env.ops->accumulate(env.ctx, u.grad_shard, src);
-    pending = {};
+    if (first) env.ops->convert(q, u.grad_shard, src);
+    else env.ops->accumulate(q, u.grad_shard, src);
+    rtmp_read[slot] = landed = env.ops->mark(q);
   }
 
   // The unit's gradients in reduce_dtype: the grads themselves, or a staged copy.
@@ -249,7 +264,6 @@ struct FlatSharding::Impl {
     const Unit& m = units[static_cast<size_t>(u.index)];
     Tensor in = reduce_input(env, u, m.padded);
     const bool direct = first && reduce_dtype == DType::f32;
-    land_pending(env);  // at most one in flight: its rtmp slot may be the next one
     Tensor out;
     int slot = 0;
     if (direct) {
@@ -257,7 +271,10 @@ struct FlatSharding::Impl {
     } else {
       slot = rtmp_slot;
       rtmp_slot ^= 1;
-      rtmp[slot].wait(env.ctx);
+      // The collective below rewrites the slot after the add that read it
+      // last (two reduce-scatters ago) on the optimizer queue: it starts after
+      // the compute queue's work queued so far, which now waits for that add.
+      if (rtmp_read[slot] != kNoMarker) env.ops->wait(env.ctx, rtmp_read[slot]);
       out = view(rtmp[slot].t, 0, {m.chunk});
     }
     CommTicket t = shard->reduce_scatter(env.ctx, in, out, ReduceOp::sum);
@@ -269,7 +286,7 @@ struct FlatSharding::Impl {
     }
     if (!direct) {
       rtmp[slot].used_by(shard, t);
-      pending = {u.index, slot, first};
+      land_on_queue(env, u, out, slot, t, first);
     }
   }
 };
@@ -645,7 +662,7 @@ void FlatSharding::after_backward(ShardingEnv& env, UnitState& u, bool last_micr
       I.reduce_scatter_unit(env, u, first);
       if (last_micro && I.replicas > 1) {
         // Across shard groups: the shard must be complete before it is all-reduced.
-        I.land_pending(env);
+        I.shards_landed(env);
         if (I.last_shard) I.shard->wait(env.ctx, I.last_shard);
         CommTicket t = I.replica->all_reduce(env.ctx, u.grad_shard, ReduceOp::sum);
         I.track(I.replica, t);
@@ -656,7 +673,7 @@ void FlatSharding::after_backward(ShardingEnv& env, UnitState& u, bool last_micr
 
 void FlatSharding::step(ShardingEnv& env, std::vector<UnitState>& units, const AdamWHyper& h) {
   Impl& I = *impl_;
-  I.land_pending(env);
+  I.shards_landed(env);
   if (I.last_shard) I.shard->wait(env.ctx, I.last_shard);
   if (I.last_replica) I.replica->wait(env.ctx, I.last_replica);
   if (I.last_world) I.world_comm->wait(env.ctx, I.last_world);

@@ -33,7 +33,11 @@
 // compute stream waits for a collective's ticket only just before it needs
 // the result, and a rotating buffer is rewritten only after waiting for the
 // collective that last read it — no host synchronisation in the step except
-// the gradient norm.
+// the gradient norm. A reduce-scatter that cannot land in the shard itself
+// (after the first micro-batch, or reduced in bf16) is added into it on the
+// optimizer queue (the second stream), which waits for the collective, so
+// the compute stream runs the next unit's backward meanwhile; the optimizer
+// step and a replica all-reduce wait for the last of those adds.
 #pragma once
 #include <memory>
 #include <string>
