@@ -425,6 +425,20 @@ struct HandoutRig {
   bool ok() const { return call.lt && call.stream && mem.ok(); }
 };
 
+// Device buffers of one 64 -> 96 linear at 48 rows (bf16 w, x, y, dy, dx;
+// fp32 dW), w, x and dy zeroed, and their tensors.
+struct LinearBuffers {
+  loom_test::DevBuf w{96 * 64 * 2}, x{48 * 64 * 2}, y{48 * 96 * 2}, dy{48 * 96 * 2}, dx{48 * 64 * 2}, dw{96 * 64 * 4};
+  Tensor tw{w.p, DType::bf16, Device::cuda, {96, 64}}, tx{x.p, DType::bf16, Device::cuda, {48, 64}};
+  Tensor tdy{dy.p, DType::bf16, Device::cuda, {48, 96}}, ty{y.p, DType::bf16, Device::cuda, {48, 96}};
+  Tensor tdx{dx.p, DType::bf16, Device::cuda, {48, 64}}, tdw{dw.p, DType::f32, Device::cuda, {96, 64}};
+  // Allocated; zeroes w, x and dy.
+  bool prepare() {
+    return w.p && x.p && y.p && dy.p && dx.p && dw.p && cudaMemset(w.p, 0, w.bytes) == cudaSuccess &&
+           cudaMemset(x.p, 0, x.bytes) == cudaSuccess && cudaMemset(dy.p, 0, dy.bytes) == cudaSuccess;
+  }
+};
+
 // Each recipe (plugin, [precision] body) on a HandoutRig, handed to
 // check(recipe, id of the hidden linear, context): the recipes that must
 // decline every hand-out.
@@ -635,19 +649,14 @@ TEST(GpuFp8Recipes, OperandAmaxesAreHandedOutOnlyWhereTheCastWouldMeasure) {
   EXPECT_EQ(a->operand_amax(ctx, id, Fp8OperandRole::x, 64), nullptr) << "above max_rows";
   EXPECT_EQ(a->operand_amax(ctx, id, Fp8OperandRole::dy, 48), nullptr) << "dy before any forward";
 
-  loom_test::DevBuf w(96 * 64 * 2), x(48 * 64 * 2), y(48 * 96 * 2), dy(48 * 96 * 2), dx(48 * 64 * 2), dw(96 * 64 * 4);
-  ASSERT_TRUE(w.p && x.p && y.p && dy.p && dx.p && dw.p);
-  CUDA_OK(cudaMemset(w.p, 0, 96 * 64 * 2));
-  CUDA_OK(cudaMemset(x.p, 0, 48 * 64 * 2));
-  CUDA_OK(cudaMemset(dy.p, 0, 48 * 96 * 2));
-  const Tensor tw(w.p, DType::bf16, Device::cuda, {96, 64}), tx(x.p, DType::bf16, Device::cuda, {48, 64});
-  const Tensor tdy(dy.p, DType::bf16, Device::cuda, {48, 96});
-  Tensor ty(y.p, DType::bf16, Device::cuda, {48, 96}), tdx(dx.p, DType::bf16, Device::cuda, {48, 64});
-  Tensor tdw(dw.p, DType::f32, Device::cuda, {96, 64});
+  LinearBuffers b;
+  ASSERT_TRUE(b.prepare());
+  const Tensor &tw = b.tw, &tx = b.tx, &tdy = b.tdy;
+  Tensor &ty = b.ty, &tdx = b.tdx, &tdw = b.tdw;
   float* ax = a->operand_amax(ctx, id, Fp8OperandRole::x, 48);
   ASSERT_NE(ax, nullptr);
-  const Tensor x32(x.p, DType::bf16, Device::cuda, {32, 64});
-  Tensor y32(y.p, DType::bf16, Device::cuda, {32, 96});
+  const Tensor x32(b.x.p, DType::bf16, Device::cuda, {32, 64});
+  Tensor y32(b.y.p, DType::bf16, Device::cuda, {32, 96});
   loom::test::expect_error([&] { r.p->linear_forward(ctx, id, x32, tw, y32, nullptr); },
                            {"layer.0.down_proj", "operand_amax was asked for the amax of 48 rows of x",
                             "passes 32 rows"});
@@ -674,16 +683,11 @@ TEST(GpuFp8Recipes, RecastOperandsAreHandedOutOnlyForARecomputedInput) {
   loom_test::GpuCallContext call;
   ASSERT_TRUE(call.lt && call.stream);
   const loom::ExecContext& ctx = call.ctx;
-  loom_test::DevBuf w(96 * 64 * 2), x(48 * 64 * 2), y(48 * 96 * 2), dy(48 * 96 * 2), dx(48 * 64 * 2), dw(96 * 64 * 4),
-      other(64 * 48);
-  ASSERT_TRUE(w.p && x.p && y.p && dy.p && dx.p && dw.p && other.p);
-  CUDA_OK(cudaMemset(w.p, 0, 96 * 64 * 2));
-  CUDA_OK(cudaMemset(x.p, 0, 48 * 64 * 2));
-  CUDA_OK(cudaMemset(dy.p, 0, 48 * 96 * 2));
-  const Tensor tw(w.p, DType::bf16, Device::cuda, {96, 64}), tx(x.p, DType::bf16, Device::cuda, {48, 64});
-  const Tensor tdy(dy.p, DType::bf16, Device::cuda, {48, 96});
-  Tensor ty(y.p, DType::bf16, Device::cuda, {48, 96}), tdx(dx.p, DType::bf16, Device::cuda, {48, 64});
-  Tensor tdw(dw.p, DType::f32, Device::cuda, {96, 64});
+  LinearBuffers b;
+  loom_test::DevBuf other(64 * 48);
+  ASSERT_TRUE(b.prepare() && other.p);
+  const Tensor &tw = b.tw, &tx = b.tx, &tdy = b.tdy;
+  Tensor &ty = b.ty, &tdx = b.tdx, &tdw = b.tdw;
   for (const auto& [plugin, body] : std::vector<std::pair<std::string, std::string>>{
            {"fp8_current", "producer_amax = false\n"}, {"fp8_delayed", "fused_casts = false\n"}}) {
     SCOPED_TRACE(plugin + " " + body);
