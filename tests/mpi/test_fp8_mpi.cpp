@@ -147,12 +147,15 @@ GatherRun run_gathers(const std::string& strategy, const std::string& keys, cons
   // own size (4 bytes on the CPU, whose parameters are fp32; 2 on a GPU,
   // where they are bf16). Resharding after forward: twice a micro-batch
   // (forward, backward), but the last unit (the head) once, as the backward
-  // starts with its forward's gather; else once.
+  // starts with its forward's gather, and the untied embedding once; else once.
   const bool reshard = keys.find("reshard_after_forward = false") == std::string::npos;
   double fp8 = 0, all = 0, elt = 0;
   const auto& units = loom::probe(s).units();
   for (const loom::UnitState& u : units) {
-    const double times = reshard && &u != &units.back() ? 2.0 : 1.0;
+    // The untied embedding too: its backward reads no parameter (ParamRole::embedding).
+    const bool embedding = std::all_of(u.info->params.begin(), u.info->params.end(),
+                                       [](const loom::ParamInfo& p) { return p.role == loom::ParamRole::embedding; });
+    const double times = reshard && &u != &units.back() && !embedding ? 2.0 : 1.0;
     // zero3 keeps the owned range resident and gathers the rest into scratch.
     const loom::Tensor& held = u.param_shard.data != nullptr ? u.param_shard : u.params;
     if (held.data == nullptr) ADD_FAILURE() << "unit " << u.info->name << " holds no parameters";

@@ -118,12 +118,14 @@ struct Volume {
 // ddp 2Ψ (all-reduce); zero1 Ψ reduce-scatter + Ψ all-gather; zero2 the
 // reduce-scatter once per micro-batch; zero3 per micro-batch Ψ gathered for
 // forward, Ψ for backward but the head (the backward starts with the unit the
-// forward ended with, still gathered), Ψ reduce-scattered; hybrid_shard the zero3 volume
+// forward ended with, still gathered) and the embedding (its backward reads no
+// parameter), Ψ reduce-scattered; hybrid_shard the zero3 volume
 // inside its group plus an all-reduce of the shard across groups.
 Volume expected_volume(loom::Session& s, const std::string& strategy) {
   double psi_padded = 0, psi = 0, chunk = 0, experts = 0;
   int group = 1, ep = 1;
   const double head_padded = 4.0 * static_cast<double>(loom::probe(s).units().back().layout.padded_numel);
+  const double embedding_padded = 4.0 * static_cast<double>(loom::probe(s).units().front().layout.padded_numel);
   for (const auto& u : loom::probe(s).units()) {
     if (u.info->expert_group > 1) {  // expert parallelism: the rank's experts, added up over their replicas
       experts += 4.0 * static_cast<double>(u.layout.optim_numel);
@@ -147,7 +149,7 @@ Volume expected_volume(loom::Session& s, const std::string& strategy) {
     v.reduce_scatter = kAccum * f * psi_padded;
     v.all_gather = f * psi_padded;
   } else {  // zero3, full_shard, hybrid_shard (reshard after forward)
-    v.all_gather = kAccum * f * (2 * psi_padded - head_padded);
+    v.all_gather = kAccum * f * (2 * psi_padded - head_padded - embedding_padded);
     v.reduce_scatter = kAccum * f * psi_padded;
     v.all_reduce = 2 * ring(replicas) * chunk;
   }

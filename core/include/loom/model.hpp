@@ -96,7 +96,9 @@ enum class ParamRole : uint8_t {
   output_projection,  // a projection that writes into the residual stream (o_proj, down_proj):
                       // N(0, init_std / sqrt(2 L)), decays
   norm_gain,          // an RMSNorm gain: ones, no decay
-  embedding,          // the token embedding: N(0, init_std), decays
+  embedding,          // the token embedding: N(0, init_std), decays. Its block's backward reads no
+                      // parameter (the table's gradient is a scatter-add of the output's): a sharding
+                      // strategy need not gather a unit of embeddings alone for its backward
 };
 const char* param_role_name(ParamRole r);
 

@@ -22,7 +22,8 @@
 // sharded with gradient accumulation too.
 //
 // Parameters under zero3/hybrid: before each unit's forward (and again before
-// its backward when reshard_after_forward) the shards are all-gathered into one
+// its backward when reshard_after_forward, except for a unit of token
+// embeddings alone, whose backward reads no parameter) the shards are all-gathered into one
 // of `prefetch + 1` rotating buffers; up to `prefetch` gathers are issued ahead
 // of the unit being computed. With reshard_after_forward = false every unit
 // has its own gather buffer, filled in the forward and kept for the backward.
