@@ -79,7 +79,7 @@ struct FlatSharding::Impl {
   // Scratch (in the order scratch() asks for it).
   Slot grad_pool[2];       // shard_grads: whole-unit gradient buffers the backward writes into
   Slot stage[2];           // grads converted to reduce_dtype before reducing (when they differ)
-  Slot rtmp[2];            // reduce-scatter output when it cannot land in the shard directly
+  Tensor rtmp[2];          // reduce-scatter output when it cannot land in the shard directly (read: rtmp_read)
   Tensor ftmp;             // rtmp converted to fp32 (reduce_dtype != fp32)
   std::vector<Slot> gather_pool;     // zero3/hybrid with reshard_after_forward: prefetch + 1 buffers
   std::vector<Tensor> gather_own;    // per unit (reshard_after_forward = false), or the tied target's
@@ -279,7 +279,7 @@ struct FlatSharding::Impl {
       // last (two reduce-scatters ago) on the optimizer queue: it starts after
       // the compute queue's work queued so far, which now waits for that add.
       if (rtmp_read[slot] != kNoMarker) env.ops->wait(env.ctx, rtmp_read[slot]);
-      out = view(rtmp[slot].t, 0, {m.chunk});
+      out = view(rtmp[slot], 0, {m.chunk});
     }
     CommTicket t = shard->reduce_scatter(env.ctx, in, out, ReduceOp::sum);
     track(shard, t);
@@ -288,10 +288,7 @@ struct FlatSharding::Impl {
       if (m.tied_target) tied_grads.used_by(shard, t);
       else grad_pool[grad_slot ^ 1].used_by(shard, t);  // the slot before_backward handed this unit
     }
-    if (!direct) {
-      rtmp[slot].used_by(shard, t);
-      land_on_queue(env, u, out, slot, t, first);
-    }
+    if (!direct) land_on_queue(env, u, out, slot, t, first);
   }
 };
 
@@ -515,7 +512,7 @@ void FlatSharding::setup(ShardingEnv& env, std::vector<UnitState>& units, std::v
     for (auto& s : I.stage) s.t = next();
   const bool need_rtmp = I.shard_optim() && (I.grad_accum > 1 || I.reduce_dtype != DType::f32);
   if (need_rtmp)
-    for (auto& s : I.rtmp) s.t = next();
+    for (Tensor& t : I.rtmp) t = next();
   if (need_rtmp && I.reduce_dtype != DType::f32) I.ftmp = next();
   if (I.shard_params()) {
     if (I.reshard_after_forward) {
