@@ -65,10 +65,9 @@ struct FlatSharding::Impl {
     int64_t numel = 0, padded = 0, chunk = 0, begin = 0;
     bool tied_target = false;  // another unit reads its params (the embedding of a tied model)
     bool experts = false;      // a layer's experts under expert parallelism (UnitInfo::expert_group)
-    // Its backward reads its parameters. Not so for a unit of token
-    // embeddings alone (ParamRole::embedding: the gradient is a scatter-add
-    // of the output's), which zero3 therefore does not gather again for it.
-    bool backward_reads_params = true;
+    // zero3/hybrid resharding after forward: gathered again before its
+    // backward (the gather schedule's backward events, setup()).
+    bool gathered_for_backward = false;
     CommTicket gather_ticket = 0;  // zero1/zero2: the post-step all-gather of its params
   };
   std::vector<Unit> units;
@@ -366,11 +365,6 @@ std::vector<UnitLayout> FlatSharding::plan(const ShardingEnv& env, const std::ve
   I.units.assign(infos.size(), {});
   for (const UnitInfo& u : infos)
     if (u.uses_params_of >= 0) I.units.at(static_cast<size_t>(u.uses_params_of)).tied_target = true;
-  for (size_t i = 0; i < infos.size(); ++i)
-    I.units[i].backward_reads_params =
-        infos[i].params.empty() || !std::all_of(infos[i].params.begin(), infos[i].params.end(), [](const ParamInfo& p) {
-          return p.role == ParamRole::embedding;
-        });
   for (const UnitInfo& u : infos)
     if (u.expert_group > 1) {
       LOOM_CHECK(I.ep == 1 || I.ep == u.expert_group, "sharding.plugin = \"", I.name,
@@ -554,10 +548,19 @@ void FlatSharding::setup(ShardingEnv& env, std::vector<UnitState>& units, std::v
       // once (its buffer is next reused by a gather issued after its backward).
       if (!I.events.empty() && !I.units[static_cast<size_t>(I.events.back())].tied_target)
         I.kept_unit = I.events.back();
-      for (int u = n - 1; u >= 0; --u)
-        if (!I.units[static_cast<size_t>(u)].tied_target && gathered(u) && u != I.kept_unit &&
-            I.units[static_cast<size_t>(u)].backward_reads_params)
-          I.events.push_back(u);
+      // A unit of token embeddings alone is not gathered again: its
+      // backward reads no parameter (ParamRole::embedding, the gradient is a
+      // scatter-add of the output's).
+      auto reads_params = [&](int u) {
+        const auto& ps = units[static_cast<size_t>(u)].info->params;
+        return ps.empty() ||
+               !std::all_of(ps.begin(), ps.end(), [](const ParamInfo& p) { return p.role == ParamRole::embedding; });
+      };
+      for (int u = n - 1; u >= 0; --u) {
+        Impl::Unit& m = I.units[static_cast<size_t>(u)];
+        m.gathered_for_backward = !m.tied_target && gathered(u) && u != I.kept_unit && reads_params(u);
+        if (m.gathered_for_backward) I.events.push_back(u);
+      }
     }
     I.event_ticket.assign(I.events.size(), 0);
     I.event_slot.assign(I.events.size(), -1);
@@ -630,9 +633,7 @@ void FlatSharding::before_backward(ShardingEnv& env, UnitState& u) {
       }
     }
   }
-  if (I.shard_params() && I.reshard_after_forward && !m.tied_target && u.index != I.kept_unit &&
-      m.backward_reads_params)
-    I.use_event(env, u);
+  if (m.gathered_for_backward) I.use_event(env, u);
 }
 
 void FlatSharding::after_backward(ShardingEnv& env, UnitState& u, bool last_micro) {
