@@ -84,9 +84,9 @@ def main(path):
     busy = sum(e["dur"] for e in top)
     # What runs in the gaps: the sharding's hooks (sharding.* ranges, session.cpp)
     # and what they trace inside (gather.wait, gather.decode, ...).
-    hooks = [e for e in compute if not TOP.match(e["name"]) and e["name"] not in ("step", "validation")]
+    gap_ranges = [e for e in compute if not TOP.match(e["name"]) and e["name"] not in ("step", "validation")]
     joints = defaultdict(list)
-    in_hooks = defaultdict(lambda: defaultdict(float))  # joint -> hook -> time inside its gaps
+    inside = defaultdict(lambda: defaultdict(float))  # joint -> range name -> time inside its gaps
     for a, b in zip(top, top[1:]):
         lo, hi = a["ts"] + a["dur"], b["ts"]
         gap = hi - lo
@@ -94,10 +94,10 @@ def main(path):
             continue
         key = f"{re.sub(r'[0-9]+', 'N', a['name'])} -> {re.sub(r'[0-9]+', 'N', b['name'])}"
         joints[key].append(gap)
-        for h in hooks:
+        for h in gap_ranges:
             overlap = min(hi, h["ts"] + h["dur"]) - max(lo, h["ts"])
             if overlap > 0:
-                in_hooks[key][h["name"]] += overlap
+                inside[key][h["name"]] += overlap
     idle = sum(sum(v) for v in joints.values())
     print(f"\ncompute stream: {busy / 1e3:.1f} ms in traced ranges, {idle / 1e3:.1f} ms idle between them "
           f"({100 * idle / span:.1f}% of the window)")
@@ -105,15 +105,15 @@ def main(path):
     print("| --- | ---: | ---: | ---: |")
     for key, g in sorted(joints.items(), key=lambda kv: -sum(kv[1])):
         print(f"| {key} | {len(g)} | {st.median(g) / 1e3:.3f} | {sum(g) / 1e3:.1f} |")
-    if in_hooks:
+    if inside:
         # The compute stream's own work there, or its waits for a collective.
         print("\nranges inside those gaps (a nested range is part of the hook that holds it; "
               "the rest of a gap is between the ranges)")
         print("| between | range | mean ms a gap | total ms |")
         print("| --- | --- | ---: | ---: |")
         for key, g in sorted(joints.items(), key=lambda kv: -sum(kv[1])):
-            for hook, t in sorted(in_hooks[key].items(), key=lambda kv: -kv[1]):
-                print(f"| {key} | {hook} | {t / len(g) / 1e3:.3f} | {t / 1e3:.1f} |")
+            for name, t in sorted(inside[key].items(), key=lambda kv: -kv[1]):
+                print(f"| {key} | {name} | {t / len(g) / 1e3:.3f} | {t / 1e3:.1f} |")
 
     side = [e for e in ranges if e["tid"] == tid.get("optimizer stream")]
     per_name("optimizer stream (beside the compute stream)", "op", side)
