@@ -91,20 +91,33 @@ TEST(PlanDevice, NamedCards) {
   loom::test::expect_error([] { loom::named_gpu("b200"); }, {"--gpu b200", "a100-40gb", "--device-memory"});
 }
 
-// Beyond the arena: the context and libraries on every rank; NCCL's buffers
-// only with peers, growing with the peers on the node, more across nodes.
+// Beyond the arena: the context and libraries on every rank; MPI and NCCL
+// under a launcher, even over one rank; NCCL's buffers only with peers,
+// growing with the peers on the node, more across nodes.
 TEST(PlanDevice, OutsideTheArenaGrowsWithPeers) {
-  const loom::OutsideArena one = loom::outside_arena_estimate(1, 1), two = loom::outside_arena_estimate(2, 2),
-                           four = loom::outside_arena_estimate(4, 4), eight = loom::outside_arena_estimate(8, 8),
-                           nodes = loom::outside_arena_estimate(16, 8);
+  const loom::OutsideArena alone = loom::outside_arena_estimate(1, 1, false),
+                           one = loom::outside_arena_estimate(1, 1, true), two = loom::outside_arena_estimate(2, 2, true),
+                           four = loom::outside_arena_estimate(4, 4, true),
+                           eight = loom::outside_arena_estimate(8, 8, true),
+                           nodes = loom::outside_arena_estimate(16, 8, true);
+  // Measured on an H200 (docs/PERFORMANCE.md, "The memory plan across the
+  // node workload's family"): 0.566 GiB alone, 1.890 under `mpirun -np 1`;
+  // the estimates within 0.02 GiB of them.
+  EXPECT_EQ(alone.launcher + alone.nccl, 0u);
+  EXPECT_NEAR(static_cast<double>(alone.total()) / kGiB, 0.566, 0.02);
+  EXPECT_EQ(one.context, alone.context);
   EXPECT_EQ(one.nccl, 0u);
-  EXPECT_GT(one.context, kGiB);
-  EXPECT_LT(one.total(), 2 * kGiB);  // measured 1.9 GiB on one rank (docs/PERFORMANCE-LOG.md)
-  EXPECT_EQ(two.context, one.context);
+  EXPECT_NEAR(static_cast<double>(one.total()) / kGiB, 1.890, 0.02);
+  // Four ranks measured 1.8-2.2 GiB beyond the arena (docs/PERFORMANCE-LOG.md).
+  EXPECT_GE(static_cast<double>(four.total()) / kGiB, 1.8);
+  EXPECT_LE(static_cast<double>(four.total()) / kGiB, 2.2);
+  EXPECT_EQ(two.launcher, one.launcher);
   EXPECT_GT(two.nccl, 0u);
   EXPECT_LT(two.nccl, four.nccl);
   EXPECT_LT(four.nccl, eight.nccl);
   EXPECT_LT(eight.nccl, nodes.nccl);
+  // Several ranks are always launched.
+  EXPECT_EQ(loom::outside_arena_estimate(4, 4, false).total(), four.total());
 }
 
 // The CLI cases plan the shipped CUDA workloads: their recipes (bf16,
@@ -123,7 +136,7 @@ TEST(PlanDevice, CheckPlansForAGpuItCannotSee) {
                            "6N + 6LhS: NeMo's model TFLOP/s", ": ok"})
     EXPECT_NE(text.find(want), std::string::npos) << "missing '" << want << "' in:\n" << text;
   // In all = the arena's total plus the estimate beyond it (to the printed precision).
-  const double outside = static_cast<double>(loom::outside_arena_estimate(4, 4).total()) / kMiB;
+  const double outside = static_cast<double>(loom::outside_arena_estimate(4, 4, true).total()) / kMiB;
   EXPECT_NEAR(in_all_mib(text), arena_mib(text) + outside, 0.01 * 1024) << text;
 
   const auto same = check(bench("llama3-8b-8k") + " --device-memory 81559MiB --world-size=4 --no-scan");
@@ -142,6 +155,26 @@ TEST(PlanDevice, CheckPlansForAGpuItCannotSee) {
   const auto fp8 = check(bench("llama3-8b-8k-fp8") + " --gpu h100 --world-size 4 --no-scan");
   ASSERT_EQ(fp8.first, 0) << fp8.second;
   EXPECT_NE(fp8.second.find("fits"), std::string::npos) << fp8.second;
+}
+
+// --world-size 1 plans the run as `mpirun -np 1` starts it: zero3 over one
+// rank is a run (the node workload cut to 8 layers is benchmarked so on one
+// GPU, docs/PERFORMANCE.md), not a process started alone.
+TEST(PlanDevice, CheckPlansAStrategyOverOneLaunchedRank) {
+  const auto [rc, text] = check(bench("llama3-8b-8k-fp8") + " --gpu h200 --world-size 1 --no-scan"
+                                " --set model.num_layers=8 --set train.grad_accum=8");
+  ASSERT_EQ(rc, 0) << text;
+  for (const char* want : {"sharding zero3", "ranks 1", "(--gpu h200): fits", ": ok"})
+    EXPECT_NE(text.find(want), std::string::npos) << "missing '" << want << "' in:\n" << text;
+  // Measured: 73.96 GiB in use on one H200 under `mpirun -np 1 loom bench`
+  // of this workload (docs/PERFORMANCE.md, "The FP8 config's switches");
+  // issue 31 asks the plan to be within 3% of the measured peak.
+  EXPECT_NEAR(in_all_mib(text), 73.96 * 1024, 0.03 * 73.96 * 1024) << text;
+  // One rank holds every shard: more than each of four does.
+  const auto four = check(bench("llama3-8b-8k-fp8") + " --gpu h200 --world-size 4 --no-scan"
+                          " --set model.num_layers=8 --set train.grad_accum=8");
+  ASSERT_EQ(four.first, 0) << four.second;
+  EXPECT_GT(in_all_mib(text), in_all_mib(four.second));
 }
 
 // A card too small: the plan is printed, then the refusal naming the plan,
@@ -172,9 +205,9 @@ TEST(PlanDevice, CheckRefusesBadFlagsWithOneMessage) {
       {c + " --world-size four", "--world-size four is not a number of ranks"},
       {c + " --gpus-per-node 8 --gpu h100", "--gpus-per-node needs --world-size"},
       {c + " --gpu h100 --world-size 6 --gpus-per-node 4", "--world 6 is not a multiple of --gpus-per-node 4"},
-      // zero3 on one rank: the strategy splits work across ranks.
-      {c + " --gpu h100", "splits the work across ranks"},
-      {c + " --gpu h100 --world-size 1", "`loom check --world-size N` plans it for N ranks"},
+      // zero3 planned for one plain process (no --world-size): the strategy
+      // splits work across ranks, and the message says how to plan them.
+      {c + " --gpu h100", "`loom check --world-size N` plans it for N ranks"},
       // hybrid_shard's groups must divide the world.
       {c + " --gpu h100 --world-size 6 --set sharding.plugin=hybrid_shard --set sharding.shard_group_size=4",
        "shard_group_size = 4 does not divide the world size 6"},

@@ -36,7 +36,8 @@ struct PluginInit {
   // True when a launcher (mpirun, srun) started this process; false for a
   // plain `loom train`. A strategy that needs several ranks refuses to run
   // without one (with the command to use), instead of the core guessing from
-  // its name.
+  // its name. `loom check --world-size N` plans the run as N ranks a launcher
+  // started, so true there too (N = 1 included, as `mpirun -np 1`).
   bool under_launcher = false;
   // ABI 8.2: no device exists for this run, which is only planned (`loom
   // check --gpu NAME` or `--device-memory SIZE` on a machine without that

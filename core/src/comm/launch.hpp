@@ -13,6 +13,9 @@ struct LaunchInfo {
   int rank = 0, world = 1;
   int local_rank = 0, local_world = 1;  // within this node
   bool under_launcher = false;
+  // `loom check --world-size N`: no launcher, but the run is planned as N
+  // ranks a launcher started (plugins are told under_launcher).
+  bool under_launcher_planned = false;
   std::string launcher;  // "openmpi", "pmix", "pmi", "slurm" or "" when alone
 };
 

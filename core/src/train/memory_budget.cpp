@@ -157,14 +157,16 @@ PlannedDevice named_gpu(const std::string& name) {
                   "--device-memory 94GiB)"));
 }
 
-OutsideArena outside_arena_estimate(int world, int local_world) {
-  // Measured (memory_budget.hpp): 1.9 GiB beyond the arena on one rank and on
-  // two ranks over NCCL. Of it, NCCL's buffers on two ranks are taken as
-  // 128 MiB plus 64 MiB for each further rank on the node (its channels'
-  // buffers to each peer) and 128 MiB for the network between nodes; the rest
-  // is the context and the libraries'.
+OutsideArena outside_arena_estimate(int world, int local_world, bool launched) {
+  // Measured (memory_budget.hpp): 0.57 GiB beyond the arena for a process
+  // started alone, 1.89 GiB for one rank started by mpirun (MPI and NCCL up,
+  // no peer), 1.8-2.2 GiB on four ranks of a node. NCCL's buffers to its
+  // peers (connected at the first collective) are taken as 128 MiB on two
+  // ranks plus 64 MiB for each further rank on the node (up to 8) and
+  // 128 MiB for the network between nodes.
   OutsideArena o;
-  o.context = static_cast<uint64_t>(1.75 * static_cast<double>(kGiB));
+  o.context = static_cast<uint64_t>(0.57 * static_cast<double>(kGiB));
+  if (launched || world > 1) o.launcher = static_cast<uint64_t>(1.32 * static_cast<double>(kGiB));
   if (world > 1) {
     const int node = std::max(1, std::min(local_world > 0 ? local_world : world, world));
     o.nccl = 128 * kMiB + 64 * kMiB * static_cast<uint64_t>(std::max(0, std::min(node, 8) - 2)) +

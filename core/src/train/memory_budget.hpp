@@ -66,18 +66,22 @@ std::string named_gpu_list();
 
 // What a CUDA process holds on its GPU beyond the arena (the memory plan):
 // the CUDA context with the kernels it loads and the cuBLASLt and cuDNN
-// handles and graphs, and NCCL's buffers. Not plannable from the config: the
-// figures are measured ones (docs/PERFORMANCE-LOG.md, "Llama 3 8B at 8k
-// context on a node", 2026-11-28): the device memory in use minus the arena
-// was 1.9 GiB on one and on two ranks of H100 and H200 (CUDA 13.0, cuDNN
-// 9.19, NCCL 2.27), which `loom bench` prints as `outside_arena_gib` for
-// every run.
+// handles and graphs; under a launcher, what MPI and NCCL set up even over
+// one rank; and NCCL's buffers to its peers. Not plannable from the config:
+// the figures are measured ones (docs/PERFORMANCE.md, "The memory plan
+// across the node workload's family"): the device memory in use minus the
+// arena, which `loom bench` prints as `outside_arena_gib` for every run, was
+// 0.57 GiB for a process started alone and 1.89 GiB for one started by
+// `mpirun -np 1` (H200, CUDA 13.0, cuDNN 9.19, NCCL 2.27), and 1.8-2.2 GiB
+// on four ranks.
 struct OutsideArena {
-  uint64_t context = 0;  // the CUDA context, its kernels, the cuBLASLt / cuDNN handles and graphs
-  uint64_t nccl = 0;     // NCCL's channel buffers (0 on one rank)
-  uint64_t total() const { return context + nccl; }
+  uint64_t context = 0;   // the CUDA context, its kernels, the cuBLASLt / cuDNN handles and graphs
+  uint64_t launcher = 0;  // MPI and NCCL started by a launcher, on any number of ranks (0 alone)
+  uint64_t nccl = 0;      // NCCL's channel buffers to the peers (0 on one rank)
+  uint64_t total() const { return context + launcher + nccl; }
 };
-// For one rank of `world`, `local_world` of them on its node.
-OutsideArena outside_arena_estimate(int world, int local_world);
+// For one rank of `world`, `local_world` of them on its node, started by a
+// launcher (mpirun, srun; `loom check --world-size N`) or alone.
+OutsideArena outside_arena_estimate(int world, int local_world, bool launched);
 
 }  // namespace loom

@@ -83,7 +83,7 @@ void load_plugins(Runtime& rt, const Config& cfg, const ModelSpec& spec) {
     init.local_world = rt.launch.local_world;
     init.seed = cfg.run.seed;
     init.deterministic = cfg.run.deterministic;
-    init.under_launcher = rt.launch.under_launcher;
+    init.under_launcher = rt.launch.under_launcher || rt.launch.under_launcher_planned;
     init.planning = rt.planned_device.has_value();
     return init;
   };
@@ -184,6 +184,9 @@ Runtime make_runtime(const Config& cfg, const ModelSpec& spec, bool single_proce
   // A planned world or GPU starts nothing, under a launcher or not.
   rt.launch = single_process || plan_world > 0 || plan_device ? LaunchInfo{} : launch_from_env();
   if (plan_world > 0) {
+    // `loom check --world-size N` plans rank 0 of N ranks as a launcher
+    // would start them (N = 1 included: `mpirun -np 1`).
+    rt.launch.under_launcher_planned = true;
     rt.launch.world = plan_world;
     rt.launch.local_world = plan_local_world > 0 ? plan_local_world : plan_world;
     LOOM_CHECK(plan_world % rt.launch.local_world == 0, "loom check --world ", plan_world,

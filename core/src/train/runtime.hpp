@@ -39,6 +39,9 @@ struct Runtime {
 
   int rank() const { return comm->rank(); }
   int world() const { return comm->size(); }
+  // MPI and NCCL are (or, planned with --world-size, would be) started: a
+  // launcher started this process. Alone, the communicator is the process.
+  bool launched() const { return launch.under_launcher_planned || (launch.under_launcher && mpi_available()); }
 };
 
 // `single_process`: train alone even under a launcher (the one-process

@@ -369,9 +369,9 @@ std::string TrainState::describe() const {
      << cfg_.model.recompute << "):\n"
      << plan_.summary();
   if (rt_.backend->device() == Device::cuda) {
-    const OutsideArena o = outside_arena_estimate(rt_.world(), rt_.launch.local_world);
+    const OutsideArena o = outside_arena_estimate(rt_.world(), rt_.launch.local_world, rt_.launched());
     os << "beyond the arena, estimated: CUDA context, kernels and library handles " << gib(static_cast<double>(o.context))
-       << ", NCCL buffers " << gib(static_cast<double>(o.nccl)) << "\n";
+       << ", MPI and NCCL " << gib(static_cast<double>(o.launcher + o.nccl)) << "\n";
     os << "per rank in all: " << gib(static_cast<double>(planned_device_bytes()));
     if (rt_.planned_device) {
       const double total = static_cast<double>(rt_.planned_device->total);
@@ -387,7 +387,7 @@ std::string TrainState::describe() const {
 
 size_t TrainState::outside_arena_bytes() const {
   if (rt_.backend->device() != Device::cuda) return 0;
-  return outside_arena_estimate(rt_.world(), rt_.launch.local_world).total();
+  return outside_arena_estimate(rt_.world(), rt_.launch.local_world, rt_.launched()).total();
 }
 
 std::string TrainState::plan_breakdown() const {
@@ -477,7 +477,7 @@ namespace {
 // for (loom check --gpu) holds none of it yet: all of the estimate.
 double memory_outside_plan(const Runtime& rt, double plan) {
   if (rt.backend->device() != Device::cuda) return std::max(128.0 * (1 << 20), plan / 16.0);
-  const OutsideArena o = outside_arena_estimate(rt.world(), rt.launch.local_world);
+  const OutsideArena o = outside_arena_estimate(rt.world(), rt.launch.local_world, rt.launched());
   if (rt.planned_device) return static_cast<double>(o.total());
   return 128.0 * (1 << 20) + static_cast<double>(o.nccl);
 }
