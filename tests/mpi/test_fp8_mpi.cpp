@@ -125,6 +125,9 @@ struct GatherRun {
   uint64_t gather_bytes = 0;  // all_gather bytes this rank sent over the steps
   double expected_ratio = 0;  // FP8 gathers against fp32 ones, from the model's parameters
   size_t codec_state = 0;     // the memory plan's "sharding.fp8_gather.scales" bytes (the codec's state)
+  // Per unit: has FP8 weights (a decoder layer's matrices), and holds an
+  // encoded wire shard in the plan ("sharding.fp8_wire.<unit>").
+  std::vector<bool> has_fp8, has_wire;
 };
 
 GatherRun run_gathers(const std::string& strategy, const std::string& keys, const std::string& model_keys,
@@ -140,8 +143,15 @@ GatherRun run_gathers(const std::string& strategy, const std::string& keys, cons
     for (const loom::StepLog& l : s.read_step_logs()) r.losses.push_back(l.loss);
   }
   r.gather_bytes = s.comm().bytes_moved().bytes[k] - before;
-  for (const loom::ArenaBlock& b : loom::probe(s).memory_plan().blocks())
+  const auto& all_units = loom::probe(s).units();
+  r.has_wire.assign(all_units.size(), false);
+  for (const loom::ArenaBlock& b : loom::probe(s).memory_plan().blocks()) {
     if (b.name == "sharding.fp8_gather.scales") r.codec_state += b.bytes;
+    const std::string wire = "sharding.fp8_wire.";
+    if (b.name.rfind(wire, 0) == 0) r.has_wire.at(std::stoul(b.name.substr(wire.size()))) = true;
+  }
+  for (const loom::UnitState& u : all_units)
+    r.has_fp8.push_back(u.info->name.rfind("layer.", 0) == 0);  // its matrices; norm gains travel apart
   // Every unit is gathered as often in either run: FP8 weights (the decoder
   // layers' matrices) 1 byte an element, everything else the parameters'
   // own size (4 bytes on the CPU, whose parameters are fp32; 2 on a GPU,
@@ -200,6 +210,14 @@ void check_fp8_gathers(const std::string& strategy, const std::string& keys) {
     // gathers through it; the core plans them in the arena.
     EXPECT_EQ(ref.codec_state, 0u);
     EXPECT_GE(fp8.codec_state, 3 * sizeof(float));
+    // Only the units with FP8 weights travel through the codec's wire; the
+    // others (the embedding, the head and final norm) are gathered as their
+    // parameters (GatherCodecPlainUnits): no encoded shard, no wire copy.
+    ASSERT_EQ(fp8.has_wire.size(), fp8.has_fp8.size());
+    for (size_t u = 0; u < fp8.has_fp8.size(); ++u) {
+      EXPECT_EQ(fp8.has_wire[u], fp8.has_fp8[u]) << "unit " << u;
+      EXPECT_FALSE(ref.has_wire[u]) << "unit " << u;
+    }
     // On the GPU the activations are bf16: a last-bit difference of the
     // weight's inverse scale can flip the rounding of a GEMM output, which
     // the later steps carry on; 1e-3 relative there (a wrong scale or segment

@@ -159,6 +159,19 @@ class GatherCodec {
   virtual void decode(const ExecContext& ctx, int unit, const Tensor& wire, Tensor& params) = 0;
 };
 
+// ABI 10.3: an optional interface of a GatherCodec, which a strategy asks
+// for with dynamic_cast (a codec without it is asked nothing). After plan():
+// true when no weight of `unit` travels in FP8, so that the unit's wire
+// would hold its parameters as they are. The strategy may then gather that
+// unit as it would without the codec (its parameter shard straight into its
+// parameters: no wire buffer, no copy out of it) and plan() the codec again
+// with chunk 0 for it, so that encode() and decode() never see it.
+class GatherCodecPlainUnits {
+ public:
+  virtual ~GatherCodecPlainUnits() = default;
+  virtual bool gathers_as_params(int unit) const = 0;
+};
+
 struct ShardingEnv {
   ExecContext ctx;
   Communicator* world = nullptr;  // all ranks, tensors where the model runs (MPI on CPU, NCCL on CUDA)

@@ -14,10 +14,12 @@
 // against another major is refused); the minor grows when the host adds
 // something a plugin may use (a host accepts plugins with minor <= its own).
 #define LOOM_ABI_MAJOR 10
-#define LOOM_ABI_MINOR 2  // 10.2: loom::Fp8OperandAmax and loom::Fp8RecastOperand (precision.hpp),
-                          //       optional interfaces beside Precision; Backend::rmsnorm_forward_amax,
-                          //       swiglu_forward_amax and swiglu_backward_amax (appended); an empty
-                          //       Fp8Operand::q for rmsnorm_forward_fp8 and swiglu_forward_fp8
+#define LOOM_ABI_MINOR 3  // 10.3: loom::GatherCodecPlainUnits (sharding.hpp), an optional interface
+                          //       beside GatherCodec: units without FP8 weights gathered as parameters
+// 10.2: loom::Fp8OperandAmax and loom::Fp8RecastOperand (precision.hpp),
+//       optional interfaces beside Precision; Backend::rmsnorm_forward_amax,
+//       swiglu_forward_amax and swiglu_backward_amax (appended); an empty
+//       Fp8Operand::q for rmsnorm_forward_fp8 and swiglu_forward_fp8
 // 10.1: UnitState::grads_fresh (appended): a strategy's per-micro-batch gradient
 //       buffer is written, not cleared and added to
 // 10.0: Precision::gather_codec (the recipe supplies its FP8 weight gathers;

@@ -86,7 +86,7 @@ constexpr int64_t kCodesAlign = 256;  // bytes: DirectCodes' weights start so fa
 // small (a decoder layer's norm gains: 8,192 of 218M elements in Llama 3 8B).
 constexpr int64_t kOthersShare = 256;
 
-class Fp8GatherCodec final : public GatherCodec, public DirectCodes {
+class Fp8GatherCodec final : public GatherCodec, public GatherCodecPlainUnits, public DirectCodes {
  public:
   Fp8GatherCodec(const GatherCodecSetup& setup, const CastsFromCurrentAmax& casts, std::unique_ptr<Ops> ops,
                  const std::string& plugin);
@@ -95,6 +95,15 @@ class Fp8GatherCodec final : public GatherCodec, public DirectCodes {
   std::string why_none() const override { return why_none_; }
   void plan(int group, int position, const std::vector<int64_t>& chunk) override;
   int64_t wire_chunk_bytes(int unit) const override;
+  // A gathered unit none of whose weights this recipe casts per tensor (the
+  // embedding; the LM head unless it is FP8): its wire would be its
+  // parameters as they are.
+  bool gathers_as_params(int unit) const override {
+    LOOM_CHECK(unit >= 0 && static_cast<size_t>(unit) < chunk_.size(), "FP8 gathers: unit ", unit,
+               " was not planned");
+    return chunk_[static_cast<size_t>(unit)] > 0 &&
+           std::none_of(weights_.begin(), weights_.end(), [&](const Weight& w) { return w.unit == unit; });
+  }
   // Once a strategy planned gathers through this codec (plan() was called):
   // the amaxes and scales, 3 fp32 per FP8 weight; then the other elements of
   // the units in the codes layout, this rank's and the group's gathered.

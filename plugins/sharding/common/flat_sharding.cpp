@@ -68,6 +68,10 @@ struct FlatSharding::Impl {
     // zero3/hybrid resharding after forward: gathered again before its
     // backward (the gather schedule's backward events, setup()).
     bool gathered_for_backward = false;
+    // FP8 gathers: none of its weights travels in FP8 (the codec says so,
+    // GatherCodecPlainUnits), so it is gathered as its parameters, as
+    // without the codec: no wire buffer, no decode.
+    bool plain = false;
     CommTicket gather_ticket = 0;  // zero1/zero2: the post-step all-gather of its params
   };
   std::vector<Unit> units;
@@ -91,13 +95,16 @@ struct FlatSharding::Impl {
   // gathered unit's own chunk is encoded once after the parameters change
   // (wire_shard, `encoded` false until then), every gather moves wire bytes
   // into a wire slot, and the unit's params are decoded from it just before
-  // the compute that reads them.
+  // the compute that reads them. A unit without FP8 weights (Unit::plain)
+  // is gathered as its parameters instead.
   bool fp8_gather = false;
   std::string gather_where;
   GatherCodec* codec = nullptr;
   std::vector<Tensor> wire_shard;  // per unit (empty for units not gathered)
   std::vector<Slot> wire_pool;     // one per gather buffer (gather_pool, or a unit's own)
   std::vector<int> wire_slot_of;   // per unit with its own gathered buffer: its wire slot, else -1
+  // The unit travels as FP8 wire (gathered through the codec).
+  bool via_wire(size_t ui) const { return fp8_gather && !units[ui].experts && !units[ui].plain; }
   bool encoded = false;
   int64_t max_wire = 0;
 
@@ -157,7 +164,7 @@ struct FlatSharding::Impl {
       out = view(s.t, 0, {m.padded});
       event_slot[e] = static_cast<int>(e % gather_pool.size());
     }
-    if (fp8_gather) {
+    if (via_wire(static_cast<size_t>(ui))) {
       // The wire slot of this event's buffer; the params are decoded at use.
       Slot& w = wire_pool[wire_index(e, ui)];
       Tensor wout = view(w.t, 0, {codec->wire_chunk_bytes(ui) * group});
@@ -217,7 +224,7 @@ struct FlatSharding::Impl {
     const int ui = events[e];
     if (!gather_own.empty() && gather_own[static_cast<size_t>(ui)].data) u.params = gather_own[static_cast<size_t>(ui)];
     else u.params = view(gather_pool[static_cast<size_t>(event_slot[e])].t, 0, {units[static_cast<size_t>(ui)].padded});
-    if (fp8_gather) {
+    if (via_wire(static_cast<size_t>(ui))) {
       // On the compute queue: the wire slot's next gather is issued after this.
       const Tensor w = view(wire_pool[wire_index(e, ui)].t, 0, {codec->wire_chunk_bytes(ui) * group});
       trace::Scope r(trace::Track::compute, "gather.decode", env.ctx.stream);
@@ -436,18 +443,32 @@ std::vector<UnitLayout> FlatSharding::plan(const ShardingEnv& env, const std::ve
     std::vector<int64_t> chunk;
     for (const Impl::Unit& m : I.units) chunk.push_back(m.experts ? 0 : m.chunk);
     I.codec->plan(I.group, gr, chunk);
+    // Units without FP8 weights (the embedding; the head unless the recipe
+    // casts it) gather their parameters as they are, straight into the
+    // parameters: the codec is planned again without them.
+    int as_params = 0;
+    if (const auto* p = dynamic_cast<const GatherCodecPlainUnits*>(I.codec)) {
+      for (size_t i = 0; i < I.units.size(); ++i)
+        if (!I.units[i].experts && p->gathers_as_params(static_cast<int>(i))) {
+          I.units[i].plain = true;
+          chunk[i] = 0;
+          ++as_params;
+        }
+      if (as_params > 0) I.codec->plan(I.group, gr, chunk);
+    }
     int64_t wire = 0, plain = 0;
     for (size_t i = 0; i < I.units.size(); ++i)
       if (!I.units[i].experts) {
-        const int64_t b = I.codec->wire_chunk_bytes(static_cast<int>(i));
-        I.max_wire = std::max(I.max_wire, b);
+        const int64_t p = I.units[i].chunk * static_cast<int64_t>(dtype_size(I.param_dtype));
+        const int64_t b = I.units[i].plain ? p : I.codec->wire_chunk_bytes(static_cast<int>(i));
+        if (!I.units[i].plain) I.max_wire = std::max(I.max_wire, b);
         wire += b;
-        plain += I.units[i].chunk * static_cast<int64_t>(dtype_size(I.param_dtype));
+        plain += p;
       }
     log_info(cat("sharding ", I.name, ": gather_dtype fp8: ", I.codec->fp8_weights(),
-                 " weights travel as E4M3 codes; a gather of the whole model moves ", wire, " bytes per rank's chunk (",
-                 plain, " in ", dtype_name(I.param_dtype), ", ", static_cast<double>(wire) / static_cast<double>(plain),
-                 "x)"));
+                 " weights travel as E4M3 codes (", as_params, " units without any gathered as parameters); a gather ",
+                 "of the whole model moves ", wire, " bytes per rank's chunk (", plain, " in ", dtype_name(I.param_dtype),
+                 ", ", static_cast<double>(wire) / static_cast<double>(plain), "x)"));
   }
   return out;
 }
@@ -477,14 +498,14 @@ std::vector<ShardingBuffer> FlatSharding::scratch(const ShardingEnv&) {
       // Bytes (e4m3 as the byte type): each unit's encoded chunk, then one
       // gathered wire buffer per gather buffer above, in the same order.
       for (size_t u = 0; u < I.units.size(); ++u)
-        if (!I.units[u].experts)
+        if (I.via_wire(u))
           b.push_back({cat("fp8_wire.", u), DType::e4m3, I.codec->wire_chunk_bytes(static_cast<int>(u)),
                        MemCategory::params});
-      if (I.reshard_after_forward)
+      if (I.reshard_after_forward && I.max_wire > 0)
         for (int i = 0; i <= I.prefetch; ++i)
           b.push_back({cat("fp8_gather.", i), DType::e4m3, I.max_wire * I.group, MemCategory::comm});
       for (size_t u = 0; u < I.units.size(); ++u)
-        if ((!I.reshard_after_forward && !I.units[u].experts) || I.units[u].tied_target)
+        if (((!I.reshard_after_forward && !I.units[u].experts) || I.units[u].tied_target) && I.via_wire(u))
           b.push_back({cat("fp8_gathered.", u), DType::e4m3, I.codec->wire_chunk_bytes(static_cast<int>(u)) * I.group,
                        MemCategory::comm});
     }
@@ -519,14 +540,14 @@ void FlatSharding::setup(ShardingEnv& env, std::vector<UnitState>& units, std::v
     if (I.codec) {
       I.wire_shard.assign(units.size(), Tensor());
       for (size_t u = 0; u < I.units.size(); ++u)
-        if (!I.units[u].experts) I.wire_shard[u] = next();
-      if (I.reshard_after_forward) {
+        if (I.via_wire(u)) I.wire_shard[u] = next();
+      if (I.reshard_after_forward && I.max_wire > 0) {
         I.wire_pool.resize(static_cast<size_t>(I.prefetch) + 1);
         for (auto& s : I.wire_pool) s.t = next();
       }
       I.wire_slot_of.assign(units.size(), -1);
       for (size_t u = 0; u < I.units.size(); ++u)
-        if ((!I.reshard_after_forward && !I.units[u].experts) || I.units[u].tied_target) {
+        if (((!I.reshard_after_forward && !I.units[u].experts) || I.units[u].tied_target) && I.via_wire(u)) {
           I.wire_slot_of[u] = static_cast<int>(I.wire_pool.size());
           I.wire_pool.emplace_back();
           I.wire_pool.back().t = next();
