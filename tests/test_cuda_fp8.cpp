@@ -45,7 +45,6 @@
 #include "loom/ops/gemm.hpp"
 #include "loom/ops/fp8_cast.hpp"
 #include "loom/fp8.hpp"
-#include "precision/common/fp8_gather_copy.hpp"
 #include "precision/common/fp8_scaling.hpp"
 #include "loom/gemm_algo.hpp"
 
@@ -583,50 +582,6 @@ TEST_F(CudaFp8, DequantizeMatchesHost) {
       }
     }
   }
-}
-
-TEST_F(CudaFp8, GatherCopyPiecesMatchHostCopies) {
-  // The FP8 gathers' batched copy (fp8_gather_copy.hpp), as a decode uses it
-  // for norm gains: 70 pieces, more than one launch holds, of 0 to 70,000
-  // bytes, from and to offsets of 0 to 17 bytes (16-byte copies where all
-  // three align, bytes elsewhere), packed into one buffer each way with gaps
-  // between them. Every destination byte equals the source's; every byte
-  // outside the pieces keeps its fill.
-  const int n = 70;
-  std::mt19937 rng(5);
-  std::vector<loom::fp8_gather::CopyPiece> pieces;
-  std::vector<std::pair<size_t, size_t>> at;  // (src offset, dst offset) of each piece
-  std::vector<int64_t> len;
-  size_t src_end = 0, dst_end = 0;
-  for (int i = 0; i < n; ++i) {
-    const int64_t b = i == 3 ? 0 : i % 7 == 0 ? 16 * static_cast<int64_t>(rng() % 4000) : static_cast<int64_t>(rng() % 70000);
-    const size_t so = src_end + (i % 3 == 0 ? (16 - src_end % 16) % 16 : rng() % 18);
-    const size_t dof = dst_end + (i % 3 == 0 ? (16 - dst_end % 16) % 16 : rng() % 18);
-    at.push_back({so, dof});
-    len.push_back(b);
-    src_end = so + static_cast<size_t>(b) + 5;
-    dst_end = dof + static_cast<size_t>(b) + 7;
-  }
-  std::vector<uint8_t> src(src_end), fill(dst_end, 0xA5);
-  for (uint8_t& c : src) c = static_cast<uint8_t>(rng() & 0xFFu);
-  DevBuf sbuf(src_end + 16), dbuf(dst_end + 16);
-  ASSERT_TRUE(sbuf.p && dbuf.p);
-  upload(sbuf, src);
-  upload(dbuf, fill);
-  for (int i = 0; i < n; ++i)
-    pieces.push_back({static_cast<const char*>(sbuf.p) + at[static_cast<size_t>(i)].first,
-                      static_cast<char*>(dbuf.p) + at[static_cast<size_t>(i)].second, len[static_cast<size_t>(i)]});
-  loom::fp8_gather::copy_pieces(pieces.data(), n, stream_);
-  CUDA_OK(cudaStreamSynchronize(stream_));
-  const std::vector<uint8_t> got = download<uint8_t>(dbuf, dst_end);
-  std::vector<uint8_t> want = fill;
-  for (int i = 0; i < n; ++i)
-    std::copy_n(src.begin() + static_cast<std::ptrdiff_t>(at[static_cast<size_t>(i)].first), len[static_cast<size_t>(i)],
-                want.begin() + static_cast<std::ptrdiff_t>(at[static_cast<size_t>(i)].second));
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < dst_end; ++i)
-    if (got[i] != want[i] && bad++ == 0) first = i;
-  EXPECT_EQ(bad, 0u) << "first wrong byte at " << first;
 }
 
 TEST_F(CudaFp8, DequantizeLongAndMisalignedMatchesHost) {

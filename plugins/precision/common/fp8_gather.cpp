@@ -403,16 +403,14 @@ void Fp8GatherCodec::decode(const ExecContext& ctx, int unit, const Tensor& wire
   const bool codes_layout = codes_unit_[ui] != 0;
   if (codes_layout) LOOM_CHECK(others_ == 0 || others_all_.data != nullptr, "FP8 gathers: decode before bind()");
   const int64_t esize = static_cast<int64_t>(dtype_size(param_dtype_));
-  // The elements moved in the parameter dtype (a decoder layer's norm gains),
-  // every rank's, copied as one batch after the loop.
-  std::vector<std::pair<Tensor, Tensor>> moved;
   for (int r = 0; r < group_; ++r) {
     const int64_t at = static_cast<int64_t>(r) * wire_bytes_[ui];
     for (const Segment& s : segments_[ui][static_cast<size_t>(r)]) {
       if (s.weight < 0) {  // moved in the parameter dtype
-        moved.emplace_back(view(params, s.lo, {s.hi - s.lo}),
-                           codes_layout ? view(others_all_, r * others_ + others_at_[ui] + s.wire, {s.hi - s.lo})
-                                        : wire_view(wire, at + s.wire, s.hi - s.lo, param_dtype_));
+        Tensor dst = view(params, s.lo, {s.hi - s.lo});
+        ops_->copy(ctx, dst,
+                   codes_layout ? view(others_all_, r * others_ + others_at_[ui] + s.wire, {s.hi - s.lo})
+                                : wire_view(wire, at + s.wire, s.hi - s.lo, param_dtype_));
         continue;
       }
       const Tensor codes = wire_view(wire, at + s.wire, s.hi - s.lo, DType::e4m3);
@@ -441,7 +439,6 @@ void Fp8GatherCodec::decode(const ExecContext& ctx, int unit, const Tensor& wire
       }
     }
   }
-  ops_->copy_all(ctx, moved);
 }
 
 }  // namespace

@@ -48,8 +48,6 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "loom/context.hpp"
 #include "loom/precision.hpp"
@@ -63,7 +61,7 @@ namespace loom::fp8_gather {
 // CUDA; done at once on the CPU):
 //   fill: every element of the fp32 tensor t = v (start-up; may wait)
 //   zero: t = 0 (fp32)
-//   copy: dst = src, the same bytes (copy_all: many at once)
+//   copy: dst = src, the same bytes
 //   amax: amax[0] = max(amax[0], max |x|), x fp32 or bf16 (NaN -> +inf)
 //   scales: for every i, scale[i] = compute_scale(amax[i], 448, margin,
 //     scale[i]).scale and scale_inv[i] = 1 / scale[i] (fp32 [n] each)
@@ -75,11 +73,6 @@ class Ops {
   virtual void fill(Tensor& t, float v) = 0;
   virtual void zero(const ExecContext& ctx, Tensor& t) = 0;
   virtual void copy(const ExecContext& ctx, Tensor& dst, const Tensor& src) = 0;
-  // copy() of every (dst, src) pair, destinations disjoint, as one batch: on
-  // CUDA one kernel (fp8_gather_copy.hpp), not a copy-engine copy each.
-  virtual void copy_all(const ExecContext& ctx, std::vector<std::pair<Tensor, Tensor>>& dst_src) {
-    for (auto& [dst, src] : dst_src) copy(ctx, dst, src);
-  }
   virtual void amax(const ExecContext& ctx, Tensor& amax, const Tensor& x) = 0;
   virtual void scales(const ExecContext& ctx, Tensor& scale, Tensor& scale_inv, const Tensor& amax, int margin) = 0;
   virtual void encode(const ExecContext& ctx, Tensor& q, const Tensor& x, const Tensor& scale) = 0;

@@ -1,8 +1,7 @@
 // The FP8 weight gathers' casts on CUDA (fp8_gather.hpp's device_ops): the
 // device casts of loom/ops/fp8_cast.hpp (fp8_amax, fp8_update_scales,
 // fp8_cast, fp8_dequantize), the ones the per-tensor recipes cast with, on
-// the context's stream, and the batched copy of fp8_gather_copy.cu; every
-// runtime call checked. Built only with CUDA.
+// the context's stream; every runtime call checked. Built only with CUDA.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -12,7 +11,6 @@
 #include "loom/ops/cuda_check.hpp"
 #include "loom/ops/fp8_cast.hpp"
 #include "precision/common/fp8_gather.hpp"
-#include "precision/common/fp8_gather_copy.hpp"
 
 namespace loom::fp8_gather {
 namespace {
@@ -65,19 +63,6 @@ class DeviceOps final : public Ops {
     if (src.bytes() == 0 || dst.data == src.data) return;
     LOOM_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDeviceToDevice, stream_of(ctx)),
                     "FP8 gathers: copy of ", src.bytes(), " bytes from ", src.data, " to ", dst.data);
-  }
-  void copy_all(const ExecContext& ctx, std::vector<std::pair<Tensor, Tensor>>& dst_src) override {
-    std::vector<CopyPiece> pieces;
-    pieces.reserve(dst_src.size());
-    for (auto& [dst, src] : dst_src) {
-      check_device(dst, "copy dst");
-      check_device(src, "copy src");
-      LOOM_CHECK(dst.bytes() == src.bytes(), "FP8 gathers: copy ", src.shape_str(), " (", dtype_name(src.dtype),
-                 ") -> ", dst.shape_str(), " (", dtype_name(dst.dtype), ")");
-      if (src.bytes() > 0 && dst.data != src.data)
-        pieces.push_back({src.data, dst.data, static_cast<int64_t>(src.bytes())});
-    }
-    if (!pieces.empty()) copy_pieces(pieces.data(), static_cast<int>(pieces.size()), ctx.stream);
   }
   void amax(const ExecContext& ctx, Tensor& amax, const Tensor& x) override {
     check_device(x, "amax x");
