@@ -20,6 +20,7 @@ table splits each joint's gaps by hook. Work queued on the optimizer stream
 beside the compute stream and is listed on its own. Times are device times
 from CUDA events; a window of several steps is summed over them.
 """
+import bisect
 import json
 import re
 import statistics as st
@@ -84,7 +85,12 @@ def main(path):
     busy = sum(e["dur"] for e in top)
     # What runs in the gaps: the sharding's hooks (sharding.* ranges, session.cpp)
     # and what they trace inside (gather.wait, gather.decode, ...).
-    gap_ranges = [e for e in compute if not TOP.match(e["name"]) and e["name"] not in ("step", "validation")]
+    gap_ranges = sorted((e for e in compute if not TOP.match(e["name"]) and e["name"] not in ("step", "validation")),
+                        key=lambda e: e["ts"])
+    # A range overlaps the gap [lo, hi) only if it starts before hi and at most
+    # its own length before lo: bisect the starts instead of scanning them all.
+    starts = [e["ts"] for e in gap_ranges]
+    longest = max((e["dur"] for e in gap_ranges), default=0)
     joints = defaultdict(list)
     inside = defaultdict(lambda: defaultdict(float))  # joint -> range name -> time inside its gaps
     for a, b in zip(top, top[1:]):
@@ -94,7 +100,7 @@ def main(path):
             continue
         key = f"{re.sub(r'[0-9]+', 'N', a['name'])} -> {re.sub(r'[0-9]+', 'N', b['name'])}"
         joints[key].append(gap)
-        for h in gap_ranges:
+        for h in gap_ranges[bisect.bisect_left(starts, lo - longest):bisect.bisect_left(starts, hi)]:
             overlap = min(hi, h["ts"] + h["dur"]) - max(lo, h["ts"])
             if overlap > 0:
                 inside[key][h["name"]] += overlap

@@ -460,9 +460,9 @@ std::vector<UnitLayout> FlatSharding::plan(const ShardingEnv& env, const std::ve
     for (size_t i = 0; i < I.units.size(); ++i)
       if (!I.units[i].experts) {
         const int64_t p = I.units[i].chunk * static_cast<int64_t>(dtype_size(I.param_dtype));
-        const int64_t b = I.units[i].plain ? p : I.codec->wire_chunk_bytes(static_cast<int>(i));
-        if (!I.units[i].plain) I.max_wire = std::max(I.max_wire, b);
-        wire += b;
+        const int64_t w = I.codec->wire_chunk_bytes(static_cast<int>(i));  // 0 for a plain unit: planned without it
+        I.max_wire = std::max(I.max_wire, w);
+        wire += I.units[i].plain ? p : w;
         plain += p;
       }
     log_info(cat("sharding ", I.name, ": gather_dtype fp8: ", I.codec->fp8_weights(),
