@@ -78,6 +78,20 @@ TEST(PlanDevice, SizesAsUsersWriteThem) {
                            {"--device-memory 80 is 80 bytes", "between 1 GiB and 1 PiB", "did you mean 80GiB?"});
   loom::test::expect_error([] { loom::parse_memory_size("2PiB", "--device-memory"); }, {"'PiB' is not a unit"});
   loom::test::expect_error([] { loom::parse_memory_size("2048TiB", "--device-memory"); }, {"between 1 GiB and 1 PiB"});
+  // "Did you mean NGiB" only where N GiB is a card's memory: not for a unit
+  // that was written, nor for a number that is out of range in GiB too.
+  for (const char* text : {"0", "0.5", "80MiB", "2048TiB", "1048577", "18446744073709551616"}) {
+    SCOPED_TRACE(text);
+    try {
+      loom::parse_memory_size(text, "--device-memory");
+      ADD_FAILURE() << "accepted";
+    } catch (const loom::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("between 1 GiB and 1 PiB"), std::string::npos) << msg;
+      EXPECT_EQ(msg.find("did you mean"), std::string::npos) << msg;
+    }
+  }
+  loom::test::expect_error([] { loom::parse_memory_size("141", "--device-memory"); }, {"did you mean 141GiB?"});
 }
 
 TEST(PlanDevice, NamedCards) {
@@ -192,6 +206,74 @@ TEST(PlanDevice, CheckSaysWhenItDoesNotFit) {
                           "--set precision.weight_cache=step");
   EXPECT_NE(none.first, 0) << none.second;
   EXPECT_NE(none.second.find("model.recompute = \"selective\""), std::string::npos) << none.second;
+}
+
+// The advice of a plan that does not fit offers only the levers this config
+// can still pull, and `loom check` names the fewest ranks that fit, found by
+// planning: across both node workloads, cards of 80 and 40 GiB and plans
+// refused by the early check (one rank) or by the detailed plan (three), the
+// count it names fits and one fewer does not.
+TEST(PlanDevice, CheckNamesTheFewestRanksThatFit) {
+  for (const char* workload : {"llama3-8b-8k", "llama3-8b-8k-fp8"})
+    for (const char* card : {"--gpu h100", "--device-memory 40GiB"})
+      for (int world : {1, 3}) {
+        const std::string flags = bench(workload) + " " + card + " --no-scan";
+        SCOPED_TRACE(flags + " --world-size " + std::to_string(world));
+        const auto [rc, text] = check(flags + " --world-size " + std::to_string(world));
+        EXPECT_NE(rc, 0) << text;
+        // zero3 shards everything already, and the micro-batch is 1: neither is offered.
+        EXPECT_NE(text.find(std::string("more ranks (this is a 1/") + std::to_string(world) + " share"),
+                  std::string::npos) << text;
+        EXPECT_EQ(text.find("\"zero2\" and \"zero1\""), std::string::npos) << text;
+        EXPECT_EQ(text.find("train.micro_batch"), std::string::npos) << text;
+        EXPECT_NE(text.find(std::string(workload) == "llama3-8b-8k" ? "precision.plugin = \"bf16_pure\""
+                                                                    : "precision.master = \"bf16\""),
+                  std::string::npos) << text;
+        std::smatch m;
+        ASSERT_TRUE(std::regex_search(text, m, std::regex("With more ranks it fits: at --world-size ([0-9]+) ")))
+            << text;
+        const int fewest = std::stoi(m[1]);
+        EXPECT_GT(fewest, world);
+        const auto at = check(flags + " --world-size " + std::to_string(fewest));
+        EXPECT_EQ(at.first, 0) << at.second;
+        EXPECT_NE(at.second.find("): fits"), std::string::npos) << at.second;
+        const auto below = check(flags + " --world-size " + std::to_string(fewest - 1));
+        EXPECT_NE(below.first, 0) << below.second;
+      }
+  // In nodes of 8: a multiple of 8, and one node fewer does not fit.
+  const std::string nodes = bench("llama3-8b-8k") + " --device-memory 40GiB --no-scan --gpus-per-node 8";
+  const auto [rc, text] = check(nodes + " --world-size 8");
+  EXPECT_NE(rc, 0) << text;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("at --world-size ([0-9]+) --gpus-per-node 8 "))) << text;
+  const int fewest = std::stoi(m[1]);
+  EXPECT_EQ(fewest % 8, 0) << text;
+  EXPECT_EQ(check(nodes + " --world-size " + std::to_string(fewest)).first, 0);
+  EXPECT_NE(check(nodes + " --world-size " + std::to_string(fewest - 8)).first, 0);
+}
+
+// Where more ranks cannot help, `loom check` says so instead of a count, and
+// the advice names the strategy or the group size that would.
+TEST(PlanDevice, CheckSaysWhenMoreRanksDoNotHelp) {
+  // ddp keeps a whole copy of llama2-7b's state (bf16_pure: no master to drop) on each rank.
+  const auto ddp = check(bench("llama2-7b") + " --device-memory 40GiB --world-size 4 --no-scan"
+                         " --set sharding.plugin=ddp");
+  EXPECT_NE(ddp.first, 0) << ddp.second;
+  for (const char* want : {"the state sharded over several ranks (sharding.plugin = \"zero3\"",
+                           "More ranks do not make it fit"})
+    EXPECT_NE(ddp.second.find(want), std::string::npos) << "missing '" << want << "' in:\n" << ddp.second;
+  EXPECT_EQ(ddp.second.find("no fp32 master"), std::string::npos) << ddp.second;
+  // hybrid_shard in groups of 2: each group holds a whole copy, whatever the ranks.
+  const auto hybrid = check(bench("llama3-8b-8k") + " --gpu h100 --world-size 4 --no-scan"
+                            " --set sharding.plugin=hybrid_shard --set sharding.shard_group_size=2");
+  EXPECT_NE(hybrid.first, 0) << hybrid.second;
+  for (const char* want : {"larger shard groups (each group of 2 of the 4 ranks", "More ranks do not make it fit"})
+    EXPECT_NE(hybrid.second.find(want), std::string::npos) << "missing '" << want << "' in:\n" << hybrid.second;
+  // Activations alone beyond the card (micro-batch 4): no count, and the micro-batch is offered.
+  const auto acts = check(bench("llama3-8b-8k") + " --gpu h100 --world-size 4 --no-scan --set train.micro_batch=4");
+  EXPECT_NE(acts.first, 0) << acts.second;
+  for (const char* want : {"shrink the activations", "lower train.micro_batch (4)", "More ranks do not make it fit"})
+    EXPECT_NE(acts.second.find(want), std::string::npos) << "missing '" << want << "' in:\n" << acts.second;
 }
 
 // Bad flags and worlds a strategy cannot use: one message each, before any work.

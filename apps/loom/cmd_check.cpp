@@ -10,13 +10,19 @@
 // none started. --gpu / --device-memory plan a CUDA run for that GPU on a
 // machine that has none (a login node): no device is touched, the plan
 // includes what the process would hold beyond the arena (CUDA context,
-// libraries, NCCL), and the answer is whether it fits.
+// libraries, NCCL), and the answer is whether it fits; with --world-size
+// too, a plan that does not fit is planned again at more ranks, and the
+// refusal names the fewest that fit (or says more ranks do not help).
 // Data plugins that can (loom/data.hpp TokenScan: tokens, megatron) read
 // every token of the train and validation data, checked against the
 // vocabulary, which a run does only as it reaches each window; --no-scan
 // leaves that out (the plan of a run on a corpus too large to read now).
 #include <chrono>
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -31,8 +37,88 @@
 #include "train/outputs.hpp"
 #include "train/runtime.hpp"
 #include "train/session.hpp"
+#include "util/quiet_log.hpp"
 
 namespace loom::app {
+namespace {
+
+// The config planned again at `world` ranks (the same card, file, overrides
+// and ranks per node). nullopt when it is refused for anything but memory (a
+// strategy that cannot use that many ranks).
+struct RankPlan {
+  bool fits = false;
+  double need = std::numeric_limits<double>::infinity();  // per rank, the plan and beyond; infinite if refused early
+};
+std::optional<RankPlan> plan_at(const ConfigArgs& a, SessionOptions o, int world) {
+  o.plan_world = world;
+  try {
+    Session s(load_config(a.file, a.overrides), o);
+    RankPlan r;
+    r.need = static_cast<double>(s.planned_device_bytes());
+    try {
+      s.check_memory_fits();
+      r.fits = true;
+    } catch (const MemoryPlanError&) {
+    }
+    return r;
+  } catch (const MemoryPlanError&) {
+    return RankPlan{};
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
+// After the plan at --world-size W does not fit a planned GPU: the fewest
+// ranks (a multiple of --gpus-per-node) at which it would, found by planning
+// again, doubling and then halving the gap. Under a sharded strategy the
+// state's share shrinks with the ranks and the rest does not, so only a plan
+// says when it fits. Says so when more ranks do not shrink it (each keeps a
+// whole copy, or the activations alone exceed the card); empty when not
+// planning ranks for a card.
+std::string ranks_that_fit(const ConfigArgs& a, const SessionOptions& opts) {
+  if (opts.plan_world <= 0 || !opts.plan_device) return {};
+  const QuietLog quiet;  // each plan would log its set-up again
+  constexpr int kMostRanks = 1 << 20;
+  const int step = std::max(1, opts.plan_local_world);
+  const std::string per_node = opts.plan_local_world > 0 ? cat(" --gpus-per-node ", step) : std::string();
+  int lo = opts.plan_world;  // does not fit
+  std::optional<RankPlan> lo_plan = plan_at(a, opts, lo);
+  if (!lo_plan || lo_plan->fits) return {};
+  int hi = 0;
+  RankPlan hi_plan;
+  for (long w = (2L * lo + step - 1) / step * step; w <= kMostRanks; w = (2L * w + step - 1) / step * step) {
+    const std::optional<RankPlan> p = plan_at(a, opts, static_cast<int>(w));
+    if (!p) return {};
+    if (p->fits) {
+      hi = static_cast<int>(w);
+      hi_plan = *p;
+      break;
+    }
+    // Refused by the early check (need infinite), the share still shrinks: go on doubling.
+    if (std::isfinite(p->need) && std::isfinite(lo_plan->need) && p->need >= lo_plan->need * 0.995)
+      return cat(" More ranks do not make it fit: at --world-size ", w, per_node, " each rank still needs ",
+                 human_bytes(p->need), " (", human_bytes(lo_plan->need), " at ", lo, ").");
+    lo = static_cast<int>(w);
+    lo_plan = p;
+  }
+  if (hi == 0) return {};
+  while (hi - lo > step) {
+    const int mid = std::max(lo + step, (lo + (hi - lo) / 2) / step * step);
+    if (mid >= hi) break;
+    const std::optional<RankPlan> p = plan_at(a, opts, mid);
+    if (p && p->fits) {
+      hi = mid;
+      hi_plan = *p;
+    } else {
+      lo = mid;
+    }
+  }
+  return cat(" With more ranks it fits: at --world-size ", hi, per_node, " (the other flags as given) the plan takes ",
+             human_bytes(hi_plan.need), " per rank of ", human_bytes(static_cast<double>(opts.plan_device->total)),
+             ", the fewest ranks", step > 1 ? cat(" in nodes of ", step) : std::string(), " that fit.");
+}
+
+}  // namespace
 
 int cmd_check(const Args& args) {
   const std::string usage = cat(
@@ -114,7 +200,18 @@ int cmd_check(const Args& args) {
   check_plugin_path(cfg);  // a search folder that is not there is refused, not passed over
   check_output_paths(cfg);
   check_no_overwrite(cfg, planned_resume_step(cfg));
-  Session session(std::move(cfg), opts);
+  // A plan that does not fit a card planned for says how many ranks would.
+  auto with_ranks = [&](const MemoryPlanError& e) {
+    const std::string more = ranks_that_fit(a, opts);
+    return MemoryPlanError(more.empty() ? std::string(e.what()) : cat(e.what(), ".", more));
+  };
+  std::unique_ptr<Session> planned;
+  try {
+    planned = std::make_unique<Session>(std::move(cfg), opts);
+  } catch (const MemoryPlanError& e) {
+    throw with_ranks(e);
+  }
+  Session& session = *planned;
   // What train would start from, checked as train checks it: the checkpoint
   // it would resume (all but the tensor data) and its data position (given to
   // the data plugin as resuming gives it), else an HF folder's weights
@@ -127,7 +224,11 @@ int cmd_check(const Args& args) {
   std::printf("%s\n", session.describe().c_str());
   if (breakdown) std::printf("%s\n", session.plan_breakdown().c_str());
   std::fflush(stdout);
-  session.check_memory_fits();  // after the plan is printed: the error refers to it
+  try {
+    session.check_memory_fits();  // after the plan is printed: the error refers to it
+  } catch (const MemoryPlanError& e) {
+    throw with_ranks(e);
+  }
   // Training checks tokens only as windows reach them; here every one is
   // read, so data that would stop a run hours in is refused before it starts.
   const auto t0 = std::chrono::steady_clock::now();

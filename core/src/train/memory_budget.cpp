@@ -131,10 +131,15 @@ uint64_t parse_memory_size(const std::string& text, const std::string& flag) {
     if (lower(unit) == u) mult = m;
   if (mult < 0) throw Error(cat(flag, " ", text, ": '", unit, "' is not a unit of memory", how));
   const double bytes = value * mult;
-  if (bytes < static_cast<double>(kGiB) || bytes > std::ldexp(1.0, 50))
+  auto in_range = [](double b) { return b >= static_cast<double>(kGiB) && b <= std::ldexp(1.0, 50); };
+  if (!in_range(bytes))
     throw Error(cat(flag, " ", text, " is ",
                     bytes < static_cast<double>(kMiB) ? cat(static_cast<uint64_t>(bytes), " bytes") : human_bytes(bytes),
-                    ": a GPU's memory is between 1 GiB and 1 PiB (did you mean ", number, "GiB?)", how));
+                    ": a GPU's memory is between 1 GiB and 1 PiB",
+                    // A number with no unit read as GiB, where that would be a card's memory.
+                    unit.empty() && in_range(value * static_cast<double>(kGiB)) ? cat(" (did you mean ", number, "GiB?)")
+                                                                                 : std::string(),
+                    how));
   return static_cast<uint64_t>(bytes);
 }
 

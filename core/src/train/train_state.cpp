@@ -498,22 +498,77 @@ MemoryBudget arena_budget(const Runtime& rt) {
   return budget;
 }
 
-// What to change when the plan does not fit: both levers, the larger part's first.
-std::string fit_advice(const Config& cfg, const ModelSpec& spec, double acts, double state, bool gpu) {
-  const std::string for_acts =
-      cat("the activations (", human_bytes(acts), "): lower train.micro_batch (", cfg.train.micro_batch,
-          ") or train.seq_len (", cfg.train.seq_len, ")",
-          cfg.model.recompute == "full"        ? std::string()
-          : cfg.model.recompute == "none"      ? std::string(", or set model.recompute = \"selective\" (the norms' and "
-                                                             "SwiGLU's outputs recomputed, little compute) or \"full\"")
-                                               : std::string(", or set model.recompute = \"full\""));
-  const std::string for_state =
-      cat("the weights, gradients and optimizer state (", human_bytes(state), "): a smaller model (model.hidden = ",
-          spec.hidden, ", model.num_layers = ", spec.num_layers, ", model.vocab_size = ", spec.vocab_size,
-          ", model.ffn_hidden = ", spec.ffn_hidden,
-          spec.moe() ? cat(", model.num_experts = ", spec.num_experts) : std::string(), "), or the state spread over "
-          "more ranks (sharding.plugin = \"zero2\" or \"zero3\" under mpirun / srun)",
-          gpu ? ", or bf16 weights (precision.plugin = \"bf16\")" : "");
+// How a run spreads its weights, gradients and optimizer state over its
+// ranks, for the advice below.
+struct StateSpread {
+  int world = 1;                // ranks of the run
+  int shards = 1;               // ranks that split one copy of the optimizer state (1: each holds all of it)
+  bool params_sharded = false;  // the resident parameters are a shard too (zero3)
+  // The early check's floor, planned as if zero3 split everything over all
+  // ranks whatever the strategy: more ranks then need zero3 too.
+  bool floor = false;
+};
+
+// What to change when the plan does not fit: the levers that can change this
+// config's parts, the larger part's first. A lever already at its end (a
+// micro-batch of 1, a strategy that already shards everything) is not
+// offered. `state` and `acts` are this rank's.
+std::string fit_advice(const Config& cfg, const ModelSpec& spec, const PrecisionDTypes& dt, bool gpu,
+                       const StateSpread& spread, double acts, double state) {
+  auto join = [](const std::vector<std::string>& v) {
+    std::string out;
+    for (size_t i = 0; i < v.size(); ++i) out += cat(i == 0 ? "" : ", or ", v[i]);
+    return out;
+  };
+  std::vector<std::string> act;
+  if (cfg.train.micro_batch > 1) act.push_back(cat("lower train.micro_batch (", cfg.train.micro_batch, ")"));
+  act.push_back(cat("lower train.seq_len (", cfg.train.seq_len, ")"));
+  if (cfg.model.recompute == "none")
+    act.push_back("set model.recompute = \"selective\" (the norms' and SwiGLU's outputs recomputed, little compute) "
+                  "or \"full\"");
+  else if (cfg.model.recompute != "full")
+    act.push_back("set model.recompute = \"full\"");
+
+  std::vector<std::string> st;
+  const std::string& sharding = cfg.sharding.plugin;
+  if (spread.floor || (spread.params_sharded && spread.shards >= spread.world)) {
+    // The state's share falls as 1/ranks, the rest (activations, workspaces,
+    // the gathered units, what lies beyond the arena) does not: `loom check`
+    // plans other counts, and after this message names the fewest that fit.
+    // On the host, ranks on one machine share its memory: more of them do not help there.
+    const bool zero3 = sharding == "zero3" || sharding == "full_shard";
+    if (gpu)
+      st.push_back(cat("more ranks (this is a 1/", spread.world, " share",
+                       spread.floor && !zero3 ? ", with sharding.plugin = \"zero3\"" : "",
+                       "; `loom check CONFIG --world-size N` with --gpu or --device-memory plans N)"));
+  } else if (spread.shards <= 1) {
+    st.push_back(cat("the state sharded over several ranks (sharding.plugin = \"zero3\" under mpirun -np N / srun; "
+                     "\"zero2\" and \"zero1\" shard less of it)",
+                     spread.world == 1 || sharding == "none" || sharding == "ddp"
+                         ? ""
+                         : cat(", where sharding.plugin = \"", sharding, "\" keeps a whole copy on each rank")));
+  } else if (!spread.params_sharded) {
+    st.push_back(cat("the parameters sharded too (sharding.plugin = \"zero3\"; \"", sharding,
+                     "\" keeps them whole on each rank)"));
+  } else {
+    st.push_back(cat("larger shard groups (each group of ", spread.shards, " of the ", spread.world,
+                     " ranks holds a whole copy of the state: sharding.shard_group_size)"));
+  }
+  if (gpu && dt.param == DType::f32) {
+    st.push_back("bf16 weights (precision.plugin = \"bf16\")");
+  } else if (gpu && dt.has_master) {
+    const std::string& recipe = cfg.precision.plugin;
+    st.push_back(cat("no fp32 master copy, and the AdamW state in bf16 (",
+                     recipe == "bf16"              ? std::string("precision.plugin = \"bf16_pure\"")
+                     : recipe.rfind("fp8", 0) == 0 ? std::string("precision.master = \"bf16\"")
+                                                   : cat("a recipe without a master; \"", recipe, "\" keeps one"),
+                     ")"));
+  }
+  st.push_back(cat("a smaller model (model.hidden = ", spec.hidden, ", model.num_layers = ", spec.num_layers,
+                   ", model.vocab_size = ", spec.vocab_size, ", model.ffn_hidden = ", spec.ffn_hidden,
+                   spec.moe() ? cat(", model.num_experts = ", spec.num_experts) : std::string(), ")"));
+  const std::string for_acts = cat("the activations (", human_bytes(acts), "): ", join(act));
+  const std::string for_state = cat("the weights, gradients and optimizer state (", human_bytes(state), "): ", join(st));
   return acts >= state ? cat("shrink ", for_acts, "; or ", for_state) : cat("shrink ", for_state, "; or ", for_acts);
 }
 
@@ -585,7 +640,8 @@ void check_memory_can_fit(const Config& cfg, const ModelSpec& spec, const Runtim
       !gpu && sharing > 1 ? cat(", times ", sharing, " ranks on this machine") : std::string(), "), but ",
       device_short ? cat("only ", human_bytes(static_cast<double>(budget.available)), " is available: ", budget.source)
                    : std::string("no machine holds more than 1 EiB"),
-      ". Nothing was built. To fit: ", fit_advice(cfg, spec, static_cast<double>(acts), static_cast<double>(state), gpu),
+      ". Nothing was built. To fit: ", fit_advice(cfg, spec, rt.dtypes, gpu, StateSpread{rt.world(), rt.world(), true, true},
+                                           static_cast<double>(acts), static_cast<double>(state)),
       ". 'loom check' prints the whole plan of a config that fits"));
 }
 
@@ -603,7 +659,12 @@ void TrainState::check_memory_fits() const {
   const double acts = cat_bytes(MemCategory::activations);
   const double state = cat_bytes(MemCategory::params) + cat_bytes(MemCategory::grads) +
                        cat_bytes(MemCategory::optimizer) + cat_bytes(MemCategory::master);
-  const std::string fix = fit_advice(cfg_, model_.spec(), acts, state, gpu);
+  StateSpread spread{rt_.world(), 1, false, false};
+  for (const UnitLayout& l : layouts_) {
+    if (l.optim_numel > 0) spread.shards = std::max(spread.shards, static_cast<int>(l.padded_numel / l.optim_numel));
+    spread.params_sharded = spread.params_sharded || l.params_sharded;
+  }
+  const std::string fix = fit_advice(cfg_, model_.spec(), rt_.dtypes, gpu, spread, acts, state);
   throw MemoryPlanError(cat("the memory plan does not fit: this run needs about ", human_bytes(need), " (the plan: ",
                   human_bytes(plan), " per rank — params ", human_bytes(cat_bytes(MemCategory::params)), ", grads ",
                   human_bytes(cat_bytes(MemCategory::grads)), ", optimizer ",

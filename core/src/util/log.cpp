@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "loom/error.hpp"
+#include "util/quiet_log.hpp"
 #include "util/terminal.hpp"
 
 namespace loom {
@@ -47,5 +48,8 @@ void set_log_level(std::string_view level) {
 }
 
 void set_log_rank(int rank) { g_rank.store(rank); }
+
+QuietLog::QuietLog() : saved_(static_cast<int>(logger().level())) { logger().set_level(spdlog::level::err); }
+QuietLog::~QuietLog() { logger().set_level(static_cast<spdlog::level::level_enum>(saved_)); }
 
 }  // namespace loom
