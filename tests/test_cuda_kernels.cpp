@@ -652,9 +652,15 @@ TEST_F(CudaKernels, AdamWIsTheCpuBitForBitOnEveryPath) {
     DType param, grad, state;
     bool master;
   };
+  // Every storage a recipe can ask for: bf16_pure (and master = "bf16"),
+  // bf16 and the FP8 recipes with an fp32 master, the same with
+  // optimizer_state = "bf16" (bf16 m and v beside the fp32 master) and
+  // master = "bf16" with optimizer_state = "fp32", and the fp32 reference.
   const Layout layouts[] = {{DType::bf16, DType::bf16, DType::bf16, false},
                             {DType::bf16, DType::f32, DType::f32, true},
                             {DType::bf16, DType::bf16, DType::f32, true},
+                            {DType::bf16, DType::f32, DType::bf16, true},
+                            {DType::bf16, DType::bf16, DType::f32, false},
                             {DType::f32, DType::f32, DType::f32, false}};
   uint32_t seed = 900;
   for (const Layout& l : layouts) {

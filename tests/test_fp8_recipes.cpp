@@ -323,6 +323,45 @@ TEST(Fp8Recipes, AmaxEdgeCasesKeepTheScale) {
   }
 }
 
+// precision.optimizer_state: AdamW's m and v in fp32 or bf16, apart from the
+// master. Every FP8 recipe and bf16 take it; the default follows the master
+// (fp32 with an fp32 master, bf16 with master = "bf16"); the CPU keeps fp32
+// state only; any other value is refused naming the choices.
+TEST(Fp8Recipes, OptimizerStateIsItsOwnKey) {
+  using loom::test::expect_error;
+  for (const char* plugin : {"fp8_delayed", "fp8_current", "fp8_block"}) {
+    SCOPED_TRACE(plugin);
+    EXPECT_EQ(make(plugin)->dtypes().optim_state, DType::f32);
+    EXPECT_EQ(make(plugin, "optimizer_state = \"fp32\"\n")->dtypes().optim_state, DType::f32);
+    expect_error([&] { make(plugin, "optimizer_state = \"bf16\"\n"); },
+                 {"fp8.toml", "optimizer_state", "CPU", "optimizer_state = \"fp32\""});
+    expect_error([&] { make(plugin, "optimizer_state = \"fp16\"\n"); }, {"fp8.toml", "optimizer_state", "fp32", "bf16"});
+#ifdef LOOM_HAVE_CUDA
+    struct Case {
+      const char* body;
+      DType state;
+      bool master;
+    };
+    for (const Case& c : {Case{"", DType::f32, true}, Case{"optimizer_state = \"bf16\"\n", DType::bf16, true},
+                          Case{"master = \"bf16\"\n", DType::bf16, false},
+                          Case{"master = \"bf16\"\noptimizer_state = \"fp32\"\n", DType::f32, false}}) {
+      SCOPED_TRACE(c.body);
+      const loom::PrecisionDTypes dt = make(plugin, c.body, Device::cuda)->dtypes();
+      EXPECT_EQ(dt.optim_state, c.state);
+      EXPECT_EQ(dt.has_master, c.master);
+      EXPECT_EQ(dt.param, DType::bf16);
+    }
+#endif
+  }
+#ifdef LOOM_HAVE_CUDA
+  EXPECT_EQ(make("bf16", "", Device::cuda)->dtypes().optim_state, DType::f32);
+  const loom::PrecisionDTypes bf16 = make("bf16", "optimizer_state = \"bf16\"\n", Device::cuda)->dtypes();
+  EXPECT_EQ(bf16.optim_state, DType::bf16);
+  EXPECT_TRUE(bf16.has_master);
+  expect_error([] { make("bf16", "optimizer_state = \"fp8\"\n", Device::cuda); }, {"optimizer_state", "fp32", "bf16"});
+#endif
+}
+
 // Every bad value: one loom::Error naming the file, the key and what to do.
 TEST(Fp8Recipes, ConfigErrors) {
   using loom::test::expect_error;

@@ -300,6 +300,68 @@ TEST(GpuFp8Recipes, StopAndResumeOnCudaIsBitwiseExact) {
   }
 }
 
+// precision.optimizer_state = "bf16" on CUDA, for bf16 and fp8_current:
+// AdamW's m and v in bf16 beside the fp32 master (half the optimizer's plan)
+// trained beside the fp32 state. The first loss is the same bits (no update
+// yet); the others differ (the state really is rounded) but stay within 1%:
+// rounding m and v to bf16 moves each element's update by about 2^-9 of
+// itself, so ten steps at lr 1e-3 move the loss by a small part of what the
+// updates move it, and 1% is a bound with room. A checkpoint of the fp32
+// state resumes into bf16 state (converted by name), within the same bound.
+TEST(GpuFp8Recipes, OptimizerStateInBf16TrainsBesideFp32) {
+  LOOM_REQUIRE_GPU();
+  for (const std::string plugin : {"bf16", "fp8_current"}) {
+    SCOPED_TRACE(plugin);
+    const fs::path d = temp_dir("optimizer_state_" + plugin);
+    const std::string prec = "plugin = \"" + plugin + "\"", bf16_state = prec + "\noptimizer_state = \"bf16\"";
+    auto optimizer_bytes = [](loom::Session& s) {
+      return loom::probe(s).memory_plan().category_bytes(loom::MemCategory::optimizer);
+    };
+    loom::RunSummary f32, b16;
+    size_t plan32 = 0, plan16 = 0;
+    {
+      loom::Session s(parse(small_config(d / "fp32", prec)));
+      plan32 = optimizer_bytes(s);
+      f32 = s.train();
+    }
+    {
+      loom::Session s(parse(small_config(d / "bf16", bf16_state)));
+      plan16 = optimizer_bytes(s);
+      b16 = s.train();
+      for (const loom::UnitState& u : loom::probe(s).units()) {
+        EXPECT_EQ(u.adam_m.dtype, DType::bf16);
+        EXPECT_EQ(u.adam_v.dtype, DType::bf16);
+        ASSERT_NE(u.master.data, nullptr) << "the fp32 master must stay";
+        EXPECT_EQ(u.master.dtype, DType::f32);
+      }
+    }
+    EXPECT_EQ(2 * plan16, plan32);
+    ASSERT_EQ(f32.steps.size(), 10u);
+    ASSERT_EQ(b16.steps.size(), 10u);
+    EXPECT_EQ(b16.steps[0].loss, f32.steps[0].loss);
+    bool differs = false;
+    for (size_t i = 0; i < 10; ++i) {
+      EXPECT_NEAR(b16.steps[i].loss, f32.steps[i].loss, 1e-2 * std::abs(f32.steps[i].loss)) << "step " << i + 1;
+      differs = differs || b16.steps[i].loss != f32.steps[i].loss;
+    }
+    EXPECT_TRUE(differs) << "bf16 m and v gave the fp32 state's losses bit for bit";
+    // fp32 state to step 5, then bf16 state from its checkpoint.
+    const std::vector<std::string> ov = {"checkpoint.every=5", "checkpoint.resume=auto"};
+    {
+      loom::Session s(parse(small_config(d / "switch", prec), ov));
+      ASSERT_EQ(s.train(5).steps.size(), 5u);
+    }
+    {
+      loom::Session s(parse(small_config(d / "switch", bf16_state), ov));
+      const loom::RunSummary r = s.train();
+      ASSERT_EQ(r.first_step, 5);
+      ASSERT_EQ(r.steps.size(), 5u);
+      for (size_t i = 0; i < 5; ++i)
+        EXPECT_NEAR(r.steps[i].loss, f32.steps[5 + i].loss, 1e-2 * std::abs(f32.steps[5 + i].loss)) << "step " << i + 6;
+    }
+  }
+}
+
 // bf16 -> fp8_delayed -> bf16 through checkpoints on CUDA: the weights carry
 // over by name, the FP8 scales start fresh (every scale 1, no step counted),
 // and every loss stays finite.

@@ -558,6 +558,9 @@ std::string fit_advice(const Config& cfg, const ModelSpec& spec, const Precision
     st.push_back("bf16 weights (precision.plugin = \"bf16\")");
   } else if (gpu && dt.has_master) {
     const std::string& recipe = cfg.precision.plugin;
+    const bool builtin = recipe == "bf16" || recipe.rfind("fp8", 0) == 0;  // the recipes that take these keys
+    if (builtin && dt.optim_state == DType::f32)
+      st.push_back("AdamW's m and v in bf16, the master staying fp32 (precision.optimizer_state = \"bf16\")");
     st.push_back(cat("no fp32 master copy, and the AdamW state in bf16 (",
                      recipe == "bf16"              ? std::string("precision.plugin = \"bf16_pure\"")
                      : recipe.rfind("fp8", 0) == 0 ? std::string("precision.master = \"bf16\"")

@@ -1,6 +1,7 @@
 // The bf16 precision recipe, the default on GPUs: parameters and activations
 // in bf16, an fp32 master copy that the optimizer updates (then rounds into
-// the bf16 parameters), fp32 gradients and fp32 AdamW state. Every GEMM reads
+// the bf16 parameters), fp32 gradients and fp32 AdamW state (bf16 with
+// optimizer_state = "bf16": half its memory, the master stays fp32). Every GEMM reads
 // bf16 and accumulates in fp32; the weight gradient is produced in fp32 (bf16
 // inputs, fp32 C/D), so micro-batches accumulate into dW without bf16 rounding.
 // CUDA only: the CPU reference is the fp32 recipe.
@@ -17,13 +18,18 @@ class Bf16Precision final : public precision_common::CublasLtRecipe {
  public:
   explicit Bf16Precision(const PluginInit& init)
       : CublasLtRecipe("bf16", precision_common::GemmDTypes{DType::bf16, DType::bf16, DType::f32}, init) {
-    // The recipe has no options of its own; finish() rejects any key given.
+    // One option of its own; finish() rejects any other key given.
+    state_bf16_ = init.config.get_choice("optimizer_state", "fp32", {"fp32", "bf16"}) == "bf16";
     init.config.finish();
   }
 
   PrecisionDTypes dtypes() const override {
-    return {DType::bf16, DType::f32, DType::f32, DType::f32, DType::bf16, /*has_master=*/true};
+    return {DType::bf16, DType::f32, DType::f32, state_bf16_ ? DType::bf16 : DType::f32, DType::bf16,
+            /*has_master=*/true};
   }
+
+ private:
+  bool state_bf16_ = false;  // AdamW's m and v in bf16
 };
 
 }  // namespace

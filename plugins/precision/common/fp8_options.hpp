@@ -59,20 +59,23 @@ inline WeightCache read_weight_cache(const ConfigTable& c) {
   return v == "step" ? WeightCache::step : v == "layer" ? WeightCache::layer : WeightCache::automatic;
 }
 
-// master = "fp32" | "bf16" and stochastic_rounding, read before the table's
-// finish() (unknown keys first) and checked after it by check().
+// master = "fp32" | "bf16", optimizer_state = "fp32" | "bf16" and
+// stochastic_rounding, read before the table's finish() (unknown keys first)
+// and checked after it by check().
 struct Master {
   bool bf16 = false;
+  bool state_bf16 = false;  // AdamW's m and v in bf16 (default: as the master)
   bool stochastic_rounding = false;
 
   static Master read(const ConfigTable& c) {
     Master m;
     m.bf16 = c.get_choice("master", "fp32", {"fp32", "bf16"}) == "bf16";
+    m.state_bf16 = c.get_choice("optimizer_state", m.bf16 ? "bf16" : "fp32", {"fp32", "bf16"}) == "bf16";
     m.stochastic_rounding = c.get_bool("stochastic_rounding", false);
     return m;
   }
   // Stochastic rounding needs bf16 master storage, and bf16 master storage
-  // needs the CUDA backend (the CPU stores and updates fp32 parameters).
+  // or AdamW state needs the CUDA backend (the CPU stores and updates fp32).
   void check(const ConfigTable& c, Device device) const {
     if (stochastic_rounding && !bf16)
       c.fail("stochastic_rounding",
@@ -82,6 +85,9 @@ struct Master {
     if (bf16 && device != Device::cuda)
       c.fail("master", "master = \"bf16\" keeps the parameters in bf16 without an fp32 copy, but the CPU backend "
                        "stores and updates parameters in fp32 only: on the CPU use master = \"fp32\" (the default)");
+    if (state_bf16 && device != Device::cuda)
+      c.fail("optimizer_state", "optimizer_state = \"bf16\" keeps AdamW's m and v in bf16, but the CPU backend "
+                                "keeps them in fp32 only: on the CPU use optimizer_state = \"fp32\" (the default)");
   }
 };
 
@@ -92,6 +98,7 @@ struct Common {
   WeightCache weight_cache = WeightCache::automatic;
   bool fp8_head = false;                     // the LM head in FP8 too
   bool master_bf16 = false;                  // master = "bf16": bf16 parameters and AdamW state, no fp32 copy
+  bool state_bf16 = false;                   // optimizer_state = "bf16": AdamW's m and v in bf16
   bool stochastic_rounding = false;
   GemmAlgo gemm_algo = GemmAlgo::heuristic;  // precision.gemm_algo, resolved (loom/gemm_algo.hpp)
 };
@@ -105,6 +112,7 @@ inline Common read_common(const ConfigTable& c, const PluginInit& init) {
   c.finish();
   master.check(c, init.device);
   o.master_bf16 = master.bf16;
+  o.state_bf16 = master.state_bf16;
   o.stochastic_rounding = master.stochastic_rounding;
   return o;
 }

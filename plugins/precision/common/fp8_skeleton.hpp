@@ -89,14 +89,16 @@ class Fp8Skeleton : public Precision, public Fp8OperandAmax, public Fp8RecastOpe
 // The GPU paths' storage: bf16 parameters and activations with an fp32 master
 // copy, gradients and AdamW state (the bf16 recipe's), or with master = "bf16"
 // bf16_pure's layout: no master copy, the optimizer rounds into the bf16
-// parameters (stochastically when asked).
+// parameters (stochastically when asked). optimizer_state sets AdamW's m and
+// v apart (bf16 beside an fp32 master: half their memory).
 inline PrecisionDTypes device_dtypes(const fp8_options::Common& o) {
+  const DType state = o.state_bf16 ? DType::bf16 : DType::f32;
   if (o.master_bf16) {
-    PrecisionDTypes t{DType::bf16, DType::bf16, DType::bf16, DType::bf16, DType::bf16, /*has_master=*/false};
+    PrecisionDTypes t{DType::bf16, DType::bf16, DType::bf16, state, DType::bf16, /*has_master=*/false};
     t.stochastic_rounding = o.stochastic_rounding;
     return t;
   }
-  return {DType::bf16, DType::f32, DType::f32, DType::f32, DType::bf16, /*has_master=*/true};
+  return {DType::bf16, DType::f32, DType::f32, state, DType::bf16, /*has_master=*/true};
 }
 
 // The backward of a linear must follow a forward of as many rows (the forward
