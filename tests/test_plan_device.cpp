@@ -294,6 +294,11 @@ TEST(PlanDevice, CheckRefusesBadFlagsWithOneMessage) {
       // hybrid_shard's groups must divide the world.
       {c + " --gpu h100 --world-size 6 --set sharding.plugin=hybrid_shard --set sharding.shard_group_size=4",
        "shard_group_size = 4 does not divide the world size 6"},
+      // Every rank on one machine (no --gpus-per-node): 6371 tensors described
+      // 2^20 times (2.3 TiB of host memory) is refused, naming the flag.
+      {(fs::path(LOOM_SOURCE_DIR) / "configs" / "mixtral-8x7b.toml").string() +
+           " --gpu h100 --world-size 1048576 --set model.num_experts=64",
+       "say how many of the 1048576 ranks share a machine (loom check --gpus-per-node G)"},
       // A CPU run planned for a GPU.
       {c + " --gpu h100 --world-size 4 --set run.device=cpu", "--gpu and --device-memory plan a run.device = \"cuda\""},
   };

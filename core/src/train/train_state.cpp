@@ -630,7 +630,11 @@ void check_memory_can_fit(const Config& cfg, const ModelSpec& spec, const Runtim
                     sharing > 1 ? cat(", times ", sharing, " ranks on this machine") : std::string(), ", but only ",
                     human_bytes(static_cast<double>(host.available)), " is available: ", host.source,
                     ". Nothing was built. Lower model.num_layers (", spec.num_layers, ")",
-                    spec.moe() ? cat(" or model.num_experts (", spec.num_experts, ")") : std::string()));
+                    spec.moe() ? cat(" or model.num_experts (", spec.num_experts, ")") : std::string(),
+                    // loom check --world-size N without --gpus-per-node plans all N ranks on one machine.
+                    rt.launch.under_launcher_planned && sharing == rt.world() && sharing > 1
+                        ? cat(", or say how many of the ", sharing, " ranks share a machine (loom check --gpus-per-node G)")
+                        : std::string()));
   const std::string per_rank = world > 1 ? cat(" (an equal share of ", rt.world(), " ranks)") : std::string();
   throw MemoryPlanError(cat(
       "the memory plan cannot fit: before anything is planned in detail, this config needs at least ",
