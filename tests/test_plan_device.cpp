@@ -274,6 +274,13 @@ TEST(PlanDevice, CheckSaysWhenMoreRanksDoNotHelp) {
   EXPECT_NE(acts.first, 0) << acts.second;
   for (const char* want : {"shrink the activations", "lower train.micro_batch (4)", "More ranks do not make it fit"})
     EXPECT_NE(acts.second.find(want), std::string::npos) << "missing '" << want << "' in:\n" << acts.second;
+  // Refused by the early check at every count (the activations' floor alone
+  // exceeds the card): planned up to the most ranks loom takes.
+  const auto floor = check(bench("llama3-8b-8k") + " --device-memory 40GiB --world-size 4 --no-scan"
+                           " --set train.micro_batch=64");
+  EXPECT_NE(floor.first, 0) << floor.second;
+  EXPECT_NE(floor.second.find("More ranks do not make it fit: not at --world-size 1048576 either"), std::string::npos)
+      << floor.second;
 }
 
 // Bad flags and worlds a strategy cannot use: one message each, before any work.

@@ -17,8 +17,8 @@
 // every token of the train and validation data, checked against the
 // vocabulary, which a run does only as it reaches each window; --no-scan
 // leaves that out (the plan of a run on a corpus too large to read now).
-#include <chrono>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -101,7 +101,9 @@ std::string ranks_that_fit(const ConfigArgs& a, const SessionOptions& opts) {
     lo = static_cast<int>(w);
     lo_plan = p;
   }
-  if (hi == 0) return {};
+  if (hi == 0)
+    return lo == opts.plan_world ? std::string()
+                                 : cat(" More ranks do not make it fit: not at --world-size ", lo, per_node, " either.");
   while (hi - lo > step) {
     const int mid = std::max(lo + step, (lo + (hi - lo) / 2) / step * step);
     if (mid >= hi) break;
