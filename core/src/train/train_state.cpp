@@ -536,17 +536,14 @@ std::string fit_advice(const Config& cfg, const ModelSpec& spec, const Precision
     // the gathered units, what lies beyond the arena) does not: `loom check`
     // plans other counts, and after this message names the fewest that fit.
     // On the host, ranks on one machine share its memory: more of them do not help there.
-    const bool zero3 = sharding == "zero3" || sharding == "full_shard";
     if (gpu)
       st.push_back(cat("more ranks (this is a 1/", spread.world, " share",
-                       spread.floor && !zero3 ? ", with sharding.plugin = \"zero3\"" : "",
+                       spread.floor ? ", as a strategy that shards everything holds it: sharding.plugin = \"zero3\"" : "",
                        "; `loom check CONFIG --world-size N` with --gpu or --device-memory plans N)"));
   } else if (spread.shards <= 1) {
     st.push_back(cat("the state sharded over several ranks (sharding.plugin = \"zero3\" under mpirun -np N / srun; "
                      "\"zero2\" and \"zero1\" shard less of it)",
-                     spread.world == 1 || sharding == "none" || sharding == "ddp"
-                         ? ""
-                         : cat(", where sharding.plugin = \"", sharding, "\" keeps a whole copy on each rank")));
+                     spread.world == 1 ? "" : cat(", where sharding.plugin = \"", sharding, "\" keeps a whole copy on each rank")));
   } else if (!spread.params_sharded) {
     st.push_back(cat("the parameters sharded too (sharding.plugin = \"zero3\"; \"", sharding,
                      "\" keeps them whole on each rank)"));
@@ -554,18 +551,17 @@ std::string fit_advice(const Config& cfg, const ModelSpec& spec, const Precision
     st.push_back(cat("larger shard groups (each group of ", spread.shards, " of the ", spread.world,
                      " ranks holds a whole copy of the state: sharding.shard_group_size)"));
   }
+  // The recipe's levers, where it takes their keys (the keys it read: the
+  // core does not match plugin names).
+  const std::vector<std::string> recipe_keys = cfg.precision.table.read_keys();
+  auto takes = [&](const char* key) { return std::find(recipe_keys.begin(), recipe_keys.end(), key) != recipe_keys.end(); };
   if (gpu && dt.param == DType::f32) {
     st.push_back("bf16 weights (precision.plugin = \"bf16\")");
   } else if (gpu && dt.has_master) {
-    const std::string& recipe = cfg.precision.plugin;
-    const bool builtin = recipe == "bf16" || recipe.rfind("fp8", 0) == 0;  // the recipes that take these keys
-    if (builtin && dt.optim_state == DType::f32)
+    if (dt.optim_state == DType::f32 && takes("optimizer_state"))
       st.push_back("AdamW's m and v in bf16, the master staying fp32 (precision.optimizer_state = \"bf16\")");
-    st.push_back(cat("no fp32 master copy, and the AdamW state in bf16 (",
-                     recipe == "bf16"              ? std::string("precision.plugin = \"bf16_pure\"")
-                     : recipe.rfind("fp8", 0) == 0 ? std::string("precision.master = \"bf16\"")
-                                                   : cat("a recipe without a master; \"", recipe, "\" keeps one"),
-                     ")"));
+    st.push_back(takes("master") ? std::string("no fp32 master copy, and the AdamW state in bf16 (precision.master = \"bf16\")")
+                                 : std::string("a recipe without an fp32 master copy (such as precision.plugin = \"bf16_pure\")"));
   }
   st.push_back(cat("a smaller model (model.hidden = ", spec.hidden, ", model.num_layers = ", spec.num_layers,
                    ", model.vocab_size = ", spec.vocab_size, ", model.ffn_hidden = ", spec.ffn_hidden,
