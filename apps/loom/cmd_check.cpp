@@ -74,16 +74,16 @@ std::optional<RankPlan> plan_at(const ConfigArgs& a, SessionOptions o, int world
 // state's share shrinks with the ranks and the rest does not, so only a plan
 // says when it fits. Says so when more ranks do not shrink it (each keeps a
 // whole copy, or the activations alone exceed the card); empty when not
-// planning ranks for a card.
-std::string ranks_that_fit(const ConfigArgs& a, const SessionOptions& opts) {
+// planning ranks for a card. `refused` is the plan at --world-size that did
+// not fit (its need infinite when the early check refused it).
+std::string ranks_that_fit(const ConfigArgs& a, const SessionOptions& opts, const RankPlan& refused) {
   if (opts.plan_world <= 0 || !opts.plan_device) return {};
   const QuietLog quiet;  // each plan would log its set-up again
   constexpr int kMostRanks = 1 << 20;
   const int step = std::max(1, opts.plan_local_world);
   const std::string per_node = opts.plan_local_world > 0 ? cat(" --gpus-per-node ", step) : std::string();
   int lo = opts.plan_world;  // does not fit
-  std::optional<RankPlan> lo_plan = plan_at(a, opts, lo);
-  if (!lo_plan || lo_plan->fits) return {};
+  RankPlan lo_plan = refused;
   int hi = 0;
   RankPlan hi_plan;
   for (long w = (2L * lo + step - 1) / step * step; w <= kMostRanks; w = (2L * w + step - 1) / step * step) {
@@ -95,11 +95,11 @@ std::string ranks_that_fit(const ConfigArgs& a, const SessionOptions& opts) {
       break;
     }
     // Refused by the early check (need infinite), the share still shrinks: go on doubling.
-    if (std::isfinite(p->need) && std::isfinite(lo_plan->need) && p->need >= lo_plan->need * 0.995)
+    if (std::isfinite(p->need) && std::isfinite(lo_plan.need) && p->need >= lo_plan.need * 0.995)
       return cat(" More ranks do not make it fit: at --world-size ", w, per_node, " each rank still needs ",
-                 human_bytes(p->need), " (", human_bytes(lo_plan->need), " at ", lo, ").");
+                 human_bytes(p->need), " (", human_bytes(lo_plan.need), " at ", lo, ").");
     lo = static_cast<int>(w);
-    lo_plan = p;
+    lo_plan = *p;
   }
   if (hi == 0)
     return lo == opts.plan_world ? std::string()
@@ -203,15 +203,15 @@ int cmd_check(const Args& args) {
   check_output_paths(cfg);
   check_no_overwrite(cfg, planned_resume_step(cfg));
   // A plan that does not fit a card planned for says how many ranks would.
-  auto with_ranks = [&](const MemoryPlanError& e) {
-    const std::string more = ranks_that_fit(a, opts);
+  auto with_ranks = [&](const MemoryPlanError& e, const RankPlan& refused) {
+    const std::string more = ranks_that_fit(a, opts, refused);
     return MemoryPlanError(more.empty() ? std::string(e.what()) : cat(e.what(), ".", more));
   };
   std::unique_ptr<Session> planned;
   try {
     planned = std::make_unique<Session>(std::move(cfg), opts);
   } catch (const MemoryPlanError& e) {
-    throw with_ranks(e);
+    throw with_ranks(e, RankPlan{});  // refused by the early check: no detailed plan
   }
   Session& session = *planned;
   // What train would start from, checked as train checks it: the checkpoint
@@ -229,7 +229,7 @@ int cmd_check(const Args& args) {
   try {
     session.check_memory_fits();  // after the plan is printed: the error refers to it
   } catch (const MemoryPlanError& e) {
-    throw with_ranks(e);
+    throw with_ranks(e, RankPlan{false, static_cast<double>(session.planned_device_bytes())});
   }
   // Training checks tokens only as windows reach them; here every one is
   // read, so data that would stop a run hours in is refused before it starts.
