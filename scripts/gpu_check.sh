@@ -45,7 +45,8 @@
 #       PEER_WARMUP 1, PEER_STEPS 2), then one table:
 #       tokens/s per GPU, model TFLOP/s (causal, as NeMo counts), MFU, peak and planned GiB, Loom / peer, and
 #       the issue's targets; logs, JSON and the plans' breakdowns in $OUT/node; NODE_FP8_SET="KEY=VALUE ..."
-#       benches the FP8 workload once more with those settings, beside the table)
+#       benches the FP8 workload once more with those settings, beside the table; NODE_ENV="VAR=VALUE ..."
+#       benches both workloads once more with those variables exported to every rank, e.g. NCCL_CTA_POLICY=1)
 #   bash scripts/gpu_check.sh node-trace          (the same shape on NP GPUs: a trace of step 3 of each config
 #       (`loom train`, [profile] steps = [3, 3], trace = true), then benchmarks/trace_gaps.py on rank 0's trace:
 #       each op's time per layer, the compute stream's idle time and where, the collectives' time; env
@@ -609,6 +610,21 @@ if [ "$WHAT" = node ]; then
       --json="$N/loom_fp8_set.json" > "$N/bench_fp8_set.log" 2>&1 || { status=1; tail -20 "$N/bench_fp8_set.log"; }
     echo "loom bench fp8 with $NODE_FP8_SET: $(( $(date +%s) - t0 )) s"
     grep -E "^config|llama3-8b" "$N/bench_fp8_set.log" | grep -v BENCH_JSON
+  fi
+  if [ -n "${NODE_ENV:-}" ]; then
+    # Both workloads again under NCCL settings (space-separated VAR=VALUE items
+    # exported to every rank), beside the rows above: e.g. "NCCL_CTA_POLICY=1"
+    # (NCCL's efficiency policy: fewer CTAs for each collective, so the gathers
+    # take fewer SMs from the GEMMs beside them) or "NCCL_MAX_CTAS=8".
+    envx=(); for kv in $NODE_ENV; do envx+=(-x "$kv"); done
+    for name in bf16 fp8; do
+      cfg=$BF; [ $name = fp8 ] && cfg=$F8
+      t0=$(date +%s)
+      mpi_on "$NP" -x OMP_NUM_THREADS "${envx[@]}" .carry/bin/loom bench "$cfg" --steps="${STEPS:-3}" --warmup="${WARMUP:-2}" \
+        --json="$N/loom_${name}_env.json" > "$N/bench_${name}_env.log" 2>&1 || { status=1; tail -20 "$N/bench_${name}_env.log"; }
+      echo "loom bench $name with $NODE_ENV: $(( $(date +%s) - t0 )) s"
+      grep -E "^config|llama3-8b" "$N/bench_${name}_env.log" | grep -v BENCH_JSON
+    done
   fi
   : > "$N/peers.jsonl"
   for name in bf16 fp8; do
