@@ -590,26 +590,32 @@ if [ "$WHAT" = node ]; then
   TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | tr -d ' ')
   # The random init of 8B parameters runs on every rank's host threads: share the cores.
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NP > 0 ? $(nproc) / NP : 1 ))}
+  # One `loom bench` of the node shape on NP ranks, its row printed:
+  #   node_bench TAG CONFIG "WHAT IT RUNS WITH" [mpirun -x VAR=VALUE...] -- [loom --set ...]
+  # (logs and JSON in $N/bench_TAG.log and $N/loom_TAG.json).
+  node_bench() {
+    local tag=$1 cfg=$2 label=$3; shift 3
+    local mpi=() t0
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do mpi+=("$1"); shift; done
+    [ $# -gt 0 ] && shift
+    t0=$(date +%s)
+    mpi_on "$NP" -x OMP_NUM_THREADS "${mpi[@]}" .carry/bin/loom bench "$cfg" "$@" --steps="${STEPS:-3}" --warmup="${WARMUP:-2}" \
+      --json="$N/loom_$tag.json" > "$N/bench_$tag.log" 2>&1 || { status=1; tail -20 "$N/bench_$tag.log"; }
+    echo "loom bench $label: $(( $(date +%s) - t0 )) s"
+    grep -E "^config|llama3-8b" "$N/bench_$tag.log" | grep -v BENCH_JSON
+  }
   for name in bf16 fp8; do
     cfg=$BF; [ $name = fp8 ] && cfg=$F8
     .carry/bin/loom check "$cfg" --world-size "$NP" --device-memory "${TOTAL_MIB}MiB" --breakdown \
       > "$N/check_$name.txt" 2>&1 || { status=1; tail -5 "$N/check_$name.txt"; }
     grep -E "per rank in all|beyond the arena" "$N/check_$name.txt"
-    t0=$(date +%s)
-    mpi_on "$NP" -x OMP_NUM_THREADS .carry/bin/loom bench "$cfg" --steps="${STEPS:-3}" --warmup="${WARMUP:-2}" \
-      --json="$N/loom_$name.json" > "$N/bench_$name.log" 2>&1 || { status=1; tail -20 "$N/bench_$name.log"; }
-    echo "loom bench $name: $(( $(date +%s) - t0 )) s"
-    grep -E "^config|llama3-8b" "$N/bench_$name.log" | grep -v BENCH_JSON
+    node_bench "$name" "$cfg" "$name"
   done
   if [ -n "${NODE_FP8_SET:-}" ]; then
     # The FP8 workload again with switches (space-separated KEY=VALUE items),
     # beside the rows above: e.g. "precision.fp8_head=true".
     set_args "$NODE_FP8_SET"
-    t0=$(date +%s)
-    mpi_on "$NP" -x OMP_NUM_THREADS .carry/bin/loom bench "$F8" "${SETS[@]}" --steps="${STEPS:-3}" --warmup="${WARMUP:-2}" \
-      --json="$N/loom_fp8_set.json" > "$N/bench_fp8_set.log" 2>&1 || { status=1; tail -20 "$N/bench_fp8_set.log"; }
-    echo "loom bench fp8 with $NODE_FP8_SET: $(( $(date +%s) - t0 )) s"
-    grep -E "^config|llama3-8b" "$N/bench_fp8_set.log" | grep -v BENCH_JSON
+    node_bench fp8_set "$F8" "fp8 with $NODE_FP8_SET" -- "${SETS[@]}"
   fi
   if [ -n "${NODE_ENV:-}" ]; then
     # Both workloads again under NCCL settings (space-separated VAR=VALUE items
@@ -617,14 +623,8 @@ if [ "$WHAT" = node ]; then
     # (NCCL's efficiency policy: fewer CTAs for each collective, so the gathers
     # take fewer SMs from the GEMMs beside them) or "NCCL_MAX_CTAS=8".
     envx=(); for kv in $NODE_ENV; do envx+=(-x "$kv"); done
-    for name in bf16 fp8; do
-      cfg=$BF; [ $name = fp8 ] && cfg=$F8
-      t0=$(date +%s)
-      mpi_on "$NP" -x OMP_NUM_THREADS "${envx[@]}" .carry/bin/loom bench "$cfg" --steps="${STEPS:-3}" --warmup="${WARMUP:-2}" \
-        --json="$N/loom_${name}_env.json" > "$N/bench_${name}_env.log" 2>&1 || { status=1; tail -20 "$N/bench_${name}_env.log"; }
-      echo "loom bench $name with $NODE_ENV: $(( $(date +%s) - t0 )) s"
-      grep -E "^config|llama3-8b" "$N/bench_${name}_env.log" | grep -v BENCH_JSON
-    done
+    node_bench bf16_env "$BF" "bf16 with $NODE_ENV" "${envx[@]}"
+    node_bench fp8_env "$F8" "fp8 with $NODE_ENV" "${envx[@]}"
   fi
   : > "$N/peers.jsonl"
   for name in bf16 fp8; do
